@@ -1,0 +1,3 @@
+from rankkit.cli import main
+
+main()
