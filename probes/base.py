@@ -1,0 +1,36 @@
+"""The probe contract: one layer's attention in, one score per (KV head, token) out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+
+from rankkit.runner import AttentionCall
+
+
+@dataclass
+class Probe:
+    """A scoring rule. ``score`` is a pure function of one layer's post-RoPE Q/K/V.
+
+    It returns float32 [kv_heads, S] for the S keys of ``call`` (every prompt token in a
+    plain prefill), higher = more important, and never builds an S x S matrix.
+    """
+
+    name: ClassVar[str] = ""
+
+    def score(self, call: AttentionCall) -> torch.Tensor:
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        """The parameters a store records beside the scores."""
+        return {"probe": self.name, **asdict(self)}
+
+
+REGISTRY: dict[str, type[Probe]] = {}
+
+
+def register(cls: type[Probe]) -> type[Probe]:
+    REGISTRY[cls.name] = cls
+    return cls
