@@ -1,7 +1,7 @@
 """Command line: thin wrappers that parse, call one library function and print.
 
-Each command module registers on ``app`` when imported; ``main`` turns a
-RankkitError into a one-line message and exit status 2.
+Each command module registers on ``app`` when imported. Usage errors are typer's own
+(exit 2); a RankkitError from the library becomes one line on stderr and exit 2.
 """
 
 import sys
@@ -14,21 +14,7 @@ def main() -> None:
     from rankkit.cli.app import app
 
     try:
-        app(standalone_mode=False)
+        app()
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("rankkit: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except SystemExit:
-        raise
-    except Exception as error:  # click's usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(error, click.exceptions.ClickException):
-            error.show()
-            sys.exit(2)
-        if isinstance(error, click.exceptions.Abort):
-            sys.exit(130)
-        raise

@@ -1,0 +1,42 @@
+"""`rankkit demo` and `rankkit generate`: the quickest way to see the runner answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from rankkit.cli.app import app
+
+console = Console()
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), help="Folder for everything the demo writes."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+) -> None:
+    """Run the main job on the embedded default model and print where its output is."""
+    from rankkit.demo import run_demo
+
+    summary = run_demo(out, device=device, console=console)
+    console.print(f"\n[bold]demo output:[/bold] {summary['out']}")
+
+
+@app.command()
+def generate(
+    question: str = typer.Option(..., "--question", help="The question after the context."),
+    context_file: Path = typer.Option(None, "--context-file", exists=True, dir_okay=False, help="Context text file."),
+    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    max_new_tokens: int = typer.Option(32, min=1),
+    device: str = typer.Option("auto"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Greedy answer through the layer-by-layer runner (full prefill)."""
+    from rankkit.demo import answer
+
+    context = context_file.read_text() if context_file else ""
+    result = answer(model, context, question, max_new_tokens=max_new_tokens, device=device)
+    console.print_json(json.dumps(result)) if as_json else console.print(result["answer"])

@@ -1,0 +1,101 @@
+"""Model loading: the default from its GGUF, local folders, hub ids, and the conversion cache."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from rankkit import RankkitError, models
+from rankkit.runner import Runner
+
+
+def test_unsupported_family_fails_up_front_naming_the_supported_ones(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3"):
+        models.load(str(tmp_path))
+
+
+def test_folder_without_config_is_rejected(tmp_path):
+    with pytest.raises(RankkitError, match="no config.json"):
+        models.resolve_folder(str(tmp_path))
+
+
+def test_unreachable_hub_id_fails_fast_with_a_clear_message():
+    started = time.perf_counter()
+    with pytest.raises(RankkitError, match="local HF model folder"):
+        models.resolve_folder("no-such-owner/no-such-model")
+    assert time.perf_counter() - started < 60
+
+
+def test_weights_hash_follows_content(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "a")
+    tiny_model("llama", seed=1).save_pretrained(tmp_path / "b")
+    first = models.folder_weights_hash(tmp_path / "a")
+    assert first == models.folder_weights_hash(tmp_path / "a")
+    assert first != models.folder_weights_hash(tmp_path / "b")
+
+
+def test_device_resolution():
+    assert models.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RankkitError, match="CUDA is not available"):
+            models.resolve_device("cuda")
+
+
+@pytest.mark.integration
+def test_local_folder_loads_through_the_default_path(tmp_path, default_model):
+    folder = tmp_path / "tiny-qwen3"
+    tiny_model("qwen3").save_pretrained(folder)
+    default_model.tokenizer.save_pretrained(folder)
+    loaded = models.load(str(folder), device="cpu")
+    assert loaded.model.config.model_type == "qwen3"
+    assert loaded.weights_hash == models.folder_weights_hash(folder)
+
+
+@pytest.mark.integration
+def test_default_model_runner_matches_transformers(default_model):
+    from rankkit.prompting import build_prompt
+
+    model, tokenizer = default_model
+    prompt = build_prompt(tokenizer, "The pass key is 68247. " + "The grass is green. " * 40, "What is the pass key?")
+    with torch.inference_mode():
+        expected_logits = model(prompt.input_ids[None]).logits[0]
+    runner = Runner(model)
+    assert torch.allclose(runner.prefill(prompt.input_ids, logits_at="all").logits, expected_logits, atol=1e-4)
+    expected = model.generate(prompt.input_ids[None], max_new_tokens=16, do_sample=False)[0, prompt.num_tokens :]
+    assert runner.generate(prompt.input_ids, 16).tokens == expected.tolist()
+
+
+_CONVERT = "from rankkit import models; print(models.default_model_folder())"
+
+
+@pytest.mark.integration
+def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypatch):
+    env = {**os.environ, "RANKKIT_CACHE": str(tmp_path)}
+    models_dir = tmp_path / "models"
+    victim = subprocess.Popen([sys.executable, "-c", _CONVERT], env=env, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(models_dir.glob(".*.partial-*/*")):
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert list(models_dir.glob(".*.partial-*")), "the conversion should have been caught half-way"
+    assert not [p for p in models_dir.iterdir() if not p.name.startswith(".")], "nothing half-written is published"
+
+    done = subprocess.run([sys.executable, "-c", _CONVERT], env=env, capture_output=True, text=True, check=True)
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    assert (folder / models.WEIGHTS_HASH_FILE).is_file()
+    assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    assert models.default_model_folder() == folder
