@@ -1,0 +1,22 @@
+"""Datasets: Kamradt's needle in a haystack, RULER's synthetic tasks, JSONL files (ours and LongBench's).
+
+A spec string picks the examples (see ``rankkit.data.spec``); every example carries
+its context, question, answers, the char spans of its evidence and the name of the
+metric that scores it.
+"""
+
+from rankkit.data.example import Example
+from rankkit.data.jsonl import export_jsonl, load_jsonl
+from rankkit.data.metrics import METRICS, score
+from rankkit.data.spec import export_spec, load_examples, parse_spec
+
+__all__ = [
+    "METRICS",
+    "Example",
+    "export_jsonl",
+    "export_spec",
+    "load_examples",
+    "load_jsonl",
+    "parse_spec",
+    "score",
+]

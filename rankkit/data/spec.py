@@ -1,0 +1,130 @@
+"""Data spec strings: which examples to load.
+
+    niah:length=N[,n=K][,depths=D1;D2;...][,seed=S]
+    ruler:task=NAME,length=N[,n=K][,seed=S]
+    PATH.jsonl[:n=K]
+
+``length`` is the whole prompt's size in tokens of the given tokenizer. niah
+spreads ``n`` depths over 0..100% unless ``depths`` lists them (then ``n`` may be
+left out). ``seed`` defaults to 0; the same spec and tokenizer give the same examples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rankkit.data.example import Example
+from rankkit.data.jsonl import export_jsonl, load_jsonl
+from rankkit.data.niah import niah_examples, spread_depths
+from rankkit.data.ruler import TASKS, ruler_examples
+from rankkit.errors import RankkitError
+
+KEYS = {
+    "niah": ("n", "length", "depths", "seed"),
+    "ruler": ("task", "n", "length", "seed"),
+    "jsonl": ("n",),
+}
+USAGE = "use niah:length=N,n=K, ruler:task=NAME,length=N,n=K, or PATH.jsonl[:n=K]"
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """(kind, parameters) of a spec; a jsonl spec's parameters include its ``path``."""
+    spec = spec.strip()
+    if ".jsonl" in spec:
+        stem, _, rest = spec.rpartition(".jsonl")
+        if rest and not rest.startswith(":"):
+            raise RankkitError(f"cannot read data spec '{spec}': after .jsonl only ':n=K' may follow")
+        kind, params = "jsonl", _parameters(spec, rest[1:])
+        params["path"] = stem + ".jsonl"
+        return kind, params
+    kind, _, rest = spec.partition(":")
+    if kind not in ("niah", "ruler"):
+        raise RankkitError(f"unknown data kind '{kind}' in '{spec}'; {USAGE}")
+    return kind, _parameters(spec, rest)
+
+
+def _parameters(spec: str, text: str) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not equals or not key or not value:
+            raise RankkitError(f"expected key=value, got '{item}' in data spec '{spec}'")
+        if key in params:
+            raise RankkitError(f"'{key}' is given twice in data spec '{spec}'")
+        params[key] = value
+    return params
+
+
+def _check_keys(kind: str, params: dict[str, str], spec: str) -> None:
+    for key in params:
+        if key not in KEYS[kind] and key != "path":
+            raise RankkitError(
+                f"{kind} does not take '{key}' (in '{spec}'); its keys are {', '.join(KEYS[kind])}"
+            )
+
+
+def _integer(
+    params: dict[str, str], key: str, spec: str, *, default: int | None = None, minimum: int = 1
+) -> int:
+    if key not in params:
+        if default is None:
+            raise RankkitError(f"data spec '{spec}' needs {key}=N; {USAGE}")
+        return default
+    try:
+        value = int(params[key])
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise RankkitError(f"{key} must be an integer >= {minimum}, got '{params[key]}' in '{spec}'")
+    return value
+
+
+def _depths(params: dict[str, str], spec: str) -> list[float] | None:
+    if "depths" not in params:
+        return None
+    try:
+        depths = [float(depth) for depth in params["depths"].split(";")]
+    except ValueError:
+        depths = []
+    if not depths or not all(0 <= depth <= 100 for depth in depths):
+        raise RankkitError(
+            f"depths must be percentages in 0..100 separated by ';' (e.g. depths=10;50;90), "
+            f"got '{params['depths']}' in '{spec}'"
+        )
+    return depths
+
+
+def load_examples(spec: str, tokenizer) -> list[Example]:
+    """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
+    kind, params = parse_spec(spec)
+    _check_keys(kind, params, spec)
+    if kind == "jsonl":
+        return load_jsonl(params["path"], limit=_integer(params, "n", spec) if "n" in params else None)
+    if tokenizer is None:
+        raise RankkitError(
+            f"'{spec}' is fitted to a length in tokens: pass a tokenizer (e.g. --model default)"
+        )
+    length = _integer(params, "length", spec)
+    seed = _integer(params, "seed", spec, default=0, minimum=0)
+    if kind == "niah":
+        depths = _depths(params, spec)
+        if depths is None:
+            depths = spread_depths(_integer(params, "n", spec, default=1))
+        elif "n" in params and _integer(params, "n", spec) != len(depths):
+            raise RankkitError(
+                f"n={params['n']} but {len(depths)} depths are listed in '{spec}'; give one of them"
+            )
+        return niah_examples(tokenizer, length=length, depths=depths, seed=seed)
+    if "task" not in params:
+        raise RankkitError(f"'{spec}' needs task=NAME, one of {', '.join(TASKS)}")
+    return ruler_examples(
+        tokenizer, task=params["task"], n=_integer(params, "n", spec, default=1), length=length, seed=seed
+    )
+
+
+def export_spec(spec: str, tokenizer, path: str | Path) -> int:
+    """Write the examples of ``spec`` to a JSONL file that loads back to the same examples; returns their count."""
+    examples = load_examples(spec, tokenizer)
+    export_jsonl(examples, path)
+    return len(examples)
