@@ -1,0 +1,162 @@
+"""What every method shares: the budget, the result of a method's prefill, and the registry.
+
+A method is a small dataclass with paper-named parameters. Layer parameters default
+to ``None``, meaning "the paper's value for 32-layer Llama-3.1-8B, scaled to this
+model's depth" (``scale_layer``). ``prefill`` runs the method's selection for real and
+returns the cache that decoding continues from; decoding and timing are generic
+(``rankkit.methods.measure``), so a method only says how it prefills.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+import torch
+
+from rankkit.errors import RankkitError
+from rankkit.runner import LayerHook, PrefillResult, Runner
+
+REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
+
+
+def scale_layer(reference_index: int, num_layers: int) -> int:
+    """A layer index given for a 32-layer model, at the same relative depth of ``num_layers``."""
+    return min(num_layers - 1, max(0, round(reference_index * num_layers / REFERENCE_LAYERS)))
+
+
+def scale_count(reference_count: int, num_layers: int, minimum: int = 1) -> int:
+    """A number of layers given for a 32-layer model, scaled to ``num_layers`` (at least ``minimum``)."""
+    return max(minimum, round(reference_count * num_layers / REFERENCE_LAYERS))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many prompt tokens a method keeps: a keep rate or an absolute count.
+
+    Tokens a method must always keep (its observation window, sinks) count inside the
+    budget; a budget smaller than them is raised to them.
+    """
+
+    keep: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def from_keep(cls, keep: float) -> Budget:
+        if not 0 < keep <= 1:
+            raise RankkitError(f"keep rate {keep} is outside (0, 1]: use e.g. --keep 0.1")
+        return cls(keep=keep)
+
+    @classmethod
+    def from_tokens(cls, tokens: int) -> Budget:
+        if tokens < 1:
+            raise RankkitError(f"budget {tokens} is not a positive token count: use e.g. --budget 2048")
+        return cls(tokens=tokens)
+
+    def resolve(self, prompt_length: int, always_kept: int = 0) -> int:
+        wanted = self.tokens if self.tokens is not None else math.ceil(self.keep * prompt_length)
+        return min(prompt_length, max(wanted, always_kept, 1))
+
+    @property
+    def label(self) -> str:
+        return f"keep={self.keep:g}" if self.tokens is None else f"budget={self.tokens}"
+
+
+@dataclass
+class Pass:
+    """One walk through a model's layers: how many queries and keys each executed layer saw.
+
+    ``keys`` differs from ``queries`` only for decode steps (one query over a cache).
+    """
+
+    label: str  # "main", "selection", "draft", "lookahead"
+    queries: list[int]
+    keys: list[int]
+
+    @classmethod
+    def prefill(cls, label: str, live_tokens: list[int]) -> Pass:
+        return cls(label, list(live_tokens), list(live_tokens))
+
+
+@dataclass
+class MethodPrefill:
+    """A method's prefill: the cache and first logits decoding starts from, and what it cost."""
+
+    result: PrefillResult
+    passes: list[Pass]
+    kept_positions: torch.Tensor | None = None  # original positions of the tokens a shared selection kept
+    selection_layer: int | None = None
+    decode_hooks: list[LayerHook] = field(default_factory=list)
+
+    @property
+    def live_tokens(self) -> list[int]:
+        """Tokens entering each layer in the pass that built the cache."""
+        return self.result.live_tokens
+
+
+@dataclass
+class Method:
+    """Base of every method; subclasses set ``name`` and implement ``prefill``."""
+
+    name: ClassVar[str] = ""
+
+    def prefill(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
+        raise NotImplementedError
+
+    def resolved(self, num_layers: int) -> dict:
+        """The parameters with depth-scaled defaults filled in, as a run records them."""
+        return asdict(self)
+
+    def with_layer(self, layer: int) -> Method:
+        """This method with its selection layer set (``--layer``); methods without one refuse."""
+        raise RankkitError(f"method '{self.name}' has no selection layer to set")
+
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def make(name: str, **params) -> Method:
+    """A method by registry name with its parameters overridden by ``params``."""
+    if name not in REGISTRY:
+        raise RankkitError(f"unknown method '{name}'; known: {', '.join(sorted(REGISTRY))}")
+    try:
+        return REGISTRY[name](**params)
+    except TypeError as error:
+        raise RankkitError(f"method '{name}': {error}") from None
+
+
+def make_probe(name: str, **params):
+    """A probe from ``rankkit.probes`` (imported late: methods load without the probes package)."""
+    from rankkit import probes
+
+    return probes.make(name, **params)
+
+
+def full_prefill(runner: Runner, input_ids: torch.Tensor, hooks=()) -> MethodPrefill:
+    result = runner.prefill(input_ids, hooks=hooks)
+    return MethodPrefill(result, [Pass.prefill("main", result.live_tokens)])
+
+
+def reprefill_selected(
+    runner: Runner,
+    input_ids: torch.Tensor,
+    kept_positions: torch.Tensor,
+    selection: Pass,
+    selection_layer: int,
+) -> MethodPrefill:
+    """The second pass of a two-pass method: only the kept tokens, at their original positions."""
+    kept_positions = torch.sort(kept_positions.to(input_ids.device)).values
+    result = runner.prefill(input_ids.reshape(-1)[kept_positions], positions=kept_positions)
+    result.prompt_length = int(input_ids.numel())  # decoding continues after the last prompt token
+    return MethodPrefill(
+        result,
+        [selection, Pass.prefill("main", result.live_tokens)],
+        kept_positions=kept_positions,
+        selection_layer=selection_layer,
+    )

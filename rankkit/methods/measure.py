@@ -1,0 +1,255 @@
+"""Timing, memory and the compute model for one method run: written once, used by every method.
+
+Timing. CPU: ``time.perf_counter`` around the work. CUDA: events recorded on the
+current stream, read after one synchronisation at the end, so timing adds no sync
+points inside the run. TTFT ends when the first token is chosen; TPOT is the mean
+time of the decode steps after it; end-to-end is TTFT plus all decode steps.
+
+Peak memory is "bytes of tensors allocated by the run, at their peak, above what
+was allocated before it" (model weights excluded), on both devices:
+- CUDA: ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` at the start
+  (includes kernel workspaces), measured in the timed run;
+- CPU: process RSS is useless here (glibc keeps freed blocks, so growth depends on
+  what ran before), so a ``TorchDispatchMode`` adds up the storage bytes of every
+  tensor an operator creates and subtracts them when the storage is freed. It costs a
+  Python call per operator, so it runs during the (untimed) warm-up, never the timed
+  run. Scratch buffers inside a CPU kernel that are not tensors are not seen.
+
+Compute model (DESIGN.md): a layer that runs n queries over m keys costs a·n + b·n·m
+(a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
+prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
+it ran (every pass) over the cost of a full prefill.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from rankkit.methods.base import Budget, Method, MethodPrefill, Pass
+from rankkit.runner import Runner
+
+
+class Timeline:
+    """Marks points in time; ``seconds`` between marks is valid after ``finish``."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, start: int, end: int) -> float:
+        if self.cuda:
+            return self.marks[start].elapsed_time(self.marks[end]) / 1000.0
+        return self.marks[end] - self.marks[start]
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created by operators while active (see module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor.untyped_storage(), inputs)
+        return out
+
+    def _track(self, storage, inputs: set[int]) -> None:
+        key = storage.data_ptr()
+        if key == 0 or key in inputs or key in self._storages:  # empty, a view / in-place result, or known
+            return
+        size = storage.nbytes()
+        self._storages.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._storages.discard(key)
+        self.live -= size
+
+
+@dataclass
+class MethodRun:
+    """One method on one prompt: its answer tokens and every measurement."""
+
+    method: str
+    params: dict
+    budget: str
+    prompt_length: int
+    tokens: list[int]
+    ttft_s: float
+    tpot_s: float | None  # None when no decode step ran (a one-token answer)
+    e2e_s: float
+    kv_bytes: int  # live KV entries after prefill, padding excluded
+    kv_tokens_per_layer: list[float]  # mean kept tokens per KV head, per layer, after prefill
+    live_tokens: list[int]  # hidden-state tokens entering each layer of the pass that built the cache
+    passes: list[Pass]
+    selection_layer: int | None
+    peak_mem_bytes: int | None = None
+    kept_positions: list[int] | None = None
+
+
+def _greedy_decode(runner: Runner, run: MethodPrefill, max_new_tokens: int, timeline: Timeline) -> list[int]:
+    """Greedy tokens after a method's prefill, one timeline mark per chosen token (EOS kept, as the runner does)."""
+    eos = runner.eos_ids()
+    result = run.result
+    logits, position, tokens = result.logits, result.prompt_length, []
+    while True:
+        token = int(torch.argmax(logits))
+        timeline.mark()
+        tokens.append(token)
+        if token in eos or len(tokens) == max_new_tokens:
+            return tokens
+        logits = runner.decode_step(token, position, result.cache, run.decode_hooks)
+        for hook in run.decode_hooks:
+            after_step = getattr(hook, "after_step", None)
+            if after_step is not None:
+                after_step(result.cache)
+        position += 1
+
+
+def run_once(
+    runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, max_new_tokens: int
+) -> MethodRun:
+    """One timed run: the method's prefill, then greedy decoding from its cache."""
+    device = runner.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    timeline = Timeline(device)
+    timeline.mark()
+    with torch.inference_mode():
+        run = method.prefill(runner, input_ids, budget)
+        kv_bytes = run.result.cache.nbytes()
+        kv_tokens = [
+            float(run.result.cache.kept_tokens(layer).float().mean()) for layer in range(runner.num_layers)
+        ]
+        tokens = _greedy_decode(runner, run, max_new_tokens, timeline)
+    timeline.finish()
+    steps = len(tokens) - 1
+    ttft = timeline.seconds(0, 1)
+    e2e = timeline.seconds(0, len(timeline.marks) - 1)
+    return MethodRun(
+        method=method.name,
+        params=method.resolved(runner.num_layers),
+        budget=budget.label,
+        prompt_length=int(input_ids.numel()),
+        tokens=tokens,
+        ttft_s=ttft,
+        tpot_s=(e2e - ttft) / steps if steps else None,
+        e2e_s=e2e,
+        kv_bytes=kv_bytes,
+        kv_tokens_per_layer=kv_tokens,
+        live_tokens=run.live_tokens,
+        passes=run.passes,
+        selection_layer=run.selection_layer,
+        peak_mem_bytes=torch.cuda.max_memory_allocated(device) - baseline if cuda else None,
+        kept_positions=None if run.kept_positions is None else run.kept_positions.tolist(),
+    )
+
+
+def measure(
+    runner: Runner,
+    method: Method,
+    input_ids: torch.Tensor,
+    budget: Budget,
+    max_new_tokens: int,
+    *,
+    warmup_runs: int = 1,
+) -> MethodRun:
+    """Warm-up runs (untimed; on CPU the first tracks peak memory), then the timed run."""
+    cpu_peak = None
+    for index in range(warmup_runs):
+        if index == 0 and runner.device.type != "cuda":
+            with TensorMemoryTracker() as tracker:
+                run_once(runner, method, input_ids, budget, max_new_tokens)
+            cpu_peak = tracker.peak
+        else:
+            run_once(runner, method, input_ids, budget, max_new_tokens)
+    timed = run_once(runner, method, input_ids, budget, max_new_tokens)
+    if cpu_peak is not None:
+        timed.peak_mem_bytes = cpu_peak
+    return timed
+
+
+@dataclass
+class CostModel:
+    """Per-layer cost a·n + b·n·m (n queries, m keys), in seconds (see module docstring)."""
+
+    linear: float  # a: seconds per token per layer
+    quadratic: float  # b: seconds per query-key pair per layer
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
+
+    def layer_cost(self, queries: int, keys: int) -> float:
+        return self.linear * queries + self.quadratic * queries * keys
+
+    def cost(self, passes: list[Pass]) -> float:
+        return sum(
+            self.layer_cost(q, k) for run in passes for q, k in zip(run.queries, run.keys, strict=True)
+        )
+
+    def ideal_ratio(self, passes: list[Pass], prompt_length: int, num_layers: int) -> float:
+        return self.cost(passes) / (num_layers * self.layer_cost(prompt_length, prompt_length))
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, float]], num_layers: int) -> CostModel:
+        """Least squares of t/L = a·n + b·n² over (n, t) samples, with a, b >= 0."""
+        n = np.array([tokens for tokens, _ in samples], dtype=np.float64)
+        per_layer = np.array([seconds for _, seconds in samples], dtype=np.float64) / num_layers
+        design = np.stack([n, n**2], axis=1)
+        (linear, quadratic), *_ = np.linalg.lstsq(design, per_layer, rcond=None)
+        if quadratic < 0:  # noise on short prompts: attention too cheap to see, all cost is linear
+            linear, quadratic = float(per_layer.sum() / n.sum()), 0.0
+        elif linear < 0:
+            linear, quadratic = 0.0, float((per_layer * n**2).sum() / (n**4).sum())
+        return cls(float(linear), float(quadratic), list(samples))
+
+
+def calibrate(
+    runner: Runner, input_ids: torch.Tensor, fractions=(1.0, 0.5, 0.25), repeats: int = 2
+) -> CostModel:
+    """Fit the cost model from full prefills of prefixes of ``input_ids`` (median of ``repeats`` each)."""
+    samples = []
+    ids = input_ids.reshape(-1)
+    runner.prefill(ids)  # warm-up
+    for fraction in fractions:
+        prefix = ids[: max(1, int(ids.numel() * fraction))]
+        times = []
+        for _ in range(repeats):
+            timeline = Timeline(runner.device)
+            timeline.mark()
+            runner.prefill(prefix)
+            timeline.mark()
+            timeline.finish()
+            times.append(timeline.seconds(0, 1))
+        samples.append((int(prefix.numel()), float(np.median(times))))
+    return CostModel.fit(samples, runner.num_layers)
