@@ -1,0 +1,118 @@
+"""Metrics on cases worked out by hand (RULER's string matches, LongBench's metrics)."""
+
+import sys
+import types
+
+import pytest
+
+from rankkit.data import METRICS, Example, score
+from rankkit.errors import RankkitError
+
+
+def metric(name: str, prediction: str, *answers: str) -> float:
+    return METRICS[name](prediction, answers)
+
+
+def test_string_match_all_is_the_fraction_of_answers_found_ignoring_case():
+    assert metric("string_match_all", "The numbers are 123 and 456.", "123", "456", "789") == pytest.approx(
+        2 / 3
+    )
+    assert metric("string_match_all", "DOLORES PARK, with a sandwich", "sandwich", "Dolores Park") == 1.0
+    assert metric("string_match_all", "anything") == 0.0
+
+
+def test_string_match_part_needs_any_one_answer():
+    assert metric("string_match_part", "It is in france.", "France", "French Republic") == 1.0
+    assert metric("string_match_part", "It is in Spain.", "France", "French Republic") == 0.0
+
+
+def test_qa_f1_by_hand():
+    # "the cat sat" -> [cat, sat]; "a cat sat down" -> [cat, sat, down]
+    # precision 2/2, recall 2/3, F1 = 2 * 1 * 2/3 / (1 + 2/3) = 0.8
+    assert metric("qa_f1", "the cat sat", "a cat sat down") == pytest.approx(0.8)
+    # punctuation, case and articles do not count; the best reference wins
+    assert metric("qa_f1", "The Cat, sat!", "dog", "cat sat") == pytest.approx(1.0)
+    assert metric("qa_f1", "nothing in common", "cat sat") == 0.0
+
+
+def test_rouge_l_counts_distinct_words_of_the_lcs():
+    # LCS("the cat is on the mat", "the cat sat on the mat") = the cat on the mat -> distinct
+    # {the, cat, on, mat} = 4; distinct words: reference 5, prediction 5 -> P = R = F = 0.8
+    assert metric("rouge_l", "the cat sat on the mat", "the cat is on the mat") == pytest.approx(
+        0.8, abs=1e-7
+    )
+    # summary level: each reference sentence meets every predicted sentence, so the
+    # union of LCS words is {a, b, c, d} although the sentences are paired differently
+    assert metric("rouge_l", "a b. c d", "a c. b d") == pytest.approx(1.0, abs=1e-7)
+    # one common word out of two on each side
+    assert metric("rouge_l", "b a", "a b") == pytest.approx(0.5, abs=1e-7)
+    # case is kept, and an empty prediction scores 0 (the rouge package raises there)
+    assert metric("rouge_l", "The", "the") == 0.0
+    assert metric("rouge_l", "", "the cat") == 0.0
+
+
+def test_classification_splits_credit_and_drops_classes_inside_the_reference():
+    classes = ("Location", "Human being", "Human")
+    # "Human" is part of the reference "Human being", so it is dropped
+    assert METRICS["classification"]("Human being", ("Human being",), classes) == 1.0
+    assert METRICS["classification"]("Location or Human being", ("Human being",), classes) == 0.5
+    assert METRICS["classification"]("Entity", ("Human being",), classes) == 0.0
+    # LongBench removes while iterating, skipping the class after a dropped one:
+    # [ab, abc, abcd] -> drop ab, skip abc -> [abc, abcd] -> 1/2
+    assert METRICS["classification"]("abcd", ("abcd",), ("ab", "abc", "abcd")) == 0.5
+
+
+def test_retrieval_and_count_reward_the_right_number_among_all_numbers():
+    assert metric("retrieval", "Paragraph 12", "Paragraph 12") == 1.0
+    assert metric("retrieval", "Paragraph 12 or Paragraph 3", "Paragraph 12") == 0.5
+    assert metric("retrieval", "I do not know", "Paragraph 12") == 0.0
+    assert metric("retrieval_zh", "段落5", "段落5") == 1.0
+    assert metric("count", "There are 7 unique paragraphs.", "7") == 1.0
+    assert metric("count", "7 or 8", "7") == 0.5
+
+
+def test_code_sim_takes_the_first_code_line_and_rounds_to_a_percent():
+    prediction = "```python\n# the next line\nx = foo(1)\n```"
+    assert metric("code_sim", prediction, "x = foo(1)") == 1.0
+    # difflib ratio 2 * 3 matches / 8 chars = 0.75; 2 * 2 / 6 = 0.667 -> 67%
+    assert metric("code_sim", "abcd", "abce") == 0.75
+    assert metric("code_sim", "abc", "abd") == 0.67
+    assert metric("code_sim", "# only a comment", "x = 1") == 0.0
+
+
+def test_chinese_metrics_segment_with_jieba(monkeypatch):
+    one_char_words = types.SimpleNamespace(cut=lambda text, cut_all=False: iter(text))
+    monkeypatch.setitem(sys.modules, "jieba", one_char_words)
+    # punctuation is dropped after segmentation: [北, 京] against [北, 京]
+    assert metric("qa_f1_zh", "北京。", "北京") == 1.0
+    # [北, 京, 市] against [北, 京]: P = 2/3, R = 1 -> F1 = 0.8
+    assert metric("qa_f1_zh", "北京市", "北京") == pytest.approx(0.8)
+    assert metric("rouge_l_zh", "北京", "北京") == pytest.approx(1.0, abs=1e-7)
+
+
+def test_chinese_metrics_without_jieba_say_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jieba", None)  # makes `import jieba` fail
+    with pytest.raises(RankkitError, match="pip install jieba"):
+        metric("qa_f1_zh", "北京", "北京")
+
+
+def example(**fields) -> Example:
+    return Example(**{"id": "x", "task": "t", "context": "", "question": "", "answers": ("yes",), **fields})
+
+
+def test_score_uses_the_example_metric_and_longbench_conventions():
+    assert score(example(answers=("1234", "5678")), "1234 only") == 0.5
+    assert score(example(metric="qa_f1", answers=("cat",)), "cat") == 1.0
+    # few-shot LongBench tasks are scored on the first line only
+    first_line = example(metric="qa_f1", answers=("Paris",), meta={"first_line_only": True})
+    assert score(first_line, "\nParis\nQuestion: what is the capital of Spain?") == 1.0
+    # classification reads its classes from the example
+    classified = example(
+        metric="classification", answers=("Location",), meta={"all_classes": ["Location", "Entity"]}
+    )
+    assert score(classified, "Location or Entity") == 0.5
+
+
+def test_score_rejects_an_unknown_metric():
+    with pytest.raises(RankkitError, match="unknown metric 'bleu'"):
+        score(example(metric="bleu"), "yes")
