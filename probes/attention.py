@@ -1,0 +1,63 @@
+"""Attention of the last few queries over every key, the one quantity most probes start from.
+
+Everything is computed per KV head with its query heads grouped beside it
+([kv_heads, group, W, S], query head ``h`` reads KV head ``h // group`` as in HF's
+``repeat_kv``), so keys are never repeated per query head and the largest tensor is
+W x S per query head, never S x S.
+
+Inputs may be bf16/fp16: queries and keys are upcast once and every product and sum
+accumulates in float32.
+
+Visibility comes from original positions, not indices: key ``i`` is visible to query
+``j`` when ``key_position[i] <= query_position[j]`` and ``i`` is not cache padding. This
+is the causal mask inside the window, and it stays right after pruning or over a cache.
+The model's sliding window (Mistral) is deliberately ignored: probes rank by full
+causal attention, the attention a query would pay with every prompt token still in
+reach, because a sliding window would give every token outside it a score of zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rankkit.cache import PADDING
+from rankkit.errors import RankkitError
+from rankkit.runner import AttentionCall
+
+
+def check_window_size(window_size: int) -> None:
+    if window_size < 1:
+        raise RankkitError(f"window_size must be at least 1, not {window_size}")
+
+
+def window_length(call: AttentionCall, window_size: int) -> int:
+    """The queries actually used: the last ``window_size``, or all of them when fewer arrived (T < W)."""
+    return min(window_size, call.query.shape[2])
+
+
+def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
+    """Scaled logits q_j . k_i * scaling of the window queries: float32 [kv_heads, group, W, S].
+
+    Keys a query cannot see (later positions, cache padding) are -inf.
+    """
+    kv_heads, keys_length = call.key.shape[1], call.key.shape[2]
+    window = window_length(call, window_size)
+    queries = call.query[0, :, -window:].float().reshape(kv_heads, call.group_size * window, -1)
+    keys = call.key[0].float()
+    logits = torch.bmm(queries, keys.transpose(1, 2)).mul_(call.scaling)
+    logits = logits.view(kv_heads, call.group_size, window, keys_length)
+    # padding counts as lying after every query, so one comparison builds the whole mask
+    key_positions = call.key_positions.masked_fill(
+        call.key_positions == PADDING, torch.iinfo(call.key_positions.dtype).max
+    )
+    hidden = key_positions[:, None, :] > call.query_positions[-window:][None, :, None]
+    return logits.masked_fill_(hidden[:, None], float("-inf"))
+
+
+def window_attention(call: AttentionCall, window_size: int) -> torch.Tensor:
+    """Softmax attention of each window query, summed over the window: float32 [kv_heads, group, S].
+
+    CLAA Eq. 5 / ASL Algorithm 1 lines 3-4 before any head reduction or pooling; a key
+    outside a query's causal view contributes zero for that query.
+    """
+    return torch.softmax(window_logits(call, window_size), dim=-1).sum(dim=2)
