@@ -1,0 +1,62 @@
+"""A layer hook that scores every prefill layer with a set of probes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from rankkit.cache import PADDING
+from rankkit.errors import RankkitError
+from rankkit.runner import AttentionCall, LayerHook
+
+from .base import Probe
+
+
+class ProbeRecorder(LayerHook):
+    """Scores each prefill layer's attention with every probe; ``scores()`` hands them over.
+
+    It records one prefill: a new prefill (its first layer arriving again) starts over,
+    and decode steps are ignored. Per-layer scores stay on the model's device until
+    ``scores()`` moves them to the host in one transfer per probe.
+
+    Scores are laid out by original position: ``scores()[name][layer, head, p]`` is the
+    score of the prompt token at position p, with T one past the largest position seen.
+    A token absent from a layer (pruned by an earlier layer, or not re-prefilled in a
+    two-pass run) is NaN there; in a plain prefill nothing is NaN.
+    """
+
+    def __init__(self, probes: Iterable[Probe]):
+        self.probes = list(probes)
+        names = [probe.name for probe in self.probes]
+        if len(set(names)) != len(names):
+            raise RankkitError(f"each probe may be recorded once; got {', '.join(names)}")
+        self._layers: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
+
+    def on_attention(self, call: AttentionCall) -> None:
+        if call.phase != "prefill":
+            return
+        if self._layers and call.layer <= self._layers[-1][0]:
+            self._layers = []
+        scores = {probe.name: probe.score(call) for probe in self.probes}
+        self._layers.append((call.layer, call.key_positions, scores))
+
+    def scores(self) -> dict[str, np.ndarray]:
+        """Float32 [layers, kv_heads, T] per probe name, for the layers the last prefill ran."""
+        if not self._layers:
+            return {}
+        positions = torch.stack([key_positions.max() for _, key_positions, _ in self._layers])
+        length = int(positions.max()) + 1
+        recorded = {}
+        for probe in self.probes:
+            layers = [scores[probe.name] for _, _, scores in self._layers]
+            laid_out = torch.full(
+                (len(layers), layers[0].shape[0], length + 1), float("nan"), device=layers[0].device
+            )
+            for index, (score, (_, key_positions, _)) in enumerate(zip(layers, self._layers, strict=True)):
+                # cache padding goes to a spare last column that is cut off below
+                columns = key_positions.masked_fill(key_positions == PADDING, length)
+                laid_out[index].scatter_(1, columns.to(score.device), score)
+            recorded[probe.name] = laid_out[..., :length].cpu().numpy()
+        return recorded
