@@ -1,0 +1,27 @@
+"""rankkit's zarr v3 store: captured scores, tokens, spans and oracles, one group per example.
+
+    w = stores.create("runs/a.zarr", run_meta)          # or resume: same run metadata required
+    if not w.is_complete(example_id):
+        w.write_example(example_id, attrs=..., tokens=..., scores={"fastkv": scores})
+    s = stores.open("runs/a.zarr")                      # read-only
+    s.scores_frame(reduce="sum")                        # example, probe, layer, token, score
+
+Layout and crash-safety rules: ``rankkit.stores.schema`` and ``rankkit.stores.writer``.
+"""
+
+from .reader import ArrayGroup, ExampleRecord, Store, describe, open
+from .schema import SCHEMA_VERSION, decode_name, encode_name
+from .writer import StoreWriter, create
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ArrayGroup",
+    "ExampleRecord",
+    "Store",
+    "StoreWriter",
+    "create",
+    "decode_name",
+    "describe",
+    "encode_name",
+    "open",
+]

@@ -1,0 +1,460 @@
+"""Read a store: examples as numpy arrays on demand, and tidy polars frames built one example at a time.
+
+Only complete examples (and only flagged oracles and groups) are trusted. Nothing is
+cached across calls, so a store that another process is still writing reads as of
+each call. Example and probe columns are ``pl.Categorical`` in every frame, so frames
+from one store join and concatenate without casts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import polars as pl
+import zarr
+from zarr.storage import LocalStore
+
+from rankkit.errors import RankkitError
+
+from .schema import (
+    COMPLETE,
+    EXAMPLE_FLAGS,
+    EXAMPLE_NODES,
+    ORACLE,
+    ORACLE_COMPLETE,
+    ORACLE_LAYERS,
+    SCORES,
+    STORE_MANAGED_KEYS,
+    TOKENS,
+    decode_name,
+    encode_name,
+    example_path,
+    list_example_dirs,
+    open_node,
+    open_root,
+    read_example_attrs,
+)
+
+Reduce = Literal["sum", "mean", "max"] | None
+_HEAD_REDUCERS = {"sum": np.sum, "mean": np.mean, "max": np.max}
+
+_EXAMPLE_COLUMNS = ("id", "complete", "task", "num_tokens", "has_oracle", "correct")
+
+
+class ArrayGroup:
+    """A complete group of arrays added to an example after capture (``add_arrays``)."""
+
+    def __init__(self, name: str, group: zarr.Group):
+        self.name = name
+        self.attrs = {key: value for key, value in group.attrs.asdict().items() if key != COMPLETE}
+        self._group = group
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(decode_name(key) for key in self._group.array_keys())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            array = self._group[encode_name(name)]
+        except KeyError:
+            raise RankkitError(
+                f"group {self.name!r} has no array {name!r} (it has {', '.join(self.names) or 'none'})"
+            ) from None
+        return array[...]
+
+
+class ExampleRecord:
+    """One complete example; arrays are read from disk when asked for."""
+
+    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any]):
+        self.id = example_id
+        self.attrs = attrs
+        self._group = group
+
+    def __repr__(self) -> str:
+        return f"ExampleRecord({self.id!r}, tokens={self.num_tokens}, probes={self.probes})"
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        return self._group[TOKENS][...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._group[TOKENS].shape[0]
+
+    @cached_property
+    def probes(self) -> list[str]:
+        return sorted(decode_name(key) for key in self._scores_group.array_keys())
+
+    def score_shape(self, probe: str) -> tuple[int, int, int]:
+        """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
+        return self._score_array(probe).shape
+
+    def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
+        """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
+        return self._read_scores(probe, layers)[0]
+
+    @property
+    def has_oracle(self) -> bool:
+        return self.attrs.get(ORACLE_COMPLETE) is True
+
+    @property
+    def oracle(self) -> np.ndarray | None:
+        """float32 [T], or None until ``add_oracle`` completed for this example."""
+        return self._group[ORACLE][...] if self.has_oracle else None
+
+    @property
+    def oracle_layers(self) -> np.ndarray | None:
+        """float32 [layers, T], or None until ``add_oracle`` completed for this example."""
+        return self._group[ORACLE_LAYERS][...] if self.has_oracle else None
+
+    @cached_property
+    def groups(self) -> list[str]:
+        """Names of the complete groups added with ``add_arrays``."""
+        names = []
+        for key, member in self._group.groups():
+            if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
+                names.append(decode_name(key))
+        return sorted(names)
+
+    def group(self, name: str) -> ArrayGroup:
+        if name not in self.groups:
+            raise RankkitError(
+                f"example {self.id!r} has no complete group {name!r} (it has {', '.join(self.groups) or 'none'})"
+            )
+        return ArrayGroup(name, self._group[encode_name(name)])
+
+    def _read_scores(self, probe: str, layers: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """The scores of ``layers`` (all when None) and those layers' indices."""
+        array = self._score_array(probe)
+        layer_ids = _checked_layers(layers, array.shape[0], f"probe {probe!r} of example {self.id!r}")
+        return (array[...] if layers is None else array.oindex[layer_ids]), layer_ids
+
+    def _score_array(self, probe: str) -> zarr.Array:
+        if probe not in self.probes:
+            raise RankkitError(
+                f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
+            )
+        return self._scores_group[encode_name(probe)]
+
+    @cached_property
+    def _scores_group(self) -> zarr.Group:
+        return self._group[SCORES]
+
+
+class Store:
+    """A read-only view of one store; get one from ``rankkit.stores.open``."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path = path
+        self.meta = meta
+        self._store = LocalStore(path, read_only=True)
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}, examples={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self.example_ids())
+
+    def example_ids(self, complete_only: bool = True) -> list[str]:
+        return [example_id for example_id, _ in self._example_attrs(complete_only)]
+
+    def example(self, example_id: str) -> ExampleRecord:
+        encoded = encode_name(example_id)
+        if not (self.path / example_path(example_id)).is_dir():
+            raise RankkitError(
+                f"store {self.path} has no example {example_id!r}; list them with `rankkit store info`"
+            )
+        attrs = read_example_attrs(self._store, encoded)
+        if attrs is None or attrs.get(COMPLETE) is not True:
+            raise RankkitError(
+                f"example {example_id!r} in {self.path} is incomplete (interrupted capture); rerun the capture to redo it"
+            )
+        return self._record(example_id, attrs)
+
+    def examples(self) -> Iterator[ExampleRecord]:
+        """Every complete example, in id order."""
+        for example_id, attrs in self._example_attrs(complete_only=True):
+            yield self._record(example_id, attrs)
+
+    def examples_frame(self, complete_only: bool = True) -> pl.DataFrame:
+        """One row per example: id, complete, task, num_tokens, has_oracle, correct, then every
+        other attribute whose values are scalars of one kind (e.g. prediction, question)."""
+        rows = []
+        for example_id, attrs in self._example_attrs(complete_only):
+            complete = attrs.get(COMPLETE) is True
+            rows.append(
+                {
+                    **{key: value for key, value in attrs.items() if key not in EXAMPLE_FLAGS},
+                    "id": example_id,
+                    "complete": complete,
+                    "num_tokens": self._record(example_id, attrs).num_tokens if complete else None,
+                    "has_oracle": complete and attrs.get(ORACLE_COMPLETE) is True,
+                }
+            )
+        columns = {
+            "id": pl.Series("id", [row["id"] for row in rows], dtype=pl.Categorical),
+            "complete": pl.Series("complete", [row["complete"] for row in rows], dtype=pl.Boolean),
+            "task": pl.Series("task", [_as_text(row.get("task")) for row in rows], dtype=pl.String),
+            "num_tokens": pl.Series("num_tokens", [row["num_tokens"] for row in rows], dtype=pl.Int32),
+            "has_oracle": pl.Series("has_oracle", [row["has_oracle"] for row in rows], dtype=pl.Boolean),
+        }
+        correct = _scalar_column("correct", rows)
+        columns["correct"] = (
+            correct if correct is not None else pl.Series("correct", [None] * len(rows), pl.Boolean)
+        )
+        for key in sorted({key for row in rows for key in row} - set(_EXAMPLE_COLUMNS)):
+            column = _scalar_column(key, rows)
+            if column is not None:
+                columns[key] = column
+        return pl.DataFrame(list(columns.values()))
+
+    def iter_scores_frames(
+        self,
+        probe: str | None = None,
+        reduce: Reduce = "sum",
+        *,
+        examples: Sequence[str] | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Iterator[pl.DataFrame]:
+        """``scores_frame`` one example at a time, to keep memory to one example's scores."""
+        if reduce is not None and reduce not in _HEAD_REDUCERS:
+            raise RankkitError(f"reduce must be one of {', '.join(_HEAD_REDUCERS)} or None, got {reduce!r}")
+        found_probe = False
+        for record in self._records(examples):
+            probes = record.probes if probe is None else [name for name in record.probes if name == probe]
+            found_probe = found_probe or bool(probes)
+            frames = [_scores_frame(record, name, reduce, layers) for name in probes]
+            if frames:
+                yield pl.concat(frames)
+        if probe is not None and not found_probe:
+            raise RankkitError(
+                f"no example in {self.path} has scores for probe {probe!r}; see `rankkit store info`"
+            )
+
+    def scores_frame(
+        self,
+        probe: str | None = None,
+        reduce: Reduce = "sum",
+        *,
+        examples: Sequence[str] | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> pl.DataFrame:
+        """Tidy scores: example, probe, layer, [head,] token, score.
+
+        ``reduce`` combines the KV heads ("sum", "mean", "max"); None keeps a head column.
+        ``probe``, ``examples`` and ``layers`` restrict what is read.
+        """
+        frames = list(self.iter_scores_frames(probe, reduce, examples=examples, layers=layers))
+        if not frames:
+            return pl.DataFrame(schema=_scores_schema(with_head=reduce is None))
+        return pl.concat(frames)
+
+    def oracle_frame(self, *, examples: Sequence[str] | None = None) -> pl.DataFrame:
+        """example, token, oracle for every example with a complete oracle."""
+        frames = [
+            _token_frame(record.id, {"oracle": record.oracle})
+            for record in self._records(examples)
+            if record.has_oracle
+        ]
+        schema = {"example": pl.Categorical, "token": pl.Int32, "oracle": pl.Float32}
+        return pl.concat(frames) if frames else pl.DataFrame(schema=schema)
+
+    def oracle_layers_frame(
+        self, *, examples: Sequence[str] | None = None, layers: Sequence[int] | None = None
+    ) -> pl.DataFrame:
+        """example, layer, token, oracle: the per-layer oracle of every example that has one."""
+        frames = []
+        for record in self._records(examples):
+            if not record.has_oracle:
+                continue
+            values = record.oracle_layers
+            layer_ids = _checked_layers(layers, values.shape[0], f"oracle_layers of example {record.id!r}")
+            frames.append(_layered_frame(record.id, values[layer_ids], layer_ids, "oracle"))
+        schema = {"example": pl.Categorical, "layer": pl.Int32, "token": pl.Int32, "oracle": pl.Float32}
+        return pl.concat(frames) if frames else pl.DataFrame(schema=schema)
+
+    def describe(self) -> dict[str, Any]:
+        """What the store holds, as plain JSON values: run metadata, example counts, tasks,
+        probes with their shapes, oracles and added groups."""
+        example_attrs = self._example_attrs(complete_only=False)
+        complete = [(example_id, attrs) for example_id, attrs in example_attrs if attrs.get(COMPLETE) is True]
+        probes: dict[str, dict[str, Any]] = {}
+        groups: Counter[str] = Counter()
+        for example_id, attrs in complete:
+            record = self._record(example_id, attrs)
+            for probe in record.probes:
+                layers, heads, tokens = record.score_shape(probe)
+                summary = probes.setdefault(
+                    probe, {"examples": 0, "layers": set(), "kv_heads": set(), "tokens": set()}
+                )
+                summary["examples"] += 1
+                summary["layers"].add(layers)
+                summary["kv_heads"].add(heads)
+                summary["tokens"].add(tokens)
+            groups.update(record.groups)
+        return {
+            "path": str(self.path),
+            **{key: self.meta.get(key) for key in sorted(STORE_MANAGED_KEYS)},
+            "run_meta": {key: value for key, value in self.meta.items() if key not in STORE_MANAGED_KEYS},
+            "examples": {
+                "complete": len(complete),
+                "incomplete": len(example_attrs) - len(complete),
+                "with_oracle": sum(attrs.get(ORACLE_COMPLETE) is True for _, attrs in complete),
+            },
+            "tasks": dict(
+                sorted(
+                    Counter(_as_text(attrs.get("task")) for _, attrs in complete).items(),
+                    key=lambda item: str(item[0]),
+                )
+            ),
+            "probes": {
+                probe: {
+                    "examples": summary["examples"],
+                    "layers": sorted(summary["layers"]),
+                    "kv_heads": sorted(summary["kv_heads"]),
+                    "tokens_min": min(summary["tokens"]),
+                    "tokens_max": max(summary["tokens"]),
+                }
+                for probe, summary in sorted(probes.items())
+            },
+            "groups": dict(sorted(groups.items())),
+        }
+
+    def _example_attrs(self, complete_only: bool) -> list[tuple[str, dict[str, Any]]]:
+        """(id, attrs) per example in id order; unreadable examples count as incomplete."""
+        found = []
+        for encoded in list_example_dirs(self.path):
+            attrs = read_example_attrs(self._store, encoded) or {}
+            if complete_only and attrs.get(COMPLETE) is not True:
+                continue
+            found.append((decode_name(encoded), attrs))
+        return sorted(found, key=lambda item: _natural_key(item[0]))
+
+    def _records(self, examples: Sequence[str] | None) -> Iterator[ExampleRecord]:
+        if examples is None:
+            yield from self.examples()
+        else:
+            for example_id in examples:
+                yield self.example(example_id)
+
+    def _record(self, example_id: str, attrs: dict[str, Any]) -> ExampleRecord:
+        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs)
+
+
+def open(path: str | os.PathLike) -> Store:
+    """Open a store read-only; RankkitError if it is missing, corrupt or from a newer rankkit."""
+    store_path = Path(path)
+    _, meta = open_root(store_path, read_only=True)
+    return Store(store_path, meta)
+
+
+def describe(path: str | os.PathLike) -> dict[str, Any]:
+    """``open(path).describe()``: what a store holds, for ``rankkit store info``."""
+    return open(path).describe()
+
+
+def _natural_key(example_id: str) -> tuple[str | int, ...]:
+    """Sort "niah:2" before "niah:10": digit runs compare as numbers."""
+    # re.split with a capture group puts the digit runs at the odd positions.
+    parts = re.split(r"(\d+)", example_id)
+    return tuple(int(part) if position % 2 else part for position, part in enumerate(parts))
+
+
+def _checked_layers(layers: Sequence[int] | None, num_layers: int, what: str) -> np.ndarray:
+    if layers is None:
+        return np.arange(num_layers)
+    chosen = np.asarray(layers, dtype=np.int64).reshape(-1)
+    if chosen.size and (chosen.min() < 0 or chosen.max() >= num_layers):
+        raise RankkitError(f"layers {list(layers)} out of range for {what}, which has {num_layers} layers")
+    return chosen
+
+
+def _scores_frame(
+    record: ExampleRecord, probe: str, reduce: Reduce, layers: Sequence[int] | None
+) -> pl.DataFrame:
+    values, layer_ids = record._read_scores(probe, layers)
+    if reduce is not None:
+        frame = _layered_frame(record.id, _HEAD_REDUCERS[reduce](values, axis=1), layer_ids, "score")
+    else:
+        num_layers, num_heads, num_tokens = values.shape
+        frame = pl.DataFrame(
+            {
+                "layer": np.repeat(layer_ids.astype(np.int32), num_heads * num_tokens),
+                "head": np.tile(np.repeat(np.arange(num_heads, dtype=np.int32), num_tokens), num_layers),
+                "token": np.tile(np.arange(num_tokens, dtype=np.int32), num_layers * num_heads),
+                "score": values.reshape(-1),
+            }
+        ).with_columns(pl.lit(record.id, dtype=pl.Categorical).alias("example"))
+    return frame.with_columns(pl.lit(probe, dtype=pl.Categorical).alias("probe")).select(
+        _scores_schema(with_head=reduce is None).keys()
+    )
+
+
+def _scores_schema(with_head: bool) -> dict[str, pl.DataType]:
+    schema = {"example": pl.Categorical, "probe": pl.Categorical, "layer": pl.Int32}
+    if with_head:
+        schema["head"] = pl.Int32
+    return {**schema, "token": pl.Int32, "score": pl.Float32}
+
+
+def _layered_frame(example_id: str, values: np.ndarray, layer_ids: np.ndarray, column: str) -> pl.DataFrame:
+    """example, layer, token, <column> from a [layers, T] array."""
+    num_layers, num_tokens = values.shape
+    return (
+        pl.DataFrame(
+            {
+                "layer": np.repeat(layer_ids.astype(np.int32), num_tokens),
+                "token": np.tile(np.arange(num_tokens, dtype=np.int32), num_layers),
+                column: values.reshape(-1).astype(np.float32, copy=False),
+            }
+        )
+        .with_columns(pl.lit(example_id, dtype=pl.Categorical).alias("example"))
+        .select("example", "layer", "token", column)
+    )
+
+
+def _token_frame(example_id: str, columns: dict[str, np.ndarray]) -> pl.DataFrame:
+    """example, token, <columns...> from [T] arrays."""
+    num_tokens = len(next(iter(columns.values())))
+    return (
+        pl.DataFrame({"token": np.arange(num_tokens, dtype=np.int32), **columns})
+        .with_columns(pl.lit(example_id, dtype=pl.Categorical).alias("example"))
+        .select("example", "token", *columns)
+    )
+
+
+def _as_text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _scalar_column(key: str, rows: list[dict[str, Any]]) -> pl.Series | None:
+    """A column for attribute ``key`` when its values are all booleans, all numbers or all
+    strings (missing values become null); None for lists, dicts and mixed kinds."""
+    values = [row.get(key) for row in rows]
+    kinds = {_scalar_kind(value) for value in values if value is not None}
+    if kinds == {pl.Int64, pl.Float64}:
+        return pl.Series(key, [None if value is None else float(value) for value in values], dtype=pl.Float64)
+    if len(kinds) != 1 or None in kinds:
+        return None
+    return pl.Series(key, values, dtype=kinds.pop())
+
+
+def _scalar_kind(value: Any) -> type[pl.DataType] | None:
+    # bool before int: True is an int in Python.
+    if isinstance(value, bool):
+        return pl.Boolean
+    if isinstance(value, int):
+        return pl.Int64
+    if isinstance(value, float):
+        return pl.Float64
+    if isinstance(value, str):
+        return pl.String
+    return None

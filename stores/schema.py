@@ -1,0 +1,212 @@
+"""The on-disk contract shared by the writer and the reader.
+
+A store is a zarr v3 group on the local file system::
+
+    run.zarr/                 attrs: schema_version, rankkit_version, created + the caller's run metadata
+      examples/<id>/          attrs: the caller's example attrs + "complete" (+ "oracle_complete")
+        tokens                int32   [T]
+        scores/<probe>        float32 [layers, kv_heads, T]
+        oracle                float32 [T]
+        oracle_layers         float32 [layers, T]
+        <group>/<name>        later additions (add_arrays); group attrs carry their own "complete"
+
+Every directory name below ``examples/`` is an encoded id (see ``encode_name``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, BloscShuffle
+from zarr.errors import GroupNotFoundError
+from zarr.storage import LocalStore
+
+from rankkit.errors import RankkitError
+
+SCHEMA_VERSION = 1
+
+# Root attributes the store sets itself; callers' run metadata never overrides them
+# and they are not part of the resume compatibility check.
+SCHEMA_VERSION_KEY = "schema_version"
+RANKKIT_VERSION_KEY = "rankkit_version"
+CREATED_KEY = "created"
+STORE_MANAGED_KEYS = frozenset({SCHEMA_VERSION_KEY, RANKKIT_VERSION_KEY, CREATED_KEY})
+
+EXAMPLES = "examples"
+TOKENS = "tokens"
+SCORES = "scores"
+ORACLE = "oracle"
+ORACLE_LAYERS = "oracle_layers"
+EXAMPLE_NODES = frozenset({TOKENS, SCORES, ORACLE, ORACLE_LAYERS})
+
+COMPLETE = "complete"
+ORACLE_COMPLETE = "oracle_complete"
+EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE})
+
+# File names are at most 255 bytes on common file systems; leave room for the
+# ".<uuid>.partial" suffix zarr's atomic writes add next to a file.
+MAX_ENCODED_NAME_BYTES = 200
+
+# Whole-array chunks up to this size: one file per array keeps writes and full reads
+# fast (4k tokens x 30 layers x 3 heads is 1.5 MB). Longer contexts split along layers.
+TARGET_CHUNK_BYTES = 8 * 2**20
+
+# Scores are full-mantissa floats and barely compress (about 1.2x with byte shuffle);
+# token ids compress well. blosc-zstd level 3 costs little on write and reads fastest.
+COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),)
+
+_SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
+_SAFE_FIRST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+
+
+def encode_name(name: str) -> str:
+    """A reversible, path-safe node name for an example id, probe or group name.
+
+    Keeps lower-case letters, digits, "_", "-", "." and percent-encodes every other
+    UTF-8 byte, upper-case letters included, so ids differing only in case stay apart
+    on case-insensitive file systems. The first character is always a letter, digit or
+    "%": no hidden files, no "." or "..", no zarr-reserved "__" prefix.
+    """
+    if not isinstance(name, str) or not name:
+        raise RankkitError(f"names in a store must be non-empty strings, got {name!r}")
+    encoded = "".join(
+        char if char in (_SAFE_FIRST_CHARS if position == 0 else _SAFE_CHARS) else _percent_encode(char)
+        for position, char in enumerate(name)
+    )
+    if len(encoded.encode()) > MAX_ENCODED_NAME_BYTES:
+        raise RankkitError(
+            f"name {name[:40]!r}... is too long for a store path once encoded; use a shorter id"
+        )
+    return encoded
+
+
+def _percent_encode(char: str) -> str:
+    return "".join(f"%{byte:02x}" for byte in char.encode())
+
+
+def decode_name(encoded: str) -> str:
+    return unquote(encoded, errors="strict")
+
+
+def example_path(example_id: str) -> str:
+    return f"{EXAMPLES}/{encode_name(example_id)}"
+
+
+def chunks_for(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Whole-array chunks, or blocks of leading rows (layers) when the array is large."""
+    if len(shape) == 1:
+        return shape
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0], TARGET_CHUNK_BYTES // max(1, row_bytes)))
+    return (rows, *shape[1:])
+
+
+def write_array(group: zarr.Group, name: str, data: np.ndarray) -> None:
+    group.create_array(
+        name,
+        data=data,
+        chunks=chunks_for(data.shape, data.dtype.itemsize),
+        compressors=COMPRESSORS,
+        overwrite=True,
+    )
+
+
+def to_json(value: Any, what: str) -> Any:
+    """``value`` as plain JSON types (numpy scalars and arrays become numbers and lists).
+
+    Round-tripping through JSON text also turns tuples into lists, so metadata compares
+    equal to what a later reopen reads back.
+    """
+
+    def numpy_to_python(item: Any) -> Any:
+        if isinstance(item, np.generic | np.ndarray):
+            return item.tolist()
+        raise TypeError(f"{type(item).__name__} is not JSON-serializable")
+
+    try:
+        return json.loads(json.dumps(value, default=numpy_to_python))
+    except (TypeError, ValueError) as error:
+        raise RankkitError(
+            f"{what} must hold only JSON values (str, number, bool, list, dict): {error}"
+        ) from error
+
+
+def canonical_json(value: Any) -> str:
+    """Order-independent text of a JSON value, so NaN equals NaN and key order is ignored."""
+    return json.dumps(value, sort_keys=True)
+
+
+def open_node(store: LocalStore, node_path: str = "") -> zarr.Group:
+    """Open a group read/write or read-only as ``store`` allows; no consolidated metadata,
+    since concurrent writers would make it stale."""
+    return zarr.open_group(
+        store,
+        path=node_path,
+        mode="r" if store.read_only else "r+",
+        zarr_format=3,
+        use_consolidated=False,
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any]]:
+    """The root group and its attributes, checked to be a rankkit store this version reads."""
+    if not path.exists():
+        raise RankkitError(f"no store at {path}; check the path or capture into it first")
+    if not (path / "zarr.json").is_file():
+        raise RankkitError(f"{path} is not a rankkit store (no zarr.json); check the path")
+    try:
+        root = open_node(LocalStore(path, read_only=read_only))
+        attrs = root.attrs.asdict()
+    except Exception as error:  # zarr raises many types for unreadable metadata
+        raise RankkitError(
+            f"store {path} is corrupt ({_one_line(error)}); recapture it with --overwrite"
+        ) from error
+    version = attrs.get(SCHEMA_VERSION_KEY)
+    if version is None:
+        raise RankkitError(
+            f"{path} is a zarr group but not a rankkit store (no schema_version); check the path"
+        )
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise RankkitError(
+            f"store {path} is corrupt (schema_version {version!r}); recapture it with --overwrite"
+        )
+    if version > SCHEMA_VERSION:
+        raise RankkitError(
+            f"store {path} has schema version {version}, newer than this rankkit reads "
+            f"({SCHEMA_VERSION}); upgrade rankkit (pip install -U rankkit)"
+        )
+    if not (path / EXAMPLES).is_dir():
+        raise RankkitError(f"store {path} is corrupt (no {EXAMPLES}/ group); recapture it with --overwrite")
+    return root, attrs
+
+
+def list_example_dirs(path: Path) -> list[str]:
+    """Encoded names of every example directory, complete or not.
+
+    Skips hidden entries and files (e.g. zarr's ".partial" temporaries); encoded ids
+    never start with ".".
+    """
+    with os.scandir(path / EXAMPLES) as entries:
+        return sorted(entry.name for entry in entries if entry.is_dir() and not entry.name.startswith("."))
+
+
+def read_example_attrs(store: LocalStore, encoded: str) -> dict[str, Any] | None:
+    """An example's attributes, or None when its metadata was never (fully) written."""
+    try:
+        return open_node(store, f"{EXAMPLES}/{encoded}").attrs.asdict()
+    # A crash before the group's zarr.json landed leaves no group (GroupNotFoundError);
+    # hand-damaged metadata fails to parse (ValueError, TypeError, KeyError).
+    except (GroupNotFoundError, ValueError, TypeError, KeyError):
+        return None

@@ -1,0 +1,336 @@
+"""Create or resume a store and write examples so that a crash never leaves data a reader trusts.
+
+Every write puts the arrays down first and flips a flag in the group's attributes
+last; zarr replaces ``zarr.json`` atomically, so a reader sees either the old flag or
+the new one. Processes may write different examples of one store at the same time:
+each example is its own directory and nothing shared is updated per example.
+Two processes must not write the same example at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+from rankkit import __version__ as rankkit_version
+from rankkit.errors import RankkitError
+
+from .schema import (
+    COMPLETE,
+    CREATED_KEY,
+    EXAMPLE_FLAGS,
+    EXAMPLE_NODES,
+    EXAMPLES,
+    ORACLE,
+    ORACLE_COMPLETE,
+    ORACLE_LAYERS,
+    RANKKIT_VERSION_KEY,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    SCORES,
+    STORE_MANAGED_KEYS,
+    TOKENS,
+    canonical_json,
+    encode_name,
+    example_path,
+    open_node,
+    open_root,
+    read_example_attrs,
+    to_json,
+    write_array,
+)
+
+_MAX_DIFFERENCES_SHOWN = 3
+
+
+class StoreWriter:
+    """Writes examples into one store; get one from ``rankkit.stores.create``."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path = path
+        self.meta = meta
+        self._store = LocalStore(path)
+
+    def is_complete(self, example_id: str) -> bool:
+        attrs = read_example_attrs(self._store, encode_name(example_id))
+        return attrs is not None and attrs.get(COMPLETE) is True
+
+    def has_oracle(self, example_id: str) -> bool:
+        attrs = read_example_attrs(self._store, encode_name(example_id))
+        return attrs is not None and attrs.get(COMPLETE) is True and attrs.get(ORACLE_COMPLETE) is True
+
+    def write_example(
+        self,
+        example_id: str,
+        *,
+        attrs: dict[str, Any],
+        tokens: np.ndarray,
+        scores: dict[str, np.ndarray],
+    ) -> None:
+        """Write one captured example, replacing an incomplete one; ``complete`` is set last."""
+        encoded = encode_name(example_id)
+        example_attrs = _caller_attrs(attrs, f"attrs of example {example_id!r}")
+        token_ids = _token_array(tokens, example_id)
+        score_arrays = {
+            encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0])
+            for probe, values in scores.items()
+        }
+        if self.is_complete(example_id):
+            raise RankkitError(
+                f"example {example_id!r} is already complete in {self.path}; skip it "
+                "(is_complete) or recreate the store with --overwrite"
+            )
+        _remove_directory(self.path / EXAMPLES / encoded)
+
+        group = open_node(self._store, EXAMPLES).create_group(
+            encoded, attributes={**example_attrs, COMPLETE: False}
+        )
+        write_array(group, TOKENS, token_ids)
+        score_group = group.create_group(SCORES)
+        for encoded_probe, values in score_arrays.items():
+            write_array(score_group, encoded_probe, values)
+        _mark_complete(group, {COMPLETE: True})
+
+    def add_oracle(
+        self,
+        example_id: str,
+        *,
+        oracle: np.ndarray,
+        oracle_layers: np.ndarray,
+        attrs: dict[str, Any],
+    ) -> None:
+        """Add (or replace) an example's oracle; attrs are merged and ``oracle_complete`` set last.
+
+        An interrupted add leaves the capture intact and the oracle unflagged.
+        """
+        group = self._captured_example(example_id, "adding its oracle")
+        num_tokens = group[TOKENS].shape[0]
+        oracle_values = _float_array(oracle, f"oracle of example {example_id!r}", ndim=1)
+        layer_values = _float_array(oracle_layers, f"oracle_layers of example {example_id!r}", ndim=2)
+        for name, values in ((ORACLE, oracle_values), (ORACLE_LAYERS, layer_values)):
+            if values.shape[-1] != num_tokens:
+                raise RankkitError(
+                    f"{name} of example {example_id!r} covers {values.shape[-1]} tokens but the example "
+                    f"has {num_tokens}; compute it on the stored tokens"
+                )
+        oracle_attrs = _caller_attrs(attrs, f"oracle attrs of example {example_id!r}")
+
+        # Unflag a previous oracle before its arrays are rewritten: a crash midway then
+        # leaves no oracle rather than a flagged mix of old and new arrays.
+        if group.attrs.get(ORACLE_COMPLETE) is True:
+            group.attrs.update({ORACLE_COMPLETE: False})
+        write_array(group, ORACLE, oracle_values)
+        write_array(group, ORACLE_LAYERS, layer_values)
+        _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True})
+
+    def add_arrays(
+        self,
+        example_id: str,
+        group: str,
+        arrays: dict[str, np.ndarray],
+        attrs: dict[str, Any],
+    ) -> None:
+        """Add (or replace) a named group of arrays under a captured example, e.g. ``draft_scores``.
+
+        The group's own attributes carry the caller's attrs and a ``complete`` flag set last.
+        """
+        if group in EXAMPLE_NODES:
+            raise RankkitError(f"group name {group!r} is part of the example layout; choose another name")
+        encoded_group = encode_name(group)
+        example = self._captured_example(example_id, f"adding group {group!r}")
+        group_attrs = _caller_attrs(attrs, f"attrs of group {group!r}")
+        encoded_arrays = {
+            encode_name(name): _numeric_array(values, f"{group}/{name} of example {example_id!r}")
+            for name, values in arrays.items()
+        }
+        _remove_directory(self.path / example_path(example_id) / encoded_group)
+
+        added = example.create_group(encoded_group, attributes={**group_attrs, COMPLETE: False})
+        for encoded_name, values in encoded_arrays.items():
+            write_array(added, encoded_name, values)
+        _mark_complete(added, {COMPLETE: True})
+
+    def _captured_example(self, example_id: str, purpose: str) -> zarr.Group:
+        if not self.is_complete(example_id):
+            raise RankkitError(
+                f"example {example_id!r} is not captured in {self.path}; capture it before {purpose}"
+            )
+        return open_node(self._store, example_path(example_id))
+
+
+def _remove_directory(path: Path) -> None:
+    """Clear what an interrupted or replaced write left behind."""
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
+    """The last write of every addition: one atomic replace of the group's zarr.json."""
+    group.attrs.update(flags)
+
+
+def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool = False) -> StoreWriter:
+    """Create a store, or reopen one to resume it after checking it holds the same run.
+
+    ``run_meta`` is any JSON-like dict (model id, config and weights hash, tokenizer,
+    probe parameters, dataset spec, ...). The store adds ``schema_version``,
+    ``rankkit_version`` and ``created`` itself. Resuming requires every other key to
+    equal what the store holds; ``overwrite=True`` deletes an existing store first.
+    """
+    store_path = Path(path)
+    meta = to_json(run_meta, "run_meta")
+    if not isinstance(meta, dict):
+        raise RankkitError(f"run_meta must be a dict, got {type(run_meta).__name__}")
+    run_meta_only = {key: value for key, value in meta.items() if key not in STORE_MANAGED_KEYS}
+
+    if overwrite:
+        _remove_store(store_path)
+    if not _is_populated(store_path):
+        _create_atomically(store_path, run_meta_only)
+    _, stored = open_root(store_path, read_only=False)
+    _check_same_run(store_path, stored, run_meta_only)
+    return StoreWriter(store_path, stored)
+
+
+def _is_populated(path: Path) -> bool:
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        raise RankkitError(f"{path} is a file, not a store directory; choose another store path")
+    with os.scandir(path) as entries:
+        return any(True for _ in entries)
+
+
+def _remove_store(path: Path) -> None:
+    """Delete an existing store, refusing anything that does not look like a zarr store."""
+    if not _is_populated(path):
+        return
+    if not (path / "zarr.json").is_file():
+        raise RankkitError(
+            f"{path} exists and is not a zarr store; refusing to delete it, choose another store path"
+        )
+    shutil.rmtree(path)
+
+
+def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:
+    """Build the empty store beside ``path`` and rename it into place.
+
+    Processes starting at once race only on the rename: the loser finds a complete
+    store and goes on to resume it, never a half-created root.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.creating-{uuid.uuid4().hex}"
+    root_attrs = {
+        **run_meta,
+        SCHEMA_VERSION_KEY: SCHEMA_VERSION,
+        RANKKIT_VERSION_KEY: rankkit_version,
+        CREATED_KEY: datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    try:
+        root = zarr.open_group(LocalStore(staging), mode="w", zarr_format=3, attributes=root_attrs)
+        root.create_group(EXAMPLES)
+        os.rename(staging, path)
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_same_run(path: Path, stored: dict[str, Any], run_meta: dict[str, Any]) -> None:
+    stored_run = {key: value for key, value in stored.items() if key not in STORE_MANAGED_KEYS}
+    differences = _differences(stored_run, run_meta)
+    if not differences:
+        return
+    shown = "; ".join(differences[:_MAX_DIFFERENCES_SHOWN])
+    more = len(differences) - _MAX_DIFFERENCES_SHOWN
+    if more > 0:
+        shown += f"; and {more} more"
+    raise RankkitError(
+        f"store {path} holds a different run ({shown}); rerun with --overwrite (overwrite=True) "
+        "to replace it, or choose another store path"
+    )
+
+
+def _differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two JSON values differ, e.g. ``model.weights_hash: 'ab' in the store, 'cd' now``."""
+    if isinstance(stored, dict) and isinstance(new, dict):
+        found = []
+        for key in sorted(set(stored) | set(new)):
+            found += _differences(stored.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
+        return found
+    if stored is not _ABSENT and new is not _ABSENT and canonical_json(stored) == canonical_json(new):
+        return []
+    return [f"{prefix.rstrip('.')}: {_short(stored)} in the store, {_short(new)} now"]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _caller_attrs(attrs: dict[str, Any], what: str) -> dict[str, Any]:
+    plain = to_json(attrs, what)
+    if not isinstance(plain, dict):
+        raise RankkitError(f"{what} must be a dict, got {type(attrs).__name__}")
+    reserved = sorted(EXAMPLE_FLAGS & plain.keys())
+    if reserved:
+        raise RankkitError(f"{what} may not set {', '.join(reserved)}: the store sets those flags itself")
+    return plain
+
+
+def _token_array(tokens: np.ndarray, example_id: str) -> np.ndarray:
+    token_ids = np.asarray(tokens)
+    if token_ids.ndim != 1 or token_ids.size == 0 or not np.issubdtype(token_ids.dtype, np.integer):
+        raise RankkitError(
+            f"tokens of example {example_id!r} must be a non-empty 1-D integer array, "
+            f"got {token_ids.dtype} of shape {token_ids.shape}"
+        )
+    if token_ids.min() < 0 or token_ids.max() > np.iinfo(np.int32).max:
+        raise RankkitError(f"tokens of example {example_id!r} must be ids in [0, 2**31)")
+    return token_ids.astype(np.int32, copy=False)
+
+
+def _score_array(values: np.ndarray, probe: str, example_id: str, num_tokens: int) -> np.ndarray:
+    scores = _float_array(values, f"scores of probe {probe!r} for example {example_id!r}", ndim=3)
+    if scores.shape[2] != num_tokens:
+        raise RankkitError(
+            f"scores of probe {probe!r} for example {example_id!r} have shape {scores.shape}; "
+            f"expected [layers, kv_heads, {num_tokens}] to match the tokens"
+        )
+    return scores
+
+
+def _float_array(values: np.ndarray, what: str, *, ndim: int) -> np.ndarray:
+    array = _numeric_array(values, what)
+    if array.ndim != ndim:
+        raise RankkitError(f"{what} must be a {ndim}-D array, got shape {array.shape}")
+    return array.astype(np.float32, copy=False)
+
+
+def _numeric_array(values: np.ndarray, what: str) -> np.ndarray:
+    array = np.asarray(values)
+    if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        raise RankkitError(f"{what} must be numeric, got dtype {array.dtype}")
+    if array.ndim == 0 or array.size == 0:
+        raise RankkitError(
+            f"{what} must be a non-empty array of at least one dimension, got shape {array.shape}"
+        )
+    return array

@@ -1,0 +1,663 @@
+"""The zarr store: round trips, crash safety, resume rules, concurrent writers, frames, CLI summary."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rankkit import stores
+from rankkit.errors import RankkitError
+
+LAYERS, HEADS = 4, 2
+PROBES = ("fastkv", "gemfilter")
+
+RUN_META = {
+    "model": {"id": "tiny/llama", "weights_hash": "sha256:aaaa", "config": {"num_hidden_layers": LAYERS}},
+    "tokenizer": {"id": "tiny/llama", "chat_template": True},
+    "probes": {"fastkv": {"window": 8, "kernel": 7, "pool": "avg"}, "gemfilter": {"layer": 2}},
+    "dataset": {"name": "ruler", "tasks": ["niah_single_1"], "lengths": [64]},
+}
+
+
+def example_data(index: int, num_tokens: int = 48, probes=PROBES):
+    """Deterministic content for example ``index``, so any process can check what another wrote."""
+    rng = np.random.default_rng(index)
+    attrs = {
+        "task": "niah_single_1" if index % 2 == 0 else "qa",
+        "question": f"What is the magic number {index}?",
+        "answers": [str(1000 + index)],
+        "spans": {
+            "context": {"chars": [0, 300], "tokens": [0, 40]},
+            "needle": {"chars": [120, 140], "tokens": [17, 21]},
+        },
+    }
+    tokens = rng.integers(0, 50_000, num_tokens)
+    scores = {probe: rng.random((LAYERS, HEADS, num_tokens), dtype=np.float32) for probe in probes}
+    return attrs, tokens, scores
+
+
+def write(writer: stores.StoreWriter, example_id: str, index: int, **kwargs) -> None:
+    attrs, tokens, scores = example_data(index, **kwargs)
+    writer.write_example(example_id, attrs=attrs, tokens=tokens, scores=scores)
+
+
+def assert_example_matches(store: stores.Store, example_id: str, index: int, **kwargs) -> None:
+    attrs, tokens, scores = example_data(index, **kwargs)
+    record = store.example(example_id)
+    np.testing.assert_array_equal(record.tokens, tokens)
+    assert record.tokens.dtype == np.int32
+    assert record.probes == sorted(scores)
+    for probe, values in scores.items():
+        stored = record.scores(probe)
+        assert stored.dtype == np.float32
+        np.testing.assert_array_equal(stored, values)
+    assert {key: record.attrs[key] for key in attrs} == attrs
+
+
+class Crash(Exception):
+    """Stands in for a process dying just before a completion flag is written."""
+
+
+def crash_before_flag(monkeypatch):
+    def crash(group, flags):
+        raise Crash
+
+    monkeypatch.setattr(stores.writer, "_mark_complete", crash)
+
+
+@pytest.fixture
+def path(tmp_path) -> Path:
+    return tmp_path / "run.zarr"
+
+
+# --- round trip -------------------------------------------------------------------------------
+
+
+def test_round_trip_of_arrays_attrs_and_run_metadata(path):
+    writer = stores.create(path, RUN_META)
+    write(writer, "ex-0", 0)
+    write(writer, "ex-1", 1, num_tokens=31)
+
+    store = stores.open(path)
+    assert len(store) == 2
+    assert store.example_ids() == ["ex-0", "ex-1"]
+    assert_example_matches(store, "ex-0", 0)
+    assert_example_matches(store, "ex-1", 1, num_tokens=31)
+    assert store.example("ex-1").num_tokens == 31
+    assert store.example("ex-1").score_shape("fastkv") == (LAYERS, HEADS, 31)
+    np.testing.assert_array_equal(
+        store.example("ex-0").scores("fastkv", layers=[3, 1]), example_data(0)[2]["fastkv"][[3, 1]]
+    )
+
+    assert {key: store.meta[key] for key in RUN_META} == RUN_META
+    assert store.meta["schema_version"] == stores.SCHEMA_VERSION
+    assert store.meta["rankkit_version"] == "0.1.0"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", store.meta["created"])
+
+
+def test_attrs_and_meta_are_stored_as_plain_json(path):
+    meta = {**RUN_META, "dataset": {"lengths": (64, np.int64(128)), "seed": np.int32(3)}}
+    writer = stores.create(path, meta)
+    attrs = {"task": "qa", "spans": {"needle": (np.int64(3), 5)}, "score": np.float32(0.5)}
+    writer.write_example("a", attrs=attrs, tokens=np.arange(4), scores={"p": np.ones((1, 1, 4))})
+
+    store = stores.open(path)
+    assert store.meta["dataset"] == {"lengths": [64, 128], "seed": 3}
+    assert store.example("a").attrs == {
+        "task": "qa",
+        "spans": {"needle": [3, 5]},
+        "score": 0.5,
+        "complete": True,
+    }
+    # a tuple in the new run metadata equals the list it was stored as, so resuming works
+    assert stores.create(path, meta).is_complete("a")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tokens": np.zeros((2, 3), dtype=np.int64)}, "1-D integer"),
+        ({"tokens": np.array([0.5, 1.5])}, "1-D integer"),
+        ({"tokens": np.array([-1, 2])}, r"ids in \[0, 2\*\*31\)"),
+        ({"scores": {"p": np.zeros((2, 3))}}, "3-D"),
+        ({"scores": {"p": np.zeros((2, 1, 5))}}, r"expected \[layers, kv_heads, 3\]"),
+        ({"attrs": {"complete": True}}, "sets those flags itself"),
+        ({"attrs": {"when": object()}}, "JSON values"),
+    ],
+)
+def test_bad_example_input_is_refused_before_anything_is_written(path, kwargs, message):
+    writer = stores.create(path, RUN_META)
+    arguments = {"attrs": {}, "tokens": np.arange(3), "scores": {"p": np.zeros((1, 1, 3))}, **kwargs}
+    with pytest.raises(RankkitError, match=message):
+        writer.write_example("x", **arguments)
+    assert stores.open(path).example_ids(complete_only=False) == []
+
+
+# --- example ids ------------------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=16))  # 16 four-byte characters still fit a file name
+def test_name_encoding_round_trips_to_a_safe_file_name(name):
+    encoded = stores.encode_name(name)
+    assert stores.decode_name(encoded) == name
+    assert re.fullmatch(r"[a-z0-9%][a-z0-9_.%-]*", encoded)
+
+
+def test_ids_unsafe_for_paths_are_stored_and_listed_as_given(path):
+    ids = ["ruler/niah:0001", "..", ".", "A", "a", "__meta", "50% off", "日本/é", "-x"]
+    writer = stores.create(path, RUN_META)
+    for index, example_id in enumerate(ids):
+        write(writer, example_id, index)
+
+    # one directory per id, even on a case-insensitive file system
+    names = [entry.name for entry in (path / "examples").iterdir() if entry.is_dir()]
+    assert len({name.lower() for name in names}) == len(ids)
+    store = stores.open(path)
+    assert sorted(store.example_ids()) == sorted(ids)
+    for index, example_id in enumerate(ids):
+        assert_example_matches(store, example_id, index)
+
+
+def test_ids_are_listed_in_natural_order(path):
+    writer = stores.create(path, RUN_META)
+    for index, example_id in enumerate(["q:10", "q:9", "p", "q:100"]):
+        write(writer, example_id, index)
+    assert stores.open(path).example_ids() == ["p", "q:9", "q:10", "q:100"]
+
+
+def test_an_id_too_long_for_a_file_name_is_refused(path):
+    writer = stores.create(path, RUN_META)
+    with pytest.raises(RankkitError, match="too long"):
+        write(writer, "/" * 100, 0)
+
+
+# --- resume, crashes, overwrite ---------------------------------------------------------------
+
+
+def test_resume_skips_complete_examples_and_refuses_to_rewrite_them(path):
+    write(stores.create(path, RUN_META), "done", 0)
+
+    writer = stores.create(path, RUN_META)
+    assert writer.is_complete("done")
+    assert not writer.is_complete("todo")
+    with pytest.raises(RankkitError, match="already complete.*--overwrite"):
+        write(writer, "done", 5)
+    assert_example_matches(stores.open(path), "done", 0)
+
+
+def test_an_interrupted_example_is_not_trusted_and_is_redone(path, monkeypatch):
+    writer = stores.create(path, RUN_META)
+    write(writer, "kept", 0)
+    with monkeypatch.context() as patch:
+        crash_before_flag(patch)
+        with pytest.raises(Crash):
+            write(writer, "crashed", 1, probes=("fastkv", "stale_probe"))
+
+    store = stores.open(path)
+    assert store.example_ids() == ["kept"]
+    assert store.example_ids(complete_only=False) == ["crashed", "kept"]
+    with pytest.raises(RankkitError, match="incomplete.*rerun"):
+        store.example("crashed")
+    assert store.examples_frame(complete_only=False).select("id", "complete").rows() == [
+        ("crashed", False),
+        ("kept", True),
+    ]
+
+    writer = stores.create(path, RUN_META)
+    assert not writer.is_complete("crashed")
+    write(writer, "crashed", 2, num_tokens=20)
+    assert_example_matches(stores.open(path), "crashed", 2, num_tokens=20)  # no stale probe survives
+    assert_example_matches(stores.open(path), "kept", 0)
+
+
+# Writes one example and stops for good after its arrays are on disk and before the
+# complete flag, so the parent can SIGKILL it at exactly that point.
+_HANG_BEFORE_FLAG = """
+import sys, time
+import numpy as np
+from rankkit import stores
+
+def hang(group, flags):
+    print("arrays written", flush=True)
+    time.sleep(600)
+
+stores.writer._mark_complete = hang
+tokens = np.arange(5000)
+scores = {"fastkv": np.ones((30, 3, 5000), dtype=np.float32)}
+w = stores.create(sys.argv[1], {"model": {"id": "m", "weights_hash": "h"}})
+w.write_example("victim", attrs={"task": "qa"}, tokens=tokens, scores=scores)
+"""
+
+# Writes examples 0, 1, 2, ... forever, reporting each one once it is complete; the
+# parent SIGKILLs it at an arbitrary moment in the middle of some write.
+_WRITE_FOREVER = """
+import itertools, sys
+import numpy as np
+from rankkit import stores
+
+w = stores.create(sys.argv[1], {"model": {"id": "m", "weights_hash": "h"}})
+for index in itertools.count():
+    rng = np.random.default_rng(index)
+    scores = {p: rng.random((30, 3, 2000), dtype=np.float32) for p in ("a", "b", "c")}
+    w.write_example(f"ex:{index}", attrs={"index": index}, tokens=np.arange(2000) + index, scores=scores)
+    print(index, flush=True)
+"""
+
+
+def _start(script: str, path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), str(path)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_sigkill_between_arrays_and_flag_leaves_an_incomplete_example_that_is_redone(path):
+    child = _start(_HANG_BEFORE_FLAG, path)
+    try:
+        assert child.stdout.readline().strip() == "arrays written"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert (path / "examples" / "victim" / "scores" / "fastkv").is_dir()
+
+    assert stores.open(path).example_ids(complete_only=False) == ["victim"]
+    assert stores.open(path).example_ids() == []
+    writer = stores.create(path, {"model": {"id": "m", "weights_hash": "h"}})
+    assert not writer.is_complete("victim")
+    writer.write_example(
+        "victim", attrs={"task": "qa"}, tokens=np.arange(7), scores={"p": np.ones((1, 1, 7))}
+    )
+    record = stores.open(path).example("victim")
+    np.testing.assert_array_equal(record.tokens, np.arange(7))
+    assert record.probes == ["p"]
+
+
+def test_sigkill_at_an_arbitrary_moment_loses_only_the_example_being_written(path):
+    child = _start(_WRITE_FOREVER, path)
+    try:
+        reported = [int(child.stdout.readline()) for _ in range(3)]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+
+    store = stores.open(path)
+    complete = store.example_ids()
+    assert set(complete) >= {f"ex:{index}" for index in reported}
+    assert len(store.example_ids(complete_only=False)) - len(complete) <= 1
+    for example_id in complete:
+        index = int(example_id.split(":")[1])
+        record = store.example(example_id)
+        np.testing.assert_array_equal(record.tokens, np.arange(2000) + index)
+        rng = np.random.default_rng(index)
+        for probe in ("a", "b", "c"):
+            np.testing.assert_array_equal(record.scores(probe), rng.random((30, 3, 2000), dtype=np.float32))
+
+
+def test_overwrite_replaces_the_store_and_its_run_metadata(path):
+    write(stores.create(path, RUN_META), "old", 0)
+    new_meta = {**RUN_META, "model": {**RUN_META["model"], "weights_hash": "sha256:bbbb"}}
+
+    writer = stores.create(path, new_meta, overwrite=True)
+    assert not writer.is_complete("old")
+    write(writer, "new", 1)
+    store = stores.open(path)
+    assert store.example_ids(complete_only=False) == ["new"]
+    assert store.meta["model"]["weights_hash"] == "sha256:bbbb"
+
+
+def test_overwrite_refuses_to_delete_a_directory_that_is_not_a_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(RankkitError, match="not a zarr store; refusing to delete"):
+        stores.create(tmp_path, RUN_META, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+def test_an_empty_directory_becomes_a_store(tmp_path):
+    write(stores.create(tmp_path, RUN_META), "a", 0)
+    assert stores.open(tmp_path).example_ids() == ["a"]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (
+            {"model": {**RUN_META["model"], "weights_hash": "sha256:bbbb"}},
+            "model.weights_hash: 'sha256:aaaa' in the store, 'sha256:bbbb' now",
+        ),
+        (
+            {"probes": {**RUN_META["probes"], "fastkv": {"window": 32, "kernel": 7, "pool": "avg"}}},
+            "probes.fastkv.window: 8 in the store, 32 now",
+        ),
+        (
+            {"probes": {"fastkv": RUN_META["probes"]["fastkv"]}},
+            "probes.gemfilter: {'layer': 2} in the store, absent now",
+        ),
+    ],
+)
+def test_resuming_with_a_different_run_fails_naming_the_difference(path, change, named):
+    write(stores.create(path, RUN_META), "a", 0)
+    with pytest.raises(RankkitError) as raised:
+        stores.create(path, {**RUN_META, **change})
+    message = str(raised.value)
+    assert named in message
+    assert "--overwrite" in message and "\n" not in message
+    assert (
+        stores.create(path, {**RUN_META, **change}, overwrite=True).meta["probes"]
+        == {**RUN_META, **change}["probes"]
+    )
+
+
+def test_resume_ignores_the_keys_the_store_sets_itself(path):
+    write(stores.create(path, RUN_META), "a", 0)
+    # e.g. a rerun that starts from the stored metadata, creation time included
+    assert stores.create(path, stores.open(path).meta | {"created": "yesterday"}).is_complete("a")
+
+
+# --- unreadable stores ------------------------------------------------------------------------
+
+
+def _one_line_error(action) -> str:
+    with pytest.raises(RankkitError) as raised:
+        action()
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_store_from_a_newer_schema_is_refused_with_the_fix(path):
+    write(stores.create(path, RUN_META), "a", 0)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"]["schema_version"] = stores.SCHEMA_VERSION + 1
+    (path / "zarr.json").write_text(json.dumps(root))
+
+    for action in (lambda: stores.open(path), lambda: stores.create(path, RUN_META)):
+        message = _one_line_error(action)
+        assert f"schema version {stores.SCHEMA_VERSION + 1}, newer than this rankkit reads" in message
+        assert "pip install -U rankkit" in message
+
+
+@pytest.mark.parametrize("content", ["{ garbage", "[]", '{"zarr_format": 3, "node_type": "array"}'])
+def test_a_corrupt_root_is_refused_with_the_fix(path, content):
+    write(stores.create(path, RUN_META), "a", 0)
+    (path / "zarr.json").write_text(content)
+    for action in (lambda: stores.open(path), lambda: stores.create(path, RUN_META)):
+        message = _one_line_error(action)
+        assert message.startswith(f"store {path} is corrupt (") and message.endswith(
+            "recapture it with --overwrite"
+        )
+
+
+def test_a_corrupt_example_reads_as_incomplete_and_is_redone(path):
+    writer = stores.create(path, RUN_META)
+    write(writer, "a", 0)
+    (path / "examples" / "a" / "zarr.json").write_text("{ garbage")
+    assert stores.open(path).example_ids() == []
+    assert not writer.is_complete("a")
+    write(writer, "a", 1)
+    assert_example_matches(stores.open(path), "a", 1)
+
+
+def test_missing_paths_and_non_stores_are_refused(tmp_path):
+    assert "no store at" in _one_line_error(lambda: stores.open(tmp_path / "nope.zarr"))
+    assert "not a rankkit store (no zarr.json)" in _one_line_error(lambda: stores.open(tmp_path))
+    (tmp_path / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    assert "zarr group but not a rankkit store" in _one_line_error(lambda: stores.open(tmp_path))
+
+
+def test_unknown_examples_and_probes_are_named(path):
+    write(stores.create(path, RUN_META), "a", 0)
+    store = stores.open(path)
+    assert "has no example 'b'" in _one_line_error(lambda: store.example("b"))
+    assert "no scores for probe 'nope' (it has fastkv, gemfilter)" in _one_line_error(
+        lambda: store.example("a").scores("nope")
+    )
+    assert "no example in" in _one_line_error(lambda: store.scores_frame("nope"))
+    assert "out of range" in _one_line_error(lambda: store.scores_frame(layers=[LAYERS]))
+
+
+# --- concurrent writers -----------------------------------------------------------------------
+
+
+def _write_examples(path: str, indices: list[int], start) -> None:
+    start.wait()  # both processes create (or find) the store and write at the same moment
+    writer = stores.create(path, RUN_META)
+    for index in indices:
+        write(writer, f"ex:{index}", index, num_tokens=2000)
+
+
+def test_two_processes_writing_one_store_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "run.zarr"
+    context = multiprocessing.get_context("spawn")  # zarr runs an event-loop thread; forking it is unsafe
+    start = context.Barrier(2)
+    shares = [list(range(0, 24, 2)), list(range(1, 24, 2))]
+    processes = [context.Process(target=_write_examples, args=(str(path), share, start)) for share in shares]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+
+    store = stores.open(path)
+    assert store.example_ids(complete_only=False) == [f"ex:{index}" for index in range(24)]
+    for index in range(24):
+        assert_example_matches(store, f"ex:{index}", index, num_tokens=2000)
+    assert [entry.name for entry in tmp_path.iterdir()] == ["run.zarr"]  # the losing creator cleaned up
+
+
+# --- later additions --------------------------------------------------------------------------
+
+
+def _oracle(num_tokens: int = 48, seed: int = 7):
+    rng = np.random.default_rng(seed)
+    return rng.random(num_tokens), rng.random((LAYERS, num_tokens))
+
+
+def test_add_oracle_round_trip_merges_attrs(path):
+    writer = stores.create(path, RUN_META)
+    write(writer, "a", 0)
+    write(writer, "b", 1)
+    oracle, oracle_layers = _oracle()
+    writer.add_oracle(
+        "a", oracle=oracle, oracle_layers=oracle_layers, attrs={"prediction": "1000", "correct": True}
+    )
+
+    assert writer.has_oracle("a") and not writer.has_oracle("b")
+    record = stores.open(path).example("a")
+    np.testing.assert_array_equal(record.oracle, oracle.astype(np.float32))
+    np.testing.assert_array_equal(record.oracle_layers, oracle_layers.astype(np.float32))
+    assert record.attrs["prediction"] == "1000" and record.attrs["correct"] is True
+    assert record.attrs["task"] == "niah_single_1"
+    assert stores.open(path).example("b").oracle is None
+    assert stores.open(path).example("b").oracle_layers is None
+
+
+def test_an_interrupted_oracle_leaves_the_capture_intact_and_the_oracle_absent(path, monkeypatch):
+    writer = stores.create(path, RUN_META)
+    write(writer, "a", 0)
+    first, first_layers = _oracle(seed=1)
+    writer.add_oracle("a", oracle=first, oracle_layers=first_layers, attrs={"correct": True})
+
+    second, second_layers = _oracle(seed=2)
+    with monkeypatch.context() as patch:
+        crash_before_flag(patch)
+        with pytest.raises(Crash):  # replacing the first oracle dies after the new arrays
+            writer.add_oracle("a", oracle=second, oracle_layers=second_layers, attrs={"correct": False})
+
+    store = stores.open(path)
+    assert_example_matches(store, "a", 0)
+    record = store.example("a")
+    assert record.oracle is None and not record.has_oracle
+    assert not writer.has_oracle("a")
+
+    writer.add_oracle("a", oracle=second, oracle_layers=second_layers, attrs={"correct": False})
+    record = stores.open(path).example("a")
+    np.testing.assert_array_equal(record.oracle, second.astype(np.float32))
+    assert record.attrs["correct"] is False
+
+
+def test_add_oracle_needs_a_captured_example_and_matching_lengths(path, monkeypatch):
+    writer = stores.create(path, RUN_META)
+    oracle, oracle_layers = _oracle()
+    with pytest.raises(RankkitError, match="not captured.*capture it before adding its oracle"):
+        writer.add_oracle("ghost", oracle=oracle, oracle_layers=oracle_layers, attrs={})
+    write(writer, "a", 0)
+    with pytest.raises(RankkitError, match="covers 47 tokens but the example has 48"):
+        writer.add_oracle("a", oracle=oracle[:-1], oracle_layers=oracle_layers, attrs={})
+    with pytest.raises(RankkitError, match="sets those flags itself"):
+        writer.add_oracle("a", oracle=oracle, oracle_layers=oracle_layers, attrs={"oracle_complete": True})
+
+
+def test_add_arrays_round_trip_and_interruption(path, monkeypatch):
+    writer = stores.create(path, RUN_META)
+    write(writer, "a", 0)
+    draft = {"lookahead/max": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": np.arange(5)}
+    writer.add_arrays("a", "draft_scores", draft, {"draft_model": "tiny", "k": 8})
+    with monkeypatch.context() as patch:
+        crash_before_flag(patch)
+        with pytest.raises(Crash):
+            writer.add_arrays("a", "half_written", {"x": np.ones(3)}, {})
+
+    record = stores.open(path).example("a")
+    assert record.groups == ["draft_scores"]
+    group = record.group("draft_scores")
+    assert group.attrs == {"draft_model": "tiny", "k": 8}
+    assert group.names == ["ids", "lookahead/max"]
+    np.testing.assert_array_equal(group["lookahead/max"], draft["lookahead/max"])
+    np.testing.assert_array_equal(group["ids"], np.arange(5))
+    with pytest.raises(RankkitError, match="no complete group 'half_written'"):
+        record.group("half_written")
+    with pytest.raises(RankkitError, match="part of the example layout"):
+        writer.add_arrays("a", "scores", {"x": np.ones(3)}, {})
+
+
+# --- frames -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def filled(path) -> stores.Store:
+    """Three examples of different lengths; the oracle on the first and the last."""
+    writer = stores.create(path, RUN_META)
+    for index, num_tokens in enumerate((48, 30, 12)):
+        write(writer, f"ex:{index}", index, num_tokens=num_tokens)
+    for index, num_tokens in ((0, 48), (2, 12)):
+        oracle, oracle_layers = _oracle(num_tokens, seed=index)
+        writer.add_oracle(
+            f"ex:{index}", oracle=oracle, oracle_layers=oracle_layers, attrs={"correct": index == 0}
+        )
+    return stores.open(path)
+
+
+def test_examples_frame(filled):
+    frame = filled.examples_frame()
+    assert frame.columns[:6] == ["id", "complete", "task", "num_tokens", "has_oracle", "correct"]
+    assert "question" in frame.columns and "answers" not in frame.columns and "spans" not in frame.columns
+    assert frame.schema["id"] == pl.Categorical and frame.schema["num_tokens"] == pl.Int32
+    assert frame.select("id", "task", "num_tokens", "has_oracle", "correct").rows() == [
+        ("ex:0", "niah_single_1", 48, True, True),
+        ("ex:1", "qa", 30, False, None),
+        ("ex:2", "niah_single_1", 12, True, False),
+    ]
+    assert frame["question"].to_list() == [f"What is the magic number {index}?" for index in range(3)]
+
+
+def test_scores_frame_sums_heads_by_default(filled):
+    frame = filled.scores_frame()
+    assert frame.columns == ["example", "probe", "layer", "token", "score"]
+    assert dict(frame.schema) == {
+        "example": pl.Categorical,
+        "probe": pl.Categorical,
+        "layer": pl.Int32,
+        "token": pl.Int32,
+        "score": pl.Float32,
+    }
+    assert frame.height == len(PROBES) * LAYERS * (48 + 30 + 12)
+    expected = example_data(1, num_tokens=30)[2]["gemfilter"].sum(axis=1)  # [layers, T]
+    cell = frame.filter((pl.col("example") == "ex:1") & (pl.col("probe") == "gemfilter")).sort(
+        "layer", "token"
+    )
+    np.testing.assert_allclose(cell["score"].to_numpy().reshape(LAYERS, 30), expected, rtol=1e-6)
+
+
+def test_scores_frame_per_head_for_one_probe_and_some_layers(filled):
+    frame = filled.scores_frame("fastkv", reduce=None, examples=["ex:2"], layers=[3, 0])
+    assert frame.columns == ["example", "probe", "layer", "head", "token", "score"]
+    scores = example_data(2, num_tokens=12)[2]["fastkv"]
+    assert frame.height == 2 * HEADS * 12
+    for layer, head, token, score in frame.select("layer", "head", "token", "score").iter_rows():
+        assert score == scores[layer, head, token]
+    assert set(frame["layer"]) == {0, 3}
+    assert frame["probe"].unique().to_list() == ["fastkv"]
+
+    maxed = filled.scores_frame("fastkv", reduce="max", examples=["ex:2"])
+    np.testing.assert_array_equal(maxed["score"].to_numpy().reshape(LAYERS, 12), scores.max(axis=1))
+
+
+def test_scores_frames_come_one_example_at_a_time(filled):
+    frames = list(filled.iter_scores_frames("fastkv"))
+    assert [frame["example"].unique().to_list() for frame in frames] == [["ex:0"], ["ex:1"], ["ex:2"]]
+
+
+def test_oracle_frames(filled):
+    frame = filled.oracle_frame()
+    assert frame.columns == ["example", "token", "oracle"]
+    assert frame["example"].unique(maintain_order=True).to_list() == ["ex:0", "ex:2"]
+    oracle, oracle_layers = _oracle(12, seed=2)
+    last = frame.filter(pl.col("example") == "ex:2")
+    np.testing.assert_array_equal(last["token"].to_numpy(), np.arange(12))
+    np.testing.assert_array_equal(last["oracle"].to_numpy(), oracle.astype(np.float32))
+
+    layered = filled.oracle_layers_frame(examples=["ex:2"], layers=[1])
+    assert layered.columns == ["example", "layer", "token", "oracle"]
+    np.testing.assert_array_equal(layered["oracle"].to_numpy(), oracle_layers[1].astype(np.float32))
+
+    # frames of one store join without casts
+    joined = filled.scores_frame("fastkv").join(frame, on=["example", "token"])
+    assert joined.height == LAYERS * (48 + 12)
+
+
+def test_frames_of_an_empty_store_have_their_columns(path):
+    stores.create(path, RUN_META)
+    store = stores.open(path)
+    assert len(store) == 0
+    assert store.scores_frame().columns == ["example", "probe", "layer", "token", "score"]
+    assert store.scores_frame(reduce=None).columns == ["example", "probe", "layer", "head", "token", "score"]
+    assert store.oracle_frame().columns == ["example", "token", "oracle"]
+    assert store.examples_frame().columns == ["id", "complete", "task", "num_tokens", "has_oracle", "correct"]
+
+
+# --- summary ---------------------------------------------------------------------------------
+
+
+def test_describe_counts_what_the_store_holds(filled, monkeypatch):
+    writer = stores.create(filled.path, RUN_META)
+    writer.add_arrays("ex:1", "draft_scores", {"x": np.ones(3)}, {})
+    with monkeypatch.context() as patch:
+        crash_before_flag(patch)
+        with pytest.raises(Crash):
+            write(writer, "ex:3", 3)
+
+    summary = stores.describe(filled.path)
+    assert summary["examples"] == {"complete": 3, "incomplete": 1, "with_oracle": 2}
+    assert summary["tasks"] == {"niah_single_1": 2, "qa": 1}
+    assert summary["probes"]["fastkv"] == {
+        "examples": 3,
+        "layers": [LAYERS],
+        "kv_heads": [HEADS],
+        "tokens_min": 12,
+        "tokens_max": 48,
+    }
+    assert summary["groups"] == {"draft_scores": 1}
+    assert summary["run_meta"] == RUN_META
+    assert summary["schema_version"] == stores.SCHEMA_VERSION
+    json.dumps(summary)  # plain JSON values only
