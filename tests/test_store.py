@@ -636,7 +636,7 @@ def test_frames_of_an_empty_store_have_their_columns(path):
     assert store.examples_frame().columns == ["id", "complete", "task", "num_tokens", "has_oracle", "correct"]
 
 
-# --- summary ---------------------------------------------------------------------------------
+# --- summary and CLI --------------------------------------------------------------------------
 
 
 def test_describe_counts_what_the_store_holds(filled, monkeypatch):
@@ -661,3 +661,39 @@ def test_describe_counts_what_the_store_holds(filled, monkeypatch):
     assert summary["run_meta"] == RUN_META
     assert summary["schema_version"] == stores.SCHEMA_VERSION
     json.dumps(summary)  # plain JSON values only
+
+
+def test_cli_store_info(filled):
+    from rankkit.cli import store_cmd  # noqa: F401  (registers the command)
+    from rankkit.cli.app import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    as_json = runner.invoke(app, ["store", "info", str(filled.path), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output) == stores.describe(filled.path)
+
+    tables = runner.invoke(app, ["store", "info", str(filled.path)], env={"COLUMNS": "160"})
+    assert tables.exit_code == 0, tables.output
+    for text in (
+        "sha256:aaaa",
+        "Probes: scores [layers, kv_heads, tokens]",
+        "fastkv",
+        "12–48",
+        "with oracle",
+        "task qa",
+    ):
+        assert text in tables.output
+
+
+def test_cli_store_info_on_a_bad_path_exits_2_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "info", str(tmp_path / "missing.zarr")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == f"rankkit: error: no store at {tmp_path / 'missing.zarr'}; check the path or capture into it first\n"
+    )

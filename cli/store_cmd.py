@@ -1,0 +1,94 @@
+"""`rankkit store info PATH`: what a capture store holds."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from rankkit import stores
+
+from .app import app
+
+store_app = typer.Typer(name="store", help="Inspect capture stores.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+_VALUE_WIDTH = 80
+
+
+@store_app.command("info")
+def info(
+    path: Path = typer.Argument(..., help="Store directory, e.g. runs/capture.zarr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+) -> None:
+    """Run metadata, example counts, tasks, probes with their shapes, oracles and added groups."""
+    summary = stores.describe(path)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    console = Console()
+    console.print(_run_table(summary))
+    console.print(_examples_table(summary))
+    if summary["probes"]:
+        console.print(_probes_table(summary["probes"]))
+    if summary["groups"]:
+        console.print(_groups_table(summary["groups"]))
+
+
+def _run_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=Text(f"Store {summary['path']}"), show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", overflow="fold")
+    for key in ("schema_version", "rankkit_version", "created"):
+        table.add_row(key, str(summary[key]))
+    for key, value in summary["run_meta"].items():
+        table.add_row(Text(key), Text(_compact(value)))
+    return table
+
+
+def _examples_table(summary: dict[str, Any]) -> Table:
+    counts = summary["examples"]
+    table = Table(title="Examples")
+    table.add_column("examples")
+    table.add_column("count", justify="right")
+    table.add_row("complete", str(counts["complete"]))
+    table.add_row("incomplete (redone on resume)", str(counts["incomplete"]))
+    table.add_row("with oracle", str(counts["with_oracle"]))
+    table.add_section()
+    for task, count in summary["tasks"].items():
+        table.add_row(Text(f"task {task}"), str(count))
+    return table
+
+
+def _probes_table(probes: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title=Text("Probes: scores [layers, kv_heads, tokens]"))
+    for column in ("probe", "examples", "layers", "kv_heads", "tokens"):
+        table.add_column(column, justify="left" if column == "probe" else "right")
+    for probe, shape in probes.items():
+        tokens = f"{shape['tokens_min']}–{shape['tokens_max']}"
+        table.add_row(
+            Text(probe),
+            str(shape["examples"]),
+            ", ".join(map(str, shape["layers"])),
+            ", ".join(map(str, shape["kv_heads"])),
+            tokens if shape["tokens_min"] != shape["tokens_max"] else str(shape["tokens_min"]),
+        )
+    return table
+
+
+def _groups_table(groups: dict[str, int]) -> Table:
+    table = Table(title="Groups added after capture")
+    table.add_column("group")
+    table.add_column("examples", justify="right")
+    for group, count in groups.items():
+        table.add_row(Text(group), str(count))
+    return table
+
+
+def _compact(value: Any) -> str:
+    """One line per metadata value; long ones (model configs) are cut, --json has them whole."""
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= _VALUE_WIDTH else text[: _VALUE_WIDTH - 1] + "…"
