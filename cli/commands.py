@@ -2,5 +2,4 @@
 
 from rankkit.cli import run_cmd  # noqa: F401
 from rankkit.cli import store_cmd  # noqa: F401
-from rankkit.cli import overhead_cmd  # noqa: F401
 from rankkit.cli import data_cmd  # noqa: F401
