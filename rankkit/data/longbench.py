@@ -96,20 +96,20 @@ def is_longbench_record(record: dict) -> bool:
     return "input" in record and "_id" in record
 
 
-def dataset_name(name: str) -> str:
+def dataset_name(name: str, where: str) -> str:
     """The LongBench dataset a record belongs to (LongBench-E's names end in ``_e``)."""
     if name in PROMPTS:
         return name
     if name.endswith("_e") and name[:-2] in PROMPTS:
         return name[:-2]
-    raise RankkitError(f"unknown LongBench dataset '{name}'; known: {', '.join(PROMPTS)}")
+    raise RankkitError(f"{where}: unknown LongBench dataset '{name}'; known: {', '.join(PROMPTS)}")
 
 
 def longbench_example(record: dict, where: str) -> Example:
     missing = [key for key in ("_id", "context", "input", "answers", "dataset") if key not in record]
     if missing:
         raise RankkitError(f"{where}: a LongBench record needs {', '.join(missing)}")
-    dataset = dataset_name(record["dataset"])
+    dataset = dataset_name(record["dataset"], where)
     before, after = PROMPTS[dataset].split("{context}")
     meta = {
         "dataset": record["dataset"],
