@@ -181,10 +181,12 @@ def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
 def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool = False) -> StoreWriter:
     """Create a store, or reopen one to resume it after checking it holds the same run.
 
-    ``run_meta`` is any JSON-like dict (model id, config and weights hash, tokenizer,
-    probe parameters, dataset spec, ...). The store adds ``schema_version``,
-    ``rankkit_version`` and ``created`` itself. Resuming requires every other key to
-    equal what the store holds; ``overwrite=True`` deletes an existing store first.
+    ``run_meta`` is any JSON-like dict; capture writes
+    ``{"model": {"id", "config", "weights_hash"}, "tokenizer": ..., "probes": {name: params},
+    "dataset": ...}``. The store adds ``schema_version``, ``rankkit_version`` and
+    ``created`` itself. Resuming requires every other key to equal what the store holds
+    (so put only what defines the run there, nothing per invocation); ``overwrite=True``
+    deletes an existing store first.
     """
     store_path = Path(path)
     meta = to_json(run_meta, "run_meta")
