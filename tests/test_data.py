@@ -10,13 +10,14 @@ import json
 import re
 from collections import Counter
 
+import numpy as np
 import pytest
 import yaml
 
 from rankkit.data import Example, export_jsonl, load_examples, parse_spec, score
-from rankkit.data.fitting import prompt_tokens
+from rankkit.data.fitting import TokenizedText, prompt_tokens
 from rankkit.data.niah import NEEDLE, QUESTION
-from rankkit.data.ruler import TASKS, TEMPLATES
+from rankkit.data.ruler import NIAH_DEPTHS, TASKS, TEMPLATES
 from rankkit.data.sources import package_file
 from rankkit.errors import RankkitError
 from rankkit.prompting import build_prompt
@@ -160,6 +161,7 @@ def test_ruler_in_context_examples_come_first():
 
 
 def test_ruler_tables_match_the_installed_ruler():
+    assert NIAH_DEPTHS == list(np.round(np.linspace(0, 100, num=40)).astype(int))
     config = yaml.safe_load(package_file("long_context_eval", "synthetic.yaml", "test").read_text())
     assert {name: (entry["task"], entry["args"]) for name, entry in config.items()} == TASKS
 
@@ -196,6 +198,14 @@ def test_parse_spec():
     assert parse_spec("niah:n=8,length=2048") == ("niah", {"n": "8", "length": "2048"})
     assert parse_spec(" ruler:task=vt, length=4096 ") == ("ruler", {"task": "vt", "length": "4096"})
     assert parse_spec("data/x.jsonl:n=5") == ("jsonl", {"n": "5", "path": "data/x.jsonl"})
+    with pytest.raises(RankkitError, match="jsonl does not take 'path'"):
+        parse_spec("data/x.jsonl:path=y.jsonl")
+
+
+def test_a_short_text_repeats_to_reach_the_tokens_asked_for():
+    haystack = TokenizedText.of(WORDS, "One two three.", min_tokens=10)
+    assert haystack.text.startswith("One two three.\n\nOne two three.") and haystack.num_tokens > 10
+    assert haystack.text[: haystack.prefix_chars(5)] == "One two three.\n\nOne"
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ left out). ``seed`` defaults to 0; the same spec and tokenizer give the same exa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rankkit.data.example import Example
@@ -24,44 +25,39 @@ KEYS = {
     "ruler": ("task", "n", "length", "seed"),
     "jsonl": ("n",),
 }
+_JSONL_SPEC = re.compile(r"(?P<path>.*?\.jsonl)(?::(?P<params>.*))?")
 USAGE = "use niah:length=N,n=K, ruler:task=NAME,length=N,n=K, or PATH.jsonl[:n=K]"
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """(kind, parameters) of a spec; a jsonl spec's parameters include its ``path``."""
+    """(kind, parameters) of a spec, keys checked; a jsonl spec's parameters include its ``path``."""
     spec = spec.strip()
     if ".jsonl" in spec:
-        stem, _, rest = spec.rpartition(".jsonl")
-        if rest and not rest.startswith(":"):
+        jsonl = _JSONL_SPEC.fullmatch(spec)
+        if jsonl is None:
             raise RankkitError(f"cannot read data spec '{spec}': after .jsonl only ':n=K' may follow")
-        kind, params = "jsonl", _parameters(spec, rest[1:])
-        params["path"] = stem + ".jsonl"
-        return kind, params
+        return "jsonl", {**_parameters("jsonl", spec, jsonl["params"] or ""), "path": jsonl["path"]}
     kind, _, rest = spec.partition(":")
     if kind not in ("niah", "ruler"):
         raise RankkitError(f"unknown data kind '{kind}' in '{spec}'; {USAGE}")
-    return kind, _parameters(spec, rest)
+    return kind, _parameters(kind, spec, rest)
 
 
-def _parameters(spec: str, text: str) -> dict[str, str]:
+def _parameters(kind: str, spec: str, text: str) -> dict[str, str]:
     params: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, equals, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not equals or not key or not value:
             raise RankkitError(f"expected key=value, got '{item}' in data spec '{spec}'")
+        if key not in KEYS[kind]:
+            raise RankkitError(
+                f"{kind} does not take '{key}' (in '{spec}'); its keys are {', '.join(KEYS[kind])}"
+            )
         if key in params:
             raise RankkitError(f"'{key}' is given twice in data spec '{spec}'")
         params[key] = value
     return params
-
-
-def _check_keys(kind: str, params: dict[str, str], spec: str) -> None:
-    for key in params:
-        if key not in KEYS[kind] and key != "path":
-            raise RankkitError(
-                f"{kind} does not take '{key}' (in '{spec}'); its keys are {', '.join(KEYS[kind])}"
-            )
 
 
 def _integer(
@@ -98,7 +94,6 @@ def _depths(params: dict[str, str], spec: str) -> list[float] | None:
 def load_examples(spec: str, tokenizer) -> list[Example]:
     """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
     kind, params = parse_spec(spec)
-    _check_keys(kind, params, spec)
     if kind == "jsonl":
         return load_jsonl(params["path"], limit=_integer(params, "n", spec) if "n" in params else None)
     if tokenizer is None:
