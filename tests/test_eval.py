@@ -1,0 +1,426 @@
+"""Ranking evaluators: rank statistics against scipy, top-k and needle recall by hand, CLAA and ASL
+against slow loops of the papers' pseudo-code, and `rankkit compare` / `variance` on a small store."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from rankkit.errors import RankkitError
+from rankkit.eval.compare import CLAA_SWEEP, compare_store
+from rankkit.eval.ranking import (
+    aggregate_claa,
+    aggregate_claa_every_layer,
+    average_ranks,
+    descending_ranks,
+    keep_count,
+    kendall,
+    needle_recall,
+    spans_mask,
+    spearman,
+    specprefill_scores,
+    top_k_mask,
+    topk_recall,
+)
+from rankkit.eval.variance import rank_variance_curve, selection_layer, variance_store
+
+# Few distinct values, so most draws have ties.
+tied_rows = st.integers(2, 40).flatmap(
+    lambda length: st.tuples(
+        st.lists(st.integers(0, 5), min_size=length, max_size=length),
+        st.lists(st.integers(0, 5), min_size=length, max_size=length),
+    )
+)
+
+
+def same(got, expected) -> bool:
+    return bool(np.allclose(got, expected, rtol=0, atol=1e-12, equal_nan=True))
+
+
+# ---------------------------------------------------------------- rank statistics
+
+
+@settings(max_examples=200, deadline=None)
+@given(tied_rows)
+def test_average_ranks_are_scipys_rankdata(rows):
+    values = np.array(rows, dtype=np.float32)
+    np.testing.assert_array_equal(average_ranks(values), stats.rankdata(values, axis=-1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tied_rows)
+def test_descending_ranks_break_ties_toward_the_earlier_token(rows):
+    values = np.array(rows, dtype=np.float64)
+    expected = np.empty(values.shape, dtype=np.int64)
+    np.put_along_axis(
+        expected, np.argsort(-values, axis=-1, kind="stable"), np.arange(values.shape[1]), axis=-1
+    )
+    np.testing.assert_array_equal(descending_ranks(values), expected)
+
+
+@pytest.mark.filterwarnings("ignore::scipy.stats.ConstantInputWarning")
+@settings(max_examples=200, deadline=None)
+@given(tied_rows)
+def test_spearman_is_scipys_including_ties_and_constant_inputs(rows):
+    scores, reference = (np.array(row, dtype=np.float64) for row in rows)
+    assert same(spearman(scores, reference), stats.spearmanr(scores, reference).statistic)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tied_rows)
+def test_kendall_is_scipys_tau_b(rows):
+    scores, reference = (np.array(row, dtype=np.float64) for row in rows)
+    assert same(kendall(scores, reference), stats.kendalltau(scores, reference).statistic)
+
+
+def test_rank_statistics_score_every_layer_and_head_at_once():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 30, size=(4, 3, 200)).astype(np.float32)
+    reference = rng.random(200)
+    rho, tau = spearman(scores, reference), kendall(scores, reference)
+    assert rho.shape == tau.shape == (4, 3)
+    for layer, head in np.ndindex(4, 3):
+        assert same(rho[layer, head], stats.spearmanr(scores[layer, head], reference).statistic)
+        assert same(tau[layer, head], stats.kendalltau(scores[layer, head], reference).statistic)
+
+
+# ---------------------------------------------------------------- top-k and needle recall
+
+
+def test_keep_count_takes_a_rate_or_a_count():
+    assert keep_count(0.1, 100) == 10
+    assert keep_count(0.25, 10) == 2  # floor
+    assert keep_count(0.01, 10) == 1  # at least one token
+    assert keep_count(1.0, 7) == 7
+    assert keep_count(3, 10) == 3
+    assert keep_count(50, 10) == 10
+    for bad in (0.0, 1.5, 0, True):
+        with pytest.raises(ValueError):
+            keep_count(bad, 10)
+
+
+def test_top_k_mask_breaks_ties_toward_the_earlier_token():
+    np.testing.assert_array_equal(top_k_mask(np.array([1.0, 3.0, 3.0, 3.0, 0.0]), 2), [0, 1, 1, 0, 0])
+
+
+def test_topk_recall_by_hand():
+    oracle = np.array([9, 8, 7, 6, 5, 4, 3, 2, 1, 0], dtype=float)  # top 20% = tokens 0, 1
+    assert topk_recall(oracle, oracle, 0.2) == 1.0
+    assert topk_recall(-oracle, oracle, 0.2) == 0.0
+    assert topk_recall(np.array([9, 0, 8, 0, 0, 0, 0, 0, 0, 0.0]), oracle, 0.2) == 0.5  # keeps 0 and 2
+    assert topk_recall(np.array([9, 0, 8, 0, 7, 0, 0, 0, 0, 0.0]), oracle, 3) == pytest.approx(2 / 3)
+    layers = np.stack([oracle, -oracle])
+    np.testing.assert_array_equal(topk_recall(layers, oracle, 0.2), [1.0, 0.0])
+
+
+def test_needle_recall_by_hand():
+    scores = np.array([0, 5, 4, 0, 3, 0, 0, 0, 0, 0], dtype=float)  # top 30% = tokens 1, 2, 4
+    evidence = spans_mask([[2, 4], [9, 12]], 10)  # tokens 2, 3 and 9; the second span is clipped
+    np.testing.assert_array_equal(evidence, [0, 0, 1, 1, 0, 0, 0, 0, 0, 1])
+    assert needle_recall(scores, evidence, 0.3) == pytest.approx(1 / 3)
+    assert needle_recall(scores, evidence, 1.0) == 1.0
+    assert np.isnan(needle_recall(scores, spans_mask([], 10), 0.3))
+
+
+# ---------------------------------------------------------------- method aggregations
+
+
+def test_claa_is_the_max_over_the_n_layers_ending_at_the_pruning_layer():
+    rng = np.random.default_rng(1)
+    layer_scores = rng.random((10, 50))
+    for n in (1, 2, 4, 8, 12):
+        every_layer = aggregate_claa_every_layer(layer_scores, n)
+        for pruning_layer in range(10):
+            expected = np.full(50, -np.inf)
+            for layer in range(pruning_layer - n + 1, pruning_layer + 1):
+                if layer >= 0:
+                    expected = np.maximum(expected, layer_scores[layer])
+            np.testing.assert_array_equal(aggregate_claa(layer_scores, pruning_layer, n), expected)
+            np.testing.assert_array_equal(every_layer[pruning_layer], expected)
+    np.testing.assert_array_equal(aggregate_claa_every_layer(layer_scores, 1), layer_scores)
+    with pytest.raises(ValueError):
+        aggregate_claa(layer_scores, 10, 4)
+
+
+def test_specprefill_is_the_mean_over_lookahead_queries_of_the_max_over_layers_and_heads():
+    # [k=2 queries, 2 layers, 2 heads, 3 tokens]
+    lookahead = np.zeros((2, 2, 2, 3))
+    lookahead[0, 1, 0] = [1, 5, 2]
+    lookahead[0, 0, 1] = [3, 0, 0]
+    lookahead[1, 0, 0] = [0, 1, 7]
+    np.testing.assert_allclose(specprefill_scores(lookahead), [(3 + 0) / 2, (5 + 1) / 2, (2 + 7) / 2])
+    np.testing.assert_array_equal(specprefill_scores(np.array([1.0, 2.0])), [1.0, 2.0])
+
+
+# ---------------------------------------------------------------- ASL
+
+
+def slow_algorithm_2(layer_scores: np.ndarray, k: int, min_layer: int, observed_layers: int) -> list[float]:
+    """ASL Appendix A, Algorithm 2, one layer and one token at a time, with plain Python."""
+    summed = layer_scores.sum(axis=1) if layer_scores.ndim == 3 else layer_scores
+    num_layers, num_tokens = summed.shape
+    rank_cache = []
+    for layer in range(num_layers):  # Algorithm 1's RankDesc: 0 = highest, ties to the earlier token
+        order = sorted(range(num_tokens), key=lambda token, layer=layer: (-summed[layer, token], token))
+        ranks = [0] * num_tokens
+        for place, token in enumerate(order):
+            ranks[token] = place
+        rank_cache.append(ranks)
+    curve, init_var = [float("nan")] * num_layers, None
+    for layer in range(min_layer, num_layers):
+        window = rank_cache[max(0, layer - observed_layers + 1) : layer + 1]
+        union = {token for ranks in window for token in range(num_tokens) if ranks[token] < k}
+        var = statistics.fmean(statistics.pvariance([ranks[token] for ranks in window]) for token in union)
+        init_var = var if init_var is None else init_var
+        curve[layer] = var / init_var
+    return curve
+
+
+def test_asl_curve_by_hand():
+    layer_scores = np.array([[3.0, 2, 1], [1, 2, 3], [1, 2, 3]])  # ranks [0 1 2], [2 1 0], [2 1 0]
+    # Layer 1: top-1 tokens {0, 2}, each ranked 0 and 2 -> variance 1. Layer 2: {2}, ranked 0 twice -> 0.
+    curve = rank_variance_curve(layer_scores, budget=1, min_layer=1, observed_layers=2)
+    assert same(curve, [np.nan, 1.0, 0.0])
+    assert selection_layer(curve, 0.5) == 2
+
+
+@pytest.mark.parametrize("budget, min_layer, observed_layers", [(3, 4, 3), (0.2, 2, 8), (1, 1, 2), (5, 5, 4)])
+def test_asl_curve_matches_a_slow_loop_of_algorithm_2(budget, min_layer, observed_layers):
+    rng = np.random.default_rng(2)
+    layer_scores = rng.integers(0, 6, size=(12, 2, 25)).astype(np.float32)  # heads to sum, ties to break
+    k = keep_count(budget, 25)
+    expected = slow_algorithm_2(layer_scores, k, min_layer, observed_layers)
+    assert same(rank_variance_curve(layer_scores, budget, min_layer, observed_layers), expected)
+
+
+def test_asl_min_layer_defaults_to_a_third_of_the_depth():
+    curve = rank_variance_curve(np.random.default_rng(3).random((30, 40)), budget=4)
+    assert np.isnan(curve[:10]).all() and curve[10] == 1.0 and np.isfinite(curve[10:]).all()
+
+
+def test_selection_layer_for_each_threshold():
+    curve = np.array([np.nan, np.nan, 1.0, 0.7, 0.55, 0.45, 0.35, 0.25, 0.15, 0.5])
+    chosen = {tau: selection_layer(curve, tau) for tau in (0.2, 0.3, 0.4, 0.5, 0.6)}
+    assert chosen == {0.2: 8, 0.3: 7, 0.4: 6, 0.5: 5, 0.6: 4}
+    assert selection_layer(curve, 0.1) is None
+
+
+# ---------------------------------------------------------------- compare on a store
+
+LAYERS, HEADS, TOKENS = 6, 2, 60
+CONTEXT = (5, 50)
+EVIDENCE = [[20, 24]]
+
+
+def write_store(path, *, oracle=True, draft=True, examples=3):
+    """Probes with known answers: ``window`` ranks exactly like the oracle, ``last_token_raw``
+    exactly against it, ``lava`` at random; the oracle peaks on the evidence."""
+    from rankkit import stores
+
+    rng = np.random.default_rng(4)
+    writer = stores.create(path, {"model": {"id": "synthetic"}})
+    for index in range(examples):
+        example_id = f"ex{index}"
+        truth = rng.random(TOKENS).astype(np.float32)
+        truth[20:24] += 10
+        per_head = np.broadcast_to(truth, (LAYERS, HEADS, TOKENS)) / HEADS
+        scores = {
+            "window": per_head,
+            "last_token_raw": -per_head,
+            "lava": rng.random((LAYERS, HEADS, TOKENS)).astype(np.float32),
+        }
+        spans = {"context_tokens": list(CONTEXT), "evidence_tokens": EVIDENCE}
+        attrs = {"task": "niah", "spans": spans}
+        writer.write_example(example_id, attrs=attrs, tokens=np.arange(TOKENS), scores=scores)
+        if oracle:
+            writer.add_oracle(example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={})
+        if draft:
+            writer.add_arrays(example_id, "draft_scores", {"lookahead": np.stack([truth, truth])}, {})
+    return path
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return write_store(tmp_path_factory.mktemp("eval") / "run.zarr")
+
+
+@pytest.fixture(scope="module")
+def result(store_path):
+    return compare_store(store_path)
+
+
+def test_compare_frames_have_the_documented_columns(result):
+    metrics = ["spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall"]
+    assert result.per_layer.columns == ["example", "task", "method", "layer", *metrics, "adjacent_spearman"]
+    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman"]
+    assert result.sweep.columns == [
+        "example", "task", "method", "claa_layers", "layer",
+        "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman",
+    ]  # fmt: skip
+    stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
+    assert result.stability.columns == ["method", *stability]
+    assert result.summary.columns == ["method", "layer", *metrics, "n_examples", *stability]
+    assert result.per_layer["example"].dtype == pl.Categorical
+
+
+def test_compare_known_answers(result):
+    summary = {row["method"]: row for row in result.summary.to_dicts()}
+    assert list(summary) == ["last_token_raw", "lava", "window", "gemfilter", "fastkv", "claa", "specprefill"]
+    assert result.pruning_layer == LAYERS // 2
+    for method in ("window", "fastkv", "claa", "specprefill"):
+        row = summary[method]
+        assert row["spearman"] == pytest.approx(1) and row["kendall"] == pytest.approx(1), method
+        assert row["recall_at_10"] == row["recall_at_40"] == row["needle_recall"] == 1.0
+        assert row["n_examples"] == 3
+    assert summary["gemfilter"]["spearman"] == pytest.approx(-1)
+    assert summary["specprefill"]["layer"] is None
+    assert summary["window"]["std_spearman"] == pytest.approx(0)
+    assert summary["window"]["layer_to_layer"] == pytest.approx(1)
+    per_layer = result.per_layer
+    assert (
+        per_layer.filter(pl.col("method") == "gemfilter")
+        .drop("method")
+        .equals(per_layer.filter(pl.col("method") == "last_token_raw").drop("method"))
+    )
+    assert set(result.sweep["method"]) == {f"claa-n{n}" for n in CLAA_SWEEP}
+
+
+def test_compare_ranks_only_the_context(store_path, result):
+    """The frame's numbers are the ranking functions' on the context span of the stored arrays."""
+    from rankkit import stores
+
+    record = stores.open(store_path).example("ex1")
+    context = slice(*CONTEXT)
+    lava = record.scores("lava")[:, :, context]
+    layer_scores, oracle = lava.sum(axis=1), record.oracle[context]
+    evidence = spans_mask([[start - CONTEXT[0], end - CONTEXT[0]] for start, end in EVIDENCE], 45)
+    rows = result.per_layer.filter((pl.col("example") == "ex1") & (pl.col("method") == "lava")).sort("layer")
+    assert same(rows["spearman"].to_numpy(), spearman(layer_scores, oracle))
+    assert same(rows["kendall"].to_numpy(), kendall(layer_scores, oracle))
+    assert same(rows["recall_at_20"].to_numpy(), topk_recall(layer_scores, oracle, 0.2))
+    assert same(rows["needle_recall"].to_numpy(), needle_recall(layer_scores, evidence, 0.1))
+    adjacent = [spearman(layer_scores[layer], layer_scores[layer - 1]) for layer in range(1, LAYERS)]
+    assert rows["adjacent_spearman"][0] is None and same(rows["adjacent_spearman"][1:].to_numpy(), adjacent)
+    heads = result.per_head.filter((pl.col("example") == "ex1") & (pl.col("method") == "lava"))
+    assert same(heads.sort("layer", "head")["spearman"].to_numpy(), spearman(lava, oracle).reshape(-1))
+    claa = result.sweep.filter((pl.col("example") == "ex1") & (pl.col("method") == "claa-n2")).sort("layer")
+    window = record.scores("window")[:, :, context].sum(axis=1)
+    expected = [spearman(aggregate_claa(window, layer, 2), oracle) for layer in range(LAYERS)]
+    assert same(claa["spearman"].to_numpy(), expected)
+
+
+def test_compare_layer_and_methods_choose_the_rows(store_path):
+    chosen = compare_store(store_path, layer=1, methods=["lava", "claa"])
+    assert chosen.summary["method"].to_list() == ["lava", "claa"]
+    assert chosen.summary["layer"].to_list() == [1, 1]
+    assert set(chosen.per_head["method"]) == {"lava"}
+    with pytest.raises(RankkitError, match="not available"):
+        compare_store(store_path, methods=["snapkv"])
+    with pytest.raises(RankkitError, match="outside"):
+        compare_store(store_path, layer=LAYERS)
+
+
+def test_compare_without_oracle(tmp_path):
+    path = write_store(tmp_path / "no-oracle.zarr", oracle=False, draft=False, examples=1)
+    with pytest.raises(RankkitError, match="run `rankkit oracle"):
+        compare_store(path)
+    free = compare_store(path, use_oracle=False)
+    window = free.summary.filter(pl.col("method") == "window").row(0, named=True)
+    assert window["spearman"] is None and window["needle_recall"] == 1.0 and window["layer_to_layer"] == 1.0
+    assert "specprefill" not in free.summary["method"]
+
+
+def test_compare_writes_every_frame(result, tmp_path):
+    written = result.write(tmp_path / "out" / "results.parquet")
+    assert [path.name for path in written] == [
+        "results.parquet",
+        "results.per_head.parquet",
+        "results.sweep.parquet",
+        "results.stability.parquet",
+        "results.summary.parquet",
+    ]
+    assert pl.read_parquet(written[0]).equals(result.per_layer)
+
+
+def test_variance_store(store_path):
+    variance = variance_store(store_path, budget=5, min_layer=1, observed_layers=2)
+    assert variance.curves.columns == ["example", "task", "probe", "layer", "relative_variance"]
+    assert variance.selections.columns == ["example", "task", "probe", "tau", "selection_layer"]
+    assert variance.curves.height == 3 * LAYERS and variance.selections.height == 3 * 5
+    # window ranks identically at every layer: no variance at L_min, so no ratio and no selection
+    assert variance.curves["relative_variance"].null_count() == 3 * LAYERS
+    assert variance.selections["selection_layer"].null_count() == 3 * 5
+    lava = variance_store(store_path, probe="lava", budget=5, min_layer=1, observed_layers=2)
+    record_curve = lava.by_example()[0]
+    assert record_curve["relative_variance"][0] is None and record_curve["relative_variance"][1] == 1.0
+    assert list(record_curve["selection_layer"]) == ["0.2", "0.3", "0.4", "0.5", "0.6"]
+    with pytest.raises(RankkitError, match="--probe"):
+        variance_store(store_path, probe="missing")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from typer.testing import CliRunner
+
+    from rankkit.cli import compare_cmd  # noqa: F401  (registers the commands)
+    from rankkit.cli.app import app
+
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": "200"})
+
+
+def test_cli_compare_json_keys(cli, store_path):
+    result = cli("compare", store_path, "--oracle", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    required = {"method", "layer", "spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40"}
+    required |= {"needle_recall", "n_examples"}
+    assert all(required <= row.keys() for row in rows)
+    assert [row["method"] for row in rows][-2:] == ["claa", "specprefill"]
+
+
+def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
+    out = tmp_path / "results.parquet"
+    result = cli(
+        "compare", store_path, "--layer", 2, "--methods", "window,claa", "--methods", "lava", "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    assert "l_p = 2" in result.stdout and "claa" in result.stdout and "gemfilter" not in result.stdout
+    assert set(pl.read_parquet(out)["method"]) == {"window", "claa", "lava"}
+
+
+def test_cli_variance(cli, store_path):
+    result = cli(
+        "variance", store_path, "--probe", "lava", "--budget", "5", "--l-min", 1, "--l-obs", 2, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [row["example"] for row in rows] == ["ex0", "ex1", "ex2"] and rows[0]["min_layer"] == 1
+    table = cli("variance", store_path, "--probe", "lava", "--budget", "0.1")
+    assert table.exit_code == 0, table.output
+    assert "τ=0.3" in table.stdout
+
+
+def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
+    path = write_store(tmp_path / "no-oracle.zarr", oracle=False, draft=False, examples=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--oracle"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"rankkit: error: store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)\n"
+    )
