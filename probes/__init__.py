@@ -2,6 +2,8 @@
 
 Every probe returns float32 [kv_heads, S] per layer from the post-RoPE Q/K/V the runner
 exposes, without an S x S matrix. Importing this package registers all of them.
+Like the oracle, the probes rank by full causal attention logits and ignore a model's
+sliding window (see ``attention.py``).
 """
 
 from __future__ import annotations

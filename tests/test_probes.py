@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+
+from rankkit.cache import PADDING
+from rankkit.errors import RankkitError
 from rankkit.probes import (
     REGISTRY,
     LastTokenHeadsProbe,
@@ -20,9 +23,6 @@ from rankkit.probes import (
     make,
     parse_probes,
 )
-
-from rankkit.cache import PADDING
-from rankkit.errors import RankkitError
 from rankkit.runner import AttentionCall, LayerHook, Runner
 
 TOLERANCE = 1e-5
