@@ -4,6 +4,7 @@ and each method's cache holds what its paper says, layer by layer."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_model
 
 from rankkit.methods import REGISTRY, Budget, make
@@ -29,10 +30,31 @@ def _full_tokens(runner, ids, new_tokens=8):
     return runner.generate(ids, new_tokens).tokens
 
 
+class NoTextTokenizer:
+    """Tiny models have no tokenizer; the oracle only decodes its answer for display."""
+
+    def decode(self, tokens, **kwargs):
+        return ""
+
+
+@pytest.fixture
+def self_drafting(monkeypatch):
+    """SpecPrefill drafts with the model under test (the default draft model has another vocabulary)."""
+    from rankkit.methods import specprefill
+
+    monkeypatch.setattr(specprefill, "draft_runner", lambda spec, runner: runner)
+
+
+def _prepared(name, runner, ids, **params):
+    method = make(name, **params)
+    method.prepare(runner, ids, tokenizer=NoTextTokenizer())
+    return method
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_keep_all_reproduces_full_greedy_output(name, family, random_ids):
+def test_keep_all_reproduces_full_greedy_output(name, family, random_ids, self_drafting):
     runner = _tiny(family)
-    run = run_once(runner, make(name), random_ids, Budget.from_keep(1.0), 8)
+    run = run_once(runner, _prepared(name, runner, random_ids), random_ids, Budget.from_keep(1.0), 8)
     assert run.tokens == _full_tokens(runner, random_ids)
     assert run.kv_tokens_per_layer == [PROMPT_LENGTH] * runner.num_layers
 
@@ -116,3 +138,91 @@ def test_unknown_method_and_layer_errors_name_the_fix():
         make("nope")
     with pytest.raises(RankkitError, match="no selection layer"):
         make("snapkv").with_layer(3)
+
+
+def test_asl_selects_where_the_relative_rank_variance_drops_below_tau(random_ids):
+    from rankkit.methods.asl import RankVariance, descending_ranks
+
+    assert descending_ranks(torch.tensor([0.1, 0.9, 0.5])).tolist() == [2.0, 0.0, 1.0]
+    policy = RankVariance(tau=0.3, min_layer=1, observed_layers=2, top_k=2, window=1, last_layer=5)
+    shuffled = torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.0]])
+    assert policy.decide(0, shuffled) is None  # before L_min: ranks cached only
+    assert policy.decide(1, shuffled.flip(-1)) is None  # L_min sets the initial variance
+    assert policy.relative_variance[1] == 1.0
+    assert policy.decide(2, shuffled.flip(-1)) is not None  # ranks stopped moving: variance 0 < tau
+    assert policy.relative_variance[2] == 0.0
+
+
+@pytest.mark.parametrize("name", ["asl", "asl-2pass"])
+def test_asl_every_layer_holds_the_budget(name, random_ids):
+    runner = _tiny()
+    run = make(name, window_size=4, min_layer=1, observed_layers=2).prefill(
+        runner, random_ids, Budget.from_tokens(10)
+    )
+    assert run.selection_layer in (1, 2)
+    for layer in range(3):
+        assert run.result.cache.kept_tokens(layer).tolist() == [10, 10]
+
+
+@pytest.mark.parametrize("mirror", ["gemfilter", "fastkv", "claa"])
+def test_oracle_keeps_its_top_ranked_tokens_in_the_mirrored_architecture(mirror, random_ids):
+    runner = _tiny()
+    method = _prepared(
+        "oracle", runner, random_ids, mirror=mirror, pruning_layer=1, window_size=2, max_new_tokens=4
+    )
+    run = method.prefill(runner, random_ids, Budget.from_tokens(10))
+    window = (
+        1 if mirror == "gemfilter" else 2
+    )  # Listing 4 keeps the last token; the one-pass mirrors their window
+    expected = set(torch.topk(method.ranking[:-window], 10 - window).indices.tolist()) | set(
+        range(40 - window, 40)
+    )
+    assert set(run.kept_positions.tolist()) == expected
+    assert run.result.cache.positions[2][0].tolist() == sorted(expected)
+    if mirror == "gemfilter":
+        assert [p.label for p in run.passes] == ["main"]  # the ranking is offline: no first pass
+
+
+def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids, self_drafting):
+    runner = _tiny()
+    run = make("specprefill", lookahead=3).prefill(runner, random_ids, Budget.from_tokens(10))
+    assert [p.label for p in run.passes] == ["draft", "lookahead", "main"]
+    assert run.passes[1].queries == [1] * 9 and run.passes[1].keys[:3] == [41, 41, 41]
+    assert run.kept_positions[-1] == 39 and run.live_tokens == [10, 10, 10]
+
+
+def test_sage_kv_keeps_sinks_recent_and_the_best_candidates_per_head():
+    from rankkit.methods.sage_kv import sage_split
+
+    split = sage_split(8192, 4)  # Appendix A.2, Llama: sink 2048, k 1024, recent 2048
+    assert (split.sinks, split.per_query_head, split.recent) == (2048, 1024, 2048)
+    assert sage_split(8192, 7).recent == 8192 - 2048 - 7 * 585
+    runner = _tiny()
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(3))
+    run = make("sage-kv").prefill(runner, ids, Budget.from_tokens(16))  # sinks 4, G*k 8, recent 4
+    for layer in range(3):
+        positions = run.result.cache.positions[layer]
+        assert positions.shape == (2, 16)
+        assert positions[:, :4].tolist() == [[0, 1, 2, 3]] * 2
+        assert positions[:, -4:].tolist() == [[60, 61, 62, 63]] * 2
+
+
+def test_lava_head_budgets_sum_to_layer_budgets_which_sum_to_the_total(random_ids):
+    from rankkit.methods.lava import LavaBudgets, apportion
+
+    assert apportion(10, [1.0, 1.0, 2.0], [0, 0, 0], [10, 10, 10]) == [3, 2, 5]
+    assert apportion(10, [1.0, 100.0], [2, 2], [20, 6]) == [4, 6]
+    runner = _tiny()
+    hook = LavaBudgets(make_probe_lava(), keep_tokens=10, window=4, num_layers=3)
+    result = runner.prefill(random_ids, hooks=[hook])
+    kept = [int(result.cache.kept_tokens(layer).sum()) for layer in range(3)]
+    assert kept == hook.budgets and sum(kept) == 10 * 2 * 3
+    for layer in range(3):  # the window of every head survives every recompression
+        for head_positions in result.cache.positions[layer].tolist():
+            assert {36, 37, 38, 39} <= set(head_positions)
+
+
+def make_probe_lava():
+    from rankkit.methods.base import make_probe
+
+    return make_probe("lava", window_size=4)

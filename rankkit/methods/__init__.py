@@ -5,11 +5,16 @@ package registers every method.
 """
 
 from rankkit.methods import (  # noqa: F401  (each module registers its method)
+    asl,
     claa,
     fastkv,
     full,
     gemfilter,
+    lava,
+    oracle,
+    sage_kv,
     snapkv,
+    specprefill,
     streamingllm,
 )
 from rankkit.methods.base import REGISTRY, Budget, Method, MethodPrefill, Pass, make, scale_layer

@@ -101,6 +101,9 @@ class Method:
 
     name: ClassVar[str] = ""
 
+    def prepare(self, runner: Runner, input_ids: torch.Tensor, *, tokenizer) -> None:
+        """Untimed work on a prompt before its runs (the oracle's offline ranking); most methods need none."""
+
     def prefill(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
         raise NotImplementedError
 
@@ -147,16 +150,19 @@ def reprefill_selected(
     runner: Runner,
     input_ids: torch.Tensor,
     kept_positions: torch.Tensor,
-    selection: Pass,
-    selection_layer: int,
+    selection_passes: list[Pass],
+    selection_layer: int | None,
 ) -> MethodPrefill:
-    """The second pass of a two-pass method: only the kept tokens, at their original positions."""
+    """The second pass of a two-pass method: only the kept tokens, at their original positions.
+
+    ``selection_passes`` are the passes that found the selection (they count in the method's cost).
+    """
     kept_positions = torch.sort(kept_positions.to(input_ids.device)).values
     result = runner.prefill(input_ids.reshape(-1)[kept_positions], positions=kept_positions)
     result.prompt_length = int(input_ids.numel())  # decoding continues after the last prompt token
     return MethodPrefill(
         result,
-        [selection, Pass.prefill("main", result.live_tokens)],
+        [*selection_passes, Pass.prefill("main", result.live_tokens)],
         kept_positions=kept_positions,
         selection_layer=selection_layer,
     )

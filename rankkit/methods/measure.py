@@ -184,9 +184,11 @@ def measure(
     budget: Budget,
     max_new_tokens: int,
     *,
+    tokenizer,
     warmup_runs: int = 1,
 ) -> MethodRun:
-    """Warm-up runs (untimed; on CPU the first tracks peak memory), then the timed run."""
+    """The method's untimed preparation, warm-up runs (on CPU the first tracks peak memory), then the timed run."""
+    method.prepare(runner, input_ids, tokenizer=tokenizer)
     cpu_peak = None
     for index in range(warmup_runs):
         if index == 0 and runner.device.type != "cuda":

@@ -161,4 +161,4 @@ def two_pass(runner, input_ids: torch.Tensor, hook: SelectionHook) -> MethodPref
     hook.stop_at_selection = True
     first = runner.prefill(input_ids, hooks=[hook], logits_at=None)
     selection = Pass.prefill("selection", first.live_tokens)
-    return reprefill_selected(runner, input_ids, hook.kept_positions, selection, hook.selection_layer)
+    return reprefill_selected(runner, input_ids, hook.kept_positions, [selection], hook.selection_layer)
