@@ -26,6 +26,7 @@ class KVCache:
         self.padded = [False] * num_layers
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def num_layers(self) -> int:
@@ -42,10 +43,36 @@ class KVCache:
             self.keys[layer_idx], self.values[layer_idx] = key, value
             self.positions[layer_idx] = new_positions
         else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=2)
-            self.positions[layer_idx] = torch.cat([self.positions[layer_idx], new_positions], dim=1)
+            self.keys[layer_idx] = self._append(self.keys, layer_idx, key, dim=2)
+            self.values[layer_idx] = self._append(self.values, layer_idx, value, dim=2)
+            self.positions[layer_idx] = self._append(self.positions, layer_idx, new_positions, dim=1)
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def _append(self, entries: list, layer: int, new: torch.Tensor, dim: int) -> torch.Tensor:
+        """``entries[layer]`` with ``new`` appended along ``dim``, written into spare room when there is some.
+
+        Decoding appends one token per step; growing a buffer with headroom makes that
+        amortized O(1) instead of a full copy per step. A view is only ever extended in a
+        buffer it owns, so a fork that shares views (``fork``) never sees the other's writes.
+        """
+        current = entries[layer]
+        length, added = current.shape[dim], new.shape[dim]
+        buffer = self._buffers.get((id(entries), layer))
+        if buffer is None or buffer.data_ptr() != current.data_ptr() or buffer.shape[dim] < length + added:
+            shape = list(current.shape)
+            shape[dim] = length + added + max(128, (length + added) // 8)
+            buffer = current.new_empty(shape)
+            buffer.narrow(dim, 0, length).copy_(current)
+            self._buffers[(id(entries), layer)] = buffer
+        buffer.narrow(dim, length, added).copy_(new)
+        return buffer.narrow(dim, 0, length + added)
+
+    def fork(self) -> KVCache:
+        """A cache sharing these entries that grows independently (several continuations of one prefill)."""
+        twin = KVCache(self.num_layers)
+        twin.keys, twin.values, twin.positions = list(self.keys), list(self.values), list(self.positions)
+        twin.padded = list(self.padded)
+        return twin
 
     def attention_mask(
         self, layer: int, query_positions: torch.Tensor, sliding_window: int | None = None

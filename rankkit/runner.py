@@ -152,25 +152,39 @@ class Runner:
         return len(self.body.layers)
 
     def attention(self, query, key, value, mask, scaling):
-        """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query)."""
-        causal = mask is None and query.shape[2] > 1
+        """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query).
+
+        Returns [1, n, q_heads, head_dim], the layout the attention modules expect.
+        """
+        kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
+        n = query.shape[2]
+        causal = mask is None and n > 1
         if self._flash is not None and mask is None and query.dtype in (torch.float16, torch.bfloat16):
-            out = self._flash(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=causal
+            return self._flash(
+                query.transpose(1, 2),
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                softmax_scale=scaling,
+                causal=causal,
             )
-            return out
-        groups = query.shape[1] // key.shape[1]
-        if mask is not None and groups > 1:
-            mask = mask.repeat_interleave(groups, dim=1) if mask.shape[1] > 1 else mask
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-        if causal and query.shape[2] != key.shape[2]:
+        if causal and n != key.shape[2]:
             raise ValueError("causal attention over a cache needs an explicit mask")
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling)
+        if n == 1:
+            # One query per head: fold each KV group's query heads into the query axis,
+            # so keys and values are read once per KV head and never repeated.
+            folded = query.reshape(1, kv_heads, groups, query.shape[-1])
+            out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+            return out.reshape(1, query.shape[1], 1, -1).transpose(1, 2)
+        if mask is not None and mask.shape[1] > 1:
+            mask = mask.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1
+        )
         return out.transpose(1, 2).contiguous()
 
-    def _layers(self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings):
+    def _layers(
+        self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings
+    ):
         step = _Step(self, phase, positions, cache, hooks)
         cache.begin_step(positions)
         live = []
@@ -251,10 +265,14 @@ class Runner:
         return {eos} if isinstance(eos, int) else set(eos)
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, hooks=(), decode_hooks=None) -> Generation:
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, hooks=(), decode_hooks=None
+    ) -> Generation:
         """Greedy generation: prefill with ``hooks``, then decode with ``decode_hooks`` (default: the same)."""
         prefill = self.prefill(input_ids, hooks=hooks)
-        tokens = greedy_continue(self, prefill, max_new_tokens, hooks if decode_hooks is None else decode_hooks)
+        tokens = greedy_continue(
+            self, prefill, max_new_tokens, hooks if decode_hooks is None else decode_hooks
+        )
         return Generation(tokens, prefill)
 
 

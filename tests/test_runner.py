@@ -166,3 +166,16 @@ def test_uniform_compression_to_every_entry_changes_nothing(random_ids):
     from rankkit.runner import greedy_continue
 
     assert greedy_continue(runner, prefill, 6) == full
+
+
+def test_forked_caches_grow_independently(random_ids):
+    model = tiny_model("llama")
+    runner = Runner(model)
+    prefill = runner.prefill(random_ids)
+    twin = prefill.cache.fork()
+    first = runner.decode_step(5, 40, prefill.cache)
+    runner.decode_step(7, 41, prefill.cache)
+    again = runner.decode_step(5, 40, twin)
+    assert torch.allclose(first, again, atol=1e-6)
+    assert twin.get_seq_length() == 41 and prefill.cache.get_seq_length() == 42
+    assert prefill.cache.positions[0][0, -2:].tolist() == [40, 41]
