@@ -60,14 +60,17 @@ def overhead(
     ):
         table.add_column(column, justify="right")
     for row in rows:
-        mib = lambda key: "-" if row.get(key) is None else f"{row[key] / 2**20:.1f}"  # noqa: E731
         table.add_row(
             str(row["tokens"]),
             f"{row['baseline_s']:.3f}",
             f"{row['rankkit_s']:.3f}",
             f"{row['time_ratio']:.3f}",
-            mib("baseline_peak_bytes"),
-            mib("rankkit_peak_bytes"),
+            _mib(row.get("baseline_peak_bytes")),
+            _mib(row.get("rankkit_peak_bytes")),
             f"{row['memory_ratio']:.3f}" if "memory_ratio" in row else "-",
         )
     console.print(table)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"

@@ -106,17 +106,20 @@ def _sides(scenario: str, loaded, length: int) -> Sides:
 def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: str) -> int | None:
     """Peak extra memory of one side's first run, in this process (call it in a fresh one)."""
     loaded = models.load(model_spec, device=device)
-    run = getattr(_sides(scenario, loaded, length), side)
-    with torch.inference_mode(), measure(loaded.device) as m:
-        run()
+    with torch.inference_mode():
+        # Weights load memory-mapped: fault every page in first, so the figure is the run's own.
+        loaded.model(torch.zeros(1, 8, dtype=torch.long, device=loaded.device))
+        run = getattr(_sides(scenario, loaded, length), side)
+        with measure(loaded.device) as m:
+            run()
     return m.peak_bytes
 
 
 def _peak_in_subprocess(scenario: str, side: str, length: int, model_spec: str, device: str) -> int | None:
+    call = f"peak_memory({scenario!r}, {side!r}, {length}, {model_spec!r}, {device!r})"
     code = (
-        "import json, torch; torch.set_num_threads(%d); from rankkit.overhead import peak_memory; "
-        "print(json.dumps(peak_memory(%r, %r, %d, %r, %r)))"
-        % (torch.get_num_threads(), scenario, side, length, model_spec, device)
+        f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "
+        f"from rankkit.overhead import peak_memory; print(json.dumps({call}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
