@@ -186,8 +186,12 @@ def measure(
     *,
     tokenizer,
     warmup_runs: int = 1,
+    repeats: int = 1,
 ) -> MethodRun:
-    """The method's untimed preparation, warm-up runs (on CPU the first tracks peak memory), then the timed run."""
+    """The method's untimed preparation, warm-up runs, then ``repeats`` timed runs (median times).
+
+    On CPU the first warm-up run tracks peak memory (see the module docstring).
+    """
     method.prepare(runner, input_ids, tokenizer=tokenizer)
     cpu_peak = None
     for index in range(warmup_runs):
@@ -197,7 +201,12 @@ def measure(
             cpu_peak = tracker.peak
         else:
             run_once(runner, method, input_ids, budget, max_new_tokens)
-    timed = run_once(runner, method, input_ids, budget, max_new_tokens)
+    runs = [run_once(runner, method, input_ids, budget, max_new_tokens) for _ in range(repeats)]
+    timed = runs[-1]
+    timed.ttft_s = float(np.median([run.ttft_s for run in runs]))
+    timed.e2e_s = float(np.median([run.e2e_s for run in runs]))
+    if timed.tpot_s is not None:
+        timed.tpot_s = float(np.median([run.tpot_s for run in runs]))
     if cpu_peak is not None:
         timed.peak_mem_bytes = cpu_peak
     return timed

@@ -1,0 +1,122 @@
+"""The bench grid on a tiny model: one row per (example, method, budget), ratios to full, summary;
+the cost model's fit; and the CLI on the default model (integration)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from rankkit.bench import BenchSettings, run_bench, summary
+from rankkit.data import Example
+from rankkit.methods import Budget, Pass, make
+from rankkit.methods.measure import CostModel, TensorMemoryTracker
+from rankkit.prompting import Prompt
+from rankkit.runner import Runner
+
+
+class DigitTokenizer:
+    """Decodes token ids to their digits, so a tiny model's answer is a string a metric can score."""
+
+    def decode(self, tokens, **kwargs):
+        return " ".join(str(token) for token in tokens)
+
+
+def _example(index: int) -> tuple[Example, Prompt]:
+    ids = torch.randint(0, 97, (48,), generator=torch.Generator().manual_seed(index))
+    text = "x" * 48  # one character per token
+    example = Example(
+        id=f"e{index}",
+        task="toy",
+        context=text[:40],
+        question=text[40:],
+        answers=("1",),
+        evidence=((10, 14),),
+        meta={"depth_percent": 25.0},
+    )
+    prompt = Prompt(text, ids, [(i, i + 1) for i in range(48)], (0, 40), (40, 48))
+    return example, prompt
+
+
+def test_bench_rows_hold_every_measurement_and_ratios_to_full():
+    runner = Runner(tiny_model("llama"))
+    examples, prompts = zip(*(_example(i) for i in range(2)), strict=True)
+    by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
+    methods = [make("full"), make("fastkv", window_size=4), make("gemfilter")]
+    frame = run_bench(
+        runner,
+        DigitTokenizer(),
+        list(examples),
+        methods,
+        [Budget.from_keep(0.25), Budget.from_keep(0.5)],
+        BenchSettings(max_new_tokens=3, warmup_runs=1),
+        prompt_for=lambda example: by_id[example.id],
+    )
+    assert frame.height == 2 * (1 + 2 * 2)  # full once per example, then budget x method
+    assert frame["method"].to_list()[:5] == ["full", "fastkv", "gemfilter", "fastkv", "gemfilter"]
+    full = frame.filter(frame["method"] == "full")
+    assert full["ttft_ratio"].to_list() == [1.0, 1.0] and full["ideal_ratio"].to_list() == [1.0, 1.0]
+    fastkv = frame.filter((frame["method"] == "fastkv") & (frame["budget"] == "keep=0.25")).row(0, named=True)
+    assert fastkv["kv_ratio"] == pytest.approx(12 / 48)
+    assert fastkv["live_tokens"] == [48, 48, 12] and fastkv["depth_percent"] == 25.0
+    assert 0 <= fastkv["evidence_kept"] <= 1 and fastkv["peak_mem_bytes"] > 0
+    assert 0 < fastkv["ideal_ratio"] < 1
+    table = summary(frame)
+    assert table.filter(table["method"] == "gemfilter").height == 2
+    assert {"accuracy", "ttft_ratio", "ideal_ratio", "measured_over_ideal", "kv_ratio"} <= set(table.columns)
+
+
+def test_cost_model_fit_recovers_linear_and_quadratic_terms():
+    true = CostModel(linear=2e-4, quadratic=3e-8)
+    samples = [(n, 30 * true.layer_cost(n, n)) for n in (1000, 2000, 4000)]
+    fitted = CostModel.fit(samples, num_layers=30)
+    assert fitted.linear == pytest.approx(2e-4) and fitted.quadratic == pytest.approx(3e-8)
+    half_depth = [Pass.prefill("main", [4000] * 15 + [400] * 15)]
+    expected = (15 * true.layer_cost(4000, 4000) + 15 * true.layer_cost(400, 400)) / (
+        30 * true.layer_cost(4000, 4000)
+    )
+    assert fitted.ideal_ratio(half_depth, 4000, 30) == pytest.approx(expected)
+
+
+def test_memory_tracker_counts_new_storages_until_they_are_freed():
+    weights = torch.ones(1000)
+    with TensorMemoryTracker() as tracker:
+        kept = weights * 2  # 4000 bytes
+        scratch = torch.ones(2000) + 1  # two 8000-byte storages at once, then one is freed
+        del scratch
+        view = kept[:10]  # a view allocates nothing
+    assert tracker.peak == 4000 + 8000 + 8000
+    assert tracker.live == 4000 and view.numel() == 10
+
+
+@pytest.mark.integration
+def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    context = tmp_path / "context.txt"
+    context.write_text("The secret code is 4172. " + "Grass is green and the sky is blue. " * 20)
+    result = CliRunner().invoke(
+        app,
+        ["prefill", "--method", "claa", "--keep", "0.5", "--context-file", str(context), "--question",
+         "What is the secret code?", "--max-new-tokens", "4", "--compare", "full", "--json", "--warmup", "0",
+         "--device", "cpu"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert {
+        "method",
+        "keep",
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "kv_bytes",
+        "peak_mem_bytes",
+        "ideal_ratio",
+    } <= set(payload)
+    assert {"answer", "score", "ttft_ratio", "kv_ratio"} <= set(payload)
+    assert payload["method"] == "claa" and payload["keep"] == 0.5 and payload["kv_ratio"] < 1
