@@ -51,7 +51,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     except RuntimeError as error:
         raise RankkitError(f"unknown device '{device}': use auto, cpu, cuda or cuda:N") from error
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise RankkitError(f"device '{device}' asked for but CUDA is not available here: use --device cpu or auto")
+        raise RankkitError(
+            f"device '{device}' asked for but CUDA is not available here: use --device cpu or auto"
+        )
     return resolved
 
 
@@ -92,7 +94,9 @@ def folder_weights_hash(folder: Path) -> str:
         return json.loads(recorded.read_text())["sha256"]
     weight_files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     if not weight_files:
-        raise RankkitError(f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder")
+        raise RankkitError(
+            f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder"
+        )
     digest = hashlib.sha256()
     for path in weight_files:
         digest.update(path.name.encode())
@@ -119,7 +123,9 @@ def default_model_folder() -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
         # The weights are plain fp32 after dequantization; drop the GGUF marker so they save as such.
         model.hf_quantizer = None
         del model.config.quantization_config
@@ -160,7 +166,9 @@ def resolve_folder(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise RankkitError(f"{path} has no config.json: point --model at an HF model folder, or use 'default'")
+            raise RankkitError(
+                f"{path} has no config.json: point --model at an HF model folder, or use 'default'"
+            )
         return path
     if path.suffix or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise RankkitError(f"model '{spec}' is neither 'default', a folder, nor a hub id (owner/name)")
@@ -200,10 +208,14 @@ def load_tokenizer(spec: str = "default"):
     return AutoTokenizer.from_pretrained(str(resolve_folder(spec)))
 
 
-def load(spec: str = "default", device: str | torch.device = "auto", dtype: torch.dtype | None = None) -> LoadedModel:
+def load(
+    spec: str = "default", device: str | torch.device = "auto", dtype: torch.dtype | None = None
+) -> LoadedModel:
     """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # rankkit draws its own progress; weight loading takes a second
     folder = resolve_folder(spec)
     config = AutoConfig.from_pretrained(str(folder))
     check_family(config)

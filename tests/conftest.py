@@ -75,3 +75,25 @@ def default_model():
 @pytest.fixture(autouse=True, scope="session")
 def _threads():
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from rankkit import models
+
+    return models.load_tokenizer("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, default_tokenizer):
+    """A tiny random Llama saved as an HF folder with the default tokenizer: loads like any user model."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.vocab_size = len(default_tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,167 @@
+"""Capture end to end on a tiny model folder: store contents, resume, kill-and-rerun, sharding, the oracle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rankkit import stores
+from rankkit.capture import OracleOptions, add_oracle, capture
+
+DATA = "niah:n=4,length=256"
+
+
+def _capture_cli(folder, out, *extra, data=DATA):
+    return [
+        sys.executable,
+        "-m",
+        "rankkit.cli",
+        "capture",
+        "--model",
+        str(folder),
+        "--data",
+        data,
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def _same_store(left, right, exact=True):
+    """Equal stores; ``exact=False`` allows float noise from another thread count (sharded runs)."""
+    same = np.array_equal if exact else (lambda x, y: np.allclose(x, y, rtol=1e-5, atol=1e-7))
+    a, b = stores.open(left), stores.open(right)
+    assert a.example_ids() == b.example_ids()
+    for example_id in a.example_ids():
+        x, y = a.example(example_id), b.example(example_id)
+        assert np.array_equal(x.tokens, y.tokens)
+        assert x.probes == y.probes
+        for probe in x.probes:
+            assert same(x.scores(probe), y.scores(probe)), (example_id, probe)
+        assert (x.oracle is None) == (y.oracle is None)
+        if x.oracle is not None:
+            assert same(x.oracle, y.oracle)
+            assert same(x.oracle_layers, y.oracle_layers)
+        assert x.attrs["spans"] == y.attrs["spans"]
+
+
+@pytest.fixture(scope="module")
+def reference_store(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run.zarr"
+    summary = capture(
+        model=str(tiny_folder), data=DATA, out=out, device="cpu", oracle=OracleOptions(max_new_tokens=4)
+    )
+    assert summary.written == 4
+    return out
+
+
+def test_store_holds_every_probe_at_every_layer_with_spans(reference_store):
+    store = stores.open(reference_store)
+    assert len(store) == 4
+    assert set(store.meta["probes"]) == {
+        "window",
+        "last_token_raw",
+        "lava",
+        "token_units",
+        "last_token_heads",
+    }
+    assert store.meta["num_layers"] == 3 and store.meta["kv_heads"] == 2
+    record = store.example(store.example_ids()[0])
+    for probe in record.probes:
+        scores = record.scores(probe)
+        assert scores.shape == (3, 2, record.num_tokens) and np.isfinite(scores).all()
+    assert 240 <= record.num_tokens <= 256
+    ((start, end),) = record.attrs["spans"]["evidence_tokens"]
+    needle_text = "".join(record.attrs["token_text"][start:end])
+    assert "sandwich" in needle_text and "Dolores Park" in needle_text
+    assert record.oracle.shape == (record.num_tokens,)
+    assert record.oracle_layers.shape == (3, record.num_tokens)
+    assert record.attrs["oracle_params"]["max_new_tokens"] == 4
+
+
+def test_rerun_skips_complete_examples(reference_store, tiny_folder):
+    summary = capture(
+        model=str(tiny_folder),
+        data=DATA,
+        out=reference_store,
+        device="cpu",
+        oracle=OracleOptions(max_new_tokens=4),
+    )
+    assert (summary.skipped, summary.written) == (4, 0)
+
+
+def test_killed_capture_then_rerun_equals_an_uninterrupted_run(reference_store, tiny_folder, tmp_path):
+    out = tmp_path / "killed.zarr"
+    victim = subprocess.Popen(
+        _capture_cli(tiny_folder, out, "--oracle", "--max-new-tokens", "4"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        if out.exists() and len(list((out / "examples").glob("*"))) >= 2:
+            break
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    subprocess.run(
+        _capture_cli(tiny_folder, out, "--oracle", "--max-new-tokens", "4"), check=True, capture_output=True
+    )
+    _same_store(out, reference_store)
+
+
+def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_folder, tmp_path):
+    out = tmp_path / "later.zarr"
+    capture(model=str(tiny_folder), data=DATA, out=out, device="cpu")
+    assert not stores.open(out).example(stores.open(out).example_ids()[0]).has_oracle
+    summary = add_oracle(out, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
+    assert summary.written == 4
+    _same_store(out, reference_store)
+
+
+def test_two_ranks_on_gloo_shard_into_one_store(reference_store, tiny_folder, tmp_path):
+    out = tmp_path / "sharded.zarr"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29533",
+        "-m",
+        "rankkit.cli",
+        "capture",
+        "--model",
+        str(tiny_folder),
+        "--data",
+        DATA,
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--oracle",
+        "--max-new-tokens",
+        "4",
+    ]
+    subprocess.run(command, check=True, capture_output=True, env=env, timeout=600)
+    _same_store(out, reference_store, exact=False)
+
+
+def test_bad_input_is_one_line_and_exit_2(tiny_folder, tmp_path):
+    done = subprocess.run(
+        _capture_cli(tiny_folder, tmp_path / "x.zarr", data="haystack:n=2"), capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("rankkit: error: unknown data kind 'haystack'")
+    assert not (tmp_path / "x.zarr").exists()
