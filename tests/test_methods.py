@@ -226,3 +226,86 @@ def make_probe_lava():
     from rankkit.methods.base import make_probe
 
     return make_probe("lava", window_size=4)
+
+
+def _block_cache(length=32, kv_heads=2, dim=4):
+    from rankkit.cache import KVCache
+
+    cache = KVCache(1)
+    positions = torch.arange(length)
+    keys = positions.float()[None, None, :, None].expand(1, kv_heads, length, dim).clone()
+    cache.begin_step(positions)
+    cache.update(keys, -keys, 0)
+    return cache
+
+
+def _device_entries(cache):
+    order = torch.argsort(cache.positions[0][0])
+    return cache.positions[0][:, order], cache.keys[0][:, :, order], cache.values[0][:, :, order]
+
+
+def test_swap_follows_algorithm_1_and_restores_identical_kv():
+    from rankkit.methods.swap import BlockSwap
+
+    cache = _block_cache()
+    original = _device_entries(cache)
+    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9)
+    swap.offload_inactive({0, 3})
+    assert swap.blocks_on_device() == {0, 3} and set(swap.host) == {1, 2}
+    cache.begin_step(torch.tensor([32]))  # a generated token: never swapped
+    cache.update(torch.full((1, 2, 1, 4), 99.0), torch.full((1, 2, 1, 4), -99.0), 0)
+
+    assert not swap.swap({0, 3}).swapped  # overlap 1 >= gamma
+    decision = swap.swap({0, 1})  # overlap 0.5 < 0.9
+    assert decision.swapped and decision.offloaded == {3} and decision.loaded == {1} and not decision.released
+    assert swap.blocks_on_device() == {0, 1} and set(swap.host) == {1, 2, 3}
+    decision = swap.swap({0, 3})  # block 1 already has a host copy: released, not copied again
+    assert decision.released == {1} and decision.offloaded == set() and decision.loaded == {3}
+    assert swap.blocks_on_device() | set(swap.host) == {0, 1, 2, 3}  # no block lost
+
+    positions, keys, values = _device_entries(cache)
+    assert 32 in positions[0].tolist()
+    prompt = positions[0] < 32
+    wanted = torch.isin(original[0][0], torch.tensor([*range(8), *range(24, 32)]))
+    assert torch.equal(positions[:, prompt], original[0][:, wanted])
+    assert torch.equal(keys[:, :, prompt], original[1][:, :, wanted])
+    assert torch.equal(values[:, :, prompt], original[2][:, :, wanted])
+
+
+def test_swap_threshold_gamma_decides_whether_blocks_move():
+    from rankkit.methods.swap import BlockSwap
+
+    cache = _block_cache()
+    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.5)
+    swap.offload_inactive({0, 3})
+    assert not swap.swap({0, 1}).swapped  # overlap 0.5 is not below gamma 0.5
+    assert swap.swap({1, 2}).swapped  # overlap 0
+
+
+def test_sliminfer_prunes_blocks_progressively_and_offloads_them(random_ids):
+    runner = _tiny()
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
+    method = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2)
+    run = method.prefill(runner, ids, Budget.from_tokens(16))
+    assert run.live_tokens == [64, 32, 16]
+    hook = run.decode_hooks[0]
+    for layer, device_blocks in ((0, 4), (1, 2)):
+        positions = run.result.cache.positions[layer][0]
+        blocks = set((positions // 8).tolist())
+        assert len(blocks) == device_blocks and {0, 7} <= blocks and positions.numel() == 8 * device_blocks
+        assert blocks.isdisjoint(hook.schedule[layer].swap.host)
+    assert run.result.cache.positions[2][0].tolist() == run.result.cache.positions[1][0].tolist()
+    assert hook.host_bytes() > 0
+    pools = {
+        layer: hook.schedule[layer].swap.blocks_on_device() | set(hook.schedule[layer].swap.host)
+        for layer in (0, 1)
+    }
+    token = int(run.result.logits.argmax())
+    for step in range(5):  # decoding re-scores the blocks and swaps them without losing one
+        token = int(runner.decode_step(token, 64 + step, run.result.cache, run.decode_hooks).argmax())
+        hook.after_step(run.result.cache)
+    assert len(hook.decisions) == 2 * 5
+    for layer in (0, 1):
+        swap = hook.schedule[layer].swap
+        assert swap.blocks_on_device() | set(swap.host) == pools[layer]
+        assert len(swap.blocks_on_device()) == (4, 2)[layer]

@@ -13,6 +13,7 @@ from rankkit.methods import (  # noqa: F401  (each module registers its method)
     lava,
     oracle,
     sage_kv,
+    sliminfer,
     snapkv,
     specprefill,
     streamingllm,
