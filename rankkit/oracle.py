@@ -1,0 +1,220 @@
+"""The Answer-Informed Oracle: ground-truth token importance from the answer's attention to the prompt.
+
+CLAA (paper 001), Sec. 3.1, Algorithm 1 and Appendix D.4 Listing 4 (``get_oracle_ranking``):
+prefill the prompt once and keep its keys; generate the answer greedily; score every
+prompt token by the raw (pre-softmax) attention logits q·k·scaling of the answer queries
+against the prompt keys; take the maximum over layers and heads (MAXAGG), the mean over
+answer tokens (MEANAGG), and smooth with 1-D average pooling (POOL1D, kernel 7).
+
+Which queries are "answer queries". Algorithm 1 and Listing 4 differ by one position:
+Algorithm 1 stores the last query of ``MODELFORWARD(prompt ⊕ generated)`` before each new
+token, i.e. the query that *produces* each answer token (starting with the last prompt
+token's); Listing 4 feeds each generated token back (``model.forward(next_token, past_kv)``)
+and stores *its* query, and never feeds EOS. We follow Listing 4, the paper's code: the
+answer is the greedy tokens up to (not including) EOS, at most ``max_new_tokens`` of them,
+and each answer token contributes the query it has when fed back. Every query is thus a
+decode-phase query, the prefill serves only the prompt keys, and the last prompt token's
+query (a prompt query, which heuristics such as GemFilter already use) is not counted.
+Generating N tokens therefore costs one decode step more than plain greedy generation
+(which never feeds its last token back).
+
+The scores are reduced on the fly by a decode-phase hook (running max over layers, running
+sum over answer tokens), so memory stays O(layers x T) and no query is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rankkit.cache import KVCache
+from rankkit.errors import RankkitError
+from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
+
+ANSWER_MODES = ("generated", "reference")
+
+
+@dataclass
+class OracleResult:
+    scores: np.ndarray  # float32 [T], pooled
+    layer_scores: np.ndarray  # float32 [layers, T]: max over heads, mean over answer tokens, pooled
+    answer_tokens: list[int]  # the tokens whose queries were counted (EOS excluded)
+    answer_text: str
+    params: dict  # answer mode, softmax, kernel, max_new_tokens
+    ended_with_eos: bool = False  # a generated answer stopped at EOS rather than at max_new_tokens
+
+
+class AnswerAttention(LayerHook):
+    """Accumulates, for every decode-phase query, its attention logits against the first T keys.
+
+    Per layer: max over query heads -> running sum over answer tokens (``layer_sums``) and
+    running max over layers; after the last layer that max joins ``sums`` (MAXAGG over
+    layers and heads, summed for MEANAGG).
+    """
+
+    def __init__(self, num_layers: int, prompt_length: int, *, softmax: bool = False):
+        self.num_layers = num_layers
+        self.prompt_length = prompt_length
+        self.softmax = softmax
+        self.layer_sums = torch.zeros(num_layers, prompt_length)
+        self.sums = torch.zeros(prompt_length)
+        self.tokens = 0
+        self._step_max: torch.Tensor | None = None
+
+    def on_attention(self, call: AttentionCall) -> None:
+        if call.phase != "decode":
+            return
+        head_max = self.head_max(call)
+        self.layer_sums[call.layer] += head_max
+        if call.layer == 0:
+            self._step_max = head_max
+        else:
+            self._step_max = torch.maximum(self._step_max, head_max)
+        if call.layer == self.num_layers - 1:
+            self.sums += self._step_max
+            self.tokens += 1
+
+    def head_max(self, call: AttentionCall) -> torch.Tensor:
+        """[T] max over query heads of one decode query's logits (or softmax) over the prompt keys."""
+        kv_heads, groups = call.key.shape[1], call.group_size
+        query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
+        keys = call.key[0, :, : self.prompt_length].float()
+        logits = torch.matmul(query, keys.transpose(1, 2))  # [kv_heads, groups, T]
+        if self.softmax:  # over the prompt keys, as COMPUTEATTN(Q_gen, K_prompt) sees them
+            logits = logits.softmax(dim=-1)
+        return logits.reshape(kv_heads * groups, -1).amax(dim=0).cpu()
+
+
+def average_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Centred moving average along the last axis, same length; windows are clipped at the ends.
+
+    Raw attention logits can be negative, so zero padding would bias the first and last
+    tokens; each output is the mean over the neighbours that exist instead.
+    """
+    _check_kernel(kernel)
+    if kernel == 1:
+        return scores
+    rows = scores.reshape(-1, 1, scores.shape[-1])
+    pooled = F.avg_pool1d(rows, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    return pooled.reshape(scores.shape)
+
+
+def _check_kernel(kernel: int) -> None:
+    if kernel < 1 or kernel % 2 == 0:
+        raise RankkitError(f"pooling kernel must be a positive odd number, got {kernel}")
+
+
+def fork_cache(cache: KVCache) -> KVCache:
+    """A cache that shares the entries of ``cache`` but grows independently.
+
+    Decoding never writes into existing tensors (``update`` concatenates into new ones and
+    rebinds the list entry), so copying the per-layer lists is enough.
+    """
+    twin = KVCache(cache.num_layers)
+    twin.keys, twin.values, twin.positions = list(cache.keys), list(cache.values), list(cache.positions)
+    twin.padded = list(cache.padded)
+    return twin
+
+
+def fork_prefill(prefill: PrefillResult) -> PrefillResult:
+    """The same prefill with a forked cache, so several continuations can start from it."""
+    return dataclasses.replace(prefill, cache=fork_cache(prefill.cache))
+
+
+def teacher_force(runner: Runner, prefill: PrefillResult, tokens: Sequence[int], hooks=()) -> torch.Tensor:
+    """Feed ``tokens`` one by one after ``prefill`` (growing its cache); logits after each [len, vocab]."""
+    position = prefill.prompt_length
+    logits = []
+    for offset, token in enumerate(tokens):
+        logits.append(runner.decode_step(int(token), position + offset, prefill.cache, hooks))
+    if not logits:
+        return torch.empty(0, runner.config.vocab_size)
+    return torch.stack(logits)
+
+
+def tokenize_answer(tokenizer, answer: str) -> list[int]:
+    """The answer's token ids as they continue a prompt: no BOS or other special tokens."""
+    ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise RankkitError("the reference answer is empty: nothing to rank the prompt by")
+    return ids
+
+
+def _check_full_prefill(prefill: PrefillResult, prompt_length: int) -> None:
+    for layer, positions in enumerate(prefill.cache.positions):
+        if positions is None or prefill.cache.padded[layer] or positions.shape[1] != prompt_length:
+            raise RankkitError(
+                f"the oracle needs a full prefill of all {prompt_length} prompt tokens; layer {layer} "
+                "was pruned or compressed"
+            )
+
+
+def answer_informed_oracle(
+    runner: Runner,
+    input_ids: torch.Tensor,
+    *,
+    tokenizer,
+    max_new_tokens: int = 32,
+    answer: str = "generated",
+    reference_answer: str | None = None,
+    softmax: bool = False,
+    kernel: int = 7,
+    prefill: PrefillResult | None = None,
+) -> OracleResult:
+    """CLAA Algorithm 1 / Listing 4 ``get_oracle_ranking`` on one prompt (see the module docstring).
+
+    ``answer="generated"`` ranks by the model's own greedy answer (EOS or
+    ``max_new_tokens``); ``answer="reference"`` teacher-forces ``reference_answer``
+    (tokenized as is, so include a leading space when it continues an answer prefix)
+    and gives the ranking a correct answer induces. ``softmax=True`` scores with the
+    softmax of the logits over the prompt keys instead of the raw logits.
+
+    ``prefill`` reuses a full, unpruned prefill of ``input_ids`` (e.g. the capture pass
+    that ran the probes); it is forked, never grown, so it stays reusable afterwards.
+    """
+    if answer not in ANSWER_MODES:
+        raise RankkitError(f"answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+    if answer == "reference" and reference_answer is None:
+        raise RankkitError("answer='reference' needs reference_answer")
+    _check_kernel(kernel)
+    prompt_length = int(input_ids.numel())
+    if prefill is None:
+        prefill = runner.prefill(input_ids)
+    _check_full_prefill(prefill, prompt_length)
+    prefill = fork_prefill(prefill)
+    attention = AnswerAttention(runner.num_layers, prompt_length, softmax=softmax)
+
+    ended_with_eos = False
+    if answer == "reference":
+        answer_tokens = tokenize_answer(tokenizer, reference_answer)
+        teacher_force(runner, prefill, answer_tokens, [attention])
+    else:
+        generated = greedy_continue(runner, prefill, max_new_tokens, [attention])
+        ended_with_eos = generated[-1] in runner.eos_ids()
+        answer_tokens = generated[:-1] if ended_with_eos else generated
+        if not ended_with_eos:  # greedy_continue feeds back every token but its last
+            last_position = prefill.prompt_length + len(generated) - 1
+            runner.decode_step(generated[-1], last_position, prefill.cache, [attention])
+        if not answer_tokens:
+            raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
+
+    scores = average_pool(attention.sums / attention.tokens, kernel)
+    layer_scores = average_pool(attention.layer_sums / attention.tokens, kernel)
+    return OracleResult(
+        scores=scores.numpy().astype(np.float32),
+        layer_scores=layer_scores.numpy().astype(np.float32),
+        answer_tokens=answer_tokens,
+        answer_text=tokenizer.decode(answer_tokens, skip_special_tokens=True),
+        params={
+            "answer": answer,
+            "softmax": softmax,
+            "kernel": kernel,
+            "max_new_tokens": max_new_tokens if answer == "generated" else None,
+        },
+        ended_with_eos=ended_with_eos,
+    )
