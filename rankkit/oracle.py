@@ -32,7 +32,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rankkit.cache import KVCache
 from rankkit.errors import RankkitError
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
 
@@ -109,21 +108,9 @@ def _check_kernel(kernel: int) -> None:
         raise RankkitError(f"pooling kernel must be a positive odd number, got {kernel}")
 
 
-def fork_cache(cache: KVCache) -> KVCache:
-    """A cache that shares the entries of ``cache`` but grows independently.
-
-    Decoding never writes into existing tensors (``update`` concatenates into new ones and
-    rebinds the list entry), so copying the per-layer lists is enough.
-    """
-    twin = KVCache(cache.num_layers)
-    twin.keys, twin.values, twin.positions = list(cache.keys), list(cache.values), list(cache.positions)
-    twin.padded = list(cache.padded)
-    return twin
-
-
 def fork_prefill(prefill: PrefillResult) -> PrefillResult:
     """The same prefill with a forked cache, so several continuations can start from it."""
-    return dataclasses.replace(prefill, cache=fork_cache(prefill.cache))
+    return dataclasses.replace(prefill, cache=prefill.cache.fork())
 
 
 def teacher_force(runner: Runner, prefill: PrefillResult, tokens: Sequence[int], hooks=()) -> torch.Tensor:
