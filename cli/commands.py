@@ -7,3 +7,4 @@ from rankkit.cli import data_cmd  # noqa: F401
 from rankkit.cli import compare_cmd  # noqa: F401
 from rankkit.cli import capture_cmd  # noqa: F401
 from rankkit.cli import prefill_cmd  # noqa: F401
+from rankkit.cli import dashboard_cmd  # noqa: F401

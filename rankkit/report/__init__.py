@@ -1,0 +1,414 @@
+"""``write_dashboard``: a capture store (plus optional bench and diffusion frames) as one self-contained HTML report.
+
+    from rankkit.report import write_dashboard
+    write_dashboard("runs/niah.zarr", "report.html", bench="bench.parquet", diffusion="diffusion.parquet")
+
+Panels: Spearman vs layer (CLAA Fig. 2/8), ASL rank variance and selection layers (ASL Fig. 6/9),
+the token-score explorer, the needle heatmap (CLAA Fig. 3), accuracy vs TTFT with its Pareto
+front (CLAA Fig. 4) and information diffusion (SlimInfer Fig. 2). A panel whose data is
+missing names the command that produces it.
+
+Size: the explorer keeps every example, probe and layer, but pools the token axis into
+contiguous bins (max score per bin, with the top token's position and exact rank) so its
+arrays fit ``EXPLORER_BUDGET_BYTES``; scores travel as float16, ranks as uint16/uint32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from rankkit.errors import RankkitError
+
+from . import figures
+from .html import Control, Page, Panel, encode_array, render
+
+# The explorer's arrays (before base64) stay under this; with plotly.js (4.8 MB) and the other
+# panels a 50-example, 4k-token, 5-probe, 30-layer store comes out near 17 MB.
+EXPLORER_BUDGET_BYTES = 8 * 2**20
+MAX_BINS = 1024  # about one column per screen pixel of a wide panel
+MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
+RANKED_SPAN = "context_tokens"  # what compare and variance rank; the explorer shows the same tokens
+DEFAULT_PROBE = "window"
+DEFAULT_TAU = 0.3
+
+BENCH_COLUMNS = (
+    "method",
+    "keep",
+    "score",
+    "ttft_ratio",
+    "ideal_ratio",
+    "length",
+    "depth_percent",
+    "evidence_kept",
+)
+DIFFUSION_COLUMNS = ("example", "layer", "correct")
+
+__all__ = ["write_dashboard"]
+
+
+def write_dashboard(
+    store_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    bench: str | os.PathLike | pl.DataFrame | None = None,
+    diffusion: str | os.PathLike | pl.DataFrame | None = None,
+) -> Path:
+    """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
+
+    ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
+    one ``rankkit diffusion --out`` writes. RankkitError names the fix for a missing store or a
+    file that is not the expected parquet.
+    """
+    from rankkit import stores
+
+    store = stores.open(store_path)
+    records = list(store.examples())
+    if not records:
+        raise RankkitError(f"store {store_path} has no complete example; capture into it first")
+    bench_frame = _frame(bench, "bench", BENCH_COLUMNS, "rankkit bench ... --out bench.parquet")
+    diffusion_frame = _frame(
+        diffusion, "diffusion", DIFFUSION_COLUMNS, f"rankkit diffusion {store_path} --out diffusion.parquet"
+    )
+    page = _page(store, records, store_path, bench_frame, diffusion_frame)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(page), encoding="utf-8")
+    return out
+
+
+def _frame(
+    source: str | os.PathLike | pl.DataFrame | None, what: str, columns: Sequence[str], command: str
+) -> pl.DataFrame | None:
+    if source is None or isinstance(source, pl.DataFrame):
+        frame = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise RankkitError(f"no {what} file at {path}; write one with `{command}`")
+        try:
+            frame = pl.read_parquet(path)
+        except Exception as error:  # polars raises several types for a file that is not parquet
+            raise RankkitError(
+                f"{path} is not a parquet file ({type(error).__name__}); pass the file `{command}` writes"
+            ) from None
+    if frame is not None:
+        missing = [column for column in columns if column not in frame.columns]
+        if missing:
+            raise RankkitError(
+                f"the {what} frame lacks column(s) {', '.join(missing)}; pass the file `{command}` writes"
+            )
+    return frame
+
+
+def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None) -> Page:
+    from rankkit.eval.compare import compare_store
+    from rankkit.eval.variance import variance_store
+
+    num_layers = records[0].score_shape(records[0].probes[0])[0]
+    layer = num_layers // 2  # compare's default pruning layer l_p
+    probes = sorted({probe for record in records for probe in record.probes})
+    has_oracle = any(record.has_oracle for record in records)
+    comparison = compare_store(store_path, layer=layer) if has_oracle else None
+    variance = variance_store(store_path, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
+    methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
+    methods |= set(bench["method"].unique()) if bench is not None else set()
+    colors = figures.method_colors(methods)
+    taus = sorted(variance.selections["tau"].unique()) if variance is not None else []
+    tau = DEFAULT_TAU if DEFAULT_TAU in taus else (taus[0] if taus else DEFAULT_TAU)
+    keeps = sorted(keep for keep in bench["keep"].unique() if keep < 1.0) if bench is not None else []
+    keep = keeps[0] if keeps else 1.0
+    has_needles = bench is not None and bench["depth_percent"].drop_nulls().len() > 0
+    diffusion_metrics = (
+        [name for name in figures.DIFFUSION_METRICS if name in diffusion.columns]
+        if diffusion is not None
+        else []
+    )
+    probe = DEFAULT_PROBE if DEFAULT_PROBE in probes else probes[0]
+    max_bins = _bins_for_budget(records)
+
+    panels = [
+        _spearman_panel(comparison, colors, layer, store_path),
+        _variance_panel(variance, tau, layer, num_layers, store_path),
+        _explorer_panel(records, probe, layer, max_bins),
+        _needle_panel(bench, has_needles, colors, keep),
+        _tradeoff_panel(bench, colors),
+        _diffusion_panel(diffusion, diffusion_metrics, layer, store_path),
+    ]
+    controls = [
+        Control(
+            "example",
+            "example",
+            "highlight",
+            [(record.id, _example_label(record)) for record in records],
+            records[0].id,
+        ),
+        Control("probe", "probe", "explorer", [(name, name) for name in probes], probe),
+        Control("colour", "explorer colour", "explorer", list(figures.EXPLORER_COLOURS.items()), "rank"),
+        Control("layer", "layer", "shape", default=layer, slider_range=(0, num_layers - 1)),
+    ]
+    if taus:
+        controls.append(Control("tau", "τ", "filter", [(value, f"{value:g}") for value in taus], tau))
+    if keeps and has_needles:
+        controls.append(
+            Control("keep", "keep rate", "filter", [(value, f"{value:.0%}") for value in keeps], keep)
+        )
+        controls.append(
+            Control(
+                "needle_metric",
+                "needle metric",
+                "filter",
+                [(name, name) for name in figures.NEEDLE_METRICS],
+                "accuracy",
+            )
+        )
+    if diffusion_metrics:
+        controls.append(
+            Control(
+                "diffusion_metric",
+                "diffusion metric",
+                "filter",
+                [(name, figures.DIFFUSION_METRICS[name]) for name in diffusion_metrics],
+                diffusion_metrics[0],
+            )
+        )
+    model = (store.meta.get("model") or {}).get("id", "unknown model")
+    facts = [
+        ("store", str(store_path)),
+        ("model", str(model)),
+        ("examples", f"{len(records)} ({sum(record.has_oracle for record in records)} with oracle)"),
+        ("tasks", ", ".join(sorted({str(record.attrs.get("task")) for record in records}))),
+        ("probes", ", ".join(probes)),
+        ("layers", str(num_layers)),
+        ("bench rows", str(bench.height) if bench is not None else "none"),
+    ]
+    return Page(
+        title="rankkit dashboard",
+        facts=facts,
+        controls=controls,
+        panels=panels,
+        examples={record.id: _explorer_payload(record, max_bins) for record in records},
+        explorer={"colour_titles": figures.EXPLORER_COLOURS},
+    )
+
+
+def _code(command: str) -> str:
+    return f"<code>{command}</code>"
+
+
+def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
+    title = "Ranking quality per layer"
+    caption = (
+        "Spearman ρ between each method's token ranking and the answer-informed oracle at every layer, "
+        "averaged over the task's examples with a ±1 sd band (CLAA Fig. 2, Fig. 8). The dotted line is the "
+        "layer control; dashed curves have no layer (SpecPrefill)."
+    )
+    if comparison is None:
+        return Panel(
+            "spearman",
+            title,
+            caption,
+            missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store_path}')}.",
+        )
+    return Panel(
+        "spearman",
+        title,
+        caption,
+        figures.spearman_figure(comparison.per_layer, pruning_layer=layer, colors=colors),
+    )
+
+
+def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path) -> Panel:
+    title = "Adaptive selection layer (ASL)"
+    caption = (
+        "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
+        "per example (thin; the picked example bold) and per task (ASL Fig. 6); right, how many examples each "
+        "layer is the first below τ for (ASL Fig. 9). Probe: window."
+    )
+    if variance is None:
+        command = f"rankkit capture --probes {DEFAULT_PROBE},... --out {store_path}"
+        return Panel(
+            "variance",
+            title,
+            caption,
+            missing=f"The store has no window scores. Capture them with {_code(command)}.",
+        )
+    figure = figures.variance_figure(
+        variance.curves, variance.selections, tau=tau, layer=layer, num_layers=num_layers
+    )
+    return Panel("variance", title, caption, figure)
+
+
+def _explorer_panel(records, probe: str, layer: int, max_bins: int) -> Panel:
+    caption = (
+        "The picked probe's scores (summed over KV heads) for the picked example, layers x context tokens; the "
+        "oracle is the strip on top and the evidence spans are outlined in cyan. Colour by the top token's "
+        "rank within its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and "
+        "score (float16). Long contexts are pooled into columns of equal width, each showing its highest score."
+    )
+    record = records[0]  # the page redraws the explorer for the picked example; this sets its look
+    ranked = _ranked_slice(record)
+    chosen = probe if probe in record.probes else record.probes[0]
+    figure = figures.token_explorer_figure(
+        _probe_bins(record, chosen, ranked, max_bins),
+        _oracle_bins(record, ranked, max_bins),
+        _token_texts(record, ranked),
+        text_start=ranked.start,
+        evidence=_evidence(record),
+        probe=chosen,
+        title=_example_title(record),
+        layer=layer,
+    )
+    # The page draws the explorer from the compact per-example arrays; the figure ships its look only.
+    figure.update_traces(z=[], customdata=None, text=None)
+    return Panel("explorer", "Token-score explorer", caption, figure)
+
+
+def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:
+    title = "Needle in a haystack"
+    caption = (
+        "Mean accuracy (or the share of needle tokens the method kept) per needle depth and prompt length, one "
+        "heatmap per method, at the picked keep rate (CLAA Fig. 3). Lengths are rounded to two significant figures."
+    )
+    command = "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data niah:n=8,length=2048 --out bench.parquet"
+    if bench is None:
+        return Panel(
+            "needle",
+            title,
+            caption,
+            missing=f"No bench results. Run {_code(command)} and pass {_code('--bench bench.parquet')}.",
+        )
+    if not has_needles:
+        return Panel(
+            "needle",
+            title,
+            caption,
+            missing=f"The bench has no needle depths (not niah data). Run {_code(command)}.",
+        )
+    return Panel("needle", title, caption, figures.needle_figure(bench, colors=colors, keep=keep))
+
+
+def _tradeoff_panel(bench, colors) -> Panel:
+    title = "Accuracy vs time to first token"
+    caption = (
+        "Mean accuracy against mean TTFT relative to full prefill on the same prompt, one point per method and keep "
+        "rate (labels); the ringed points joined by the dashed step are the Pareto front (CLAA Fig. 4)."
+    )
+    if bench is None or figures.tradeoff_frame(bench).is_empty():
+        command = "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data ... --out bench.parquet"
+        return Panel(
+            "tradeoff",
+            title,
+            caption,
+            missing=f"No scored bench results. Run {_code(command)} and pass {_code('--bench bench.parquet')}.",
+        )
+    return Panel("tradeoff", title, caption, figures.tradeoff_figure(bench, colors=colors))
+
+
+def _diffusion_panel(diffusion, metrics: list[str], layer: int, store_path) -> Panel:
+    title = "Information diffusion"
+    caption = (
+        "What happens to the answer when the evidence tokens' hidden states are pruned from layer l on: share of "
+        "examples still correct, and the picked per-example metric with its mean (SlimInfer Fig. 2)."
+    )
+    if diffusion is None:
+        command = f"rankkit diffusion {store_path} --out diffusion.parquet"
+        return Panel(
+            "diffusion",
+            title,
+            caption,
+            missing=f"No diffusion curves. Run {_code(command)} and pass {_code('--diffusion diffusion.parquet')}.",
+        )
+    figure = figures.diffusion_figure(diffusion, layer=layer, metric=metrics[0] if metrics else "")
+    return Panel("diffusion", title, caption, figure)
+
+
+# -- the explorer's per-example arrays -------------------------------------------------------------
+
+
+def _ranked_slice(record) -> slice:
+    from rankkit.eval.compare import ranked_slice
+
+    return ranked_slice(record.attrs.get("spans"), RANKED_SPAN, record.num_tokens)
+
+
+def _bins_for_budget(records) -> int:
+    """The most bins per row that keep every example's explorer arrays within the budget."""
+    rows = sum(record.score_shape(probe)[0] for record in records for probe in record.probes) + len(records)
+    bytes_per_cell = 2 + 2 + 2  # float16 score, uint16 top-token position, uint16 rank
+    return int(min(MAX_BINS, max(MIN_BINS, EXPLORER_BUDGET_BYTES // (rows * bytes_per_cell))))
+
+
+def _probe_bins(record, probe: str, ranked: slice, max_bins: int) -> figures.TokenBins:
+    return figures.bin_tokens(
+        record.scores(probe)[..., ranked].sum(axis=1), start=ranked.start, max_bins=max_bins
+    )
+
+
+def _oracle_bins(record, ranked: slice, max_bins: int) -> figures.TokenBins | None:
+    oracle = record.oracle
+    return (
+        None if oracle is None else figures.bin_tokens(oracle[ranked], start=ranked.start, max_bins=max_bins)
+    )
+
+
+def _explorer_payload(record, max_bins: int) -> dict[str, Any]:
+    ranked = _ranked_slice(record)
+    probe_bins = {probe: _probe_bins(record, probe, ranked, max_bins) for probe in record.probes}
+    oracle_bins = _oracle_bins(record, ranked, max_bins)
+    shape = next(iter(probe_bins.values()))  # every probe of an example bins the same tokens
+    return {
+        "title": _example_title(record),
+        "tokens": _token_texts(record, ranked),
+        "evidence": _evidence(record),
+        "ranked": shape.num_tokens,
+        "layers": shape.score.shape[0],
+        "edges": shape.edges.tolist(),
+        "width": shape.width,
+        "oracle": None if oracle_bins is None else _encoded_bins(oracle_bins),
+        "probes": {probe: _encoded_bins(bins) for probe, bins in probe_bins.items()},
+    }
+
+
+def _encoded_bins(bins: figures.TokenBins) -> dict[str, dict[str, str]]:
+    # float16 keeps ~3 significant digits; scores beyond its range stay float32.
+    score_dtype = "f2" if np.all(np.abs(bins.score) < 6.0e4) else "f4"
+    return {
+        "score": encode_array(bins.score, score_dtype),
+        "top": encode_array(bins.top, "u2" if bins.edges[-1] <= 2**16 else "u4"),
+        "rank": encode_array(bins.rank, "u2" if bins.num_tokens <= 2**16 else "u4"),
+    }
+
+
+def _token_texts(record, ranked: slice) -> list[str]:
+    texts = record.attrs.get("token_text")
+    if texts is None:  # stores without decoded text: show the token ids
+        texts = [f"id {token}" for token in record.tokens.tolist()]
+    return [figures.display_token(text) for text in texts[ranked]]
+
+
+def _evidence(record) -> list[list[int]]:
+    return [list(span) for span in (record.attrs.get("spans") or {}).get("evidence_tokens", [])]
+
+
+def _example_label(record) -> str:
+    return f"{record.id} ({record.attrs.get('task')})"
+
+
+def _example_title(record) -> str:
+    attrs = record.attrs
+    parts = [f"<b>{record.id}</b>", str(attrs.get("task"))]
+    depth = (attrs.get("meta") or {}).get("depth_percent")
+    if depth is not None:
+        parts.append(f"needle at {depth:g}% depth")
+    if attrs.get("answers"):
+        parts.append(f"answer “{attrs['answers'][0]}”")
+    correct = attrs.get("correct")
+    if correct is not None and not (isinstance(correct, float) and math.isnan(correct)):
+        parts.append(f"model {'right' if correct >= 1 else 'wrong' if correct <= 0 else f'{correct:.2f}'}")
+    return " · ".join(parts)

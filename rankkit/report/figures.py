@@ -1,0 +1,717 @@
+"""One function per dashboard panel: tidy polars frames (or one example's arrays) in, a plotly figure out.
+
+Traces carry ``meta`` tags that the page's controls act on (see ``rankkit.report.html``):
+a trace tagged ``{"keep": 0.1}`` is shown only while the keep-rate control says 0.1
+(``filter``), one tagged ``{"example": id}`` is drawn bold while that example is picked
+(``highlight``). Shapes named ``"<control>:<axis>:<half width>"`` follow a control's value
+along that axis (the layer marker, the tau line).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+import polars as pl
+from plotly.subplots import make_subplots
+
+from rankkit.eval.compare import SINGLE_LAYER_METHODS
+from rankkit.eval.ranking import descending_ranks
+
+# The methods of the papers keep one colour in every panel; others take the rest of the palette.
+KNOWN_METHOD_COLORS = {
+    "full": "#7f7f7f",
+    "oracle": "#111111",
+    "claa": "#d62728",
+    "fastkv": "#1f77b4",
+    "gemfilter": "#2ca02c",
+    "specprefill": "#9467bd",
+    "asl": "#ff7f0e",
+    "sliminfer": "#8c564b",
+}
+PALETTE = (
+    "#17becf",
+    "#e377c2",
+    "#bcbd22",
+    "#393b79",
+    "#ad494a",
+    "#8ca252",
+    "#6b6ecf",
+    "#bd9e39",
+    "#e7969c",
+    "#637939",
+    "#a55194",
+    "#5254a3",
+)
+TASK_PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+FULL = "full"
+NEEDLE_METRICS = {"accuracy": "score", "needle recall": "evidence_kept"}
+DIFFUSION_METRICS = {
+    "answer_logprob": "answer log-prob",
+    "first_token_kl": "first-token KL to full",
+    "evidence_attention": "attention to evidence",
+}
+LAYER_MARKER = {"line": {"color": "#444444", "width": 1, "dash": "dot"}}
+FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 12}
+
+
+def method_colors(methods: Iterable[str]) -> dict[str, str]:
+    """A colour per method: the papers' methods fixed, the others from ``PALETTE`` in name order."""
+    names = sorted(set(methods))
+    others = [name for name in names if name not in KNOWN_METHOD_COLORS]
+    colors = {name: KNOWN_METHOD_COLORS[name] for name in names if name in KNOWN_METHOD_COLORS}
+    colors.update({name: PALETTE[index % len(PALETTE)] for index, name in enumerate(others)})
+    return colors
+
+
+def task_colors(tasks: Iterable[str]) -> dict[str, str]:
+    return {task: TASK_PALETTE[index % len(TASK_PALETTE)] for index, task in enumerate(sorted(set(tasks)))}
+
+
+def marker_shape(control: str, axis: str, value: float, half_width: float = 0.0, **style) -> dict:
+    """A line (or band, with ``half_width``) across a subplot that the page moves with ``control``."""
+    across = "y" if axis == "x" else "x"
+    return {
+        "type": "line" if half_width == 0 else "rect",
+        "name": f"{control}:{axis}:{half_width:g}",
+        f"{axis}0": value - half_width,
+        f"{axis}1": value + half_width,
+        f"{across}0": 0,
+        f"{across}1": 1,
+        **style,
+    }
+
+
+def _add_shape_to_subplots(figure: go.Figure, shape: dict, subplots: Iterable[tuple[str, str]]) -> None:
+    """``shape`` once per (xaxis, yaxis) pair, spanning the subplot's full other axis."""
+    for xaxis, yaxis in subplots:
+        refs = (
+            {"xref": xaxis, "yref": f"{yaxis} domain"}
+            if shape["name"].split(":")[1] == "x"
+            else {
+                "xref": f"{xaxis} domain",
+                "yref": yaxis,
+            }
+        )
+        figure.add_shape(**shape, **refs)
+
+
+def _axis_refs(row_col_count: int) -> list[tuple[str, str]]:
+    return [
+        ("x" if index == 1 else f"x{index}", "y" if index == 1 else f"y{index}")
+        for index in range(1, row_col_count + 1)
+    ]
+
+
+def _style(figure: go.Figure, title: str, height: int) -> go.Figure:
+    figure.update_layout(
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        height=height,
+        template="plotly_white",
+        font=FONT,
+        margin={"l": 60, "r": 20, "t": 70, "b": 50},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 1, "xanchor": "right"},
+        hoverlabel={"font": {"family": "ui-monospace, Menlo, Consolas, monospace"}},
+    )
+    return figure
+
+
+def _grid(count: int, max_columns: int) -> tuple[int, int]:
+    columns = min(max_columns, max(1, count))
+    return math.ceil(count / columns), columns
+
+
+# -- Spearman vs layer (CLAA Fig. 2 / Fig. 8) ------------------------------------------------------
+
+
+def displayed_methods(methods: Iterable[str]) -> list[str]:
+    """Methods worth a line: a probe that a named method ranks by (window for fastkv, last_token_raw
+    for gemfilter) is the same curve, so only the method's name is drawn."""
+    present = set(methods)
+    aliased = {probe for method, probe in SINGLE_LAYER_METHODS.items() if method in present}
+    return sorted(present - aliased)
+
+
+def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapping[str, str]) -> go.Figure:
+    """Mean Spearman rho vs layer per method with a ±1 sd band over examples, one subplot per task.
+
+    ``per_layer`` is ``CompareResult.per_layer``; layer-less methods (specprefill) are a flat
+    dashed line at their one value.
+    """
+    frame = per_layer.with_columns(
+        pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String)
+    )
+    frame = frame.filter(pl.col("method").is_in(displayed_methods(frame["method"].unique())))
+    layers = sorted(frame["layer"].drop_nulls().unique())
+    stats = (
+        frame.group_by("task", "method", "layer")
+        .agg(
+            pl.col("spearman").mean().alias("mean"),
+            pl.col("spearman").std(ddof=0).fill_null(0.0).alias("sd"),
+            pl.col("spearman").count().alias("examples"),
+        )
+        .sort("task", "method", "layer", nulls_last=True)
+    )
+    tasks = sorted(stats["task"].unique())
+    rows, columns = _grid(len(tasks), 3)
+    figure = make_subplots(
+        rows=rows,
+        cols=columns,
+        subplot_titles=[f"task: {task}" for task in tasks],
+        shared_yaxes=True,
+        horizontal_spacing=0.04,
+        vertical_spacing=0.14 if rows > 1 else 0.1,
+    )
+    shown_in_legend: set[str] = set()
+    for index, task in enumerate(tasks):
+        row, column = divmod(index, columns)
+        for method in sorted(stats.filter(pl.col("task") == task)["method"].unique()):
+            curve = stats.filter((pl.col("task") == task) & (pl.col("method") == method))
+            if curve["layer"].null_count() == curve.height:  # layer-less: one value for every layer
+                curve = pl.DataFrame({"layer": layers}).join(curve.drop("layer"), how="cross")
+                dash = "dash"
+            else:
+                dash = "solid"
+            x, mean, sd = curve["layer"].to_list(), curve["mean"].to_numpy(), curve["sd"].to_numpy()
+            color = colors[method]
+            band = go.Scatter(
+                x=x + x[::-1],
+                y=np.concatenate([mean + sd, (mean - sd)[::-1]]),
+                fill="toself",
+                fillcolor=color,
+                opacity=0.15,
+                line={"width": 0},
+                hoverinfo="skip",
+                legendgroup=method,
+                showlegend=False,
+                name=f"{method} ±1 sd",
+            )
+            line = go.Scatter(
+                x=x,
+                y=mean,
+                mode="lines",
+                line={"color": color, "width": 2, "dash": dash},
+                name=method,
+                legendgroup=method,
+                showlegend=method not in shown_in_legend,
+                customdata=np.column_stack([sd, curve["examples"].to_numpy()]),
+                hovertemplate=f"<b>{method}</b> layer %{{x}}<br>ρ %{{y:.3f}} ± %{{customdata[0]:.3f}}"
+                " (%{customdata[1]} examples)<extra></extra>",
+            )
+            shown_in_legend.add(method)
+            figure.add_trace(band, row=row + 1, col=column + 1)
+            figure.add_trace(line, row=row + 1, col=column + 1)
+    _add_shape_to_subplots(
+        figure, marker_shape("layer", "x", pruning_layer, **LAYER_MARKER), _axis_refs(len(tasks))
+    )
+    figure.update_xaxes(title_text="layer")
+    figure.update_yaxes(title_text="Spearman ρ vs oracle", col=1)
+    return _style(
+        figure,
+        "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean ± 1 sd over examples)",
+        360 * rows + 80,
+    )
+
+
+# -- ASL relative rank variance (ASL Fig. 6 / Fig. 9) ----------------------------------------------
+
+
+def variance_figure(
+    curves: pl.DataFrame, selections: pl.DataFrame, *, tau: float, layer: int, num_layers: int
+) -> go.Figure:
+    """Left: relative rank variance vs layer per example (thin) and per task (mean, bold), the tau line.
+    Right: how many examples each layer is the selection layer of, per task, for the picked tau.
+
+    ``curves`` and ``selections`` are ``VarianceResult``'s frames. Examples tagged with ``example``
+    (highlight), histogram bars with ``tau`` (filter).
+    """
+    curves = curves.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
+    selections = selections.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
+    colors = task_colors(curves["task"].unique())
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.62, 0.38],
+        horizontal_spacing=0.08,
+        subplot_titles=["relative rank variance (ASL Alg. 2)", "selection layer: first layer below τ"],
+    )
+    defined = curves.filter(pl.col("relative_variance").is_not_null())
+    for (task, example), curve in defined.group_by("task", "example", maintain_order=True):
+        figure.add_trace(
+            go.Scatter(
+                x=curve["layer"],
+                y=curve["relative_variance"],
+                mode="lines",
+                line={"color": colors[task], "width": 1},
+                opacity=0.35,
+                name=example,
+                legendgroup=task,
+                showlegend=False,
+                meta={"example": example},
+                hovertemplate=f"{example} ({task})<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    task_means = (
+        defined.group_by("task", "layer").agg(pl.col("relative_variance").mean()).sort("task", "layer")
+    )
+    for task in sorted(colors):
+        mean = task_means.filter(pl.col("task") == task)
+        figure.add_trace(
+            go.Scatter(
+                x=mean["layer"],
+                y=mean["relative_variance"],
+                mode="lines",
+                line={"color": colors[task], "width": 3},
+                name=task,
+                legendgroup=task,
+                hovertemplate=f"<b>{task}</b> mean<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    never = num_layers  # examples whose curve never drops below tau get their own bar
+    for (chosen_tau, task), chosen in selections.group_by("tau", "task", maintain_order=True):
+        counts = chosen.group_by(pl.col("selection_layer").fill_null(never)).len().sort("selection_layer")
+        figure.add_trace(
+            go.Bar(
+                x=counts["selection_layer"],
+                y=counts["len"],
+                marker_color=colors[task],
+                name=task,
+                legendgroup=task,
+                showlegend=False,
+                visible=math.isclose(chosen_tau, tau),
+                meta={"tau": chosen_tau},
+                hovertemplate=f"{task}, τ={chosen_tau:g}<br>layer %{{x}}: %{{y}} examples<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
+    figure.add_shape(
+        **marker_shape("tau", "y", tau, line={"color": "#c44e52", "width": 1.5, "dash": "dash"}),
+        xref="x domain",
+        yref="y",
+    )
+    figure.add_shape(**marker_shape("layer", "x", layer, **LAYER_MARKER), xref="x", yref="y domain")
+    ticks = list(range(0, num_layers, 5))
+    figure.update_layout(barmode="stack")
+    figure.update_xaxes(title_text="layer", row=1, col=1)
+    figure.update_xaxes(
+        title_text="selection layer",
+        tickvals=[*ticks, never],
+        ticktext=[*map(str, ticks), "never"],
+        range=[-0.5, never + 0.5],
+        row=1,
+        col=2,
+    )
+    figure.update_yaxes(title_text="variance / variance at L_min", row=1, col=1)
+    figure.update_yaxes(title_text="examples", row=1, col=2)
+    return _style(figure, "ASL adaptive selection layer: relative rank variance and where τ stops it", 440)
+
+
+# -- token-score explorer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenBins:
+    """Rows of token scores pooled into contiguous bins along the token axis.
+
+    Bin b covers token positions ``edges[b]`` to ``edges[b + 1] - 1``; per row it holds the
+    highest score in the bin (``score``), the position of that token (``top``) and that
+    token's 0-based rank among all the row's tokens (``rank``). With as many bins as tokens
+    every value is the token's own. Max pooling keeps a needle visible however wide a bin is,
+    and the top token's rank says whether any token of the bin is in the top k.
+    """
+
+    edges: np.ndarray  # int64 [B + 1], absolute token positions
+    score: np.ndarray  # float32 [R, B]
+    top: np.ndarray  # int64 [R, B], absolute token positions
+    rank: np.ndarray  # int64 [R, B]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.edges[-1] - self.edges[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.edges[1] - self.edges[0])
+
+
+def bin_tokens(values: np.ndarray, *, start: int, max_bins: int) -> TokenBins:
+    """Pool ``values`` [R, T] (tokens ``start``..``start + T - 1``) into at most ``max_bins`` equal bins."""
+    values = np.atleast_2d(np.asarray(values, dtype=np.float32))
+    num_rows, num_tokens = values.shape
+    width = math.ceil(num_tokens / min(max_bins, num_tokens))
+    num_bins = math.ceil(num_tokens / width)
+    padded = np.full((num_rows, num_bins * width), -np.inf, dtype=np.float32)
+    padded[:, :num_tokens] = values
+    offsets = padded.reshape(num_rows, num_bins, width).argmax(axis=2)
+    top = np.arange(num_bins) * width + offsets  # relative to start
+    places = descending_ranks(values)
+    return TokenBins(
+        edges=start + np.minimum(np.arange(num_bins + 1) * width, num_tokens),
+        score=np.take_along_axis(values, top, axis=1),
+        top=start + top,
+        rank=np.take_along_axis(places, top, axis=1),
+    )
+
+
+EXPLORER_HOVER = (
+    "layer %{y}<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: %{text}"
+    "<br>rank %{customdata[3]} of %{meta.ranked}<br>score %{customdata[4]:.4g}<extra>%{meta.probe}</extra>"
+)
+ORACLE_HOVER = (
+    "oracle<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: %{text}"
+    "<br>rank %{customdata[3]} of %{meta.ranked}<br>oracle %{customdata[4]:.4g}<extra></extra>"
+)
+EVIDENCE_SHAPE = {"type": "rect", "line": {"color": "#00c2ff", "width": 2}, "fillcolor": "rgba(0,0,0,0)"}
+EXPLORER_COLOURS = {"rank": "percentile of the top token's rank", "score": "score (Σ KV heads, max in bin)"}
+
+
+def display_token(text: str) -> str:
+    """A token's text safe inside a plotly hover label: visible whitespace, no markup."""
+    shown = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return "“" + shown.replace("\n", "⏎").replace("\t", "⇥") + "”"
+
+
+def bins_colour(bins: TokenBins, colour: str) -> np.ndarray:
+    """What the heatmap colours by: the score, or 1 for a bin holding the row's top token down to 0."""
+    if colour == "score":
+        return bins.score
+    return 1.0 - bins.rank / max(1, bins.num_tokens - 1)
+
+
+def _bins_hover(
+    bins: TokenBins, token_text: Sequence[str], text_start: int
+) -> tuple[np.ndarray, list[list[str]]]:
+    first, last = bins.edges[:-1], bins.edges[1:] - 1
+    customdata = np.stack(
+        np.broadcast_arrays(first, last, bins.top, bins.rank + 1, bins.score.astype(np.float64)), axis=-1
+    )
+    text = [[token_text[position - text_start] for position in row] for row in bins.top.tolist()]
+    return customdata, text
+
+
+def token_explorer_figure(
+    scores: TokenBins,
+    oracle: TokenBins | None,
+    token_text: Sequence[str],
+    *,
+    text_start: int,
+    evidence: Sequence[Sequence[int]],
+    probe: str,
+    title: str,
+    layer: int,
+    colour: str = "rank",
+) -> go.Figure:
+    """Layers x tokens heatmap of one probe for one example, the oracle as a strip above it.
+
+    ``scores`` bins the probe's [L, T] head-summed scores, ``oracle`` the oracle's [1, T];
+    ``token_text[i]`` is the display text of token ``text_start + i``. Hover names every bin's
+    tokens, its top token, that token's rank and score. Evidence spans are outlined.
+    """
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.1, 0.9], vertical_spacing=0.03)
+    edges = scores.edges - 0.5  # cell edges between token positions
+    meta = {"probe": probe, "ranked": scores.num_tokens}
+    # The strip is always trace 0 and the heatmap trace 1 (the page redraws both per example);
+    # without an oracle the strip is empty.
+    strip = {"x": edges, "y": ["oracle"], "z": [], "meta": meta}
+    if oracle is not None:
+        customdata, text = _bins_hover(oracle, token_text, text_start)
+        strip.update(z=bins_colour(oracle, colour), customdata=customdata, text=text)
+    figure.add_trace(
+        go.Heatmap(**strip, colorscale="Greys", showscale=False, hovertemplate=ORACLE_HOVER, name="oracle"),
+        row=1,
+        col=1,
+    )
+    customdata, text = _bins_hover(scores, token_text, text_start)
+    figure.add_trace(
+        go.Heatmap(
+            x=edges,
+            y=np.arange(scores.score.shape[0]),
+            z=bins_colour(scores, colour),
+            customdata=customdata,
+            text=text,
+            meta=meta,
+            colorscale="Viridis",
+            colorbar={"title": {"text": EXPLORER_COLOURS[colour], "side": "right"}, "thickness": 12},
+            hovertemplate=EXPLORER_HOVER,
+            name=probe,
+        ),
+        row=2,
+        col=1,
+    )
+    for start, end in evidence:
+        for yref in ("y domain", "y2 domain"):
+            figure.add_shape(
+                **EVIDENCE_SHAPE,
+                name="evidence",
+                x0=start - 0.5,
+                x1=end - 0.5,
+                y0=0,
+                y1=1,
+                xref="x",
+                yref=yref,
+            )
+    figure.add_shape(
+        **marker_shape("layer", "y", layer, 0.5, line={"color": "#ff4d4d", "width": 1.5}),
+        xref="x2 domain",
+        yref="y2",
+    )
+    binning = "one token per column" if scores.width == 1 else f"{scores.width} tokens per column, max shown"
+    figure.update_xaxes(title_text=f"token position (context, {binning})", row=2, col=1)
+    figure.update_yaxes(title_text="layer", row=2, col=1)
+    figure.update_yaxes(showticklabels=True, row=1, col=1)
+    figure.update_layout(meta={"evidence_shape": EVIDENCE_SHAPE})
+    return _style(figure, title, 520)
+
+
+# -- needle heatmap (CLAA Fig. 3) ----------------------------------------------------------------
+
+
+def length_bucket(length: int) -> int:
+    """A prompt length to two significant figures: niah prompts land a few tokens off their target."""
+    digits = max(0, len(str(int(length))) - 2)
+    return int(round(length, -digits))
+
+
+def _length_label(length: int) -> str:
+    return f"{length / 1000:.1f}k" if length >= 1000 else str(length)
+
+
+def needle_frame(bench: pl.DataFrame) -> pl.DataFrame:
+    """Mean of each needle metric per method, keep rate, length bucket and depth (rows with a depth only)."""
+    rows = bench.filter(pl.col("depth_percent").is_not_null())
+    return (
+        rows.with_columns(
+            pl.col("length").map_elements(length_bucket, return_dtype=pl.Int64).alias("length_bucket")
+        )
+        .group_by("method", "keep", "length_bucket", "depth_percent")
+        .agg(*(pl.col(column).cast(pl.Float64).mean().alias(name) for name, column in NEEDLE_METRICS.items()))
+        .sort("method", "keep", "length_bucket", "depth_percent")
+    )
+
+
+def needle_figure(
+    bench: pl.DataFrame, *, colors: Mapping[str, str], keep: float, metric: str = "accuracy"
+) -> go.Figure:
+    """Depth x length heatmap per method (CLAA Fig. 3) of accuracy or needle recall, for one keep rate.
+
+    Traces are tagged with ``keep`` and ``needle_metric`` (both filters); ``full`` runs only at
+    keep 1 and so carries no keep tag and shows beside every keep rate.
+    """
+    cells = needle_frame(bench)
+    methods = sorted(cells["method"].unique(), key=lambda name: (name != FULL, name))
+    rows, columns = _grid(len(methods), 4)
+    figure = make_subplots(
+        rows=rows,
+        cols=columns,
+        subplot_titles=[f"<span style='color:{colors[name]}'>■</span> {name}" for name in methods],
+        shared_yaxes=True,
+        horizontal_spacing=0.03,
+        vertical_spacing=0.18 if rows > 1 else 0.1,
+    )
+    lengths = sorted(cells["length_bucket"].unique())
+    length_labels = [_length_label(length) for length in lengths]
+    first_trace = True
+    for index, method in enumerate(methods):
+        row, column = divmod(index, columns)
+        method_cells = cells.filter(pl.col("method") == method)
+        keeps = sorted(method_cells["keep"].unique())
+        tag_keep = method != FULL
+        for trace_keep in keeps:
+            for name in NEEDLE_METRICS:
+                values = (
+                    method_cells.filter(pl.col("keep") == trace_keep)
+                    .pivot(on="length_bucket", index="depth_percent", values=name, sort_columns=True)
+                    .sort("depth_percent")
+                )
+                z = np.array(
+                    [
+                        [row_values.get(str(length)) for length in lengths]
+                        for row_values in values.iter_rows(named=True)
+                    ],
+                    dtype=np.float64,
+                )
+                meta = {"needle_metric": name, **({"keep": trace_keep} if tag_keep else {})}
+                visible = name == metric and (not tag_keep or math.isclose(trace_keep, keep))
+                figure.add_trace(
+                    go.Heatmap(
+                        x=length_labels,
+                        y=values["depth_percent"],
+                        z=z,
+                        zmin=0,
+                        zmax=1,
+                        colorscale="RdYlGn",
+                        showscale=first_trace,
+                        colorbar={"title": {"text": "mean over examples"}, "thickness": 12},
+                        visible=visible,
+                        meta=meta,
+                        name=f"{method} keep {trace_keep:g}",
+                        xgap=1,
+                        ygap=1,
+                        hovertemplate=f"<b>{method}</b>, keep {trace_keep:g}<br>length %{{x}}, depth %{{y}}%"
+                        f"<br>{name} %{{z:.2f}}<extra></extra>",
+                    ),
+                    row=row + 1,
+                    col=column + 1,
+                )
+                first_trace = False
+    figure.update_xaxes(title_text="prompt length (tokens)", type="category")
+    figure.update_yaxes(title_text="needle depth (%)", col=1)
+    figure.update_yaxes(autorange="reversed")
+    return _style(figure, "Needle in a haystack: depth x length per method (CLAA Fig. 3)", 300 * rows + 110)
+
+
+# -- accuracy vs TTFT (CLAA Fig. 4) ---------------------------------------------------------------
+
+
+def tradeoff_frame(bench: pl.DataFrame) -> pl.DataFrame:
+    """One point per method and keep rate: mean accuracy (score) and mean TTFT ratio to full, over examples."""
+    return (
+        bench.group_by("method", "keep")
+        .agg(
+            pl.col("score").cast(pl.Float64).mean().alias("accuracy"),
+            pl.col("ttft_ratio").cast(pl.Float64).mean(),
+            pl.col("ideal_ratio").cast(pl.Float64).mean(),
+            pl.len().alias("examples"),
+        )
+        .filter(pl.col("accuracy").is_not_null() & pl.col("ttft_ratio").is_not_null())
+        .sort("method", "keep")
+    )
+
+
+def pareto_front(points: pl.DataFrame, *, cost: str = "ttft_ratio", value: str = "accuracy") -> pl.DataFrame:
+    """The rows no other row dominates (no more ``cost`` and no less ``value``, better in one), by cost."""
+    ordered = points.sort([cost, value], descending=[False, True])
+    best_value = -math.inf
+    keep = []
+    for row_value in ordered[value].to_list():
+        # Sorted by cost, then by value descending: a row is on the front iff it beats every cheaper one.
+        keep.append(row_value > best_value)
+        best_value = max(best_value, row_value)
+    return ordered.filter(pl.Series(keep))
+
+
+def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Figure:
+    """Accuracy vs TTFT ratio, one point per method and keep rate, and the Pareto front."""
+    points = tradeoff_frame(bench)
+    figure = go.Figure()
+    for method in sorted(points["method"].unique(), key=lambda name: (name != FULL, name)):
+        method_points = points.filter(pl.col("method") == method).sort("ttft_ratio")
+        figure.add_trace(
+            go.Scatter(
+                x=method_points["ttft_ratio"],
+                y=method_points["accuracy"],
+                mode="lines+markers+text",
+                text=[f"{keep:.0%}" if method != FULL else "" for keep in method_points["keep"]],
+                textposition="top center",
+                textfont={"size": 10, "color": colors[method]},
+                marker={
+                    "size": 10,
+                    "color": colors[method],
+                    "symbol": "square" if method == FULL else "circle",
+                },
+                line={"color": colors[method], "width": 1.5},
+                name=method,
+                customdata=method_points.select("keep", "ideal_ratio", "examples").to_numpy(),
+                hovertemplate=f"<b>{method}</b> keep %{{customdata[0]:.0%}}<br>TTFT ratio %{{x:.3f}}"
+                " (ideal %{customdata[1]:.3f})<br>accuracy %{y:.3f} over %{customdata[2]} runs<extra></extra>",
+            )
+        )
+    front = pareto_front(points)
+    figure.add_trace(
+        go.Scatter(
+            x=front["ttft_ratio"],
+            y=front["accuracy"],
+            mode="lines+markers",
+            line={"color": "#222222", "width": 1, "dash": "dash", "shape": "hv"},
+            marker={"size": 18, "symbol": "circle-open", "color": "#222222", "line": {"width": 1.5}},
+            name="Pareto front",
+            customdata=front.select("method", "keep").to_numpy(),
+            hovertemplate="Pareto front: %{customdata[0]} keep %{customdata[1]:.0%}<extra></extra>",
+        )
+    )
+    figure.update_xaxes(title_text="TTFT / full-prefill TTFT (lower is faster)")
+    figure.update_yaxes(title_text="accuracy (mean score)")
+    return _style(figure, "Accuracy vs time to first token, per method and keep rate (CLAA Fig. 4)", 460)
+
+
+# -- information diffusion (SlimInfer Fig. 2) ---------------------------------------------------
+
+
+def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.Figure:
+    """Top: share of examples answered correctly when the evidence is pruned from each layer on.
+    Bottom: a per-example metric of the answer (thin, tagged ``example`` and ``diffusion_metric``)
+    and its mean over examples (bold, tagged ``diffusion_metric``)."""
+    frame = diffusion.with_columns(pl.col("example").cast(pl.String)).sort("example", "layer")
+    metrics = [name for name in DIFFUSION_METRICS if name in frame.columns]
+    figure = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.4, 0.6],
+        vertical_spacing=0.08,
+        subplot_titles=["answer still correct", "answer under pruning"],
+    )
+    correct = frame.group_by("layer").agg(pl.col("correct").cast(pl.Float64).mean(), pl.len()).sort("layer")
+    figure.add_trace(
+        go.Scatter(
+            x=correct["layer"],
+            y=correct["correct"],
+            mode="lines+markers",
+            line={"color": "#2ca02c", "width": 2},
+            name="share correct",
+            customdata=correct["len"],
+            hovertemplate="pruned from layer %{x}<br>%{y:.0%} of %{customdata} examples correct<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    for name in metrics:
+        for example, rows in frame.group_by("example", maintain_order=True):
+            figure.add_trace(
+                go.Scatter(
+                    x=rows["layer"],
+                    y=rows[name],
+                    mode="lines",
+                    line={"color": "#4c72b0", "width": 1},
+                    opacity=0.35,
+                    name=example[0],
+                    showlegend=False,
+                    visible=name == metric,
+                    meta={"example": example[0], "diffusion_metric": name},
+                    hovertemplate=f"{example[0]}<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+                ),
+                row=2,
+                col=1,
+            )
+        mean = frame.group_by("layer").agg(pl.col(name).mean()).sort("layer")
+        figure.add_trace(
+            go.Scatter(
+                x=mean["layer"],
+                y=mean[name],
+                mode="lines",
+                line={"color": "#111111", "width": 3},
+                name=f"mean {DIFFUSION_METRICS[name]}",
+                visible=name == metric,
+                meta={"diffusion_metric": name},
+                hovertemplate=f"mean {DIFFUSION_METRICS[name]}<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+    _add_shape_to_subplots(
+        figure, marker_shape("layer", "x", layer, **LAYER_MARKER), [("x", "y"), ("x2", "y2")]
+    )
+    figure.update_xaxes(
+        title_text="layer from which the evidence tokens' hidden states are pruned", row=2, col=1
+    )
+    figure.update_yaxes(title_text="share of examples", tickformat=".0%", range=[-0.05, 1.05], row=1, col=1)
+    figure.update_yaxes(title_text="value (pick with “diffusion metric”)", row=2, col=1)
+    return _style(figure, "Information diffusion: pruning the evidence at layer l (SlimInfer Fig. 2)", 520)

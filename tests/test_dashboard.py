@@ -1,0 +1,420 @@
+"""The dashboard: each figure builder on small frames with known values, the page's inputs and
+errors, the CLI, and the rendered page in headless Chromium (JavaScript errors, every panel drawn)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import plotly.offline
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rankkit.errors import RankkitError
+from rankkit.report import figures, write_dashboard
+from rankkit.report.browser import find_chromium, open_in_chromium
+
+LAYERS, HEADS = 6, 2
+PROBES = ("window", "last_token_raw", "lava")
+
+
+def write_synthetic_store(
+    path: Path,
+    *,
+    examples: int = 4,
+    tokens: int = 120,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    probes=PROBES,
+    oracle: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Examples whose probes agree more with the oracle layer by layer; the oracle peaks on the needle."""
+    from rankkit import stores
+
+    rng = np.random.default_rng(seed)
+    writer = stores.create(path, {"model": {"id": "synthetic"}})
+    context = (8, tokens - 12)
+    for index in range(examples):
+        depth = [0.0, 50.0, 100.0][index % 3]
+        needle_start = context[0] + int((context[1] - context[0] - 6) * depth / 100)
+        truth = rng.random(tokens).astype(np.float32)
+        truth[needle_start : needle_start + 6] += 5
+        agreement = np.linspace(0.1, 0.9, layers)[:, None, None]
+        scores = {
+            probe: (agreement * truth + (1 - agreement) * 5 * rng.random((layers, heads, tokens))).astype(
+                np.float32
+            )
+            for probe in probes
+        }
+        attrs = {
+            "task": "niah" if index % 2 == 0 else "qa",
+            "answers": ["68247"],
+            "meta": {"depth_percent": depth, "length": tokens},
+            "token_text": [f"w{position}" for position in range(tokens)],
+            "spans": {"context_tokens": list(context), "evidence_tokens": [[needle_start, needle_start + 6]]},
+        }
+        example_id = f"ex{index}"
+        writer.write_example(example_id, attrs=attrs, tokens=np.arange(tokens), scores=scores)
+        if oracle:
+            layered = np.tile(truth, (layers, 1))
+            writer.add_oracle(
+                example_id, oracle=truth, oracle_layers=layered, attrs={"correct": float(index % 3 != 1)}
+            )
+    return path
+
+
+def bench_frame() -> pl.DataFrame:
+    """A bench grid: full once per example, then every method at three keep rates."""
+    rows = []
+    for example, (length, depth) in enumerate(itertools.product((1019, 2041), (0.0, 50.0, 100.0))):
+        rows.append(_bench_row(example, length, depth, "full", 1.0, 1.0, 1.0))
+        for method, keep in itertools.product(("gemfilter", "fastkv", "claa"), (0.1, 0.2, 0.4)):
+            quality = {"gemfilter": 0.5, "fastkv": 0.7, "claa": 0.8}[method] + keep / 2
+            score = float((example * 7 + int(keep * 10)) % 10 < quality * 10)
+            ttft = 0.2 + keep + (0.1 if method == "claa" else 0.0)
+            rows.append(_bench_row(example, length, depth, method, keep, score, ttft))
+    return pl.DataFrame(rows)
+
+
+def _bench_row(
+    example: int, length: int, depth: float, method: str, keep: float, score: float, ttft: float
+) -> dict:
+    return {
+        "example_id": f"niah-{example}",
+        "task": "niah",
+        "length": length,
+        "depth_percent": depth,
+        "method": method,
+        "keep": keep,
+        "score": score,
+        "ttft_ratio": ttft,
+        "ideal_ratio": ttft * 0.9,
+        "evidence_kept": None if method == "full" else min(1.0, keep * 3),
+    }
+
+
+def diffusion_frame(examples: int = 4, layers: int = LAYERS) -> pl.DataFrame:
+    rows = [
+        {
+            "example": f"ex{example}",
+            "layer": layer,
+            "correct": layer >= 2 + example % 2,
+            "answer_logprob": -3.0 / (layer + 1) - example * 0.1,
+            "first_token_kl": 1.0 / (layer + 1),
+            "evidence_attention": layer / layers,
+        }
+        for example in range(examples)
+        for layer in range(layers)
+    ]
+    return pl.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return write_synthetic_store(tmp_path_factory.mktemp("dashboard") / "run.zarr")
+
+
+# -- figure builders ---------------------------------------------------------------------------
+
+
+def test_method_colors_keep_the_papers_methods_fixed_and_the_rest_stable():
+    colors = figures.method_colors(["claa", "window", "lava", "full"])
+    assert colors["claa"] == figures.KNOWN_METHOD_COLORS["claa"]
+    assert colors["full"] == figures.KNOWN_METHOD_COLORS["full"]
+    assert colors == figures.method_colors(["lava", "window", "full", "claa"])
+    assert len(set(colors.values())) == 4
+
+
+def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
+    per_layer = pl.DataFrame(
+        {
+            "example": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
+            "task": ["t1"] * 8 + ["t2"] * 2,
+            "method": ["fastkv"] * 4 + ["window"] * 4 + ["fastkv"] * 2,
+            "layer": [0, 1, 0, 1] * 2 + [0, 1],
+            "spearman": [0.1, 0.5, 0.3, 0.9, 0.1, 0.5, 0.3, 0.9, 0.2, 0.4],
+        }
+    )
+    figure = figures.spearman_figure(per_layer, pruning_layer=1, colors=figures.method_colors(["fastkv"]))
+    lines = [trace for trace in figure.data if trace.mode == "lines"]
+    # window ranks exactly like fastkv: drawn once, under the method's name
+    assert [trace.name for trace in lines] == ["fastkv", "fastkv"]
+    np.testing.assert_allclose(lines[0].y, [0.2, 0.7])
+    np.testing.assert_allclose(lines[1].y, [0.2, 0.4])
+    band = next(trace for trace in figure.data if trace.fill == "toself")
+    np.testing.assert_allclose(band.y, [0.3, 0.9, 0.5, 0.1])  # mean ± population sd, out and back
+    assert [annotation.text for annotation in figure.layout.annotations] == ["task: t1", "task: t2"]
+    assert [shape.x0 for shape in figure.layout.shapes] == [1, 1]
+    assert {shape.name for shape in figure.layout.shapes} == {"layer:x:0"}
+
+
+def test_variance_figure_counts_selection_layers_per_tau_with_a_never_bar():
+    curves = pl.DataFrame(
+        {
+            "example": ["a"] * 3 + ["b"] * 3,
+            "task": ["t"] * 6,
+            "probe": ["window"] * 6,
+            "layer": [0, 1, 2] * 2,
+            "relative_variance": [None, 1.0, 0.2, None, 1.0, 0.5],
+        }
+    )
+    selections = pl.DataFrame(
+        {
+            "example": ["a", "b", "a", "b"],
+            "task": ["t"] * 4,
+            "probe": ["window"] * 4,
+            "tau": [0.3, 0.3, 0.6, 0.6],
+            "selection_layer": [2, None, 2, 2],
+        },
+        schema_overrides={"selection_layer": pl.Int32},
+    )
+    figure = figures.variance_figure(curves, selections, tau=0.3, layer=1, num_layers=3)
+    examples = [trace for trace in figure.data if trace.meta and "example" in trace.meta]
+    assert [list(trace.y) for trace in examples] == [[1.0, 0.2], [1.0, 0.5]]
+    mean = next(
+        trace for trace in figure.data if trace.name == "t" and trace.type == "scatter" and not trace.meta
+    )
+    np.testing.assert_allclose(mean.y, [1.0, 0.35])
+    bars = {trace.meta["tau"]: trace for trace in figure.data if trace.type == "bar"}
+    assert (list(bars[0.3].x), list(bars[0.3].y), bars[0.3].visible) == ([2, 3], [1, 1], True)  # 3 = "never"
+    assert (list(bars[0.6].x), list(bars[0.6].y), bars[0.6].visible) == ([2], [2], False)
+    tau_line = next(shape for shape in figure.layout.shapes if shape.name.startswith("tau"))
+    assert (tau_line.y0, tau_line.y1) == (0.3, 0.3)
+
+
+def test_bin_tokens_keeps_each_bins_top_token_and_its_exact_rank():
+    values = np.array([[1.0, 5.0, 2.0, 0.0, 3.0], [9.0, 8.0, 7.0, 6.0, 5.0]], dtype=np.float32)
+    bins = figures.bin_tokens(values, start=10, max_bins=2)
+    assert bins.edges.tolist() == [10, 13, 15]
+    np.testing.assert_array_equal(bins.score, [[5.0, 3.0], [9.0, 6.0]])
+    np.testing.assert_array_equal(bins.top, [[11, 14], [10, 13]])
+    np.testing.assert_array_equal(bins.rank, [[0, 1], [0, 3]])
+    unpooled = figures.bin_tokens(values, start=0, max_bins=100)
+    np.testing.assert_array_equal(unpooled.score, values)
+    np.testing.assert_array_equal(unpooled.top, np.tile(np.arange(5), (2, 1)))
+
+
+def test_explorer_heatmap_is_the_stores_head_summed_scores_over_the_context(store):
+    from rankkit import stores
+
+    record = stores.open(store).example("ex1")
+    start, end = record.attrs["spans"]["context_tokens"]
+    expected = record.scores("lava")[..., start:end].sum(axis=1)
+    bins = figures.bin_tokens(expected, start=start, max_bins=10_000)
+    oracle = figures.bin_tokens(record.oracle[start:end], start=start, max_bins=10_000)
+    texts = record.attrs["token_text"][start:end]
+    figure = figures.token_explorer_figure(
+        bins,
+        oracle,
+        texts,
+        text_start=start,
+        evidence=[[30, 36]],
+        probe="lava",
+        title="ex1",
+        layer=2,
+        colour="score",
+    )
+    strip, heatmap = figure.data
+    np.testing.assert_array_equal(np.asarray(heatmap.z), expected)
+    np.testing.assert_array_equal(np.asarray(strip.z), record.oracle[np.newaxis, start:end])
+    token = 40
+    customdata = np.asarray(heatmap.customdata)[3, token - start]
+    rank = int((expected[3] > expected[3, token - start]).sum()) + 1
+    assert customdata[:4].tolist() == [token, token, token, rank]
+    assert heatmap.text[3][token - start] == "w40"
+    evidence = [shape for shape in figure.layout.shapes if shape.name == "evidence"]
+    assert [(shape.x0, shape.x1) for shape in evidence] == [(29.5, 35.5)] * 2
+    by_rank = figures.token_explorer_figure(
+        bins, oracle, texts, text_start=start, evidence=[], probe="lava", title="ex1", layer=2, colour="rank"
+    )
+    assert np.asarray(by_rank.data[1].z)[3].max() == 1.0  # the layer's top token
+
+
+def test_display_token_shows_whitespace_and_no_markup():
+    assert figures.display_token("<br>\n") == "“&lt;br&gt;⏎”"
+
+
+def test_needle_figure_cells_are_mean_scores_per_depth_and_length():
+    bench = bench_frame()
+    figure = figures.needle_figure(bench, colors=figures.method_colors(bench["method"].unique()), keep=0.2)
+    claa = next(
+        trace
+        for trace in figure.data
+        if trace.name == "claa keep 0.2" and trace.meta["needle_metric"] == "accuracy"
+    )
+    assert list(claa.x) == ["1.0k", "2.0k"] and list(claa.y) == [0.0, 50.0, 100.0]
+    rows = bench.filter((pl.col("method") == "claa") & (pl.col("keep") == 0.2))
+    for (row, depth), (column, length) in itertools.product(
+        enumerate((0.0, 50.0, 100.0)), enumerate((1019, 2041))
+    ):
+        cell = rows.filter((pl.col("depth_percent") == depth) & (pl.col("length") == length))["score"].mean()
+        assert claa.z[row][column] == pytest.approx(cell)
+    visible = {(trace.name, trace.meta["needle_metric"]) for trace in figure.data if trace.visible}
+    assert visible == {
+        ("full keep 1", "accuracy"),
+        *((f"{m} keep 0.2", "accuracy") for m in ("claa", "fastkv", "gemfilter")),
+    }
+    full = next(trace for trace in figure.data if trace.name.startswith("full"))
+    assert "keep" not in full.meta  # full runs at keep 1 only: shown beside every keep rate
+
+
+def test_length_bucket_rounds_to_two_significant_figures():
+    assert [figures.length_bucket(n) for n in (1019, 2041, 4090, 987, 131_000)] == [
+        1000,
+        2000,
+        4100,
+        990,
+        130_000,
+    ]
+
+
+def _dominated(point, others) -> bool:
+    cost, value = point
+    return any(c <= cost and v >= value and (c < cost or v > value) for c, v in others)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=12))
+def test_pareto_front_is_exactly_the_non_dominated_points(points):
+    frame = pl.DataFrame(
+        {"ttft_ratio": [float(c) for c, _ in points], "accuracy": [float(v) for _, v in points]}
+    )
+    front = figures.pareto_front(frame)
+    expected = {point for point in points if not _dominated(point, points)}
+    got = list(zip(front["ttft_ratio"].cast(int), front["accuracy"].cast(int), strict=True))
+    assert set(got) == expected
+    assert len(got) == len(expected)  # duplicates of a front point count once
+    assert got == sorted(got)
+
+
+def test_tradeoff_figure_one_point_per_method_and_keep_and_the_front():
+    bench = bench_frame()
+    figure = figures.tradeoff_figure(bench, colors=figures.method_colors(bench["method"].unique()))
+    by_name = {trace.name: trace for trace in figure.data}
+    assert set(by_name) == {"full", "gemfilter", "fastkv", "claa", "Pareto front"}
+    points = figures.tradeoff_frame(bench)
+    claa = points.filter(pl.col("method") == "claa").sort("ttft_ratio")
+    np.testing.assert_allclose(by_name["claa"].x, claa["ttft_ratio"])
+    np.testing.assert_allclose(by_name["claa"].y, claa["accuracy"])
+    front = figures.pareto_front(points)
+    np.testing.assert_allclose(by_name["Pareto front"].x, front["ttft_ratio"])
+    assert all(
+        not _dominated(point, points.select("ttft_ratio", "accuracy").rows())
+        for point in front.select("ttft_ratio", "accuracy").rows()
+    )
+
+
+def test_diffusion_figure_share_correct_and_per_example_metrics():
+    frame = diffusion_frame()
+    figure = figures.diffusion_figure(frame, layer=3, metric="answer_logprob")
+    share = figure.data[0]
+    np.testing.assert_allclose(share.y, [0, 0, 0.5, 1, 1, 1])
+    visible = [trace for trace in figure.data[1:] if trace.visible]
+    assert {trace.meta["diffusion_metric"] for trace in visible} == {"answer_logprob"}
+    assert len(visible) == 5  # four examples and their mean
+    mean = next(trace for trace in visible if "example" not in trace.meta)
+    np.testing.assert_allclose(
+        mean.y, frame.group_by("layer").agg(pl.col("answer_logprob").mean()).sort("layer")["answer_logprob"]
+    )
+
+
+# -- the page ----------------------------------------------------------------------------------------
+
+
+def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
+    store = write_synthetic_store(tmp_path / "no-oracle.zarr", examples=2, oracle=False, probes=("lava",))
+    page = write_dashboard(store, tmp_path / "report.html").read_text()
+    plotly_js = plotly.offline.get_plotlyjs()
+    assert page.count(plotly_js) == 1
+    ours = page.replace(plotly_js, "")
+    assert "<script src" not in ours and "http" not in ours  # nothing to fetch
+    assert f"rankkit oracle {store}" in page
+    assert "rankkit bench --methods" in page
+    assert f"rankkit diffusion {store} --out diffusion.parquet" in page
+    assert "The store has no window scores" in page
+
+
+def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
+    with pytest.raises(RankkitError, match="no store at .*capture into it first"):
+        write_dashboard(tmp_path / "missing.zarr", tmp_path / "report.html")
+    not_parquet = tmp_path / "bench.parquet"
+    not_parquet.write_text("method,keep\nclaa,0.1\n")
+    with pytest.raises(RankkitError, match="is not a parquet file.*rankkit bench"):
+        write_dashboard(store, tmp_path / "report.html", bench=not_parquet)
+    with pytest.raises(RankkitError, match="no bench file at .*rankkit bench"):
+        write_dashboard(store, tmp_path / "report.html", bench=tmp_path / "none.parquet")
+    with pytest.raises(RankkitError, match="lacks column.*ttft_ratio"):
+        write_dashboard(store, tmp_path / "report.html", bench=bench_frame().drop("ttft_ratio"))
+
+
+def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    bench = tmp_path / "bench.parquet"
+    bench_frame().write_parquet(bench)
+    out = tmp_path / "out" / "report.html"
+    result = CliRunner().invoke(app, ["dashboard", str(store), "--bench", str(bench), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(out)
+    assert out.stat().st_size > 4_000_000  # plotly.js inside
+
+
+needs_chromium = pytest.mark.skipif(
+    find_chromium() is None,
+    reason="Chromium is not installed; `make browser` (or apt-get install chromium) adds it",
+)
+
+
+@needs_chromium
+def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_path, store):
+    from rankkit import stores
+
+    page = write_dashboard(store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame())
+    screenshot = tmp_path / "report.png"
+    report = open_in_chromium(
+        page, screenshot=screenshot, fragment="example=ex2&probe=lava&colour=score&layer=4"
+    )
+    status = report.status
+    assert status["done"] and status["errors"] == []
+    assert set(status["panels"]) == {"spearman", "variance", "explorer", "needle", "tradeoff", "diffusion"}
+    for name, panel in status["panels"].items():
+        assert not panel.get("missing"), name
+        assert panel["visible_traces"] > 0 and panel["points"] > 0 and panel["svg_traces"] > 0, (name, panel)
+    # The explorer shows the picked example and probe: every layer's largest score, as float16.
+    record = stores.open(store).example("ex2")
+    start, end = record.attrs["spans"]["context_tokens"]
+    expected = record.scores("lava")[..., start:end].sum(axis=1).max(axis=1)
+    explorer = status["explorer"]
+    assert (explorer["example"], explorer["probe"], explorer["layers"]) == ("ex2", "lava", LAYERS)
+    np.testing.assert_allclose(explorer["row_max"], expected.astype(np.float16), rtol=1e-3)
+    assert status["state"]["layer"] == "4"
+    assert screenshot.stat().st_size > 50_000 and screenshot.read_bytes()[:4] == b"\x89PNG"
+
+
+@needs_chromium
+def test_a_fifty_example_4k_store_stays_under_20_mb_and_opens_within_3_s(tmp_path):
+    """The acceptance figure of docs/benchmarks.md: 50 examples x 4,096 tokens x 30 layers x 3 KV heads x 5 probes."""
+    probes = ("window", "last_token_raw", "last_token_heads", "lava", "token_units")
+    store = write_synthetic_store(
+        tmp_path / "big.zarr", examples=50, tokens=4096, layers=30, heads=3, probes=probes
+    )
+    page = write_dashboard(
+        store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame(50, 30)
+    )
+    megabytes = page.stat().st_size / 1e6
+    report = open_in_chromium(page)
+    print(
+        f"dashboard: {megabytes:.1f} MB, chromium dump-dom {report.seconds:.2f} s, page {report.status['since_navigation_ms']} ms"
+    )
+    assert megabytes < 20
+    assert report.status["errors"] == []
+    assert report.status["since_navigation_ms"] < 3000
+    assert math.isfinite(report.seconds)
