@@ -309,3 +309,40 @@ def test_sliminfer_prunes_blocks_progressively_and_offloads_them(random_ids):
         swap = hook.schedule[layer].swap
         assert swap.blocks_on_device() | set(swap.host) == pools[layer]
         assert len(swap.blocks_on_device()) == (4, 2)[layer]
+
+
+@pytest.fixture(scope="module")
+def default_runner(default_model):
+    return Runner(default_model.model)
+
+
+@pytest.fixture(scope="module")
+def short_prompt(default_model):
+    from rankkit.prompting import build_prompt
+
+    context = "The secret code is 4172. " + "Grass is green and the sky is blue. " * 12
+    return build_prompt(default_model.tokenizer, context, "What is the secret code?").input_ids
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_keep_all_reproduces_full_on_the_default_model(name, default_model, default_runner, short_prompt):
+    method = make(name)
+    method.prepare(default_runner, short_prompt, tokenizer=default_model.tokenizer)
+    run = run_once(default_runner, method, short_prompt, Budget.from_keep(1.0), 6)
+    assert run.tokens == default_runner.generate(short_prompt, 6).tokens
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa", "asl"])
+def test_pruned_methods_keep_original_positions_on_the_default_model(name, default_runner, short_prompt):
+    run = make(name).prefill(default_runner, short_prompt, Budget.from_keep(0.3))
+    length = int(short_prompt.numel())
+    kept = run.kept_positions.tolist()
+    assert (
+        kept == sorted(kept)
+        and kept[-1] == length - 1
+        and len(kept) == Budget.from_keep(0.3).resolve(length, 32)
+    )
+    last = default_runner.num_layers - 1
+    assert run.result.cache.positions[last][0].tolist() == kept and run.result.prompt_length == length

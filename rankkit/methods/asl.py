@@ -60,6 +60,8 @@ class RankVariance(LayerPolicy):
         return layer >= self.first_ranked_layer
 
     def decide(self, layer, scores):
+        if scores is None:  # a layer before the first one L_obs looks back to
+            return None
         summed = scores.sum(0)
         past = summed[: summed.numel() - self.window]  # Algorithm 1 line 4: the window is not ranked
         self.rank_cache.append(descending_ranks(past))
