@@ -21,14 +21,18 @@ def demo(
     """Run the main job on the embedded default model and print where its output is."""
     from rankkit.demo import run_demo
 
-    summary = run_demo(out, device=device, console=console)
-    console.print(f"\n[bold]demo output:[/bold] {summary['out']}")
+    written = run_demo(out, device=device, console=console)
+    console.print(f"\n[bold]demo output:[/bold] {out}")
+    for name, path in written.items():
+        console.print(f"  {name:10} {path}")
 
 
 @app.command()
 def generate(
     question: str = typer.Option(..., "--question", help="The question after the context."),
-    context_file: Path = typer.Option(None, "--context-file", exists=True, dir_okay=False, help="Context text file."),
+    context_file: Path = typer.Option(
+        None, "--context-file", exists=True, dir_okay=False, help="Context text file."
+    ),
     model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
     max_new_tokens: int = typer.Option(32, min=1),
     device: str = typer.Option("auto"),

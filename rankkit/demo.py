@@ -1,8 +1,13 @@
-"""The demo job: what `make demo` runs on the embedded default model."""
+"""The demo job: what `make demo` runs on the embedded default model.
+
+A small version of the whole workflow, sized to finish in a few minutes on two CPU
+cores: capture every probe with the oracle on needle-in-a-haystack prompts, compare the
+rankings to the oracle layer by layer, draw ASL's rank-variance curves, run a few
+methods end to end against full prefill, and write the dashboard of it all.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
@@ -11,8 +16,14 @@ from rankkit import models
 from rankkit.prompting import build_prompt
 from rankkit.runner import Runner
 
+DEMO_DATA = "niah:n=4,length=1024"
+DEMO_METHODS = ("full", "gemfilter", "fastkv", "claa", "snapkv")
+DEMO_KEEP = 0.2
 
-def answer(model_spec: str, context: str, question: str, *, max_new_tokens: int = 32, device: str = "auto") -> dict:
+
+def answer(
+    model_spec: str, context: str, question: str, *, max_new_tokens: int = 32, device: str = "auto"
+) -> dict:
     """Greedy answer to (context, question) through the runner, with the prompt's size."""
     loaded = models.load(model_spec, device=device)
     prompt = build_prompt(loaded.tokenizer, context, question)
@@ -21,14 +32,59 @@ def answer(model_spec: str, context: str, question: str, *, max_new_tokens: int 
     return {"model": loaded.model_id, "prompt_tokens": prompt.num_tokens, "answer": text}
 
 
-def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict:
+def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
+    """Run the workflow into ``out``; returns what it wrote, by name."""
+    from rankkit.bench import BenchSettings, run_bench
+    from rankkit.capture import OracleOptions, capture, example_prompt
+    from rankkit.data import load_examples
+    from rankkit.eval.compare import compare_store
+    from rankkit.eval.variance import variance_store
+    from rankkit.methods import Budget, make
+
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
-    context = ("The grass is green. The sky is blue. The sun is yellow. " * 30) + (
-        "The pass key is 68247. Remember it. 68247 is the pass key. "
-    ) + ("Here we go. There and back again. " * 30)
-    with console.status("default model: greedy answer through the runner"):
-        result = answer("default", context, "What is the pass key?", max_new_tokens=16, device=device)
-    console.print(f"prompt tokens: {result['prompt_tokens']}  answer: [bold]{result['answer']}[/bold]")
-    (out / "answer.json").write_text(json.dumps(result, indent=2))
-    return {"out": str(out)}
+    written = {
+        "store": out / "niah.zarr",
+        "compare": out / "compare.parquet",
+        "variance": out / "variance.parquet",
+        "bench": out / "bench.parquet",
+    }
+
+    with console.status(f"capture: every probe at every layer + oracle, {DEMO_DATA}"):
+        summary = capture(
+            data=DEMO_DATA, out=written["store"], device=device, oracle=OracleOptions(max_new_tokens=16)
+        )
+    console.print(
+        f"captured {summary.examples} examples ({summary.tokens_per_second:,.0f} tok/s), "
+        f"oracle answers correct: {summary.accuracy}"
+    )
+
+    with console.status("compare against the oracle, ASL variance curves"):
+        comparison = compare_store(written["store"])
+        comparison.write(written["compare"])
+        variance_store(written["store"]).write(written["variance"])
+    console.print(
+        comparison.summary.select(
+            "method", "layer", "spearman", "recall_at_10", "needle_recall", "mean_spearman", "std_spearman"
+        )
+    )
+
+    loaded = models.load("default", device=device)
+    examples = load_examples(DEMO_DATA, loaded.tokenizer)[:2]
+    with console.status(f"bench: {', '.join(DEMO_METHODS)} at keep {DEMO_KEEP}"):
+        frame = run_bench(
+            Runner(loaded.model),
+            loaded.tokenizer,
+            examples,
+            [make(name) for name in DEMO_METHODS],
+            [Budget.from_keep(DEMO_KEEP)],
+            BenchSettings(max_new_tokens=16, warmup_runs=1, repeats=1),
+            prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
+        )
+        frame.write_parquet(written["bench"])
+    console.print(
+        frame.group_by("method", maintain_order=True)
+        .agg("score", "ttft_ratio", "kv_ratio")
+        .select("method", "score", "ttft_ratio", "kv_ratio")
+    )
+    return written
