@@ -4,7 +4,7 @@ errors, the CLI, and the rendered page in headless Chromium (JavaScript errors, 
 from __future__ import annotations
 
 import itertools
-import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -236,7 +236,7 @@ def test_explorer_heatmap_is_the_stores_head_summed_scores_over_the_context(stor
 
 
 def test_display_token_shows_whitespace_and_no_markup():
-    assert figures.display_token("<br>\n") == "“&lt;br&gt;⏎”"
+    assert figures.display_token("<br>\n") == "&lt;br&gt;⏎"
 
 
 def test_needle_figure_cells_are_mean_scores_per_depth_and_length():
@@ -247,7 +247,7 @@ def test_needle_figure_cells_are_mean_scores_per_depth_and_length():
         for trace in figure.data
         if trace.name == "claa keep 0.2" and trace.meta["needle_metric"] == "accuracy"
     )
-    assert list(claa.x) == ["1.0k", "2.0k"] and list(claa.y) == [0.0, 50.0, 100.0]
+    assert list(claa.x) == ["1.0k", "2.0k"] and list(claa.y) == ["0%", "50%", "100%"]
     rows = bench.filter((pl.col("method") == "claa") & (pl.col("keep") == 0.2))
     for (row, depth), (column, length) in itertools.product(
         enumerate((0.0, 50.0, 100.0)), enumerate((1019, 2041))
@@ -380,7 +380,7 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
     page = write_dashboard(store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame())
     screenshot = tmp_path / "report.png"
     report = open_in_chromium(
-        page, screenshot=screenshot, fragment="example=ex2&probe=lava&colour=score&layer=4"
+        page, screenshot=screenshot, fragment="example=ex2&probe=lava&colour=score&layer=4&selftest"
     )
     status = report.status
     assert status["done"] and status["errors"] == []
@@ -396,12 +396,22 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
     assert (explorer["example"], explorer["probe"], explorer["layers"]) == ("ex2", "lava", LAYERS)
     np.testing.assert_allclose(explorer["row_max"], expected.astype(np.float16), rtol=1e-3)
     assert status["state"]["layer"] == "4"
+    # 4 examples, 3 probes, 2 colourings, 2 slider ends, 5 taus, 3 keep rates, 2 needle and 3 diffusion
+    # metrics were each picked, then every control went back to its start
+    assert status["selftest_steps"] == (4 + 3 + 2 + 2 + 5 + 3 + 2 + 3) + 8
     assert screenshot.stat().st_size > 50_000 and screenshot.read_bytes()[:4] == b"\x89PNG"
 
 
 @needs_chromium
+@pytest.mark.skipif(
+    not os.environ.get("RANKKIT_DASHBOARD_BENCH"),
+    reason="the 50-example dashboard benchmark takes minutes; RANKKIT_DASHBOARD_BENCH=1 runs it (docs/benchmarks.md)",
+)
 def test_a_fifty_example_4k_store_stays_under_20_mb_and_opens_within_3_s(tmp_path):
-    """The acceptance figure of docs/benchmarks.md: 50 examples x 4,096 tokens x 30 layers x 3 KV heads x 5 probes."""
+    """The figure of docs/benchmarks.md: 50 examples x 4,096 tokens x 30 layers x 3 KV heads x 5 probes.
+
+    The open time is the page's own clock at the moment every panel has drawn; run it on an idle machine.
+    """
     probes = ("window", "last_token_raw", "last_token_heads", "lava", "token_units")
     store = write_synthetic_store(
         tmp_path / "big.zarr", examples=50, tokens=4096, layers=30, heads=3, probes=probes
@@ -411,10 +421,11 @@ def test_a_fifty_example_4k_store_stays_under_20_mb_and_opens_within_3_s(tmp_pat
     )
     megabytes = page.stat().st_size / 1e6
     report = open_in_chromium(page)
+    status = report.status
     print(
-        f"dashboard: {megabytes:.1f} MB, chromium dump-dom {report.seconds:.2f} s, page {report.status['since_navigation_ms']} ms"
+        f"\ndashboard: {megabytes:.1f} MB; drawn {status['since_navigation_ms']} ms after navigation "
+        f"(plotly.js ready at {status['plotly_ready_ms']} ms); chromium --dump-dom {report.seconds:.1f} s"
     )
     assert megabytes < 20
-    assert report.status["errors"] == []
-    assert report.status["since_navigation_ms"] < 3000
-    assert math.isfinite(report.seconds)
+    assert status["errors"] == []
+    assert status["since_navigation_ms"] < 3000

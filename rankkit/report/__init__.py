@@ -10,7 +10,8 @@ missing names the command that produces it.
 
 Size: the explorer keeps every example, probe and layer, but pools the token axis into
 contiguous bins (max score per bin, with the top token's position and exact rank) so its
-arrays fit ``EXPLORER_BUDGET_BYTES``; scores travel as float16, ranks as uint16/uint32.
+arrays fit ``EXPLORER_BUDGET_BYTES``; scores travel as float16, ranks as uint16 (uint32 past
+65,536 tokens) and the top token as its offset in the bin (uint8 up to 256 tokens a bin).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from rankkit.errors import RankkitError
 from . import figures
 from .html import Control, Page, Panel, encode_array, render
 
-# The explorer's arrays (before base64) stay under this; with plotly.js (4.8 MB) and the other
-# panels a 50-example, 4k-token, 5-probe, 30-layer store comes out near 17 MB.
-EXPLORER_BUDGET_BYTES = 8 * 2**20
+# The explorer's arrays (before base64) stay under this; with plotly.js (4.8 MB), the token
+# texts and the other panels a 50-example, 4k-token, 5-probe, 30-layer store comes out near 16 MB.
+EXPLORER_BUDGET_BYTES = 7 * 2**20
 MAX_BINS = 1024  # about one column per screen pixel of a wide panel
 MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
 RANKED_SPAN = "context_tokens"  # what compare and variance rank; the explorer shows the same tokens
@@ -340,7 +341,7 @@ def _ranked_slice(record) -> slice:
 def _bins_for_budget(records) -> int:
     """The most bins per row that keep every example's explorer arrays within the budget."""
     rows = sum(record.score_shape(probe)[0] for record in records for probe in record.probes) + len(records)
-    bytes_per_cell = 2 + 2 + 2  # float16 score, uint16 top-token position, uint16 rank
+    bytes_per_cell = 2 + 1 + 2  # float16 score, uint8 top-token offset, uint16 rank
     return int(min(MAX_BINS, max(MIN_BINS, EXPLORER_BUDGET_BYTES // (rows * bytes_per_cell))))
 
 
@@ -380,7 +381,7 @@ def _encoded_bins(bins: figures.TokenBins) -> dict[str, dict[str, str]]:
     score_dtype = "f2" if np.all(np.abs(bins.score) < 6.0e4) else "f4"
     return {
         "score": encode_array(bins.score, score_dtype),
-        "top": encode_array(bins.top, "u2" if bins.edges[-1] <= 2**16 else "u4"),
+        "offset": encode_array(bins.top - bins.edges[:-1], "u1" if bins.width <= 2**8 else "u2"),
         "rank": encode_array(bins.rank, "u2" if bins.num_tokens <= 2**16 else "u4"),
     }
 

@@ -113,7 +113,7 @@ def _style(figure: go.Figure, title: str, height: int) -> go.Figure:
         template="plotly_white",
         font=FONT,
         margin={"l": 60, "r": 20, "t": 70, "b": 50},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 1, "xanchor": "right"},
+        legend={"tracegroupgap": 2},
         hoverlabel={"font": {"family": "ui-monospace, Menlo, Consolas, monospace"}},
     )
     return figure
@@ -362,11 +362,11 @@ def bin_tokens(values: np.ndarray, *, start: int, max_bins: int) -> TokenBins:
 
 
 EXPLORER_HOVER = (
-    "layer %{y}<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: %{text}"
+    "layer %{y}<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: “%{text}”"
     "<br>rank %{customdata[3]} of %{meta.ranked}<br>score %{customdata[4]:.4g}<extra>%{meta.probe}</extra>"
 )
 ORACLE_HOVER = (
-    "oracle<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: %{text}"
+    "oracle<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: “%{text}”"
     "<br>rank %{customdata[3]} of %{meta.ranked}<br>oracle %{customdata[4]:.4g}<extra></extra>"
 )
 EVIDENCE_SHAPE = {"type": "rect", "line": {"color": "#00c2ff", "width": 2}, "fillcolor": "rgba(0,0,0,0)"}
@@ -376,7 +376,7 @@ EXPLORER_COLOURS = {"rank": "percentile of the top token's rank", "score": "scor
 def display_token(text: str) -> str:
     """A token's text safe inside a plotly hover label: visible whitespace, no markup."""
     shown = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return "“" + shown.replace("\n", "⏎").replace("\t", "⇥") + "”"
+    return shown.replace("\n", "⏎").replace("\t", "⇥")
 
 
 def bins_colour(bins: TokenBins, colour: str) -> np.ndarray:
@@ -543,7 +543,7 @@ def needle_figure(
                 figure.add_trace(
                     go.Heatmap(
                         x=length_labels,
-                        y=values["depth_percent"],
+                        y=[f"{depth:g}%" for depth in values["depth_percent"]],
                         z=z,
                         zmin=0,
                         zmax=1,
@@ -555,7 +555,7 @@ def needle_figure(
                         name=f"{method} keep {trace_keep:g}",
                         xgap=1,
                         ygap=1,
-                        hovertemplate=f"<b>{method}</b>, keep {trace_keep:g}<br>length %{{x}}, depth %{{y}}%"
+                        hovertemplate=f"<b>{method}</b>, keep {trace_keep:g}<br>length %{{x}}, depth %{{y}}"
                         f"<br>{name} %{{z:.2f}}<extra></extra>",
                     ),
                     row=row + 1,
@@ -563,8 +563,8 @@ def needle_figure(
                 )
                 first_trace = False
     figure.update_xaxes(title_text="prompt length (tokens)", type="category")
-    figure.update_yaxes(title_text="needle depth (%)", col=1)
-    figure.update_yaxes(autorange="reversed")
+    figure.update_yaxes(title_text="needle depth", col=1)
+    figure.update_yaxes(type="category", autorange="reversed")
     return _style(figure, "Needle in a haystack: depth x length per method (CLAA Fig. 3)", 300 * rows + 110)
 
 

@@ -10,7 +10,8 @@ How the controls act, by kind (``Control.kind``):
 
 Each example's explorer arrays sit in their own ``<script type="application/json">`` and are
 parsed and decoded only when the example is first picked. Initial control values can be set
-in the URL fragment (``report.html#example=niah-3&colour=score``).
+in the URL fragment (``report.html#example=niah-3&colour=score``); ``#selftest`` then steps
+every control through all its values.
 
 The page reports on itself in ``<pre id="rankkit-status">`` once every panel has drawn:
 JavaScript errors (caught from the first script on), per panel the traces, visible points and
@@ -71,7 +72,8 @@ def encode_array(values: np.ndarray, dtype: str) -> dict[str, str]:
 
 def _json_for_script(value: Any) -> str:
     """JSON safe inside a <script> element: no "</script>" or "<!--" can appear in it."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.replace("<", "\\u003c")
 
 
 def _figure_json(figure: go.Figure) -> dict:
@@ -131,6 +133,7 @@ def render(page: Page) -> str:
 <script>{_ERROR_CAPTURE_JS}</script>
 <style>{_CSS}</style>
 <script>{plotly.offline.get_plotlyjs()}</script>
+<script>window.rankkitPlotlyReady = performance.now();</script>
 </head>
 <body>
 <header><h1>{html.escape(page.title)}</h1><dl class="facts">{facts}</dl></header>
@@ -185,7 +188,6 @@ _RUNTIME_JS = r"""
   const started = performance.now();
   const config = JSON.parse(document.getElementById('rankkit-config').textContent);
   const figures = JSON.parse(document.getElementById('rankkit-figures').textContent);
-  const explorer = config.explorer;
   const state = {};
   const inputs = document.querySelectorAll('[data-control]');
   const fromUrl = new URLSearchParams(location.hash.slice(1));
@@ -200,43 +202,56 @@ _RUNTIME_JS = r"""
   function matches(tag, value) {
     return typeof tag === 'number' ? Math.abs(tag - Number(value)) < 1e-9 : String(tag) === value;
   }
-  function controlsOfKind(kind) {
-    return Object.keys(config.controls).filter(id => config.controls[id] === kind);
-  }
+  const filters = Object.keys(config.controls).filter(id => config.controls[id] === 'filter');
+  const highlights = Object.keys(config.controls).filter(id => config.controls[id] === 'highlight');
 
-  // Traces: visibility from the filter controls, emphasis from the highlight controls.
-  function restyleTraces(div) {
-    const filters = controlsOfKind('filter'), highlights = controlsOfKind('highlight');
-    const visible = [], tagged = [], opacity = [], width = [];
-    div.data.forEach(function (trace, index) {
+  // What the controls make of a figure: trace visibility (filters), emphasis of the tagged
+  // traces (highlights), and the positions of the shapes named after a control.
+  function controlled(data, shapes) {
+    const visible = [], tagged = [], opacity = [], width = [], shapeUpdate = {};
+    data.forEach(function (trace, index) {
       const meta = trace.meta || {};
-      const shown = filters.every(id => !(id in meta) || matches(meta[id], state[id]));
-      visible.push(filters.some(id => id in meta) ? shown : trace.visible === undefined ? true : trace.visible);
-      const mark = highlights.filter(id => id in meta);
-      if (mark.length) {
-        const on = mark.every(id => matches(meta[id], state[id]));
+      const filtered = filters.some(id => id in meta);
+      visible.push(filtered ? filters.every(id => !(id in meta) || matches(meta[id], state[id]))
+                            : trace.visible === undefined ? true : trace.visible);
+      const marks = highlights.filter(id => id in meta);
+      if (marks.length) {
+        const on = marks.every(id => matches(meta[id], state[id]));
         tagged.push(index); opacity.push(on ? 1 : 0.3); width.push(on ? 3 : 1);
       }
     });
-    const updates = [Plotly.restyle(div, {visible: visible})];
-    if (tagged.length) updates.push(Plotly.restyle(div, {opacity: opacity, 'line.width': width}, tagged));
-    return Promise.all(updates);
-  }
-
-  // Shapes named "<control>:<axis>:<half width>" follow that control.
-  function moveShapes(div) {
-    const update = {};
-    (div.layout.shapes || []).forEach(function (shape, index) {
+    (shapes || []).forEach(function (shape, index) {
       const parts = (shape.name || '').split(':');
       if (parts.length !== 3 || !(parts[0] in state)) return;
       const value = Number(state[parts[0]]), half = Number(parts[2]);
-      update['shapes[' + index + '].' + parts[1] + '0'] = value - half;
-      update['shapes[' + index + '].' + parts[1] + '1'] = value + half;
+      shapeUpdate['shapes[' + index + '].' + parts[1] + '0'] = value - half;
+      shapeUpdate['shapes[' + index + '].' + parts[1] + '1'] = value + half;
     });
-    return Object.keys(update).length ? Plotly.relayout(div, update) : Promise.resolve();
+    return {visible: visible, tagged: tagged, opacity: opacity, width: width, shapes: shapeUpdate};
+  }
+  function applyToFigure(figure) {  // before the first draw: one render per panel
+    const update = controlled(figure.data, figure.layout.shapes);
+    figure.data.forEach((trace, index) => { trace.visible = update.visible[index]; });
+    update.tagged.forEach(function (index, position) {
+      figure.data[index].opacity = update.opacity[position];
+      figure.data[index].line = Object.assign({}, figure.data[index].line, {width: update.width[position]});
+    });
+    Object.keys(update.shapes).forEach(function (key) {
+      const found = key.match(/^shapes\[(\d+)\]\.(\w+)$/);
+      figure.layout.shapes[Number(found[1])][found[2]] = update.shapes[key];
+    });
+    return figure;
+  }
+  function applyToPlot(div) {  // after a control changed
+    const update = controlled(div.data, div.layout.shapes);
+    return Plotly.update(div, {visible: update.visible}, update.shapes).then(function () {
+      if (update.tagged.length) {
+        return Plotly.restyle(div, {opacity: update.opacity, 'line.width': update.width}, update.tagged);
+      }
+    });
   }
 
-  // -- token-score explorer: arrays decoded from base64 when an example is first picked --
+  // -- token-score explorer: an example's arrays are parsed and decoded when it is first picked --
   function halfToFloat(bits) {
     const sign = bits & 0x8000 ? -1 : 1, exponent = (bits >> 10) & 0x1f, fraction = bits & 0x3ff;
     if (exponent === 0) return sign * Math.pow(2, -14) * (fraction / 1024);
@@ -246,14 +261,12 @@ _RUNTIME_JS = r"""
   function decode(array) {
     const binary = atob(array.b64), bytes = new Uint8Array(binary.length);
     for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
-    const buffer = bytes.buffer;
     switch (array.dtype) {
       case 'u1': return bytes;
-      case 'u2': return new Uint16Array(buffer);
-      case 'u4': return new Uint32Array(buffer);
-      case 'i4': return new Int32Array(buffer);
-      case 'f4': return new Float32Array(buffer);
-      case 'f2': return Float32Array.from(new Uint16Array(buffer), halfToFloat);
+      case 'u2': return new Uint16Array(bytes.buffer);
+      case 'u4': return new Uint32Array(bytes.buffer);
+      case 'f4': return new Float32Array(bytes.buffer);
+      case 'f2': return Float32Array.from(new Uint16Array(bytes.buffer), halfToFloat);
     }
     throw new Error('unknown array dtype ' + array.dtype);
   }
@@ -261,26 +274,27 @@ _RUNTIME_JS = r"""
   function example(id) {
     if (!(id in examples)) {
       const element = Array.from(document.querySelectorAll('script.rankkit-example')).find(e => e.dataset.example === id);
-      examples[id] = element ? JSON.parse(element.textContent) : null;
-      if (examples[id]) examples[id].decoded = {};
+      examples[id] = JSON.parse(element.textContent);
+      examples[id].decoded = {};
     }
     return examples[id];
   }
-  function bins(payload, name) {  // {score, top, rank} of the oracle or a probe, decoded once
+  function bins(payload, name) {  // {score, offset, rank} of the oracle or a probe
     if (!(name in payload.decoded)) {
       const arrays = name === 'oracle' ? payload.oracle : payload.probes[name];
-      payload.decoded[name] = arrays && {score: decode(arrays.score), top: decode(arrays.top), rank: decode(arrays.rank)};
+      payload.decoded[name] = arrays && {score: decode(arrays.score), offset: decode(arrays.offset), rank: decode(arrays.rank)};
     }
     return payload.decoded[name];
   }
   function heatmapData(payload, found, rows) {
-    const numBins = payload.edges.length - 1, colourByRank = state.colour === 'rank';
+    const numBins = payload.edges.length - 1, byRank = state.colour === 'rank';
     const z = [], customdata = [], text = [];
     for (let row = 0; row < rows; row++) {
       const zRow = [], dataRow = [], textRow = [];
       for (let b = 0; b < numBins; b++) {
-        const cell = row * numBins + b, top = found.top[cell], rank = found.rank[cell], score = found.score[cell];
-        zRow.push(colourByRank ? 1 - rank / Math.max(1, payload.ranked - 1) : score);
+        const cell = row * numBins + b, top = payload.edges[b] + found.offset[cell];
+        const rank = found.rank[cell], score = found.score[cell];
+        zRow.push(byRank ? 1 - rank / Math.max(1, payload.ranked - 1) : score);
         dataRow.push([payload.edges[b], payload.edges[b + 1] - 1, top, rank + 1, score]);
         textRow.push(payload.tokens[top - payload.edges[0]]);
       }
@@ -288,21 +302,19 @@ _RUNTIME_JS = r"""
     }
     return {z: z, customdata: customdata, text: text};
   }
-  function drawExplorer() {
-    const div = document.getElementById('plot-explorer');
-    if (!div || !div.data) return Promise.resolve();
+  function explorerFigure(template) {
     const payload = example(state.example);
-    const [stripTemplate, heatTemplate] = figures.explorer.data;
+    const [stripTemplate, heatTemplate] = template.data;
     const x = payload.edges.map(edge => edge - 0.5);
     const meta = {probe: state.probe, ranked: payload.ranked};
-    const probeBins = bins(payload, state.probe);
-    const heat = Object.assign({}, heatTemplate, heatmapData(payload, probeBins, payload.layers),
-      {x: x, y: Array.from({length: payload.layers}, (_, i) => i), meta: meta, name: state.probe,
-       colorbar: Object.assign({}, heatTemplate.colorbar, {title: {text: explorer.colour_titles[state.colour], side: 'right'}})});
-    const oracleBins = payload.oracle && bins(payload, 'oracle');
-    const strip = Object.assign({}, stripTemplate, oracleBins ? heatmapData(payload, oracleBins, 1) : {z: [], customdata: [], text: []},
+    const colorbar = Object.assign({}, heatTemplate.colorbar,
+      {title: {text: config.explorer.colour_titles[state.colour], side: 'right'}});
+    const heat = Object.assign({}, heatTemplate, heatmapData(payload, bins(payload, state.probe), payload.layers),
+      {x: x, y: Array.from({length: payload.layers}, (_, i) => i), meta: meta, name: state.probe, colorbar: colorbar});
+    const oracle = payload.oracle && bins(payload, 'oracle');
+    const strip = Object.assign({}, stripTemplate, oracle ? heatmapData(payload, oracle, 1) : {z: [], customdata: [], text: []},
       {x: x, y: ['oracle'], meta: meta});
-    const layout = div.layout;
+    const layout = Object.assign({}, template.layout);
     const evidence = [];
     payload.evidence.forEach(function (span) {
       ['y domain', 'y2 domain'].forEach(function (yref) {
@@ -312,71 +324,90 @@ _RUNTIME_JS = r"""
     });
     layout.shapes = (layout.shapes || []).filter(shape => shape.name !== 'evidence').concat(evidence);
     layout.title = Object.assign({}, layout.title, {text: payload.title + ' · probe <b>' + state.probe + '</b>'});
-    const widthNote = payload.width === 1 ? 'one token per column' : payload.width + ' tokens per column, max shown';
-    layout.xaxis2 = Object.assign({}, layout.xaxis2, {title: {text: 'token position (context, ' + widthNote + ')'}});
-    return Plotly.react(div, [strip, heat], layout).then(() => moveShapes(div));
+    const columns = payload.width === 1 ? 'one token per column' : payload.width + ' tokens per column, max shown';
+    layout.xaxis2 = Object.assign({}, layout.xaxis2, {title: {text: 'token position (context, ' + columns + ')'}});
+    return applyToFigure({data: [strip, heat], layout: layout});
   }
 
-  function update(changed) {
-    const work = [];
-    config.panels.forEach(function (id) {
+  const timings = {};
+  let selfTestSteps = null;
+  function draw(id) {
+    const begun = performance.now();
+    const figure = id === 'explorer' ? explorerFigure(figures[id]) : applyToFigure(figures[id]);
+    return Plotly.newPlot('plot-' + id, figure.data, figure.layout, {responsive: true, displaylogo: false})
+      .then(() => { timings[id] = Math.round(performance.now() - begun); });
+  }
+  function redraw(changed) {
+    return Promise.all(config.panels.filter(id => id in figures).map(function (id) {
       const div = document.getElementById('plot-' + id);
-      if (!div || !div.data) return;
-      if (id === 'explorer' && (changed === null || config.controls[changed] === 'explorer' || changed === 'example')) {
-        work.push(drawExplorer());
-        return;
+      if (id === 'explorer' && (config.controls[changed] === 'explorer' || changed === 'example')) {
+        const figure = explorerFigure(figures[id]);
+        return Plotly.react(div, figure.data, figure.layout);
       }
-      work.push(restyleTraces(div).then(() => moveShapes(div)));
-    });
-    return Promise.all(work);
+      return applyToPlot(div);
+    }));
   }
 
   function countPoints(trace) {
-    if (trace.visible === false || trace.visible === 'legendonly') return 0;
+    if (trace.visible !== true) return 0;
     if (trace.z) return trace.z.length ? trace.z.length * (trace.z[0].length || 1) : 0;
     return trace.x ? trace.x.length : trace.y ? trace.y.length : 0;
   }
   function report() {
-    const status = {errors: window.rankkitErrors, panels: {}, render_ms: Math.round(performance.now() - started),
-                    since_navigation_ms: Math.round(performance.now())};
+    const status = {errors: window.rankkitErrors, panels: {}, since_navigation_ms: Math.round(performance.now()),
+                    plotly_ready_ms: Math.round(window.rankkitPlotlyReady), runtime_start_ms: Math.round(started),
+                    panel_ms: timings, selftest_steps: selfTestSteps, state: state};
     config.panels.forEach(function (id) {
       const div = document.getElementById('plot-' + id);
-      if (!div || !div.data) { status.panels[id] = {missing: true, text: div ? div.textContent : ''}; return; }
+      if (!(id in figures)) { status.panels[id] = {missing: true, text: div.textContent}; return; }
       const full = div._fullData || [];
       status.panels[id] = {
         traces: div.data.length,
-        visible_traces: full.filter(t => t.visible === true).length,
+        visible_traces: full.filter(trace => trace.visible === true).length,
         points: full.reduce((sum, trace) => sum + countPoints(trace), 0),
         svg_traces: div.querySelectorAll('.cartesianlayer .trace, .cartesianlayer .hm').length,
         shapes: (div.layout.shapes || []).length,
       };
     });
-    const explorerDiv = document.getElementById('plot-explorer');
-    if (explorerDiv && explorerDiv.data) {
-      const heat = explorerDiv.data[1];
-      status.explorer = {example: state.example, probe: state.probe, colour: state.colour,
-                         layers: heat.z.length, bins: heat.z[0].length, row_max: heat.z.map(row => Math.max.apply(null, row))};
+    if ('explorer' in figures) {
+      const heat = document.getElementById('plot-explorer').data[1];
+      status.explorer = {example: state.example, probe: state.probe, colour: state.colour, layers: heat.z.length,
+                         bins: heat.z[0].length, row_max: heat.z.map(row => Math.max.apply(null, row))};
     }
-    status.state = state;
     status.done = true;
     document.getElementById('rankkit-status').textContent = JSON.stringify(status);
   }
 
-  const drawn = config.panels.filter(id => id in figures).map(function (id) {
-    const figure = figures[id];
-    return Plotly.newPlot('plot-' + id, figure.data, figure.layout, {responsive: true, displaylogo: false});
-  });
-  Promise.all(drawn).then(() => update(null)).then(report).catch(function (error) {
-    window.rankkitErrors.push(String(error && (error.stack || error)));
-    report();
-  });
+  function setControl(input, value) {
+    input.value = value;
+    state[input.dataset.control] = value;
+    const output = document.querySelector('[data-output="' + input.dataset.control + '"]');
+    if (output) output.textContent = value;
+    return redraw(input.dataset.control);
+  }
+  // "#selftest" walks every control through its values and back, as a user would, so that a
+  // headless browser sees the errors of every redraw path too.
+  function selfTest() {
+    let steps = 0;
+    return Array.from(inputs).reduce(function (previous, input) {
+      const initial = input.value;
+      const values = input.type === 'range' ? [input.min, input.max] : Array.from(input.options, option => option.value);
+      return values.concat([initial]).reduce(
+        (chain, value) => chain.then(() => { steps += 1; return setControl(input, value); }), previous);
+    }, Promise.resolve()).then(() => steps);
+  }
+  function caught(error) { window.rankkitErrors.push(String(error && (error.stack || error))); }
+
+  // One panel after another, so the first ones show while the rest are drawn.
+  config.panels.filter(id => id in figures)
+    .reduce((previous, id) => previous.then(() => draw(id)), Promise.resolve())
+    .then(() => fromUrl.has('selftest') ? selfTest().then(steps => { selfTestSteps = steps; }) : null)
+    .catch(caught)
+    .then(report);
 
   inputs.forEach(function (input) {
     input.addEventListener(input.type === 'range' ? 'input' : 'change', function () {
-      state[input.dataset.control] = input.value;
-      const output = document.querySelector('[data-output="' + input.dataset.control + '"]');
-      if (output) output.textContent = input.value;
-      update(input.dataset.control);
+      setControl(input, input.value).catch(caught).then(report);
     });
   });
 })();
