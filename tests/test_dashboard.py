@@ -99,17 +99,20 @@ def _bench_row(
 
 
 def diffusion_frame(examples: int = 4, layers: int = LAYERS) -> pl.DataFrame:
+    """Rows as `rankkit diffusion --out` writes them: layer 0..L, where L removes nothing and has no attention."""
     rows = [
         {
             "example": f"ex{example}",
             "layer": layer,
             "correct": layer >= 2 + example % 2,
+            "score": float(layer >= 2 + example % 2),
             "answer_logprob": -3.0 / (layer + 1) - example * 0.1,
             "first_token_kl": 1.0 / (layer + 1),
-            "evidence_attention": layer / layers,
+            "evidence_attention": layer / layers if layer < layers else None,
+            "prediction": "68247",
         }
         for example in range(examples)
-        for layer in range(layers)
+        for layer in range(layers + 1)
     ]
     return pl.DataFrame(rows)
 
@@ -313,7 +316,7 @@ def test_diffusion_figure_share_correct_and_per_example_metrics():
     frame = diffusion_frame()
     figure = figures.diffusion_figure(frame, layer=3, metric="answer_logprob")
     share = figure.data[0]
-    np.testing.assert_allclose(share.y, [0, 0, 0.5, 1, 1, 1])
+    np.testing.assert_allclose(share.y, [0, 0, 0.5, 1, 1, 1, 1])
     visible = [trace for trace in figure.data[1:] if trace.visible]
     assert {trace.meta["diffusion_metric"] for trace in visible} == {"answer_logprob"}
     assert len(visible) == 5  # four examples and their mean
@@ -335,7 +338,7 @@ def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
     assert "<script src" not in ours and "http" not in ours  # nothing to fetch
     assert f"rankkit oracle {store}" in page
     assert "rankkit bench --methods" in page
-    assert f"rankkit diffusion {store} --out diffusion.parquet" in page
+    assert "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet" in page
     assert "The store has no window scores" in page
 
 

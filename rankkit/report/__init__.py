@@ -50,6 +50,7 @@ BENCH_COLUMNS = (
     "evidence_kept",
 )
 DIFFUSION_COLUMNS = ("example", "layer", "correct")
+DIFFUSION_COMMAND = "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet"
 
 __all__ = ["write_dashboard"]
 
@@ -73,9 +74,7 @@ def write_dashboard(
     if not records:
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, "rankkit bench ... --out bench.parquet")
-    diffusion_frame = _frame(
-        diffusion, "diffusion", DIFFUSION_COLUMNS, f"rankkit diffusion {store_path} --out diffusion.parquet"
-    )
+    diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     page = _page(store, records, store_path, bench_frame, diffusion_frame)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +138,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         _explorer_panel(records, probe, layer, max_bins),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
-        _diffusion_panel(diffusion, diffusion_metrics, layer, store_path),
+        _diffusion_panel(diffusion, diffusion_metrics, layer),
     ]
     controls = [
         Control(
@@ -311,19 +310,20 @@ def _tradeoff_panel(bench, colors) -> Panel:
     return Panel("tradeoff", title, caption, figures.tradeoff_figure(bench, colors=colors))
 
 
-def _diffusion_panel(diffusion, metrics: list[str], layer: int, store_path) -> Panel:
+def _diffusion_panel(diffusion, metrics: list[str], layer: int) -> Panel:
     title = "Information diffusion"
     caption = (
-        "What happens to the answer when the evidence tokens' hidden states are pruned from layer l on: share of "
-        "examples still correct, and the picked per-example metric with its mean (SlimInfer Fig. 2)."
+        "What happens to the answer when the evidence tokens' hidden states are removed from layer l on (l = L "
+        "removes nothing): share of examples still correct, and the picked per-example metric with its mean. "
+        "Attention to the evidence is measured in the unpruned run, at layer l (SlimInfer Fig. 2)."
     )
     if diffusion is None:
-        command = f"rankkit diffusion {store_path} --out diffusion.parquet"
         return Panel(
             "diffusion",
             title,
             caption,
-            missing=f"No diffusion curves. Run {_code(command)} and pass {_code('--diffusion diffusion.parquet')}.",
+            missing=f"No diffusion curves. Run {_code(DIFFUSION_COMMAND)} and pass "
+            f"{_code('--diffusion diffusion.parquet')}.",
         )
     figure = figures.diffusion_figure(diffusion, layer=layer, metric=metrics[0] if metrics else "")
     return Panel("diffusion", title, caption, figure)

@@ -51,8 +51,8 @@ FULL = "full"
 NEEDLE_METRICS = {"accuracy": "score", "needle recall": "evidence_kept"}
 DIFFUSION_METRICS = {
     "answer_logprob": "answer log-prob",
-    "first_token_kl": "first-token KL to full",
-    "evidence_attention": "attention to evidence",
+    "first_token_kl": "first-token KL to unpruned",
+    "evidence_attention": "attention to evidence (unpruned)",
 }
 LAYER_MARKER = {"line": {"color": "#444444", "width": 1, "dash": "dot"}}
 FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 12}
@@ -710,7 +710,7 @@ def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.
         figure, marker_shape("layer", "x", layer, **LAYER_MARKER), [("x", "y"), ("x2", "y2")]
     )
     figure.update_xaxes(
-        title_text="layer from which the evidence tokens' hidden states are pruned", row=2, col=1
+        title_text="layer l from which the evidence tokens' hidden states are removed", row=2, col=1
     )
     figure.update_yaxes(title_text="share of examples", tickformat=".0%", range=[-0.05, 1.05], row=1, col=1)
     figure.update_yaxes(title_text="value (pick with “diffusion metric”)", row=2, col=1)
