@@ -115,13 +115,11 @@ def fork_prefill(prefill: PrefillResult) -> PrefillResult:
 
 def teacher_force(runner: Runner, prefill: PrefillResult, tokens: Sequence[int], hooks=()) -> torch.Tensor:
     """Feed ``tokens`` one by one after ``prefill`` (growing its cache); logits after each [len, vocab]."""
-    position = prefill.prompt_length
-    logits = []
-    for offset, token in enumerate(tokens):
-        logits.append(runner.decode_step(int(token), position + offset, prefill.cache, hooks))
-    if not logits:
-        return torch.empty(0, runner.config.vocab_size)
-    return torch.stack(logits)
+    logits = [
+        runner.decode_step(int(token), prefill.prompt_length + offset, prefill.cache, hooks)
+        for offset, token in enumerate(tokens)
+    ]
+    return torch.stack(logits) if logits else torch.empty(0, runner.config.vocab_size, device=runner.device)
 
 
 def tokenize_answer(tokenizer, answer: str) -> list[int]:
