@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 from rich.console import Console
 
 from rankkit import models
@@ -40,6 +41,8 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     from rankkit.eval.compare import compare_store
     from rankkit.eval.variance import variance_store
     from rankkit.methods import Budget, make
+    from rankkit.report import write_dashboard
+    from rankkit.report.tables import frame_table
 
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
@@ -48,6 +51,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         "compare": out / "compare.parquet",
         "variance": out / "variance.parquet",
         "bench": out / "bench.parquet",
+        "dashboard": out / "report.html",
     }
 
     with console.status(f"capture: every probe at every layer + oracle, {DEMO_DATA}"):
@@ -63,11 +67,16 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         comparison = compare_store(written["store"])
         comparison.write(written["compare"])
         variance_store(written["store"]).write(written["variance"])
-    console.print(
-        comparison.summary.select(
-            "method", "layer", "spearman", "recall_at_10", "needle_recall", "mean_spearman", "std_spearman"
-        )
+    columns = (
+        "method",
+        "layer",
+        "spearman",
+        "recall_at_10",
+        "needle_recall",
+        "mean_spearman",
+        "std_spearman",
     )
+    console.print(frame_table(comparison.summary.select(columns), "rankings vs the oracle"))
 
     loaded = models.load("default", device=device)
     examples = load_examples(DEMO_DATA, loaded.tokenizer)[:2]
@@ -82,9 +91,11 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
             prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
         )
         frame.write_parquet(written["bench"])
-    console.print(
-        frame.group_by("method", maintain_order=True)
-        .agg("score", "ttft_ratio", "kv_ratio")
-        .select("method", "score", "ttft_ratio", "kv_ratio")
+    per_method = frame.group_by("method", maintain_order=True).agg(
+        pl.col("score", "ttft_ratio", "ideal_ratio", "kv_ratio").mean()
     )
+    console.print(frame_table(per_method, f"end to end at keep {DEMO_KEEP}, means over examples"))
+
+    with console.status("dashboard"):
+        write_dashboard(written["store"], written["dashboard"], bench=frame)
     return written
