@@ -55,7 +55,8 @@ def write_synthetic_store(
             "task": "niah" if index % 2 == 0 else "qa",
             "answers": ["68247"],
             "meta": {"depth_percent": depth, "length": tokens},
-            "token_text": [f"w{position}" for position in range(tokens)],
+            # token 10's text would end the page's <script> element if it were not escaped
+            "token_text": [f"w{position}" if position != 10 else "</script>\n" for position in range(tokens)],
             "spans": {"context_tokens": list(context), "evidence_tokens": [[needle_start, needle_start + 6]]},
         }
         example_id = f"ex{index}"
@@ -319,11 +320,18 @@ def test_diffusion_figure_share_correct_and_per_example_metrics():
     np.testing.assert_allclose(share.y, [0, 0, 0.5, 1, 1, 1, 1])
     visible = [trace for trace in figure.data[1:] if trace.visible]
     assert {trace.meta["diffusion_metric"] for trace in visible} == {"answer_logprob"}
-    assert len(visible) == 5  # four examples and their mean
-    mean = next(trace for trace in visible if "example" not in trace.meta)
-    np.testing.assert_allclose(
-        mean.y, frame.group_by("layer").agg(pl.col("answer_logprob").mean()).sort("layer")["answer_logprob"]
+    faint, mean = visible  # every example in one trace, and the mean
+    by_example = [
+        frame.filter(pl.col("example") == f"ex{index}")["answer_logprob"].to_list() for index in range(4)
+    ]
+    assert list(faint.y) == [value for values in by_example for value in [*values, None]]
+    expected_mean = (
+        frame.group_by("layer").agg(pl.col("answer_logprob").mean()).sort("layer")["answer_logprob"]
     )
+    np.testing.assert_allclose(mean.y, expected_mean)
+    picked = [trace for trace in figure.data if trace.meta and trace.meta.get("example") == "ex1"]
+    assert [trace.meta["diffusion_metric"] for trace in picked] == list(figures.DIFFUSION_METRICS)
+    np.testing.assert_allclose(picked[0].y, frame.filter(pl.col("example") == "ex1")["answer_logprob"])
 
 
 # -- the page ----------------------------------------------------------------------------------------

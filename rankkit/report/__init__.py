@@ -144,7 +144,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         Control(
             "example",
             "example",
-            "highlight",
+            "filter",
             [(record.id, _example_label(record)) for record in records],
             records[0].id,
         ),

@@ -1,10 +1,12 @@
 """One function per dashboard panel: tidy polars frames (or one example's arrays) in, a plotly figure out.
 
-Traces carry ``meta`` tags that the page's controls act on (see ``rankkit.report.html``):
-a trace tagged ``{"keep": 0.1}`` is shown only while the keep-rate control says 0.1
-(``filter``), one tagged ``{"example": id}`` is drawn bold while that example is picked
-(``highlight``). Shapes named ``"<control>:<axis>:<half width>"`` follow a control's value
-along that axis (the layer marker, the tau line).
+Traces carry ``meta`` tags that the page's controls filter on (see ``rankkit.report.html``):
+a trace tagged ``{"keep": 0.1}`` is shown only while the keep-rate control says 0.1, one
+tagged ``{"example": id}`` only while that example is picked. Per-example curves are drawn
+as one faint trace of all examples (a path per group, not per example: the page stays fast
+with hundreds of examples) plus a bold trace per example that shows while it is picked.
+Shapes named ``"<control>:<axis>:<half width>"`` follow a control's value along that axis
+(the layer marker, the tau line).
 """
 
 from __future__ import annotations
@@ -124,6 +126,52 @@ def _grid(count: int, max_columns: int) -> tuple[int, int]:
     return math.ceil(count / columns), columns
 
 
+def example_curves(
+    frame: pl.DataFrame, y: str, *, color: str, label: str, meta: Mapping[str, object] | None = None
+) -> list[go.Scatter]:
+    """Every example's ``y`` vs layer as one faint trace (breaks between examples), then one bold
+    trace per example tagged ``example`` (hidden until the page's example control picks it)."""
+    meta = dict(meta or {})
+    rows = frame.filter(pl.col(y).is_not_null()).sort("example", "layer")
+    x: list = []
+    values: list = []
+    names: list = []
+    for (example,), curve in rows.group_by("example", maintain_order=True):
+        x += [*curve["layer"], None]
+        values += [*curve[y], None]
+        names += [example] * curve.height + [None]
+    faint = go.Scatter(
+        x=x,
+        y=values,
+        customdata=names,
+        mode="lines",
+        line={"color": color, "width": 1},
+        opacity=0.3,
+        name=f"{label}: examples",
+        showlegend=False,
+        legendgroup=label,
+        meta=meta or None,
+        hovertemplate=f"%{{customdata}} ({label})<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+    )
+    picked = [
+        go.Scatter(
+            x=curve["layer"],
+            y=curve[y],
+            mode="lines+markers",
+            line={"color": color, "width": 3},
+            marker={"size": 5},
+            name=f"{example} (picked)",
+            showlegend=False,
+            legendgroup=label,
+            visible=False,
+            meta={**meta, "example": example},
+            hovertemplate=f"<b>{example}</b> ({label})<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+        )
+        for (example,), curve in rows.group_by("example", maintain_order=True)
+    ]
+    return [faint, *picked]
+
+
 # -- Spearman vs layer (CLAA Fig. 2 / Fig. 8) ------------------------------------------------------
 
 
@@ -222,11 +270,11 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
 def variance_figure(
     curves: pl.DataFrame, selections: pl.DataFrame, *, tau: float, layer: int, num_layers: int
 ) -> go.Figure:
-    """Left: relative rank variance vs layer per example (thin) and per task (mean, bold), the tau line.
-    Right: how many examples each layer is the selection layer of, per task, for the picked tau.
+    """Left: relative rank variance vs layer of every example (faint; the picked one bold) and per
+    task (mean), with the tau line. Right: how many examples each layer is the selection layer of,
+    per task, for the picked tau.
 
-    ``curves`` and ``selections`` are ``VarianceResult``'s frames. Examples tagged with ``example``
-    (highlight), histogram bars with ``tau`` (filter).
+    ``curves`` and ``selections`` are ``VarianceResult``'s frames; bars are tagged with ``tau``.
     """
     curves = curves.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
     selections = selections.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
@@ -239,23 +287,11 @@ def variance_figure(
         subplot_titles=["relative rank variance (ASL Alg. 2)", "selection layer: first layer below τ"],
     )
     defined = curves.filter(pl.col("relative_variance").is_not_null())
-    for (task, example), curve in defined.group_by("task", "example", maintain_order=True):
-        figure.add_trace(
-            go.Scatter(
-                x=curve["layer"],
-                y=curve["relative_variance"],
-                mode="lines",
-                line={"color": colors[task], "width": 1},
-                opacity=0.35,
-                name=example,
-                legendgroup=task,
-                showlegend=False,
-                meta={"example": example},
-                hovertemplate=f"{example} ({task})<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
-            ),
-            row=1,
-            col=1,
-        )
+    for task in sorted(colors):
+        for trace in example_curves(
+            defined.filter(pl.col("task") == task), "relative_variance", color=colors[task], label=task
+        ):
+            figure.add_trace(trace, row=1, col=1)
     task_means = (
         defined.group_by("task", "layer").agg(pl.col("relative_variance").mean()).sort("task", "layer")
     )
@@ -646,9 +682,9 @@ def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Fig
 
 
 def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.Figure:
-    """Top: share of examples answered correctly when the evidence is pruned from each layer on.
-    Bottom: a per-example metric of the answer (thin, tagged ``example`` and ``diffusion_metric``)
-    and its mean over examples (bold, tagged ``diffusion_metric``)."""
+    """Top: share of examples answered correctly when the evidence is removed from each layer on.
+    Bottom: a metric of the answer per example (faint; the picked one bold) and its mean over
+    examples, each metric's traces tagged ``diffusion_metric``."""
     frame = diffusion.with_columns(pl.col("example").cast(pl.String)).sort("example", "layer")
     metrics = [name for name in DIFFUSION_METRICS if name in frame.columns]
     figure = make_subplots(
@@ -674,22 +710,11 @@ def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.
         col=1,
     )
     for name in metrics:
-        for example, rows in frame.group_by("example", maintain_order=True):
+        for trace in example_curves(
+            frame, name, color="#4c72b0", label=DIFFUSION_METRICS[name], meta={"diffusion_metric": name}
+        ):
             figure.add_trace(
-                go.Scatter(
-                    x=rows["layer"],
-                    y=rows[name],
-                    mode="lines",
-                    line={"color": "#4c72b0", "width": 1},
-                    opacity=0.35,
-                    name=example[0],
-                    showlegend=False,
-                    visible=name == metric,
-                    meta={"example": example[0], "diffusion_metric": name},
-                    hovertemplate=f"{example[0]}<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
-                ),
-                row=2,
-                col=1,
+                trace.update(visible=name == metric and trace.visible is not False), row=2, col=1
             )
         mean = frame.group_by("layer").agg(pl.col(name).mean()).sort("layer")
         figure.add_trace(

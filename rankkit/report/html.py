@@ -4,7 +4,6 @@ explorer's per-example arrays as compact base64, and a small runtime wiring the 
 How the controls act, by kind (``Control.kind``):
 
 - ``filter``: a trace whose ``meta`` has the control's id is visible only while its value matches;
-- ``highlight``: a trace whose ``meta`` has the control's id is drawn bold while it matches, faint otherwise;
 - every control moves the shapes named ``"<control id>:<axis>:<half width>"`` to its value;
 - ``explorer``: the token-score explorer redraws from the picked example's arrays.
 
@@ -32,7 +31,7 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.offline
 
-CONTROL_KINDS = ("filter", "highlight", "explorer", "shape")
+CONTROL_KINDS = ("filter", "explorer", "shape")
 
 
 @dataclass(frozen=True)
@@ -203,23 +202,16 @@ _RUNTIME_JS = r"""
     return typeof tag === 'number' ? Math.abs(tag - Number(value)) < 1e-9 : String(tag) === value;
   }
   const filters = Object.keys(config.controls).filter(id => config.controls[id] === 'filter');
-  const highlights = Object.keys(config.controls).filter(id => config.controls[id] === 'highlight');
 
-  // What the controls make of a figure: trace visibility (filters), emphasis of the tagged
-  // traces (highlights), and the positions of the shapes named after a control.
+  // What the controls make of a figure: trace visibility (filters) and the positions of the
+  // shapes named after a control.
   function controlled(data, shapes) {
-    const visible = [], tagged = [], opacity = [], width = [], shapeUpdate = {};
-    data.forEach(function (trace, index) {
+    const visible = data.map(function (trace) {
       const meta = trace.meta || {};
-      const filtered = filters.some(id => id in meta);
-      visible.push(filtered ? filters.every(id => !(id in meta) || matches(meta[id], state[id]))
-                            : trace.visible === undefined ? true : trace.visible);
-      const marks = highlights.filter(id => id in meta);
-      if (marks.length) {
-        const on = marks.every(id => matches(meta[id], state[id]));
-        tagged.push(index); opacity.push(on ? 1 : 0.3); width.push(on ? 3 : 1);
-      }
+      if (!filters.some(id => id in meta)) return trace.visible === undefined ? true : trace.visible;
+      return filters.every(id => !(id in meta) || matches(meta[id], state[id]));
     });
+    const shapeUpdate = {};
     (shapes || []).forEach(function (shape, index) {
       const parts = (shape.name || '').split(':');
       if (parts.length !== 3 || !(parts[0] in state)) return;
@@ -227,28 +219,20 @@ _RUNTIME_JS = r"""
       shapeUpdate['shapes[' + index + '].' + parts[1] + '0'] = value - half;
       shapeUpdate['shapes[' + index + '].' + parts[1] + '1'] = value + half;
     });
-    return {visible: visible, tagged: tagged, opacity: opacity, width: width, shapes: shapeUpdate};
+    return {visible: visible, shapes: shapeUpdate};
   }
   function applyToFigure(figure) {  // before the first draw: one render per panel
     const update = controlled(figure.data, figure.layout.shapes);
     figure.data.forEach((trace, index) => { trace.visible = update.visible[index]; });
-    update.tagged.forEach(function (index, position) {
-      figure.data[index].opacity = update.opacity[position];
-      figure.data[index].line = Object.assign({}, figure.data[index].line, {width: update.width[position]});
-    });
     Object.keys(update.shapes).forEach(function (key) {
       const found = key.match(/^shapes\[(\d+)\]\.(\w+)$/);
       figure.layout.shapes[Number(found[1])][found[2]] = update.shapes[key];
     });
     return figure;
   }
-  function applyToPlot(div) {  // after a control changed
+  function applyToPlot(div) {  // after a control changed: one render per panel
     const update = controlled(div.data, div.layout.shapes);
-    return Plotly.update(div, {visible: update.visible}, update.shapes).then(function () {
-      if (update.tagged.length) {
-        return Plotly.restyle(div, {opacity: update.opacity, 'line.width': update.width}, update.tagged);
-      }
-    });
+    return Plotly.update(div, {visible: update.visible}, update.shapes);
   }
 
   // -- token-score explorer: an example's arrays are parsed and decoded when it is first picked --
