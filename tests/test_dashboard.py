@@ -410,6 +410,15 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
     # 4 examples, 3 probes, 2 colourings, 2 slider ends, 5 taus, 3 keep rates, 2 needle and 3 diffusion
     # metrics were each picked, then every control went back to its start
     assert status["selftest_steps"] == (4 + 3 + 2 + 2 + 5 + 3 + 2 + 3) + 8
+    # Hovering the first column at layer 0 names its token, that token's rank and score.
+    layer_0 = record.scores("lava")[0, :, start:end].sum(axis=0)
+    rank = int((layer_0 > layer_0[0]).sum()) + 1
+    hover = status["selftest_hover"]
+    assert (
+        f"layer 0tokens {start}–{start}top token #{start}: “w{start}”rank {rank} of {end - start}score"
+        in hover
+    )
+    assert float(hover.rsplit("score", 1)[1]) == pytest.approx(layer_0[0], rel=1e-3)
     assert screenshot.stat().st_size > 50_000 and screenshot.read_bytes()[:4] == b"\x89PNG"
 
 

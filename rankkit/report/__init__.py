@@ -411,5 +411,7 @@ def _example_title(record) -> str:
         parts.append(f"answer “{attrs['answers'][0]}”")
     correct = attrs.get("correct")
     if correct is not None and not (isinstance(correct, float) and math.isnan(correct)):
-        parts.append(f"model {'right' if correct >= 1 else 'wrong' if correct <= 0 else f'{correct:.2f}'}")
+        parts.append(
+            f"model {'right' if correct >= 1 else 'wrong' if correct <= 0 else f'scored {correct:.2f}'}"
+        )
     return " · ".join(parts)

@@ -314,7 +314,7 @@ _RUNTIME_JS = r"""
   }
 
   const timings = {};
-  let selfTestSteps = null;
+  let selfTestSteps = null, selfTestHover = null;
   function draw(id) {
     const begun = performance.now();
     const figure = id === 'explorer' ? explorerFigure(figures[id]) : applyToFigure(figures[id]);
@@ -340,7 +340,8 @@ _RUNTIME_JS = r"""
   function report() {
     const status = {errors: window.rankkitErrors, panels: {}, since_navigation_ms: Math.round(performance.now()),
                     plotly_ready_ms: Math.round(window.rankkitPlotlyReady), runtime_start_ms: Math.round(started),
-                    panel_ms: timings, selftest_steps: selfTestSteps, state: state};
+                    panel_ms: timings, selftest_steps: selfTestSteps,
+                    selftest_hover: selfTestHover, state: state};
     config.panels.forEach(function (id) {
       const div = document.getElementById('plot-' + id);
       if (!(id in figures)) { status.panels[id] = {missing: true, text: div.textContent}; return; }
@@ -378,7 +379,17 @@ _RUNTIME_JS = r"""
       const values = input.type === 'range' ? [input.min, input.max] : Array.from(input.options, option => option.value);
       return values.concat([initial]).reduce(
         (chain, value) => chain.then(() => { steps += 1; return setControl(input, value); }), previous);
-    }, Promise.resolve()).then(() => steps);
+    }, Promise.resolve()).then(explorerHover).then(function (label) {
+      selfTestHover = label;
+      return steps;
+    });
+  }
+  function explorerHover() {  // the hover label of the explorer's first column at layer 0
+    const div = document.getElementById('plot-explorer');
+    if (!div || !div.data) return Promise.resolve(null);
+    const x = div.data[1].x;
+    Plotly.Fx.hover(div, {xval: (x[0] + x[1]) / 2, yval: 0}, 'x2y2');
+    return new Promise(resolve => setTimeout(resolve, 100)).then(() => div.querySelector('.hoverlayer').textContent);
   }
   function caught(error) { window.rankkitErrors.push(String(error && (error.stack || error))); }
 
