@@ -347,7 +347,7 @@ def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
     assert f"rankkit oracle {store}" in page
     assert "rankkit bench --methods" in page
     assert "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet" in page
-    assert "The store has no window scores" in page
+    assert "The store has no window scores" in page and "--probes all" in page
 
 
 def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ BENCH_COLUMNS = (
     "evidence_kept",
 )
 DIFFUSION_COLUMNS = ("example", "layer", "correct")
+BENCH_COMMAND = (
+    "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data niah:n=8,length=2048 "
+    "--out bench.parquet"
+)
 DIFFUSION_COMMAND = "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet"
 
 __all__ = ["write_dashboard"]
@@ -73,7 +78,9 @@ def write_dashboard(
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
-    bench_frame = _frame(bench, "bench", BENCH_COLUMNS, "rankkit bench ... --out bench.parquet")
+    if not records[0].probes:
+        raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
+    bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     page = _page(store, records, store_path, bench_frame, diffusion_frame)
     out = Path(out_path)
@@ -198,7 +205,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
 
 
 def _code(command: str) -> str:
-    return f"<code>{command}</code>"
+    return f"<code>{escape(command)}</code>"
 
 
 def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
@@ -231,12 +238,13 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
         "layer is the first below τ for (ASL Fig. 9). Probe: window."
     )
     if variance is None:
-        command = f"rankkit capture --probes {DEFAULT_PROBE},... --out {store_path}"
+        command = f"rankkit capture --data SPEC --probes all --oracle --out {store_path} --overwrite"
         return Panel(
             "variance",
             title,
             caption,
-            missing=f"The store has no window scores. Capture them with {_code(command)}.",
+            missing=f"The store has no {DEFAULT_PROBE} scores, which ASL ranks by. Capture them with "
+            f"{_code(command)}.",
         )
     figure = figures.variance_figure(
         variance.curves, variance.selections, tau=tau, layer=layer, num_layers=num_layers
@@ -275,20 +283,19 @@ def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:
         "Mean accuracy (or the share of needle tokens the method kept) per needle depth and prompt length, one "
         "heatmap per method, at the picked keep rate (CLAA Fig. 3). Lengths are rounded to two significant figures."
     )
-    command = "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data niah:n=8,length=2048 --out bench.parquet"
     if bench is None:
         return Panel(
             "needle",
             title,
             caption,
-            missing=f"No bench results. Run {_code(command)} and pass {_code('--bench bench.parquet')}.",
+            missing=f"No bench results. Run {_code(BENCH_COMMAND)} and pass {_code('--bench bench.parquet')}.",
         )
     if not has_needles:
         return Panel(
             "needle",
             title,
             caption,
-            missing=f"The bench has no needle depths (not niah data). Run {_code(command)}.",
+            missing=f"The bench has no needle depths (not niah data). Run {_code(BENCH_COMMAND)}.",
         )
     return Panel("needle", title, caption, figures.needle_figure(bench, colors=colors, keep=keep))
 
@@ -300,12 +307,12 @@ def _tradeoff_panel(bench, colors) -> Panel:
         "rate (labels); the ringed points joined by the dashed step are the Pareto front (CLAA Fig. 4)."
     )
     if bench is None or figures.tradeoff_frame(bench).is_empty():
-        command = "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data ... --out bench.parquet"
         return Panel(
             "tradeoff",
             title,
             caption,
-            missing=f"No scored bench results. Run {_code(command)} and pass {_code('--bench bench.parquet')}.",
+            missing=f"No scored bench results. Run {_code(BENCH_COMMAND)} and pass "
+            f"{_code('--bench bench.parquet')}.",
         )
     return Panel("tradeoff", title, caption, figures.tradeoff_figure(bench, colors=colors))
 
@@ -403,12 +410,13 @@ def _example_label(record) -> str:
 
 def _example_title(record) -> str:
     attrs = record.attrs
-    parts = [f"<b>{record.id}</b>", str(attrs.get("task"))]
+    # The title is plotly markup: the example's own strings are escaped.
+    parts = [f"<b>{escape(record.id)}</b>", escape(str(attrs.get("task")))]
     depth = (attrs.get("meta") or {}).get("depth_percent")
     if depth is not None:
         parts.append(f"needle at {depth:g}% depth")
     if attrs.get("answers"):
-        parts.append(f"answer “{attrs['answers'][0]}”")
+        parts.append(f"answer “{escape(str(attrs['answers'][0]))}”")
     correct = attrs.get("correct")
     if correct is not None and not (isinstance(correct, float) and math.isnan(correct)):
         parts.append(
