@@ -89,23 +89,17 @@ def marker_shape(control: str, axis: str, value: float, half_width: float = 0.0,
 
 def _add_shape_to_subplots(figure: go.Figure, shape: dict, subplots: Iterable[tuple[str, str]]) -> None:
     """``shape`` once per (xaxis, yaxis) pair, spanning the subplot's full other axis."""
+    along = shape["name"].split(":")[1]
     for xaxis, yaxis in subplots:
-        refs = (
-            {"xref": xaxis, "yref": f"{yaxis} domain"}
-            if shape["name"].split(":")[1] == "x"
-            else {
-                "xref": f"{xaxis} domain",
-                "yref": yaxis,
-            }
-        )
-        figure.add_shape(**shape, **refs)
+        if along == "x":
+            figure.add_shape(**shape, xref=xaxis, yref=f"{yaxis} domain")
+        else:
+            figure.add_shape(**shape, xref=f"{xaxis} domain", yref=yaxis)
 
 
-def _axis_refs(row_col_count: int) -> list[tuple[str, str]]:
-    return [
-        ("x" if index == 1 else f"x{index}", "y" if index == 1 else f"y{index}")
-        for index in range(1, row_col_count + 1)
-    ]
+def _subplot_axes(count: int) -> list[tuple[str, str]]:
+    """(xaxis, yaxis) names of the first ``count`` subplots, in make_subplots' row-major order."""
+    return [("x", "y"), *((f"x{index}", f"y{index}") for index in range(2, count + 1))]
 
 
 def _style(figure: go.Figure, title: str, height: int) -> go.Figure:
@@ -253,7 +247,7 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
             figure.add_trace(band, row=row + 1, col=column + 1)
             figure.add_trace(line, row=row + 1, col=column + 1)
     _add_shape_to_subplots(
-        figure, marker_shape("layer", "x", pruning_layer, **LAYER_MARKER), _axis_refs(len(tasks))
+        figure, marker_shape("layer", "x", pruning_layer, **LAYER_MARKER), _subplot_axes(len(tasks))
     )
     figure.update_xaxes(title_text="layer")
     figure.update_yaxes(title_text="Spearman ρ vs oracle", col=1)
