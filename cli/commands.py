@@ -8,3 +8,4 @@ from rankkit.cli import compare_cmd  # noqa: F401
 from rankkit.cli import capture_cmd  # noqa: F401
 from rankkit.cli import prefill_cmd  # noqa: F401
 from rankkit.cli import dashboard_cmd  # noqa: F401
+from rankkit.cli import diffusion_cmd  # noqa: F401

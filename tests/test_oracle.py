@@ -165,12 +165,12 @@ PASSKEYS = [
 MARGIN = 0.2  # one digit of five; about three tokens of the fourteen-token needle sentence
 
 
-def passkey_prompt(tokenizer, passkey: str, repetitions: int, depth: float):
+def passkey_prompt(tokenizer, passkey: str, repetitions: int, depth: float, answer_prefix: str = ""):
     """Filler with the needle at ``depth``: the prompt and the token spans of the needle sentence and of the key."""
     needle = f"The pass key is {passkey}. Remember it."
     cut = round(repetitions * depth)
     context = FILLER * cut + needle + " " + FILLER * (repetitions - cut)
-    prompt = build_prompt(tokenizer, context.strip(), QUESTION)
+    prompt = build_prompt(tokenizer, context.strip(), QUESTION, answer_prefix=answer_prefix)
     start = len(FILLER) * cut
     key_start = start + needle.index(passkey)
     return (

@@ -1,0 +1,70 @@
+"""`rankkit diffusion`: SlimInfer's information-diffusion probe (Sec. 3.1, Fig. 2), layer by layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from rankkit.cli.app import app
+
+
+@app.command("diffusion")
+def diffusion(
+    data: str = typer.Option(..., "--data", help="Data spec with evidence spans, e.g. niah:n=4,length=1024."),
+    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    limit: int = typer.Option(None, min=1, help="Probe at most this many examples."),
+    max_new_tokens: int = typer.Option(16, min=1, help="Greedy answer length limit."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write the per-example, per-layer frame to this parquet file."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+) -> None:
+    """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?"""
+    from rankkit.eval.diffusion import diffusion_probe, layer_summary
+
+    status = Console(stderr=True)
+    frame = diffusion_probe(
+        data,
+        model=model,
+        limit=limit,
+        device=device,
+        max_new_tokens=max_new_tokens,
+        progress=lambda example: status.print(f"probed {example.id}"),
+    )
+    if out is not None:
+        frame.write_parquet(out)
+        typer.echo(f"wrote {out}", err=True)
+    rows = layer_summary(frame).to_dicts()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    Console().print(_table(rows, data))
+
+
+def _table(rows: list[dict], data: str) -> Table:
+    table = Table(title=Text(f"Evidence removed from layer l on, {data}"))
+    columns = {
+        "l": "layer",
+        "accuracy": "accuracy",
+        "log p(answer)": "answer_logprob",
+        "KL 1st token": "first_token_kl",
+        "attn → evidence": "evidence_attention",
+        "examples": "examples",
+    }
+    for header in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(_cell(row[key]) for key in columns.values()))
+    return table
+
+
+def _cell(value: object) -> Text:
+    if value is None:  # the attention column at l = L, where nothing is removed and no layer is read
+        return Text("–")
+    return Text(f"{value:.3f}" if isinstance(value, float) else str(value))

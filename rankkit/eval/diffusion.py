@@ -1,0 +1,266 @@
+"""The information-diffusion probe: SlimInfer (paper 002) Sec. 3.1 and Fig. 2.
+
+SlimInfer removes the hidden state of the critical prompt token at different layers and
+finds the answer survives late removal but not early removal, because by then the
+token's information has diffused into other tokens; Fig. 2 (right) shows where in depth
+the response attends to that token. This module measures both, per layer l = 0..L:
+
+- the evidence tokens' hidden states are removed from layer l on, i.e. pruned after
+  layer l-1 (the other tokens keep their original positions). Layers before l keep the
+  evidence's keys and values in the cache, so the decode still reads them there, exactly
+  as SlimInfer's truncated attention band. l = 0 drops the evidence at the embeddings
+  (it is never seen); l = L removes nothing (the unpruned run);
+- ``correct`` / ``score``: the greedy answer of that run (``max_new_tokens``), scored;
+- ``answer_logprob``: sum over the reference answer's tokens of log p(token | prompt,
+  earlier reference tokens), teacher-forced on top of the pruned cache;
+- ``first_token_kl``: KL(P_unpruned || P_pruned) of the first answer token's distribution;
+- ``evidence_attention``: in the unpruned run, at layer ``layer``, the share of
+  post-softmax attention mass the reference answer's queries put on the evidence tokens,
+  averaged over heads and answer tokens (null for l = L, which is no layer). The queries
+  are those of the answer tokens fed back, as for the oracle (CLAA Listing 4; see
+  ``rankkit.oracle``). In a run pruned at l, attention at layers before l is this same
+  value and at layers from l on it is zero, so the unpruned curve says it all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import polars as pl
+import torch
+
+from rankkit import models
+from rankkit.cache import KVCache
+from rankkit.capture import example_prompt, reference_answer
+from rankkit.data import Example, load_examples, score
+from rankkit.data.metrics import string_match_all
+from rankkit.errors import RankkitError
+from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
+from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
+
+SCHEMA = {
+    "example": pl.String,
+    "layer": pl.Int64,
+    "correct": pl.Boolean,
+    "score": pl.Float64,
+    "answer_logprob": pl.Float64,
+    "first_token_kl": pl.Float64,
+    "evidence_attention": pl.Float64,
+    "prediction": pl.String,
+}
+
+
+class RemoveAfter(LayerHook):
+    """Drops the hidden states of every token outside ``keep`` after prefill layer ``layer``."""
+
+    def __init__(self, layer: int, keep: torch.Tensor):
+        self.layer = layer
+        self.keep = keep
+
+    def after_layer(self, layer: int, state: PrefillState) -> None:
+        if layer == self.layer:
+            state.prune(self.keep)
+
+
+def sliding_window(runner: Runner, layer: int) -> int | None:
+    """The window the model's attention module hands to the attention function (None: full causal).
+
+    Qwen2/3 keep it per layer on the module (None on full-attention layers), Mistral
+    reads it from the config, Llama has none.
+    """
+    attention = runner.body.layers[layer].self_attn
+    return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
+
+
+class EvidenceAttention(LayerHook):
+    """Per layer, the post-softmax attention mass of each decode query on the evidence, mean over heads.
+
+    ``shares`` [layers] is the mean over the decoded tokens. The softmax runs over the
+    keys the query really attends, masked as the runner masks them.
+    """
+
+    def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
+        self.cache = cache
+        self.evidence_positions = evidence_positions.to(runner.device)
+        self.windows = [sliding_window(runner, layer) for layer in range(runner.num_layers)]
+        self.sums = torch.zeros(runner.num_layers, dtype=torch.float64)
+        self.steps = 0
+
+    def on_attention(self, call: AttentionCall) -> None:
+        if call.phase != "decode":
+            return
+        kv_heads, groups = call.key.shape[1], call.group_size
+        query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
+        logits = torch.matmul(query, call.key[0].float().transpose(1, 2))  # [kv_heads, groups, S]
+        mask = self.cache.attention_mask(call.layer, call.query_positions, self.windows[call.layer])
+        if mask is not None:  # [1, kv_heads or 1, 1, S]
+            logits = logits.masked_fill(~mask[0, :, -1, None, :], float("-inf"))
+        on_evidence = torch.isin(call.key_positions, self.evidence_positions)  # [kv_heads, S]
+        shares = (logits.softmax(dim=-1) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
+        self.sums[call.layer] += float(shares.mean())
+        if call.layer == 0:
+            self.steps += 1
+
+    @property
+    def shares(self) -> torch.Tensor:
+        return self.sums / self.steps
+
+
+def answer_logprob(prefill_logits: torch.Tensor, forced_logits: torch.Tensor, answer: Sequence[int]) -> float:
+    """Sum of log p(answer[i] | ...): row 0 of the predictions is the prefill's, row i the logits after answer[i-1]."""
+    predictions = torch.cat([prefill_logits[None], forced_logits])[: len(answer)].cpu()
+    logprobs = torch.log_softmax(predictions.double(), dim=-1)
+    return float(logprobs[torch.arange(len(answer)), torch.tensor(answer)].sum())
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(P_reference || P) of two next-token distributions given as logits [vocab]."""
+    reference = torch.log_softmax(reference_logits.double(), dim=-1)
+    other = torch.log_softmax(logits.double(), dim=-1)
+    return float((reference.exp() * (reference - other)).sum())
+
+
+def _prefill_without_evidence(
+    runner: Runner, ids: torch.Tensor, keep: torch.Tensor, layer: int
+) -> PrefillResult:
+    """The prompt's prefill with the evidence's hidden states removed from ``layer`` on."""
+    if layer == 0:
+        return runner.prefill(ids[keep], positions=keep)
+    return runner.prefill(ids, hooks=[RemoveAfter(layer - 1, keep)])
+
+
+def diffusion_curve(
+    runner: Runner,
+    tokenizer,
+    prompt_ids: torch.Tensor,
+    evidence_spans: Sequence[tuple[int, int]],
+    reference_answer: str,
+    *,
+    score_fn: Callable[[str], float] | None = None,
+    max_new_tokens: int = 16,
+    layers: Sequence[int] | None = None,
+    example_id: str = "example",
+) -> pl.DataFrame:
+    """One row per layer l (default 0..L) of the probe described in the module docstring.
+
+    ``evidence_spans`` are token ranges [start, end) in ``prompt_ids``.
+    ``reference_answer`` is tokenized as it continues the prompt (see
+    ``rankkit.oracle.tokenize_answer``). ``score_fn(prediction)`` scores the greedy
+    answer in [0, 1] (default: the reference answer found in it, case-insensitive);
+    ``correct`` means full marks.
+    """
+    ids = prompt_ids.reshape(-1).to(runner.device)
+    length = int(ids.numel())
+    evidence = torch.zeros(length, dtype=torch.bool, device=runner.device)
+    for start, end in evidence_spans:
+        evidence[start:end] = True
+    if not bool(evidence.any()):
+        raise RankkitError(
+            f"example {example_id} has no evidence tokens: the diffusion probe removes the evidence"
+        )
+    if bool(evidence[-1]):
+        raise RankkitError(
+            f"example {example_id}: the evidence covers the last prompt token, which must stay"
+        )
+    keep = torch.nonzero(~evidence).reshape(-1)
+    answer = tokenize_answer(tokenizer, reference_answer)
+    score_fn = score_fn or (lambda prediction: string_match_all(prediction, (reference_answer,)))
+    layers = range(runner.num_layers + 1) if layers is None else layers
+    if any(not 0 <= layer <= runner.num_layers for layer in layers):
+        raise RankkitError(f"layers must lie in 0..{runner.num_layers}, got {list(layers)}")
+
+    unpruned = runner.prefill(ids)
+    # Every answer token is fed back here, the last one too: its query counts for the attention.
+    forced = fork_prefill(unpruned)
+    attention = EvidenceAttention(runner, forced.cache, torch.nonzero(evidence).reshape(-1))
+    unpruned_forced_logits = teacher_force(runner, forced, answer, [attention])
+    evidence_shares = attention.shares.tolist()
+
+    rows = []
+    for layer in layers:
+        if layer == runner.num_layers:
+            run, forced_logits = unpruned, unpruned_forced_logits
+        else:
+            run = _prefill_without_evidence(runner, ids, keep, layer)
+            # the logits after the last answer token predict nothing the log-prob needs
+            forced_logits = teacher_force(runner, fork_prefill(run), answer[:-1])
+        generated = greedy_continue(runner, fork_prefill(run), max_new_tokens)
+        prediction = tokenizer.decode(generated, skip_special_tokens=True)
+        prediction_score = float(score_fn(prediction))
+        rows.append(
+            {
+                "example": example_id,
+                "layer": layer,
+                "correct": prediction_score >= 1.0,
+                "score": prediction_score,
+                "answer_logprob": answer_logprob(run.logits, forced_logits, answer),
+                "first_token_kl": kl_divergence(unpruned.logits, run.logits),
+                "evidence_attention": evidence_shares[layer] if layer < runner.num_layers else None,
+                "prediction": prediction,
+            }
+        )
+    return pl.DataFrame(rows, schema=SCHEMA)
+
+
+def example_diffusion(
+    runner: Runner,
+    tokenizer,
+    example: Example,
+    *,
+    max_new_tokens: int = 16,
+    layers: Sequence[int] | None = None,
+) -> pl.DataFrame:
+    """``diffusion_curve`` of a dataset example: its prompt, evidence spans, first answer and metric."""
+    prompt = example_prompt(tokenizer, example)
+    spans = [prompt.context_token_span(start, end) for start, end in example.evidence]
+    answer = reference_answer({"answers": example.answers, "answer_prefix": example.answer_prefix})
+    return diffusion_curve(
+        runner,
+        tokenizer,
+        prompt.input_ids,
+        spans,
+        answer,
+        score_fn=lambda prediction: score(example, prediction),
+        max_new_tokens=max_new_tokens,
+        layers=layers,
+        example_id=example.id,
+    )
+
+
+def diffusion_probe(
+    data: str,
+    *,
+    model: str = "default",
+    limit: int | None = None,
+    device: str = "auto",
+    max_new_tokens: int = 16,
+    progress: Callable[[Example], None] | None = None,
+) -> pl.DataFrame:
+    """The probe over the examples of a data spec (e.g. ``niah:n=4,length=1024``), one frame for all.
+
+    ``progress(example)`` is called after each example.
+    """
+    loaded = models.load(model, device=device)
+    examples = load_examples(data, loaded.tokenizer)[:limit]
+    runner = Runner(loaded.model)
+    frames = []
+    for example in examples:
+        frames.append(example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens))
+        if progress:
+            progress(example)
+    return pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)
+
+
+def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
+    """Per layer over the examples: accuracy, mean answer log-prob, mean first-token KL, mean evidence attention."""
+    return (
+        frame.group_by("layer")
+        .agg(
+            pl.col("correct").mean().alias("accuracy"),
+            pl.col("answer_logprob").mean(),
+            pl.col("first_token_kl").mean(),
+            pl.col("evidence_attention").mean(),
+            pl.len().alias("examples"),
+        )
+        .sort("layer")
+    )
