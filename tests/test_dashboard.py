@@ -221,9 +221,10 @@ def test_explorer_heatmap_is_the_stores_head_summed_scores_over_the_context(stor
         probe="lava",
         title="ex1",
         layer=2,
+        keep=0.1,
         colour="score",
     )
-    strip, heatmap = figure.data
+    strip, heatmap, kept = figure.data
     np.testing.assert_array_equal(np.asarray(heatmap.z), expected)
     np.testing.assert_array_equal(np.asarray(strip.z), record.oracle[np.newaxis, start:end])
     token = 40
@@ -233,10 +234,29 @@ def test_explorer_heatmap_is_the_stores_head_summed_scores_over_the_context(stor
     assert heatmap.text[3][token - start] == "w40"
     evidence = [shape for shape in figure.layout.shapes if shape.name == "evidence"]
     assert [(shape.x0, shape.x1) for shape in evidence] == [(29.5, 35.5)] * 2
+    # The kept strip marks the layer's top 10% of the context: exactly k tokens without pooling.
+    top_k = np.argsort(-expected[2], kind="stable")[: int(0.1 * (end - start))]
+    np.testing.assert_array_equal(np.flatnonzero(kept.z[0]), np.sort(top_k))
+    assert kept.meta["kept_rate"] == "10%" and kept.meta["kept_layer"] == 2
     by_rank = figures.token_explorer_figure(
-        bins, oracle, texts, text_start=start, evidence=[], probe="lava", title="ex1", layer=2, colour="rank"
+        bins,
+        oracle,
+        texts,
+        text_start=start,
+        evidence=[],
+        probe="lava",
+        title="ex1",
+        layer=2,
+        keep=0.1,
+        colour="rank",
     )
     assert np.asarray(by_rank.data[1].z)[3].max() == 1.0  # the layer's top token
+
+
+def test_kept_columns_holds_a_column_iff_one_of_its_tokens_is_in_the_top_k():
+    values = np.array([[1.0, 5.0, 2.0, 0.0, 3.0, 4.0]], dtype=np.float32)  # top 2: tokens 1 and 5
+    pooled = figures.bin_tokens(values, start=0, max_bins=3)  # columns {0,1} {2,3} {4,5}
+    np.testing.assert_array_equal(figures.kept_columns(pooled, 0, 2 / 6), [1, 0, 1])
 
 
 def test_display_token_shows_whitespace_and_no_markup():
@@ -407,6 +427,7 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
     assert (explorer["example"], explorer["probe"], explorer["layers"]) == ("ex2", "lava", LAYERS)
     np.testing.assert_allclose(explorer["row_max"], expected.astype(np.float16), rtol=1e-3)
     assert status["state"]["layer"] == "4"
+    assert explorer["kept_columns"] == int(0.1 * (end - start))  # keep 10% at layer 4, one token a column
     # 4 examples, 3 probes, 2 colourings, 2 slider ends, 5 taus, 3 keep rates, 2 needle and 3 diffusion
     # metrics were each picked, then every control went back to its start
     assert status["selftest_steps"] == (4 + 3 + 2 + 2 + 5 + 3 + 2 + 3) + 8

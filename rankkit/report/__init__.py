@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from rankkit.errors import RankkitError
+from rankkit.eval.compare import KEEP_RATES
 
 from . import figures
 from .html import Control, Page, Panel, encode_array, render
@@ -128,9 +129,10 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     colors = figures.method_colors(methods)
     taus = sorted(variance.selections["tau"].unique()) if variance is not None else []
     tau = DEFAULT_TAU if DEFAULT_TAU in taus else (taus[0] if taus else DEFAULT_TAU)
-    keeps = sorted(keep for keep in bench["keep"].unique() if keep < 1.0) if bench is not None else []
-    keep = keeps[0] if keeps else 1.0
     has_needles = bench is not None and bench["depth_percent"].drop_nulls().len() > 0
+    bench_keeps = sorted(keep for keep in bench["keep"].unique() if keep < 1.0) if has_needles else []
+    keeps = bench_keeps or list(KEEP_RATES)  # the explorer marks what a keep rate keeps, bench or not
+    keep = keeps[0]
     diffusion_metrics = (
         [name for name in figures.DIFFUSION_METRICS if name in diffusion.columns]
         if diffusion is not None
@@ -142,7 +144,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     panels = [
         _spearman_panel(comparison, colors, layer, store_path),
         _variance_panel(variance, tau, layer, num_layers, store_path),
-        _explorer_panel(records, probe, layer, max_bins),
+        _explorer_panel(records, probe, layer, keep, max_bins),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
         _diffusion_panel(diffusion, diffusion_metrics, layer),
@@ -158,13 +160,11 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         Control("probe", "probe", "explorer", [(name, name) for name in probes], probe),
         Control("colour", "explorer colour", "explorer", list(figures.EXPLORER_COLOURS.items()), "rank"),
         Control("layer", "layer", "shape", default=layer, slider_range=(0, num_layers - 1)),
+        Control("keep", "keep rate", "filter", [(value, f"{value:.0%}") for value in keeps], keep),
     ]
     if taus:
         controls.append(Control("tau", "τ", "filter", [(value, f"{value:g}") for value in taus], tau))
-    if keeps and has_needles:
-        controls.append(
-            Control("keep", "keep rate", "filter", [(value, f"{value:.0%}") for value in keeps], keep)
-        )
+    if has_needles:
         controls.append(
             Control(
                 "needle_metric",
@@ -252,12 +252,13 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     return Panel("variance", title, caption, figure)
 
 
-def _explorer_panel(records, probe: str, layer: int, max_bins: int) -> Panel:
+def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int) -> Panel:
     caption = (
         "The picked probe's scores (summed over KV heads) for the picked example, layers x context tokens; the "
-        "oracle is the strip on top and the evidence spans are outlined in cyan. Colour by the top token's "
-        "rank within its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and "
-        "score (float16). Long contexts are pooled into columns of equal width, each showing its highest score."
+        "oracle is the top strip, and the strip below it marks the columns the probe's top tokens at the picked "
+        "layer and keep rate fall in. Evidence spans are outlined in cyan. Colour by the top token's rank within "
+        "its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and score (float16). "
+        "Long contexts are pooled into columns of equal width, each showing its highest score."
     )
     record = records[0]  # the page redraws the explorer for the picked example; this sets its look
     ranked = _ranked_slice(record)
@@ -271,6 +272,7 @@ def _explorer_panel(records, probe: str, layer: int, max_bins: int) -> Panel:
         probe=chosen,
         title=_example_title(record),
         layer=layer,
+        keep=keep,
     )
     # The page draws the explorer from the compact per-example arrays; the figure ships its look only.
     figure.update_traces(z=[], customdata=None, text=None)

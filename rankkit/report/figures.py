@@ -21,7 +21,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from rankkit.eval.compare import SINGLE_LAYER_METHODS
-from rankkit.eval.ranking import descending_ranks
+from rankkit.eval.ranking import descending_ranks, keep_count
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
 KNOWN_METHOD_COLORS = {
@@ -399,6 +399,14 @@ ORACLE_HOVER = (
     "oracle<br>tokens %{customdata[0]}–%{customdata[1]}<br>top token #%{customdata[2]}: “%{text}”"
     "<br>rank %{customdata[3]} of %{meta.ranked}<br>oracle %{customdata[4]:.4g}<extra></extra>"
 )
+KEPT_HOVER = (
+    "tokens %{customdata[0]}–%{customdata[1]}: %{text}<br>(top %{meta.kept_rate} at layer %{meta.kept_layer})"
+    "<extra>%{meta.probe}</extra>"
+)
+KEPT_COLOURS = [[0, "#eeeeee"], [1, "#e4572e"]]
+# Numeric rows, not categories: plotly's heatmaps mis-size on a category axis two traces share.
+# "kept" sits right above the heatmap (it reads the marked layer), the oracle on top.
+STRIP_ROWS = {"kept": 0, "oracle": 1}
 EVIDENCE_SHAPE = {"type": "rect", "line": {"color": "#00c2ff", "width": 2}, "fillcolor": "rgba(0,0,0,0)"}
 EXPLORER_COLOURS = {"rank": "percentile of the top token's rank", "score": "score (Σ KV heads, max in bin)"}
 
@@ -414,6 +422,14 @@ def bins_colour(bins: TokenBins, colour: str) -> np.ndarray:
     if colour == "score":
         return bins.score
     return 1.0 - bins.rank / max(1, bins.num_tokens - 1)
+
+
+def kept_columns(bins: TokenBins, layer: int, keep: float) -> np.ndarray:
+    """1 for each column holding one of the layer's top-k tokens (k = ``keep_count(keep, T)``), else 0.
+
+    A column's top token has its best rank, so the column holds a kept token iff that rank is below k.
+    """
+    return (bins.rank[layer] < keep_count(keep, bins.num_tokens)).astype(np.float64)
 
 
 def _bins_hover(
@@ -437,20 +453,22 @@ def token_explorer_figure(
     probe: str,
     title: str,
     layer: int,
+    keep: float,
     colour: str = "rank",
 ) -> go.Figure:
-    """Layers x tokens heatmap of one probe for one example, the oracle as a strip above it.
+    """Layers x tokens heatmap of one probe for one example; above it the oracle and the columns the
+    probe's top ``keep`` share at ``layer`` would keep.
 
     ``scores`` bins the probe's [L, T] head-summed scores, ``oracle`` the oracle's [1, T];
     ``token_text[i]`` is the display text of token ``text_start + i``. Hover names every bin's
     tokens, its top token, that token's rank and score. Evidence spans are outlined.
     """
-    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.1, 0.9], vertical_spacing=0.03)
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.14, 0.86], vertical_spacing=0.03)
     edges = scores.edges - 0.5  # cell edges between token positions
     meta = {"probe": probe, "ranked": scores.num_tokens}
-    # The strip is always trace 0 and the heatmap trace 1 (the page redraws both per example);
-    # without an oracle the strip is empty.
-    strip = {"x": edges, "y": ["oracle"], "z": [], "meta": meta}
+    # Trace order is fixed (the page redraws all three per example): oracle strip, heatmap, kept
+    # strip. Without an oracle its strip is empty.
+    strip = {"x": edges, "y": [STRIP_ROWS["oracle"]], "z": [], "meta": meta}
     if oracle is not None:
         customdata, text = _bins_hover(oracle, token_text, text_start)
         strip.update(z=bins_colour(oracle, colour), customdata=customdata, text=text)
@@ -476,6 +494,25 @@ def token_explorer_figure(
         row=2,
         col=1,
     )
+    kept = kept_columns(scores, layer, keep)
+    figure.add_trace(
+        go.Heatmap(
+            x=edges,
+            y=[STRIP_ROWS["kept"]],
+            z=[kept],
+            customdata=[np.column_stack([scores.edges[:-1], scores.edges[1:] - 1])],
+            text=[["kept" if column else "dropped" for column in kept]],
+            meta={"probe": probe, "kept_rate": f"{keep:.0%}", "kept_layer": layer},
+            colorscale=KEPT_COLOURS,
+            zmin=0,
+            zmax=1,
+            showscale=False,
+            hovertemplate=KEPT_HOVER,
+            name="kept",
+        ),
+        row=1,
+        col=1,
+    )
     for start, end in evidence:
         for yref in ("y domain", "y2 domain"):
             figure.add_shape(
@@ -496,9 +533,11 @@ def token_explorer_figure(
     binning = "one token per column" if scores.width == 1 else f"{scores.width} tokens per column, max shown"
     figure.update_xaxes(title_text=f"token position (context, {binning})", row=2, col=1)
     figure.update_yaxes(title_text="layer", row=2, col=1)
-    figure.update_yaxes(showticklabels=True, row=1, col=1)
+    figure.update_yaxes(
+        tickvals=list(STRIP_ROWS.values()), ticktext=list(STRIP_ROWS), range=[-0.5, 1.5], row=1, col=1
+    )
     figure.update_layout(meta={"evidence_shape": EVIDENCE_SHAPE})
-    return _style(figure, title, 520)
+    return _style(figure, title, 540)
 
 
 # -- needle heatmap (CLAA Fig. 3) ----------------------------------------------------------------

@@ -151,11 +151,17 @@ def render(page: Page) -> str:
 # Registered before plotly.js loads, so errors anywhere on the page are reported.
 _ERROR_CAPTURE_JS = """
 window.rankkitErrors = [];
+function rankkitError(text) {
+  window.rankkitErrors.push(text);
+  // Until the runtime reports, the status shows the errors: a runtime that failed to start still tells.
+  const status = document.getElementById('rankkit-status');
+  if (status && !status.textContent) status.textContent = JSON.stringify({errors: window.rankkitErrors, done: false});
+}
 window.onerror = function (message, source, line, column) {
-  window.rankkitErrors.push(String(message) + ' at ' + source + ':' + line + ':' + column);
+  rankkitError(String(message) + ' at ' + source + ':' + line + ':' + column);
 };
 window.addEventListener('unhandledrejection', function (event) {
-  window.rankkitErrors.push('unhandled rejection: ' + String(event.reason && (event.reason.stack || event.reason)));
+  rankkitError('unhandled rejection: ' + String(event.reason && (event.reason.stack || event.reason)));
 });
 """
 
@@ -286,9 +292,21 @@ _RUNTIME_JS = r"""
     }
     return {z: z, customdata: customdata, text: text};
   }
+  function keptColumns(payload, found) {  // columns holding one of the layer's top-k tokens
+    const numBins = payload.edges.length - 1, layer = Math.min(Number(state.layer), payload.layers - 1);
+    const k = Math.max(1, Math.floor(Number(state.keep) * payload.ranked));  // rankkit.eval.ranking.keep_count
+    const z = [], customdata = [], text = [];
+    for (let b = 0; b < numBins; b++) {
+      const inTop = found.rank[layer * numBins + b] < k;
+      z.push(inTop ? 1 : 0); customdata.push([payload.edges[b], payload.edges[b + 1] - 1]);
+      text.push(inTop ? 'kept' : 'dropped');
+    }
+    return {z: [z], customdata: [customdata], text: [text],
+            meta: {probe: state.probe, kept_rate: Math.round(Number(state.keep) * 100) + '%', kept_layer: layer}};
+  }
   function explorerFigure(template) {
     const payload = example(state.example);
-    const [stripTemplate, heatTemplate] = template.data;
+    const [stripTemplate, heatTemplate, keptTemplate] = template.data;
     const x = payload.edges.map(edge => edge - 0.5);
     const meta = {probe: state.probe, ranked: payload.ranked};
     const colorbar = Object.assign({}, heatTemplate.colorbar,
@@ -297,7 +315,8 @@ _RUNTIME_JS = r"""
       {x: x, y: Array.from({length: payload.layers}, (_, i) => i), meta: meta, name: state.probe, colorbar: colorbar});
     const oracle = payload.oracle && bins(payload, 'oracle');
     const strip = Object.assign({}, stripTemplate, oracle ? heatmapData(payload, oracle, 1) : {z: [], customdata: [], text: []},
-      {x: x, y: ['oracle'], meta: meta});
+      {x: x, y: stripTemplate.y, meta: meta});
+    const kept = Object.assign({}, keptTemplate, keptColumns(payload, bins(payload, state.probe)), {x: x, y: keptTemplate.y});
     const layout = Object.assign({}, template.layout);
     const evidence = [];
     payload.evidence.forEach(function (span) {
@@ -310,9 +329,10 @@ _RUNTIME_JS = r"""
     layout.title = Object.assign({}, layout.title, {text: payload.title + ' · probe <b>' + state.probe + '</b>'});
     const columns = payload.width === 1 ? 'one token per column' : payload.width + ' tokens per column, max shown';
     layout.xaxis2 = Object.assign({}, layout.xaxis2, {title: {text: 'token position (context, ' + columns + ')'}});
-    return applyToFigure({data: [strip, heat], layout: layout});
+    return applyToFigure({data: [strip, heat, kept], layout: layout});
   }
 
+  const EXPLORER_ALSO = ['example', 'layer', 'keep'];  // other controls the explorer redraws for
   const timings = {};
   let selfTestSteps = null, selfTestHover = null;
   function draw(id) {
@@ -324,7 +344,7 @@ _RUNTIME_JS = r"""
   function redraw(changed) {
     return Promise.all(config.panels.filter(id => id in figures).map(function (id) {
       const div = document.getElementById('plot-' + id);
-      if (id === 'explorer' && (config.controls[changed] === 'explorer' || changed === 'example')) {
+      if (id === 'explorer' && (config.controls[changed] === 'explorer' || EXPLORER_ALSO.includes(changed))) {
         const figure = explorerFigure(figures[id]);
         return Plotly.react(div, figure.data, figure.layout);
       }
@@ -345,6 +365,7 @@ _RUNTIME_JS = r"""
     config.panels.forEach(function (id) {
       const div = document.getElementById('plot-' + id);
       if (!(id in figures)) { status.panels[id] = {missing: true, text: div.textContent}; return; }
+      if (!div.data) { status.panels[id] = {failed: true}; return; }
       const full = div._fullData || [];
       status.panels[id] = {
         traces: div.data.length,
@@ -355,9 +376,10 @@ _RUNTIME_JS = r"""
       };
     });
     if ('explorer' in figures) {
-      const heat = document.getElementById('plot-explorer').data[1];
+      const explorerDiv = document.getElementById('plot-explorer'), heat = explorerDiv.data[1];
       status.explorer = {example: state.example, probe: state.probe, colour: state.colour, layers: heat.z.length,
-                         bins: heat.z[0].length, row_max: heat.z.map(row => Math.max.apply(null, row))};
+                         bins: heat.z[0].length, row_max: heat.z.map(row => Math.max.apply(null, row)),
+                         kept_columns: explorerDiv.data[2].z[0].reduce((sum, value) => sum + value, 0)};
     }
     status.done = true;
     document.getElementById('rankkit-status').textContent = JSON.stringify(status);
