@@ -470,3 +470,14 @@ def test_a_fifty_example_4k_store_stays_under_20_mb_and_opens_within_3_s(tmp_pat
     assert megabytes < 20
     assert status["errors"] == []
     assert status["since_navigation_ms"] < 3000
+
+
+@needs_chromium
+def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_says_what_is_missing(tmp_path):
+    store = write_synthetic_store(tmp_path / "bare.zarr", examples=2, oracle=False, probes=("lava",))
+    status = open_in_chromium(write_dashboard(store, tmp_path / "report.html"), fragment="selftest").status
+    assert status["done"] and status["errors"] == []
+    missing = {name for name, panel in status["panels"].items() if panel.get("missing")}
+    assert missing == {"spearman", "variance", "needle", "tradeoff", "diffusion"}
+    assert "rankkit oracle" in status["panels"]["spearman"]["text"]
+    assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
