@@ -107,7 +107,9 @@ def prefill(
     warmup: int = typer.Option(
         1, min=0, help="Untimed runs before the timed one (on CPU the first measures memory)."
     ),
-    repeats: int = typer.Option(1, min=1, help="Timed runs; times are their median."),
+    repeats: int = typer.Option(
+        1, min=1, help="Timed rounds, interleaved with --compare; times are medians."
+    ),
     threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -115,37 +117,25 @@ def prefill(
     """Run one method's selection end to end on one prompt and print the answer and its measurements."""
     import torch
 
-    from rankkit.bench import BenchSettings, run_row
-    from rankkit.methods.measure import calibrate, measure
+    from rankkit.bench import BenchSettings, compare_on_prompt
+    from rankkit.methods import Budget
+    from rankkit.methods.measure import calibrate
 
     (chosen_budget,) = _budgets(keep, budget)
     loaded, runner = _load(model, device, threads)
     example, prompt = _prompt(loaded.tokenizer, data, example_index, context_file, question)
-    settings = BenchSettings(max_new_tokens, warmup, repeats)
-    methods = [_method(method, layer, draft_model, mirror)]
-    if compare:
-        methods.append(_method(compare, layer, draft_model, mirror))
+    entries = [(_method(method, layer, draft_model, mirror), chosen_budget)]
+    if compare:  # the reference goes first; full keeps everything whatever the budget
+        reference_budget = Budget.from_keep(1.0) if compare == "full" else chosen_budget
+        entries.insert(0, (_method(compare, layer, draft_model, mirror), reference_budget))
     with torch.inference_mode():
         cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
-    runs = [
-        measure(
-            runner,
-            each,
-            prompt.input_ids,
-            chosen_budget,
-            max_new_tokens,
-            tokenizer=loaded.tokenizer,
-            warmup_runs=settings.warmup_runs,
-            repeats=settings.repeats,
-        )
-        for each in methods
-    ]
-    reference = runs[1] if compare else None
-    common = dict(tokenizer=loaded.tokenizer, example=example, prompt=prompt, budget=chosen_budget)
-    rows = [
-        run_row(run, cost_model=cost_model, num_layers=runner.num_layers, reference=reference, **common)
-        for run in runs
-    ]
+    settings = BenchSettings(max_new_tokens, warmup, repeats)
+    rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
+    if not compare:
+        rows[0] |= {"ttft_ratio": None, "tpot_ratio": None, "kv_ratio": None}
+    else:
+        rows.reverse()  # the method first, then what it is compared with
     if as_json:
         result = {key: rows[0][key] for key in JSON_KEYS} | {
             "budget": rows[0]["budget"],
@@ -223,7 +213,11 @@ def bench(
     warmup: int = typer.Option(
         1, min=0, help="Untimed runs before each timed one (on CPU the first measures memory)."
     ),
-    repeats: int = typer.Option(1, min=1, help="Timed runs per measurement; times are their median."),
+    repeats: int = typer.Option(
+        1,
+        min=1,
+        help="Timed rounds over all methods of an example; times are medians, ratios paired per round.",
+    ),
     threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-method summary as JSON."),

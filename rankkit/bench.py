@@ -1,9 +1,10 @@
 """Run methods end to end over a dataset and keep every measurement: the accuracy vs TTFT grid.
 
-For each example, ``full`` runs once and then every (keep rate, method) in turn, so the
-methods of one example run back to back and machine noise hits them alike. Each run
-is prepared (the oracle's offline ranking), warmed up (untimed; on CPU that run also
-tracks peak memory) and timed (median of ``repeats``); see ``rankkit.methods.measure``.
+For each example every (method, budget), ``full`` first, is prepared (the oracle's
+offline ranking) and warmed up (untimed; on CPU that run also tracks peak memory), then
+timed in ``repeats`` interleaved rounds, so machine noise hits all methods alike: times
+are medians over rounds and ratios to ``full`` are medians of the ratios within a round
+(see ``rankkit.methods.measure``).
 
 One row per (example, method, budget) holds the measurements, the answer and its
 score, the ratios to ``full`` on the same example, the ideal TTFT ratio from the
@@ -25,7 +26,7 @@ import torch
 from rankkit.data import Example
 from rankkit.data import score as score_answer
 from rankkit.methods import Budget, Method, make
-from rankkit.methods.measure import CostModel, MethodRun, calibrate, measure
+from rankkit.methods.measure import CostModel, Measured, calibrate, measure_interleaved
 from rankkit.prompting import Prompt
 from rankkit.runner import Runner
 
@@ -48,7 +49,7 @@ def evidence_token_positions(prompt: Prompt, example: Example) -> set[int]:
 
 
 def run_row(
-    run: MethodRun,
+    measured: Measured,
     *,
     tokenizer,
     example: Example | None,
@@ -56,9 +57,10 @@ def run_row(
     budget: Budget,
     cost_model: CostModel,
     num_layers: int,
-    reference: MethodRun | None,
+    reference: Measured | None,
 ) -> dict:
-    """One tidy row: measurements, answer, score, ratios to ``reference`` (full) and example meta."""
+    """One tidy row: measurements, answer, score, paired ratios to ``reference`` (full) and example meta."""
+    run = measured.run
     answer = tokenizer.decode(run.tokens, skip_special_tokens=True)
     evidence = evidence_token_positions(prompt, example) if example is not None else set()
     kept_evidence = None
@@ -81,11 +83,11 @@ def run_row(
         "kv_bytes": run.kv_bytes,
         "peak_mem_bytes": run.peak_mem_bytes,
         "ideal_ratio": cost_model.ideal_ratio(run.passes, run.prompt_length, num_layers),
-        "ttft_ratio": run.ttft_s / reference.ttft_s if reference else None,
-        "tpot_ratio": run.tpot_s / reference.tpot_s
-        if reference and run.tpot_s and reference.tpot_s
-        else None,
-        "kv_ratio": run.kv_bytes / reference.kv_bytes if reference else None,
+        "ttft_ratio": measured.ratio_to(reference, "ttft_s") if reference else None,
+        "tpot_ratio": measured.ratio_to(reference, "tpot_s") if reference else None,
+        "kv_ratio": run.kv_bytes / reference.run.kv_bytes if reference else None,
+        "ttft_min_s": min(each.ttft_s for each in measured.runs),
+        "repeats": len(measured.runs),
         "answer": answer,
         "score": score_answer(example, answer) if example is not None and example.answers else None,
         "new_tokens": len(run.tokens),
@@ -101,42 +103,34 @@ def compare_on_prompt(
     tokenizer,
     prompt: Prompt,
     example: Example | None,
-    methods: list[Method],
-    budgets: list[Budget],
+    entries: list[tuple[Method, Budget]],
     cost_model: CostModel,
     settings: BenchSettings,
     on_run: Callable[[str], None] = lambda description: None,
 ) -> list[dict]:
-    """``full`` once, then every (budget, method) on one prompt; rows in that order."""
-
-    def measured(method: Method, budget: Budget) -> MethodRun:
-        on_run(f"{example.id if example else 'prompt'} {method.name} {budget.label}")
-        return measure(
-            runner,
-            method,
-            prompt.input_ids,
-            budget,
-            settings.max_new_tokens,
-            tokenizer=tokenizer,
-            warmup_runs=settings.warmup_runs,
-            repeats=settings.repeats,
-        )
-
+    """Every (method, budget) of ``entries`` on one prompt, interleaved; ratios are to the first entry."""
+    name = example.id if example is not None else "prompt"
+    measured = measure_interleaved(
+        runner,
+        entries,
+        prompt.input_ids,
+        settings.max_new_tokens,
+        tokenizer=tokenizer,
+        warmup_runs=settings.warmup_runs,
+        repeats=settings.repeats,
+        on_run=lambda method, budget: on_run(f"{name} {method.name} {budget.label}"),
+    )
     common = dict(tokenizer=tokenizer, example=example, prompt=prompt, cost_model=cost_model)
-    full_budget = Budget.from_keep(1.0)
-    reference = measured(make(FULL), full_budget)
-    rows = [
-        run_row(reference, budget=full_budget, num_layers=runner.num_layers, reference=reference, **common)
+    return [
+        run_row(result, budget=budget, num_layers=runner.num_layers, reference=measured[0], **common)
+        for (_, budget), result in zip(entries, measured, strict=True)
     ]
-    for budget in budgets:
-        for method in methods:
-            if method.name == FULL:
-                continue
-            run = measured(method, budget)
-            rows.append(
-                run_row(run, budget=budget, num_layers=runner.num_layers, reference=reference, **common)
-            )
-    return rows
+
+
+def grid(methods: list[Method], budgets: list[Budget]) -> list[tuple[Method, Budget]]:
+    """``full`` (the reference) once, then every (budget, method) but full."""
+    full = [(make(FULL), Budget.from_keep(1.0))]
+    return full + [(method, budget) for budget in budgets for method in methods if method.name != FULL]
 
 
 def run_bench(
@@ -149,19 +143,16 @@ def run_bench(
     *,
     prompt_for: Callable[[Example], Prompt],
     on_run: Callable[[str], None] = lambda description: None,
-    on_example: Callable[[], None] = lambda: None,
 ) -> pl.DataFrame:
     """The grid over ``examples``; the cost model is calibrated once, on the first prompt."""
     prompts = [prompt_for(example) for example in examples]
     on_run("calibrating the cost model (full prefills of prefixes of the first prompt)")
     with torch.inference_mode():
         cost_model = calibrate(runner, prompts[0].input_ids)
+    entries = grid(methods, budgets)
     rows = []
     for example, prompt in zip(examples, prompts, strict=True):
-        rows += compare_on_prompt(
-            runner, tokenizer, prompt, example, methods, budgets, cost_model, settings, on_run
-        )
-        on_example()
+        rows += compare_on_prompt(runner, tokenizer, prompt, example, entries, cost_model, settings, on_run)
     frame = pl.DataFrame(rows, infer_schema_length=None)
     return frame.with_columns(
         pl.lit(cost_model.linear).alias("cost_linear"), pl.lit(cost_model.quadratic).alias("cost_quadratic")
@@ -169,7 +160,10 @@ def run_bench(
 
 
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per method and budget: mean score, TTFT/TPOT/KV ratios to full and the ideal ratio."""
+    """Per method and budget: mean score, TTFT/TPOT/KV ratios to full and the ideal ratio.
+
+    Ratios are means over examples of each example's paired median ratio.
+    """
     return (
         frame.group_by("method", "budget", maintain_order=True)
         .agg(

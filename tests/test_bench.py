@@ -120,3 +120,35 @@ def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_m
     } <= set(payload)
     assert {"answer", "score", "ttft_ratio", "kv_ratio"} <= set(payload)
     assert payload["method"] == "claa" and payload["keep"] == 0.5 and payload["kv_ratio"] < 1
+
+
+def test_interleaved_rounds_pair_each_run_with_full_of_the_same_round():
+    from rankkit.methods.measure import Measured, MethodRun
+
+    def run(ttft):
+        return MethodRun("m", {}, "keep=1", 10, [1], ttft, 0.1, ttft + 1, 100, [10.0], [10], [], None)
+
+    full = Measured([run(10.0), run(20.0), run(10.0)])
+    method = Measured([run(5.0), run(10.0), run(9.0)])  # a burst of load in round 2 hit both
+    assert method.ratio_to(full, "ttft_s") == pytest.approx(0.5)
+    assert method.run.ttft_s == 9.0 and method.run.e2e_s == 10.0
+
+
+def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(random_ids):
+    from rankkit.methods.measure import measure_interleaved
+
+    runner = Runner(tiny_model("llama"))
+    order = []
+    entries = [(make("full"), Budget.from_keep(1.0)), (make("snapkv", window_size=4), Budget.from_keep(0.5))]
+    measured = measure_interleaved(
+        runner,
+        entries,
+        random_ids,
+        2,
+        tokenizer=None,
+        repeats=2,
+        on_run=lambda method, _: order.append(method.name),
+    )
+    assert order == ["full", "snapkv", "full", "snapkv", "full", "snapkv"]
+    assert [len(result.runs) for result in measured] == [2, 2]
+    assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes

@@ -23,6 +23,7 @@ it ran (every pass) over the cost of a full prefill.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -177,6 +178,87 @@ def run_once(
     )
 
 
+def warm_up(
+    runner: Runner,
+    method: Method,
+    input_ids: torch.Tensor,
+    budget: Budget,
+    max_new_tokens: int,
+    *,
+    tokenizer,
+    runs: int = 1,
+) -> int | None:
+    """The method's untimed preparation and ``runs`` warm-up runs; on CPU the first tracks peak memory (returned)."""
+    method.prepare(runner, input_ids, tokenizer=tokenizer)
+    peak = None
+    for index in range(runs):
+        if index == 0 and runner.device.type != "cuda":
+            with TensorMemoryTracker() as tracker:
+                run_once(runner, method, input_ids, budget, max_new_tokens)
+            peak = tracker.peak
+        else:
+            run_once(runner, method, input_ids, budget, max_new_tokens)
+    return peak
+
+
+@dataclass
+class Measured:
+    """Repeated timed runs of one method on one prompt, reduced to medians."""
+
+    runs: list[MethodRun]
+    warmup_peak_bytes: int | None = None
+
+    @property
+    def run(self) -> MethodRun:
+        """The last run, with median times and the warm-up's peak memory on CPU."""
+        run = dataclasses.replace(self.runs[-1])
+        run.ttft_s = float(np.median([each.ttft_s for each in self.runs]))
+        run.e2e_s = float(np.median([each.e2e_s for each in self.runs]))
+        if run.tpot_s is not None:
+            run.tpot_s = float(np.median([each.tpot_s for each in self.runs]))
+        if self.warmup_peak_bytes is not None:
+            run.peak_mem_bytes = self.warmup_peak_bytes
+        return run
+
+    def ratio_to(self, reference: Measured, field: str) -> float | None:
+        """Median over rounds of this run's ``field`` over the reference's in the same round (paired, so noise cancels)."""
+        pairs = [
+            (getattr(a, field), getattr(b, field)) for a, b in zip(self.runs, reference.runs, strict=True)
+        ]
+        ratios = [mine / theirs for mine, theirs in pairs if mine is not None and theirs]
+        return float(np.median(ratios)) if ratios else None
+
+
+def measure_interleaved(
+    runner: Runner,
+    entries: list[tuple[Method, Budget]],
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    tokenizer,
+    warmup_runs: int = 1,
+    repeats: int = 1,
+    on_run=lambda method, budget: None,
+) -> list[Measured]:
+    """Warm every (method, budget) up, then ``repeats`` rounds that time each once, in turn.
+
+    Interleaving the rounds means a burst of load from elsewhere hits every method alike,
+    and ``Measured.ratio_to`` compares runs of the same round.
+    """
+    measured = []
+    for method, budget in entries:
+        on_run(method, budget)
+        peak = warm_up(
+            runner, method, input_ids, budget, max_new_tokens, tokenizer=tokenizer, runs=warmup_runs
+        )
+        measured.append(Measured([], peak))
+    for _ in range(repeats):
+        for (method, budget), result in zip(entries, measured, strict=True):
+            on_run(method, budget)
+            result.runs.append(run_once(runner, method, input_ids, budget, max_new_tokens))
+    return measured
+
+
 def measure(
     runner: Runner,
     method: Method,
@@ -188,28 +270,17 @@ def measure(
     warmup_runs: int = 1,
     repeats: int = 1,
 ) -> MethodRun:
-    """The method's untimed preparation, warm-up runs, then ``repeats`` timed runs (median times).
-
-    On CPU the first warm-up run tracks peak memory (see the module docstring).
-    """
-    method.prepare(runner, input_ids, tokenizer=tokenizer)
-    cpu_peak = None
-    for index in range(warmup_runs):
-        if index == 0 and runner.device.type != "cuda":
-            with TensorMemoryTracker() as tracker:
-                run_once(runner, method, input_ids, budget, max_new_tokens)
-            cpu_peak = tracker.peak
-        else:
-            run_once(runner, method, input_ids, budget, max_new_tokens)
-    runs = [run_once(runner, method, input_ids, budget, max_new_tokens) for _ in range(repeats)]
-    timed = runs[-1]
-    timed.ttft_s = float(np.median([run.ttft_s for run in runs]))
-    timed.e2e_s = float(np.median([run.e2e_s for run in runs]))
-    if timed.tpot_s is not None:
-        timed.tpot_s = float(np.median([run.tpot_s for run in runs]))
-    if cpu_peak is not None:
-        timed.peak_mem_bytes = cpu_peak
-    return timed
+    """One method on one prompt: preparation, warm-up, ``repeats`` timed runs, median times."""
+    (result,) = measure_interleaved(
+        runner,
+        [(method, budget)],
+        input_ids,
+        max_new_tokens,
+        tokenizer=tokenizer,
+        warmup_runs=warmup_runs,
+        repeats=repeats,
+    )
+    return result.run
 
 
 @dataclass
@@ -246,21 +317,24 @@ class CostModel:
 
 
 def calibrate(
-    runner: Runner, input_ids: torch.Tensor, fractions=(1.0, 0.5, 0.25), repeats: int = 2
+    runner: Runner, input_ids: torch.Tensor, fractions=(1.0, 0.5, 0.25), repeats: int = 3
 ) -> CostModel:
-    """Fit the cost model from full prefills of prefixes of ``input_ids`` (median of ``repeats`` each)."""
-    samples = []
+    """Fit the cost model from full prefills of prefixes of ``input_ids``.
+
+    The lengths are timed in interleaved rounds and each keeps its fastest time: on a
+    shared machine the fastest run is the one least disturbed by other work.
+    """
     ids = input_ids.reshape(-1)
+    prefixes = [ids[: max(1, int(ids.numel() * fraction))] for fraction in fractions]
     runner.prefill(ids)  # warm-up
-    for fraction in fractions:
-        prefix = ids[: max(1, int(ids.numel() * fraction))]
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in prefixes]
+    for _ in range(repeats):
+        for prefix, timed in zip(prefixes, times, strict=True):
             timeline = Timeline(runner.device)
             timeline.mark()
             runner.prefill(prefix)
             timeline.mark()
             timeline.finish()
-            times.append(timeline.seconds(0, 1))
-        samples.append((int(prefix.numel()), float(np.median(times))))
+            timed.append(timeline.seconds(0, 1))
+    samples = [(int(prefix.numel()), min(timed)) for prefix, timed in zip(prefixes, times, strict=True)]
     return CostModel.fit(samples, runner.num_layers)
