@@ -4,8 +4,10 @@ explorer's per-example arrays as compact base64, and a small runtime wiring the 
 How the controls act, by kind (``Control.kind``):
 
 - ``filter``: a trace whose ``meta`` has the control's id is visible only while its value matches;
-- every control moves the shapes named ``"<control id>:<axis>:<half width>"`` to its value;
-- ``explorer``: the token-score explorer redraws from the picked example's arrays.
+- ``explorer``: the token-score explorer redraws from the picked example's arrays (it also
+  redraws for the example, layer and keep-rate controls);
+- ``shape``: nothing beyond what every control does: move the shapes named
+  ``"<control id>:<axis>:<half width>"`` to its value.
 
 Each example's explorer arrays sit in their own ``<script type="application/json">`` and are
 parsed and decoded only when the example is first picked. Initial control values can be set
@@ -25,20 +27,20 @@ import html
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
 import plotly.offline
 
-CONTROL_KINDS = ("filter", "explorer", "shape")
+ControlKind = Literal["filter", "explorer", "shape"]
 
 
 @dataclass(frozen=True)
 class Control:
     id: str
     label: str
-    kind: str  # one of CONTROL_KINDS
+    kind: ControlKind
     options: Sequence[tuple[Any, str]] = ()  # (value, label); empty for a slider
     default: Any = None
     slider_range: tuple[int, int] | None = None  # inclusive, for a slider
