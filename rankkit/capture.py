@@ -22,7 +22,7 @@ from rankkit.data import METRICS, Example, load_examples, parse_spec
 from rankkit.errors import RankkitError
 from rankkit.oracle import answer_informed_oracle
 from rankkit.probes import ProbeRecorder, parse_probes
-from rankkit.prompting import Prompt, build_prompt
+from rankkit.prompting import Prompt, example_prompt
 from rankkit.runner import Runner
 
 
@@ -45,6 +45,18 @@ class CaptureSummary:
     tokens: int = 0
     seconds: float = 0.0
     correct: list[float] = field(default_factory=list)
+
+    def count(self, progress, tokens: int | None, oracle_attrs: dict | None = None) -> None:
+        """Book one example: written (``tokens`` given) or skipped (None), then report progress."""
+        if tokens is None:
+            self.skipped += 1
+        else:
+            self.written += 1
+            self.tokens += tokens
+        if oracle_attrs and "correct" in oracle_attrs:
+            self.correct.append(oracle_attrs["correct"])
+        if progress:
+            progress("skipped" if tokens is None else "written", self.examples, tokens or 0)
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,18 +91,6 @@ def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
     }
 
 
-def example_prompt(tokenizer, example: Example) -> Prompt:
-    use_template = example.meta.get("use_chat_template")
-    return build_prompt(
-        tokenizer,
-        example.context,
-        example.question,
-        preamble=example.preamble,
-        answer_prefix=example.answer_prefix,
-        use_chat_template=use_template,
-    )
-
-
 def example_attrs(tokenizer, example: Example, prompt: Prompt) -> dict:
     """Everything a reader needs without the model: task, answers, spans, token texts."""
     ids = prompt.input_ids.tolist()
@@ -120,6 +120,15 @@ def reference_answer(attrs: dict) -> str:
         raise RankkitError("answer='reference' needs examples with answers")
     answer = attrs["answers"][0]
     return f" {answer}" if attrs.get("answer_prefix") else answer
+
+
+def write_oracle(
+    writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, prefill=None
+) -> dict:
+    """Compute one example's oracle and add it to the store; returns the attrs written with it."""
+    result, oracle_attrs = oracle_for(runner, tokenizer, ids, attrs, options, prefill)
+    writer.add_oracle(example_id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs)
+    return oracle_attrs
 
 
 def oracle_for(
@@ -180,14 +189,12 @@ def capture(
             continue
         summary.examples += 1
         if writer.is_complete(example.id) and (oracle is None or writer.has_oracle(example.id)):
-            summary.skipped += 1
-            if progress:
-                progress("skipped", summary.examples, 0)
+            summary.count(progress, None)
             continue
         prompt = example_prompt(loaded.tokenizer, example)
         ids = prompt.input_ids.to(loaded.device)
         attrs = example_attrs(loaded.tokenizer, example, prompt)
-        prefill = None
+        prefill = oracle_attrs = None
         if not writer.is_complete(example.id):
             recorder = ProbeRecorder(probe_list)
             prefill = runner.prefill(ids, hooks=[recorder])
@@ -195,16 +202,10 @@ def capture(
                 example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
             )
         if oracle is not None:
-            result, oracle_attrs = oracle_for(runner, loaded.tokenizer, ids, attrs, oracle, prefill)
-            writer.add_oracle(
-                example.id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs
+            oracle_attrs = write_oracle(
+                writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
             )
-            if "correct" in oracle_attrs:
-                summary.correct.append(oracle_attrs["correct"])
-        summary.written += 1
-        summary.tokens += prompt.num_tokens
-        if progress:
-            progress("written", summary.examples, prompt.num_tokens)
+        summary.count(progress, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     _wait_for_other_ranks(world)
     return summary
@@ -241,21 +242,11 @@ def add_oracle(
     for record in store.examples():
         summary.examples += 1
         if record.has_oracle and not redo:
-            summary.skipped += 1
-            if progress:
-                progress("skipped", summary.examples, 0)
+            summary.count(progress, None)
             continue
         ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
-        result, oracle_attrs = oracle_for(runner, loaded.tokenizer, ids, record.attrs, options)
-        writer.add_oracle(
-            record.id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs
-        )
-        if "correct" in oracle_attrs:
-            summary.correct.append(oracle_attrs["correct"])
-        summary.written += 1
-        summary.tokens += record.num_tokens
-        if progress:
-            progress("written", summary.examples, record.num_tokens)
+        oracle_attrs = write_oracle(writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options)
+        summary.count(progress, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     return summary
 

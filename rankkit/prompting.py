@@ -94,3 +94,15 @@ def build_prompt(
         context_chars=(context_start, context_start + len(context)),
         question_chars=(question_start, question_start + len(question)),
     )
+
+
+def example_prompt(tokenizer, example) -> Prompt:
+    """The prompt of a ``rankkit.data.Example``, with its chat-template choice (LongBench prompts some without)."""
+    return build_prompt(
+        tokenizer,
+        example.context,
+        example.question,
+        preamble=example.preamble,
+        answer_prefix=example.answer_prefix,
+        use_chat_template=example.meta.get("use_chat_template"),
+    )

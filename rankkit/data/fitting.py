@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rankkit.data.example import Example
 from rankkit.errors import RankkitError
-from rankkit.prompting import build_prompt
+from rankkit.prompting import example_prompt
 
 TOLERANCE = 0.01
 # Regula falsi can crawl when the token count is not quite linear in the size; every
@@ -28,13 +28,7 @@ Piece = tuple[str, tuple[int, int] | None]
 
 
 def prompt_tokens(tokenizer, example: Example) -> int:
-    return build_prompt(
-        tokenizer,
-        example.context,
-        example.question,
-        preamble=example.preamble,
-        answer_prefix=example.answer_prefix,
-    ).num_tokens
+    return example_prompt(tokenizer, example).num_tokens
 
 
 def fit_to_length(
