@@ -52,6 +52,7 @@ def _table(rows: list[dict], data: str) -> Table:
     columns = {
         "l": "layer",
         "accuracy": "accuracy",
+        "score": "score",
         "log p(answer)": "answer_logprob",
         "KL 1st token": "first_token_kl",
         "attn → evidence": "evidence_attention",

@@ -142,6 +142,7 @@ def test_layer_summary_averages_over_examples():
             "example": ["a", "a", "b", "b"],
             "layer": [0, 1, 0, 1],
             "correct": [False, True, True, True],
+            "score": [0.5, 1.0, 1.0, 1.0],
             "answer_logprob": [-4.0, -1.0, -2.0, -1.0],
             "first_token_kl": [2.0, 0.0, 1.0, 0.0],
             "evidence_attention": [0.5, None, 0.3, None],
@@ -152,6 +153,7 @@ def test_layer_summary_averages_over_examples():
         {
             "layer": 0,
             "accuracy": 0.5,
+            "score": 0.75,
             "answer_logprob": -3.0,
             "first_token_kl": 1.5,
             "evidence_attention": 0.4,
@@ -160,6 +162,7 @@ def test_layer_summary_averages_over_examples():
         {
             "layer": 1,
             "accuracy": 1.0,
+            "score": 1.0,
             "answer_logprob": -1.0,
             "first_token_kl": 0.0,
             "evidence_attention": None,

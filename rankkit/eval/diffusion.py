@@ -252,11 +252,12 @@ def diffusion_probe(
 
 
 def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per layer over the examples: accuracy, mean answer log-prob, mean first-token KL, mean evidence attention."""
+    """Per layer over the examples: accuracy (full marks), mean score, answer log-prob, first-token KL, evidence attention."""
     return (
         frame.group_by("layer")
         .agg(
             pl.col("correct").mean().alias("accuracy"),
+            pl.col("score").mean(),
             pl.col("answer_logprob").mean(),
             pl.col("first_token_kl").mean(),
             pl.col("evidence_attention").mean(),
