@@ -21,7 +21,8 @@ def overhead(
     model: str = typer.Option("default"),
     device: str = typer.Option("auto"),
     repeats: int = typer.Option(5, min=1, help="Interleaved timed repeats per side, after one warm-up."),
-    memory: bool = typer.Option(True, help="Also measure peak memory (one fresh process per side)."),
+    memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
+    timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Time and peak memory of a rankkit path against its plain-transformers baseline."""
@@ -43,6 +44,7 @@ def overhead(
             device=device,
             repeats=repeats,
             with_memory=memory,
+            with_timing=timing,
             progress=lambda: progress.advance(task),
         )
     if as_json:

@@ -3,9 +3,9 @@
 Each scenario pairs a baseline with the rankkit path doing the same job on the same
 prompt: the runner's prefill against ``model(...)``, a capture of every probe against a
 plain forward, the oracle against plain greedy generation. Times are medians of
-interleaved repeats after a warm-up, so machine noise hits both alike. Peak memory is
-measured in a fresh subprocess per (scenario, side, length), so neither side inherits
-the other's allocator state.
+interleaved repeats after a warm-up, so machine noise hits both alike. Peak memory (of
+tensors, see ``peak_memory``) is measured in a fresh subprocess per (scenario, side,
+length), so neither side inherits the other's state.
 """
 
 from __future__ import annotations
@@ -103,16 +103,26 @@ def _sides(scenario: str, loaded, length: int) -> Sides:
     return build(loaded.model, loaded.tokenizer, ids)
 
 
-def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: str) -> int | None:
-    """Peak extra memory of one side's first run, in this process (call it in a fresh one)."""
+def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: str) -> int:
+    """Peak extra tensor memory of one side's first run (call it in a fresh process).
+
+    CUDA: the allocator's peak. CPU: the peak of live tensor storages the run created,
+    counted operator by operator (``TensorMemoryTracker``); the process's resident size
+    is no measure here, since glibc keeps freed blocks and fragments differently for two
+    runs with the same tensor footprint.
+    """
+    from rankkit.methods.measure import TensorMemoryTracker
+
     loaded = models.load(model_spec, device=device)
     with torch.inference_mode():
-        # Weights load memory-mapped: fault every page in first, so the figure is the run's own.
-        loaded.model(torch.zeros(1, 8, dtype=torch.long, device=loaded.device))
         run = getattr(_sides(scenario, loaded, length), side)
-        with measure(loaded.device) as m:
+        if loaded.device.type == "cuda":
+            with measure(loaded.device) as m:
+                run()
+            return m.peak_bytes
+        with TensorMemoryTracker() as tracker:
             run()
-    return m.peak_bytes
+    return tracker.peak
 
 
 def _peak_in_subprocess(scenario: str, side: str, length: int, model_spec: str, device: str) -> int | None:
@@ -125,6 +135,20 @@ def _peak_in_subprocess(scenario: str, side: str, length: int, model_spec: str, 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _interleaved_times(sides: Sides, device, repeats: int, progress) -> dict[str, list[float]]:
+    times = {"baseline": [], "rankkit": []}
+    with torch.inference_mode():
+        sides.baseline(), sides.rankkit()  # warm-up, excluded
+        for _ in range(repeats):
+            for side in ("baseline", "rankkit"):
+                with measure(device) as m:
+                    getattr(sides, side)()
+                times[side].append(m.seconds)
+            if progress:
+                progress()
+    return times
+
+
 def run_overhead(
     scenario: str,
     lengths: list[int],
@@ -133,6 +157,7 @@ def run_overhead(
     device: str = "auto",
     repeats: int = 5,
     with_memory: bool = True,
+    with_timing: bool = True,
     progress=None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides, their ratio, and peak memory of both."""
@@ -140,17 +165,9 @@ def run_overhead(
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     rows = []
     for length in lengths:
-        sides = _sides(scenario, loaded, length)
-        times = {"baseline": [], "rankkit": []}
-        with torch.inference_mode():
-            sides.baseline(), sides.rankkit()  # warm-up, excluded
-            for _ in range(repeats):
-                for side in ("baseline", "rankkit"):
-                    with measure(loaded.device) as m:
-                        getattr(sides, side)()
-                    times[side].append(m.seconds)
-                if progress:
-                    progress()
+        times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
+        if with_timing:
+            times = _interleaved_times(_sides(scenario, loaded, length), loaded.device, repeats, progress)
         row = {
             "scenario": scenario,
             "model": loaded.model_id,
