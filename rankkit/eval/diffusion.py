@@ -31,11 +31,12 @@ import torch
 
 from rankkit import models
 from rankkit.cache import KVCache
-from rankkit.capture import example_prompt, reference_answer
+from rankkit.capture import reference_answer
 from rankkit.data import Example, load_examples, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
+from rankkit.prompting import example_prompt
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 
 SCHEMA = {
