@@ -1,11 +1,13 @@
 """Imports every command module so each registers on the app."""
 
-from rankkit.cli import run_cmd  # noqa: F401
-from rankkit.cli import store_cmd  # noqa: F401
-from rankkit.cli import overhead_cmd  # noqa: F401
-from rankkit.cli import data_cmd  # noqa: F401
-from rankkit.cli import compare_cmd  # noqa: F401
-from rankkit.cli import capture_cmd  # noqa: F401
-from rankkit.cli import prefill_cmd  # noqa: F401
-from rankkit.cli import dashboard_cmd  # noqa: F401
-from rankkit.cli import diffusion_cmd  # noqa: F401
+from rankkit.cli import (
+    capture_cmd,  # noqa: F401
+    compare_cmd,  # noqa: F401
+    dashboard_cmd,  # noqa: F401
+    data_cmd,  # noqa: F401
+    diffusion_cmd,  # noqa: F401
+    overhead_cmd,  # noqa: F401
+    prefill_cmd,  # noqa: F401
+    run_cmd,  # noqa: F401
+    store_cmd,  # noqa: F401
+)

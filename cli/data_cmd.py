@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import typer
+
 from rankkit.cli.app import app
 
 data_app = typer.Typer(

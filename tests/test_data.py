@@ -339,11 +339,11 @@ def test_export_round_trips_every_kind(tmp_path):
 
 
 def test_cli_export_writes_a_file_that_loads_back(tmp_path, monkeypatch):
-    from rankkit.cli import data_cmd  # noqa: F401  (registers `data` on the app)
-    from rankkit.cli.app import app
     from typer.testing import CliRunner
 
     import rankkit.models
+    from rankkit.cli import data_cmd  # noqa: F401  (registers `data` on the app)
+    from rankkit.cli.app import app
 
     monkeypatch.setattr(rankkit.models, "load_tokenizer", lambda spec="default": WORDS)
     out = tmp_path / "niah.jsonl"

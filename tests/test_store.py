@@ -664,9 +664,10 @@ def test_describe_counts_what_the_store_holds(filled, monkeypatch):
 
 
 def test_cli_store_info(filled):
+    from typer.testing import CliRunner
+
     from rankkit.cli import store_cmd  # noqa: F401  (registers the command)
     from rankkit.cli.app import app
-    from typer.testing import CliRunner
 
     runner = CliRunner()
     as_json = runner.invoke(app, ["store", "info", str(filled.path), "--json"])
