@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -212,32 +210,3 @@ def test_default_model_oracle_puts_the_needle_on_top(default_model, passkey, rep
         needle_share, key_share = measured[mode]
         assert top_share(result.scores, needle) >= needle_share - MARGIN, mode
         assert top_share(result.scores, key) >= key_share - MARGIN, mode
-
-
-@pytest.mark.integration
-def test_default_model_oracle_costs_close_to_plain_greedy(default_model):
-    """Acceptance: at ~2k tokens and 16 new tokens the oracle costs at most 1.2x plain greedy generation.
-
-    Compared in process CPU time on one thread, best of three interleaved runs: wall time
-    on a CPU shared with other jobs swings by more than the difference being measured, and
-    with several threads idle spinning inflates CPU time by a varying amount.
-    """
-    model, tokenizer = default_model
-    runner = Runner(model)
-    prompt, _, _ = passkey_prompt(tokenizer, "68247", 80, 0.5)
-    assert 1800 <= prompt.num_tokens <= 2200
-    greedy_seconds, oracle_seconds = [], []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(3):
-            start = time.process_time()
-            runner.generate(prompt.input_ids, 16)
-            greedy_seconds.append(time.process_time() - start)
-            start = time.process_time()
-            answer_informed_oracle(runner, prompt.input_ids, tokenizer=tokenizer, max_new_tokens=16)
-            oracle_seconds.append(time.process_time() - start)
-    finally:
-        torch.set_num_threads(threads)
-    ratio = min(oracle_seconds) / min(greedy_seconds)
-    assert ratio <= 1.2, f"oracle {oracle_seconds} vs greedy {greedy_seconds} CPU seconds"
