@@ -1,24 +1,23 @@
 """Honest wall-clock time and peak memory on CPU and CUDA.
 
-CUDA: events around the work with synchronisation, and the allocator's peak.
-CPU: ``perf_counter``, and the process's peak resident set size (Linux ``VmHWM``),
-reset before the work by writing 5 to ``/proc/self/clear_refs``; the figure is the
-peak above the resident size at the start, so it counts what the work itself needed.
-Where the kernel does not allow the reset, peak memory is reported as None.
+Time: CUDA events around the work with synchronisation; on CPU ``perf_counter``.
+Peak memory: on CUDA the allocator's peak above what was allocated before. On CPU the
+process's resident size is no measure (glibc keeps freed blocks, so two runs with the
+same tensor footprint differ by 1.8x), so ``TensorMemoryTracker`` adds up the storage
+bytes every operator creates and subtracts them when freed. It costs a Python call per
+operator: use it in an untimed run.
 """
 
 from __future__ import annotations
 
-import re
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def synchronize(device: torch.device) -> None:
@@ -26,27 +25,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", _STATUS.read_text()).group(1))
-
-
-def _reset_cpu_peak() -> bool:
-    try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 @dataclass
 class Measurement:
     seconds: float = 0.0
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # CUDA only; on CPU use TensorMemoryTracker
 
 
 @contextmanager
 def measure(device: torch.device):
-    """Time and peak extra memory of the block: ``with measure(dev) as m: ...; m.seconds, m.peak_bytes``."""
+    """Time (and on CUDA peak extra memory) of the block: ``with measure(dev) as m: ...; m.seconds``."""
     result = Measurement()
     synchronize(device)
     if device.type == "cuda":
@@ -60,10 +47,40 @@ def measure(device: torch.device):
         result.seconds = start.elapsed_time(end) / 1000
         result.peak_bytes = torch.cuda.max_memory_allocated(device) - baseline
         return
-    tracked = _STATUS.exists() and _reset_cpu_peak()
-    baseline = _status_kib("VmRSS") if tracked else 0
     started = time.perf_counter()
     yield result
     result.seconds = time.perf_counter() - started
-    if tracked:
-        result.peak_bytes = (_status_kib("VmHWM") - baseline) * 1024
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created by operators while active (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor.untyped_storage(), inputs)
+        return out
+
+    def _track(self, storage, inputs: set[int]) -> None:
+        key = storage.data_ptr()
+        if key == 0 or key in inputs or key in self._storages:  # empty, a view / in-place result, or known
+            return
+        size = storage.nbytes()
+        self._storages.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._storages.discard(key)
+        self.live -= size

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
-from rankkit.measure import measure
+from rankkit.measure import TensorMemoryTracker, measure
 from rankkit.runner import Runner
 
 ORACLE_NEW_TOKENS = 16
@@ -111,8 +111,6 @@ def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: 
     is no measure here, since glibc keeps freed blocks and fragments differently for two
     runs with the same tensor footprint.
     """
-    from rankkit.methods.measure import TensorMemoryTracker
-
     loaded = models.load(model_spec, device=device)
     with torch.inference_mode():
         run = getattr(_sides(scenario, loaded, length), side)

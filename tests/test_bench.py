@@ -11,8 +11,9 @@ from conftest import tiny_model
 
 from rankkit.bench import BenchSettings, run_bench, summary
 from rankkit.data import Example
+from rankkit.measure import TensorMemoryTracker
 from rankkit.methods import Budget, Pass, make
-from rankkit.methods.measure import CostModel, TensorMemoryTracker
+from rankkit.methods.measure import CostModel
 from rankkit.prompting import Prompt
 from rankkit.runner import Runner
 

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from rankkit.measure import TensorMemoryTracker
 from rankkit.methods.base import Budget, Method, MethodPrefill, Pass
 from rankkit.runner import Runner
 
@@ -60,40 +58,6 @@ class Timeline:
         if self.cuda:
             return self.marks[start].elapsed_time(self.marks[end]) / 1000.0
         return self.marks[end] - self.marks[start]
-
-
-class TensorMemoryTracker(TorchDispatchMode):
-    """Live and peak bytes of the tensor storages created by operators while active (see module docstring)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage(), inputs)
-        return out
-
-    def _track(self, storage, inputs: set[int]) -> None:
-        key = storage.data_ptr()
-        if key == 0 or key in inputs or key in self._storages:  # empty, a view / in-place result, or known
-            return
-        size = storage.nbytes()
-        self._storages.add(key)
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, size)
-
-    def _free(self, key: int, size: int) -> None:
-        self._storages.discard(key)
-        self.live -= size
 
 
 @dataclass
