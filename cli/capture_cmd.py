@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -95,7 +96,7 @@ def capture(
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
     progress, advance = _progress_bar(limit, "capture")
-    with progress if rank == 0 else _Quiet():
+    with progress if rank == 0 else nullcontext():
         summary = run_capture(
             model=model,
             data=data,
@@ -137,11 +138,3 @@ def oracle(
             progress=advance,
         )
     _print_summary(summary, as_json, f"oracle → {summary.out}")
-
-
-class _Quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
