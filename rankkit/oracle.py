@@ -179,12 +179,9 @@ def answer_informed_oracle(
         answer_tokens = tokenize_answer(tokenizer, reference_answer)
         teacher_force(runner, prefill, answer_tokens, [attention])
     else:
-        generated = greedy_continue(runner, prefill, max_new_tokens, [attention])
+        generated = greedy_continue(runner, prefill, max_new_tokens, [attention], feed_last=True)
         ended_with_eos = generated[-1] in runner.eos_ids()
         answer_tokens = generated[:-1] if ended_with_eos else generated
-        if not ended_with_eos:  # greedy_continue feeds back every token but its last
-            last_position = prefill.prompt_length + len(generated) - 1
-            runner.decode_step(generated[-1], last_position, prefill.cache, [attention])
         if not answer_tokens:
             raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
 

@@ -51,6 +51,12 @@ class LayerHook:
     def after_layer(self, layer: int, state: PrefillState) -> None:
         """Called during prefill after each decoder layer; may prune ``state`` or compress its cache."""
 
+    def after_decode_step(self, cache: KVCache, position: int) -> None:
+        """Called after each decode step, when every layer holds the KV of the token at ``position``.
+
+        May evict or move cache entries before the next step (SAGE-KV's rolling window).
+        """
+
 
 @dataclass
 class PrefillState:
@@ -276,17 +282,38 @@ class Runner:
         return Generation(tokens, prefill)
 
 
-def greedy_continue(runner: Runner, prefill: PrefillResult, max_new_tokens: int, hooks=()) -> list[int]:
-    """Greedy tokens after a prefill; stops at EOS (kept in the output) or after ``max_new_tokens``."""
+@torch.inference_mode()
+def greedy_continue(
+    runner: Runner,
+    prefill: PrefillResult,
+    max_new_tokens: int,
+    hooks=(),
+    *,
+    on_token=lambda token: None,
+    feed_last: bool = False,
+) -> list[int]:
+    """Greedy tokens after a prefill; stops at EOS (kept in the output) or after ``max_new_tokens``.
+
+    The one decode loop: every step runs ``hooks`` inside the layers, then their
+    ``after_decode_step``; ``on_token`` sees each token as soon as it is chosen (timing).
+    ``feed_last`` also feeds back the last token unless it is EOS, so hooks see the query
+    of every answer token (the oracle and SpecPrefill's lookahead score with it).
+    """
     eos = runner.eos_ids()
     tokens: list[int] = []
     logits = prefill.logits
     position = prefill.prompt_length
     while len(tokens) < max_new_tokens:
         token = int(torch.argmax(logits))
+        on_token(token)
         tokens.append(token)
-        if token in eos or len(tokens) == max_new_tokens:
-            break
+        last = token in eos or len(tokens) == max_new_tokens
+        if last and (token in eos or not feed_last):
+            return tokens
         logits = runner.decode_step(token, position, prefill.cache, hooks)
+        for hook in hooks:
+            hook.after_decode_step(prefill.cache, position)
         position += 1
+        if last:
+            break
     return tokens

@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.measure import run_once
-from rankkit.runner import LayerHook, Runner
+from rankkit.runner import LayerHook, Runner, greedy_continue
 
 PROMPT_LENGTH = 40
 
@@ -191,7 +191,32 @@ def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids, self_
     assert run.kept_positions[-1] == 39 and run.live_tokens == [10, 10, 10]
 
 
-def test_sage_kv_keeps_sinks_recent_and_the_best_candidates_per_head():
+class QueryKeyRecorder(LayerHook):
+    def __init__(self):
+        self.prefill = {}
+
+    def on_attention(self, call):
+        if call.phase == "prefill":
+            self.prefill[call.layer] = (call.query[0].float().clone(), call.key[0].float().clone(), call.scaling)
+
+
+def _sage_reference(query, key, scaling, split):
+    """SAGE-KV Steps 1-3 written out: per query head h, the top-k of E by the last token's softmax attention."""
+    q_heads, kv_heads, length = query.shape[0], key.shape[0], key.shape[1]
+    group = q_heads // kv_heads
+    evicted = list(range(split.sinks, length - split.recent))
+    kept = []
+    for g in range(kv_heads):
+        chosen = set(range(split.sinks)) | set(range(length - split.recent, length))
+        for h in range(g * group, (g + 1) * group):
+            attention = torch.softmax(key[g] @ query[h, -1] * scaling, dim=0)
+            ranked = sorted(evicted, key=lambda i: -float(attention[i]))
+            chosen |= set(ranked[: split.per_query_head])
+        kept.append(sorted(chosen))
+    return kept
+
+
+def test_sage_kv_keeps_the_union_of_each_query_heads_top_k_and_rolls_the_recent_window():
     from rankkit.methods.sage_kv import sage_split
 
     split = sage_split(8192, 4)  # Appendix A.2, Llama: sink 2048, k 1024, recent 2048
@@ -199,12 +224,25 @@ def test_sage_kv_keeps_sinks_recent_and_the_best_candidates_per_head():
     assert sage_split(8192, 7).recent == 8192 - 2048 - 7 * 585
     runner = _tiny()
     ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(3))
-    run = make("sage-kv").prefill(runner, ids, Budget.from_tokens(16))  # sinks 4, G*k 8, recent 4
+    recorder = QueryKeyRecorder()
+    runner.prefill(ids, hooks=[recorder])
+    split = sage_split(16, 2)  # sinks 4, k 4 per query head, recent 4 (the last token included)
+    run = make("sage-kv").prefill(runner, ids, Budget.from_tokens(16))
+    cache = run.result.cache
+    expected = {layer: _sage_reference(*recorder.prefill[layer], split) for layer in range(3)}
     for layer in range(3):
-        positions = run.result.cache.positions[layer]
-        assert positions.shape == (2, 16)
-        assert positions[:, :4].tolist() == [[0, 1, 2, 3]] * 2
-        assert positions[:, -4:].tolist() == [[60, 61, 62, 63]] * 2
+        kept = [sorted(p for p in head.tolist() if p >= 0) for head in cache.positions[layer]]
+        assert kept == expected[layer]
+
+    sizes = [cache.kept_tokens(layer).tolist() for layer in range(3)]
+    tokens = greedy_continue(runner, run.result, 6, run.decode_hooks)
+    assert len(tokens) == 6
+    for layer in range(3):  # Step 4: constant size, sinks and selected kept, the window rolled on
+        assert cache.kept_tokens(layer).tolist() == sizes[layer]
+        for head, wanted in zip(cache.positions[layer], expected[layer], strict=True):
+            kept = sorted(p for p in head.tolist() if p >= 0)
+            rolled = [p for p in wanted if p < 64 - split.recent] + list(range(69 - split.recent, 69))
+            assert kept == rolled
 
 
 def test_lava_head_budgets_sum_to_layer_budgets_which_sum_to_the_total(random_ids):

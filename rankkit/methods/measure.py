@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from rankkit.measure import TensorMemoryTracker
-from rankkit.methods.base import Budget, Method, MethodPrefill, Pass
-from rankkit.runner import Runner
+from rankkit.methods.base import Budget, Method, Pass
+from rankkit.runner import Runner, greedy_continue
 
 
 class Timeline:
@@ -81,25 +81,6 @@ class MethodRun:
     kept_positions: list[int] | None = None
 
 
-def _greedy_decode(runner: Runner, run: MethodPrefill, max_new_tokens: int, timeline: Timeline) -> list[int]:
-    """Greedy tokens after a method's prefill, one timeline mark per chosen token (EOS kept, as the runner does)."""
-    eos = runner.eos_ids()
-    result = run.result
-    logits, position, tokens = result.logits, result.prompt_length, []
-    while True:
-        token = int(torch.argmax(logits))
-        timeline.mark()
-        tokens.append(token)
-        if token in eos or len(tokens) == max_new_tokens:
-            return tokens
-        logits = runner.decode_step(token, position, result.cache, run.decode_hooks)
-        for hook in run.decode_hooks:
-            after_step = getattr(hook, "after_step", None)
-            if after_step is not None:
-                after_step(result.cache)
-        position += 1
-
-
 def run_once(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, max_new_tokens: int
 ) -> MethodRun:
@@ -118,7 +99,9 @@ def run_once(
         kv_tokens = [
             float(run.result.cache.kept_tokens(layer).float().mean()) for layer in range(runner.num_layers)
         ]
-        tokens = _greedy_decode(runner, run, max_new_tokens, timeline)
+        tokens = greedy_continue(
+            runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
+        )
     timeline.finish()
     steps = len(tokens) - 1
     ttft = timeline.seconds(0, 1)

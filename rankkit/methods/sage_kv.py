@@ -1,16 +1,22 @@
-"""SAGE-KV (paper 003, Sec. 2 Steps 1-3, Appendix A.2), KV-only after a full prefill.
+"""SAGE-KV (SAGE-KV Sec. 2 Steps 1-4, Appendix A.2), KV-only after a full prefill.
 
-Probe ``last_token_heads`` (the last prompt token's softmax attention, max over the
-query heads of each KV group) x no selection layer x KV-only mode: every layer's cache
-is cut into sink tokens, evicted candidates, recent tokens and the last token; per KV
-head the candidates with the highest scores are kept (Step 2) and concatenated with the
-sinks, the recent tokens and the last token (Step 3).
+Step 1 cuts every layer's cache into sink tokens S, evicted candidates E, recent
+tokens R and the last token. Step 2: each query head h takes the top-k of E by the
+last prompt token's softmax attention (its own head, not a group summary); a KV head
+keeps the union of its G query heads' top-k, so KV heads keep different numbers of
+tokens (the cache pads them). Step 3: the reduced cache is S + union + R + last token.
+Compressing after each layer's attention equals compressing after the prefill: a
+prefill never reads an earlier layer's cache.
+
+Step 4: during decoding each new token's KV joins the recent window and the oldest
+entry of the window is evicted, so the cache size stays constant. The new entry is
+written into the evicted entry's slot (entry order is free: masks come from positions),
+so a step costs no cache copy.
 
 Budget split for a budget of B tokens (Appendix A.2): sink window B/4; k = B/(2G) per
-query head with G query heads per KV head, so G*k = B/2 candidates per KV head (the
-group max stands for the union of the heads' top-k); the recent window takes the rest
-(B - B/4 - G*k - 1) and the last token 1. Compressing after each layer's attention is
-the same as compressing after the prefill: a prefill never reads an earlier layer's cache.
+query head with G query heads per KV head; the recent window takes the rest
+(B - B/4 - G*k, the last token included). A budget that covers the prompt keeps every
+token, in decoding too.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import Method, make_probe, register
-from rankkit.methods.selection import NeverSelect, SelectionHook, one_pass
+import torch
+
+from rankkit.cache import KVCache
+from rankkit.methods.base import Method, full_prefill, register
+from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
 @dataclass
@@ -35,6 +44,62 @@ def sage_split(budget: int, group_size: int) -> SageSplit:
     return SageSplit(sinks, per_query_head, max(1, budget - sinks - group_size * per_query_head))
 
 
+def union_of_head_top_k(attention: torch.Tensor, split: SageSplit) -> list[torch.Tensor]:
+    """Step 2-3: per KV head, the kept entry indices (sinks, union of its query heads' top-k of E, recent).
+
+    ``attention`` is the last token's attention per query head, [kv_heads, group, S].
+    """
+    length = attention.shape[-1]
+    evicted = attention[..., split.sinks : length - split.recent]
+    k = min(split.per_query_head, evicted.shape[-1])
+    top = torch.topk(evicted, k, dim=-1).indices + split.sinks  # [kv_heads, group, k]
+    always = torch.cat(
+        [torch.arange(split.sinks), torch.arange(length - split.recent, length)]
+    ).to(attention.device)
+    return [torch.unique(torch.cat([always, head_top.flatten()])) for head_top in top]
+
+
+class SageKVHook(LayerHook):
+    """Steps 1-3 on every layer's cache during prefill, Step 4 after every decode step."""
+
+    def __init__(self, split: SageSplit):
+        self.split = split
+        self.kept: list[torch.Tensor] | None = None
+
+    def on_attention(self, call: AttentionCall) -> None:
+        if call.phase != "prefill":
+            return
+        from rankkit.probes.attention import window_attention  # probes load late, as in make_probe
+
+        self.kept = union_of_head_top_k(window_attention(call, 1), self.split)
+
+    def after_layer(self, layer: int, state: PrefillState) -> None:
+        kept, self.kept = self.kept, None
+        state.cache.compress(layer, kept)
+
+    def after_decode_step(self, cache: KVCache, position: int) -> None:
+        evicted_position = position - self.split.recent
+        for layer in range(cache.num_layers):
+            roll_recent_window(cache, layer, evicted_position)
+
+
+def roll_recent_window(cache: KVCache, layer: int, evicted_position: int) -> None:
+    """Step 4 on one layer: the newest entry (the last) takes the slot of ``evicted_position``.
+
+    Every KV head holds the recent window, so every head has that entry.
+    """
+    positions = cache.positions[layer]
+    slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
+    heads = torch.arange(positions.shape[0], device=positions.device)
+    for tensor in (cache.keys[layer], cache.values[layer]):
+        tensor[0, heads, slot] = tensor[0, :, -1]
+    positions[heads, slot] = positions[:, -1]
+    # a view of the same storage: the next append writes the new token where the old last entry was
+    cache.keys[layer] = cache.keys[layer][:, :, :-1]
+    cache.values[layer] = cache.values[layer][:, :, :-1]
+    cache.positions[layer] = positions[:, :-1]
+
+
 @register
 @dataclass
 class SageKV(Method):
@@ -43,14 +108,11 @@ class SageKV(Method):
     def prefill(self, runner, input_ids, budget):
         config = runner.config
         group_size = config.num_attention_heads // config.num_key_value_heads
-        keep = budget.resolve(int(input_ids.numel()), always_kept=2)
-        split = sage_split(keep, group_size)
-        hook = SelectionHook(
-            make_probe("last_token_heads"),
-            NeverSelect(),
-            keep,
-            window=split.recent,
-            sinks=split.sinks,
-            compress_from=0,
-        )
-        return one_pass(runner, input_ids, hook)
+        length = int(input_ids.numel())
+        keep = budget.resolve(length, always_kept=2)
+        if keep >= length:
+            return full_prefill(runner, input_ids)
+        hook = SageKVHook(sage_split(keep, group_size))
+        run = full_prefill(runner, input_ids, hooks=[hook])
+        run.decode_hooks = [hook]
+        return run

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from rankkit.errors import RankkitError
 from rankkit.methods.base import Method, Pass, register, reprefill_selected
 from rankkit.methods.selection import forced_mask, top_k_with_forced
 from rankkit.oracle import AnswerAttention, average_pool
@@ -55,10 +56,11 @@ def lookahead_scores(
     length = int(input_ids.numel())
     attention = AnswerAttention(draft.num_layers, length)
     prefill = draft.prefill(input_ids)
-    generated = greedy_continue(draft, prefill, lookahead, [attention])
-    # greedy_continue feeds back every token but the last; the last one's query counts too (Listing 3)
-    draft.decode_step(generated[-1], length + len(generated) - 1, prefill.cache, [attention])
-    steps = len(generated)
+    # the last token's query counts too (Listing 3 feeds back every ``next_token``)
+    generated = greedy_continue(draft, prefill, lookahead, [attention], feed_last=True)
+    steps = len(generated) - int(generated[-1] in draft.eos_ids())  # an ending EOS is not fed back
+    if steps == 0:
+        raise RankkitError("the draft answered with EOS at once: no lookahead query to score with")
     passes = [
         Pass.prefill("draft", prefill.live_tokens),
         Pass(
