@@ -27,6 +27,7 @@ class KVCache:
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._ready: dict[int, torch.cuda.Event] = {}
 
     @property
     def num_layers(self) -> int:
@@ -36,7 +37,14 @@ class KVCache:
         """Positions [n] of the tokens whose keys the next ``update`` calls bring."""
         self._incoming = positions
 
+    def wait_before_update(self, layer: int, event: torch.cuda.Event) -> None:
+        """Make the next ``update`` of ``layer`` wait for ``event`` (entries written on a side stream)."""
+        self._ready[layer] = event
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        ready = self._ready.pop(layer_idx, None)
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
         new_positions = self._incoming.expand(key.shape[1], -1)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:

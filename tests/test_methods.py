@@ -197,7 +197,11 @@ class QueryKeyRecorder(LayerHook):
 
     def on_attention(self, call):
         if call.phase == "prefill":
-            self.prefill[call.layer] = (call.query[0].float().clone(), call.key[0].float().clone(), call.scaling)
+            self.prefill[call.layer] = (
+                call.query[0].float().clone(),
+                call.key[0].float().clone(),
+                call.scaling,
+            )
 
 
 def _sage_reference(query, key, scaling, split):
@@ -320,33 +324,117 @@ def test_swap_threshold_gamma_decides_whether_blocks_move():
     assert swap.swap({1, 2}).swapped  # overlap 0
 
 
-def test_sliminfer_prunes_blocks_progressively_and_offloads_them(random_ids):
+class SlimRecorder(LayerHook):
+    """Queries and keys at the pruning layers, and after every decode step each governed layer's active blocks."""
+
+    def __init__(self, slim):
+        self.slim = slim
+        self.prefill, self.decode, self.active = {}, {0: [], 1: []}, []
+
+    def on_attention(self, call):
+        if call.layer in (0, 1):
+            record = (
+                call.query[0].float().clone(),
+                call.key[0].float().clone(),
+                call.key_positions[0].clone(),
+            )
+            if call.phase == "prefill":
+                self.prefill[call.layer] = record
+            else:
+                self.decode[call.layer].append(record[0][:, -1])
+
+    def after_decode_step(self, cache, position):
+        self.active.append({layer: set(self.slim.schedule[layer].swaps[0].active) for layer in (0, 1)})
+
+
+def _slim_block_scores(query, key, positions, block_size=8, unit_size=2):
+    """SlimInfer Eq. 1-2 written out: r(B_j) = max_m (1/H) sum_h q^h . mean(keys of unit m of B_j)."""
+    q_heads, kv_heads = query.shape[0], key.shape[0]
+    scores = {}
+    for block in sorted({int(p) // block_size for p in positions}):
+        best = float("-inf")
+        for unit in range(block * block_size // unit_size, (block + 1) * block_size // unit_size):
+            members = [i for i, p in enumerate(positions.tolist()) if p // unit_size == unit]
+            if not members:
+                continue
+            total = 0.0
+            for h in range(q_heads):
+                k_rep = key[h // (q_heads // kv_heads), members].mean(dim=0)
+                total += float(query[h] @ k_rep)
+            best = max(best, total / q_heads)
+        scores[block] = best
+    return scores
+
+
+def _slim_candidate(scores, count):
+    others = sorted((b for b in scores if b != min(scores)), key=lambda b: -scores[b])
+    return {min(scores), *others[: count - 1]}
+
+
+def test_sliminfer_prunes_after_attention_and_swaps_in_the_same_step_as_the_papers_eq_1_2_and_alg_1():
+    from rankkit.methods.sliminfer import ffn_on_kept_tokens
+
     runner = _tiny()
     ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
     method = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2)
-    run = method.prefill(runner, ids, Budget.from_tokens(16))
-    assert run.live_tokens == [64, 32, 16]
-    hook = run.decode_hooks[0]
-    for layer, device_blocks in ((0, 4), (1, 2)):
-        positions = run.result.cache.positions[layer][0]
-        blocks = set((positions // 8).tolist())
-        assert len(blocks) == device_blocks and {0, 7} <= blocks and positions.numel() == 8 * device_blocks
-        assert blocks.isdisjoint(hook.schedule[layer].swap.host)
-    assert run.result.cache.positions[2][0].tolist() == run.result.cache.positions[1][0].tolist()
-    assert hook.host_bytes() > 0
-    pools = {
-        layer: hook.schedule[layer].swap.blocks_on_device() | set(hook.schedule[layer].swap.host)
-        for layer in (0, 1)
-    }
-    token = int(run.result.logits.argmax())
-    for step in range(5):  # decoding re-scores the blocks and swaps them without losing one
-        token = int(runner.decode_step(token, 64 + step, run.result.cache, run.decode_hooks).argmax())
-        hook.after_step(run.result.cache)
-    assert len(hook.decisions) == 2 * 5
-    for layer in (0, 1):
-        swap = hook.schedule[layer].swap
-        assert swap.blocks_on_device() | set(swap.host) == pools[layer]
-        assert len(swap.blocks_on_device()) == (4, 2)[layer]
+    slim = method.hook(3, 64, 16)  # layer 0 keeps 4 blocks, layer 1 keeps 2
+    recorder = SlimRecorder(slim)
+    ffn_rows = []
+    with ffn_on_kept_tokens(runner, slim):  # registered after its hooks, the recorder sees what the FFN gets
+        mlp = runner.body.layers[0].mlp.register_forward_pre_hook(
+            lambda m, args: ffn_rows.append(args[0].shape[1])
+        )
+        prefill = runner.prefill(ids, hooks=[recorder, slim])
+    mlp.remove()
+
+    live, active = torch.arange(64), {}
+    for layer, count in ((0, 4), (1, 2)):
+        query, key, positions = recorder.prefill[layer]
+        assert torch.equal(positions, live)
+        active[layer] = _slim_candidate(_slim_block_scores(query[:, -2:].mean(dim=1), key, positions), count)
+        live = torch.tensor([p for p in live.tolist() if p // 8 in active[layer] or p >= 62])
+        assert prefill.live_tokens[layer + 1] == live.numel()  # the query window (62, 63) stays live
+        kept = prefill.cache.positions[layer + 1][0]
+        assert sorted(kept.tolist()) == [p for p in live.tolist() if p // 8 in active[layer]]
+    assert 0 in (prefill.cache.positions[2][0] // 8).tolist()  # the first block, always
+    assert ffn_rows == [prefill.live_tokens[1]]  # the pruning layer's FFN ran on the kept tokens only
+    assert prefill.cache.positions[0].shape[1] == 64  # its attention saw them all, its cache keeps them
+
+    # decoding through Runner.generate: each step's candidate drives that same step's swap
+    pools = {layer: slim.schedule[layer].swaps[0].pool() for layer in (0, 1)}
+    unit_keys = {layer: recorder.prefill[layer] for layer in (0, 1)}
+    greedy_continue(runner, prefill, 7, [recorder, slim])
+    assert len(recorder.active) == 6
+    for step, after in enumerate(recorder.active):
+        for layer, count in ((0, 4), (1, 2)):
+            window = torch.stack(recorder.decode[layer][max(0, step - 1) : step + 1]).mean(dim=0)
+            _, key, positions = unit_keys[layer]
+            scores = _slim_block_scores(window, key, positions)
+            chosen = _slim_candidate({b: v for b, v in scores.items() if b in pools[layer]}, count)
+            chosen &= pools[layer]
+            if len(chosen & active[layer]) / len(chosen) < 0.9:  # Alg. 1
+                active[layer] = chosen
+            assert after[layer] == active[layer]
+    assert any(decision.swapped for decision in slim.decisions)
+    for layer in (1, 2):  # no block lost between the tiers
+        swap = slim.governor[layer].swaps[0]
+        assert swap.pool() == pools[layer - 1]
+        assert (
+            set((prefill.cache.positions[layer][0][prefill.cache.positions[layer][0] < 64] // 8).tolist())
+            == swap.active
+        )
+
+
+def test_runner_generate_runs_the_decode_hooks_per_step_hook():
+    runner = _tiny()
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
+    slim = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2).hook(3, 64, 16)
+    steps = PositionRecorder()
+    steps.after_decode_step = lambda cache, position: steps.calls.append(position)
+    runner.generate(ids, 5, hooks=[slim], decode_hooks=[slim, steps])
+    assert len(slim.decisions) == 2 * 4  # two governed layers, four decode steps
+    assert any(decision.swapped for decision in slim.decisions)
+    assert [c for c in steps.calls if isinstance(c, int)] == [64, 65, 66, 67]
 
 
 @pytest.fixture(scope="module")

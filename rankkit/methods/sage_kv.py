@@ -53,9 +53,9 @@ def union_of_head_top_k(attention: torch.Tensor, split: SageSplit) -> list[torch
     evicted = attention[..., split.sinks : length - split.recent]
     k = min(split.per_query_head, evicted.shape[-1])
     top = torch.topk(evicted, k, dim=-1).indices + split.sinks  # [kv_heads, group, k]
-    always = torch.cat(
-        [torch.arange(split.sinks), torch.arange(length - split.recent, length)]
-    ).to(attention.device)
+    always = torch.cat([torch.arange(split.sinks), torch.arange(length - split.recent, length)]).to(
+        attention.device
+    )
     return [torch.unique(torch.cat([always, head_top.flatten()])) for head_top in top]
 
 

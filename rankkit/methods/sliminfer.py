@@ -1,23 +1,27 @@
-"""SlimInfer (paper 002, Sec. 4, Eq. 1-2, Algorithm 1): progressive block pruning with KV swapping.
+"""SlimInfer (SlimInfer Sec. 4, Eq. 1-2, Alg. 1): progressive block pruning with KV swapping.
 
-Probe ``token_units`` (Eq. 1-2: a block's score is the best of its token units' mean
-keys against the mean of the last w queries, averaged over heads) x a layer schedule
-x progressive one-pass block pruning:
+Prefill. The prompt is cut into blocks of ``block_size`` original positions, each block
+into token units of ``unit_size``. Right after a pruning layer's attention, every block
+still live is scored by Eq. 1-2 (the unit keys' dot product with the mean of the last w
+queries, averaged over the query heads, maximised over the block's units); the first
+block (an attention sink) and the best other blocks, ``keep_tokens`` worth in all, stay
+live, and the layer's FFN and every later layer see only them. Budgets follow the
+paper's 8k/4k/2k schedule: the last pruning layer keeps the budget, the ones before 2x
+and 4x it. The last w prompt tokens also stay live, whatever their block: they are the
+query window of the next pruning layer and give the first token's logits.
 
-- prompt tokens form blocks of ``block_size`` original positions; the layers before the
-  first pruning layer keep every block (preserve layers);
-- after the attention of each pruning layer l_s the hidden states keep only the
-  ``keep_s`` tokens' worth of best blocks (the first block, an attention sink, always;
-  and the block holding the prompt's last tokens, which must produce the logits) and
-  every later layer sees only those. Budgets follow the paper's 8k/4k/2k schedule: the
-  last pruning layer keeps the budget, the ones before 2x and 4x it;
-- the KV of the blocks a pruning layer drops is not discarded but moved to the host
-  tier of that layer's ``BlockSwap`` (Sec. 4.3);
-- during decoding, every step re-scores the blocks of each pruning layer (both tiers)
-  with the mean of the last w decode queries (Eq. 2 on the token-unit keys kept from
-  the prefill) and hands the top blocks to Algorithm 1, which swaps them in only when
-  their overlap with the active set falls below γ. The swap happens between steps, so
-  a decision made at step t is used from step t+1 (the prefetch of Sec. 3.2).
+transformers runs a decoder layer's attention and FFN in one forward, so the pruning
+layer's FFN is handed only the kept tokens through a pre/post hook pair on its MLP
+module; the survivors' values are those of pruning between attention and FFN.
+
+Decoding. The layers after pruning layer l up to the next one hold the blocks l kept
+(their KV never existed for the others); B_active starts as l's prefill choice, the query
+window's tokens outside it wait on the host. At every step, right after l's attention, l
+scores the blocks it holds (Eq. 2 with the mean of the last w decode queries over the
+unit keys kept from its prefill), picks the first block and the best others, and
+Alg. 1 runs on the cache of every layer it governs with that candidate restricted to
+the blocks the layer holds, before those layers attend in the same step. On CUDA the
+copies overlap the compute in between (``BlockSwap``).
 
 Defaults are the paper's (Sec. 5): blocks of 64, units of 8, γ = 0.9, a query window of
 4, pruning at layers 10, 20, 30 of 32 (scaled to the model's depth).
@@ -27,14 +31,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, full_prefill, make_probe, register, scale_layer
+from rankkit.methods.base import Method, full_prefill, register, scale_layer
 from rankkit.methods.swap import BlockSwap, SwapDecision
-from rankkit.probes.token_units import _unit_means
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 REFERENCE_PRUNING_LAYERS = (10, 20, 30)  # Llama-3.1-8B
@@ -45,103 +49,150 @@ def budget_multiples(count: int) -> list[int]:
     return [2 ** (count - 1 - index) for index in range(count)]
 
 
+def unit_keys(
+    keys: torch.Tensor, positions: torch.Tensor, unit_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 1: the mean key of every token unit present, [kv_heads, units, d], and each unit's id [units].
+
+    Units are runs of ``unit_size`` original positions, so they stay whole after pruning.
+    """
+    ids, unit_of_key = torch.unique(positions // unit_size, return_inverse=True)
+    sums = keys.new_zeros(keys.shape[0], ids.numel(), keys.shape[-1]).index_add_(1, unit_of_key, keys)
+    counts = torch.bincount(unit_of_key, minlength=ids.numel()).to(keys.dtype)
+    return sums / counts[None, :, None], ids
+
+
+def block_scores(
+    query: torch.Tensor, means: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
+) -> dict[int, float]:
+    """Eq. 2 for every block with a unit: max over its units of the head-mean dot product.
+
+    ``query`` is q_l, the mean of the window queries per query head [q_heads, d].
+    """
+    kv_heads = means.shape[0]
+    grouped = query.view(kv_heads, -1, query.shape[-1])  # query head h reads KV head h // group
+    per_unit = torch.einsum("gqd,gud->u", grouped, means) / query.shape[0]
+    blocks = unit_ids * unit_size // block_size
+    best = torch.full((int(blocks.max()) + 1,), float("-inf"), device=per_unit.device)
+    best = best.scatter_reduce(0, blocks, per_unit, reduce="amax")
+    return {int(block): float(best[block]) for block in torch.unique(blocks)}
+
+
+def candidate(scores: dict[int, float], count: int) -> set[int]:
+    """The first block and the ``count - 1`` best others (Sec. 4.2)."""
+    first = min(scores)
+    others = sorted((block for block in scores if block != first), key=scores.get, reverse=True)
+    return {first, *others[: count - 1]}
+
+
 @dataclass
 class PruningLayer:
-    """One pruning layer's state: the block scores' inputs and its swap manager."""
+    """One pruning layer: its budget, the unit keys it scores with, the caches it governs in decoding."""
 
     layer: int
     keep_tokens: int
-    unit_keys: torch.Tensor | None = None  # [kv_heads, units, head_dim], Eq. 1, every block with KV here
-    unit_blocks: torch.Tensor | None = None  # [units] block id of each unit
-    swap: BlockSwap | None = None
+    governed: list[int]  # the following layers up to the next pruning layer
+    unit_means: torch.Tensor | None = None  # [kv_heads, units, d], Eq. 1 over every block it holds
+    unit_ids: torch.Tensor | None = None
+    chosen: set[int] = field(default_factory=set)  # B_active after the prefill
+    swaps: list[BlockSwap] = field(default_factory=list)
     recent_queries: deque | None = None
-    candidate: set[int] | None = None
 
 
 class SlimInferHook(LayerHook):
     """Block pruning during prefill, block scoring and swapping during decoding (see the module docstring)."""
 
-    def __init__(self, probe, schedule: list[PruningLayer], *, block_size: int, gamma: float, window: int):
-        self.probe = probe
+    def __init__(
+        self, schedule: list[PruningLayer], *, block_size: int, unit_size: int, gamma: float, window: int
+    ):
         self.schedule = {entry.layer: entry for entry in schedule}
+        self.governor = {layer: entry for entry in schedule for layer in entry.governed}
         self.block_size = block_size
+        self.unit_size = unit_size
         self.gamma = gamma
         self.window = window
-        self.scores: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None  # indices of the live tokens the current pruning layer keeps
+        self.live = 0
         self.decisions: list[SwapDecision] = []
+
+    def _scores(self, entry: PruningLayer, queries: torch.Tensor) -> dict[int, float]:
+        return block_scores(queries, entry.unit_means, entry.unit_ids, self.unit_size, self.block_size)
+
+    def _count(self, entry: PruningLayer) -> int:
+        return max(1, math.ceil(entry.keep_tokens / self.block_size))
 
     def on_attention(self, call: AttentionCall) -> None:
         entry = self.schedule.get(call.layer)
         if entry is None:
             return
         if call.phase == "prefill":
-            self.scores = self.probe.score(call)
-            unit = self.probe.unit_size
-            entry.unit_keys = _unit_means(call.key[0].float(), unit)
-            entry.unit_blocks = call.key_positions[0, ::unit] // self.block_size
-            entry.recent_queries = deque(maxlen=self.window)
-        elif entry.swap is not None:
-            entry.recent_queries.append(call.query[0, :, -1:].float())
-            entry.candidate = self._candidate(entry, self._decode_block_scores(entry))
+            self._prune(entry, call)
+        elif entry.swaps:
+            entry.recent_queries.append(call.query[0, :, -1].float())
+            self._fetch(entry, torch.stack(list(entry.recent_queries)).mean(dim=0))
 
-    def _decode_block_scores(self, entry: PruningLayer) -> dict[int, float]:
-        """Eq. 2 for every block with KV at this layer, from the recent decode queries."""
-        queries = torch.cat(list(entry.recent_queries), dim=1).mean(dim=1)  # [q_heads, d]
-        kv_heads = entry.unit_keys.shape[0]
-        per_unit = torch.einsum("gqd,gud->u", queries.view(kv_heads, -1, queries.shape[-1]), entry.unit_keys)
-        per_unit = per_unit / queries.shape[0]
-        blocks = entry.unit_blocks.to(per_unit.device)
-        best = torch.full((int(blocks.max()) + 1,), float("-inf"), device=per_unit.device)
-        best = best.scatter_reduce(0, blocks, per_unit, reduce="amax")
-        return {int(block): float(best[block]) for block in torch.unique(blocks)}
+    def _prune(self, entry: PruningLayer, call: AttentionCall) -> None:
+        positions = call.key_positions[0]
+        entry.unit_means, entry.unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
+        entry.recent_queries = deque(maxlen=self.window)
+        window = call.query[0, :, -self.window :].float().mean(dim=1)
+        chosen = entry.chosen = candidate(self._scores(entry, window), self._count(entry))
+        live_blocks = call.query_positions // self.block_size
+        kept = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
+        kept[-self.window :] = True
+        self.live = int(kept.numel())
+        self.keep = None if bool(kept.all()) else torch.nonzero(kept).flatten()
 
-    def _candidate(self, entry: PruningLayer, block_scores: dict[int, float]) -> set[int]:
-        """The first and last blocks plus the best others, ``keep_tokens`` worth of blocks in all."""
-        first, last = min(block_scores), max(block_scores)
-        count = max(2, math.ceil(entry.keep_tokens / self.block_size))
-        others = sorted(
-            (b for b in block_scores if b not in (first, last)), key=block_scores.get, reverse=True
-        )
-        return {first, last, *others[: count - 2]}
+    def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
+        """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
+        pool = entry.swaps[0].pool()
+        scores = {block: score for block, score in self._scores(entry, query).items() if block in pool}
+        chosen = candidate(scores, self._count(entry))
+        for swap in entry.swaps:
+            self.decisions.append(swap.swap(chosen & swap.pool()))
+
+    def ffn_input(self, module, args):
+        return None if self.keep is None else (args[0][:, self.keep], *args[1:])
+
+    def ffn_output(self, module, args, output):
+        if self.keep is None:
+            return None
+        full = output.new_zeros(output.shape[0], self.live, output.shape[-1])
+        full[:, self.keep] = output  # the dropped tokens' rows are discarded by ``after_layer``
+        return full
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
-        entry = self.schedule.get(layer)
-        if entry is None:
-            return
-        scores, self.scores = self.scores, None
-        live_blocks = state.positions // self.block_size
-        block_scores = {
-            int(block): float(scores[0, int(index)]) for index, block in _first_of_each(live_blocks)
-        }
-        chosen = self._candidate(entry, block_scores)
-        if len(chosen) == len(block_scores):
-            return  # the budget covers every block: nothing to prune or offload
-        entry.swap = BlockSwap(
-            state.cache,
-            layer,
-            block_size=self.block_size,
-            prompt_length=state.prompt_length,
-            gamma=self.gamma,
-        )
-        entry.swap.offload_inactive(chosen)
-        keep = torch.nonzero(torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device)))
-        state.prune(keep.flatten())
-
-    def after_step(self, cache) -> None:
-        """Between decode steps: Algorithm 1 on every pruning layer with the candidates of the last step."""
-        for entry in self.schedule.values():
-            if entry.swap is not None and entry.candidate is not None:
-                self.decisions.append(entry.swap.swap(entry.candidate))
+        if layer in self.schedule and self.keep is not None:
+            keep, self.keep = self.keep, None
+            state.prune(keep)
+        governor = self.governor.get(layer)
+        if governor is not None:  # its prefill KV is final: decoding swaps its blocks from here
+            swap = BlockSwap(
+                state.cache,
+                layer,
+                block_size=self.block_size,
+                prompt_length=state.prompt_length,
+                gamma=self.gamma,
+            )
+            swap.offload_inactive(governor.chosen)  # the query window's own block waits on the host
+            governor.swaps.append(swap)
 
     def host_bytes(self) -> int:
-        return sum(entry.swap.host_bytes() for entry in self.schedule.values() if entry.swap is not None)
+        return sum(swap.host_bytes() for entry in self.schedule.values() for swap in entry.swaps)
 
 
-def _first_of_each(blocks: torch.Tensor):
-    """(index of the first live token, block id) for every block among the sorted live tokens."""
-    values, counts = torch.unique_consecutive(blocks, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    return zip(starts.tolist(), values.tolist(), strict=True)
+@contextmanager
+def ffn_on_kept_tokens(runner, hook: SlimInferHook):
+    """Route each pruning layer's FFN through ``hook`` for the duration of a prefill."""
+    handles = []
+    for layer in hook.schedule:
+        mlp = runner.body.layers[layer].mlp
+        handles += [mlp.register_forward_pre_hook(hook.ffn_input), mlp.register_forward_hook(hook.ffn_output)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @register
@@ -152,7 +203,7 @@ class SlimInfer(Method):
     block_size: int = 64
     unit_size: int = 8
     window_size: int = 4  # w, the query window
-    gamma: float = 0.9  # γ, Algorithm 1's swap threshold
+    gamma: float = 0.9  # γ, Alg. 1's swap threshold
 
     def layers(self, num_layers: int) -> list[int]:
         if self.pruning_layers is not None:
@@ -169,21 +220,26 @@ class SlimInfer(Method):
             "gamma": self.gamma,
         }
 
+    def hook(self, num_layers: int, prompt_length: int, keep: int) -> SlimInferHook:
+        """The hook that carries out SlimInfer for a prompt of ``prompt_length`` with a budget of ``keep``."""
+        layers = self.layers(num_layers)
+        ends = [*layers[1:], num_layers - 1]
+        schedule = [
+            PruningLayer(layer, min(prompt_length, keep * multiple), list(range(layer + 1, end + 1)))
+            for layer, end, multiple in zip(layers, ends, budget_multiples(len(layers)), strict=True)
+        ]
+        return SlimInferHook(
+            schedule,
+            block_size=self.block_size,
+            unit_size=self.unit_size,
+            gamma=self.gamma,
+            window=self.window_size,
+        )
+
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())
-        keep = budget.resolve(length, always_kept=2 * self.block_size)
-        layers = self.layers(runner.num_layers)
-        multiples = budget_multiples(len(layers))
-        schedule = [
-            PruningLayer(layer, min(length, keep * multiple))
-            for layer, multiple in zip(layers, multiples, strict=True)
-        ]
-        probe = make_probe(
-            "token_units", block_size=self.block_size, unit_size=self.unit_size, window_size=self.window_size
-        )
-        hook = SlimInferHook(
-            probe, schedule, block_size=self.block_size, gamma=self.gamma, window=self.window_size
-        )
-        run = full_prefill(runner, input_ids, hooks=[hook])
+        hook = self.hook(runner.num_layers, length, budget.resolve(length, always_kept=self.block_size))
+        with ffn_on_kept_tokens(runner, hook):
+            run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
         return run

@@ -1,4 +1,4 @@
-"""SlimInfer's overlap-aware KV swapping (paper 002, Sec. 4.3, Algorithm 1) for one layer's cache.
+"""SlimInfer's overlap-aware KV swapping (SlimInfer Sec. 4.3, Alg. 1) for one layer's cache.
 
 The layer's prompt tokens are grouped into blocks of ``block_size`` original positions.
 The device tier is the layer's ``KVCache`` entries: the active blocks plus every
@@ -11,9 +11,14 @@ every block that was ever offloaded (B_Memory). ``swap(candidate)`` applies Algo
                       B_active  = B_candidate (blocks already in B_Memory are simply dropped)
     else:             nothing moves
 
-On CPU the two tiers are two pools of ordinary tensors, so the decisions are exercised and
-tested without a GPU. On CUDA the host pool is pinned memory and the copies run on a side
-stream; the compute stream waits for them before the layer's cache is next used.
+On CPU the two tiers are two pools of ordinary tensors and every copy is synchronous, so
+the decisions are exercised and tested without a GPU. On CUDA the host pool is pinned
+memory and every copy runs on a side stream: the side stream first waits for the compute
+work that wrote the entries, the compute stream waits (through an event the cache holds)
+only when the layer's cache is next updated, so a fetch decided after one layer's
+attention overlaps the compute up to the next layer that reads it (SlimInfer Sec. 3.2).
+Tensors crossing streams are marked with ``record_stream`` so the allocator never reuses
+their memory while the other stream still reads it.
 Entry order inside the device cache does not matter: attention masks come from positions.
 """
 
@@ -96,15 +101,23 @@ class BlockSwap:
         self._drop(leaving)
         self.active = set(active)
 
+    def pool(self) -> set[int]:
+        """Every block this layer holds, on the device or the host."""
+        return self.active | self.host.keys()
+
+    def _side_stream(self):
+        if not self.cuda:
+            return nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.stream)
+
     def _offload(self, blocks: set[int]) -> None:
         if not blocks:
             return
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         positions = self.cache.positions[self.layer]
         block_of = self._block_of_entries()
-        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream())
+        with self._side_stream():
             for block in blocks:
                 index = torch.nonzero(block_of == block).flatten()
                 self.host[block] = HostBlock(
@@ -112,13 +125,12 @@ class BlockSwap:
                     _to_host(values[:, :, index], self.cuda),
                     _to_host(positions[:, index], self.cuda),
                 )
+        self._read_on_side_stream(keys, values, positions)
 
     def _drop(self, blocks: set[int]) -> None:
         if not blocks:
             return
         keep = torch.nonzero(~torch.isin(self._block_of_entries(), self._entries_ids(blocks))).flatten()
-        if self.cuda:  # the offload copies read these entries: let them finish before the storage goes
-            torch.cuda.current_stream().wait_stream(self.stream)
         self.cache.compress(self.layer, keep.expand(self.cache.keys[self.layer].shape[1], -1))
 
     def _entries_ids(self, blocks: set[int]) -> torch.Tensor:
@@ -128,18 +140,33 @@ class BlockSwap:
     def _load(self, blocks: set[int]) -> None:
         if not blocks:
             return
-        device = self.cache.keys[self.layer].device
-        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            pieces = [self.host[block] for block in sorted(blocks)]
-            keys = torch.cat([piece.keys.to(device, non_blocking=True) for piece in pieces], dim=2)
-            values = torch.cat([piece.values.to(device, non_blocking=True) for piece in pieces], dim=2)
-            positions = torch.cat([piece.positions.to(device, non_blocking=True) for piece in pieces], dim=1)
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
         cache, layer = self.cache, self.layer
-        cache.keys[layer] = torch.cat([cache.keys[layer], keys], dim=2)
-        cache.values[layer] = torch.cat([cache.values[layer], values], dim=2)
-        cache.positions[layer] = torch.cat([cache.positions[layer], positions], dim=1)
+        device = cache.keys[layer].device
+        pieces = [self.host[block] for block in sorted(blocks)]
+        current = (cache.keys[layer], cache.values[layer], cache.positions[layer])
+        with self._side_stream():
+            keys = torch.cat([current[0], *(piece.keys.to(device, non_blocking=True) for piece in pieces)], 2)
+            values = torch.cat(
+                [current[1], *(piece.values.to(device, non_blocking=True) for piece in pieces)], 2
+            )
+            positions = torch.cat(
+                [current[2], *(piece.positions.to(device, non_blocking=True) for piece in pieces)], 1
+            )
+        cache.keys[layer], cache.values[layer], cache.positions[layer] = keys, values, positions
+        if self.cuda:
+            self._read_on_side_stream(*current)
+            compute = torch.cuda.current_stream()
+            for tensor in (keys, values, positions):
+                tensor.record_stream(compute)
+            loaded = torch.cuda.Event()
+            loaded.record(self.stream)
+            cache.wait_before_update(layer, loaded)
+
+    def _read_on_side_stream(self, *tensors: torch.Tensor) -> None:
+        """The side stream reads ``tensors``: their memory must outlive its copies, not just the Python names."""
+        if self.cuda:
+            for tensor in tensors:
+                tensor.record_stream(self.stream)
 
     def host_bytes(self) -> int:
         return sum(block.keys.nbytes + block.values.nbytes for block in self.host.values())
