@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rankkit.errors import RankkitError
 
-from .base import REGISTRY, Probe, register
+from .base import REGISTRY, SHORT_NAMES, Probe, register
 from .last_token_heads import LastTokenHeadsProbe
 from .last_token_raw import LastTokenRawProbe
 from .lava import LavaProbe
@@ -43,13 +43,47 @@ def make(name: str, **params) -> Probe:
         raise RankkitError(f"probe {name!r}: {error}") from error
 
 
+PROBES_SYNTAX = (
+    "comma-separated probes, each NAME or NAME:PARAM=VALUE,PARAM=VALUE... "
+    "(e.g. window:w=32,kernel=7,last_token_raw; w = window_size, kernel = kernel_size), or 'all'"
+)
+
+
 def parse_probes(spec: str) -> list[Probe]:
-    """Probes with default parameters from ``"window,last_token_raw"`` or ``"all"`` (every registered one)."""
-    names = (
-        list(REGISTRY)
-        if spec.strip() == "all"
-        else [name.strip() for name in spec.split(",") if name.strip()]
-    )
-    if not names:
-        raise RankkitError("no probe named; give comma-separated names or 'all'")
-    return [make(name) for name in dict.fromkeys(names)]
+    """Probes from ``"window:w=32,kernel=7,last_token_raw"`` (see ``PROBES_SYNTAX``), or ``"all"``
+    (every registered probe at its defaults).
+
+    An item holding "=" is a parameter of the probe before it; any other item names a probe.
+    """
+    if spec.strip() == "all":
+        return [make(name) for name in REGISTRY]
+    named: list[tuple[str, dict]] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, colon, first = item.partition(":")
+        if "=" in name and not colon:
+            if not named:
+                raise RankkitError(f"parameter {item!r} comes before any probe; give {PROBES_SYNTAX}")
+            _add_parameter(named[-1][1], item)
+            continue
+        named.append((name.strip(), {}))
+        if first:
+            _add_parameter(named[-1][1], first)
+    if not named:
+        raise RankkitError(f"no probe named; give {PROBES_SYNTAX}")
+    probes = {}
+    for name, params in named:
+        probe = make(name, **params)
+        probes.setdefault(probe.key, probe)
+    return list(probes.values())
+
+
+def _add_parameter(params: dict, item: str) -> None:
+    key, _, text = item.partition("=")
+    key = key.strip()
+    full = {short: name for name, short in SHORT_NAMES.items()}.get(key, key)
+    try:
+        params[full] = int(text)
+    except ValueError:
+        params[full] = text.strip()

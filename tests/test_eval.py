@@ -32,6 +32,7 @@ from rankkit.eval.ranking import (
     topk_recall,
 )
 from rankkit.eval.variance import rank_variance_curve, selection_layer, variance_store
+from rankkit.methods.base import Budget
 
 # Few distinct values, so most draws have ties.
 tied_rows = st.integers(2, 40).flatmap(
@@ -98,13 +99,14 @@ def test_rank_statistics_score_every_layer_and_head_at_once():
 
 def test_keep_count_takes_a_rate_or_a_count():
     assert keep_count(0.1, 100) == 10
-    assert keep_count(0.25, 10) == 2  # floor
+    assert keep_count(0.25, 10) == 3  # rounded up, as every method rounds its budget
+    assert keep_count(0.25, 10) == Budget.from_keep(0.25).resolve(10)
     assert keep_count(0.01, 10) == 1  # at least one token
     assert keep_count(1.0, 7) == 7
     assert keep_count(3, 10) == 3
     assert keep_count(50, 10) == 10
     for bad in (0.0, 1.5, 0, True):
-        with pytest.raises(ValueError):
+        with pytest.raises(RankkitError):
             keep_count(bad, 10)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.measure import run_once
 from rankkit.runner import LayerHook, Runner
@@ -346,3 +347,67 @@ def test_pruned_methods_keep_original_positions_on_the_default_model(name, defau
     )
     last = default_runner.num_layers - 1
     assert run.result.cache.positions[last][0].tolist() == kept and run.result.prompt_length == length
+
+
+# ---- the offline face: the kept set from captured scores is the one the prefill keeps
+
+
+def _captured(runner, ids, probes):
+    from rankkit.methods import Captured
+    from rankkit.probes import ProbeRecorder
+
+    recorder = ProbeRecorder(probes)
+    runner.prefill(ids, hooks=[recorder])
+    arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
+    return Captured(arrays, runner.num_layers, int(ids.numel()))
+
+
+@pytest.mark.parametrize(
+    "name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "snapkv", "streamingllm"]
+)
+@pytest.mark.parametrize("budget", [Budget.from_keep(0.1), Budget.from_keep(0.4), Budget.from_tokens(36)])
+def test_offline_selection_is_the_prefill_selection(name, budget, random_ids):
+    runner = _tiny()
+    method = make(name)
+    probes = [] if name == "streamingllm" else [method.probe()]
+    captured = _captured(runner, random_ids, probes)
+    online = method.prefill(runner, random_ids, budget)
+    if online.kept_positions is None:  # KV-only: a set per KV head in every layer's cache
+        for layer in range(runner.num_layers):
+            kept = online.result.cache.positions[layer]  # [kv_heads, k]
+            offline = method.select_offline(captured, budget, layer=layer).positions
+            assert offline.expand_as(kept).tolist() == kept.tolist()  # StreamingLLM: one set for all heads
+        with pytest.raises(RankkitError):
+            method.select_offline(captured, budget)
+        return
+    offline = method.select_offline(captured, budget)
+    assert offline.layer == online.selection_layer
+    assert offline.positions.tolist() == online.kept_positions.tolist()
+
+
+def test_layer_parameters_bind_to_the_model_depth():
+    claa = make("claa")
+    assert claa.resolved(30) == {
+        "pruning_layer": 14,  # round(15 * 30 / 32)
+        "aggregation_window": 4,
+        "deferred_layers": 4,
+        "window_size": 8,
+        "kernel_size": 7,
+    }
+    assert make("asl").bind(30).min_layer == 10 and make("asl").bind(30).observed_layers == 8
+    assert make("claa", pruning_layer=3).bind(30).pruning_layer == 3
+    assert make("fastkv").with_layer(2).bind(4).tsp_layer == 2
+    assert make("gemfilter").selection_parameter == "routing_layer"
+    with pytest.raises(RankkitError):
+        make("fastkv").with_layer(9).bind(4)
+    assert make("snapkv").selection_parameter is None
+
+
+def test_ranks_break_ties_toward_the_earlier_token():
+    from rankkit.methods.selection import descending_ranks, top_k_with_forced
+
+    scores = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0])
+    assert descending_ranks(scores).tolist() == [3, 0, 1, 2, 4]
+    assert top_k_with_forced(scores, 2).tolist() == [1, 2]
+    forced = torch.tensor([False, False, False, False, True])
+    assert top_k_with_forced(scores, 2, forced).tolist() == [1, 4]
