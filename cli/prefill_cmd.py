@@ -17,6 +17,7 @@ console = Console()
 status = Console(stderr=True)
 
 JSON_KEYS = (
+    "example_id",
     "method",
     "keep",
     "ttft_s",
@@ -27,6 +28,8 @@ JSON_KEYS = (
     "ideal_ratio",
     "answer",
     "score",
+    "selection_layer",
+    "selected_positions",
 )
 LAYER_HELP = (
     "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled)."

@@ -28,6 +28,7 @@ __all__ = [
     "TokenUnitsProbe",
     "WindowProbe",
     "make",
+    "parse_named",
     "parse_probes",
     "register",
 ]
@@ -44,19 +45,17 @@ def make(name: str, **params) -> Probe:
 
 
 PROBES_SYNTAX = (
-    "comma-separated probes, each NAME or NAME:PARAM=VALUE,PARAM=VALUE... "
+    "comma-separated names, each NAME or NAME:PARAM=VALUE,PARAM=VALUE... "
     "(e.g. window:w=32,kernel=7,last_token_raw; w = window_size, kernel = kernel_size), or 'all'"
 )
 
 
-def parse_probes(spec: str) -> list[Probe]:
-    """Probes from ``"window:w=32,kernel=7,last_token_raw"`` (see ``PROBES_SYNTAX``), or ``"all"``
-    (every registered probe at its defaults).
+def parse_named(spec: str, what: str = "probe") -> list[tuple[str, dict]]:
+    """``"window:w=32,kernel=7,last_token_raw"`` as [(name, params)], in order (see ``PROBES_SYNTAX``).
 
-    An item holding "=" is a parameter of the probe before it; any other item names a probe.
+    An item holding "=" is a parameter of the name before it; any other item is a name. Short
+    parameter names (``SHORT_NAMES``) are expanded; values are int, float or text.
     """
-    if spec.strip() == "all":
-        return [make(name) for name in REGISTRY]
     named: list[tuple[str, dict]] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
@@ -64,16 +63,24 @@ def parse_probes(spec: str) -> list[Probe]:
         name, colon, first = item.partition(":")
         if "=" in name and not colon:
             if not named:
-                raise RankkitError(f"parameter {item!r} comes before any probe; give {PROBES_SYNTAX}")
+                raise RankkitError(f"parameter {item!r} comes before any {what}; give {PROBES_SYNTAX}")
             _add_parameter(named[-1][1], item)
             continue
         named.append((name.strip(), {}))
         if first:
             _add_parameter(named[-1][1], first)
     if not named:
-        raise RankkitError(f"no probe named; give {PROBES_SYNTAX}")
+        raise RankkitError(f"no {what} named; give {PROBES_SYNTAX}")
+    return named
+
+
+def parse_probes(spec: str) -> list[Probe]:
+    """Probes from ``"window:w=32,kernel=7,last_token_raw"`` (see ``parse_named``), or ``"all"``
+    (every registered probe at its defaults); a setting named twice is recorded once."""
+    if spec.strip() == "all":
+        return [make(name) for name in REGISTRY]
     probes = {}
-    for name, params in named:
+    for name, params in parse_named(spec):
         probe = make(name, **params)
         probes.setdefault(probe.key, probe)
     return list(probes.values())
@@ -81,9 +88,12 @@ def parse_probes(spec: str) -> list[Probe]:
 
 def _add_parameter(params: dict, item: str) -> None:
     key, _, text = item.partition("=")
-    key = key.strip()
+    key, text = key.strip(), text.strip()
     full = {short: name for name, short in SHORT_NAMES.items()}.get(key, key)
-    try:
-        params[full] = int(text)
-    except ValueError:
-        params[full] = text.strip()
+    for kind in (int, float):
+        try:
+            params[full] = kind(text)
+            return
+        except ValueError:
+            pass
+    params[full] = text

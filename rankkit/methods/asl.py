@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.methods.base import depth_field, make_probe, paper_count, register
-from rankkit.methods.selection import LayerPolicy, PolicyMethod, descending_ranks
+from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks, replay
 
 
 class RankVariance(LayerPolicy):
@@ -68,6 +68,17 @@ class RankVariance(LayerPolicy):
         return summed if relative < self.tau or layer == self.last_layer else None
 
 
+def relative_variance_curve(
+    layer_scores: torch.Tensor, top_k: int, window: int, min_layer: int, observed_layers: int
+) -> list[float]:
+    """ASL Alg. 2's relative rank variance at every layer of scores [L, kv_heads, T], NaN before L_min:
+    ``RankVariance`` itself run over every layer (a threshold nothing drops below)."""
+    num_layers = layer_scores.shape[0]
+    policy = RankVariance(float("-inf"), min_layer, observed_layers, top_k, window, last_layer=num_layers)
+    replay(policy, layer_scores)
+    return [policy.relative_variance.get(layer, float("nan")) for layer in range(num_layers)]
+
+
 @dataclass
 class Asl(PolicyMethod):
     """One-pass ASL with SnapKV before the selection layer."""
@@ -100,6 +111,12 @@ class Asl(PolicyMethod):
 
     def compress_from(self):
         return 0
+
+    def variance_curve(self, captured: Captured, budget) -> list[float]:
+        """The relative rank variance the selection follows, at every layer (``rankkit variance``)."""
+        bound, keep, window, _ = self._plan(captured.num_layers, captured.num_tokens, budget)
+        scores = self.captured_scores(captured)
+        return relative_variance_curve(scores, keep - window, window, bound.min_layer, bound.observed_layers)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
@@ -203,13 +203,12 @@ class Method:
         """The store arrays ``select_offline`` reads: probe keys, ``DRAFT_SCORES`` or ``ORACLE_SCORES``."""
         raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
 
-    def select_offline(self, captured: Mapping[str, torch.Tensor], budget: Budget) -> Selection:
-        """The tokens ``prefill`` would keep, from the captured arrays ``captured_inputs`` names."""
+    def select_offline(self, captured, budget: Budget, *, layer: int | None = None) -> Selection:
+        """The tokens ``prefill`` would keep, from the captured arrays ``captured_inputs`` names
+        (a ``rankkit.methods.selection.Captured``); ``layer`` picks a per-head method's layer."""
         raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
 
-    def layer_rankings(
-        self, captured: Mapping[str, torch.Tensor], budget: Budget
-    ) -> dict[int | None, torch.Tensor]:
+    def layer_rankings(self, captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The method's token scores [T] (forced tokens at +inf) at each layer it could select at."""
         raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
 
