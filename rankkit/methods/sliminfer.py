@@ -1,4 +1,4 @@
-"""SlimInfer (paper 002, Sec. 4, Eq. 1-2, Algorithm 1): progressive block pruning with KV swapping.
+"""SlimInfer (SlimInfer Sec. 4, Eq. 1-2, Alg. 1): progressive block pruning with KV swapping.
 
 Probe ``token_units`` (Eq. 1-2: a block's score is the best of its token units' mean
 keys against the mean of the last w queries, averaged over heads) x a layer schedule
@@ -32,7 +32,17 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, full_prefill, make_probe, register, scale_layer
+from rankkit.methods.base import (
+    Budget,
+    Method,
+    Selection,
+    depth_field,
+    full_prefill,
+    make_probe,
+    register,
+    scale_layer,
+)
+from rankkit.methods.selection import Captured
 from rankkit.methods.swap import BlockSwap, SwapDecision
 from rankkit.probes.token_units import _unit_means
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
@@ -69,6 +79,8 @@ class SlimInferHook(LayerHook):
         self.window = window
         self.scores: torch.Tensor | None = None
         self.decisions: list[SwapDecision] = []
+        self.kept_positions: torch.Tensor | None = None
+        self.selection_layer: int | None = None
 
     def on_attention(self, call: AttentionCall) -> None:
         entry = self.schedule.get(call.layer)
@@ -96,13 +108,7 @@ class SlimInferHook(LayerHook):
         return {int(block): float(best[block]) for block in torch.unique(blocks)}
 
     def _candidate(self, entry: PruningLayer, block_scores: dict[int, float]) -> set[int]:
-        """The first and last blocks plus the best others, ``keep_tokens`` worth of blocks in all."""
-        first, last = min(block_scores), max(block_scores)
-        count = max(2, math.ceil(entry.keep_tokens / self.block_size))
-        others = sorted(
-            (b for b in block_scores if b not in (first, last)), key=block_scores.get, reverse=True
-        )
-        return {first, last, *others[: count - 2]}
+        return kept_blocks(block_scores, entry.keep_tokens, self.block_size)
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         entry = self.schedule.get(layer)
@@ -110,11 +116,11 @@ class SlimInferHook(LayerHook):
             return
         scores, self.scores = self.scores, None
         live_blocks = state.positions // self.block_size
-        block_scores = {
-            int(block): float(scores[0, int(index)]) for index, block in _first_of_each(live_blocks)
-        }
-        chosen = self._candidate(entry, block_scores)
-        if len(chosen) == len(block_scores):
+        chosen = self._candidate(entry, block_scores_of(scores, state.positions, self.block_size))
+        keep = torch.nonzero(torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device)))
+        if self.kept_positions is None:  # the first pruning layer's selection, as `rankkit select` gives it
+            self.kept_positions, self.selection_layer = state.positions[keep.flatten()], layer
+        if keep.numel() == live_blocks.numel():
             return  # the budget covers every block: nothing to prune or offload
         entry.swap = BlockSwap(
             state.cache,
@@ -124,7 +130,6 @@ class SlimInferHook(LayerHook):
             gamma=self.gamma,
         )
         entry.swap.offload_inactive(chosen)
-        keep = torch.nonzero(torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device)))
         state.prune(keep.flatten())
 
     def after_step(self, cache) -> None:
@@ -137,6 +142,21 @@ class SlimInferHook(LayerHook):
         return sum(entry.swap.host_bytes() for entry in self.schedule.values() if entry.swap is not None)
 
 
+def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:
+    """The first and last blocks plus the best others, ``keep_tokens`` worth of blocks in all."""
+    first, last = min(block_scores), max(block_scores)
+    count = max(2, math.ceil(keep_tokens / block_size))
+    others = sorted((b for b in block_scores if b not in (first, last)), key=block_scores.get, reverse=True)
+    return {first, last, *others[: count - 2]}
+
+
+def block_scores_of(scores: torch.Tensor, positions: torch.Tensor, block_size: int) -> dict[int, float]:
+    """Each live block's score (Eq. 2), read at its first live token from token_units scores [kv_heads, S]."""
+    return {
+        int(block): float(scores[0, int(index)]) for index, block in _first_of_each(positions // block_size)
+    }
+
+
 def _first_of_each(blocks: torch.Tensor):
     """(index of the first live token, block id) for every block among the sorted live tokens."""
     values, counts = torch.unique_consecutive(blocks, return_counts=True)
@@ -144,46 +164,58 @@ def _first_of_each(blocks: torch.Tensor):
     return zip(starts.tolist(), values.tolist(), strict=True)
 
 
+def paper_pruning_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers 10, 20, 30 of 32 (Sec. 5) at the same relative depths of ``num_layers``."""
+    return tuple(sorted({scale_layer(layer, num_layers) for layer in REFERENCE_PRUNING_LAYERS}))
+
+
 @register
 @dataclass
 class SlimInfer(Method):
     name: ClassVar[str] = "sliminfer"
-    pruning_layers: tuple[int, ...] | None = None  # default 10, 20, 30 of 32 scaled
+    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers)
     block_size: int = 64
     unit_size: int = 8
     window_size: int = 4  # w, the query window
     gamma: float = 0.9  # γ, Algorithm 1's swap threshold
 
-    def layers(self, num_layers: int) -> list[int]:
-        if self.pruning_layers is not None:
-            return sorted(self.pruning_layers)
-        return sorted({scale_layer(layer, num_layers) for layer in REFERENCE_PRUNING_LAYERS})
-
-    def resolved(self, num_layers):
-        return {
-            "pruning_layers": self.layers(num_layers),
-            "budget_multiples": budget_multiples(len(self.layers(num_layers))),
-            "block_size": self.block_size,
-            "unit_size": self.unit_size,
-            "window_size": self.window_size,
-            "gamma": self.gamma,
-        }
-
-    def prefill(self, runner, input_ids, budget):
-        length = int(input_ids.numel())
+    def _schedule(self, num_layers: int, length: int, budget) -> list[PruningLayer]:
+        """Each pruning layer with the tokens it keeps: the budget at the last, 2x and 4x before it."""
         keep = budget.resolve(length, always_kept=2 * self.block_size)
-        layers = self.layers(runner.num_layers)
+        layers = sorted(self.bind(num_layers).pruning_layers)
         multiples = budget_multiples(len(layers))
-        schedule = [
+        return [
             PruningLayer(layer, min(length, keep * multiple))
             for layer, multiple in zip(layers, multiples, strict=True)
         ]
-        probe = make_probe(
+
+    def probe(self):
+        return make_probe(
             "token_units", block_size=self.block_size, unit_size=self.unit_size, window_size=self.window_size
         )
+
+    def prefill(self, runner, input_ids, budget):
+        schedule = self._schedule(runner.num_layers, int(input_ids.numel()), budget)
         hook = SlimInferHook(
-            probe, schedule, block_size=self.block_size, gamma=self.gamma, window=self.window_size
+            self.probe(), schedule, block_size=self.block_size, gamma=self.gamma, window=self.window_size
         )
         run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
+        run.kept_positions, run.selection_layer = hook.kept_positions, hook.selection_layer
         return run
+
+    # -- the offline face: the first pruning layer's blocks, from the stored token_units scores ---
+
+    def captured_inputs(self):
+        return [self.probe().key]
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        first = self._schedule(captured.num_layers, captured.num_tokens, budget)[0]
+        scores = captured.get(self.probe().key, self.name)[first.layer]
+        positions = torch.arange(captured.num_tokens)
+        chosen = kept_blocks(
+            block_scores_of(scores, positions, self.block_size), first.keep_tokens, self.block_size
+        )
+        return Selection(
+            first.layer, positions[torch.isin(positions // self.block_size, torch.tensor(sorted(chosen)))]
+        )
