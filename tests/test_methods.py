@@ -362,13 +362,23 @@ def _captured(runner, ids, probes):
     return Captured(arrays, runner.num_layers, int(ids.numel()))
 
 
-@pytest.mark.parametrize(
-    "name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "snapkv", "streamingllm"]
-)
+OFFLINE_FACES = {
+    "gemfilter": {},
+    "fastkv": {},
+    "claa": {},
+    "asl": {},
+    "asl-2pass": {},
+    "snapkv": {},
+    "streamingllm": {},
+    "sliminfer": {"pruning_layers": (1, 2), "block_size": 4, "unit_size": 2, "window_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(OFFLINE_FACES))
 @pytest.mark.parametrize("budget", [Budget.from_keep(0.1), Budget.from_keep(0.4), Budget.from_tokens(36)])
 def test_offline_selection_is_the_prefill_selection(name, budget, random_ids):
     runner = _tiny()
-    method = make(name)
+    method = make(name, **OFFLINE_FACES[name])
     probes = [] if name == "streamingllm" else [method.probe()]
     captured = _captured(runner, random_ids, probes)
     online = method.prefill(runner, random_ids, budget)
