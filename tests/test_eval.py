@@ -458,7 +458,7 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
 def cli():
     from typer.testing import CliRunner
 
-    from rankkit.cli import compare_cmd  # noqa: F401  (registers the commands)
+    from rankkit.cli import compare_cmd, select_cmd  # noqa: F401  (registers the commands)
     from rankkit.cli.app import app
 
     runner = CliRunner()
@@ -510,3 +510,25 @@ def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
     assert result.stderr == (
         f"rankkit: error: store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)\n"
     )
+
+
+def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
+    result = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [row["example_id"] for row in rows] == ["ex0", "ex1", "ex2"]
+    # window ranks like the oracle: the top 4 non-window tokens and the window of 8
+    assert rows[0].keys() == {"example_id", "method", "layer", "budget_tokens", "selected_positions"}
+    assert rows[0]["layer"] == 2 and rows[0]["budget_tokens"] == 12
+    from rankkit import stores
+
+    truth = stores.open(store_path).example("ex0").oracle[:-8]
+    top = sorted(np.argsort(-truth, kind="stable")[:4].tolist() + list(range(TOKENS - 8, TOKENS)))
+    assert rows[0]["selected_positions"] == top
+    per_head = json.loads(
+        cli("select", store_path, "--method", "streamingllm", "--budget", 6, "--layer", 1, "--json").stdout
+    )
+    assert per_head[0]["selected_positions"] == [[0, 1, 2, 3, 58, 59]]
+    missing = cli("select", store_path, "--method", "snapkv", "--keep", 0.1, "--layer", 1)
+    assert isinstance(missing.exception, RankkitError)  # the CLI's entry point turns it into exit 2
+    assert "rankkit capture --probes window:w=32" in str(missing.exception)

@@ -421,3 +421,40 @@ def test_ranks_break_ties_toward_the_earlier_token():
     assert top_k_with_forced(scores, 2).tolist() == [1, 2]
     forced = torch.tensor([False, False, False, False, True])
     assert top_k_with_forced(scores, 2, forced).tolist() == [1, 4]
+
+
+@pytest.fixture(scope="module")
+def default_store(tmp_path_factory, default_runner, short_prompt):
+    """A store of the short prompt with every probe setting the methods rank by, as a capture writes it."""
+    from rankkit import stores
+    from rankkit.methods import probes_methods_need
+    from rankkit.probes import ProbeRecorder
+
+    probes = [*probes_methods_need(), make("sliminfer", **ONLINE_SLIMINFER).probe()]
+    recorder = ProbeRecorder(probes)
+    default_runner.prefill(short_prompt, hooks=[recorder])
+    path = tmp_path_factory.mktemp("select") / "store.zarr"
+    writer = stores.create(path, {"model": {"id": "default"}, "probes": {p.key: p.params() for p in probes}})
+    writer.write_example("ex0", attrs={}, tokens=short_prompt.numpy(), scores=recorder.scores())
+    return path
+
+
+ONLINE_SLIMINFER = {"block_size": 16, "unit_size": 4}  # blocks small enough to prune a short prompt
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "sliminfer"])
+@pytest.mark.parametrize("keep", [0.1, 0.4])
+def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
+    name, keep, default_store, default_runner, short_prompt
+):
+    from rankkit.eval.offline import select_store
+
+    params = ONLINE_SLIMINFER if name == "sliminfer" else {}
+    spec = name + "".join(f"{',' if index else ':'}{k}={v}" for index, (k, v) in enumerate(params.items()))
+    (row,) = select_store(default_store, spec, Budget.from_keep(keep))
+    online = make(name, **params).prefill(default_runner, short_prompt, Budget.from_keep(keep))
+    assert row["example_id"] == "ex0" and row["method"] == name
+    assert row["layer"] == online.selection_layer
+    assert row["selected_positions"] == online.kept_positions.tolist()
+    assert row["budget_tokens"] == len(row["selected_positions"])
