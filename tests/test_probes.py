@@ -70,12 +70,12 @@ def full_attention(call: AttentionCall) -> torch.Tensor:
 
 
 def reference_pool(row: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
-    """Zero-padded average (divided by the kernel) or max over the in-range neighbours, one token at a time."""
+    """Average or max over the in-range neighbours (padding left out, as the oracle pools), one token at a time."""
     pooled = torch.empty_like(row)
     half = kernel // 2
     for i in range(row.shape[0]):
         neighbours = row[max(0, i - half) : i + half + 1]
-        pooled[i] = neighbours.sum() / kernel if pooling == "avg" else neighbours.max()
+        pooled[i] = neighbours.mean() if pooling == "avg" else neighbours.max()
     return pooled
 
 
