@@ -458,3 +458,18 @@ def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
     assert row["layer"] == online.selection_layer
     assert row["selected_positions"] == online.kept_positions.tolist()
     assert row["budget_tokens"] == len(row["selected_positions"])
+
+
+def test_lava_offline_kept_entries_are_its_prefill_cache(random_ids):
+    from rankkit.cache import PADDING
+
+    runner = _tiny()
+    method = make("lava", window_size=4, kernel_size=3)
+    captured = _captured(runner, random_ids, [method.probe()])
+    for budget in (Budget.from_keep(0.1), Budget.from_keep(0.4)):
+        online = method.prefill(runner, random_ids, budget)
+        for layer in range(runner.num_layers):
+            cached = [
+                [p for p in head if p != PADDING] for head in online.result.cache.positions[layer].tolist()
+            ]
+            assert method.select_offline(captured, budget, layer=layer).as_lists() == cached

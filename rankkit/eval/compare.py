@@ -272,6 +272,8 @@ def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
     offered = sorted(probes)
     available = {*probes, *([DRAFT_SCORES] if has_draft else [])}
     for name in REGISTRY:
+        if name in probes:  # a probe of the same name (lava) keeps the name; the method takes NAME:PARAM=...
+            continue
         try:
             needs = make(name).captured_inputs()
         except RankkitError:  # no offline face
@@ -338,14 +340,6 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
-    summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
-    for name, method in ranked_methods.items():
-        selection = method.selection_parameter
-        if selection is not None:
-            summary_layers[name] = getattr(method.bind(num_layers), selection)
-        else:
-            summary_layers[name] = default_layer if _per_layer(method, num_layers) else None
-
     budget = Budget.parse(keep)
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
     for record in records:
@@ -365,6 +359,14 @@ def compare_store(
             frames[name] += [frame.select(*example_columns, pl.all()) for frame in frames_found]
 
     per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
+    summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
+    for name, method in ranked_methods.items():
+        selection = method.selection_parameter
+        if selection is not None:
+            summary_layers[name] = getattr(method.bind(num_layers), selection)
+        else:  # every layer (KV-only): the probes' layer; one row per example (adaptive, draft): that row
+            rows = per_layer.filter(pl.col("method") == name)
+            summary_layers[name] = default_layer if rows.height > rows["example"].n_unique() else None
     return CompareResult(
         pruning_layer=default_layer,
         span=span,
@@ -374,15 +376,6 @@ def compare_store(
         stability=stability_frame(per_layer),
         summary=summary_frame(per_layer, summary_layers),
     )
-
-
-def _per_layer(method: Method, num_layers: int) -> bool:
-    """Whether a method without a selection layer ranks at every layer (KV-only) or once (adaptive, draft)."""
-    from rankkit.methods.selection import NeverSelect, PolicyMethod
-
-    if not isinstance(method, PolicyMethod):
-        return False
-    return isinstance(method.bind(num_layers).policy(num_layers, num_layers), NeverSelect)
 
 
 def _concat(frames: list[pl.DataFrame]) -> pl.DataFrame:

@@ -127,7 +127,7 @@ def select_store(
                 "example_id": record.id,
                 "method": method.name,
                 "layer": selection.layer,
-                "budget_tokens": int(selection.positions.shape[-1]),
+                "budget_tokens": selection.size,
                 "selected_positions": selection.as_lists(),
             }
         )

@@ -138,15 +138,25 @@ class MethodPrefill:
 class Selection:
     """The tokens a method keeps at its selection layer, as original prompt positions (sorted).
 
-    ``positions`` is [k] for a shared selection, [kv_heads, k] for per-head (KV-only) methods;
+    ``positions`` is [k] for a shared selection, [kv_heads, k] for per-head (KV-only) methods,
+    or a list of [k_h] per KV head when heads keep different counts (LAVa);
     ``layer`` is None for methods that select before any layer of the model (a draft's ranking).
     """
 
     layer: int | None
-    positions: torch.Tensor
+    positions: torch.Tensor | list[torch.Tensor]
 
     def as_lists(self) -> list[int] | list[list[int]]:
+        if isinstance(self.positions, list):
+            return [head.tolist() for head in self.positions]
         return self.positions.tolist()
+
+    @property
+    def size(self) -> int:
+        """Tokens kept (per KV head, the most any head keeps)."""
+        if isinstance(self.positions, list):
+            return max(head.numel() for head in self.positions)
+        return int(self.positions.shape[-1])
 
 
 @dataclass
