@@ -73,7 +73,12 @@ def capture(
     data: str = typer.Option(
         "niah:n=8,length=2048", help="Data spec: niah:..., ruler:task=...,..., or a .jsonl path."
     ),
-    probes: str = typer.Option("all", help="Comma-separated probe names, or 'all'."),
+    probes: str = typer.Option(
+        "all",
+        help="Probes with their settings, e.g. window:w=32,kernel=7,last_token_raw (w = window_size, "
+        "kernel = kernel_size); each setting is stored under that key. 'all': every probe at its "
+        "defaults plus every setting a registered method ranks by (window at W=8 and window:w=32).",
+    ),
     out: Path = typer.Option(
         Path("runs/capture.zarr"), help="The zarr store to write (resumed if it exists)."
     ),

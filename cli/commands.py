@@ -9,5 +9,6 @@ from rankkit.cli import (
     overhead_cmd,  # noqa: F401
     prefill_cmd,  # noqa: F401
     run_cmd,  # noqa: F401
+    select_cmd,  # noqa: F401
     store_cmd,  # noqa: F401
 )

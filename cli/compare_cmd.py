@@ -21,13 +21,25 @@ def compare(
         "and layer-to-layer Spearman.",
     ),
     layer: int | None = typer.Option(
-        None, "--layer", help="Pruning layer l_p the table reports at. (default: half the model's depth)"
+        None,
+        "--layer",
+        help="Selection layer of every method that has one, and the layer probes and KV-only methods "
+        "are reported at. (default: each method's own; CLAA's l_p for probes)",
     ),
     methods: list[str] | None = typer.Option(
         None,
         "--methods",
-        help="Methods to compare, repeated or comma-separated: probe names, gemfilter, fastkv, claa, "
-        "specprefill. (default: all the store offers)",
+        help="Probes (store keys, e.g. window:w=32) and methods (gemfilter, fastkv, claa, specprefill, "
+        "asl, asl-2pass, snapkv, streamingllm, oracle...), repeated or comma-separated; a method's own "
+        "parameters follow it as claa:aggregation_window=8. (default: all the store offers)",
+    ),
+    span: str = typer.Option(
+        "prompt",
+        "--span",
+        help="Tokens ranked: prompt (all outside the observation window, CLAA Sec. 3.1) or context.",
+    ),
+    keep: float = typer.Option(
+        0.1, "--keep", help="Keep rate the methods rank under (ASL's k, forced-token counts)."
     ),
     out: Path | None = typer.Option(
         None, "--out", help="Write the per-layer frame to this parquet file, the other frames beside it."
@@ -37,23 +49,26 @@ def compare(
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
     from rankkit.eval.compare import compare_store
 
-    chosen = [name for entry in methods or [] for name in entry.split(",") if name]
-    result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle)
+    chosen = ",".join(methods or [])
+    result = compare_store(
+        store, layer=layer, methods=chosen or None, use_oracle=oracle, span=span, keep=keep
+    )
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
-    rows = result.summary.to_dicts()
+    rows = [{**row, "span": result.span} for row in result.summary.to_dicts()]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    Console().print(_compare_table(rows, result.pruning_layer, store))
+    Console().print(_compare_table(rows, result.pruning_layer, result.span, store))
 
 
-def _compare_table(rows: list[dict], pruning_layer: int, store: Path) -> Table:
-    table = Table(title=Text(f"Rankings vs oracle, {store}, l_p = {pruning_layer}"))
+def _compare_table(rows: list[dict], pruning_layer: int, span: str, store: Path) -> Table:
+    table = Table(title=Text(f"Rankings vs oracle, {store}, span {span}, probes at l_p = {pruning_layer}"))
     columns = {
         "method": "method",
-        "ρ at l_p": "spearman",
+        "layer": "layer",
+        "ρ": "spearman",
         "mean ρ": "mean_spearman",
         "std ρ": "std_spearman",
         "min ρ": "min_spearman",
@@ -79,18 +94,23 @@ def _cell(value: object) -> Text:
 @app.command("variance")
 def variance(
     store: Path = typer.Argument(..., help="Capture store, e.g. runs/capture.zarr."),
-    probe: str = typer.Option(
-        "window", "--probe", help="Probe whose layer scores are ranked (ASL Algorithm 1)."
+    method: str = typer.Option(
+        "asl",
+        "--method",
+        help="The ASL method whose curve is drawn, with its parameters (asl:window_size=32).",
     ),
     budget: str = typer.Option(
         "0.1",
         "--budget",
-        help="Top-k per layer: a keep rate in (0, 1] (e.g. 0.1) or a token count (e.g. 2016).",
+        help="The method's budget, window included (k = budget - W): a keep rate in (0, 1] (e.g. 0.1) "
+        "or a token count (e.g. 2048).",
     ),
     l_min: int | None = typer.Option(
         None, "--l-min", help="First layer of the curve, L_min. (default: layers // 3)"
     ),
-    l_obs: int = typer.Option(8, "--l-obs", help="Layers whose ranks each point compares, L_obs."),
+    l_obs: int | None = typer.Option(
+        None, "--l-obs", help="Layers whose ranks each point compares, L_obs. (default: 8 of 32, scaled)"
+    ),
     out: Path | None = typer.Option(
         None, "--out", help="Write the curves to this parquet file, the selection layers beside it."
     ),
@@ -102,7 +122,7 @@ def variance(
     from rankkit.eval.variance import variance_store
 
     result = variance_store(
-        store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
+        store, method=method, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
     )
     if out is not None:
         written = result.write(out)

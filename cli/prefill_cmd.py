@@ -17,6 +17,7 @@ console = Console()
 status = Console(stderr=True)
 
 JSON_KEYS = (
+    "example_id",
     "method",
     "keep",
     "ttft_s",
@@ -27,6 +28,8 @@ JSON_KEYS = (
     "ideal_ratio",
     "answer",
     "score",
+    "selection_layer",
+    "selected_positions",
 )
 LAYER_HELP = (
     "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled)."
@@ -51,12 +54,11 @@ def _method(name: str, layer: int | None, draft_model: str, mirror: str, *, stri
 
     ``strict`` refuses ``--layer`` for a method without one (prefill); the bench grid skips those.
     """
-    from rankkit.methods import Method, make
+    from rankkit.methods import make
 
     params = {"specprefill": {"draft_model": draft_model}, "oracle": {"mirror": mirror}}.get(name, {})
     method = make(name, **params)
-    has_layer = type(method).with_layer is not Method.with_layer
-    if layer is None or name == "full" or not (has_layer or strict):
+    if layer is None or name == "full" or not (method.selection_parameter or strict):
         return method
     return method.with_layer(layer)
 

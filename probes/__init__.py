@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rankkit.errors import RankkitError
 
-from .base import REGISTRY, Probe, register
+from .base import REGISTRY, SHORT_NAMES, Probe, register
 from .last_token_heads import LastTokenHeadsProbe
 from .last_token_raw import LastTokenRawProbe
 from .lava import LavaProbe
@@ -28,6 +28,7 @@ __all__ = [
     "TokenUnitsProbe",
     "WindowProbe",
     "make",
+    "parse_named",
     "parse_probes",
     "register",
 ]
@@ -43,13 +44,56 @@ def make(name: str, **params) -> Probe:
         raise RankkitError(f"probe {name!r}: {error}") from error
 
 
+PROBES_SYNTAX = (
+    "comma-separated names, each NAME or NAME:PARAM=VALUE,PARAM=VALUE... "
+    "(e.g. window:w=32,kernel=7,last_token_raw; w = window_size, kernel = kernel_size), or 'all'"
+)
+
+
+def parse_named(spec: str, what: str = "probe") -> list[tuple[str, dict]]:
+    """``"window:w=32,kernel=7,last_token_raw"`` as [(name, params)], in order (see ``PROBES_SYNTAX``).
+
+    An item holding "=" is a parameter of the name before it; any other item is a name. Short
+    parameter names (``SHORT_NAMES``) are expanded; values are int, float or text.
+    """
+    named: list[tuple[str, dict]] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, colon, first = item.partition(":")
+        if "=" in name and not colon:
+            if not named:
+                raise RankkitError(f"parameter {item!r} comes before any {what}; give {PROBES_SYNTAX}")
+            _add_parameter(named[-1][1], item)
+            continue
+        named.append((name.strip(), {}))
+        if first:
+            _add_parameter(named[-1][1], first)
+    if not named:
+        raise RankkitError(f"no {what} named; give {PROBES_SYNTAX}")
+    return named
+
+
 def parse_probes(spec: str) -> list[Probe]:
-    """Probes with default parameters from ``"window,last_token_raw"`` or ``"all"`` (every registered one)."""
-    names = (
-        list(REGISTRY)
-        if spec.strip() == "all"
-        else [name.strip() for name in spec.split(",") if name.strip()]
-    )
-    if not names:
-        raise RankkitError("no probe named; give comma-separated names or 'all'")
-    return [make(name) for name in dict.fromkeys(names)]
+    """Probes from ``"window:w=32,kernel=7,last_token_raw"`` (see ``parse_named``), or ``"all"``
+    (every registered probe at its defaults); a setting named twice is recorded once."""
+    if spec.strip() == "all":
+        return [make(name) for name in REGISTRY]
+    probes = {}
+    for name, params in parse_named(spec):
+        probe = make(name, **params)
+        probes.setdefault(probe.key, probe)
+    return list(probes.values())
+
+
+def _add_parameter(params: dict, item: str) -> None:
+    key, _, text = item.partition("=")
+    key, text = key.strip(), text.strip()
+    full = {short: name for name, short in SHORT_NAMES.items()}.get(key, key)
+    for kind in (int, float):
+        try:
+            params[full] = kind(text)
+            return
+        except ValueError:
+            pass
+    params[full] = text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -26,6 +26,21 @@ class Probe:
     def params(self) -> dict:
         """The parameters a store records beside the scores."""
         return {"probe": self.name, **asdict(self)}
+
+    @property
+    def key(self) -> str:
+        """The name this instance's scores are stored under: the probe's name, followed by the
+        parameters that differ from its defaults in ``--probes`` syntax (``window:w=32``)."""
+        changed = [
+            f"{SHORT_NAMES.get(spec.name, spec.name)}={getattr(self, spec.name)}"
+            for spec in fields(self)
+            if getattr(self, spec.name) != spec.default
+        ]
+        return f"{self.name}:{','.join(changed)}" if changed else self.name
+
+
+# Short parameter names ``--probes`` accepts (and store keys use) beside the full ones.
+SHORT_NAMES = {"window_size": "w", "kernel_size": "kernel"}
 
 
 REGISTRY: dict[str, type[Probe]] = {}

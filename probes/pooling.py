@@ -1,9 +1,16 @@
 """SnapKV-style 1-D pooling of per-token scores, shared by every probe that pools.
 
 Stride 1 and padding ``kernel_size // 2`` keep the length, so the kernel must be odd.
-Average pooling counts the zero padding (``count_include_pad=True``, torch's default,
-which SnapKV and ASL Algorithm 1 line 5 use): the ``kernel_size // 2`` tokens at each
-edge are divided by the full kernel. Max pooling ignores the padding.
+
+One pooling convention for every ranking rankkit compares, probes and the oracle alike:
+average pooling leaves the padding out (``count_include_pad=False``), each output is the
+mean of the neighbours that exist. The papers write POOL1D without saying how the edges
+are padded (CLAA Alg. 1 for the oracle, ASL Alg. 1 line 5 and SnapKV for the window);
+the oracle and ``last_token_raw`` pool raw logits, which can be negative, so zero padding
+would pull their first and last tokens toward zero, and the same convention for the
+softmax probes keeps a comparison between them about ranks, not edge effects. (SnapKV's
+and ASL's code use torch's default, which counts the padding: a deviation at the
+``kernel_size // 2`` tokens of each edge.) Max pooling ignores the padding.
 """
 
 from __future__ import annotations
@@ -31,9 +38,13 @@ def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.T
     length = scores.shape[-1]
     if kernel_size == 1 or length == 0:
         return scores
-    pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
     rows = scores.reshape(-1, 1, length)
-    return pool(rows, kernel_size, stride=1, padding=kernel_size // 2).reshape(scores.shape)
+    padding = kernel_size // 2
+    if pooling == "avg":
+        pooled = F.avg_pool1d(rows, kernel_size, stride=1, padding=padding, count_include_pad=False)
+    else:
+        pooled = F.max_pool1d(rows, kernel_size, stride=1, padding=padding)
+    return pooled.reshape(scores.shape)
 
 
 def pool_before_window(

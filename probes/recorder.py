@@ -21,7 +21,7 @@ class ProbeRecorder(LayerHook):
     and decode steps are ignored. Per-layer scores stay on the model's device until
     ``scores()`` moves them to the host in one transfer per probe.
 
-    Scores are laid out by original position: ``scores()[name][layer, head, p]`` is the
+    Scores are laid out by original position: ``scores()[key][layer, head, p]`` is the
     score of the prompt token at position p, with T one past the largest position seen.
     A token absent from a layer (pruned by an earlier layer, or not re-prefilled in a
     two-pass run) is NaN there; in a plain prefill nothing is NaN.
@@ -29,7 +29,7 @@ class ProbeRecorder(LayerHook):
 
     def __init__(self, probes: Iterable[Probe]):
         self.probes = list(probes)
-        names = [probe.name for probe in self.probes]
+        names = [probe.key for probe in self.probes]
         if len(set(names)) != len(names):
             raise RankkitError(f"each probe may be recorded once; got {', '.join(names)}")
         self._layers: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
@@ -39,18 +39,18 @@ class ProbeRecorder(LayerHook):
             return
         if self._layers and call.layer <= self._layers[-1][0]:
             self._layers = []
-        scores = {probe.name: probe.score(call) for probe in self.probes}
+        scores = {probe.key: probe.score(call) for probe in self.probes}
         self._layers.append((call.layer, call.key_positions, scores))
 
     def scores(self) -> dict[str, np.ndarray]:
-        """Float32 [layers, kv_heads, T] per probe name, for the layers the last prefill ran."""
+        """Float32 [layers, kv_heads, T] per probe key (``Probe.key``), for the layers the last prefill ran."""
         if not self._layers:
             return {}
         positions = torch.stack([key_positions.max() for _, key_positions, _ in self._layers])
         length = int(positions.max()) + 1
         recorded = {}
         for probe in self.probes:
-            layers = [scores[probe.name] for _, _, scores in self._layers]
+            layers = [scores[probe.key] for _, _, scores in self._layers]
             laid_out = torch.full(
                 (len(layers), layers[0].shape[0], length + 1), float("nan"), device=layers[0].device
             )
@@ -58,5 +58,5 @@ class ProbeRecorder(LayerHook):
                 # cache padding goes to a spare last column that is cut off below
                 columns = key_positions.masked_fill(key_positions == PADDING, length)
                 laid_out[index].scatter_(1, columns.to(score.device), score)
-            recorded[probe.name] = laid_out[..., :length].cpu().numpy()
+            recorded[probe.key] = laid_out[..., :length].cpu().numpy()
         return recorded

@@ -92,6 +92,7 @@ def run_row(
         "score": score_answer(example, answer) if example is not None and example.answers else None,
         "new_tokens": len(run.tokens),
         "selection_layer": run.selection_layer,
+        "selected_positions": run.kept_positions,  # as `rankkit select` reports them
         "evidence_kept": kept_evidence,
         "live_tokens": run.live_tokens,
         "kv_tokens_per_layer": run.kv_tokens_per_layer,

@@ -86,7 +86,7 @@ def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
         "num_attention_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
         "tokenizer": {"class": type(loaded.tokenizer).__name__, "vocab_size": len(loaded.tokenizer)},
-        "probes": {probe.name: probe.params() for probe in probes},
+        "probes": {probe.key: probe.params() for probe in probes},
         "dataset": data_spec,
     }
 
@@ -177,6 +177,11 @@ def capture(
     if world > 1 and torch.cuda.is_available() and device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     probe_list = parse_probes(probes)
+    if probes.strip() == "all":  # every probe, and every probe setting a registered method ranks by
+        from rankkit.methods import probes_methods_need
+
+        keys = {probe.key for probe in probe_list}
+        probe_list += [probe for probe in probes_methods_need() if probe.key not in keys]
     parse_spec(data)  # a bad spec fails before minutes of model loading
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]

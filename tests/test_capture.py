@@ -68,11 +68,13 @@ def test_store_holds_every_probe_at_every_layer_with_spans(reference_store):
     assert len(store) == 4
     assert set(store.meta["probes"]) == {
         "window",
+        "window:w=32",  # ASL and SnapKV rank by the window at W=32: a default capture records it too
         "last_token_raw",
         "lava",
         "token_units",
         "last_token_heads",
     }
+    assert store.meta["probes"]["window:w=32"]["window_size"] == 32
     assert store.meta["num_layers"] == 3 and store.meta["kv_heads"] == 2
     record = store.example(store.example_ids()[0])
     for probe in record.probes:

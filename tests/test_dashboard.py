@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankkit.errors import RankkitError
+from rankkit.methods import Budget
 from rankkit.report import figures, write_dashboard
 from rankkit.report.browser import find_chromium, open_in_chromium
 
 LAYERS, HEADS = 6, 2
-PROBES = ("window", "last_token_raw", "lava")
+PROBES = ("window", "window:w=32", "last_token_raw", "lava")
 
 
 def write_synthetic_store(
@@ -367,7 +368,7 @@ def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
     assert f"rankkit oracle {store}" in page
     assert "rankkit bench --methods" in page
     assert "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet" in page
-    assert "The store has no window scores" in page and "--probes all" in page
+    assert "The store has no window:w=32 scores" in page and "--probes all" in page
 
 
 def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
@@ -421,16 +422,17 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
         assert panel["visible_traces"] > 0 and panel["points"] > 0 and panel["svg_traces"] > 0, (name, panel)
     # The explorer shows the picked example and probe: every layer's largest score, as float16.
     record = stores.open(store).example("ex2")
-    start, end = record.attrs["spans"]["context_tokens"]
+    start, end = 0, record.num_tokens - 8  # the prompt outside CLAA's observation window, as compare ranks
     expected = record.scores("lava")[..., start:end].sum(axis=1).max(axis=1)
     explorer = status["explorer"]
     assert (explorer["example"], explorer["probe"], explorer["layers"]) == ("ex2", "lava", LAYERS)
     np.testing.assert_allclose(explorer["row_max"], expected.astype(np.float16), rtol=1e-3)
     assert status["state"]["layer"] == "4"
-    assert explorer["kept_columns"] == int(0.1 * (end - start))  # keep 10% at layer 4, one token a column
-    # 4 examples, 3 probes, 2 colourings, 2 slider ends, 5 taus, 3 keep rates, 2 needle and 3 diffusion
+    kept = Budget.from_keep(0.1).resolve(end - start)
+    assert explorer["kept_columns"] == kept  # keep 10% at layer 4, one token a column
+    # 4 examples, 4 probes, 2 colourings, 2 slider ends, 5 taus, 3 keep rates, 2 needle and 3 diffusion
     # metrics were each picked, then every control went back to its start
-    assert status["selftest_steps"] == (4 + 3 + 2 + 2 + 5 + 3 + 2 + 3) + 8
+    assert status["selftest_steps"] == (4 + 4 + 2 + 2 + 5 + 3 + 2 + 3) + 8
     # Hovering the first column at layer 0 names its token, that token's rank and score.
     layer_0 = record.scores("lava")[0, :, start:end].sum(axis=0)
     rank = int((layer_0 > layer_0[0]).sum()) + 1

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -18,8 +19,6 @@ from scipy import stats
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import CLAA_SWEEP, compare_store
 from rankkit.eval.ranking import (
-    aggregate_claa,
-    aggregate_claa_every_layer,
     average_ranks,
     descending_ranks,
     keep_count,
@@ -27,11 +26,13 @@ from rankkit.eval.ranking import (
     needle_recall,
     spans_mask,
     spearman,
-    specprefill_scores,
     top_k_mask,
     topk_recall,
 )
-from rankkit.eval.variance import rank_variance_curve, selection_layer, variance_store
+from rankkit.eval.variance import selection_layer, variance_store
+from rankkit.methods import Budget, Captured, make
+from rankkit.methods.asl import relative_variance_curve
+from rankkit.methods.selection import DRAFT_SCORES
 
 # Few distinct values, so most draws have ties.
 tied_rows = st.integers(2, 40).flatmap(
@@ -98,13 +99,14 @@ def test_rank_statistics_score_every_layer_and_head_at_once():
 
 def test_keep_count_takes_a_rate_or_a_count():
     assert keep_count(0.1, 100) == 10
-    assert keep_count(0.25, 10) == 2  # floor
+    assert keep_count(0.25, 10) == 3  # rounded up, as every method rounds its budget
+    assert keep_count(0.25, 10) == Budget.from_keep(0.25).resolve(10)
     assert keep_count(0.01, 10) == 1  # at least one token
     assert keep_count(1.0, 7) == 7
     assert keep_count(3, 10) == 3
     assert keep_count(50, 10) == 10
     for bad in (0.0, 1.5, 0, True):
-        with pytest.raises(ValueError):
+        with pytest.raises(RankkitError):
             keep_count(bad, 10)
 
 
@@ -134,31 +136,42 @@ def test_needle_recall_by_hand():
 # ---------------------------------------------------------------- method aggregations
 
 
-def test_claa_is_the_max_over_the_n_layers_ending_at_the_pruning_layer():
-    rng = np.random.default_rng(1)
-    layer_scores = rng.random((10, 50))
-    for n in (1, 2, 4, 8, 12):
-        every_layer = aggregate_claa_every_layer(layer_scores, n)
-        for pruning_layer in range(10):
-            expected = np.full(50, -np.inf)
-            for layer in range(pruning_layer - n + 1, pruning_layer + 1):
-                if layer >= 0:
-                    expected = np.maximum(expected, layer_scores[layer])
-            np.testing.assert_array_equal(aggregate_claa(layer_scores, pruning_layer, n), expected)
-            np.testing.assert_array_equal(every_layer[pruning_layer], expected)
-    np.testing.assert_array_equal(aggregate_claa_every_layer(layer_scores, 1), layer_scores)
-    with pytest.raises(ValueError):
-        aggregate_claa(layer_scores, 10, 4)
+def slow_claa(layer_scores: np.ndarray, pruning_layer: int, n: int, deferred: int) -> np.ndarray:
+    """CLAA Eq. 5 / Listing 5 by hand: the max over the scored layers among l_p - n + 1..l_p (the
+    first m are not scored; l_p itself always is), of the scores summed over heads."""
+    summed = layer_scores.sum(axis=1)
+    layers = [layer for layer in range(pruning_layer - n + 1, pruning_layer + 1) if layer >= deferred]
+    return np.max(summed[layers or [pruning_layer]], axis=0)
+
+
+@pytest.mark.parametrize("n, deferred", [(1, 0), (2, 0), (4, 1), (8, 3), (12, 0)])
+def test_claa_ranks_by_the_max_over_the_n_layers_ending_at_the_pruning_layer(n, deferred):
+    layer_scores = np.random.default_rng(1).random((10, 2, 50)).astype(np.float32)
+    captured = Captured({"window": torch.from_numpy(layer_scores)}, 10, 50)
+    claa = make("claa", aggregation_window=n, deferred_layers=deferred)
+    rankings = claa.layer_rankings(captured, Budget.from_keep(0.2))
+    assert list(rankings) == list(range(10))
+    for pruning_layer, ranking in rankings.items():
+        expected = slow_claa(layer_scores, pruning_layer, n, deferred)
+        np.testing.assert_allclose(ranking[:-8].numpy(), expected[:-8], rtol=1e-6)
+        assert torch.isinf(ranking[-8:]).all()  # the observation window ranks first
+        kept = claa.with_layer(pruning_layer).select_offline(captured, Budget.from_tokens(20))
+        top = sorted(np.argsort(-expected[:-8], kind="stable")[:12].tolist() + list(range(42, 50)))
+        assert kept.layer == pruning_layer and kept.positions.tolist() == top
 
 
 def test_specprefill_is_the_mean_over_lookahead_queries_of_the_max_over_layers_and_heads():
     # [k=2 queries, 2 layers, 2 heads, 3 tokens]
-    lookahead = np.zeros((2, 2, 2, 3))
+    lookahead = np.zeros((2, 2, 2, 3), dtype=np.float32)
     lookahead[0, 1, 0] = [1, 5, 2]
     lookahead[0, 0, 1] = [3, 0, 0]
     lookahead[1, 0, 0] = [0, 1, 7]
-    np.testing.assert_allclose(specprefill_scores(lookahead), [(3 + 0) / 2, (5 + 1) / 2, (2 + 7) / 2])
-    np.testing.assert_array_equal(specprefill_scores(np.array([1.0, 2.0])), [1.0, 2.0])
+    captured = Captured({DRAFT_SCORES: torch.from_numpy(lookahead)}, 2, 3)
+    (ranking,) = make("specprefill").layer_rankings(captured, Budget.from_keep(1.0)).values()
+    np.testing.assert_allclose(ranking[:2].numpy(), [(3 + 0) / 2, (5 + 1) / 2])
+    assert ranking[2] == float("inf")  # the last token is always kept
+    kept = make("specprefill").select_offline(captured, Budget.from_tokens(2))
+    assert kept.layer is None and kept.positions.tolist() == [1, 2]
 
 
 # ---------------------------------------------------------------- ASL
@@ -186,24 +199,32 @@ def slow_algorithm_2(layer_scores: np.ndarray, k: int, min_layer: int, observed_
 
 
 def test_asl_curve_by_hand():
-    layer_scores = np.array([[3.0, 2, 1], [1, 2, 3], [1, 2, 3]])  # ranks [0 1 2], [2 1 0], [2 1 0]
+    layer_scores = torch.tensor([[3.0, 2, 1], [1, 2, 3], [1, 2, 3]])[
+        :, None
+    ]  # ranks [0 1 2], [2 1 0], [2 1 0]
     # Layer 1: top-1 tokens {0, 2}, each ranked 0 and 2 -> variance 1. Layer 2: {2}, ranked 0 twice -> 0.
-    curve = rank_variance_curve(layer_scores, budget=1, min_layer=1, observed_layers=2)
+    curve = relative_variance_curve(layer_scores, top_k=1, window=0, min_layer=1, observed_layers=2)
     assert same(curve, [np.nan, 1.0, 0.0])
     assert selection_layer(curve, 0.5) == 2
 
 
-@pytest.mark.parametrize("budget, min_layer, observed_layers", [(3, 4, 3), (0.2, 2, 8), (1, 1, 2), (5, 5, 4)])
-def test_asl_curve_matches_a_slow_loop_of_algorithm_2(budget, min_layer, observed_layers):
+@pytest.mark.parametrize("k, min_layer, observed_layers", [(3, 4, 3), (5, 2, 8), (1, 1, 2), (5, 5, 4)])
+def test_asl_curve_matches_a_slow_loop_of_algorithm_2(k, min_layer, observed_layers):
     rng = np.random.default_rng(2)
     layer_scores = rng.integers(0, 6, size=(12, 2, 25)).astype(np.float32)  # heads to sum, ties to break
-    k = keep_count(budget, 25)
     expected = slow_algorithm_2(layer_scores, k, min_layer, observed_layers)
-    assert same(rank_variance_curve(layer_scores, budget, min_layer, observed_layers), expected)
+    curve = relative_variance_curve(torch.from_numpy(layer_scores), k, 0, min_layer, observed_layers)
+    np.testing.assert_allclose(curve, expected, rtol=1e-6)
+    # the window (the last W tokens) is kept out of the ranks, as Algorithm 1 line 4 keeps it
+    windowed = relative_variance_curve(torch.from_numpy(layer_scores), k, 5, min_layer, observed_layers)
+    np.testing.assert_allclose(
+        windowed, slow_algorithm_2(layer_scores[..., :-5], k, min_layer, observed_layers), rtol=1e-6
+    )
 
 
 def test_asl_min_layer_defaults_to_a_third_of_the_depth():
-    curve = rank_variance_curve(np.random.default_rng(3).random((30, 40)), budget=4)
+    scores = torch.from_numpy(np.random.default_rng(3).random((30, 1, 40)).astype(np.float32))
+    curve = make("asl").variance_curve(Captured({"window:w=32": scores}, 30, 40), Budget.from_tokens(36))
     assert np.isnan(curve[:10]).all() and curve[10] == 1.0 and np.isfinite(curve[10:]).all()
 
 
@@ -274,8 +295,9 @@ def test_compare_frames_have_the_documented_columns(result):
 
 def test_compare_known_answers(result):
     summary = {row["method"]: row for row in result.summary.to_dicts()}
-    assert list(summary) == ["last_token_raw", "lava", "window", "gemfilter", "fastkv", "claa", "specprefill"]
-    assert result.pruning_layer == LAYERS // 2
+    assert list(summary) == ["last_token_raw", "lava", "window", "claa", "fastkv", "gemfilter", "specprefill"]
+    assert result.pruning_layer == 3 and result.span == "prompt"  # CLAA's l_p: round(15 * 6 / 32)
+    assert {summary[name]["layer"] for name in ("window", "claa", "fastkv", "gemfilter")} == {3}
     for method in ("window", "fastkv", "claa", "specprefill"):
         row = summary[method]
         assert row["spearman"] == pytest.approx(1) and row["kendall"] == pytest.approx(1), method
@@ -286,6 +308,7 @@ def test_compare_known_answers(result):
     assert summary["window"]["std_spearman"] == pytest.approx(0)
     assert summary["window"]["layer_to_layer"] == pytest.approx(1)
     per_layer = result.per_layer
+    # the prompt span leaves the window out, so GemFilter's forced last token does not show
     assert (
         per_layer.filter(pl.col("method") == "gemfilter")
         .drop("method")
@@ -294,10 +317,33 @@ def test_compare_known_answers(result):
     assert set(result.sweep["method"]) == {f"claa-n{n}" for n in CLAA_SWEEP}
 
 
-def test_compare_ranks_only_the_context(store_path, result):
+def test_compare_ranks_every_method_by_its_offline_face(store_path):
+    """What compare ranks for a method is its layer_rankings; its summary sits at its own layer."""
+    from rankkit import stores
+
+    chosen = compare_store(
+        store_path, methods="claa:aggregation_window=2,streamingllm", layer=4, span="context"
+    )
+    summary = {row["method"]: row for row in chosen.summary.to_dicts()}
+    assert summary["claa:aggregation_window=2"]["layer"] == 4 and summary["streamingllm"]["layer"] == 4
+    record = stores.open(store_path).example("ex1")
+    context, oracle = slice(*CONTEXT), record.oracle[slice(*CONTEXT)]
+    captured = Captured({"window": torch.from_numpy(record.scores("window"))}, LAYERS, TOKENS)
+    rankings = make("claa", aggregation_window=2).layer_rankings(captured, Budget.from_keep(0.1))
+    rows = chosen.per_layer.filter(
+        (pl.col("example") == "ex1") & (pl.col("method") == "claa:aggregation_window=2")
+    ).sort("layer")
+    expected = [spearman(rankings[layer].numpy()[context], oracle) for layer in range(LAYERS)]
+    assert same(rows["spearman"].to_numpy(), expected)
+    recency = chosen.per_layer.filter((pl.col("example") == "ex1") & (pl.col("method") == "streamingllm"))
+    assert recency.height == LAYERS  # KV-only: one ranking per layer
+
+
+def test_compare_ranks_only_the_context(store_path):
     """The frame's numbers are the ranking functions' on the context span of the stored arrays."""
     from rankkit import stores
 
+    result = compare_store(store_path, span="context")
     record = stores.open(store_path).example("ex1")
     context = slice(*CONTEXT)
     lava = record.scores("lava")[:, :, context]
@@ -313,9 +359,20 @@ def test_compare_ranks_only_the_context(store_path, result):
     heads = result.per_head.filter((pl.col("example") == "ex1") & (pl.col("method") == "lava"))
     assert same(heads.sort("layer", "head")["spearman"].to_numpy(), spearman(lava, oracle).reshape(-1))
     claa = result.sweep.filter((pl.col("example") == "ex1") & (pl.col("method") == "claa-n2")).sort("layer")
-    window = record.scores("window")[:, :, context].sum(axis=1)
-    expected = [spearman(aggregate_claa(window, layer, 2), oracle) for layer in range(LAYERS)]
+    window = record.scores("window")
+    deferred = make("claa").bind(LAYERS).deferred_layers
+    expected = [spearman(slow_claa(window, layer, 2, deferred)[context], oracle) for layer in range(LAYERS)]
     assert same(claa["spearman"].to_numpy(), expected)
+
+
+def test_compare_prompt_span_leaves_out_the_observation_window(store_path, result):
+    from rankkit import stores
+
+    record = stores.open(store_path).example("ex0")
+    prompt = slice(0, TOKENS - 8)
+    lava = record.scores("lava")[:, :, prompt].sum(axis=1)
+    rows = result.per_layer.filter((pl.col("example") == "ex0") & (pl.col("method") == "lava")).sort("layer")
+    assert same(rows["spearman"].to_numpy(), spearman(lava, record.oracle[prompt]))
 
 
 def test_compare_layer_and_methods_choose_the_rows(store_path):
@@ -323,8 +380,10 @@ def test_compare_layer_and_methods_choose_the_rows(store_path):
     assert chosen.summary["method"].to_list() == ["lava", "claa"]
     assert chosen.summary["layer"].to_list() == [1, 1]
     assert set(chosen.per_head["method"]) == {"lava"}
-    with pytest.raises(RankkitError, match="not available"):
+    with pytest.raises(RankkitError, match="rankkit capture --probes window:w=32"):
         compare_store(store_path, methods=["snapkv"])
+    with pytest.raises(RankkitError, match="neither a probe"):
+        compare_store(store_path, methods=["nothing"])
     with pytest.raises(RankkitError, match="outside"):
         compare_store(store_path, layer=LAYERS)
 
@@ -352,19 +411,44 @@ def test_compare_writes_every_frame(result, tmp_path):
 
 
 def test_variance_store(store_path):
-    variance = variance_store(store_path, budget=5, min_layer=1, observed_layers=2)
+    variance = variance_store(
+        store_path, method="asl:window_size=8", budget=13, min_layer=1, observed_layers=2
+    )
     assert variance.curves.columns == ["example", "task", "probe", "layer", "relative_variance"]
     assert variance.selections.columns == ["example", "task", "probe", "tau", "selection_layer"]
     assert variance.curves.height == 3 * LAYERS and variance.selections.height == 3 * 5
-    # window ranks identically at every layer: no variance at L_min, so no ratio and no selection
-    assert variance.curves["relative_variance"].null_count() == 3 * LAYERS
-    assert variance.selections["selection_layer"].null_count() == 3 * 5
-    lava = variance_store(store_path, probe="lava", budget=5, min_layer=1, observed_layers=2)
-    record_curve = lava.by_example()[0]
-    assert record_curve["relative_variance"][0] is None and record_curve["relative_variance"][1] == 1.0
+    # window ranks identically at every layer: the variance is 0 from L_min on, which ASL reads as
+    # settled (relative variance 0), so every threshold selects L_min
+    assert variance.curves["relative_variance"].null_count() == 3 * 1
+    assert set(variance.selections["selection_layer"]) == {1}
+    record_curve = variance.by_example()[0]
+    assert record_curve["relative_variance"][0] is None and record_curve["relative_variance"][1] == 0.0
     assert list(record_curve["selection_layer"]) == ["0.2", "0.3", "0.4", "0.5", "0.6"]
-    with pytest.raises(RankkitError, match="--probe"):
-        variance_store(store_path, probe="missing")
+    with pytest.raises(RankkitError, match="window:w=32"):
+        variance_store(store_path)
+    with pytest.raises(RankkitError, match="asl"):
+        variance_store(store_path, method="claa")
+
+
+def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
+    from rankkit import stores
+
+    rng = np.random.default_rng(7)
+    writer = stores.create(tmp_path / "asl.zarr", {"model": {"id": "synthetic"}})
+    for index in range(4):
+        # rankings that settle with depth: noise shrinking around a fixed order
+        base = rng.random(200)
+        scores = np.stack([base + rng.random(200) * 2.0 / (1 + layer) ** 2 for layer in range(12)])
+        scores = np.broadcast_to(scores[:, None], (12, 2, 200)).astype(np.float32)
+        writer.write_example(f"ex{index}", attrs={}, tokens=np.arange(200), scores={"window:w=32": scores})
+    variance = variance_store(tmp_path / "asl.zarr", budget=0.3)
+    chosen = variance.selections.filter(pl.col("tau") == 0.3)["selection_layer"].to_list()
+    store = stores.open(tmp_path / "asl.zarr")
+    for record, layer in zip(store.examples(), chosen, strict=True):
+        captured = Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
+        assert (
+            layer is not None and make("asl").select_offline(captured, Budget.from_keep(0.3)).layer == layer
+        )
 
 
 # ---------------------------------------------------------------- CLI
@@ -374,7 +458,7 @@ def test_variance_store(store_path):
 def cli():
     from typer.testing import CliRunner
 
-    from rankkit.cli import compare_cmd  # noqa: F401  (registers the commands)
+    from rankkit.cli import compare_cmd, select_cmd  # noqa: F401  (registers the commands)
     from rankkit.cli.app import app
 
     runner = CliRunner()
@@ -388,7 +472,8 @@ def test_cli_compare_json_keys(cli, store_path):
     required = {"method", "layer", "spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40"}
     required |= {"needle_recall", "n_examples"}
     assert all(required <= row.keys() for row in rows)
-    assert [row["method"] for row in rows][-2:] == ["claa", "specprefill"]
+    assert [row["method"] for row in rows][-2:] == ["gemfilter", "specprefill"]
+    assert {row["span"] for row in rows} == {"prompt"}
 
 
 def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
@@ -398,17 +483,18 @@ def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "l_p = 2" in result.stdout and "claa" in result.stdout and "gemfilter" not in result.stdout
+    assert "span prompt" in result.stdout
     assert set(pl.read_parquet(out)["method"]) == {"window", "claa", "lava"}
 
 
 def test_cli_variance(cli, store_path):
     result = cli(
-        "variance", store_path, "--probe", "lava", "--budget", "5", "--l-min", 1, "--l-obs", 2, "--json"
+        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--l-min", 1, "--l-obs", 2, "--json"
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [row["example"] for row in rows] == ["ex0", "ex1", "ex2"] and rows[0]["min_layer"] == 1
-    table = cli("variance", store_path, "--probe", "lava", "--budget", "0.1")
+    table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
 
@@ -424,3 +510,25 @@ def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
     assert result.stderr == (
         f"rankkit: error: store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)\n"
     )
+
+
+def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
+    result = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [row["example_id"] for row in rows] == ["ex0", "ex1", "ex2"]
+    # window ranks like the oracle: the top 4 non-window tokens and the window of 8
+    assert rows[0].keys() == {"example_id", "method", "layer", "budget_tokens", "selected_positions"}
+    assert rows[0]["layer"] == 2 and rows[0]["budget_tokens"] == 12
+    from rankkit import stores
+
+    truth = stores.open(store_path).example("ex0").oracle[:-8]
+    top = sorted(np.argsort(-truth, kind="stable")[:4].tolist() + list(range(TOKENS - 8, TOKENS)))
+    assert rows[0]["selected_positions"] == top
+    per_head = json.loads(
+        cli("select", store_path, "--method", "streamingllm", "--budget", 6, "--layer", 1, "--json").stdout
+    )
+    assert per_head[0]["selected_positions"] == [[0, 1, 2, 3, 58, 59]]
+    missing = cli("select", store_path, "--method", "snapkv", "--keep", 0.1, "--layer", 1)
+    assert isinstance(missing.exception, RankkitError)  # the CLI's entry point turns it into exit 2
+    assert "rankkit capture --probes window:w=32" in str(missing.exception)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.measure import run_once
 from rankkit.runner import LayerHook, Runner, greedy_continue
@@ -377,7 +378,7 @@ def test_sliminfer_prunes_after_attention_and_swaps_in_the_same_step_as_the_pape
     runner = _tiny()
     ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
     method = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2)
-    slim = method.hook(3, 64, 16)  # layer 0 keeps 4 blocks, layer 1 keeps 2
+    slim = method.hook(3, 64, Budget.from_tokens(16))  # layer 0 keeps 4 blocks, layer 1 keeps 2
     recorder = SlimRecorder(slim)
     ffn_rows = []
     with ffn_on_kept_tokens(runner, slim):  # registered after its hooks, the recorder sees what the FFN gets
@@ -428,7 +429,9 @@ def test_sliminfer_prunes_after_attention_and_swaps_in_the_same_step_as_the_pape
 def test_runner_generate_runs_the_decode_hooks_per_step_hook():
     runner = _tiny()
     ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
-    slim = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2).hook(3, 64, 16)
+    slim = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2).hook(
+        3, 64, Budget.from_tokens(16)
+    )
     steps = PositionRecorder()
     steps.after_decode_step = lambda cache, position: steps.calls.append(position)
     runner.generate(ids, 5, hooks=[slim], decode_hooks=[slim, steps])
@@ -472,3 +475,129 @@ def test_pruned_methods_keep_original_positions_on_the_default_model(name, defau
     )
     last = default_runner.num_layers - 1
     assert run.result.cache.positions[last][0].tolist() == kept and run.result.prompt_length == length
+
+
+# ---- the offline face: the kept set from captured scores is the one the prefill keeps
+
+
+def _captured(runner, ids, probes):
+    from rankkit.methods import Captured
+    from rankkit.probes import ProbeRecorder
+
+    recorder = ProbeRecorder(probes)
+    runner.prefill(ids, hooks=[recorder])
+    arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
+    return Captured(arrays, runner.num_layers, int(ids.numel()))
+
+
+OFFLINE_FACES = {
+    "gemfilter": {},
+    "fastkv": {},
+    "claa": {},
+    "asl": {},
+    "asl-2pass": {},
+    "snapkv": {},
+    "streamingllm": {},
+    "sliminfer": {"pruning_layers": (1, 2), "block_size": 4, "unit_size": 2, "window_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(OFFLINE_FACES))
+@pytest.mark.parametrize("budget", [Budget.from_keep(0.1), Budget.from_keep(0.4), Budget.from_tokens(36)])
+def test_offline_selection_is_the_prefill_selection(name, budget, random_ids):
+    runner = _tiny()
+    method = make(name, **OFFLINE_FACES[name])
+    probes = [] if name == "streamingllm" else [method.probe()]
+    captured = _captured(runner, random_ids, probes)
+    online = method.prefill(runner, random_ids, budget)
+    if online.kept_positions is None:  # KV-only: a set per KV head in every layer's cache
+        for layer in range(runner.num_layers):
+            kept = online.result.cache.positions[layer]  # [kv_heads, k]
+            offline = method.select_offline(captured, budget, layer=layer).positions
+            assert offline.expand_as(kept).tolist() == kept.tolist()  # StreamingLLM: one set for all heads
+        with pytest.raises(RankkitError):
+            method.select_offline(captured, budget)
+        return
+    offline = method.select_offline(captured, budget)
+    assert offline.layer == online.selection_layer
+    assert offline.positions.tolist() == online.kept_positions.tolist()
+
+
+def test_layer_parameters_bind_to_the_model_depth():
+    claa = make("claa")
+    assert claa.resolved(30) == {
+        "pruning_layer": 14,  # round(15 * 30 / 32)
+        "aggregation_window": 4,
+        "deferred_layers": 4,
+        "window_size": 8,
+        "kernel_size": 7,
+    }
+    assert make("asl").bind(30).min_layer == 10 and make("asl").bind(30).observed_layers == 8
+    assert make("claa", pruning_layer=3).bind(30).pruning_layer == 3
+    assert make("fastkv").with_layer(2).bind(4).tsp_layer == 2
+    assert make("gemfilter").selection_parameter == "routing_layer"
+    with pytest.raises(RankkitError):
+        make("fastkv").with_layer(9).bind(4)
+    assert make("snapkv").selection_parameter is None
+
+
+def test_ranks_break_ties_toward_the_earlier_token():
+    from rankkit.methods.selection import descending_ranks, top_k_with_forced
+
+    scores = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0])
+    assert descending_ranks(scores).tolist() == [3, 0, 1, 2, 4]
+    assert top_k_with_forced(scores, 2).tolist() == [1, 2]
+    forced = torch.tensor([False, False, False, False, True])
+    assert top_k_with_forced(scores, 2, forced).tolist() == [1, 4]
+
+
+@pytest.fixture(scope="module")
+def default_store(tmp_path_factory, default_runner, short_prompt):
+    """A store of the short prompt with every probe setting the methods rank by, as a capture writes it."""
+    from rankkit import stores
+    from rankkit.methods import probes_methods_need
+    from rankkit.probes import ProbeRecorder
+
+    probes = [*probes_methods_need(), make("sliminfer", **ONLINE_SLIMINFER).probe()]
+    recorder = ProbeRecorder(probes)
+    default_runner.prefill(short_prompt, hooks=[recorder])
+    path = tmp_path_factory.mktemp("select") / "store.zarr"
+    writer = stores.create(path, {"model": {"id": "default"}, "probes": {p.key: p.params() for p in probes}})
+    writer.write_example("ex0", attrs={}, tokens=short_prompt.numpy(), scores=recorder.scores())
+    return path
+
+
+ONLINE_SLIMINFER = {"block_size": 16, "unit_size": 4}  # blocks small enough to prune a short prompt
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "sliminfer"])
+@pytest.mark.parametrize("keep", [0.1, 0.4])
+def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
+    name, keep, default_store, default_runner, short_prompt
+):
+    from rankkit.eval.offline import select_store
+
+    params = ONLINE_SLIMINFER if name == "sliminfer" else {}
+    spec = name + "".join(f"{',' if index else ':'}{k}={v}" for index, (k, v) in enumerate(params.items()))
+    (row,) = select_store(default_store, spec, Budget.from_keep(keep))
+    online = make(name, **params).prefill(default_runner, short_prompt, Budget.from_keep(keep))
+    assert row["example_id"] == "ex0" and row["method"] == name
+    assert row["layer"] == online.selection_layer
+    assert row["selected_positions"] == online.kept_positions.tolist()
+    assert row["budget_tokens"] == len(row["selected_positions"])
+
+
+def test_lava_offline_kept_entries_are_its_prefill_cache(random_ids):
+    from rankkit.cache import PADDING
+
+    runner = _tiny()
+    method = make("lava", window_size=4, kernel_size=3)
+    captured = _captured(runner, random_ids, [method.probe()])
+    for budget in (Budget.from_keep(0.1), Budget.from_keep(0.4)):
+        online = method.prefill(runner, random_ids, budget)
+        for layer in range(runner.num_layers):
+            cached = [
+                [p for p in head if p != PADDING] for head in online.result.cache.positions[layer].tolist()
+            ]
+            assert method.select_offline(captured, budget, layer=layer).as_lists() == cached

@@ -70,12 +70,12 @@ def full_attention(call: AttentionCall) -> torch.Tensor:
 
 
 def reference_pool(row: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
-    """Zero-padded average (divided by the kernel) or max over the in-range neighbours, one token at a time."""
+    """Average or max over the in-range neighbours (padding left out, as the oracle pools), one token at a time."""
     pooled = torch.empty_like(row)
     half = kernel // 2
     for i in range(row.shape[0]):
         neighbours = row[max(0, i - half) : i + half + 1]
-        pooled[i] = neighbours.sum() / kernel if pooling == "avg" else neighbours.max()
+        pooled[i] = neighbours.mean() if pooling == "avg" else neighbours.max()
     return pooled
 
 
@@ -317,7 +317,29 @@ def test_make_and_parse_probes():
     with pytest.raises(RankkitError):
         parse_probes("window,snapkv")
     with pytest.raises(RankkitError):
-        ProbeRecorder([WindowProbe(), WindowProbe(window_size=32)])
+        ProbeRecorder([WindowProbe(), WindowProbe(window_size=8)])
+    ProbeRecorder([WindowProbe(), WindowProbe(window_size=32)])  # two settings, two store keys
+
+
+def test_probe_parameters_in_the_probes_syntax():
+    parsed = parse_probes("window:w=32,kernel=5,last_token_raw, window, lava:pooling=avg")
+    assert parsed == [
+        WindowProbe(window_size=32, kernel_size=5),
+        make("last_token_raw"),
+        WindowProbe(),
+        make("lava", pooling="avg"),
+    ]
+    assert [probe.key for probe in parsed] == [
+        "window:w=32,kernel=5",
+        "last_token_raw",
+        "window",
+        "lava:pooling=avg",
+    ]
+    assert parse_probes("window:window_size=32") == [WindowProbe(window_size=32)]
+    assert parse_probes("window:w=8") == [WindowProbe()]  # the default setting is the plain name
+    for bad in ("w=32,window", "window:size=3", "window:w=0"):
+        with pytest.raises(RankkitError):
+            parse_probes(bad)
 
 
 # ---- the recorder inside a real prefill

@@ -2,19 +2,20 @@
 
 Methods, each ranking the tokens of one example:
 
-- every captured probe, its scores summed over KV heads (``per_head`` keeps the heads apart);
-- "gemfilter" and "fastkv": the ``last_token_raw`` (CLAA Eq. 1) and ``window`` (Eq. 2)
-  rankings under the methods' names. Each prunes at one layer; like CLAA's Fig. 2 the
-  frames show them at every layer they could pick;
-- "claa": at pruning layer l_p, the max of the window scores over the n = 4 layers ending
-  at l_p (Eq. 5, Listing 5); ``sweep`` holds "claa-n1", "-n2", "-n4", "-n8";
-- "specprefill" (CLAA Eq. 3), when an example holds a draft model's lookahead scores in
-  group ``draft_scores``, array ``lookahead`` [k, ..., T] (see ``specprefill_scores``); it
-  has no layer.
+- every captured probe by its store key (``window``, ``window:w=32``...), its scores summed
+  over KV heads (``per_head`` keeps the heads apart);
+- every registered method with an offline face (gemfilter, fastkv, claa, asl, asl-2pass,
+  snapkv, streamingllm, oracle, specprefill...), by name or ``NAME:PARAM=VALUE`` with its
+  own parameters: its ``layer_rankings`` from the store, the same rule its prefill selects
+  by (``rankkit.methods.selection``). A method with a selection layer is shown at every layer
+  it could pick (like CLAA's Fig. 2); an adaptive one (ASL) at the layer it picks; KV-only
+  ones at every layer; a draft's ranking (specprefill) has no layer. The tokens a method
+  always keeps rank first. ``sweep`` holds CLAA at n = 1, 2, 4, 8 ("claa-n1"...).
 
-Which tokens are ranked: the context span (``spans.context_tokens``) when the example has
-one, else all tokens. The methods always keep the observation window and question, so only
-the ranking of the context decides what they keep. ``ranked_span`` changes the span.
+Which tokens are ranked (``span``): "prompt", every prompt token outside the observation
+window (CLAA Sec. 3.1 ranks the prompt; the window is kept by every method, so ranking it
+says nothing), or "context", the context span (``spans.context_tokens``) when the example
+has one. The window is CLAA's (W = 8).
 
 Frames (tidy; ``example`` is Categorical like the store's frames; NaN-free, undefined = null):
 
@@ -25,7 +26,9 @@ sweep      example, task, method, claa_layers, layer, spearman, recall_at_10, re
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
 stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
 summary    method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40, needle_recall,
-           n_examples, then the stability columns
+           n_examples, then the stability columns; each method at its own selection layer
+           (``--layer`` sets it), probes and KV-only methods at CLAA's l_p (or ``--layer``),
+           adaptive ones at the layer each example picks (``layer`` null when they differ)
 
 recall_at_X: share of the oracle's top X% that the method's top X% keeps. needle_recall: share
 of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep``, null
@@ -37,17 +40,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
+import torch
 
 from rankkit.errors import RankkitError
+from rankkit.methods import REGISTRY, Budget, Method, make
+from rankkit.methods.selection import DRAFT_SCORES
 
+from .offline import DRAFT_GROUP, captured, check_inputs, is_method, method_from_spec, split_names
 from .ranking import (
-    aggregate_claa_every_layer,
     average_ranks,
     descending_ranks,
     keep_count,
@@ -56,7 +62,6 @@ from .ranking import (
     pearson,
     ranks_and_places,
     spans_mask,
-    specprefill_scores,
 )
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
@@ -64,26 +69,29 @@ RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
 NEEDLE_KEEP = 0.1
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall")
 
-WINDOW_PROBE = "window"
-LAST_TOKEN_PROBE = "last_token_raw"
-SINGLE_LAYER_METHODS = {"gemfilter": LAST_TOKEN_PROBE, "fastkv": WINDOW_PROBE}
 CLAA = "claa"
-CLAA_LAYERS = 4  # n, CLAA Sec. 5.1
 CLAA_SWEEP = (1, 2, 4, 8)  # CLAA Table 4 explores n up to 12; 8 already spans a quarter of a 32-layer model
-SPECPREFILL = "specprefill"
-DRAFT_GROUP = "draft_scores"
-DRAFT_ARRAY = "lookahead"
+SPANS = {"prompt": None, "context": "context_tokens"}
 
 
-def ranked_slice(spans: Mapping[str, Any] | None, ranked_span: str | None, num_tokens: int) -> slice:
-    """The tokens to rank: ``spans[ranked_span]`` as [start, end) when present, else all ``num_tokens``."""
-    if ranked_span is None or not spans or ranked_span not in spans:
-        return slice(0, num_tokens)
-    start, end = spans[ranked_span]
+def observation_window() -> int:
+    """The tokens the "prompt" span leaves out: CLAA's observation window W."""
+    return make("claa").window_size
+
+
+def ranked_slice(spans: Mapping[str, Any] | None, span: str, num_tokens: int) -> slice:
+    """The tokens to rank: "prompt", all but the last W (``observation_window``); "context",
+    ``spans["context_tokens"]`` as [start, end) when the example has one, else the prompt span."""
+    if span not in SPANS:
+        raise RankkitError(f"span {span!r} is not one of {', '.join(SPANS)}; use --span prompt or context")
+    key = SPANS[span]
+    if key is None or not spans or key not in spans:
+        return slice(0, max(1, num_tokens - observation_window()))
+    start, end = spans[key]
     if not 0 <= start < end <= num_tokens:
         raise RankkitError(
-            f"span {ranked_span} = [{start}, {end}) is empty or outside the {num_tokens} tokens; "
-            "recapture the example or rank all tokens (ranked_span=None)"
+            f"span {key} = [{start}, {end}) is empty or outside the {num_tokens} tokens; "
+            "recapture the example or rank the prompt (--span prompt)"
         )
     return slice(start, end)
 
@@ -137,57 +145,51 @@ class Reference:
 
 
 def evaluate_example(
-    scores: Mapping[str, np.ndarray],
+    record,
     reference: Reference,
-    methods: Sequence[str],
-    draft: np.ndarray | None = None,
+    probes: Sequence[str],
+    methods: Mapping[str, Method],
+    budget: Budget,
+    ranked: slice,
 ) -> tuple[list[pl.DataFrame], list[pl.DataFrame], list[pl.DataFrame]]:
-    """Per-layer, per-head and sweep frames (without example columns) of one example.
-
-    ``scores`` maps probe -> [L, kv_heads, T] and ``draft`` is [k, ..., T] or [T], both already
-    cut to the ranked tokens. Methods whose inputs the example lacks are skipped.
-    """
-    # CLAA Eq. 1, 2 and 5 all sum over heads; the window scores are pooled before the sum,
-    # and avg pooling commutes with it.
-    layer_scores = {probe: values.sum(axis=1) for probe, values in scores.items()}
-    probe_metrics: dict[str, dict[str, np.ndarray]] = {}
-
-    def metrics_of(probe: str) -> dict[str, np.ndarray]:
-        if probe not in probe_metrics:
-            probe_metrics[probe] = reference.metrics(layer_scores[probe])
-        return probe_metrics[probe]
-
+    """Per-layer, per-head and sweep frames (without example columns) of one example: ``probes``
+    by their stored scores, ``methods`` (label -> method) by their ``layer_rankings`` under
+    ``budget``; every ranking cut to the ``ranked`` tokens."""
     per_layer, per_head, sweep = [], [], []
-    for method in methods:
-        if method in scores:
-            per_layer.append(_layers_frame(method, metrics_of(method)))
-            head_rho = reference.head_spearman(scores[method])
-            if head_rho is not None:
-                per_head.append(_heads_frame(method, head_rho))
-        elif SINGLE_LAYER_METHODS.get(method) in scores:
-            per_layer.append(_layers_frame(method, metrics_of(SINGLE_LAYER_METHODS[method])))
-        elif method == CLAA and WINDOW_PROBE in scores:
-            for n in sorted({*CLAA_SWEEP, CLAA_LAYERS}):
-                aggregated = aggregate_claa_every_layer(layer_scores[WINDOW_PROBE], n)
-                columns = reference.metrics(aggregated, with_kendall=(n == CLAA_LAYERS))
-                if n == CLAA_LAYERS:
-                    per_layer.append(_layers_frame(CLAA, columns))
-                if n in CLAA_SWEEP:
-                    sweep_columns = {name: values for name, values in columns.items() if name != "kendall"}
-                    sweep.append(
-                        _layers_frame(f"{CLAA}-n{n}", sweep_columns).insert_column(
-                            1, pl.lit(n, dtype=pl.Int32).alias("claa_layers")
-                        )
+    for probe in probes:
+        scores = record.scores(probe)[..., ranked]
+        # CLAA Eq. 1, 2 and 5 all sum over heads; the window scores are pooled before the sum,
+        # and avg pooling commutes with it.
+        per_layer.append(
+            _layers_frame(probe, list(range(scores.shape[0])), reference.metrics(scores.sum(axis=1)))
+        )
+        head_rho = reference.head_spearman(scores)
+        if head_rho is not None:
+            per_head.append(_heads_frame(probe, head_rho))
+    for label, method in methods.items():
+        layers, rankings = _rankings(method, record, budget, ranked)
+        per_layer.append(_layers_frame(label, layers, reference.metrics(rankings)))
+        if method.name == CLAA:
+            for n in CLAA_SWEEP:
+                layers, rankings = _rankings(replace(method, aggregation_window=n), record, budget, ranked)
+                columns = reference.metrics(rankings, with_kendall=False)
+                sweep.append(
+                    _layers_frame(f"{CLAA}-n{n}", layers, columns).insert_column(
+                        1, pl.lit(n, dtype=pl.Int32).alias("claa_layers")
                     )
-        elif method == SPECPREFILL and draft is not None:
-            ranking = specprefill_scores(draft)[np.newaxis]
-            per_layer.append(_layers_frame(SPECPREFILL, reference.metrics(ranking), layered=False))
+                )
     return per_layer, per_head, sweep
 
 
-def _layers_frame(method: str, columns: dict[str, np.ndarray], *, layered: bool = True) -> pl.DataFrame:
-    num_rows = len(next(iter(columns.values())))
-    layers = pl.Series("layer", np.arange(num_rows) if layered else [None] * num_rows, dtype=pl.Int32)
+def _rankings(method: Method, record, budget: Budget, ranked: slice) -> tuple[list[int | None], np.ndarray]:
+    """The layers a method could select at and its rankings there [R, ranked tokens], in layer order."""
+    rankings = method.layer_rankings(captured(record, method), budget)
+    layers = sorted(rankings, key=lambda layer: -1 if layer is None else layer)
+    return layers, torch.stack([rankings[layer] for layer in layers]).numpy()[..., ranked]
+
+
+def _layers_frame(method: str, layer_ids: list[int | None], columns: dict[str, np.ndarray]) -> pl.DataFrame:
+    layers = pl.Series("layer", layer_ids, dtype=pl.Int32)
     frame = pl.DataFrame({name: values.astype(np.float64) for name, values in columns.items()})
     return frame.fill_nan(None).select(pl.lit(method).alias("method"), layers, pl.all())
 
@@ -220,19 +222,32 @@ def stability_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def summary_frame(per_layer: pl.DataFrame, pruning_layer: int) -> pl.DataFrame:
-    """One row per method: example means of every metric at ``pruning_layer`` (layer-less methods at
-    their only row), the number of examples, and the method's ``stability_frame`` columns."""
-    at_layer = per_layer.filter((pl.col("layer") == pruning_layer) | pl.col("layer").is_null())
-    means = at_layer.group_by("method", "layer", maintain_order=True).agg(
-        *(pl.col(name).mean() for name in METRIC_COLUMNS), pl.len().cast(pl.Int32).alias("n_examples")
+def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | None]) -> pl.DataFrame:
+    """One row per method: example means of every metric at the method's ``summary_layers`` entry
+    (None: every row it has, one per example: an adaptive or layer-less method), the number of
+    examples, and the method's ``stability_frame`` columns. ``layer`` is null where examples differ."""
+    rows = [
+        per_layer.filter(pl.col("method") == method)
+        if layer is None
+        else per_layer.filter((pl.col("method") == method) & (pl.col("layer") == layer))
+        for method, layer in summary_layers.items()
+    ]
+    at_layer = _concat([frame for frame in rows if frame.height])
+    if not at_layer.height:
+        return pl.DataFrame()
+    layer = pl.col("layer")
+    means = at_layer.group_by("method", maintain_order=True).agg(
+        pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer"),
+        *(pl.col(name).mean() for name in METRIC_COLUMNS),
+        pl.len().cast(pl.Int32).alias("n_examples"),
     )
     return means.join(stability_frame(per_layer), on="method", how="left", maintain_order="left")
 
 
 @dataclass(frozen=True)
 class CompareResult:
-    pruning_layer: int
+    pruning_layer: int  # the layer probes and KV-only methods are summarised at
+    span: str  # which tokens were ranked: "prompt" or "context"
     per_layer: pl.DataFrame
     per_head: pl.DataFrame
     sweep: pl.DataFrame
@@ -252,27 +267,41 @@ class CompareResult:
 
 
 def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
-    """Method names a store with these probes offers, in display order."""
-    methods = sorted(probes)
-    methods += [method for method, probe in SINGLE_LAYER_METHODS.items() if probe in probes]
-    methods += [CLAA] if WINDOW_PROBE in probes else []
-    methods += [SPECPREFILL] if has_draft else []
-    return methods
+    """What ``compare`` ranks by default: every captured probe, then every registered method whose
+    captured inputs the store holds (the oracle method is left out: it is the reference)."""
+    offered = sorted(probes)
+    available = {*probes, *([DRAFT_SCORES] if has_draft else [])}
+    for name in REGISTRY:
+        if name in probes:  # a probe of the same name (lava) keeps the name; the method takes NAME:PARAM=...
+            continue
+        try:
+            needs = make(name).captured_inputs()
+        except RankkitError:  # no offline face
+            continue
+        if needs and all(key in available for key in needs):
+            offered.append(name)
+    return offered
 
 
 def compare_store(
     path: str | os.PathLike,
     *,
     layer: int | None = None,
-    methods: Sequence[str] | None = None,
+    methods: str | Sequence[str] | None = None,
     use_oracle: bool = True,
-    ranked_span: str | None = "context_tokens",
+    span: str = "prompt",
+    keep: float | int = KEEP_RATES[0],
     needle_keep: float | int = NEEDLE_KEEP,
 ) -> CompareResult:
-    """Compare every method of a store with its oracle; ``layer`` is l_p for the summary (default: half depth).
+    """Compare probes and methods of a store with its oracle (see the module docstring).
 
-    With ``use_oracle`` only examples with an oracle count; without it every example counts and
-    only the reference-free metrics are filled in.
+    ``methods`` are probe keys and method specs (``claa:aggregation_window=8``), or one string of
+    them in the ``--probes`` syntax (``split_names``); ``layer`` is the
+    selection layer of every method that has one and the layer probes and KV-only methods are
+    summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
+    are made under (it sets ASL's k and the size of forced sets). With ``use_oracle`` only examples
+    with an oracle count; without it every example counts and only the reference-free metrics are
+    filled in.
     """
     from rankkit import stores
 
@@ -286,56 +315,67 @@ def compare_store(
             raise RankkitError(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
             )
+    num_layers = scored_layers(records)
+    default_layer = make(CLAA).bind(num_layers).pruning_layer if layer is None else layer
+    if not 0 <= default_layer < num_layers:
+        raise RankkitError(
+            f"layer {default_layer} (--layer) is outside the model's layers 0..{num_layers - 1}"
+        )
 
-    has_draft = any(DRAFT_GROUP in record.groups for record in records)
-    offered = available_methods(sorted({probe for record in records for probe in record.probes}), has_draft)
-    chosen = list(methods) if methods else offered
-    unknown = [method for method in chosen if method not in offered]
+    captured_probes = sorted({probe for record in records for probe in record.probes})
+    has_draft = all(DRAFT_GROUP in record.groups for record in records)
+    if isinstance(methods, str):
+        methods = split_names(methods)
+    chosen = list(methods) if methods else available_methods(captured_probes, has_draft)
+    unknown = [name for name in chosen if name not in captured_probes and not is_method(name)]
     if unknown:
         raise RankkitError(
-            f"method {', '.join(unknown)} is not available in {path}; choose from {', '.join(offered)}"
+            f"{', '.join(unknown)} is neither a probe {path} holds nor a method; choose from "
+            f"{', '.join([*captured_probes, *sorted(REGISTRY)])}"
         )
-    num_layers = scored_layers(records)
-    pruning_layer = num_layers // 2 if layer is None else layer
-    if not 0 <= pruning_layer < num_layers:
-        raise RankkitError(
-            f"layer {pruning_layer} (--layer) is outside the model's layers 0..{num_layers - 1}"
-        )
-
-    needed = _probes_needed(chosen)
+    probes = [name for name in chosen if name in captured_probes]
+    ranked_methods = {
+        name: method_from_spec(name, layer if make(name.partition(":")[0]).selection_parameter else None)
+        for name in chosen
+        if name not in captured_probes
+    }
+    check_inputs(ranked_methods.values(), records, store.meta)
+    budget = Budget.parse(keep)
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
     for record in records:
-        ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
+        ranked = ranked_slice(record.attrs.get("spans"), span, record.num_tokens)
         spans = record.attrs.get("spans") or {}
         evidence = [
             (start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])
         ]
         oracle = record.oracle[ranked] if use_oracle else None
         reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
-        scores = {probe: record.scores(probe)[..., ranked] for probe in record.probes if probe in needed}
-        draft = record.group(DRAFT_GROUP)[DRAFT_ARRAY][..., ranked] if DRAFT_GROUP in record.groups else None
         example_columns = (
             pl.lit(record.id, dtype=pl.Categorical).alias("example"),
             pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
         )
-        for name, found in zip(frames, evaluate_example(scores, reference, chosen, draft), strict=True):
-            frames[name] += [frame.select(*example_columns, pl.all()) for frame in found]
+        found = evaluate_example(record, reference, probes, ranked_methods, budget, ranked)
+        for name, frames_found in zip(frames, found, strict=True):
+            frames[name] += [frame.select(*example_columns, pl.all()) for frame in frames_found]
 
     per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
+    summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
+    for name, method in ranked_methods.items():
+        selection = method.selection_parameter
+        if selection is not None:
+            summary_layers[name] = getattr(method.bind(num_layers), selection)
+        else:  # every layer (KV-only): the probes' layer; one row per example (adaptive, draft): that row
+            rows = per_layer.filter(pl.col("method") == name)
+            summary_layers[name] = default_layer if rows.height > rows["example"].n_unique() else None
     return CompareResult(
-        pruning_layer=pruning_layer,
+        pruning_layer=default_layer,
+        span=span,
         per_layer=per_layer,
         per_head=per_head,
         sweep=sweep,
         stability=stability_frame(per_layer),
-        summary=summary_frame(per_layer, pruning_layer),
+        summary=summary_frame(per_layer, summary_layers),
     )
-
-
-def _probes_needed(methods: Sequence[str]) -> set[str]:
-    """The probes whose scores the methods rank by."""
-    needed = {SINGLE_LAYER_METHODS.get(method, method) for method in methods}
-    return needed | {WINDOW_PROBE} if CLAA in methods else needed
 
 
 def _concat(frames: list[pl.DataFrame]) -> pl.DataFrame:

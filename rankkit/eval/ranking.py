@@ -12,7 +12,6 @@ results are deterministic.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,20 +19,11 @@ from scipy import stats
 
 
 def keep_count(keep: float | int, num_tokens: int) -> int:
-    """How many of ``num_tokens`` a budget keeps.
+    """How many of ``num_tokens`` a budget keeps: a keep rate (a float in (0, 1]) or a token count
+    (an int), rounded as every method rounds its budget (``Budget.resolve``)."""
+    from rankkit.methods.base import Budget
 
-    A float in (0, 1] is a keep rate: floor(keep * T), at least one token. An int >= 1 is an
-    absolute count, capped at T.
-    """
-    if isinstance(keep, bool) or not isinstance(keep, int | float):
-        raise ValueError(f"keep must be a rate in (0, 1] or a token count >= 1, got {keep!r}")
-    if isinstance(keep, float):
-        if not 0.0 < keep <= 1.0:
-            raise ValueError(f"a keep rate must be in (0, 1], got {keep}")
-        return max(1, math.floor(keep * num_tokens))
-    if keep < 1:
-        raise ValueError(f"a token count must be >= 1, got {keep}")
-    return min(keep, num_tokens)
+    return Budget.parse(keep).resolve(num_tokens)
 
 
 class _TieRuns:

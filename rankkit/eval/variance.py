@@ -3,7 +3,7 @@
 
 Frames:
 
-curves      example, task, probe, layer, relative_variance   (null before L_min, or without variance at L_min)
+curves      example, task, probe, layer, relative_variance   (null before L_min)
 selections  example, task, probe, tau, selection_layer        (null when the curve never drops below tau)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,58 +19,14 @@ import numpy as np
 import polars as pl
 
 from rankkit.errors import RankkitError
+from rankkit.methods import Budget
+from rankkit.methods.asl import Asl
 
-from .ranking import descending_ranks, keep_count
+from .offline import captured, check_inputs, method_from_spec
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
-OBSERVED_LAYERS = 8  # L_obs, ASL Sec. 5.1
 DEFAULT_BUDGET = 0.1
-
-
-def default_min_layer(num_layers: int) -> int:
-    """L_min = floor(L / 3) (ASL Appendix D.2)."""
-    return num_layers // 3
-
-
-def rank_variance_curve(
-    layer_scores: np.ndarray,
-    budget: float | int = DEFAULT_BUDGET,
-    min_layer: int | None = None,
-    observed_layers: int = OBSERVED_LAYERS,
-) -> np.ndarray:
-    """ASL's relative rank variance at every layer, as Algorithm 2 computes it layer by layer: [L], NaN before L_min.
-
-    ``layer_scores`` is [L, T] or [L, kv_heads, T]; heads are summed (ASL Sec. 4.1, "scores =
-    sum over groups and heads of PA"). Per layer the tokens are ranked in descending order
-    (Algorithm 1's RankDesc; ties to the earlier token). At layer l >= L_min Algorithm 2 takes
-    the ranks of layers l - L_obs + 1..l (clipped at layer 0), the union U of each layer's
-    top-k tokens (k from ``keep_count(budget, T)``; Algorithm 2's k = KV_budget - W when the
-    window is not among the ranked tokens), and the mean over U of each token's rank
-    variance across those layers, divided by the same quantity at L_min. The variance is the
-    population one; the choice cancels in the ratio. A zero variance at L_min gives NaN or inf.
-    """
-    scores = np.asarray(layer_scores)
-    if scores.ndim == 3:
-        scores = scores.sum(axis=1)
-    if scores.ndim != 2:
-        raise ValueError(f"layer scores must be [L, T] or [L, heads, T], got shape {np.shape(layer_scores)}")
-    num_layers, num_tokens = scores.shape
-    min_layer = default_min_layer(num_layers) if min_layer is None else min_layer
-    if not 0 <= min_layer < num_layers:
-        raise ValueError(f"L_min {min_layer} is outside 0..{num_layers - 1}")
-    if observed_layers < 1:
-        raise ValueError(f"L_obs must be >= 1, got {observed_layers}")
-
-    ranks = descending_ranks(scores)
-    in_top_k = ranks < keep_count(budget, num_tokens)
-    variances = np.full(num_layers, np.nan)
-    for layer in range(min_layer, num_layers):
-        window = slice(max(0, layer - observed_layers + 1), layer + 1)
-        union = in_top_k[window].any(axis=0)
-        variances[layer] = ranks[window][:, union].var(axis=0).mean()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return variances / variances[min_layer]
 
 
 def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
@@ -115,43 +71,43 @@ class VarianceResult:
 def variance_store(
     path: str | os.PathLike,
     *,
-    probe: str = "window",
+    method: str = "asl",
     budget: float | int = DEFAULT_BUDGET,
     min_layer: int | None = None,
-    observed_layers: int = OBSERVED_LAYERS,
+    observed_layers: int | None = None,
     thresholds: Sequence[float] = THRESHOLDS,
-    ranked_span: str | None = "context_tokens",
 ) -> VarianceResult:
     """ASL curves and selection layers for every complete example of a store.
 
-    ``probe`` should be the window-softmax scores ASL ranks by (Algorithm 1). Tokens are
-    ranked within ``spans[ranked_span]`` when the example has that span (ASL ranks the
-    past-only tokens, Algorithm 1 line 4), else all of them; None ranks all tokens.
+    The curve is the ``asl`` method's own (``Asl.variance_curve``, ASL Alg. 2: the window
+    probe at W = 32, k = budget - W, ranks over every token outside the window), so at the
+    method's tau the layer chosen here is the one ``asl`` selects at. ``method`` may carry
+    ASL's parameters (``asl:window_size=8``); ``min_layer``/``observed_layers`` override L_min/L_obs.
     """
     from rankkit import stores
 
-    from .compare import ranked_slice, scored_layers
+    from .compare import scored_layers
 
+    asl = method_from_spec(method)
+    if not isinstance(asl, Asl):
+        raise RankkitError(f"rankkit variance follows ASL's curve; name asl or asl-2pass, not {method!r}")
+    overrides = {"min_layer": min_layer, "observed_layers": observed_layers}
+    asl = replace(asl, **{name: value for name, value in overrides.items() if value is not None})
     store = stores.open(path)
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
-    if min_layer is None:
-        min_layer = default_min_layer(scored_layers(records))
+    check_inputs([asl], records, store.meta)
+    bound = asl.bind(scored_layers(records))
+    if not 0 <= bound.min_layer < scored_layers(records) or bound.observed_layers < 1:
+        raise RankkitError(
+            f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
+            f"{scored_layers(records)} layers; adjust --l-min or --l-obs"
+        )
+    probe = asl.probe().key
     curve_frames, selection_rows = [], []
     for record in records:
-        if probe not in record.probes:
-            raise RankkitError(
-                f"example {record.id!r} has no {probe!r} scores (it has {', '.join(record.probes)}); "
-                "pass --probe with one of those"
-            )
-        ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
-        try:
-            curve = rank_variance_curve(record.scores(probe)[..., ranked], budget, min_layer, observed_layers)
-        except ValueError as error:
-            raise RankkitError(
-                f"example {record.id!r}: {error}; adjust --l-min, --l-obs or --budget"
-            ) from None
+        curve = np.asarray(asl.variance_curve(captured(record, asl), Budget.parse(budget)))
         task = record.attrs.get("task")
         curve_frames.append(
             pl.DataFrame(
@@ -160,7 +116,7 @@ def variance_store(
                     "relative_variance": curve,
                 }
             )
-            .with_columns(  # null before L_min and where a zero variance at L_min leaves no ratio
+            .with_columns(  # null before L_min
                 pl.when(pl.col("relative_variance").is_finite()).then(pl.col("relative_variance"))
             )
             .select(
@@ -189,5 +145,5 @@ def variance_store(
         "selection_layer": pl.Int32,
     }
     return VarianceResult(
-        min_layer, pl.concat(curve_frames), pl.DataFrame(selection_rows, schema=selection_schema)
+        bound.min_layer, pl.concat(curve_frames), pl.DataFrame(selection_rows, schema=selection_schema)
     )

@@ -4,6 +4,7 @@
 package registers every method.
 """
 
+from rankkit.errors import RankkitError
 from rankkit.methods import (  # noqa: F401  (each module registers its method)
     asl,
     claa,
@@ -18,6 +19,36 @@ from rankkit.methods import (  # noqa: F401  (each module registers its method)
     specprefill,
     streamingllm,
 )
-from rankkit.methods.base import REGISTRY, Budget, Method, MethodPrefill, Pass, make, scale_layer
+from rankkit.methods.base import REGISTRY, Budget, Method, MethodPrefill, Pass, Selection, make, scale_layer
+from rankkit.methods.selection import Captured
 
-__all__ = ["REGISTRY", "Budget", "Method", "MethodPrefill", "Pass", "make", "scale_layer"]
+__all__ = [
+    "REGISTRY",
+    "Budget",
+    "Captured",
+    "Method",
+    "MethodPrefill",
+    "Pass",
+    "Selection",
+    "make",
+    "probes_methods_need",
+    "scale_layer",
+]
+
+
+def probes_methods_need() -> list:
+    """The probes the registered methods rank by at their defaults, once per store key: what a
+    default capture records beside every probe, so each method's offline face finds its scores."""
+    from rankkit import probes
+
+    needed = {}
+    for cls in REGISTRY.values():
+        method = cls()
+        try:
+            keys = method.captured_inputs()
+        except RankkitError:  # a method without an offline face needs nothing captured
+            continue
+        for key in keys:
+            if key.partition(":")[0] in probes.REGISTRY:
+                needed.setdefault(key, method.probe())
+    return list(needed.values())

@@ -1,4 +1,4 @@
-"""ASL, Adaptive Selection Layer (paper 000, Sec. 4, Appendix A Algorithms 1-2).
+"""ASL, Adaptive Selection Layer (ASL Sec. 4, Appendix A Algorithms 1-2).
 
 Probe ``window`` (W=32, avg pooled with kernel 7; summed over all heads, Sec. 4.1) x
 ``RankVariance`` x one of two modes:
@@ -26,18 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, make_probe, register, scale_count
-from rankkit.methods.selection import LayerPolicy, SelectionHook, one_pass, two_pass
-
-REFERENCE_OBSERVED_LAYERS = 8  # L_obs
-
-
-def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
-    """Rank of every entry, 0 for the highest score (``RankDesc``), as float."""
-    order = torch.argsort(scores, descending=True)
-    ranks = torch.empty_like(order)
-    ranks[order] = torch.arange(order.numel(), device=order.device)
-    return ranks.float()
+from rankkit.methods.base import depth_field, make_probe, paper_count, register
+from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks, replay
 
 
 class RankVariance(LayerPolicy):
@@ -64,7 +54,7 @@ class RankVariance(LayerPolicy):
             return None
         summed = scores.sum(0)
         past = summed[: summed.numel() - self.window]  # Algorithm 1 line 4: the window is not ranked
-        self.rank_cache.append(descending_ranks(past))
+        self.rank_cache.append(descending_ranks(past).float())
         if layer < self.min_layer:
             return None
         ranks = torch.stack(list(self.rank_cache))  # [L_obs, T - W]
@@ -78,48 +68,55 @@ class RankVariance(LayerPolicy):
         return summed if relative < self.tau or layer == self.last_layer else None
 
 
+def relative_variance_curve(
+    layer_scores: torch.Tensor, top_k: int, window: int, min_layer: int, observed_layers: int
+) -> list[float]:
+    """ASL Alg. 2's relative rank variance at every layer of scores [L, kv_heads, T], NaN before L_min:
+    ``RankVariance`` itself run over every layer (a threshold nothing drops below)."""
+    num_layers = layer_scores.shape[0]
+    policy = RankVariance(float("-inf"), min_layer, observed_layers, top_k, window, last_layer=num_layers)
+    replay(policy, layer_scores)
+    return [policy.relative_variance.get(layer, float("nan")) for layer in range(num_layers)]
+
+
 @dataclass
-class Asl(Method):
+class Asl(PolicyMethod):
     """One-pass ASL with SnapKV before the selection layer."""
 
     name: ClassVar[str] = "asl"
     tau: float = 0.3
-    min_layer: int | None = None  # L_min; default floor(L / 3) (Appendix D.2)
-    observed_layers: int | None = None  # L_obs; default 8 of 32 layers scaled
-    window_size: int = 32
+    min_layer: int | None = depth_field(
+        lambda num_layers: num_layers // 3
+    )  # L_min = floor(L/3), Appendix D.2
+    observed_layers: int | None = paper_count(8, minimum=2)  # L_obs, of 32 layers
+    window_size: int = 32  # W
     kernel_size: int = 7
-    two_pass: ClassVar[bool] = False
 
-    def layers(self, num_layers: int) -> tuple[int, int]:
-        min_layer = self.min_layer if self.min_layer is not None else num_layers // 3
-        observed = (
-            self.observed_layers
-            if self.observed_layers is not None
-            else scale_count(REFERENCE_OBSERVED_LAYERS, num_layers, minimum=2)
+    def probe(self):
+        return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)
+
+    def policy(self, num_layers, keep):
+        """Algorithm 2 with k = budget - W: the window is kept apart from the ranked tokens."""
+        return RankVariance(
+            self.tau,
+            self.min_layer,
+            self.observed_layers,
+            keep - self.window_size,
+            self.window_size,
+            num_layers - 1,
         )
-        return min_layer, observed
 
-    def resolved(self, num_layers):
-        min_layer, observed = self.layers(num_layers)
-        return {
-            "tau": self.tau,
-            "min_layer": min_layer,
-            "observed_layers": observed,
-            "window_size": self.window_size,
-            "kernel_size": self.kernel_size,
-        }
+    def forced(self, keep):
+        return self.window_size, 0
 
-    def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
-        min_layer, observed = self.layers(runner.num_layers)
-        policy = RankVariance(
-            self.tau, min_layer, observed, keep - self.window_size, self.window_size, runner.num_layers - 1
-        )
-        probe = make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)
-        if self.two_pass:
-            return two_pass(runner, input_ids, SelectionHook(probe, policy, keep, window=self.window_size))
-        hook = SelectionHook(probe, policy, keep, window=self.window_size, compress_from=0)
-        return one_pass(runner, input_ids, hook)
+    def compress_from(self):
+        return 0
+
+    def variance_curve(self, captured: Captured, budget) -> list[float]:
+        """The relative rank variance the selection follows, at every layer (``rankkit variance``)."""
+        bound, keep, window, _ = self._plan(captured.num_layers, captured.num_tokens, budget)
+        scores = self.captured_scores(captured)
+        return relative_variance_curve(scores, keep - window, window, bound.min_layer, bound.observed_layers)
 
 
 @dataclass

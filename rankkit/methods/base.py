@@ -1,16 +1,20 @@
 """What every method shares: the budget, the result of a method's prefill, and the registry.
 
-A method is a small dataclass with paper-named parameters. Layer parameters default
-to ``None``, meaning "the paper's value for 32-layer Llama-3.1-8B, scaled to this
-model's depth" (``scale_layer``). ``prefill`` runs the method's selection for real and
-returns the cache that decoding continues from; decoding and timing are generic
-(``rankkit.methods.measure``), so a method only says how it prefills.
+A method is a small dataclass with paper-named parameters. Layer parameters are
+declared once with ``depth_field``: they default to ``None``, meaning "the paper's value
+for 32-layer Llama-3.1-8B, scaled to this model's depth", and ``Method.bind`` fills them
+in for a given depth. A method has two faces: ``prefill`` runs its selection for real
+and returns the cache that decoding continues from (decoding and timing are generic,
+``rankkit.methods.measure``), and ``select_offline`` computes the same selection from a
+store's captured scores (``rankkit.methods.selection`` holds the one rule both use).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
@@ -29,6 +33,28 @@ def scale_layer(reference_index: int, num_layers: int) -> int:
 def scale_count(reference_count: int, num_layers: int, minimum: int = 1) -> int:
     """A number of layers given for a 32-layer model, scaled to ``num_layers`` (at least ``minimum``)."""
     return max(minimum, round(reference_count * num_layers / REFERENCE_LAYERS))
+
+
+AT_DEPTH = "at_depth"  # field metadata: the parameter's value for a model of the given depth
+SELECTION = "selection_layer"  # field metadata: the parameter ``--layer`` sets
+
+
+def depth_field(at_depth: Callable[[int], int], *, selection: bool = False):
+    """A layer parameter whose default depends on the model's depth: ``at_depth(num_layers)``.
+
+    ``selection`` marks the layer a method selects at, the one ``--layer`` sets.
+    """
+    return field(default=None, metadata={AT_DEPTH: at_depth, SELECTION: selection})
+
+
+def paper_layer(reference_index: int, *, selection: bool = False):
+    """A layer index the paper gives for 32 layers, scaled to the model's depth (``scale_layer``)."""
+    return depth_field(functools.partial(scale_layer, reference_index), selection=selection)
+
+
+def paper_count(reference_count: int, minimum: int = 1):
+    """A number of layers the paper gives for 32 layers, scaled to the model's depth (``scale_count``)."""
+    return depth_field(functools.partial(scale_count, reference_count, minimum=minimum))
 
 
 @dataclass(frozen=True)
@@ -54,7 +80,20 @@ class Budget:
             raise RankkitError(f"budget {tokens} is not a positive token count: use e.g. --budget 2048")
         return cls(tokens=tokens)
 
+    @classmethod
+    def parse(cls, value: float | int) -> Budget:
+        """A keep rate (a float in (0, 1]) or a token count (an int)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RankkitError(
+                f"budget {value!r} is neither a keep rate nor a token count: use e.g. 0.1 or 2048"
+            )
+        return cls.from_tokens(value) if isinstance(value, int) else cls.from_keep(value)
+
     def resolve(self, prompt_length: int, always_kept: int = 0) -> int:
+        """The number of tokens kept: ceil(keep x T) or the count, at least ``always_kept`` and 1, at most T.
+
+        Rounding up keeps at least the asked share; every kept-set size in rankkit comes from here.
+        """
         wanted = self.tokens if self.tokens is not None else math.ceil(self.keep * prompt_length)
         return min(prompt_length, max(wanted, always_kept, 1))
 
@@ -96,8 +135,38 @@ class MethodPrefill:
 
 
 @dataclass
+class Selection:
+    """The tokens a method keeps at its selection layer, as original prompt positions (sorted).
+
+    ``positions`` is [k] for a shared selection, [kv_heads, k] for per-head (KV-only) methods,
+    or a list of [k_h] per KV head when heads keep different counts (LAVa);
+    ``layer`` is None for methods that select before any layer of the model (a draft's ranking).
+    """
+
+    layer: int | None
+    positions: torch.Tensor | list[torch.Tensor]
+
+    def as_lists(self) -> list[int] | list[list[int]]:
+        if isinstance(self.positions, list):
+            return [head.tolist() for head in self.positions]
+        return self.positions.tolist()
+
+    @property
+    def size(self) -> int:
+        """Tokens kept (per KV head, the most any head keeps)."""
+        if isinstance(self.positions, list):
+            return max(head.numel() for head in self.positions)
+        return int(self.positions.shape[-1])
+
+
+@dataclass
 class Method:
-    """Base of every method; subclasses set ``name`` and implement ``prefill``."""
+    """Base of every method; subclasses set ``name`` and implement ``prefill``.
+
+    The offline face: ``captured_inputs`` names the store arrays the method ranks by (probe
+    keys, or ``DRAFT_SCORES`` / ``ORACLE_SCORES``) and ``select_offline`` / ``layer_rankings``
+    compute its kept set and rankings from them. Methods without one raise.
+    """
 
     name: ClassVar[str] = ""
 
@@ -107,13 +176,51 @@ class Method:
     def prefill(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
         raise NotImplementedError
 
+    def bind(self, num_layers: int):
+        """This method with every depth-dependent parameter left ``None`` set for a ``num_layers``-deep model."""
+        filled = {
+            spec.name: spec.metadata[AT_DEPTH](num_layers)
+            for spec in fields(self)
+            if AT_DEPTH in spec.metadata and getattr(self, spec.name) is None
+        }
+        bound = replace(self, **filled)
+        selection = bound.selection_parameter
+        if selection is not None and not 0 <= getattr(bound, selection) < num_layers:
+            raise RankkitError(
+                f"{selection}={getattr(bound, selection)} of method '{self.name}' is outside "
+                f"the model's layers 0..{num_layers - 1}; pick one of them with --layer"
+            )
+        return bound
+
     def resolved(self, num_layers: int) -> dict:
-        """The parameters with depth-scaled defaults filled in, as a run records them."""
-        return asdict(self)
+        """The parameters with depth-scaled defaults filled in, as a run records them (state such as
+        a precomputed ranking, declared with ``repr=False``, is not a parameter)."""
+        bound = self.bind(num_layers)
+        return {spec.name: getattr(bound, spec.name) for spec in fields(bound) if spec.repr}
+
+    @property
+    def selection_parameter(self) -> str | None:
+        """The name of the parameter holding the selection layer, or None."""
+        return next((spec.name for spec in fields(self) if spec.metadata.get(SELECTION)), None)
 
     def with_layer(self, layer: int) -> Method:
         """This method with its selection layer set (``--layer``); methods without one refuse."""
-        raise RankkitError(f"method '{self.name}' has no selection layer to set")
+        if self.selection_parameter is None:
+            raise RankkitError(f"method '{self.name}' has no selection layer to set; drop --layer")
+        return replace(self, **{self.selection_parameter: layer})
+
+    def captured_inputs(self) -> list[str]:
+        """The store arrays ``select_offline`` reads: probe keys, ``DRAFT_SCORES`` or ``ORACLE_SCORES``."""
+        raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
+
+    def select_offline(self, captured, budget: Budget, *, layer: int | None = None) -> Selection:
+        """The tokens ``prefill`` would keep, from the captured arrays ``captured_inputs`` names
+        (a ``rankkit.methods.selection.Captured``); ``layer`` picks a per-head method's layer."""
+        raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
+
+    def layer_rankings(self, captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        """The method's token scores [T] (forced tokens at +inf) at each layer it could select at."""
+        raise RankkitError(f"method '{self.name}' has no offline face: it ranks nothing a store captures")
 
 
 REGISTRY: dict[str, type[Method]] = {}

@@ -10,43 +10,29 @@ layer's cache is compressed with the same indices, so layers >= TSP hold the sel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import Method, make_probe, register, scale_layer
-from rankkit.methods.selection import FixedLayer, SelectionHook, one_pass
-
-REFERENCE_TSP_LAYER = 15  # FastKV and CLAA Table 4 for 32-layer Llama-3.1-8B
+from rankkit.methods.base import make_probe, paper_layer, register
+from rankkit.methods.selection import FixedLayer, PolicyMethod
 
 
 @register
 @dataclass
-class FastKV(Method):
+class FastKV(PolicyMethod):
     name: ClassVar[str] = "fastkv"
-    tsp_layer: int | None = None  # default 15 of 32 scaled to the model's depth
+    tsp_layer: int | None = paper_layer(15, selection=True)  # FastKV and CLAA Table 4, of 32 layers
     window_size: int = 8  # W
     kernel_size: int = 7
 
-    def layer(self, num_layers: int) -> int:
-        return self.tsp_layer if self.tsp_layer is not None else scale_layer(REFERENCE_TSP_LAYER, num_layers)
+    def probe(self):
+        return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)
 
-    def resolved(self, num_layers):
-        return {
-            "tsp_layer": self.layer(num_layers),
-            "window_size": self.window_size,
-            "kernel_size": self.kernel_size,
-        }
+    def policy(self, num_layers, keep):
+        return FixedLayer(self.tsp_layer)
 
-    def with_layer(self, layer):
-        return replace(self, tsp_layer=layer)
+    def forced(self, keep):
+        return self.window_size, 0
 
-    def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
-        hook = SelectionHook(
-            make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size),
-            FixedLayer(self.layer(runner.num_layers)),
-            keep,
-            window=self.window_size,
-            compress_from=0,
-        )
-        return one_pass(runner, input_ids, hook)
+    def compress_from(self):
+        return 0

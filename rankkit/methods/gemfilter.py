@@ -8,41 +8,27 @@ layers at their original positions, so every layer's cache holds exactly them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import Method, make_probe, register, scale_layer
-from rankkit.methods.selection import FixedLayer, SelectionHook, two_pass
-
-REFERENCE_ROUTING_LAYER = 15  # CLAA Table 4 (GemFilter's own paper uses 13-15 for Llama-3.1-8B)
+from rankkit.methods.base import make_probe, paper_layer, register
+from rankkit.methods.selection import FixedLayer, PolicyMethod
 
 
 @register
 @dataclass
-class GemFilter(Method):
+class GemFilter(PolicyMethod):
     name: ClassVar[str] = "gemfilter"
-    routing_layer: int | None = None  # r; default 15 of 32 scaled to the model's depth
+    two_pass: ClassVar[bool] = True
+    # r: layer 15 of 32, CLAA Table 4 (GemFilter's own paper uses 13-15 for Llama-3.1-8B)
+    routing_layer: int | None = paper_layer(15, selection=True)
     kernel_size: int = 1  # GemFilter does not pool; CLAA's comparison pools with 7
 
-    def layer(self, num_layers: int) -> int:
-        return (
-            self.routing_layer
-            if self.routing_layer is not None
-            else scale_layer(REFERENCE_ROUTING_LAYER, num_layers)
-        )
+    def probe(self):
+        return make_probe("last_token_raw", kernel_size=self.kernel_size)
 
-    def resolved(self, num_layers):
-        return {"routing_layer": self.layer(num_layers), "kernel_size": self.kernel_size}
+    def policy(self, num_layers, keep):
+        return FixedLayer(self.routing_layer)
 
-    def with_layer(self, layer):
-        return replace(self, routing_layer=layer)
-
-    def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=1)
-        hook = SelectionHook(
-            make_probe("last_token_raw", kernel_size=self.kernel_size),
-            FixedLayer(self.layer(runner.num_layers)),
-            keep,
-            window=1,
-        )
-        return two_pass(runner, input_ids, hook)
+    def forced(self, keep):
+        return 1, 0  # the last token produces the logits

@@ -27,7 +27,9 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, full_prefill, make_probe, register
+from rankkit.errors import RankkitError
+from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
+from rankkit.methods.selection import Captured, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -77,6 +79,36 @@ def apportion(total: int, weights: list[float], floors: list[int], caps: list[in
     return whole
 
 
+def windowless(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """The scored (non-window) entries [H, N - w] of one layer's scores [H, N]."""
+    return scores[:, : scores.shape[1] - min(window, scores.shape[1])]
+
+
+def with_window(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """One layer's scores [H, N] with the recent window at +inf: never evicted."""
+    scores = scores.float().clone()
+    scores[:, scores.shape[1] - min(window, scores.shape[1]) :] = float("inf")
+    return scores
+
+
+def layer_budgets(
+    scores: list[torch.Tensor], entropy: list[float], keep_tokens: int, window: int, num_layers: int
+):
+    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps, of 𝔹 = keep x heads x layers."""
+    heads = scores[0].shape[0]
+    sizes = [int((s != float("-inf")).sum()) for s in scores]
+    floors = [heads * min(window, s.shape[1]) for s in scores]
+    return apportion(keep_tokens * heads * num_layers, entropy, floors, sizes)
+
+
+def evict(scores: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Algorithm 1 ``EVICT``: per head, the sorted positions among the ``budget`` best entries of the
+    flattened (head, token) scores [H, N] (ties to the earlier entry, as every rankkit rank)."""
+    heads, width = scores.shape
+    chosen = descending_order(scores.flatten())[:budget]
+    return [torch.sort(chosen[chosen // width == head] % width).values for head in range(heads)]
+
+
 class LavaBudgets(LayerHook):
     """Algorithm 2 during one prefill: score each layer, then recompress every layer so far."""
 
@@ -98,25 +130,20 @@ class LavaBudgets(LayerHook):
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         scores, self._current = self._current.float(), None
-        heads, length = scores.shape
-        window = min(self.window, length)
-        self.entropy.append(normalized_entropy(scores[:, : length - window]))
-        scores[:, length - window :] = float("inf")
-        self.scores.append(scores)
-        total = self.keep_tokens * heads * self.num_layers
+        self.entropy.append(normalized_entropy(windowless(scores, self.window)))
+        self.scores.append(with_window(scores, self.window))
+        self.budgets = layer_budgets(
+            self.scores, self.entropy, self.keep_tokens, self.window, self.num_layers
+        )
         sizes = [int((s != float("-inf")).sum()) for s in self.scores]
-        floors = [heads * min(self.window, s.shape[1]) for s in self.scores]
-        self.budgets = apportion(total, self.entropy, floors, sizes)
         for earlier, budget in enumerate(self.budgets):
             if budget < sizes[earlier]:
                 self._evict(state, earlier, budget)
 
     def _evict(self, state: PrefillState, layer: int, budget: int) -> None:
-        """Algorithm 1 ``EVICT``: keep the ``budget`` best entries of the flattened (head, token) scores."""
         scores = self.scores[layer]
-        heads, width = scores.shape
-        chosen = torch.topk(scores.flatten(), budget).indices
-        keep = [torch.sort(chosen[chosen // width == head] % width).values for head in range(heads)]
+        heads = scores.shape[0]
+        keep = evict(scores, budget)
         state.cache.compress(layer, keep)
         kept = torch.full((heads, max(k.numel() for k in keep)), float("-inf"), device=scores.device)
         for head, indices in enumerate(keep):
@@ -131,8 +158,41 @@ class Lava(Method):
     window_size: int = 32  # w (the paper does not state it; SnapKV's, whose window LAVa adopts)
     kernel_size: int = 7
 
+    def probe(self):
+        return make_probe("lava", window_size=self.window_size, kernel_size=self.kernel_size)
+
     def prefill(self, runner, input_ids, budget):
         keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
-        probe = make_probe("lava", window_size=self.window_size, kernel_size=self.kernel_size)
-        hook = LavaBudgets(probe, keep, self.window_size, runner.num_layers)
+        hook = LavaBudgets(self.probe(), keep, self.window_size, runner.num_layers)
         return full_prefill(runner, input_ids, hooks=[hook])
+
+    # -- the offline face: the budgets after the last layer, from the stored lava scores --------
+    # Each recompression keeps the best of what the layer kept, so after the last layer each
+    # layer holds the best B_l entries of its own scores: the budgets can be applied once.
+
+    def captured_inputs(self):
+        return [self.probe().key]
+
+    def _layers(self, captured: Captured) -> list[torch.Tensor]:
+        scores = captured.get(self.probe().key, self.name)
+        return [with_window(scores[layer], self.window_size) for layer in range(captured.num_layers)]
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        if layer is None or not 0 <= layer < captured.num_layers:
+            raise RankkitError(
+                f"method 'lava' keeps a set per layer and KV head: name the layer with --layer "
+                f"(0..{captured.num_layers - 1})"
+            )
+        stored = captured.get(self.probe().key, self.name)
+        entropy = [
+            normalized_entropy(windowless(stored[index], self.window_size))
+            for index in range(captured.num_layers)
+        ]
+        keep = budget.resolve(captured.num_tokens, always_kept=self.window_size)
+        layers = self._layers(captured)
+        budgets = layer_budgets(layers, entropy, keep, self.window_size, captured.num_layers)
+        return Selection(layer, evict(layers[layer], budgets[layer]))
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        """Per layer, each token's best entry over the KV heads: the order tokens enter the kept entries."""
+        return {layer: scores.amax(dim=0) for layer, scores in enumerate(self._layers(captured))}

@@ -15,15 +15,21 @@ of the method it bounds (``mirror``), with the oracle ranking in place of the pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Method, register, reprefill_selected, scale_count, scale_layer
-from rankkit.methods.claa import REFERENCE_DEFERRED_LAYERS, REFERENCE_PRUNING_LAYER
-from rankkit.methods.selection import FixedLayer, SelectionHook, forced_mask, one_pass, top_k_with_forced
+from rankkit.methods.base import paper_count, paper_layer, register, reprefill_selected
+from rankkit.methods.selection import (
+    ORACLE_SCORES,
+    Captured,
+    FixedLayer,
+    PolicyMethod,
+    forced_mask,
+    top_k_with_forced,
+)
 from rankkit.runner import AttentionCall
 
 MIRRORS = ("gemfilter", "fastkv", "claa")
@@ -41,11 +47,11 @@ class FixedRanking:
 
 @register
 @dataclass
-class Oracle(Method):
+class Oracle(PolicyMethod):
     name: ClassVar[str] = "oracle"
     mirror: str = "fastkv"
-    pruning_layer: int | None = None  # l_p / TSP for the one-pass mirrors; default 15 of 32 scaled
-    deferred_layers: int | None = None  # m for the claa mirror; default 4 of 32 scaled
+    pruning_layer: int | None = paper_layer(15, selection=True)  # l_p / TSP of the one-pass mirrors
+    deferred_layers: int | None = paper_count(4, minimum=0)  # m of the claa mirror
     window_size: int = 8  # kept by the one-pass mirrors, as FastKV and CLAA keep theirs
     max_new_tokens: int = 32  # N_gen: the oracle answer's length limit
     kernel_size: int = 7  # the oracle's POOL1D
@@ -54,33 +60,6 @@ class Oracle(Method):
     def __post_init__(self):
         if self.mirror not in MIRRORS:
             raise RankkitError(f"oracle mirror must be one of {', '.join(MIRRORS)}, not '{self.mirror}'")
-
-    def layer(self, num_layers: int) -> int:
-        return (
-            self.pruning_layer
-            if self.pruning_layer is not None
-            else scale_layer(REFERENCE_PRUNING_LAYER, num_layers)
-        )
-
-    def resolved(self, num_layers):
-        params = {
-            "mirror": self.mirror,
-            "max_new_tokens": self.max_new_tokens,
-            "kernel_size": self.kernel_size,
-        }
-        if self.mirror != "gemfilter":
-            params |= {"pruning_layer": self.layer(num_layers), "window_size": self.window_size}
-        if self.mirror == "claa":
-            params["deferred_layers"] = self._deferred(num_layers)
-        return params
-
-    def _deferred(self, num_layers: int) -> int:
-        if self.deferred_layers is not None:
-            return self.deferred_layers
-        return scale_count(REFERENCE_DEFERRED_LAYERS, num_layers, minimum=0)
-
-    def with_layer(self, layer):
-        return replace(self, pruning_layer=layer)
 
     def prepare(self, runner, input_ids, *, tokenizer):
         from rankkit.oracle import answer_informed_oracle
@@ -94,21 +73,31 @@ class Oracle(Method):
         )
         self.ranking = torch.from_numpy(result.scores)
 
+    def probe(self):
+        return FixedRanking(self.ranking)
+
+    def policy(self, num_layers, keep):
+        return FixedLayer(self.pruning_layer)
+
+    def forced(self, keep):
+        return (1, 0) if self.mirror == "gemfilter" else (self.window_size, 0)
+
+    def compress_from(self):
+        return self.deferred_layers if self.mirror == "claa" else 0
+
     def prefill(self, runner, input_ids, budget):
         if self.ranking is None or self.ranking.numel() != input_ids.numel():
             raise RankkitError("the oracle method needs its ranking of this prompt: call prepare() first")
+        if self.mirror != "gemfilter":
+            return super().prefill(runner, input_ids, budget)
         length = int(input_ids.numel())
-        if self.mirror == "gemfilter":
-            keep = top_k_with_forced(
-                self.ranking, budget.resolve(length, always_kept=1), forced_mask(length, 1)
-            )
-            return reprefill_selected(runner, input_ids, keep, [], None)
-        layer = self.layer(runner.num_layers)
-        hook = SelectionHook(
-            FixedRanking(self.ranking),
-            FixedLayer(layer),
-            budget.resolve(length, always_kept=self.window_size),
-            window=self.window_size,
-            compress_from=0 if self.mirror == "fastkv" else self._deferred(runner.num_layers),
+        keep = top_k_with_forced(
+            self.ranking, budget.resolve(length, self.minimum_keep()), forced_mask(length, 1)
         )
-        return one_pass(runner, input_ids, hook)
+        return reprefill_selected(runner, input_ids, keep, [], None)
+
+    def captured_inputs(self):
+        return [ORACLE_SCORES]
+
+    def captured_scores(self, captured: Captured) -> torch.Tensor:
+        return captured.get(ORACLE_SCORES, self.name).expand(captured.num_layers, 1, -1)

@@ -12,16 +12,59 @@ which (aggregated) scores; ``SelectionHook`` carries out the mode during prefill
 - after it, later layers only ever see the kept tokens, so their cache is the selection.
 
 The observation window (the last ``window`` prompt tokens) and sinks are always kept.
+
+``PolicyMethod`` is the base of every method built this way. It gives both faces from
+the same parts: ``prefill`` runs the hook, and ``select_offline`` replays the policy
+over a store's captured scores. The replay sees what the hook sees: before the
+selection layer every token goes through every layer (compression only touches the
+cache), so the stored full-prompt scores are the scores the policy gets online.
+
+One rule for ranks everywhere: descending score, ties to the earlier token
+(``descending_order``); a kept set is the top of that order with the forced tokens
+ranked first (``top_k_with_forced``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import MethodPrefill, Pass, full_prefill, reprefill_selected
+from rankkit.errors import RankkitError
+from rankkit.methods.base import (
+    Budget,
+    Method,
+    MethodPrefill,
+    Pass,
+    Selection,
+    full_prefill,
+    reprefill_selected,
+)
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
+
+
+@dataclass
+class Captured:
+    """What a store holds for one example, as a method's offline face reads it.
+
+    ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
+    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
+    """
+
+    arrays: Mapping[str, torch.Tensor]
+    num_layers: int
+    num_tokens: int
+
+    def get(self, key: str, method: str) -> torch.Tensor:
+        if key not in self.arrays:
+            raise RankkitError(f"method '{method}' needs captured {key!r}, which this example lacks")
+        return self.arrays[key]
+
+
+DRAFT_SCORES = "draft_scores/lookahead"
+ORACLE_SCORES = "oracle"
 
 
 def forced_mask(length: int, window: int = 0, sinks: int = 0, device=None) -> torch.Tensor:
@@ -33,18 +76,33 @@ def forced_mask(length: int, window: int = 0, sinks: int = 0, device=None) -> to
     return forced
 
 
+def descending_order(scores: torch.Tensor) -> torch.Tensor:
+    """Indices along the last axis from the highest score down; tied scores keep token order."""
+    return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
+
+
+def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Each entry's place in ``descending_order`` (0 = highest score), int64, same shape as ``scores``."""
+    order = descending_order(scores)
+    places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
+
+
+def with_forced(scores: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+    """The scores a method ranks by: forced tokens at +inf, ahead of every other."""
+    ranked = scores.float()
+    return ranked if forced is None else ranked.masked_fill(forced, float("inf"))
+
+
 def top_k_with_forced(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted indices of the ``k`` best entries along the last axis, forced entries always among them.
 
-    ``scores`` is [S] or [heads, S]; the result is [k] or [heads, k].
+    ``scores`` is [S] or [heads, S]; the result is [k] or [heads, k]. Ties go to the earlier token.
     """
     length = scores.shape[-1]
     if k >= length:
         return torch.arange(length, device=scores.device).expand(*scores.shape[:-1], length)
-    ranked = scores.float()
-    if forced is not None:
-        ranked = ranked.masked_fill(forced, float("inf"))
-    return torch.sort(torch.topk(ranked, k, dim=-1).indices, dim=-1).values
+    return torch.sort(descending_order(with_forced(scores, forced))[..., :k], dim=-1).values
 
 
 class LayerPolicy:
@@ -162,3 +220,104 @@ def two_pass(runner, input_ids: torch.Tensor, hook: SelectionHook) -> MethodPref
     first = runner.prefill(input_ids, hooks=[hook], logits_at=None)
     selection = Pass.prefill("selection", first.live_tokens)
     return reprefill_selected(runner, input_ids, hook.kept_positions, [selection], hook.selection_layer)
+
+
+def replay(policy: LayerPolicy, layer_scores: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """Feed a policy the stored scores [L, kv_heads, T] layer by layer, as ``SelectionHook`` does
+    during a prefill; the layer it selects at and its shared scores [T], or None if it never does."""
+    for layer in range(layer_scores.shape[0]):
+        shared = policy.decide(layer, layer_scores[layer] if policy.needs_scores(layer) else None)
+        if shared is not None:
+            return layer, shared
+    return None
+
+
+@dataclass
+class PolicyMethod(Method):
+    """A method made of probe x layer policy x selection mode (see the module docstring).
+
+    Subclasses give ``probe`` and, when they select, ``policy``; ``forced`` names the tokens
+    always kept, ``minimum_keep`` the budget's floor, ``compress_from`` the first layer whose
+    cache is compressed per head in a one-pass run. Every method is bound to the model's depth
+    (``bind``) before these are asked.
+    """
+
+    two_pass: ClassVar[bool] = False
+
+    def probe(self):
+        raise NotImplementedError
+
+    def policy(self, num_layers: int, keep: int) -> LayerPolicy:
+        return NeverSelect()
+
+    def forced(self, keep: int) -> tuple[int, int]:
+        """(window, sinks): how many of the last and of the first prompt tokens are always kept."""
+        return 0, 0
+
+    def minimum_keep(self) -> int:
+        return sum(self.forced(0))
+
+    def compress_from(self) -> int | None:
+        return None
+
+    def _plan(self, num_layers: int, length: int, budget: Budget):
+        bound = self.bind(num_layers)
+        keep = budget.resolve(length, bound.minimum_keep())
+        window, sinks = bound.forced(keep)
+        return bound, keep, window, sinks
+
+    def prefill(self, runner, input_ids, budget):
+        bound, keep, window, sinks = self._plan(runner.num_layers, int(input_ids.numel()), budget)
+        hook = SelectionHook(
+            bound.probe(),
+            bound.policy(runner.num_layers, keep),
+            keep,
+            window=window,
+            sinks=sinks,
+            compress_from=None if self.two_pass else bound.compress_from(),
+        )
+        return (two_pass if self.two_pass else one_pass)(runner, input_ids, hook)
+
+    # -- the offline face ------------------------------------------------------------------
+
+    def captured_inputs(self) -> list[str]:
+        return [self.probe().key]
+
+    def captured_scores(self, captured: Captured) -> torch.Tensor:
+        """The probe's stored scores [L, kv_heads, T]."""
+        return captured.get(self.probe().key, self.name)
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer: int | None = None) -> Selection:
+        """The kept set ``prefill`` builds, from the store. Per-head (KV-only) methods keep a set per
+        KV head at every layer: ``layer`` picks which one is reported."""
+        scores = self.captured_scores(captured)
+        bound, keep, window, sinks = self._plan(captured.num_layers, captured.num_tokens, budget)
+        forced = forced_mask(captured.num_tokens, window, sinks, scores.device)
+        selected = replay(bound.policy(captured.num_layers, keep), scores)
+        if selected is not None:
+            return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
+        if layer is None or not 0 <= layer < captured.num_layers:
+            raise RankkitError(
+                f"method '{self.name}' keeps a set per layer and KV head: "
+                f"name the layer with --layer (0..{captured.num_layers - 1})"
+            )
+        return Selection(layer, top_k_with_forced(scores[layer], keep, forced))
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
+        every layer for a method with a selection layer (``--layer``), the one layer an adaptive
+        policy picks, and every layer's head sum for KV-only methods."""
+        scores = self.captured_scores(captured)
+        num_layers, length = captured.num_layers, captured.num_tokens
+        candidates = (
+            [self.with_layer(layer) for layer in range(num_layers)] if self.selection_parameter else [self]
+        )
+        rankings: dict[int | None, torch.Tensor] = {}
+        for method in candidates:
+            bound, keep, window, sinks = method._plan(num_layers, length, budget)
+            forced = forced_mask(length, window, sinks, scores.device)
+            selected = replay(bound.policy(num_layers, keep), scores)
+            if selected is None:
+                return {layer: with_forced(scores[layer].sum(0), forced) for layer in range(num_layers)}
+            rankings[selected[0]] = with_forced(selected[1], forced)
+        return rankings

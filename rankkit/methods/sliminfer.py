@@ -37,7 +37,17 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, full_prefill, register, scale_layer
+from rankkit.methods.base import (
+    Budget,
+    Method,
+    Selection,
+    depth_field,
+    full_prefill,
+    make_probe,
+    register,
+    scale_layer,
+)
+from rankkit.methods.selection import Captured
 from rankkit.methods.swap import BlockSwap, SwapDecision
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
@@ -78,11 +88,19 @@ def block_scores(
     return {int(block): float(best[block]) for block in torch.unique(blocks)}
 
 
-def candidate(scores: dict[int, float], count: int) -> set[int]:
-    """The first block and the ``count - 1`` best others (Sec. 4.2)."""
-    first = min(scores)
-    others = sorted((block for block in scores if block != first), key=scores.get, reverse=True)
+def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:
+    """The first block and the best others, ``keep_tokens`` worth of blocks in all (Sec. 4.2)."""
+    first = min(block_scores)
+    count = max(1, math.ceil(keep_tokens / block_size))
+    others = sorted((block for block in block_scores if block != first), key=block_scores.get, reverse=True)
     return {first, *others[: count - 1]}
+
+
+def block_scores_of(scores: torch.Tensor, positions: torch.Tensor, block_size: int) -> dict[int, float]:
+    """Each block's score (Eq. 2) read at its first token from ``token_units`` scores [kv_heads, T]."""
+    blocks, counts = torch.unique_consecutive(positions // block_size, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    return {int(block): float(scores[0, int(start)]) for start, block in zip(starts, blocks, strict=True)}
 
 
 @dataclass
@@ -113,13 +131,12 @@ class SlimInferHook(LayerHook):
         self.window = window
         self.keep: torch.Tensor | None = None  # indices of the live tokens the current pruning layer keeps
         self.live = 0
+        self.kept_positions: torch.Tensor | None = None
+        self.selection_layer: int | None = None
         self.decisions: list[SwapDecision] = []
 
     def _scores(self, entry: PruningLayer, queries: torch.Tensor) -> dict[int, float]:
         return block_scores(queries, entry.unit_means, entry.unit_ids, self.unit_size, self.block_size)
-
-    def _count(self, entry: PruningLayer) -> int:
-        return max(1, math.ceil(entry.keep_tokens / self.block_size))
 
     def on_attention(self, call: AttentionCall) -> None:
         entry = self.schedule.get(call.layer)
@@ -136,18 +153,21 @@ class SlimInferHook(LayerHook):
         entry.unit_means, entry.unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
         entry.recent_queries = deque(maxlen=self.window)
         window = call.query[0, :, -self.window :].float().mean(dim=1)
-        chosen = entry.chosen = candidate(self._scores(entry, window), self._count(entry))
+        chosen = entry.chosen = kept_blocks(self._scores(entry, window), entry.keep_tokens, self.block_size)
         live_blocks = call.query_positions // self.block_size
         kept = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
         kept[-self.window :] = True
         self.live = int(kept.numel())
         self.keep = None if bool(kept.all()) else torch.nonzero(kept).flatten()
+        if self.kept_positions is None:  # the first pruning layer's blocks, as `rankkit select` gives them
+            in_blocks = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
+            self.kept_positions, self.selection_layer = call.query_positions[in_blocks], call.layer
 
     def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
         """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
         pool = entry.swaps[0].pool()
         scores = {block: score for block, score in self._scores(entry, query).items() if block in pool}
-        chosen = candidate(scores, self._count(entry))
+        chosen = kept_blocks(scores, entry.keep_tokens, self.block_size)
         for swap in entry.swaps:
             self.decisions.append(swap.swap(chosen & swap.pool()))
 
@@ -195,51 +215,67 @@ def ffn_on_kept_tokens(runner, hook: SlimInferHook):
             handle.remove()
 
 
+def paper_pruning_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers 10, 20, 30 of 32 (Sec. 5) at the same relative depths of ``num_layers``."""
+    return tuple(sorted({scale_layer(layer, num_layers) for layer in REFERENCE_PRUNING_LAYERS}))
+
+
 @register
 @dataclass
 class SlimInfer(Method):
     name: ClassVar[str] = "sliminfer"
-    pruning_layers: tuple[int, ...] | None = None  # default 10, 20, 30 of 32 scaled
+    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers)
     block_size: int = 64
     unit_size: int = 8
     window_size: int = 4  # w, the query window
     gamma: float = 0.9  # γ, Alg. 1's swap threshold
 
-    def layers(self, num_layers: int) -> list[int]:
-        if self.pruning_layers is not None:
-            return sorted(self.pruning_layers)
-        return sorted({scale_layer(layer, num_layers) for layer in REFERENCE_PRUNING_LAYERS})
-
-    def resolved(self, num_layers):
-        return {
-            "pruning_layers": self.layers(num_layers),
-            "budget_multiples": budget_multiples(len(self.layers(num_layers))),
-            "block_size": self.block_size,
-            "unit_size": self.unit_size,
-            "window_size": self.window_size,
-            "gamma": self.gamma,
-        }
-
-    def hook(self, num_layers: int, prompt_length: int, keep: int) -> SlimInferHook:
-        """The hook that carries out SlimInfer for a prompt of ``prompt_length`` with a budget of ``keep``."""
-        layers = self.layers(num_layers)
+    def _schedule(self, num_layers: int, length: int, budget: Budget) -> list[PruningLayer]:
+        """Each pruning layer with the tokens it keeps (the budget at the last, 2x and 4x before
+        it) and the layers it governs in decoding (up to the next pruning layer)."""
+        keep = budget.resolve(length, always_kept=self.block_size)
+        layers = sorted(self.bind(num_layers).pruning_layers)
         ends = [*layers[1:], num_layers - 1]
-        schedule = [
-            PruningLayer(layer, min(prompt_length, keep * multiple), list(range(layer + 1, end + 1)))
+        return [
+            PruningLayer(layer, min(length, keep * multiple), list(range(layer + 1, end + 1)))
             for layer, end, multiple in zip(layers, ends, budget_multiples(len(layers)), strict=True)
         ]
+
+    def hook(self, num_layers: int, prompt_length: int, budget: Budget) -> SlimInferHook:
+        """The hook that carries out SlimInfer on a prompt of ``prompt_length`` tokens."""
         return SlimInferHook(
-            schedule,
+            self._schedule(num_layers, prompt_length, budget),
             block_size=self.block_size,
             unit_size=self.unit_size,
             gamma=self.gamma,
             window=self.window_size,
         )
 
+    def probe(self):
+        return make_probe(
+            "token_units", block_size=self.block_size, unit_size=self.unit_size, window_size=self.window_size
+        )
+
     def prefill(self, runner, input_ids, budget):
-        length = int(input_ids.numel())
-        hook = self.hook(runner.num_layers, length, budget.resolve(length, always_kept=self.block_size))
+        hook = self.hook(runner.num_layers, int(input_ids.numel()), budget)
         with ffn_on_kept_tokens(runner, hook):
             run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
+        run.kept_positions, run.selection_layer = hook.kept_positions, hook.selection_layer
         return run
+
+    # -- the offline face: the first pruning layer's blocks, from the stored token_units scores ---
+
+    def captured_inputs(self):
+        return [self.probe().key]
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        first = self._schedule(captured.num_layers, captured.num_tokens, budget)[0]
+        scores = captured.get(self.probe().key, self.name)[first.layer]
+        positions = torch.arange(captured.num_tokens)
+        chosen = kept_blocks(
+            block_scores_of(scores, positions, self.block_size), first.keep_tokens, self.block_size
+        )
+        return Selection(
+            first.layer, positions[torch.isin(positions // self.block_size, torch.tensor(sorted(chosen)))]
+        )

@@ -11,19 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import Method, make_probe, register
-from rankkit.methods.selection import NeverSelect, SelectionHook, one_pass
+from rankkit.methods.base import make_probe, register
+from rankkit.methods.selection import PolicyMethod
 
 
 @register
 @dataclass
-class SnapKV(Method):
+class SnapKV(PolicyMethod):
     name: ClassVar[str] = "snapkv"
     window_size: int = 32
     kernel_size: int = 7
 
-    def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
-        probe = make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)
-        hook = SelectionHook(probe, NeverSelect(), keep, window=self.window_size, compress_from=0)
-        return one_pass(runner, input_ids, hook)
+    def probe(self):
+        return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)
+
+    def forced(self, keep):
+        return self.window_size, 0
+
+    def compress_from(self):
+        return 0

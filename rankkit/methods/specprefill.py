@@ -21,8 +21,8 @@ from typing import ClassVar
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Method, Pass, register, reprefill_selected
-from rankkit.methods.selection import forced_mask, top_k_with_forced
+from rankkit.methods.base import Budget, Method, Pass, Selection, register, reprefill_selected
+from rankkit.methods.selection import DRAFT_SCORES, Captured, forced_mask, top_k_with_forced, with_forced
 from rankkit.oracle import AnswerAttention, average_pool
 from rankkit.runner import Runner, greedy_continue
 
@@ -86,3 +86,24 @@ class SpecPrefill(Method):
         scores = average_pool(scores, self.kernel_size)
         keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced_mask(length, 1))
         return reprefill_selected(runner, input_ids, keep.to(runner.device), passes, None)
+
+    # -- the offline face: the draft's lookahead scores a capture stored --------------------
+
+    def captured_inputs(self):
+        return [DRAFT_SCORES]
+
+    def _ranking(self, captured: Captured) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 3 from the stored lookahead scores [k, ..., T] (max over layers and heads, mean over
+        the k queries; a [T] array is taken as aggregated), pooled; and the forced last token."""
+        lookahead = captured.get(DRAFT_SCORES, self.name).float()
+        if lookahead.ndim > 1:
+            lookahead = lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).amax(dim=1).mean(dim=0)
+        return average_pool(lookahead, self.kernel_size), forced_mask(captured.num_tokens, 1)
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        scores, forced = self._ranking(captured)
+        return Selection(None, top_k_with_forced(scores, budget.resolve(captured.num_tokens, 1), forced))
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        scores, forced = self._ranking(captured)
+        return {None: with_forced(scores, forced)}

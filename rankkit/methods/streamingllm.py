@@ -2,7 +2,8 @@
 
 A recency score (the key's original position) x no selection layer x KV-only mode:
 after each layer's attention its cache keeps the first ``sink_tokens`` tokens and fills
-the rest of the budget with the most recent ones. No attention is looked at.
+the rest of the budget with the most recent ones. No attention is looked at, so its
+offline face needs nothing captured but the prompt's length.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import Method, register
-from rankkit.methods.selection import NeverSelect, SelectionHook, one_pass
+from rankkit.methods.base import register
+from rankkit.methods.selection import Captured, PolicyMethod
 from rankkit.runner import AttentionCall
 
 
@@ -26,11 +27,25 @@ class Recency:
 
 @register
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(PolicyMethod):
     name: ClassVar[str] = "streamingllm"
     sink_tokens: int = 4  # StreamingLLM's four initial tokens
 
-    def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=self.sink_tokens + 1)
-        hook = SelectionHook(Recency(), NeverSelect(), keep, sinks=self.sink_tokens, compress_from=0)
-        return one_pass(runner, input_ids, hook)
+    def probe(self):
+        return Recency()
+
+    def forced(self, keep):
+        return 0, self.sink_tokens
+
+    def compress_from(self):
+        return 0
+
+    def minimum_keep(self):
+        return self.sink_tokens + 1  # the last token produces the logits
+
+    def captured_inputs(self):
+        return []
+
+    def captured_scores(self, captured: Captured) -> torch.Tensor:
+        positions = torch.arange(captured.num_tokens, dtype=torch.float32)
+        return positions.expand(captured.num_layers, 1, -1)

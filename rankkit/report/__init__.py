@@ -37,8 +37,9 @@ from .html import Control, Page, Panel, encode_array, render
 EXPLORER_BUDGET_BYTES = 7 * 2**20
 MAX_BINS = 1024  # about one column per screen pixel of a wide panel
 MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
-RANKED_SPAN = "context_tokens"  # what compare and variance rank; the explorer shows the same tokens
+RANKED_SPAN = "prompt"  # what compare ranks by default; the explorer shows the same tokens
 DEFAULT_PROBE = "window"
+ASL_PROBE = "window:w=32"  # the window setting ASL ranks by (its curve is the variance panel)
 DEFAULT_TAU = 0.3
 
 BENCH_COLUMNS = (
@@ -117,13 +118,14 @@ def _frame(
 def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None) -> Page:
     from rankkit.eval.compare import compare_store
     from rankkit.eval.variance import variance_store
+    from rankkit.methods import make
 
     num_layers = records[0].score_shape(records[0].probes[0])[0]
-    layer = num_layers // 2  # compare's default pruning layer l_p
+    layer = make("claa").bind(num_layers).pruning_layer  # compare's layer for probes, CLAA's l_p
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store_path, layer=layer) if has_oracle else None
-    variance = variance_store(store_path, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
+    comparison = compare_store(store_path) if has_oracle else None
+    variance = variance_store(store_path) if ASL_PROBE in probes else None
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)
@@ -199,7 +201,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         facts=facts,
         controls=controls,
         panels=panels,
-        examples={record.id: _explorer_payload(record, max_bins) for record in records},
+        examples={record.id: _explorer_payload(record, max_bins, keeps) for record in records},
         explorer={"colour_titles": figures.EXPLORER_COLOURS},
     )
 
@@ -235,7 +237,7 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
         "per example (thin; the picked example bold) and per task (ASL Fig. 6); right, how many examples each "
-        "layer is the first below τ for (ASL Fig. 9). Probe: window."
+        "layer is the first below τ for (ASL Fig. 9). Probe: window:w=32, k = 10% of the prompt - W."
     )
     if variance is None:
         command = f"rankkit capture --data SPEC --probes all --oracle --out {store_path} --overwrite"
@@ -243,7 +245,7 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
             "variance",
             title,
             caption,
-            missing=f"The store has no {DEFAULT_PROBE} scores, which ASL ranks by. Capture them with "
+            missing=f"The store has no {ASL_PROBE} scores, which ASL ranks by. Capture them with "
             f"{_code(command)}.",
         )
     figure = figures.variance_figure(
@@ -350,7 +352,8 @@ def _ranked_slice(record) -> slice:
 def _bins_for_budget(records) -> int:
     """The most bins per row that keep every example's explorer arrays within the budget."""
     rows = sum(record.score_shape(probe)[0] for record in records for probe in record.probes) + len(records)
-    bytes_per_cell = 2 + 1 + 2  # float16 score, uint8 top-token offset, uint16 rank
+    # float16 score, uint8 top-token offset, uint16 rank, a uint8 kept flag per keep rate
+    bytes_per_cell = 2 + 1 + 2 + len(KEEP_RATES)
     return int(min(MAX_BINS, max(MIN_BINS, EXPLORER_BUDGET_BYTES // (rows * bytes_per_cell))))
 
 
@@ -367,7 +370,7 @@ def _oracle_bins(record, ranked: slice, max_bins: int) -> figures.TokenBins | No
     )
 
 
-def _explorer_payload(record, max_bins: int) -> dict[str, Any]:
+def _explorer_payload(record, max_bins: int, keeps: list[float]) -> dict[str, Any]:
     ranked = _ranked_slice(record)
     probe_bins = {probe: _probe_bins(record, probe, ranked, max_bins) for probe in record.probes}
     oracle_bins = _oracle_bins(record, ranked, max_bins)
@@ -382,7 +385,16 @@ def _explorer_payload(record, max_bins: int) -> dict[str, Any]:
         "width": shape.width,
         "oracle": None if oracle_bins is None else _encoded_bins(oracle_bins),
         "probes": {probe: _encoded_bins(bins) for probe, bins in probe_bins.items()},
+        # per probe and keep rate, [layers, bins]: 1 where a column holds one of the layer's kept tokens
+        "kept": {
+            probe: {f"{keep:g}": encode_array(_kept_grid(bins, keep), "u1") for keep in keeps}
+            for probe, bins in probe_bins.items()
+        },
     }
+
+
+def _kept_grid(bins: figures.TokenBins, keep: float) -> np.ndarray:
+    return np.stack([figures.kept_columns(bins, layer, keep) for layer in range(bins.rank.shape[0])])
 
 
 def _encoded_bins(bins: figures.TokenBins) -> dict[str, dict[str, str]]:

@@ -20,7 +20,6 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
-from rankkit.eval.compare import SINGLE_LAYER_METHODS
 from rankkit.eval.ranking import descending_ranks, keep_count
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
@@ -170,11 +169,29 @@ def example_curves(
 
 
 def displayed_methods(methods: Iterable[str]) -> list[str]:
-    """Methods worth a line: a probe that a named method ranks by (window for fastkv, last_token_raw
-    for gemfilter) is the same curve, so only the method's name is drawn."""
+    """Methods worth a line: a probe that a single-layer method ranks by unchanged (window for fastkv,
+    last_token_raw for gemfilter) draws the same curve, so only the method's name is drawn."""
     present = set(methods)
-    aliased = {probe for method, probe in SINGLE_LAYER_METHODS.items() if method in present}
+    aliased = {probe for method, probe in single_layer_probes(present).items()}
     return sorted(present - aliased)
+
+
+def single_layer_probes(names: Iterable[str]) -> dict[str, str]:
+    """Registered methods among ``names`` that select at one layer by one probe's head sum: their probe key."""
+    from rankkit.methods import REGISTRY, make
+    from rankkit.methods.selection import FixedLayer, PolicyMethod
+
+    found = {}
+    for name in names:
+        if name not in REGISTRY or not issubclass(REGISTRY[name], PolicyMethod) or name == "oracle":
+            continue
+        method = make(name).bind(REFERENCE_DEPTH)
+        if isinstance(method.policy(REFERENCE_DEPTH, 1), FixedLayer):
+            found[name] = method.probe().key
+    return found
+
+
+REFERENCE_DEPTH = 32  # any depth will do: the policy's kind does not depend on it
 
 
 def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapping[str, str]) -> go.Figure:

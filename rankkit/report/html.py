@@ -294,12 +294,16 @@ _RUNTIME_JS = r"""
     }
     return {z: z, customdata: customdata, text: text};
   }
-  function keptColumns(payload, found) {  // columns holding one of the layer's top-k tokens
+  function keptStrip(payload) {  // the columns Python marked as holding the layer's kept tokens
     const numBins = payload.edges.length - 1, layer = Math.min(Number(state.layer), payload.layers - 1);
-    const k = Math.max(1, Math.floor(Number(state.keep) * payload.ranked));  // rankkit.eval.ranking.keep_count
+    const key = String(Number(state.keep));
+    payload.decodedKept = payload.decodedKept || {};
+    const name = state.probe + ' ' + key;
+    if (!(name in payload.decodedKept)) payload.decodedKept[name] = decode(payload.kept[state.probe][key]);
+    const grid = payload.decodedKept[name];
     const z = [], customdata = [], text = [];
     for (let b = 0; b < numBins; b++) {
-      const inTop = found.rank[layer * numBins + b] < k;
+      const inTop = grid[layer * numBins + b] === 1;
       z.push(inTop ? 1 : 0); customdata.push([payload.edges[b], payload.edges[b + 1] - 1]);
       text.push(inTop ? 'kept' : 'dropped');
     }
@@ -318,7 +322,7 @@ _RUNTIME_JS = r"""
     const oracle = payload.oracle && bins(payload, 'oracle');
     const strip = Object.assign({}, stripTemplate, oracle ? heatmapData(payload, oracle, 1) : {z: [], customdata: [], text: []},
       {x: x, y: stripTemplate.y, meta: meta});
-    const kept = Object.assign({}, keptTemplate, keptColumns(payload, bins(payload, state.probe)), {x: x, y: keptTemplate.y});
+    const kept = Object.assign({}, keptTemplate, keptStrip(payload), {x: x, y: keptTemplate.y});
     const layout = Object.assign({}, template.layout);
     const evidence = [];
     payload.evidence.forEach(function (span) {

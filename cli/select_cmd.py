@@ -1,0 +1,48 @@
+"""`rankkit select STORE --method M`: the tokens a method keeps, computed from a capture store alone."""
+
+import json
+from pathlib import Path
+
+import typer
+
+from .app import app
+
+
+@app.command("select")
+def select(
+    store: Path = typer.Argument(..., help="Capture store, e.g. runs/capture.zarr."),
+    method: str = typer.Option(
+        ...,
+        "--method",
+        help="A method with its parameters, e.g. claa or claa:aggregation_window=8 (gemfilter, fastkv, "
+        "claa, asl, asl-2pass, snapkv, streamingllm, specprefill, oracle).",
+    ),
+    keep: float | None = typer.Option(None, "--keep", help="Keep rate in (0, 1], e.g. 0.1."),
+    budget: int | None = typer.Option(
+        None, "--budget", help="Tokens to keep, e.g. 2048 (instead of --keep)."
+    ),
+    layer: int | None = typer.Option(
+        None,
+        "--layer",
+        help="The method's selection layer (default: its own), or for per-head KV-only methods the layer "
+        "whose kept sets are printed (required for them).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per example)."),
+) -> None:
+    """Per example: the method's selection layer and the original positions it keeps there."""
+    from rankkit.errors import RankkitError
+    from rankkit.eval.offline import select_store
+    from rankkit.methods import Budget
+
+    if (keep is None) == (budget is None):
+        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    chosen = Budget.from_keep(keep) if keep is not None else Budget.from_tokens(budget)
+    rows = select_store(store, method, chosen, layer=layer)
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        typer.echo(
+            f"{row['example_id']}  {row['method']}  layer {row['layer']}  "
+            f"{row['budget_tokens']} tokens: {row['selected_positions']}"
+        )

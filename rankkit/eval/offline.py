@@ -1,0 +1,134 @@
+"""Every method's offline face on a store: the captured arrays it reads, its kept sets and rankings.
+
+``method_from_spec("claa:aggregation_window=8")`` builds a method with its own parameters
+(the ``--probes`` syntax); ``captured(record, method, store)`` hands it one example's stored
+arrays after checking the store recorded them with the settings the method ranks by;
+``select_store`` is ``rankkit select``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rankkit.errors import RankkitError
+from rankkit.methods import REGISTRY, Budget, Captured, Method, make
+from rankkit.methods.selection import DRAFT_SCORES, ORACLE_SCORES
+
+DRAFT_GROUP, DRAFT_ARRAY = DRAFT_SCORES.split("/")
+
+
+def method_from_spec(spec: str, layer: int | None = None) -> Method:
+    """The method ``NAME`` or ``NAME:PARAM=VALUE,...`` with ``layer`` as its selection layer (``--layer``)."""
+    from rankkit.probes import parse_named
+
+    named = parse_named(spec, "method")
+    if len(named) != 1:
+        raise RankkitError(f"name one method, not {spec!r}; e.g. --method claa:aggregation_window=8")
+    name, params = named[0]
+    method = make(name, **params)
+    return method if layer is None else method.with_layer(layer)
+
+
+def split_names(spec: str) -> list[str]:
+    """``"window:w=32,kernel=7,claa:aggregation_window=8"`` as one entry per probe (its store key) or
+    method (``NAME:PARAM=VALUE,...``), in order."""
+    from rankkit import probes
+
+    entries = []
+    for name, params in probes.parse_named(spec, "probe or method"):
+        if name in REGISTRY or name not in probes.REGISTRY:
+            entries.append(name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else ""))
+        else:
+            entries.append(probes.make(name, **params).key)
+    return entries
+
+
+def is_method(name: str) -> bool:
+    return name.partition(":")[0] in REGISTRY
+
+
+def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str | None:
+    """Why ``record`` lacks what ``method`` ranks by, naming the command that adds it; None if it has it."""
+    recorded = store_meta.get("probes") or {}
+    for key in method.captured_inputs():
+        if key == ORACLE_SCORES:
+            if not record.has_oracle:
+                return f"method '{method.name}' ranks by the oracle: run `rankkit oracle STORE` first"
+        elif key == DRAFT_SCORES:
+            if DRAFT_GROUP not in record.groups:
+                return (
+                    f"method '{method.name}' ranks by a draft model's lookahead scores: "
+                    "capture them with `rankkit capture --draft SPEC ...`"
+                )
+        elif key not in record.probes:
+            return (
+                f"method '{method.name}' ranks by probe {key!r}, which example {record.id!r} lacks: "
+                f"capture it with `rankkit capture --probes {key} ...` (the default capture records it)"
+            )
+        elif key in recorded and recorded[key] != method.probe().params():
+            return (
+                f"probe {key!r} was recorded with {recorded[key]}, but method '{method.name}' "
+                f"ranks with {method.probe().params()}; recapture with `rankkit capture --probes {key}`"
+            )
+    return None
+
+
+def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, Any]) -> None:
+    """Refuse, with the fix, when any example lacks what any of ``methods`` ranks by."""
+    for method in methods:
+        for record in records:
+            problem = missing_inputs(method, record, store_meta)
+            if problem:
+                raise RankkitError(problem)
+
+
+def captured(record, method: Method) -> Captured:
+    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU."""
+    arrays: dict[str, torch.Tensor] = {}
+    for key in method.captured_inputs():
+        if key == ORACLE_SCORES:
+            values = record.oracle
+        elif key == DRAFT_SCORES:
+            values = record.group(DRAFT_GROUP)[DRAFT_ARRAY]
+        else:
+            values = record.scores(key)
+        arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
+    num_layers = record.score_shape(record.probes[0])[0]
+    return Captured(arrays, num_layers, record.num_tokens)
+
+
+def select_store(
+    path: str | os.PathLike, method_spec: str, budget: Budget, *, layer: int | None = None
+) -> list[dict[str, Any]]:
+    """Per example, the original positions ``method`` keeps at its selection layer, from the store alone:
+    ``{"example_id", "method", "layer", "budget_tokens", "selected_positions"}``; positions are a list,
+    or a list per KV head for per-head (KV-only) methods, which report the layer ``layer`` names."""
+    from rankkit import stores
+
+    method = method_from_spec(method_spec)
+    shared_layer = layer if method.selection_parameter is None else None
+    if shared_layer is None and layer is not None:
+        method = method.with_layer(layer)
+    store = stores.open(path)
+    records = list(store.examples())
+    if not records:
+        raise RankkitError(f"store {path} has no complete example; capture into it first")
+    check_inputs([method], records, store.meta)
+    rows = []
+    for record in records:
+        selection = method.select_offline(captured(record, method), budget, layer=shared_layer)
+        rows.append(
+            {
+                "example_id": record.id,
+                "method": method.name,
+                "layer": selection.layer,
+                "budget_tokens": selection.size,
+                "selected_positions": selection.as_lists(),
+            }
+        )
+    return rows
