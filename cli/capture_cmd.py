@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rankkit.cli.app import app
+from rankkit.cli.prefill_cmd import DRAFT_HELP
 
 console = Console(stderr=True)
 
@@ -92,6 +93,9 @@ def capture(
     softmax: bool = typer.Option(False, help="Oracle on post-softmax attention instead of raw logits."),
     kernel: int = typer.Option(7, min=1, help="Oracle 1-D average-pooling kernel."),
     max_new_tokens: int = typer.Option(32, min=1, help="Oracle answer length limit."),
+    draft: str = typer.Option(
+        None, help="Also store SpecPrefill's lookahead scores from this draft. " + DRAFT_HELP
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Record every probe's per-layer token scores in one forward pass per example."""
@@ -111,6 +115,7 @@ def capture(
             device=device,
             overwrite=overwrite,
             oracle=options,
+            draft=draft,
             progress=advance if rank == 0 else None,
         )
     if rank == 0:

@@ -31,6 +31,10 @@ JSON_KEYS = (
     "selection_layer",
     "selected_positions",
 )
+DRAFT_HELP = (
+    "SpecPrefill's draft: layers:N (the target's first N layers, norm and LM head) or a model "
+    "spec with the target's tokenizer. Default: layers:⌈L/4⌉."
+)
 LAYER_HELP = (
     "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled)."
 )
@@ -49,14 +53,14 @@ def _budgets(keep: str | None, budget: str | None):
         raise RankkitError(f"cannot read the budget list: {error}") from None
 
 
-def _method(name: str, layer: int | None, draft_model: str, mirror: str, *, strict: bool = True):
+def _method(name: str, layer: int | None, draft: str | None, mirror: str, *, strict: bool = True):
     """The method ``name`` with the CLI's options; ``--layer`` goes to methods that have a selection layer.
 
     ``strict`` refuses ``--layer`` for a method without one (prefill); the bench grid skips those.
     """
     from rankkit.methods import make
 
-    params = {"specprefill": {"draft_model": draft_model}, "oracle": {"mirror": mirror}}.get(name, {})
+    params = {"specprefill": {"draft_model": draft}, "oracle": {"mirror": mirror}}.get(name, {})
     method = make(name, **params)
     if layer is None or name == "full" or not (method.selection_parameter or strict):
         return method
@@ -102,7 +106,7 @@ def prefill(
     question: str = typer.Option(None, help="The question after the context (with --context-file)."),
     max_new_tokens: int = typer.Option(32, min=1),
     compare: str = typer.Option(None, help="Run this method too (e.g. full) and print both and the ratios."),
-    draft_model: str = typer.Option("default", help="SpecPrefill's draft model."),
+    draft: str = typer.Option(None, help=DRAFT_HELP),
     mirror: str = typer.Option(
         "fastkv", help="The architecture the oracle mirrors: gemfilter, fastkv or claa."
     ),
@@ -126,10 +130,10 @@ def prefill(
     (chosen_budget,) = _budgets(keep, budget)
     loaded, runner = _load(model, device, threads)
     example, prompt = _prompt(loaded.tokenizer, data, example_index, context_file, question)
-    entries = [(_method(method, layer, draft_model, mirror), chosen_budget)]
+    entries = [(_method(method, layer, draft, mirror), chosen_budget)]
     if compare:  # the reference goes first; full keeps everything whatever the budget
         reference_budget = Budget.from_keep(1.0) if compare == "full" else chosen_budget
-        entries.insert(0, (_method(compare, layer, draft_model, mirror), reference_budget))
+        entries.insert(0, (_method(compare, layer, draft, mirror), reference_budget))
     with torch.inference_mode():
         cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
     settings = BenchSettings(max_new_tokens, warmup, repeats)
@@ -208,7 +212,7 @@ def bench(
     layer: int = typer.Option(None, help=LAYER_HELP),
     model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
     max_new_tokens: int = typer.Option(32, min=1),
-    draft_model: str = typer.Option("default", help="SpecPrefill's draft model."),
+    draft: str = typer.Option(None, help=DRAFT_HELP),
     mirror: str = typer.Option(
         "fastkv", help="The architecture the oracle mirrors: gemfilter, fastkv or claa."
     ),
@@ -231,7 +235,7 @@ def bench(
 
     names = [name.strip() for name in methods.split(",") if name.strip()]
     budgets = _budgets(keep, budget)
-    chosen = [_method(name, layer, draft_model, mirror, strict=False) for name in names]
+    chosen = [_method(name, layer, draft, mirror, strict=False) for name in names]
     loaded, runner = _load(model, device, threads)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     if not examples:

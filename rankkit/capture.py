@@ -20,6 +20,7 @@ import torch
 from rankkit import models, stores
 from rankkit.data import METRICS, Example, load_examples, parse_spec
 from rankkit.errors import RankkitError
+from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import answer_informed_oracle
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.prompting import Prompt, example_prompt
@@ -164,9 +165,13 @@ def capture(
     device: str = "auto",
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
+    draft: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
+
+    ``draft`` (a SpecPrefill draft spec, e.g. ``layers:8``) also stores the draft's
+    lookahead scores (CLAA Eq. 3 before aggregation) in the example's ``draft_scores`` group.
 
     ``progress(kind, done_examples, tokens)`` is called after each example (kind is
     "written" or "skipped"), so a front end can draw a bar.
@@ -185,15 +190,23 @@ def capture(
     parse_spec(data)  # a bad spec fails before minutes of model loading
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
-    writer = stores.create(out, run_meta(loaded, probe_list, data), overwrite=overwrite and rank == 0)
     runner = Runner(loaded.model)
+    drafter = None if draft is None else specprefill_for(draft, runner)
+    meta = run_meta(loaded, probe_list, data)
+    if drafter is not None:  # part of the run's identity: a resume with another draft refuses
+        meta["draft"] = drafter.resolved(runner.num_layers)
+    writer = stores.create(out, meta, overwrite=overwrite and rank == 0)
     summary = CaptureSummary(out=str(Path(out)))
     started = time.perf_counter()
     for index, example in enumerate(examples):
         if index % world != rank:
             continue
         summary.examples += 1
-        if writer.is_complete(example.id) and (oracle is None or writer.has_oracle(example.id)):
+        if (
+            writer.is_complete(example.id)
+            and (oracle is None or writer.has_oracle(example.id))
+            and (drafter is None or writer.has_group(example.id, DRAFT_GROUP))
+        ):
             summary.count(progress, None)
             continue
         prompt = example_prompt(loaded.tokenizer, example)
@@ -206,14 +219,34 @@ def capture(
             writer.write_example(
                 example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
             )
-        if oracle is not None:
+        if oracle is not None and not writer.has_oracle(example.id):
             oracle_attrs = write_oracle(
                 writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
             )
+        if drafter is not None and not writer.has_group(example.id, DRAFT_GROUP):
+            write_draft_scores(writer, runner, drafter, example.id, ids)
         summary.count(progress, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     _wait_for_other_ranks(world)
     return summary
+
+
+def specprefill_for(draft: str, runner: Runner):
+    """The SpecPrefill method drafting with ``draft`` for ``runner``, its draft checked before any example."""
+    from rankkit.methods import make
+    from rankkit.methods.specprefill import draft_runner
+
+    method = make("specprefill", draft_model=draft)
+    draft_runner(method.bind(runner.num_layers).draft_model, runner)
+    return method
+
+
+def write_draft_scores(writer, runner: Runner, method, example_id: str, ids: torch.Tensor) -> None:
+    """Add one example's lookahead scores [k, T] (``draft_scores/lookahead``), with the draft's settings."""
+    lookahead, _ = method.draft_scores(runner, ids)
+    writer.add_arrays(
+        example_id, DRAFT_GROUP, {DRAFT_ARRAY: lookahead.numpy()}, method.resolved(runner.num_layers)
+    )
 
 
 def add_oracle(

@@ -56,13 +56,17 @@ class AnswerAttention(LayerHook):
     layers and heads, summed for MEANAGG).
     """
 
-    def __init__(self, num_layers: int, prompt_length: int, *, softmax: bool = False):
+    def __init__(
+        self, num_layers: int, prompt_length: int, *, softmax: bool = False, keep_per_token: bool = False
+    ):
         self.num_layers = num_layers
         self.prompt_length = prompt_length
         self.softmax = softmax
         self.layer_sums = torch.zeros(num_layers, prompt_length)
         self.sums = torch.zeros(prompt_length)
         self.tokens = 0
+        self.keep_per_token = keep_per_token
+        self.token_maxima: list[torch.Tensor] = []  # each query's max over layers and heads, when kept
         self._step_max: torch.Tensor | None = None
 
     def on_attention(self, call: AttentionCall) -> None:
@@ -77,6 +81,8 @@ class AnswerAttention(LayerHook):
         if call.layer == self.num_layers - 1:
             self.sums += self._step_max
             self.tokens += 1
+            if self.keep_per_token:
+                self.token_maxima.append(self._step_max)
 
     def head_max(self, call: AttentionCall) -> torch.Tensor:
         """[T] max over query heads of one decode query's logits (or softmax) over the prompt keys."""

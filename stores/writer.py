@@ -68,6 +68,11 @@ class StoreWriter:
         attrs = read_example_attrs(self._store, encode_name(example_id))
         return attrs is not None and attrs.get(COMPLETE) is True and attrs.get(ORACLE_COMPLETE) is True
 
+    def has_group(self, example_id: str, group: str) -> bool:
+        """Whether ``add_arrays`` completed ``group`` for this example."""
+        attrs = read_example_attrs(self._store, f"{encode_name(example_id)}/{encode_name(group)}")
+        return attrs is not None and attrs.get(COMPLETE) is True
+
     def write_example(
         self,
         example_id: str,

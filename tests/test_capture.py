@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from rankkit import stores
 from rankkit.capture import OracleOptions, add_oracle, capture
@@ -167,3 +168,25 @@ def test_bad_input_is_one_line_and_exit_2(tiny_folder, tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("rankkit: error: unknown data kind 'haystack'")
     assert not (tmp_path / "x.zarr").exists()
+
+
+def test_capture_with_a_draft_stores_its_lookahead_scores_and_a_resume_with_another_refuses(
+    tiny_folder, tmp_path
+):
+    from rankkit import models
+    from rankkit.errors import RankkitError
+    from rankkit.methods import make
+    from rankkit.runner import Runner
+
+    out = tmp_path / "draft.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", draft="layers:2")
+    store = stores.open(out)
+    example = store.example(store.example_ids()[0])
+    stored = example.group("draft_scores")["lookahead"]
+    runner = Runner(models.load(str(tiny_folder), device="cpu").model)
+    expected, _ = make("specprefill", draft_model="layers:2").draft_scores(
+        runner, torch.from_numpy(example.tokens)
+    )
+    assert stored.shape == (8, example.tokens.shape[0]) and np.array_equal(stored, expected.numpy())
+    with pytest.raises(RankkitError):
+        capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", draft="layers:1")

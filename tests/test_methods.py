@@ -38,14 +38,6 @@ class NoTextTokenizer:
         return ""
 
 
-@pytest.fixture
-def self_drafting(monkeypatch):
-    """SpecPrefill drafts with the model under test (the default draft model has another vocabulary)."""
-    from rankkit.methods import specprefill
-
-    monkeypatch.setattr(specprefill, "draft_runner", lambda spec, runner: runner)
-
-
 def _prepared(name, runner, ids, **params):
     method = make(name, **params)
     method.prepare(runner, ids, tokenizer=NoTextTokenizer())
@@ -53,7 +45,7 @@ def _prepared(name, runner, ids, **params):
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_keep_all_reproduces_full_greedy_output(name, family, random_ids, self_drafting):
+def test_keep_all_reproduces_full_greedy_output(name, family, random_ids):
     runner = _tiny(family)
     run = run_once(runner, _prepared(name, runner, random_ids), random_ids, Budget.from_keep(1.0), 8)
     assert run.tokens == _full_tokens(runner, random_ids)
@@ -184,12 +176,47 @@ def test_oracle_keeps_its_top_ranked_tokens_in_the_mirrored_architecture(mirror,
         assert [p.label for p in run.passes] == ["main"]  # the ranking is offline: no first pass
 
 
-def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids, self_drafting):
+def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids):
     runner = _tiny()
     run = make("specprefill", lookahead=3).prefill(runner, random_ids, Budget.from_tokens(10))
     assert [p.label for p in run.passes] == ["draft", "lookahead", "main"]
-    assert run.passes[1].queries == [1] * 9 and run.passes[1].keys[:3] == [41, 41, 41]
+    assert run.passes[0].queries == [40]  # the default draft: the first ⌈3/4⌉ = 1 layer
+    assert run.passes[1].queries == [1] * 3 and run.passes[1].keys == [41, 42, 43]
     assert run.kept_positions[-1] == 39 and run.live_tokens == [10, 10, 10]
+
+
+def test_self_draft_is_the_targets_first_layers_norm_and_head(random_ids):
+    from rankkit.errors import RankkitError
+    from rankkit.methods.specprefill import draft_runner, eq3, lookahead_scores
+
+    runner = _tiny()
+    draft = draft_runner("layers:2", runner)
+    assert draft.num_layers == 2 and runner.num_layers == 3 and draft.model is runner.model
+    with torch.inference_mode():
+        hidden = runner.model(random_ids[None], output_hidden_states=True).hidden_states[2]
+        expected = runner.model.lm_head(runner.model.model.norm(hidden))[0, -1]
+    assert torch.allclose(draft.prefill(random_ids).logits, expected, atol=1e-5)
+    for bad in ("layers:0", "layers:4", "layers:two"):
+        with pytest.raises(RankkitError, match="layers:1"):
+            draft_runner(bad, runner)
+
+    recorder = PositionRecorder()
+    recorder.on_attention = lambda call: (
+        call.phase == "decode"
+        and recorder.calls.append(
+            (call.query[0, :, -1].float().clone(), call.key[0, :, :40].float().clone(), call.scaling)
+        )
+    )
+    lookahead, _ = lookahead_scores(draft, random_ids, 4)
+    greedy_continue(draft, draft.prefill(random_ids), 4, [recorder], feed_last=True)
+    assert lookahead.shape == (4, 40) and len(recorder.calls) == 4 * 2
+    for step in range(4):  # Eq. 3 inside the mean: each lookahead query's max over draft layers and heads
+        expected = torch.full((40,), float("-inf"))
+        for query, key, scaling in recorder.calls[2 * step : 2 * step + 2]:
+            for head in range(4):
+                expected = torch.maximum(expected, key[head // 2] @ query[head] * scaling)
+        assert torch.allclose(lookahead[step], expected, atol=1e-5)
+    assert torch.allclose(eq3(lookahead), lookahead.mean(dim=0))
 
 
 class QueryKeyRecorder(LayerHook):
@@ -555,6 +582,7 @@ def test_ranks_break_ties_toward_the_earlier_token():
 def default_store(tmp_path_factory, default_runner, short_prompt):
     """A store of the short prompt with every probe setting the methods rank by, as a capture writes it."""
     from rankkit import stores
+    from rankkit.capture import write_draft_scores
     from rankkit.methods import probes_methods_need
     from rankkit.probes import ProbeRecorder
 
@@ -564,6 +592,7 @@ def default_store(tmp_path_factory, default_runner, short_prompt):
     path = tmp_path_factory.mktemp("select") / "store.zarr"
     writer = stores.create(path, {"model": {"id": "default"}, "probes": {p.key: p.params() for p in probes}})
     writer.write_example("ex0", attrs={}, tokens=short_prompt.numpy(), scores=recorder.scores())
+    write_draft_scores(writer, default_runner, make("specprefill"), "ex0", short_prompt)
     return path
 
 
@@ -571,7 +600,9 @@ ONLINE_SLIMINFER = {"block_size": 16, "unit_size": 4}  # blocks small enough to 
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "sliminfer"])
+@pytest.mark.parametrize(
+    "name", ["gemfilter", "fastkv", "claa", "asl", "asl-2pass", "sliminfer", "specprefill"]
+)
 @pytest.mark.parametrize("keep", [0.1, 0.4])
 def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
     name, keep, default_store, default_runner, short_prompt

@@ -17,9 +17,7 @@ import torch
 
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Captured, Method, make
-from rankkit.methods.selection import DRAFT_SCORES, ORACLE_SCORES
-
-DRAFT_GROUP, DRAFT_ARRAY = DRAFT_SCORES.split("/")
+from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
 
 
 def method_from_spec(spec: str, layer: int | None = None) -> Method:

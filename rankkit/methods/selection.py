@@ -64,6 +64,7 @@ class Captured:
 
 
 DRAFT_SCORES = "draft_scores/lookahead"
+DRAFT_GROUP, DRAFT_ARRAY = DRAFT_SCORES.split("/")
 ORACLE_SCORES = "oracle"
 
 

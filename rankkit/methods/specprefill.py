@@ -8,25 +8,36 @@ draft's k tokens in place of the answer). The base model then re-prefills only t
 tokens at their original positions (two-pass mode). The draft's prefill and lookahead
 count in TTFT and in the method's compute.
 
-``draft_model`` is a model spec (``default``, a folder or a hub id); when it names the
-model being run, that model drafts for itself.
+``draft_model`` is ``layers:N`` or a model spec (``default``, a folder or a hub id) whose
+tokenizer is the target's. ``layers:N`` drafts with the target's own first N layers, its
+final norm and its LM head (no weights copied): a self-speculative draft, a deviation from
+the paper's separate small model of the same family, which a single-model setup lacks.
+The default, ``layers:⌈L/4⌉``, costs about a quarter of a full prefill.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Budget, Method, Pass, Selection, register, reprefill_selected
+from rankkit.methods.base import Budget, Method, Pass, Selection, depth_field, register, reprefill_selected
 from rankkit.methods.selection import DRAFT_SCORES, Captured, forced_mask, top_k_with_forced, with_forced
 from rankkit.oracle import AnswerAttention, average_pool
 from rankkit.runner import Runner, greedy_continue
 
 _DRAFTS: dict[tuple[str, str], Runner] = {}
+SELF_DRAFT = "layers:"
+
+
+def self_draft_spec(num_layers: int) -> str:
+    """The default draft: the target's first ⌈L/4⌉ layers."""
+    return f"{SELF_DRAFT}{math.ceil(num_layers / 4)}"
 
 
 @functools.cache
@@ -37,7 +48,9 @@ def _model_folder(spec: str) -> str:
 
 
 def draft_runner(spec: str, runner: Runner) -> Runner:
-    """The runner of the draft model ``spec`` on ``runner``'s device; ``runner`` itself if it is that model."""
+    """The runner that drafts for ``runner``: its first N layers for ``layers:N``, else the model ``spec``."""
+    if spec.startswith(SELF_DRAFT):
+        return _first_layers(runner, spec)
     from rankkit import models
 
     folder = _model_folder(spec)
@@ -45,8 +58,28 @@ def draft_runner(spec: str, runner: Runner) -> Runner:
         return runner
     key = (folder, str(runner.device))
     if key not in _DRAFTS:
-        _DRAFTS[key] = Runner(models.load(spec, device=runner.device).model)
+        draft = Runner(models.load(spec, device=runner.device).model)
+        if draft.config.vocab_size != runner.config.vocab_size:
+            raise RankkitError(
+                f"draft model '{spec}' has a vocabulary of {draft.config.vocab_size} tokens, the target "
+                f"{runner.config.vocab_size}: name a draft with the target's tokenizer, or --draft layers:N"
+            )
+        _DRAFTS[key] = draft
     return _DRAFTS[key]
+
+
+def _first_layers(runner: Runner, spec: str) -> Runner:
+    """A runner over ``runner``'s model cut after its first N layers; modules and weights are shared."""
+    count = spec.removeprefix(SELF_DRAFT)
+    if not count.isdigit() or not 1 <= int(count) <= runner.num_layers:
+        raise RankkitError(
+            f"draft '{spec}' needs a layer count in 1..{runner.num_layers}: use e.g. --draft "
+            f"{self_draft_spec(runner.num_layers)}"
+        )
+    draft = copy.copy(runner)
+    draft.body = copy.copy(runner.body)
+    draft.body._modules = {**runner.body._modules, "layers": runner.body.layers[: int(count)]}
+    return draft
 
 
 def lookahead_scores(
@@ -54,7 +87,7 @@ def lookahead_scores(
 ) -> tuple[torch.Tensor, list[Pass]]:
     """Eq. 3 scores [T] of the prompt from ``lookahead`` draft tokens, and the draft's passes."""
     length = int(input_ids.numel())
-    attention = AnswerAttention(draft.num_layers, length)
+    attention = AnswerAttention(draft.num_layers, length, keep_per_token=True)
     prefill = draft.prefill(input_ids)
     # the last token's query counts too (Listing 3 feeds back every ``next_token``)
     generated = greedy_continue(draft, prefill, lookahead, [attention], feed_last=True)
@@ -69,21 +102,36 @@ def lookahead_scores(
             [length + step + 1 for step in range(steps) for _ in range(draft.num_layers)],
         ),
     ]
-    return attention.sums / attention.tokens, passes
+    return torch.stack(attention.token_maxima), passes
+
+
+def eq3(lookahead: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 from lookahead scores [k, ..., T]: max over layers and heads, mean over the k queries.
+
+    A [T] array is taken as already aggregated.
+    """
+    if lookahead.ndim == 1:
+        return lookahead
+    return lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).amax(dim=1).mean(dim=0)
 
 
 @register
 @dataclass
 class SpecPrefill(Method):
     name: ClassVar[str] = "specprefill"
-    draft_model: str = "default"
+    draft_model: str | None = depth_field(self_draft_spec)  # default layers:⌈L/4⌉
     lookahead: int = 8  # k
     kernel_size: int = 1  # CLAA Table 4 lists no pooling for SpecPrefill
 
+    def draft_scores(self, runner: Runner, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[Pass]]:
+        """The draft's lookahead scores [k, T] (what a capture stores) and the draft's passes."""
+        draft = draft_runner(self.bind(runner.num_layers).draft_model, runner)
+        return lookahead_scores(draft, input_ids, self.lookahead)
+
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())
-        scores, passes = lookahead_scores(draft_runner(self.draft_model, runner), input_ids, self.lookahead)
-        scores = average_pool(scores, self.kernel_size)
+        lookahead, passes = self.draft_scores(runner, input_ids)
+        scores = average_pool(eq3(lookahead), self.kernel_size)
         keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced_mask(length, 1))
         return reprefill_selected(runner, input_ids, keep.to(runner.device), passes, None)
 
@@ -96,9 +144,7 @@ class SpecPrefill(Method):
         """Eq. 3 from the stored lookahead scores [k, ..., T] (max over layers and heads, mean over
         the k queries; a [T] array is taken as aggregated), pooled; and the forced last token."""
         lookahead = captured.get(DRAFT_SCORES, self.name).float()
-        if lookahead.ndim > 1:
-            lookahead = lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).amax(dim=1).mean(dim=0)
-        return average_pool(lookahead, self.kernel_size), forced_mask(captured.num_tokens, 1)
+        return average_pool(eq3(lookahead), self.kernel_size), forced_mask(captured.num_tokens, 1)
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         scores, forced = self._ranking(captured)
