@@ -255,11 +255,16 @@ class Runner:
 
     @torch.inference_mode()
     def decode_step(self, token: int, position: int, cache: KVCache, hooks=()) -> torch.Tensor:
-        """One new token at ``position`` (continuing from the prompt length); returns its logits [vocab]."""
+        """One new token at ``position`` (continuing from the prompt length); returns its logits [vocab].
+
+        Every hook's ``after_decode_step`` runs once the step has passed all layers.
+        """
         positions = torch.tensor([position], device=self.device)
         hidden = self.body.embed_tokens(torch.tensor([[token]], device=self.device))
         embeddings = self.body.rotary_emb(hidden, position_ids=positions[None])
         hidden, _ = self._layers(None, hidden, positions, cache, hooks, "decode", embeddings)
+        for hook in hooks:
+            hook.after_decode_step(cache, position)
         return self.logits(hidden)[0, -1]
 
     def eos_ids(self) -> set[int]:
@@ -282,7 +287,6 @@ class Runner:
         return Generation(tokens, prefill)
 
 
-@torch.inference_mode()
 def greedy_continue(
     runner: Runner,
     prefill: PrefillResult,
@@ -294,10 +298,10 @@ def greedy_continue(
 ) -> list[int]:
     """Greedy tokens after a prefill; stops at EOS (kept in the output) or after ``max_new_tokens``.
 
-    The one decode loop: every step runs ``hooks`` inside the layers, then their
-    ``after_decode_step``; ``on_token`` sees each token as soon as it is chosen (timing).
-    ``feed_last`` also feeds back the last token unless it is EOS, so hooks see the query
-    of every answer token (the oracle and SpecPrefill's lookahead score with it).
+    The one greedy loop (bench, oracle and SpecPrefill's lookahead run through it); each
+    step is ``Runner.decode_step`` with ``hooks``; ``on_token`` sees each token as soon as
+    it is chosen (timing). ``feed_last`` also feeds back the last token unless it is EOS,
+    so hooks see the query of every answer token (the oracle and SpecPrefill score with it).
     """
     eos = runner.eos_ids()
     tokens: list[int] = []
@@ -311,8 +315,6 @@ def greedy_continue(
         if last and (token in eos or not feed_last):
             return tokens
         logits = runner.decode_step(token, position, prefill.cache, hooks)
-        for hook in hooks:
-            hook.after_decode_step(prefill.cache, position)
         position += 1
         if last:
             break
