@@ -155,13 +155,13 @@ class SlimInferHook(LayerHook):
         window = call.query[0, :, -self.window :].float().mean(dim=1)
         chosen = entry.chosen = kept_blocks(self._scores(entry, window), entry.keep_tokens, self.block_size)
         live_blocks = call.query_positions // self.block_size
-        kept = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
+        in_blocks = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
+        if self.kept_positions is None:  # the first pruning layer's blocks, as `rankkit select` gives them
+            self.kept_positions, self.selection_layer = call.query_positions[in_blocks], call.layer
+        kept = in_blocks.clone()
         kept[-self.window :] = True
         self.live = int(kept.numel())
         self.keep = None if bool(kept.all()) else torch.nonzero(kept).flatten()
-        if self.kept_positions is None:  # the first pruning layer's blocks, as `rankkit select` gives them
-            in_blocks = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
-            self.kept_positions, self.selection_layer = call.query_positions[in_blocks], call.layer
 
     def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
         """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
