@@ -121,6 +121,10 @@ def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_m
     } <= set(payload)
     assert {"answer", "score", "ttft_ratio", "kv_ratio"} <= set(payload)
     assert payload["method"] == "claa" and payload["keep"] == 0.5 and payload["kv_ratio"] < 1
+    # the same form as `rankkit select`: the example, the selection layer and the kept positions
+    assert payload["example_id"] == "prompt" and payload["selection_layer"] == 14  # CLAA's l_p of 30 layers
+    kept = payload["selected_positions"]
+    assert kept == sorted(kept) and len(kept) == Budget.from_keep(0.5).resolve(payload["length"], 8)
 
 
 def test_interleaved_rounds_pair_each_run_with_full_of_the_same_round():

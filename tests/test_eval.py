@@ -532,3 +532,17 @@ def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
     missing = cli("select", store_path, "--method", "snapkv", "--keep", 0.1, "--layer", 1)
     assert isinstance(missing.exception, RankkitError)  # the CLI's entry point turns it into exit 2
     assert "rankkit capture --probes window:w=32" in str(missing.exception)
+
+
+def test_a_probe_recorded_with_other_settings_is_refused(tmp_path):
+    from rankkit import stores
+
+    path = tmp_path / "old.zarr"
+    recorded = {"window": {"probe": "window", "window_size": 8, "kernel_size": 5, "pooling": "avg"}}
+    writer = stores.create(path, {"model": {"id": "synthetic"}, "probes": recorded})
+    scores = np.random.default_rng(0).random((LAYERS, HEADS, TOKENS)).astype(np.float32)
+    writer.write_example("ex0", attrs={}, tokens=np.arange(TOKENS), scores={"window": scores})
+    with pytest.raises(RankkitError, match="kernel_size': 5.*rankkit capture --probes window"):
+        compare_store(path, methods="claa", use_oracle=False)
+    rows = compare_store(path, methods="window", use_oracle=False).summary  # the probe itself is fine
+    assert rows["method"].to_list() == ["window"]

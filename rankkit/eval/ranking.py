@@ -1,10 +1,10 @@
-"""How well one token ranking agrees with another: rank correlations, top-k overlap, evidence recall,
-and the score aggregations the methods rank by.
+"""How well one token ranking agrees with another: rank correlations, top-k overlap, evidence recall.
+(The scores the methods rank by come from the methods themselves: ``Method.layer_rankings``.)
 
 Scores carry the tokens on the last axis; any leading axes (layers, heads) are kept, so a
 whole ``[layers, kv_heads, T]`` array is scored against a ``[T]`` reference in one call and
 each function returns one value per leading index. Which tokens are ranked is the caller's
-choice: the evaluators pass the context span only (see ``rankkit.eval.compare``).
+choice: compare passes the span it ranks (see ``rankkit.eval.compare``).
 
 Higher score = more important everywhere. Top-k sets break ties toward the earlier token, so
 results are deterministic.
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from scipy import stats
 
 
@@ -29,7 +30,7 @@ def keep_count(keep: float | int, num_tokens: int) -> int:
 class _TieRuns:
     """One unstable (fast, SIMD) ascending sort of every row, and the run of equal scores each
     sorted position belongs to. Run ids are global and increase along the flattened rows; no
-    run crosses a row, since every row starts a new one. Both rank kinds below come from it."""
+    run crosses a row, since every row starts a new one. Average ranks come from it."""
 
     def __init__(self, scores: np.ndarray):
         values = np.asarray(scores)
@@ -49,15 +50,6 @@ class _TieRuns:
         np.put_along_axis(ranks, self.order, run_means[self.run_ids], axis=-1)
         return ranks
 
-    def descending_places(self) -> np.ndarray:
-        # Sorting (run descending, token ascending) as one int64 key puts tied tokens in token
-        # order; that integer sort is far cheaper than a stable sort of the float scores.
-        num_tokens = self.shape[-1]
-        keys = np.sort((self.run_ids.max() - self.run_ids) * num_tokens + self.order, axis=-1)
-        places = np.empty(self.shape, dtype=np.int64)
-        np.put_along_axis(places, keys % num_tokens, np.arange(num_tokens), axis=-1)
-        return places
-
 
 def average_ranks(scores: np.ndarray) -> np.ndarray:
     """Ranks 1..T along the last axis, tied scores sharing their average rank: scipy's
@@ -68,16 +60,18 @@ def average_ranks(scores: np.ndarray) -> np.ndarray:
 def descending_ranks(scores: np.ndarray) -> np.ndarray:
     """Each token's place in the descending order along the last axis: 0 for the highest score.
 
-    Ties go to the earlier token, so every row is a permutation of 0..T-1 and the top-k set
-    is ``descending_ranks(scores) < k``: exactly k tokens.
+    The methods' own rank rule (``rankkit.methods.selection.descending_ranks``): ties go to the
+    earlier token, so every row is a permutation of 0..T-1 and the top-k set is
+    ``descending_ranks(scores) < k``: exactly k tokens.
     """
-    return _TieRuns(scores).descending_places()
+    from rankkit.methods.selection import descending_ranks as method_ranks
+
+    return method_ranks(torch.from_numpy(np.ascontiguousarray(scores))).numpy()
 
 
 def ranks_and_places(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``average_ranks`` and ``descending_ranks`` of the same scores from one sort."""
-    runs = _TieRuns(scores)
-    return runs.average_ranks(), runs.descending_places()
+    """``average_ranks`` and ``descending_ranks`` of the same scores."""
+    return average_ranks(scores), descending_ranks(scores)
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -146,42 +140,3 @@ def needle_recall(scores: np.ndarray, evidence: np.ndarray, keep: float | int) -
     """
     kept = top_k_mask(scores, keep_count(keep, np.shape(scores)[-1]))
     return overlap_share(kept, np.asarray(evidence, dtype=bool))
-
-
-def aggregate_claa(layer_scores: np.ndarray, pruning_layer: int, num_layers: int) -> np.ndarray:
-    """CLAA's ranking at pruning layer l_p: S_i = max over l' in {l_p - n + 1, ..., l_p} of S_i^(l') (CLAA Sec. 4.2).
-
-    ``layer_scores`` [L, T] are the per-layer FastKV window scores of CLAA Eq. 5, already summed
-    over heads and pooled: Listing 5 buffers the output of ``aggregate_attention`` per layer and
-    takes the max over that buffer, so the max comes after pooling and the head sum. The window
-    is clipped at layer 0. (Listing 5 also scores nothing in its first m deferred layers; with
-    the paper's m = 4, l_p = 15, n = 4 the window never reaches them.)
-    """
-    if not 0 <= pruning_layer < layer_scores.shape[0]:
-        raise ValueError(f"pruning layer {pruning_layer} is outside 0..{layer_scores.shape[0] - 1}")
-    if num_layers < 1:
-        raise ValueError(f"CLAA aggregates n >= 1 layers, got {num_layers}")
-    return layer_scores[max(0, pruning_layer - num_layers + 1) : pruning_layer + 1].max(axis=0)
-
-
-def aggregate_claa_every_layer(layer_scores: np.ndarray, num_layers: int) -> np.ndarray:
-    """``aggregate_claa`` for every pruning layer at once: [L, T], row l_p = max of rows l_p - n + 1..l_p."""
-    if num_layers < 1:
-        raise ValueError(f"CLAA aggregates n >= 1 layers, got {num_layers}")
-    aggregated = layer_scores.copy()
-    for lag in range(1, min(num_layers, layer_scores.shape[0])):
-        np.maximum(aggregated[lag:], layer_scores[:-lag], out=aggregated[lag:])
-    return aggregated
-
-
-def specprefill_scores(lookahead: np.ndarray) -> np.ndarray:
-    """Speculative Prefill's ranking (CLAA Eq. 3): mean over the k lookahead queries of the max over layers and heads.
-
-    ``lookahead`` is [k, ..., T]: the draft model's raw (pre-softmax) scores per lookahead
-    query, with any layer and head axes in between. A [T] array is taken as already aggregated.
-    """
-    lookahead = np.asarray(lookahead, dtype=np.float64)
-    if lookahead.ndim == 1:
-        return lookahead
-    per_query_peak = lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).max(axis=1)
-    return per_query_peak.mean(axis=0)

@@ -79,7 +79,8 @@ def forced_mask(length: int, window: int = 0, sinks: int = 0, device=None) -> to
 
 def descending_order(scores: torch.Tensor) -> torch.Tensor:
     """Indices along the last axis from the highest score down; tied scores keep token order."""
-    return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
+    ranked = scores if scores.is_floating_point() else scores.float()
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:

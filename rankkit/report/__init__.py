@@ -215,7 +215,8 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     caption = (
         "Spearman ρ between each method's token ranking and the answer-informed oracle at every layer, "
         "averaged over the task's examples with a ±1 sd band (CLAA Fig. 2, Fig. 8). The dotted line is the "
-        "layer control; dashed curves have no layer (SpecPrefill)."
+        "layer control; dashed curves have no layer (SpecPrefill). Ranked span: every prompt token outside "
+        "CLAA's observation window (compare --span prompt); each method ranks with its own defaults."
     )
     if comparison is None:
         return Panel(
@@ -256,7 +257,8 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
 
 def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int) -> Panel:
     caption = (
-        "The picked probe's scores (summed over KV heads) for the picked example, layers x context tokens; the "
+        "The picked probe's scores (summed over KV heads) for the picked example, layers x prompt tokens outside "
+        "the observation window (the span compare ranks); the "
         "oracle is the top strip, and the strip below it marks the columns the probe's top tokens at the picked "
         "layer and keep rate fall in. Evidence spans are outlined in cyan. Colour by the top token's rank within "
         "its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and score (float16). "
