@@ -1,50 +1,12 @@
-"""SnapKV-style 1-D pooling of per-token scores, shared by every probe that pools.
-
-Stride 1 and padding ``kernel_size // 2`` keep the length, so the kernel must be odd.
-
-One pooling convention for every ranking rankkit compares, probes and the oracle alike:
-average pooling leaves the padding out (``count_include_pad=False``), each output is the
-mean of the neighbours that exist. The papers write POOL1D without saying how the edges
-are padded (CLAA Alg. 1 for the oracle, ASL Alg. 1 line 5 and SnapKV for the window);
-the oracle and ``last_token_raw`` pool raw logits, which can be negative, so zero padding
-would pull their first and last tokens toward zero, and the same convention for the
-softmax probes keeps a comparison between them about ranks, not edge effects. (SnapKV's
-and ASL's code use torch's default, which counts the padding: a deviation at the
-``kernel_size // 2`` tokens of each edge.) Max pooling ignores the padding.
-"""
+"""Pooling of a probe's scores before its observation window (the rule itself: rankkit.pooling)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from rankkit.errors import RankkitError
+from rankkit.pooling import check_pooling, pool_tokens
 
-POOLINGS = ("avg", "max")
-
-
-def check_pooling(pooling: str, kernel_size: int) -> None:
-    """Fail early, at probe construction, on a pooling that could not keep the length."""
-    if pooling not in POOLINGS:
-        raise RankkitError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise RankkitError(
-            f"kernel_size must be a positive odd number (length-preserving pooling), not {kernel_size}"
-        )
-
-
-def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
-    """Pool ``scores`` [..., T] along the token axis; the result has the same shape."""
-    length = scores.shape[-1]
-    if kernel_size == 1 or length == 0:
-        return scores
-    rows = scores.reshape(-1, 1, length)
-    padding = kernel_size // 2
-    if pooling == "avg":
-        pooled = F.avg_pool1d(rows, kernel_size, stride=1, padding=padding, count_include_pad=False)
-    else:
-        pooled = F.max_pool1d(rows, kernel_size, stride=1, padding=padding)
-    return pooled.reshape(scores.shape)
+__all__ = ["check_pooling", "pool_before_window"]
 
 
 def pool_before_window(

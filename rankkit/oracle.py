@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from rankkit.errors import RankkitError
+from rankkit.pooling import check_pooling, pool_tokens
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
 
 ANSWER_MODES = ("generated", "reference")
@@ -95,25 +95,6 @@ class AnswerAttention(LayerHook):
         return logits.reshape(kv_heads * groups, -1).amax(dim=0).cpu()
 
 
-def average_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Centred moving average along the last axis, same length; windows are clipped at the ends.
-
-    Raw attention logits can be negative, so zero padding would bias the first and last
-    tokens; each output is the mean over the neighbours that exist instead.
-    """
-    _check_kernel(kernel)
-    if kernel == 1:
-        return scores
-    rows = scores.reshape(-1, 1, scores.shape[-1])
-    pooled = F.avg_pool1d(rows, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    return pooled.reshape(scores.shape)
-
-
-def _check_kernel(kernel: int) -> None:
-    if kernel < 1 or kernel % 2 == 0:
-        raise RankkitError(f"pooling kernel must be a positive odd number, got {kernel}")
-
-
 def fork_prefill(prefill: PrefillResult) -> PrefillResult:
     """The same prefill with a forked cache, so several continuations can start from it."""
     return dataclasses.replace(prefill, cache=prefill.cache.fork())
@@ -172,7 +153,7 @@ def answer_informed_oracle(
         raise RankkitError(f"answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
     if answer == "reference" and reference_answer is None:
         raise RankkitError("answer='reference' needs reference_answer")
-    _check_kernel(kernel)
+    check_pooling("avg", kernel)
     prompt_length = int(input_ids.numel())
     if prefill is None:
         prefill = runner.prefill(input_ids)
@@ -191,8 +172,8 @@ def answer_informed_oracle(
         if not answer_tokens:
             raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
 
-    scores = average_pool(attention.sums / attention.tokens, kernel)
-    layer_scores = average_pool(attention.layer_sums / attention.tokens, kernel)
+    scores = pool_tokens(attention.sums / attention.tokens, "avg", kernel)
+    layer_scores = pool_tokens(attention.layer_sums / attention.tokens, "avg", kernel)
     return OracleResult(
         scores=scores.numpy().astype(np.float32),
         layer_scores=layer_scores.numpy().astype(np.float32),

@@ -28,7 +28,8 @@ import torch
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Pass, Selection, depth_field, register, reprefill_selected
 from rankkit.methods.selection import DRAFT_SCORES, Captured, forced_mask, top_k_with_forced, with_forced
-from rankkit.oracle import AnswerAttention, average_pool
+from rankkit.oracle import AnswerAttention
+from rankkit.pooling import pool_tokens
 from rankkit.runner import Runner, greedy_continue
 
 _DRAFTS: dict[tuple[str, str], Runner] = {}
@@ -131,7 +132,7 @@ class SpecPrefill(Method):
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())
         lookahead, passes = self.draft_scores(runner, input_ids)
-        scores = average_pool(eq3(lookahead), self.kernel_size)
+        scores = pool_tokens(eq3(lookahead), "avg", self.kernel_size)
         keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced_mask(length, 1))
         return reprefill_selected(runner, input_ids, keep.to(runner.device), passes, None)
 
@@ -144,7 +145,7 @@ class SpecPrefill(Method):
         """Eq. 3 from the stored lookahead scores [k, ..., T] (max over layers and heads, mean over
         the k queries; a [T] array is taken as aggregated), pooled; and the forced last token."""
         lookahead = captured.get(DRAFT_SCORES, self.name).float()
-        return average_pool(eq3(lookahead), self.kernel_size), forced_mask(captured.num_tokens, 1)
+        return pool_tokens(eq3(lookahead), "avg", self.kernel_size), forced_mask(captured.num_tokens, 1)
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         scores, forced = self._ranking(captured)
