@@ -22,6 +22,22 @@ import torch.nn.functional as F
 from rankkit.cache import KVCache
 
 ATTENTION_NAME = "rankkit"
+GLOBAL_ATTENTION = "full_attention"  # config.layer_types' name for a layer that sees every earlier key
+
+
+def layer_types(config) -> tuple[str, ...] | None:
+    """Each layer's attention type as the config names it ("full_attention", "sliding_attention",
+    "chunked_attention") when some layer is local, else None (every layer sees the whole prompt).
+
+    A config may name layer types without a window to apply (Qwen2 with ``use_sliding_window``
+    off): every layer is then global.
+    """
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None)
+    has_window = any(getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size"))
+    if not kinds or not has_window or all(kind == GLOBAL_ATTENTION for kind in kinds):
+        return None
+    return tuple(kinds)
 
 
 @dataclass
@@ -156,6 +172,11 @@ class Runner:
     @property
     def num_layers(self) -> int:
         return len(self.body.layers)
+
+    @property
+    def layer_types(self) -> tuple[str, ...] | None:
+        """Each layer's attention type when the model has local layers, else None (``layer_types``)."""
+        return layer_types(self.config)
 
     def attention(self, query, key, value, mask, scaling):
         """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query).

@@ -85,8 +85,14 @@ def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, An
                 raise RankkitError(problem)
 
 
-def captured(record, method: Method) -> Captured:
-    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU."""
+def store_layer_types(store_meta: Mapping[str, Any]) -> list[str] | None:
+    """The model's layer types a store recorded (capture's ``run_meta``); None: every layer global."""
+    return (store_meta.get("model") or {}).get("layer_types")
+
+
+def captured(record, method: Method, layer_types: list[str] | None = None) -> Captured:
+    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layer_types``
+    from ``store_layer_types``."""
     arrays: dict[str, torch.Tensor] = {}
     for key in method.captured_inputs():
         if key == ORACLE_SCORES:
@@ -97,7 +103,7 @@ def captured(record, method: Method) -> Captured:
             values = record.scores(key)
         arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     num_layers = record.score_shape(record.probes[0])[0]
-    return Captured(arrays, num_layers, record.num_tokens)
+    return Captured(arrays, num_layers, record.num_tokens, layer_types)
 
 
 def select_store(
@@ -119,7 +125,8 @@ def select_store(
     check_inputs([method], records, store.meta)
     rows = []
     for record in records:
-        selection = method.select_offline(captured(record, method), budget, layer=shared_layer)
+        example = captured(record, method, store_layer_types(store.meta))
+        selection = method.select_offline(example, budget, layer=shared_layer)
         rows.append(
             {
                 "example_id": record.id,

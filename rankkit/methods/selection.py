@@ -26,7 +26,7 @@ ranked first (``top_k_with_forced``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,12 +50,14 @@ class Captured:
     """What a store holds for one example, as a method's offline face reads it.
 
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
-    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
+    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]);
+    ``layer_types`` as the store's model metadata records them (None: every layer global).
     """
 
     arrays: Mapping[str, torch.Tensor]
     num_layers: int
     num_tokens: int
+    layer_types: Sequence[str] | None = None
 
     def get(self, key: str, method: str) -> torch.Tensor:
         if key not in self.arrays:
@@ -262,14 +264,16 @@ class PolicyMethod(Method):
     def compress_from(self) -> int | None:
         return None
 
-    def _plan(self, num_layers: int, length: int, budget: Budget):
-        bound = self.bind(num_layers)
+    def _plan(self, num_layers: int, length: int, budget: Budget, layer_types=None):
+        bound = self.bind(num_layers, layer_types)
         keep = budget.resolve(length, bound.minimum_keep())
         window, sinks = bound.forced(keep)
         return bound, keep, window, sinks
 
     def prefill(self, runner, input_ids, budget):
-        bound, keep, window, sinks = self._plan(runner.num_layers, int(input_ids.numel()), budget)
+        bound, keep, window, sinks = self._plan(
+            runner.num_layers, int(input_ids.numel()), budget, runner.layer_types
+        )
         hook = SelectionHook(
             bound.probe(),
             bound.policy(runner.num_layers, keep),
@@ -293,7 +297,9 @@ class PolicyMethod(Method):
         """The kept set ``prefill`` builds, from the store. Per-head (KV-only) methods keep a set per
         KV head at every layer: ``layer`` picks which one is reported."""
         scores = self.captured_scores(captured)
-        bound, keep, window, sinks = self._plan(captured.num_layers, captured.num_tokens, budget)
+        bound, keep, window, sinks = self._plan(
+            captured.num_layers, captured.num_tokens, budget, captured.layer_types
+        )
         forced = forced_mask(captured.num_tokens, window, sinks, scores.device)
         selected = replay(bound.policy(captured.num_layers, keep), scores)
         if selected is not None:
@@ -316,7 +322,7 @@ class PolicyMethod(Method):
         )
         rankings: dict[int | None, torch.Tensor] = {}
         for method in candidates:
-            bound, keep, window, sinks = method._plan(num_layers, length, budget)
+            bound, keep, window, sinks = method._plan(num_layers, length, budget, captured.layer_types)
             forced = forced_mask(length, window, sinks, scores.device)
             selected = replay(bound.policy(num_layers, keep), scores)
             if selected is None:
