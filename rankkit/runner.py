@@ -52,10 +52,17 @@ class AttentionCall:
     query_positions: torch.Tensor  # [n] original positions of the queries
     key_positions: torch.Tensor  # [kv_heads, S] original positions of the keys; -1 marks padding
     scaling: float
+    sliding_window: int | None = None  # a local layer sees keys with position > query position - window
 
     @property
     def group_size(self) -> int:
         return self.query.shape[1] // self.key.shape[1]
+
+    def unseen_keys(self) -> torch.Tensor | None:
+        """Bool [kv_heads, S]: the keys a local layer's last query cannot attend to (None on a global layer)."""
+        if self.sliding_window is None:
+            return None
+        return self.key_positions <= self.query_positions[-1] - self.sliding_window
 
 
 class LayerHook:
@@ -150,7 +157,9 @@ class _Step:
 
     def attend(self, layer, query, key, value, scaling, sliding_window):
         key_positions = self.cache.positions[layer]
-        call = AttentionCall(layer, self.phase, query, key, value, self.positions, key_positions, scaling)
+        call = AttentionCall(
+            layer, self.phase, query, key, value, self.positions, key_positions, scaling, sliding_window
+        )
         for hook in self.hooks:
             hook.on_attention(call)
         mask = self.cache.attention_mask(layer, self.positions, sliding_window)

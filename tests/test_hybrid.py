@@ -13,11 +13,11 @@ from rankkit.runner import Runner
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 HYBRID_LAYERS = (LOCAL, LOCAL, GLOBAL, LOCAL, LOCAL, GLOBAL)  # Gemma-style local:global 2:1
-WINDOW = 8
+WINDOW = 16  # local layers see the last 16 of the 40 prompt tokens
 
 
 def hybrid_runner(seed: int = 0) -> Runner:
-    """A tiny Qwen2 whose layers follow ``HYBRID_LAYERS``, with an 8-token window on the local ones."""
+    """A tiny Qwen2 whose layers follow ``HYBRID_LAYERS``, with a 16-token window on the local ones."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -67,7 +67,11 @@ def test_default_layers_move_to_the_nearest_global_layer_ties_to_the_earlier():
     assert on_global_layers(3, None) == 3 and on_global_layers(3, (LOCAL,) * 6) == 3
 
     # round(15 * 6 / 32) = 3, a local layer: every pruning method's default moves to 2
-    for name, parameter in [("fastkv", "tsp_layer"), ("claa", "pruning_layer"), ("gemfilter", "routing_layer")]:
+    for name, parameter in [
+        ("fastkv", "tsp_layer"),
+        ("claa", "pruning_layer"),
+        ("gemfilter", "routing_layer"),
+    ]:
         assert getattr(make(name).bind(6), parameter) == 3
         assert getattr(make(name).bind(6, HYBRID_LAYERS), parameter) == 2
         assert getattr(make(name).with_layer(4).bind(6, HYBRID_LAYERS), parameter) == 4  # --layer as given
@@ -137,3 +141,148 @@ def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_i
         assert row["layer"] == layer  # a store without layer types is all-global, as stores were
     online = claa.prefill(runner, random_ids, Budget.from_keep(0.4))
     assert row["selected_positions"] == online.kept_positions.tolist()
+
+
+# ---- item 2: a local layer's compressed cache keeps only keys its window sees
+
+
+def seen_positions(layer: int, length: int) -> list[int]:
+    """The prompt positions a layer's last query attends to, straight from the layer types."""
+    first = length - WINDOW if HYBRID_LAYERS[layer] == LOCAL else 0
+    return list(range(max(0, first), length))
+
+
+def as_stored(scores: torch.Tensor) -> torch.Tensor:
+    """Full-prompt scores [L, H, T] with NaN where a local layer cannot see, as a store holds them."""
+    stored = scores.clone()
+    for layer, kind in enumerate(HYBRID_LAYERS):
+        if kind == LOCAL:
+            stored[layer, :, : stored.shape[-1] - WINDOW] = float("nan")
+    return stored
+
+
+def reference_keep(scores: list[float], k: int, forced: set[int], seen: list[int]) -> list[int]:
+    """The slow rule: among the seen positions, forced ones first, then by score, ties to the earlier."""
+    ranked = sorted(seen, key=lambda position: (position not in forced, -scores[position], position))
+    return sorted(ranked[:k])
+
+
+def cached(run, layer: int) -> list[list[int]]:
+    positions = run.result.cache.positions[layer]
+    return [sorted(p for p in head.tolist() if p >= 0) for head in positions]
+
+
+@pytest.mark.parametrize(
+    "name, params, compressed_layers",
+    [
+        ("snapkv", {"window_size": 4}, range(6)),
+        ("streamingllm", {}, range(6)),
+        ("fastkv", {}, range(2)),  # the layers before its (global) TSP layer, 2
+    ],
+)
+def test_per_head_compression_keeps_the_best_keys_a_layer_sees(
+    runner, random_ids, name, params, compressed_layers
+):
+    from rankkit.probes import ProbeRecorder
+
+    method = make(name, **params)
+    budget = Budget.from_tokens(10)
+    length = int(random_ids.numel())
+    recorder = ProbeRecorder([] if name == "streamingllm" else [method.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    recorded = recorder.scores()
+    window, sinks = method.bind(6).forced(10)
+    forced = set(range(sinks)) | set(range(length - window, length))
+    run = method.prefill(runner, random_ids, budget)
+    for layer in compressed_layers:
+        for head, kept in enumerate(cached(run, layer)):
+            if name == "streamingllm":
+                scores = [float(position) for position in range(length)]
+            else:
+                scores = recorded[method.probe().key][layer, head].tolist()
+            assert kept == reference_keep(scores, 10, forced, seen_positions(layer, length)), (layer, head)
+    if name == "snapkv":  # the offline face reads unseen keys as the store holds them: NaN
+        stored = as_stored(torch.from_numpy(recorded[method.probe().key]))
+        captured = Captured({method.probe().key: stored}, 6, length, HYBRID_LAYERS)
+        for layer in range(6):
+            assert method.select_offline(captured, budget, layer=layer).as_lists() == cached(run, layer)
+    # on the local layers, the sinks StreamingLLM cannot see gave their places to recent tokens
+    if name == "streamingllm":
+        assert cached(run, 0)[0] == list(range(30, 40)) and cached(run, 2)[0] == [0, 1, 2, 3, *range(34, 40)]
+
+
+class LastQueryAttention:
+    """Records each prefill layer's last-query softmax attention per query head [kv_heads, group, S]."""
+
+    def __init__(self):
+        self.layers = {}
+
+    def on_attention(self, call):
+        from rankkit.probes.attention import window_attention
+
+        if call.phase == "prefill":
+            self.layers[call.layer] = window_attention(call, 1)
+
+    def after_layer(self, layer, state):
+        pass
+
+
+def reference_sage_kv(attention, budget: int, group: int, seen: list[int]) -> list[list[int]]:
+    """SAGE-KV Steps 1-3 by hand over the keys a layer sees: sinks B/4 (those it sees), k = B/(2G)
+    per query head, the recent window the rest plus the sinks it cannot see; all it sees if that fits."""
+    length = attention.shape[-1]
+    if len(seen) <= budget:
+        return [seen] * attention.shape[0]
+    sinks = budget // 4
+    k = budget // (2 * group)
+    lost = sum(1 for position in range(sinks) if position not in seen)
+    recent = set(range(length - (budget - sinks - group * k + lost), length))
+    always = {position for position in range(sinks) if position in seen} | recent
+    candidates = [position for position in seen if position >= sinks and position not in recent]
+    kept = []
+    for head in attention:
+        union = set(always)
+        for query_head in head.tolist():
+            union |= set(sorted(candidates, key=lambda position: -query_head[position])[:k])
+        kept.append(sorted(union))
+    return kept
+
+
+@pytest.mark.parametrize("tokens", [8, 20])  # under and over the 16 keys a local layer sees
+def test_sage_kv_keeps_only_keys_a_layer_sees_and_rolls_each_layers_window(runner, random_ids, tokens):
+    attention = LastQueryAttention()
+    runner.prefill(random_ids, hooks=[attention])
+    length = int(random_ids.numel())
+    run = make("sage-kv").prefill(runner, random_ids, Budget.from_tokens(tokens))
+    for layer in range(6):
+        expected = reference_sage_kv(attention.layers[layer], tokens, 2, seen_positions(layer, length))
+        assert cached(run, layer) == expected, layer
+    # Step 4 rolls each layer's own recent window: a local layer keeps its size, no key leaves
+    sizes = [run.result.cache.kept_tokens(layer).tolist() for layer in range(6)]
+    (hook,) = run.decode_hooks
+    greedy = runner.decode_step(5, length, run.result.cache, [hook])
+    assert greedy.isfinite().all()
+    assert [run.result.cache.kept_tokens(layer).tolist() for layer in range(6)] == sizes
+    for layer in range(6):
+        assert length in run.result.cache.positions[layer][0].tolist()
+
+
+def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, random_ids):
+    from rankkit.probes import ProbeRecorder
+
+    lava = make("lava", window_size=4)
+    budget = Budget.from_tokens(10)
+    length = int(random_ids.numel())
+    run = lava.prefill(runner, random_ids, budget)
+    recorder = ProbeRecorder([lava.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    scores = as_stored(torch.from_numpy(recorder.scores()[lava.probe().key]))
+    captured = Captured({lava.probe().key: scores}, 6, length, HYBRID_LAYERS)
+    total = 0
+    for layer in range(6):
+        kept = cached(run, layer)
+        assert all(set(head) <= set(seen_positions(layer, length)) for head in kept), layer
+        offline = lava.select_offline(captured, budget, layer=layer).as_lists()
+        assert kept == offline, layer
+        total += sum(len(head) for head in kept)
+    assert total == 10 * 2 * 6  # the whole budget of entries is spent, on keys the layers see

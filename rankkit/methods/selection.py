@@ -11,7 +11,9 @@ which (aggregated) scores; ``SelectionHook`` carries out the mode during prefill
   ASL), or stops the pass (the first pass of a two-pass method: GemFilter, ASL-2pass);
 - after it, later layers only ever see the kept tokens, so their cache is the selection.
 
-The observation window (the last ``window`` prompt tokens) and sinks are always kept.
+The observation window (the last ``window`` prompt tokens) and sinks are always kept,
+except on a local (sliding-window) layer: its cache keeps only keys its last query can
+attend to, forced or not, and the budget goes to those (``top_k_seen``).
 
 ``PolicyMethod`` is the base of every method built this way. It gives both faces from
 the same parts: ``prefill`` runs the hook, and ``select_offline`` replays the policy
@@ -50,8 +52,9 @@ class Captured:
     """What a store holds for one example, as a method's offline face reads it.
 
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
-    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]);
-    ``layer_types`` as the store's model metadata records them (None: every layer global).
+    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]); a NaN score
+    is a key a local layer could not see. ``layer_types`` as the store's model metadata
+    records them (None: every layer global).
     """
 
     arrays: Mapping[str, torch.Tensor]
@@ -107,6 +110,22 @@ def top_k_with_forced(scores: torch.Tensor, k: int, forced: torch.Tensor | None 
     if k >= length:
         return torch.arange(length, device=scores.device).expand(*scores.shape[:-1], length)
     return torch.sort(descending_order(with_forced(scores, forced))[..., :k], dim=-1).values
+
+
+def top_k_seen(
+    scores: torch.Tensor, k: int, forced: torch.Tensor | None, unseen: torch.Tensor | None
+) -> torch.Tensor | list[torch.Tensor]:
+    """``top_k_with_forced`` over scores [heads, S] among the keys a layer can attend to.
+
+    Keys in ``unseen`` [heads, S] (outside a local layer's window) are never kept, forced
+    or not, and take none of the ``k``: a head keeps its ``k`` best seen keys, or every
+    seen key when it sees fewer. Returns one sorted index tensor per head then.
+    """
+    if unseen is None or not bool(unseen.any()):
+        return top_k_with_forced(scores, k, forced)
+    order = descending_order(with_forced(scores, forced).masked_fill(unseen, float("-inf")))
+    seen = (~unseen).sum(dim=-1).clamp(max=k).tolist()
+    return [torch.sort(head_order[:count]).values for head_order, count in zip(order, seen, strict=True)]
 
 
 class LayerPolicy:
@@ -178,6 +197,7 @@ class SelectionHook(LayerHook):
         self.compress_from = compress_from
         self.stop_at_selection = stop_at_selection
         self.scores: torch.Tensor | None = None  # the current layer's probe scores [kv_heads, S]
+        self.unseen: torch.Tensor | None = None  # the current layer's keys outside its window
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
 
@@ -188,7 +208,7 @@ class SelectionHook(LayerHook):
         if call.phase != "prefill" or self.kept_positions is not None:
             return
         if self.policy.needs_scores(call.layer) or self._compresses(call.layer):
-            self.scores = self.probe.score(call)
+            self.scores, self.unseen = self.probe.score(call), call.unseen_keys()
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         if self.kept_positions is not None:
@@ -199,7 +219,7 @@ class SelectionHook(LayerHook):
         shared = self.policy.decide(layer, scores if self.policy.needs_scores(layer) else None)
         if shared is None:
             if self._compresses(layer) and self.keep < live:
-                state.cache.compress(layer, top_k_with_forced(scores, self.keep, forced))
+                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
             return
         keep = top_k_with_forced(shared, self.keep, forced)
         self.kept_positions = state.positions[keep]
@@ -309,7 +329,8 @@ class PolicyMethod(Method):
                 f"method '{self.name}' keeps a set per layer and KV head: "
                 f"name the layer with --layer (0..{captured.num_layers - 1})"
             )
-        return Selection(layer, top_k_with_forced(scores[layer], keep, forced))
+        # a NaN score is a key the layer could not see: compressing its cache never keeps it
+        return Selection(layer, top_k_seen(scores[layer], keep, forced, scores[layer].isnan()))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
