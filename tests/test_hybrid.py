@@ -17,22 +17,14 @@ WINDOW = 16  # local layers see the last 16 of the 40 prompt tokens
 
 
 def hybrid_runner(seed: int = 0) -> Runner:
-    """A tiny Qwen2 whose layers follow ``HYBRID_LAYERS``, with a 16-token window on the local ones."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """The tiny Qwen2 with six layers following ``HYBRID_LAYERS``, a 16-token window on the local ones."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=len(HYBRID_LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        layer_types=list(HYBRID_LAYERS),
-    )
+    config = tiny_config("qwen2")
+    config.num_hidden_layers = len(HYBRID_LAYERS)
+    config.layer_types = list(HYBRID_LAYERS)
+    config.use_sliding_window, config.sliding_window = True, WINDOW
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with torch.no_grad():  # peaked attention, so rankings differ between tokens
