@@ -76,9 +76,9 @@ def shard() -> tuple[int, int]:
 def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
     """What defines a capture run; a resumed run must match it exactly.
 
-    ``model.layer_types`` is recorded only for models with local layers (stores without it,
-    older ones included, are all-global), so the offline faces pick the selection layers
-    prefill picks.
+    ``model.layer_types`` and ``model.sliding_window`` are recorded only for models with
+    local layers (stores without them, older ones included, are all-global), so the offline
+    faces pick the selection layers and per-layer kept sets prefill picks.
     """
     config = loaded.model.config
     model = {
@@ -90,6 +90,7 @@ def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
     kinds = layer_types(config)
     if kinds is not None:
         model["layer_types"] = list(kinds)
+        model["sliding_window"] = getattr(config.get_text_config(), "sliding_window", None)
     return {
         "model": model,
         "num_layers": config.num_hidden_layers,

@@ -23,6 +23,7 @@ from rankkit.cache import KVCache
 
 ATTENTION_NAME = "rankkit"
 GLOBAL_ATTENTION = "full_attention"  # config.layer_types' name for a layer that sees every earlier key
+SLIDING_ATTENTION = "sliding_attention"  # ... and for one that sees only the last ``sliding_window`` keys
 
 
 def layer_types(config) -> tuple[str, ...] | None:

@@ -45,7 +45,7 @@ def _captured(runner, ids, probes) -> Captured:
     recorder = ProbeRecorder(probes)
     runner.prefill(ids, hooks=[recorder])
     arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
-    return Captured(arrays, runner.num_layers, int(ids.numel()), runner.layer_types)
+    return Captured(arrays, runner.num_layers, int(ids.numel()), runner.layer_types, WINDOW)
 
 
 # ---- item 1: default selection layers on global layers
@@ -95,7 +95,7 @@ def test_prefill_and_the_store_select_at_the_same_global_layer(runner, random_id
 
 def test_capture_records_layer_types_of_hybrid_models_only(runner):
     from rankkit.capture import run_meta
-    from rankkit.eval.offline import store_layer_types
+    from rankkit.eval.offline import store_layers
     from rankkit.models import LoadedModel
 
     class Tokenizer:
@@ -106,13 +106,12 @@ def test_capture_records_layer_types_of_hybrid_models_only(runner):
         return run_meta(LoadedModel(model, Tokenizer(), "tiny", "hash", torch.device("cpu")), [], "niah")
 
     hybrid = meta(runner.model)
-    assert hybrid["model"]["layer_types"] == list(HYBRID_LAYERS)
-    assert store_layer_types(hybrid) == list(HYBRID_LAYERS)
+    assert store_layers(hybrid) == {"layer_types": list(HYBRID_LAYERS), "sliding_window": WINDOW}
 
     from conftest import tiny_model
 
     plain = meta(tiny_model("llama"))
-    assert "layer_types" not in plain["model"] and store_layer_types(plain) is None
+    assert "layer_types" not in plain["model"] and store_layers(plain) == {}
 
 
 def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_ids, tmp_path):
@@ -126,7 +125,7 @@ def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_i
     meta = {"model": {"id": "tiny"}, "probes": {claa.probe().key: claa.probe().params()}}
     for name, layer_types, layer in [("old", None, 3), ("hybrid", list(HYBRID_LAYERS), 2)]:
         if layer_types is not None:
-            meta["model"]["layer_types"] = layer_types
+            meta["model"] |= {"layer_types": layer_types, "sliding_window": WINDOW}
         writer = stores.create(tmp_path / f"{name}.zarr", meta)
         writer.write_example("ex0", attrs={}, tokens=random_ids.numpy(), scores=recorder.scores())
         (row,) = select_store(tmp_path / f"{name}.zarr", "claa", Budget.from_keep(0.4))
@@ -142,15 +141,6 @@ def seen_positions(layer: int, length: int) -> list[int]:
     """The prompt positions a layer's last query attends to, straight from the layer types."""
     first = length - WINDOW if HYBRID_LAYERS[layer] == LOCAL else 0
     return list(range(max(0, first), length))
-
-
-def as_stored(scores: torch.Tensor) -> torch.Tensor:
-    """Full-prompt scores [L, H, T] with NaN where a local layer cannot see, as a store holds them."""
-    stored = scores.clone()
-    for layer, kind in enumerate(HYBRID_LAYERS):
-        if kind == LOCAL:
-            stored[layer, :, : stored.shape[-1] - WINDOW] = float("nan")
-    return stored
 
 
 def reference_keep(scores: list[float], k: int, forced: set[int], seen: list[int]) -> list[int]:
@@ -193,11 +183,14 @@ def test_per_head_compression_keeps_the_best_keys_a_layer_sees(
             else:
                 scores = recorded[method.probe().key][layer, head].tolist()
             assert kept == reference_keep(scores, 10, forced, seen_positions(layer, length)), (layer, head)
-    if name == "snapkv":  # the offline face reads unseen keys as the store holds them: NaN
-        stored = as_stored(torch.from_numpy(recorded[method.probe().key]))
-        captured = Captured({method.probe().key: stored}, 6, length, HYBRID_LAYERS)
+    if name in ("snapkv", "streamingllm"):  # the offline face knows the window from the store's metadata
+        stored = {key: torch.from_numpy(scores) for key, scores in recorded.items()}
+        captured = Captured(stored, 6, length, HYBRID_LAYERS, WINDOW)
         for layer in range(6):
-            assert method.select_offline(captured, budget, layer=layer).as_lists() == cached(run, layer)
+            offline = method.select_offline(captured, budget, layer=layer).as_lists()
+            if name == "streamingllm":  # one set, the same for every KV head
+                offline = offline * 2
+            assert offline == cached(run, layer), layer
     # on the local layers, the sinks StreamingLLM cannot see gave their places to recent tokens
     if name == "streamingllm":
         assert cached(run, 0)[0] == list(range(30, 40)) and cached(run, 2)[0] == [0, 1, 2, 3, *range(34, 40)]
@@ -268,8 +261,8 @@ def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, rand
     run = lava.prefill(runner, random_ids, budget)
     recorder = ProbeRecorder([lava.probe()])
     runner.prefill(random_ids, hooks=[recorder])
-    scores = as_stored(torch.from_numpy(recorder.scores()[lava.probe().key]))
-    captured = Captured({lava.probe().key: scores}, 6, length, HYBRID_LAYERS)
+    scores = torch.from_numpy(recorder.scores()[lava.probe().key])
+    captured = Captured({lava.probe().key: scores}, 6, length, HYBRID_LAYERS, WINDOW)
     total = 0
     for layer in range(6):
         kept = cached(run, layer)

@@ -59,7 +59,7 @@ from .offline import (
     is_method,
     method_from_spec,
     split_names,
-    store_layer_types,
+    store_layers,
 )
 from .ranking import (
     average_ranks,
@@ -324,7 +324,7 @@ def compare_store(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
             )
     num_layers = scored_layers(records)
-    layer_types = store_layer_types(store.meta)
+    layer_types = store_layers(store.meta).get("layer_types")
     default_layer = make(CLAA).bind(num_layers, layer_types).pruning_layer if layer is None else layer
     if not 0 <= default_layer < num_layers:
         raise RankkitError(

@@ -85,14 +85,16 @@ def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, An
                 raise RankkitError(problem)
 
 
-def store_layer_types(store_meta: Mapping[str, Any]) -> list[str] | None:
-    """The model's layer types a store recorded (capture's ``run_meta``); None: every layer global."""
-    return (store_meta.get("model") or {}).get("layer_types")
+def store_layers(store_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's ``layer_types`` and ``sliding_window`` as a store recorded them (capture's
+    ``run_meta``, models with local layers only); empty: every layer global."""
+    model = store_meta.get("model") or {}
+    return {key: model[key] for key in ("layer_types", "sliding_window") if key in model}
 
 
-def captured(record, method: Method, layer_types: list[str] | None = None) -> Captured:
-    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layer_types``
-    from ``store_layer_types``."""
+def captured(record, method: Method, layers: Mapping[str, Any] | None = None) -> Captured:
+    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layers``
+    from ``store_layers``."""
     arrays: dict[str, torch.Tensor] = {}
     for key in method.captured_inputs():
         if key == ORACLE_SCORES:
@@ -103,7 +105,7 @@ def captured(record, method: Method, layer_types: list[str] | None = None) -> Ca
             values = record.scores(key)
         arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     num_layers = record.score_shape(record.probes[0])[0]
-    return Captured(arrays, num_layers, record.num_tokens, layer_types)
+    return Captured(arrays, num_layers, record.num_tokens, **(layers or {}))
 
 
 def select_store(
@@ -125,7 +127,7 @@ def select_store(
     check_inputs([method], records, store.meta)
     rows = []
     for record in records:
-        example = captured(record, method, store_layer_types(store.meta))
+        example = captured(record, method, store_layers(store.meta))
         selection = method.select_offline(example, budget, layer=shared_layer)
         rows.append(
             {

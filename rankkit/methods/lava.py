@@ -135,7 +135,7 @@ class LavaBudgets(LayerHook):
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase == "prefill":
             scores, unseen = self.probe.score(call), call.unseen_keys()
-            # keys a local layer cannot see, NaN as a store holds them: online and offline read them alike
+            # NaN marks keys a local layer cannot see, online as offline (``Captured.hide_unseen``)
             self._current = scores if unseen is None else scores.masked_fill(unseen, float("nan"))
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
@@ -183,8 +183,12 @@ class Lava(Method):
     def captured_inputs(self):
         return [self.probe().key]
 
+    def _stored(self, captured: Captured) -> torch.Tensor:
+        """The stored scores with NaN for keys a local layer could not see, as the hook marks them."""
+        return captured.hide_unseen(captured.get(self.probe().key, self.name))
+
     def _layers(self, captured: Captured) -> list[torch.Tensor]:
-        scores = captured.get(self.probe().key, self.name)
+        scores = self._stored(captured)
         return [with_window(scores[layer], self.window_size) for layer in range(captured.num_layers)]
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
@@ -193,7 +197,7 @@ class Lava(Method):
                 f"method 'lava' keeps a set per layer and KV head: name the layer with --layer "
                 f"(0..{captured.num_layers - 1})"
             )
-        stored = captured.get(self.probe().key, self.name)
+        stored = self._stored(captured)
         entropy = [
             normalized_entropy(windowless(stored[index], self.window_size))
             for index in range(captured.num_layers)

@@ -44,7 +44,7 @@ from rankkit.methods.base import (
     full_prefill,
     reprefill_selected,
 )
-from rankkit.runner import AttentionCall, LayerHook, PrefillState
+from rankkit.runner import SLIDING_ATTENTION, AttentionCall, LayerHook, PrefillState
 
 
 @dataclass
@@ -52,15 +52,28 @@ class Captured:
     """What a store holds for one example, as a method's offline face reads it.
 
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
-    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]); a NaN score
-    is a key a local layer could not see. ``layer_types`` as the store's model metadata
-    records them (None: every layer global).
+    draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
+    ``layer_types`` and ``sliding_window`` as the store's model metadata records them
+    (None: every layer global).
     """
 
     arrays: Mapping[str, torch.Tensor]
     num_layers: int
     num_tokens: int
     layer_types: Sequence[str] | None = None
+    sliding_window: int | None = None
+
+    def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
+        """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key
+        (``AttentionCall.unseen_keys``, as a prefill finds them), for the per-layer kept sets."""
+        if self.layer_types is None or self.sliding_window is None:
+            return scores
+        hidden = scores.clone()
+        unseen = torch.arange(self.num_tokens) <= self.num_tokens - 1 - self.sliding_window
+        for layer, kind in enumerate(self.layer_types):
+            if kind == SLIDING_ATTENTION:
+                hidden[layer, ..., unseen] = float("nan")
+        return hidden
 
     def get(self, key: str, method: str) -> torch.Tensor:
         if key not in self.arrays:
@@ -329,8 +342,8 @@ class PolicyMethod(Method):
                 f"method '{self.name}' keeps a set per layer and KV head: "
                 f"name the layer with --layer (0..{captured.num_layers - 1})"
             )
-        # a NaN score is a key the layer could not see: compressing its cache never keeps it
-        return Selection(layer, top_k_seen(scores[layer], keep, forced, scores[layer].isnan()))
+        seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
+        return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
