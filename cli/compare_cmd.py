@@ -24,7 +24,9 @@ def compare(
         None,
         "--layer",
         help="Selection layer of every method that has one, and the layer probes and KV-only methods "
-        "are reported at. (default: each method's own; CLAA's l_p for probes)",
+        "are reported at. (default: each method's own; CLAA's l_p for probes; on models with "
+        "sliding-window layers the nearest full-attention layer, ties to the earlier; a layer given "
+        "here is used as is)",
     ),
     methods: list[str] | None = typer.Option(
         None,

@@ -36,7 +36,10 @@ DRAFT_HELP = (
     "spec with the target's tokenizer. Default: layers:⌈L/4⌉."
 )
 LAYER_HELP = (
-    "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled)."
+    "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled; "
+    "on models with sliding-window layers, the nearest full-attention layer, ties to the earlier). "
+    "A layer given here is used as is, even a sliding-window one, which cannot see keys older than "
+    "its window."
 )
 
 

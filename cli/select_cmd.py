@@ -24,8 +24,9 @@ def select(
     layer: int | None = typer.Option(
         None,
         "--layer",
-        help="The method's selection layer (default: its own), or for per-head KV-only methods the layer "
-        "whose kept sets are printed (required for them).",
+        help="The method's selection layer (default: its own; on models with sliding-window layers the "
+        "nearest full-attention layer, ties to the earlier; a layer given here is used as is), or for "
+        "per-head KV-only methods the layer whose kept sets are printed (required for them).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per example)."),
 ) -> None:

@@ -24,7 +24,7 @@ from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import answer_informed_oracle
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.prompting import Prompt, example_prompt
-from rankkit.runner import Runner
+from rankkit.runner import Runner, layer_types
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,25 @@ def shard() -> tuple[int, int]:
 
 
 def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
-    """What defines a capture run; a resumed run must match it exactly."""
+    """What defines a capture run; a resumed run must match it exactly.
+
+    ``model.layer_types`` and ``model.sliding_window`` are recorded only for models with
+    local layers (stores without them, older ones included, are all-global), so the offline
+    faces pick the selection layers and per-layer kept sets prefill picks.
+    """
     config = loaded.model.config
+    model = {
+        "id": loaded.model_id,
+        "weights_hash": loaded.weights_hash,
+        "family": config.model_type,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+    }
+    kinds = layer_types(config)
+    if kinds is not None:
+        model["layer_types"] = list(kinds)
+        model["sliding_window"] = getattr(config.get_text_config(), "sliding_window", None)
     return {
-        "model": {
-            "id": loaded.model_id,
-            "weights_hash": loaded.weights_hash,
-            "family": config.model_type,
-            "dtype": str(loaded.model.dtype).removeprefix("torch."),
-        },
+        "model": model,
         "num_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,

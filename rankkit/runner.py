@@ -22,6 +22,23 @@ import torch.nn.functional as F
 from rankkit.cache import KVCache
 
 ATTENTION_NAME = "rankkit"
+GLOBAL_ATTENTION = "full_attention"  # config.layer_types' name for a layer that sees every earlier key
+SLIDING_ATTENTION = "sliding_attention"  # ... and for one that sees only the last ``sliding_window`` keys
+
+
+def layer_types(config) -> tuple[str, ...] | None:
+    """Each layer's attention type as the config names it ("full_attention", "sliding_attention",
+    "chunked_attention") when some layer is local, else None (every layer sees the whole prompt).
+
+    A config may name layer types without a window to apply (Qwen2 with ``use_sliding_window``
+    off): every layer is then global.
+    """
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None)
+    has_window = any(getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size"))
+    if not kinds or not has_window or all(kind == GLOBAL_ATTENTION for kind in kinds):
+        return None
+    return tuple(kinds)
 
 
 @dataclass
@@ -36,10 +53,17 @@ class AttentionCall:
     query_positions: torch.Tensor  # [n] original positions of the queries
     key_positions: torch.Tensor  # [kv_heads, S] original positions of the keys; -1 marks padding
     scaling: float
+    sliding_window: int | None = None  # a local layer sees keys with position > query position - window
 
     @property
     def group_size(self) -> int:
         return self.query.shape[1] // self.key.shape[1]
+
+    def unseen_keys(self) -> torch.Tensor | None:
+        """Bool [kv_heads, S]: the keys a local layer's last query cannot attend to (None on a global layer)."""
+        if self.sliding_window is None:
+            return None
+        return self.key_positions <= self.query_positions[-1] - self.sliding_window
 
 
 class LayerHook:
@@ -134,7 +158,9 @@ class _Step:
 
     def attend(self, layer, query, key, value, scaling, sliding_window):
         key_positions = self.cache.positions[layer]
-        call = AttentionCall(layer, self.phase, query, key, value, self.positions, key_positions, scaling)
+        call = AttentionCall(
+            layer, self.phase, query, key, value, self.positions, key_positions, scaling, sliding_window
+        )
         for hook in self.hooks:
             hook.on_attention(call)
         mask = self.cache.attention_mask(layer, self.positions, sliding_window)
@@ -156,6 +182,11 @@ class Runner:
     @property
     def num_layers(self) -> int:
         return len(self.body.layers)
+
+    @property
+    def layer_types(self) -> tuple[str, ...] | None:
+        """Each layer's attention type when the model has local layers, else None (``layer_types``)."""
+        return layer_types(self.config)
 
     def attention(self, query, key, value, mask, scaling):
         """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query).

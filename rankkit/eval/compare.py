@@ -52,7 +52,15 @@ from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
 
-from .offline import DRAFT_GROUP, captured, check_inputs, is_method, method_from_spec, split_names
+from .offline import (
+    DRAFT_GROUP,
+    captured,
+    check_inputs,
+    is_method,
+    method_from_spec,
+    split_names,
+    store_layers,
+)
 from .ranking import (
     average_ranks,
     descending_ranks,
@@ -316,7 +324,8 @@ def compare_store(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
             )
     num_layers = scored_layers(records)
-    default_layer = make(CLAA).bind(num_layers).pruning_layer if layer is None else layer
+    layer_types = store_layers(store.meta).get("layer_types")
+    default_layer = make(CLAA).bind(num_layers, layer_types).pruning_layer if layer is None else layer
     if not 0 <= default_layer < num_layers:
         raise RankkitError(
             f"layer {default_layer} (--layer) is outside the model's layers 0..{num_layers - 1}"
@@ -363,7 +372,7 @@ def compare_store(
     for name, method in ranked_methods.items():
         selection = method.selection_parameter
         if selection is not None:
-            summary_layers[name] = getattr(method.bind(num_layers), selection)
+            summary_layers[name] = getattr(method.bind(num_layers, layer_types), selection)
         else:  # every layer (KV-only): the probes' layer; one row per example (adaptive, draft): that row
             rows = per_layer.filter(pl.col("method") == name)
             summary_layers[name] = default_layer if rows.height > rows["example"].n_unique() else None

@@ -85,8 +85,16 @@ def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, An
                 raise RankkitError(problem)
 
 
-def captured(record, method: Method) -> Captured:
-    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU."""
+def store_layers(store_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's ``layer_types`` and ``sliding_window`` as a store recorded them (capture's
+    ``run_meta``, models with local layers only); empty: every layer global."""
+    model = store_meta.get("model") or {}
+    return {key: model[key] for key in ("layer_types", "sliding_window") if key in model}
+
+
+def captured(record, method: Method, layers: Mapping[str, Any] | None = None) -> Captured:
+    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layers``
+    from ``store_layers``."""
     arrays: dict[str, torch.Tensor] = {}
     for key in method.captured_inputs():
         if key == ORACLE_SCORES:
@@ -97,7 +105,7 @@ def captured(record, method: Method) -> Captured:
             values = record.scores(key)
         arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     num_layers = record.score_shape(record.probes[0])[0]
-    return Captured(arrays, num_layers, record.num_tokens)
+    return Captured(arrays, num_layers, record.num_tokens, **(layers or {}))
 
 
 def select_store(
@@ -119,7 +127,8 @@ def select_store(
     check_inputs([method], records, store.meta)
     rows = []
     for record in records:
-        selection = method.select_offline(captured(record, method), budget, layer=shared_layer)
+        example = captured(record, method, store_layers(store.meta))
+        selection = method.select_offline(example, budget, layer=shared_layer)
         rows.append(
             {
                 "example_id": record.id,

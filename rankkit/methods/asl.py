@@ -114,7 +114,9 @@ class Asl(PolicyMethod):
 
     def variance_curve(self, captured: Captured, budget) -> list[float]:
         """The relative rank variance the selection follows, at every layer (``rankkit variance``)."""
-        bound, keep, window, _ = self._plan(captured.num_layers, captured.num_tokens, budget)
+        bound, keep, window, _ = self._plan(
+            captured.num_layers, captured.num_tokens, budget, captured.layer_types
+        )
         scores = self.captured_scores(captured)
         return relative_variance_curve(scores, keep - window, window, bound.min_layer, bound.observed_layers)
 

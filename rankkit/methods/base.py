@@ -3,7 +3,8 @@
 A method is a small dataclass with paper-named parameters. Layer parameters are
 declared once with ``depth_field``: they default to ``None``, meaning "the paper's value
 for 32-layer Llama-3.1-8B, scaled to this model's depth", and ``Method.bind`` fills them
-in for a given depth. A method has two faces: ``prefill`` runs its selection for real
+in for a given depth (on a hybrid model, a layer the method selects at moves to the nearest
+global layer, ``on_global_layers``). A method has two faces: ``prefill`` runs its selection for real
 and returns the cache that decoding continues from (decoding and timing are generic,
 ``rankkit.methods.measure``), and ``select_offline`` computes the same selection from a
 store's captured scores (``rankkit.methods.selection`` holds the one rule both use).
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.runner import LayerHook, PrefillResult, Runner
+from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
 
 REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
 
@@ -35,16 +36,39 @@ def scale_count(reference_count: int, num_layers: int, minimum: int = 1) -> int:
     return max(minimum, round(reference_count * num_layers / REFERENCE_LAYERS))
 
 
+def on_global_layers(layers: int | tuple[int, ...], layer_types: Sequence[str] | None):
+    """Each layer moved to the nearest global (full-attention) layer of a hybrid model.
+
+    A sliding-window layer cannot see keys older than its window, so it cannot rank the
+    whole prompt. Ties go to the earlier layer (it prunes no later than the paper's depth).
+    ``layer_types`` as the HF config names them; None or no global layer leaves ``layers`` as given.
+    """
+    global_layers = [index for index, kind in enumerate(layer_types or ()) if kind == GLOBAL_ATTENTION]
+    if not global_layers:
+        return layers
+
+    def nearest(layer: int) -> int:
+        return min(global_layers, key=lambda index: (abs(index - layer), index))
+
+    if isinstance(layers, int):
+        return nearest(layers)
+    return tuple(sorted({nearest(layer) for layer in layers}))
+
+
 AT_DEPTH = "at_depth"  # field metadata: the parameter's value for a model of the given depth
 SELECTION = "selection_layer"  # field metadata: the parameter ``--layer`` sets
+SELECTS = "selects"  # field metadata: layers the method selects tokens at (defaults on global layers)
 
 
-def depth_field(at_depth: Callable[[int], int], *, selection: bool = False):
+def depth_field(at_depth: Callable[[int], int], *, selection: bool = False, selects: bool = False):
     """A layer parameter whose default depends on the model's depth: ``at_depth(num_layers)``.
 
-    ``selection`` marks the layer a method selects at, the one ``--layer`` sets.
+    ``selection`` marks the layer a method selects at, the one ``--layer`` sets; it and
+    ``selects`` (other layers the method selects tokens at) default to global layers.
     """
-    return field(default=None, metadata={AT_DEPTH: at_depth, SELECTION: selection})
+    return field(
+        default=None, metadata={AT_DEPTH: at_depth, SELECTION: selection, SELECTS: selection or selects}
+    )
 
 
 def paper_layer(reference_index: int, *, selection: bool = False):
@@ -176,13 +200,18 @@ class Method:
     def prefill(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
         raise NotImplementedError
 
-    def bind(self, num_layers: int):
-        """This method with every depth-dependent parameter left ``None`` set for a ``num_layers``-deep model."""
-        filled = {
-            spec.name: spec.metadata[AT_DEPTH](num_layers)
-            for spec in fields(self)
-            if AT_DEPTH in spec.metadata and getattr(self, spec.name) is None
-        }
+    def bind(self, num_layers: int, layer_types: Sequence[str] | None = None):
+        """This method with every depth-dependent parameter left ``None`` set for a ``num_layers``-deep model.
+
+        ``layer_types`` (``Runner.layer_types``, a store's ``model.layer_types``; None: every
+        layer global) moves the default layers the method selects at to global layers; a
+        value set explicitly (``--layer``) is kept as given.
+        """
+        filled = {}
+        for spec in fields(self):
+            if AT_DEPTH in spec.metadata and getattr(self, spec.name) is None:
+                value = spec.metadata[AT_DEPTH](num_layers)
+                filled[spec.name] = on_global_layers(value, layer_types) if spec.metadata[SELECTS] else value
         bound = replace(self, **filled)
         selection = bound.selection_parameter
         if selection is not None and not 0 <= getattr(bound, selection) < num_layers:
@@ -192,10 +221,10 @@ class Method:
             )
         return bound
 
-    def resolved(self, num_layers: int) -> dict:
+    def resolved(self, num_layers: int, layer_types: Sequence[str] | None = None) -> dict:
         """The parameters with depth-scaled defaults filled in, as a run records them (state such as
         a precomputed ranking, declared with ``repr=False``, is not a parameter)."""
-        bound = self.bind(num_layers)
+        bound = self.bind(num_layers, layer_types)
         return {spec.name: getattr(bound, spec.name) for spec in fields(bound) if spec.repr}
 
     @property

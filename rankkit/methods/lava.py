@@ -1,4 +1,4 @@
-"""LAVa (paper 004, Sec. 4, Eq. 5-7, Algorithms 1-2), KV-only with dynamic head and layer budgets.
+"""LAVa (LAVa Sec. 4, Eq. 5-7, Algorithms 1-2), KV-only with dynamic head and layer budgets.
 
 Probe ``lava`` (Eq. 5: window attention scaled by the largest value norm, max-pooled
 with kernel 7, maximised over the query heads of each KV group, Sec. 4.3) x no
@@ -34,8 +34,14 @@ from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
 def normalized_entropy(scores: torch.Tensor) -> float:
-    """Eq. 6-7 over the scored (non-window) entries [H, N] of one layer."""
-    scores = scores.double().clamp_min(0)
+    """Eq. 6-7 over the scored (non-window) entries [H, N] of one layer.
+
+    A NaN score is a key a local layer cannot see: not one of its entries. A layer with no
+    entry left to score (its window covers all it sees) has nothing to budget: 0.
+    """
+    scores = scores[~scores.isnan()].double().clamp_min(0)
+    if not scores.numel():
+        return 0.0
     probabilities = scores / scores.sum()
     return float(-torch.special.xlogy(probabilities, probabilities).sum() / scores.numel())
 
@@ -85,10 +91,12 @@ def windowless(scores: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def with_window(scores: torch.Tensor, window: int) -> torch.Tensor:
-    """One layer's scores [H, N] with the recent window at +inf: never evicted."""
+    """One layer's scores [H, N] with the recent window at +inf: never evicted; keys the layer
+    cannot see (NaN) at -inf, as padding: never kept, no share of the layer's budget."""
+    unseen = scores.isnan()
     scores = scores.float().clone()
     scores[:, scores.shape[1] - min(window, scores.shape[1]) :] = float("inf")
-    return scores
+    return scores.masked_fill(unseen, float("-inf"))
 
 
 def layer_budgets(
@@ -97,7 +105,7 @@ def layer_budgets(
     """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps, of 𝔹 = keep x heads x layers."""
     heads = scores[0].shape[0]
     sizes = [int((s != float("-inf")).sum()) for s in scores]
-    floors = [heads * min(window, s.shape[1]) for s in scores]
+    floors = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
     return apportion(keep_tokens * heads * num_layers, entropy, floors, sizes)
 
 
@@ -126,7 +134,9 @@ class LavaBudgets(LayerHook):
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase == "prefill":
-            self._current = self.probe.score(call)
+            scores, unseen = self.probe.score(call), call.unseen_keys()
+            # NaN marks keys a local layer cannot see, online as offline (``Captured.hide_unseen``)
+            self._current = scores if unseen is None else scores.masked_fill(unseen, float("nan"))
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         scores, self._current = self._current.float(), None
@@ -173,8 +183,12 @@ class Lava(Method):
     def captured_inputs(self):
         return [self.probe().key]
 
+    def _stored(self, captured: Captured) -> torch.Tensor:
+        """The stored scores with NaN for keys a local layer could not see, as the hook marks them."""
+        return captured.hide_unseen(captured.get(self.probe().key, self.name))
+
     def _layers(self, captured: Captured) -> list[torch.Tensor]:
-        scores = captured.get(self.probe().key, self.name)
+        scores = self._stored(captured)
         return [with_window(scores[layer], self.window_size) for layer in range(captured.num_layers)]
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
@@ -183,7 +197,7 @@ class Lava(Method):
                 f"method 'lava' keeps a set per layer and KV head: name the layer with --layer "
                 f"(0..{captured.num_layers - 1})"
             )
-        stored = captured.get(self.probe().key, self.name)
+        stored = self._stored(captured)
         entropy = [
             normalized_entropy(windowless(stored[index], self.window_size))
             for index in range(captured.num_layers)

@@ -108,7 +108,7 @@ def run_once(
     e2e = timeline.seconds(0, len(timeline.marks) - 1)
     return MethodRun(
         method=method.name,
-        params=method.resolved(runner.num_layers),
+        params=method.resolved(runner.num_layers, runner.layer_types),
         budget=budget.label,
         prompt_length=int(input_ids.numel()),
         tokens=tokens,

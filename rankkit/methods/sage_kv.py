@@ -17,11 +17,15 @@ Budget split for a budget of B tokens (Appendix A.2): sink window B/4; k = B/(2G
 query head with G query heads per KV head; the recent window takes the rest
 (B - B/4 - G*k, the last token included). A budget that covers the prompt keeps every
 token, in decoding too.
+
+On a local (sliding-window) layer, tokens older than the window are never kept: sink
+tokens the layer cannot see give their share to its recent window, and when everything
+the layer sees fits the budget it keeps all of it, as its recent window (``SageSplit.seeing``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -36,6 +40,15 @@ class SageSplit:
     sinks: int
     per_query_head: int  # k
     recent: int  # recent tokens, the last token included
+    first_seen: int = 0  # on a local layer, the entries before this one lie outside its window
+
+    def seeing(self, first_seen: int, length: int, budget: int) -> SageSplit:
+        """This split on a layer that cannot attend to its first ``first_seen`` of ``length`` entries."""
+        if not first_seen:
+            return self
+        if length - first_seen <= budget:
+            return SageSplit(0, 0, length - first_seen, first_seen)
+        return replace(self, recent=self.recent + min(first_seen, self.sinks), first_seen=first_seen)
 
 
 def sage_split(budget: int, group_size: int) -> SageSplit:
@@ -50,20 +63,23 @@ def union_of_head_top_k(attention: torch.Tensor, split: SageSplit) -> list[torch
     ``attention`` is the last token's attention per query head, [kv_heads, group, S].
     """
     length = attention.shape[-1]
-    evicted = attention[..., split.sinks : length - split.recent]
+    start = max(split.sinks, split.first_seen)
+    recent_start = max(start, length - split.recent)
+    evicted = attention[..., start:recent_start]
     k = min(split.per_query_head, evicted.shape[-1])
-    top = torch.topk(evicted, k, dim=-1).indices + split.sinks  # [kv_heads, group, k]
-    always = torch.cat([torch.arange(split.sinks), torch.arange(length - split.recent, length)]).to(
-        attention.device
-    )
+    top = torch.topk(evicted, k, dim=-1).indices + start  # [kv_heads, group, k]
+    sinks = torch.arange(min(split.first_seen, split.sinks), split.sinks)
+    always = torch.cat([sinks, torch.arange(recent_start, length)]).to(attention.device)
     return [torch.unique(torch.cat([always, head_top.flatten()])) for head_top in top]
 
 
 class SageKVHook(LayerHook):
     """Steps 1-3 on every layer's cache during prefill, Step 4 after every decode step."""
 
-    def __init__(self, split: SageSplit):
-        self.split = split
+    def __init__(self, budget: int, group_size: int):
+        self.budget = budget
+        self.split = sage_split(budget, group_size)
+        self.layer_splits: dict[int, SageSplit] = {}  # each layer's, as its window shapes it
         self.kept: list[torch.Tensor] | None = None
 
     def on_attention(self, call: AttentionCall) -> None:
@@ -71,16 +87,20 @@ class SageKVHook(LayerHook):
             return
         from rankkit.probes.attention import window_attention  # probes load late, as in make_probe
 
-        self.kept = union_of_head_top_k(window_attention(call, 1), self.split)
+        unseen = call.unseen_keys()
+        # a fresh prefill holds its keys in position order: those a local layer cannot see come first
+        first_seen = 0 if unseen is None else int(unseen[0].sum())
+        split = self.split.seeing(first_seen, call.key.shape[2], self.budget)
+        self.layer_splits[call.layer] = split
+        self.kept = union_of_head_top_k(window_attention(call, 1), split)
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         kept, self.kept = self.kept, None
         state.cache.compress(layer, kept)
 
     def after_decode_step(self, cache: KVCache, position: int) -> None:
-        evicted_position = position - self.split.recent
         for layer in range(cache.num_layers):
-            roll_recent_window(cache, layer, evicted_position)
+            roll_recent_window(cache, layer, position - self.layer_splits[layer].recent)
 
 
 def roll_recent_window(cache: KVCache, layer: int, evicted_position: int) -> None:
@@ -112,7 +132,7 @@ class SageKV(Method):
         keep = budget.resolve(length, always_kept=2)
         if keep >= length:
             return full_prefill(runner, input_ids)
-        hook = SageKVHook(sage_split(keep, group_size))
+        hook = SageKVHook(keep, group_size)
         run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
         return run

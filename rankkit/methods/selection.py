@@ -11,7 +11,9 @@ which (aggregated) scores; ``SelectionHook`` carries out the mode during prefill
   ASL), or stops the pass (the first pass of a two-pass method: GemFilter, ASL-2pass);
 - after it, later layers only ever see the kept tokens, so their cache is the selection.
 
-The observation window (the last ``window`` prompt tokens) and sinks are always kept.
+The observation window (the last ``window`` prompt tokens) and sinks are always kept,
+except on a local (sliding-window) layer: its cache keeps only keys its last query can
+attend to, forced or not, and the budget goes to those (``top_k_seen``).
 
 ``PolicyMethod`` is the base of every method built this way. It gives both faces from
 the same parts: ``prefill`` runs the hook, and ``select_offline`` replays the policy
@@ -26,7 +28,7 @@ ranked first (``top_k_with_forced``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,7 +44,7 @@ from rankkit.methods.base import (
     full_prefill,
     reprefill_selected,
 )
-from rankkit.runner import AttentionCall, LayerHook, PrefillState
+from rankkit.runner import SLIDING_ATTENTION, AttentionCall, LayerHook, PrefillState
 
 
 @dataclass
@@ -51,11 +53,27 @@ class Captured:
 
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
     draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
+    ``layer_types`` and ``sliding_window`` as the store's model metadata records them
+    (None: every layer global).
     """
 
     arrays: Mapping[str, torch.Tensor]
     num_layers: int
     num_tokens: int
+    layer_types: Sequence[str] | None = None
+    sliding_window: int | None = None
+
+    def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
+        """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key
+        (``AttentionCall.unseen_keys``, as a prefill finds them), for the per-layer kept sets."""
+        if self.layer_types is None or self.sliding_window is None:
+            return scores
+        hidden = scores.clone()
+        unseen = torch.arange(self.num_tokens) <= self.num_tokens - 1 - self.sliding_window
+        for layer, kind in enumerate(self.layer_types):
+            if kind == SLIDING_ATTENTION:
+                hidden[layer, ..., unseen] = float("nan")
+        return hidden
 
     def get(self, key: str, method: str) -> torch.Tensor:
         if key not in self.arrays:
@@ -105,6 +123,22 @@ def top_k_with_forced(scores: torch.Tensor, k: int, forced: torch.Tensor | None 
     if k >= length:
         return torch.arange(length, device=scores.device).expand(*scores.shape[:-1], length)
     return torch.sort(descending_order(with_forced(scores, forced))[..., :k], dim=-1).values
+
+
+def top_k_seen(
+    scores: torch.Tensor, k: int, forced: torch.Tensor | None, unseen: torch.Tensor | None
+) -> torch.Tensor | list[torch.Tensor]:
+    """``top_k_with_forced`` over scores [heads, S] among the keys a layer can attend to.
+
+    Keys in ``unseen`` [heads, S] (outside a local layer's window) are never kept, forced
+    or not, and take none of the ``k``: a head keeps its ``k`` best seen keys, or every
+    seen key when it sees fewer. Returns one sorted index tensor per head then.
+    """
+    if unseen is None or not bool(unseen.any()):
+        return top_k_with_forced(scores, k, forced)
+    order = descending_order(with_forced(scores, forced).masked_fill(unseen, float("-inf")))
+    seen = (~unseen).sum(dim=-1).clamp(max=k).tolist()
+    return [torch.sort(head_order[:count]).values for head_order, count in zip(order, seen, strict=True)]
 
 
 class LayerPolicy:
@@ -176,6 +210,7 @@ class SelectionHook(LayerHook):
         self.compress_from = compress_from
         self.stop_at_selection = stop_at_selection
         self.scores: torch.Tensor | None = None  # the current layer's probe scores [kv_heads, S]
+        self.unseen: torch.Tensor | None = None  # the current layer's keys outside its window
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
 
@@ -186,7 +221,7 @@ class SelectionHook(LayerHook):
         if call.phase != "prefill" or self.kept_positions is not None:
             return
         if self.policy.needs_scores(call.layer) or self._compresses(call.layer):
-            self.scores = self.probe.score(call)
+            self.scores, self.unseen = self.probe.score(call), call.unseen_keys()
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         if self.kept_positions is not None:
@@ -197,7 +232,7 @@ class SelectionHook(LayerHook):
         shared = self.policy.decide(layer, scores if self.policy.needs_scores(layer) else None)
         if shared is None:
             if self._compresses(layer) and self.keep < live:
-                state.cache.compress(layer, top_k_with_forced(scores, self.keep, forced))
+                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
             return
         keep = top_k_with_forced(shared, self.keep, forced)
         self.kept_positions = state.positions[keep]
@@ -262,14 +297,16 @@ class PolicyMethod(Method):
     def compress_from(self) -> int | None:
         return None
 
-    def _plan(self, num_layers: int, length: int, budget: Budget):
-        bound = self.bind(num_layers)
+    def _plan(self, num_layers: int, length: int, budget: Budget, layer_types=None):
+        bound = self.bind(num_layers, layer_types)
         keep = budget.resolve(length, bound.minimum_keep())
         window, sinks = bound.forced(keep)
         return bound, keep, window, sinks
 
     def prefill(self, runner, input_ids, budget):
-        bound, keep, window, sinks = self._plan(runner.num_layers, int(input_ids.numel()), budget)
+        bound, keep, window, sinks = self._plan(
+            runner.num_layers, int(input_ids.numel()), budget, runner.layer_types
+        )
         hook = SelectionHook(
             bound.probe(),
             bound.policy(runner.num_layers, keep),
@@ -293,7 +330,9 @@ class PolicyMethod(Method):
         """The kept set ``prefill`` builds, from the store. Per-head (KV-only) methods keep a set per
         KV head at every layer: ``layer`` picks which one is reported."""
         scores = self.captured_scores(captured)
-        bound, keep, window, sinks = self._plan(captured.num_layers, captured.num_tokens, budget)
+        bound, keep, window, sinks = self._plan(
+            captured.num_layers, captured.num_tokens, budget, captured.layer_types
+        )
         forced = forced_mask(captured.num_tokens, window, sinks, scores.device)
         selected = replay(bound.policy(captured.num_layers, keep), scores)
         if selected is not None:
@@ -303,7 +342,8 @@ class PolicyMethod(Method):
                 f"method '{self.name}' keeps a set per layer and KV head: "
                 f"name the layer with --layer (0..{captured.num_layers - 1})"
             )
-        return Selection(layer, top_k_with_forced(scores[layer], keep, forced))
+        seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
+        return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
@@ -316,7 +356,7 @@ class PolicyMethod(Method):
         )
         rankings: dict[int | None, torch.Tensor] = {}
         for method in candidates:
-            bound, keep, window, sinks = method._plan(num_layers, length, budget)
+            bound, keep, window, sinks = method._plan(num_layers, length, budget, captured.layer_types)
             forced = forced_mask(length, window, sinks, scores.device)
             selected = replay(bound.policy(num_layers, keep), scores)
             if selected is None:

@@ -224,27 +224,27 @@ def paper_pruning_layers(num_layers: int) -> tuple[int, ...]:
 @dataclass
 class SlimInfer(Method):
     name: ClassVar[str] = "sliminfer"
-    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers)
+    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers, selects=True)
     block_size: int = 64
     unit_size: int = 8
     window_size: int = 4  # w, the query window
     gamma: float = 0.9  # γ, Alg. 1's swap threshold
 
-    def _schedule(self, num_layers: int, length: int, budget: Budget) -> list[PruningLayer]:
+    def _schedule(self, num_layers: int, length: int, budget: Budget, layer_types=None) -> list[PruningLayer]:
         """Each pruning layer with the tokens it keeps (the budget at the last, 2x and 4x before
         it) and the layers it governs in decoding (up to the next pruning layer)."""
         keep = budget.resolve(length, always_kept=self.block_size)
-        layers = sorted(self.bind(num_layers).pruning_layers)
+        layers = sorted(self.bind(num_layers, layer_types).pruning_layers)
         ends = [*layers[1:], num_layers - 1]
         return [
             PruningLayer(layer, min(length, keep * multiple), list(range(layer + 1, end + 1)))
             for layer, end, multiple in zip(layers, ends, budget_multiples(len(layers)), strict=True)
         ]
 
-    def hook(self, num_layers: int, prompt_length: int, budget: Budget) -> SlimInferHook:
+    def hook(self, num_layers: int, prompt_length: int, budget: Budget, layer_types=None) -> SlimInferHook:
         """The hook that carries out SlimInfer on a prompt of ``prompt_length`` tokens."""
         return SlimInferHook(
-            self._schedule(num_layers, prompt_length, budget),
+            self._schedule(num_layers, prompt_length, budget, layer_types),
             block_size=self.block_size,
             unit_size=self.unit_size,
             gamma=self.gamma,
@@ -257,7 +257,7 @@ class SlimInfer(Method):
         )
 
     def prefill(self, runner, input_ids, budget):
-        hook = self.hook(runner.num_layers, int(input_ids.numel()), budget)
+        hook = self.hook(runner.num_layers, int(input_ids.numel()), budget, runner.layer_types)
         with ffn_on_kept_tokens(runner, hook):
             run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
@@ -270,7 +270,7 @@ class SlimInfer(Method):
         return [self.probe().key]
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
-        first = self._schedule(captured.num_layers, captured.num_tokens, budget)[0]
+        first = self._schedule(captured.num_layers, captured.num_tokens, budget, captured.layer_types)[0]
         scores = captured.get(self.probe().key, self.name)[first.layer]
         positions = torch.arange(captured.num_tokens)
         chosen = kept_blocks(

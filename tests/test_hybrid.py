@@ -1,0 +1,273 @@
+"""Hybrid models (local sliding-window layers beside global ones): methods select at global
+layers by default, online and offline alike, and a local layer's compressed cache keeps only
+keys the layer can attend to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankkit.methods import Budget, Captured, make
+from rankkit.methods.base import on_global_layers
+from rankkit.runner import Runner
+
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+HYBRID_LAYERS = (LOCAL, LOCAL, GLOBAL, LOCAL, LOCAL, GLOBAL)  # Gemma-style local:global 2:1
+WINDOW = 16  # local layers see the last 16 of the 40 prompt tokens
+
+
+def hybrid_runner(seed: int = 0) -> Runner:
+    """The tiny Qwen2 with six layers following ``HYBRID_LAYERS``, a 16-token window on the local ones."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen2")
+    config.num_hidden_layers = len(HYBRID_LAYERS)
+    config.layer_types = list(HYBRID_LAYERS)
+    config.use_sliding_window, config.sliding_window = True, WINDOW
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():  # peaked attention, so rankings differ between tokens
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(8.0)
+    return Runner(model.eval())
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return hybrid_runner()
+
+
+def _captured(runner, ids, probes) -> Captured:
+    from rankkit.probes import ProbeRecorder
+
+    recorder = ProbeRecorder(probes)
+    runner.prefill(ids, hooks=[recorder])
+    arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
+    return Captured(arrays, runner.num_layers, int(ids.numel()), runner.layer_types, WINDOW)
+
+
+# ---- item 1: default selection layers on global layers
+
+
+def test_default_layers_move_to_the_nearest_global_layer_ties_to_the_earlier():
+    assert on_global_layers(3, HYBRID_LAYERS) == 2  # 2 is one away, 5 two
+    assert on_global_layers(4, HYBRID_LAYERS) == 5
+    assert on_global_layers(2, (GLOBAL, LOCAL, LOCAL, LOCAL, GLOBAL)) == 0  # a tie: the earlier
+    assert on_global_layers((2, 4, 5), HYBRID_LAYERS) == (2, 5)  # SlimInfer's layers, once each
+    assert on_global_layers(3, None) == 3 and on_global_layers(3, (LOCAL,) * 6) == 3
+
+    # round(15 * 6 / 32) = 3, a local layer: every pruning method's default moves to 2
+    for name, parameter in [
+        ("fastkv", "tsp_layer"),
+        ("claa", "pruning_layer"),
+        ("gemfilter", "routing_layer"),
+    ]:
+        assert getattr(make(name).bind(6), parameter) == 3
+        assert getattr(make(name).bind(6, HYBRID_LAYERS), parameter) == 2
+        assert getattr(make(name).with_layer(4).bind(6, HYBRID_LAYERS), parameter) == 4  # --layer as given
+    assert make("sliminfer").bind(6, HYBRID_LAYERS).pruning_layers == (2, 5)
+    assert make("claa").resolved(6, HYBRID_LAYERS)["pruning_layer"] == 2  # what a run records
+
+
+def test_runner_reads_layer_types_only_when_some_layer_is_local(runner):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from rankkit.runner import layer_types
+
+    assert runner.layer_types == HYBRID_LAYERS
+    assert layer_types(LlamaConfig()) is None and layer_types(MistralConfig(sliding_window=8)) is None
+    assert layer_types(Qwen2Config(num_hidden_layers=2)) is None  # named types, no window: all global
+    assert layer_types(Qwen2Config(num_hidden_layers=2, layer_types=[GLOBAL, LOCAL])) is None
+
+
+@pytest.mark.parametrize("name", ["fastkv", "claa", "gemfilter", "sliminfer"])
+def test_prefill_and_the_store_select_at_the_same_global_layer(runner, random_ids, name):
+    params = {"block_size": 4, "unit_size": 2, "window_size": 2} if name == "sliminfer" else {}
+    method = make(name, **params)
+    budget = Budget.from_keep(0.4)
+    online = method.prefill(runner, random_ids, budget)
+    offline = method.select_offline(_captured(runner, random_ids, [method.probe()]), budget)
+    assert online.selection_layer == offline.layer == 2
+    assert online.kept_positions.tolist() == offline.positions.tolist()
+
+
+def test_capture_records_layer_types_of_hybrid_models_only(runner):
+    from rankkit.capture import run_meta
+    from rankkit.eval.offline import store_layers
+    from rankkit.models import LoadedModel
+
+    class Tokenizer:
+        def __len__(self):
+            return 97
+
+    def meta(model):
+        return run_meta(LoadedModel(model, Tokenizer(), "tiny", "hash", torch.device("cpu")), [], "niah")
+
+    hybrid = meta(runner.model)
+    assert store_layers(hybrid) == {"layer_types": list(HYBRID_LAYERS), "sliding_window": WINDOW}
+
+    from conftest import tiny_model
+
+    plain = meta(tiny_model("llama"))
+    assert "layer_types" not in plain["model"] and store_layers(plain) == {}
+
+
+def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_ids, tmp_path):
+    from rankkit import stores
+    from rankkit.eval.offline import select_store
+    from rankkit.probes import ProbeRecorder
+
+    claa = make("claa")
+    recorder = ProbeRecorder([claa.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    meta = {"model": {"id": "tiny"}, "probes": {claa.probe().key: claa.probe().params()}}
+    for name, layer_types, layer in [("old", None, 3), ("hybrid", list(HYBRID_LAYERS), 2)]:
+        if layer_types is not None:
+            meta["model"] |= {"layer_types": layer_types, "sliding_window": WINDOW}
+        writer = stores.create(tmp_path / f"{name}.zarr", meta)
+        writer.write_example("ex0", attrs={}, tokens=random_ids.numpy(), scores=recorder.scores())
+        (row,) = select_store(tmp_path / f"{name}.zarr", "claa", Budget.from_keep(0.4))
+        assert row["layer"] == layer  # a store without layer types is all-global, as stores were
+    online = claa.prefill(runner, random_ids, Budget.from_keep(0.4))
+    assert row["selected_positions"] == online.kept_positions.tolist()
+
+
+# ---- item 2: a local layer's compressed cache keeps only keys its window sees
+
+
+def seen_positions(layer: int, length: int) -> list[int]:
+    """The prompt positions a layer's last query attends to, straight from the layer types."""
+    first = length - WINDOW if HYBRID_LAYERS[layer] == LOCAL else 0
+    return list(range(max(0, first), length))
+
+
+def reference_keep(scores: list[float], k: int, forced: set[int], seen: list[int]) -> list[int]:
+    """The slow rule: among the seen positions, forced ones first, then by score, ties to the earlier."""
+    ranked = sorted(seen, key=lambda position: (position not in forced, -scores[position], position))
+    return sorted(ranked[:k])
+
+
+def cached(run, layer: int) -> list[list[int]]:
+    positions = run.result.cache.positions[layer]
+    return [sorted(p for p in head.tolist() if p >= 0) for head in positions]
+
+
+@pytest.mark.parametrize(
+    "name, params, compressed_layers",
+    [
+        ("snapkv", {"window_size": 4}, range(6)),
+        ("streamingllm", {}, range(6)),
+        ("fastkv", {}, range(2)),  # the layers before its (global) TSP layer, 2
+    ],
+)
+def test_per_head_compression_keeps_the_best_keys_a_layer_sees(
+    runner, random_ids, name, params, compressed_layers
+):
+    from rankkit.probes import ProbeRecorder
+
+    method = make(name, **params)
+    budget = Budget.from_tokens(10)
+    length = int(random_ids.numel())
+    recorder = ProbeRecorder([] if name == "streamingllm" else [method.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    recorded = recorder.scores()
+    window, sinks = method.bind(6).forced(10)
+    forced = set(range(sinks)) | set(range(length - window, length))
+    run = method.prefill(runner, random_ids, budget)
+    for layer in compressed_layers:
+        for head, kept in enumerate(cached(run, layer)):
+            if name == "streamingllm":
+                scores = [float(position) for position in range(length)]
+            else:
+                scores = recorded[method.probe().key][layer, head].tolist()
+            assert kept == reference_keep(scores, 10, forced, seen_positions(layer, length)), (layer, head)
+    if name in ("snapkv", "streamingllm"):  # the offline face knows the window from the store's metadata
+        stored = {key: torch.from_numpy(scores) for key, scores in recorded.items()}
+        captured = Captured(stored, 6, length, HYBRID_LAYERS, WINDOW)
+        for layer in range(6):
+            offline = method.select_offline(captured, budget, layer=layer).as_lists()
+            if name == "streamingllm":  # one set, the same for every KV head
+                offline = offline * 2
+            assert offline == cached(run, layer), layer
+    # on the local layers, the sinks StreamingLLM cannot see gave their places to recent tokens
+    if name == "streamingllm":
+        assert cached(run, 0)[0] == list(range(30, 40)) and cached(run, 2)[0] == [0, 1, 2, 3, *range(34, 40)]
+
+
+class LastQueryAttention:
+    """Records each prefill layer's last-query softmax attention per query head [kv_heads, group, S]."""
+
+    def __init__(self):
+        self.layers = {}
+
+    def on_attention(self, call):
+        from rankkit.probes.attention import window_attention
+
+        if call.phase == "prefill":
+            self.layers[call.layer] = window_attention(call, 1)
+
+    def after_layer(self, layer, state):
+        pass
+
+
+def reference_sage_kv(attention, budget: int, group: int, seen: list[int]) -> list[list[int]]:
+    """SAGE-KV Steps 1-3 by hand over the keys a layer sees: sinks B/4 (those it sees), k = B/(2G)
+    per query head, the recent window the rest plus the sinks it cannot see; all it sees if that fits."""
+    length = attention.shape[-1]
+    if len(seen) <= budget:
+        return [seen] * attention.shape[0]
+    sinks = budget // 4
+    k = budget // (2 * group)
+    lost = sum(1 for position in range(sinks) if position not in seen)
+    recent = set(range(length - (budget - sinks - group * k + lost), length))
+    always = {position for position in range(sinks) if position in seen} | recent
+    candidates = [position for position in seen if position >= sinks and position not in recent]
+    kept = []
+    for head in attention:
+        union = set(always)
+        for query_head in head.tolist():
+            union |= set(sorted(candidates, key=lambda position: -query_head[position])[:k])
+        kept.append(sorted(union))
+    return kept
+
+
+@pytest.mark.parametrize("tokens", [8, 20])  # under and over the 16 keys a local layer sees
+def test_sage_kv_keeps_only_keys_a_layer_sees_and_rolls_each_layers_window(runner, random_ids, tokens):
+    attention = LastQueryAttention()
+    runner.prefill(random_ids, hooks=[attention])
+    length = int(random_ids.numel())
+    run = make("sage-kv").prefill(runner, random_ids, Budget.from_tokens(tokens))
+    for layer in range(6):
+        expected = reference_sage_kv(attention.layers[layer], tokens, 2, seen_positions(layer, length))
+        assert cached(run, layer) == expected, layer
+    # Step 4 rolls each layer's own recent window: a local layer keeps its size, no key leaves
+    sizes = [run.result.cache.kept_tokens(layer).tolist() for layer in range(6)]
+    (hook,) = run.decode_hooks
+    greedy = runner.decode_step(5, length, run.result.cache, [hook])
+    assert greedy.isfinite().all()
+    assert [run.result.cache.kept_tokens(layer).tolist() for layer in range(6)] == sizes
+    for layer in range(6):
+        assert length in run.result.cache.positions[layer][0].tolist()
+
+
+def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, random_ids):
+    from rankkit.probes import ProbeRecorder
+
+    lava = make("lava", window_size=4)
+    budget = Budget.from_tokens(10)
+    length = int(random_ids.numel())
+    run = lava.prefill(runner, random_ids, budget)
+    recorder = ProbeRecorder([lava.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    scores = torch.from_numpy(recorder.scores()[lava.probe().key])
+    captured = Captured({lava.probe().key: scores}, 6, length, HYBRID_LAYERS, WINDOW)
+    total = 0
+    for layer in range(6):
+        kept = cached(run, layer)
+        assert all(set(head) <= set(seen_positions(layer, length)) for head in kept), layer
+        offline = lava.select_offline(captured, budget, layer=layer).as_lists()
+        assert kept == offline, layer
+        total += sum(len(head) for head in kept)
+    assert total == 10 * 2 * 6  # the whole budget of entries is spent, on keys the layers see
