@@ -1,4 +1,4 @@
-"""SAGE-KV: the last prompt token's attention, per KV head group."""
+"""SAGE-KV: the last prompt token's attention, per query head."""
 
 from __future__ import annotations
 
@@ -16,20 +16,20 @@ from .base import Probe, register
 @register
 @dataclass
 class LastTokenHeadsProbe(Probe):
-    """SAGE-KV Step 2: the softmax attention of the last prompt token, max over the group.
+    """SAGE-KV Step 2: the softmax attention of the last prompt token, per query head.
 
-    For KV head g and key i::
+    For query head h and key i::
 
-        score[g, i] = max_{h in group g} softmax(q_last^h K^T * scaling)[i]
+        score[h, i] = softmax(q_last^h K^T * scaling)[i]
 
-    SAGE-KV takes a top-k per query head and keeps, per KV head, the union over its
-    group; the group maximum is the one score per KV head that keeps a token which any
-    head of the group attends to strongly (the same conservative rule as LAVa's GQA max).
-    Sink and recent tokens, which SAGE-KV keeps regardless, are scored like every other
-    token. No pooling: SAGE-KV selects single tokens.
+    Rows are query heads, grouped by KV head (row h belongs to KV head h // G, the order
+    of the model's own head repeat), because SAGE-KV takes a top-k per query head and a KV
+    head keeps the union over its group: no one score per KV head gives that union. Sink
+    and recent tokens, which SAGE-KV keeps regardless, are scored like every other token.
+    No pooling: SAGE-KV selects single tokens.
     """
 
     name: ClassVar[str] = "last_token_heads"
 
     def score(self, call: AttentionCall) -> torch.Tensor:
-        return window_attention(call, 1).amax(dim=1)
+        return window_attention(call, 1).flatten(0, 1)

@@ -43,7 +43,7 @@ class ProbeRecorder(LayerHook):
         self._layers.append((call.layer, call.key_positions, scores))
 
     def scores(self) -> dict[str, np.ndarray]:
-        """Float32 [layers, kv_heads, T] per probe key (``Probe.key``), for the layers the last prefill ran."""
+        """Float32 [layers, heads, T] (KV heads, or query heads for a per-query-head probe) per probe key (``Probe.key``), for the layers the last prefill ran."""
         if not self._layers:
             return {}
         positions = torch.stack([key_positions.max() for _, key_positions, _ in self._layers])
@@ -57,6 +57,8 @@ class ProbeRecorder(LayerHook):
             for index, (score, (_, key_positions, _)) in enumerate(zip(layers, self._layers, strict=True)):
                 # cache padding goes to a spare last column that is cut off below
                 columns = key_positions.masked_fill(key_positions == PADDING, length)
+                # a probe with a row per query head reads its KV head's positions (G rows each)
+                columns = columns.repeat_interleave(score.shape[0] // columns.shape[0], dim=0)
                 laid_out[index].scatter_(1, columns.to(score.device), score)
             recorded[probe.key] = laid_out[..., :length].cpu().numpy()
         return recorded

@@ -5,7 +5,7 @@ A store is a zarr v3 group on the local file system::
     run.zarr/                 attrs: schema_version, rankkit_version, created + the caller's run metadata
       examples/<id>/          attrs: the caller's example attrs + "complete" (+ "oracle_complete")
         tokens                int32   [T]
-        scores/<probe>        float32 [layers, kv_heads, T]
+        scores/<probe>        float32 [layers, heads, T]  (KV heads; query heads for last_token_heads)
         oracle                float32 [T]
         oracle_layers         float32 [layers, T]
         <group>/<name>        later additions (add_arrays); group attrs carry their own "complete"

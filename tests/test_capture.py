@@ -80,7 +80,8 @@ def test_store_holds_every_probe_at_every_layer_with_spans(reference_store):
     record = store.example(store.example_ids()[0])
     for probe in record.probes:
         scores = record.scores(probe)
-        assert scores.shape == (3, 2, record.num_tokens) and np.isfinite(scores).all()
+        heads = store.meta["num_attention_heads"] if probe == "last_token_heads" else 2  # per query head
+        assert scores.shape == (3, heads, record.num_tokens) and np.isfinite(scores).all()
     assert 240 <= record.num_tokens <= 256
     ((start, end),) = record.attrs["spans"]["evidence_tokens"]
     needle_text = "".join(record.attrs["token_text"][start:end])

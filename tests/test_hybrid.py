@@ -95,7 +95,7 @@ def test_prefill_and_the_store_select_at_the_same_global_layer(runner, random_id
 
 def test_capture_records_layer_types_of_hybrid_models_only(runner):
     from rankkit.capture import run_meta
-    from rankkit.eval.offline import store_layers
+    from rankkit.eval.offline import recorded_model
     from rankkit.models import LoadedModel
 
     class Tokenizer:
@@ -106,12 +106,18 @@ def test_capture_records_layer_types_of_hybrid_models_only(runner):
         return run_meta(LoadedModel(model, Tokenizer(), "tiny", "hash", torch.device("cpu")), [], "niah")
 
     hybrid = meta(runner.model)
-    assert store_layers(hybrid) == {"layer_types": list(HYBRID_LAYERS), "sliding_window": WINDOW}
+    kv_heads = runner.config.num_key_value_heads
+    assert recorded_model(hybrid) == {
+        "layer_types": list(HYBRID_LAYERS),
+        "sliding_window": WINDOW,
+        "kv_heads": kv_heads,
+    }
 
     from conftest import tiny_model
 
     plain = meta(tiny_model("llama"))
-    assert "layer_types" not in plain["model"] and store_layers(plain) == {}
+    assert "layer_types" not in plain["model"]
+    assert recorded_model(plain) == {"kv_heads": plain["kv_heads"]}
 
 
 def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_ids, tmp_path):

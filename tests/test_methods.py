@@ -514,7 +514,7 @@ def _captured(runner, ids, probes):
     recorder = ProbeRecorder(probes)
     runner.prefill(ids, hooks=[recorder])
     arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
-    return Captured(arrays, runner.num_layers, int(ids.numel()))
+    return Captured(arrays, runner.num_layers, int(ids.numel()), kv_heads=runner.config.num_key_value_heads)
 
 
 OFFLINE_FACES = {
@@ -525,6 +525,7 @@ OFFLINE_FACES = {
     "asl-2pass": {},
     "snapkv": {},
     "streamingllm": {},
+    "sage-kv": {},
     "sliminfer": {"pruning_layers": (1, 2), "block_size": 4, "unit_size": 2, "window_size": 2},
 }
 
@@ -532,6 +533,8 @@ OFFLINE_FACES = {
 @pytest.mark.parametrize("name", list(OFFLINE_FACES))
 @pytest.mark.parametrize("budget", [Budget.from_keep(0.1), Budget.from_keep(0.4), Budget.from_tokens(36)])
 def test_offline_selection_is_the_prefill_selection(name, budget, random_ids):
+    from rankkit.cache import PADDING
+
     runner = _tiny()
     method = make(name, **OFFLINE_FACES[name])
     probes = [] if name == "streamingllm" else [method.probe()]
@@ -539,9 +542,12 @@ def test_offline_selection_is_the_prefill_selection(name, budget, random_ids):
     online = method.prefill(runner, random_ids, budget)
     if online.kept_positions is None:  # KV-only: a set per KV head in every layer's cache
         for layer in range(runner.num_layers):
-            kept = online.result.cache.positions[layer]  # [kv_heads, k]
+            kept = online.result.cache.positions[layer]  # [kv_heads, k], padded where heads keep fewer
+            cached = [[p for p in head if p != PADDING] for head in kept.tolist()]
             offline = method.select_offline(captured, budget, layer=layer).positions
-            assert offline.expand_as(kept).tolist() == kept.tolist()  # StreamingLLM: one set for all heads
+            if isinstance(offline, torch.Tensor):  # StreamingLLM: one set for all heads
+                offline = offline.expand_as(kept)
+            assert [head.tolist() for head in offline] == cached
         with pytest.raises(RankkitError):
             method.select_offline(captured, budget)
         return

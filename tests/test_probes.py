@@ -130,12 +130,7 @@ def reference_lava(call, window_size=32, kernel_size=7, pooling="max"):
 
 def reference_last_token_heads(call):
     attention = full_attention(call)
-    return torch.stack(
-        [
-            torch.stack([attention[h, -1] for h in group_heads(call, g)]).max(dim=0).values
-            for g in range(kv_heads_of(call))
-        ]
-    )
+    return torch.stack([attention[h, -1] for g in range(kv_heads_of(call)) for h in group_heads(call, g)])
 
 
 def reference_token_units(call, block_size=64, unit_size=8, window_size=4, head_mean="all"):
@@ -178,8 +173,8 @@ def assert_matches_reference(probe, calls):
     for call in calls:
         got = probe.score(call)
         assert got.dtype == torch.float32
-        assert got.shape == (call.key.shape[1], call.key.shape[2])
         expected = reference(probe, call)
+        assert got.shape == expected.shape and got.shape[-1] == call.key.shape[2]
         assert torch.allclose(got.double(), expected, atol=TOLERANCE, rtol=TOLERANCE), (
             f"{probe} layer {call.layer}: max error {(got.double() - expected).abs().max():.2e}"
         )
@@ -352,14 +347,13 @@ def test_recorder_equals_the_reference_at_every_layer(family_name, random_ids):
     recorder, capture = ProbeRecorder(probes), Capture()
     Runner(model).prefill(random_ids, hooks=[recorder, capture])
     scores = recorder.scores()
-    kv_heads = model.config.num_key_value_heads
     assert set(scores) == set(REGISTRY)
     for probe in probes:
         recorded = scores[probe.name]
         assert recorded.dtype == np.float32
-        assert recorded.shape == (3, kv_heads, 40)
         for call in capture.calls:
-            expected = reference(probe, call).numpy()
+            expected = reference(probe, call).numpy()  # a row per KV head, or per query head
+            assert recorded.shape == (3, *expected.shape)
             assert np.allclose(recorded[call.layer], expected, atol=TOLERANCE, rtol=TOLERANCE), probe.name
 
 
@@ -390,7 +384,8 @@ def test_recorder_ignores_decode_and_restarts_on_a_new_prefill(random_ids):
     runner = Runner(tiny_model("qwen2"))
     recorder = ProbeRecorder([LastTokenHeadsProbe()])
     runner.generate(random_ids[:20], 3, hooks=[recorder])
-    assert recorder.scores()["last_token_heads"].shape == (3, 2, 20)
+    query_heads = runner.config.num_attention_heads
+    assert recorder.scores()["last_token_heads"].shape == (3, query_heads, 20)
     runner.prefill(random_ids, hooks=[recorder])
-    assert recorder.scores()["last_token_heads"].shape == (3, 2, 40)
+    assert recorder.scores()["last_token_heads"].shape == (3, query_heads, 40)
     assert ProbeRecorder([WindowProbe()]).scores() == {}

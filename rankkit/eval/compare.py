@@ -58,8 +58,8 @@ from .offline import (
     check_inputs,
     is_method,
     method_from_spec,
+    recorded_model,
     split_names,
-    store_layers,
 )
 from .ranking import (
     average_ranks,
@@ -159,6 +159,7 @@ def evaluate_example(
     methods: Mapping[str, Method],
     budget: Budget,
     ranked: slice,
+    layout: Mapping[str, Any] | None = None,
 ) -> tuple[list[pl.DataFrame], list[pl.DataFrame], list[pl.DataFrame]]:
     """Per-layer, per-head and sweep frames (without example columns) of one example: ``probes``
     by their stored scores, ``methods`` (label -> method) by their ``layer_rankings`` under
@@ -175,11 +176,11 @@ def evaluate_example(
         if head_rho is not None:
             per_head.append(_heads_frame(probe, head_rho))
     for label, method in methods.items():
-        layers, rankings = _rankings(method, record, budget, ranked)
+        layers, rankings = _rankings(method, record, budget, ranked, layout)
         per_layer.append(_layers_frame(label, layers, reference.metrics(rankings)))
         if method.name == CLAA:
             for n in CLAA_SWEEP:
-                layers, rankings = _rankings(replace(method, aggregation_window=n), record, budget, ranked)
+                layers, rankings = _rankings(replace(method, aggregation_window=n), record, budget, ranked, layout)
                 columns = reference.metrics(rankings, with_kendall=False)
                 sweep.append(
                     _layers_frame(f"{CLAA}-n{n}", layers, columns).insert_column(
@@ -189,9 +190,12 @@ def evaluate_example(
     return per_layer, per_head, sweep
 
 
-def _rankings(method: Method, record, budget: Budget, ranked: slice) -> tuple[list[int | None], np.ndarray]:
-    """The layers a method could select at and its rankings there [R, ranked tokens], in layer order."""
-    rankings = method.layer_rankings(captured(record, method), budget)
+def _rankings(
+    method: Method, record, budget: Budget, ranked: slice, layout: Mapping[str, Any] | None
+) -> tuple[list[int | None], np.ndarray]:
+    """The layers a method could select at and its rankings there [R, ranked tokens], in layer order;
+    ``layout`` is the store's ``recorded_model``."""
+    rankings = method.layer_rankings(captured(record, method, layout), budget)
     layers = sorted(rankings, key=lambda layer: -1 if layer is None else layer)
     return layers, torch.stack([rankings[layer] for layer in layers]).numpy()[..., ranked]
 
@@ -324,7 +328,8 @@ def compare_store(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
             )
     num_layers = scored_layers(records)
-    layer_types = store_layers(store.meta).get("layer_types")
+    layout = recorded_model(store.meta)
+    layer_types = layout.get("layer_types")
     default_layer = make(CLAA).bind(num_layers, layer_types).pruning_layer if layer is None else layer
     if not 0 <= default_layer < num_layers:
         raise RankkitError(
@@ -363,7 +368,7 @@ def compare_store(
             pl.lit(record.id, dtype=pl.Categorical).alias("example"),
             pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
         )
-        found = evaluate_example(record, reference, probes, ranked_methods, budget, ranked)
+        found = evaluate_example(record, reference, probes, ranked_methods, budget, ranked, layout)
         for name, frames_found in zip(frames, found, strict=True):
             frames[name] += [frame.select(*example_columns, pl.all()) for frame in frames_found]
 

@@ -85,16 +85,20 @@ def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, An
                 raise RankkitError(problem)
 
 
-def store_layers(store_meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's ``layer_types`` and ``sliding_window`` as a store recorded them (capture's
-    ``run_meta``, models with local layers only); empty: every layer global."""
+def recorded_model(store_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What a store recorded of the model's layout (capture's ``run_meta``), as ``Captured``'s fields:
+    ``kv_heads``, and ``layer_types`` and ``sliding_window`` for models with local layers only
+    (absent: every layer global)."""
     model = store_meta.get("model") or {}
-    return {key: model[key] for key in ("layer_types", "sliding_window") if key in model}
+    layout = {key: model[key] for key in ("layer_types", "sliding_window") if key in model}
+    if "kv_heads" in store_meta:
+        layout["kv_heads"] = store_meta["kv_heads"]
+    return layout
 
 
-def captured(record, method: Method, layers: Mapping[str, Any] | None = None) -> Captured:
-    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layers``
-    from ``store_layers``."""
+def captured(record, method: Method, layout: Mapping[str, Any] | None = None) -> Captured:
+    """The arrays of one example ``method`` ranks by, as torch tensors on the CPU; ``layout``
+    from ``recorded_model``."""
     arrays: dict[str, torch.Tensor] = {}
     for key in method.captured_inputs():
         if key == ORACLE_SCORES:
@@ -105,7 +109,7 @@ def captured(record, method: Method, layers: Mapping[str, Any] | None = None) ->
             values = record.scores(key)
         arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
     num_layers = record.score_shape(record.probes[0])[0]
-    return Captured(arrays, num_layers, record.num_tokens, **(layers or {}))
+    return Captured(arrays, num_layers, record.num_tokens, **(layout or {}))
 
 
 def select_store(
@@ -127,7 +131,7 @@ def select_store(
     check_inputs([method], records, store.meta)
     rows = []
     for record in records:
-        example = captured(record, method, store_layers(store.meta))
+        example = captured(record, method, recorded_model(store.meta))
         selection = method.select_offline(example, budget, layer=shared_layer)
         rows.append(
             {

@@ -31,7 +31,9 @@ from typing import ClassVar
 import torch
 
 from rankkit.cache import KVCache
-from rankkit.methods.base import Method, full_prefill, register
+from rankkit.errors import RankkitError
+from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
+from rankkit.methods.selection import Captured
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -125,14 +127,67 @@ def roll_recent_window(cache: KVCache, layer: int, evicted_position: int) -> Non
 class SageKV(Method):
     name: ClassVar[str] = "sage-kv"
 
+    def probe(self):
+        return make_probe("last_token_heads")
+
     def prefill(self, runner, input_ids, budget):
         config = runner.config
         group_size = config.num_attention_heads // config.num_key_value_heads
         length = int(input_ids.numel())
-        keep = budget.resolve(length, always_kept=2)
+        keep = self._keep(budget, length)
         if keep >= length:
             return full_prefill(runner, input_ids)
         hook = SageKVHook(keep, group_size)
         run = full_prefill(runner, input_ids, hooks=[hook])
         run.decode_hooks = [hook]
         return run
+
+    @staticmethod
+    def _keep(budget: Budget, length: int) -> int:
+        return budget.resolve(length, always_kept=2)  # a sink and the last token at the least
+
+    # -- the offline face: Steps 1-3 on the stored per-query-head attention of the last token --
+
+    def captured_inputs(self):
+        return [self.probe().key]
+
+    def _attention(self, captured: Captured) -> torch.Tensor:
+        """The last token's attention [L, kv_heads, group, T], NaN where a local layer sees no key."""
+        scores = captured.hide_unseen(captured.get(self.probe().key, self.name))
+        if captured.kv_heads is None:
+            raise RankkitError(
+                "this store does not record the model's KV heads, which SAGE-KV's per-head union needs; "
+                "recapture it with `rankkit capture`"
+            )
+        layers, query_heads, length = scores.shape
+        return scores.reshape(layers, captured.kv_heads, query_heads // captured.kv_heads, length)
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        if layer is None or not 0 <= layer < captured.num_layers:
+            raise RankkitError(
+                f"method '{self.name}' keeps a set per layer and KV head: name the layer with --layer "
+                f"(0..{captured.num_layers - 1})"
+            )
+        attention = self._attention(captured)[layer]
+        kv_heads, group_size, length = attention.shape
+        keep = self._keep(budget, length)
+        if keep >= length:
+            return Selection(layer, torch.arange(length).expand(kv_heads, length))
+        first_seen = int(attention[0, 0].isnan().sum())  # unseen keys are the oldest ones
+        split = sage_split(keep, group_size).seeing(first_seen, length, keep)
+        return Selection(layer, union_of_head_top_k(attention.nan_to_num(float("-inf")), split))
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        """Per layer, each token's highest attention over the query heads (the order the union takes
+        tokens in), with the sinks and recent window Step 1 always keeps at +inf."""
+        attention = self._attention(captured).nan_to_num(float("-inf"))
+        length = attention.shape[-1]
+        keep = self._keep(budget, length)
+        split = sage_split(keep, attention.shape[2])
+        rankings = {}
+        for layer, scores in enumerate(attention.flatten(1, 2).amax(dim=1)):
+            seen = split.seeing(int(scores.isneginf().sum()), length, keep)
+            scores[seen.first_seen : max(seen.sinks, seen.first_seen)] = float("inf")
+            scores[max(0, length - seen.recent) :] = float("inf")
+            rankings[layer] = scores
+        return rankings

@@ -54,7 +54,7 @@ class Captured:
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
     draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
     ``layer_types`` and ``sliding_window`` as the store's model metadata records them
-    (None: every layer global).
+    (None: every layer global); ``kv_heads`` groups per-query-head scores (None: unrecorded).
     """
 
     arrays: Mapping[str, torch.Tensor]
@@ -62,6 +62,7 @@ class Captured:
     num_tokens: int
     layer_types: Sequence[str] | None = None
     sliding_window: int | None = None
+    kv_heads: int | None = None
 
     def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
         """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key

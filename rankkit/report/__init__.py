@@ -117,13 +117,13 @@ def _frame(
 
 def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None) -> Page:
     from rankkit.eval.compare import compare_store
-    from rankkit.eval.offline import store_layers
+    from rankkit.eval.offline import recorded_model
     from rankkit.eval.variance import variance_store
     from rankkit.methods import make
 
     num_layers = records[0].score_shape(records[0].probes[0])[0]
     # compare's layer for probes, CLAA's l_p
-    layer = make("claa").bind(num_layers, store_layers(store.meta).get("layer_types")).pruning_layer
+    layer = make("claa").bind(num_layers, recorded_model(store.meta).get("layer_types")).pruning_layer
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
     comparison = compare_store(store_path) if has_oracle else None
