@@ -111,13 +111,17 @@ def test_capture_records_layer_types_of_hybrid_models_only(runner):
         "layer_types": list(HYBRID_LAYERS),
         "sliding_window": WINDOW,
         "kv_heads": kv_heads,
+        "query_heads": runner.config.num_attention_heads,
     }
 
     from conftest import tiny_model
 
     plain = meta(tiny_model("llama"))
     assert "layer_types" not in plain["model"]
-    assert recorded_model(plain) == {"kv_heads": plain["kv_heads"]}
+    assert recorded_model(plain) == {
+        "kv_heads": plain["kv_heads"],
+        "query_heads": plain["num_attention_heads"],
+    }
 
 
 def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_ids, tmp_path):

@@ -514,7 +514,9 @@ def _captured(runner, ids, probes):
     recorder = ProbeRecorder(probes)
     runner.prefill(ids, hooks=[recorder])
     arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
-    return Captured(arrays, runner.num_layers, int(ids.numel()), kv_heads=runner.config.num_key_value_heads)
+    config = runner.config
+    heads = {"kv_heads": config.num_key_value_heads, "query_heads": config.num_attention_heads}
+    return Captured(arrays, runner.num_layers, int(ids.numel()), **heads)
 
 
 OFFLINE_FACES = {

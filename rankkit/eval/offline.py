@@ -87,12 +87,13 @@ def check_inputs(methods: Iterable[Method], records, store_meta: Mapping[str, An
 
 def recorded_model(store_meta: Mapping[str, Any]) -> dict[str, Any]:
     """What a store recorded of the model's layout (capture's ``run_meta``), as ``Captured``'s fields:
-    ``kv_heads``, and ``layer_types`` and ``sliding_window`` for models with local layers only
+    ``kv_heads`` and ``query_heads``, and ``layer_types`` and ``sliding_window`` for models with local layers only
     (absent: every layer global)."""
     model = store_meta.get("model") or {}
     layout = {key: model[key] for key in ("layer_types", "sliding_window") if key in model}
-    if "kv_heads" in store_meta:
-        layout["kv_heads"] = store_meta["kv_heads"]
+    for field, key in (("kv_heads", "kv_heads"), ("query_heads", "num_attention_heads")):
+        if key in store_meta:
+            layout[field] = store_meta[key]
     return layout
 
 

@@ -154,13 +154,13 @@ class SageKV(Method):
     def _attention(self, captured: Captured) -> torch.Tensor:
         """The last token's attention [L, kv_heads, group, T], NaN where a local layer sees no key."""
         scores = captured.hide_unseen(captured.get(self.probe().key, self.name))
-        if captured.kv_heads is None:
+        layers, rows, length = scores.shape
+        if captured.kv_heads is None or rows != captured.query_heads:
             raise RankkitError(
-                "this store does not record the model's KV heads, which SAGE-KV's per-head union needs; "
-                "recapture it with `rankkit capture`"
+                f"method '{self.name}' needs {self.probe().key!r} per query head, which this store does "
+                "not hold (it predates that layout); recapture it with `rankkit capture`"
             )
-        layers, query_heads, length = scores.shape
-        return scores.reshape(layers, captured.kv_heads, query_heads // captured.kv_heads, length)
+        return scores.reshape(layers, captured.kv_heads, rows // captured.kv_heads, length)
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         if layer is None or not 0 <= layer < captured.num_layers:

@@ -54,7 +54,8 @@ class Captured:
     ``arrays`` maps a probe key to its scores [L, kv_heads, T] (and ``DRAFT_SCORES`` to the
     draft's lookahead scores [k, ..., T], ``ORACLE_SCORES`` to the oracle's [T]).
     ``layer_types`` and ``sliding_window`` as the store's model metadata records them
-    (None: every layer global); ``kv_heads`` groups per-query-head scores (None: unrecorded).
+    (None: every layer global); ``kv_heads`` and ``query_heads`` group per-query-head scores
+    (None: unrecorded).
     """
 
     arrays: Mapping[str, torch.Tensor]
@@ -63,6 +64,7 @@ class Captured:
     layer_types: Sequence[str] | None = None
     sliding_window: int | None = None
     kv_heads: int | None = None
+    query_heads: int | None = None
 
     def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
         """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key
