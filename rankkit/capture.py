@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rankkit import models, stores
-from rankkit.data import METRICS, Example, load_examples, parse_spec
+from rankkit.data import METRICS, Example, load_examples, read_spec
 from rankkit.errors import RankkitError
 from rankkit.oracle import answer_informed_oracle
 from rankkit.probes import ProbeRecorder, parse_probes
@@ -177,7 +177,7 @@ def capture(
     if world > 1 and torch.cuda.is_available() and device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     probe_list = parse_probes(probes)
-    parse_spec(data)  # a bad spec fails before minutes of model loading
+    read_spec(data)  # a bad spec fails before minutes of model loading
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     writer = stores.create(out, run_meta(loaded, probe_list, data), overwrite=overwrite and rank == 0)
