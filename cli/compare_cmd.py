@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app
+from .options import Overwrite
 
 
 @app.command("compare")
@@ -30,13 +31,20 @@ def compare(
         "specprefill. (default: all the store offers)",
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the per-layer frame to this parquet file, the other frames beside it."
+        None,
+        "--out",
+        help="Write the per-layer frame to this parquet file, the other frames beside it as "
+        "<stem>.per_head/.sweep/.stability/.summary.parquet (refused if any exists).",
     ),
+    overwrite: Overwrite = False,
     as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
-    from rankkit.eval.compare import compare_store
+    from rankkit import outputs
+    from rankkit.eval.compare import compare_store, output_paths
 
+    if out is not None:
+        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
     chosen = [name for entry in methods or [] for name in entry.split(",") if name]
     result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle)
     if out is not None:
@@ -92,15 +100,22 @@ def variance(
     ),
     l_obs: int = typer.Option(8, "--l-obs", help="Layers whose ranks each point compares, L_obs."),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the curves to this parquet file, the selection layers beside it."
+        None,
+        "--out",
+        help="Write the curves to this parquet file, the selection layers beside it as "
+        "<stem>.selections.parquet (refused if either exists).",
     ),
+    overwrite: Overwrite = False,
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object per example instead of a table."
     ),
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
-    from rankkit.eval.variance import variance_store
+    from rankkit import outputs
+    from rankkit.eval.variance import output_paths, variance_store
 
+    if out is not None:
+        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
     result = variance_store(
         store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
     )

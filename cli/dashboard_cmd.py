@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
+from .options import Overwrite
 
 
 @app.command("dashboard")
@@ -19,10 +20,14 @@ def dashboard(
         None, "--diffusion", help="Curves written by `rankkit diffusion --out`, for the diffusion panel."
     ),
     out: Path = typer.Option(
-        Path("report.html"), "--out", help="The HTML file to write (self-contained, works offline)."
+        Path("report.html"),
+        "--out",
+        help="The HTML file to write (self-contained, works offline); refused if it exists, "
+        "is a directory, or lies inside the store.",
     ),
+    overwrite: Overwrite = False,
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.report import write_dashboard
 
-    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion))
+    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion, overwrite=overwrite))

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 
 from .ranking import (
@@ -241,14 +242,18 @@ class CompareResult:
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        written = {target: self.per_layer}
-        for name in ("per_head", "sweep", "stability", "summary"):
-            written[target.with_name(f"{target.stem}.{name}.parquet")] = getattr(self, name)
-        for file, frame in written.items():
-            frame.write_parquet(file)
-        return list(written)
+        paths = output_paths(path)
+        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
+        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
+
+
+SIBLING_FRAMES = ("per_head", "sweep", "stability", "summary")
+
+
+def output_paths(path: str | os.PathLike) -> list[Path]:
+    """The files ``CompareResult.write(path)`` writes: ``path`` and its siblings, in frame order."""
+    target = Path(path)
+    return [target] + [target.with_name(f"{target.stem}.{name}.parquet") for name in SIBLING_FRAMES]
 
 
 def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:

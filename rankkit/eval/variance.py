@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 
 from .ranking import descending_ranks, keep_count
@@ -79,6 +80,12 @@ def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
     return int(below[0]) if below.size else None
 
 
+def output_paths(path: str | os.PathLike) -> list[Path]:
+    """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections beside it."""
+    target = Path(path)
+    return [target, target.with_name(f"{target.stem}.selections.parquet")]
+
+
 @dataclass(frozen=True)
 class VarianceResult:
     min_layer: int
@@ -87,12 +94,8 @@ class VarianceResult:
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``curves`` to ``path``, ``selections`` beside it as <stem>.selections.parquet; returns the paths."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        selections = target.with_name(f"{target.stem}.selections.parquet")
-        self.curves.write_parquet(target)
-        self.selections.write_parquet(selections)
-        return [target, selections]
+        target, selections = output_paths(path)
+        return [outputs.write_parquet(self.curves, target), outputs.write_parquet(self.selections, selections)]
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 
@@ -66,15 +67,20 @@ def write_dashboard(
     out_path: str | os.PathLike,
     bench: str | os.PathLike | pl.DataFrame | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
     one ``rankkit diffusion --out`` writes. RankkitError names the fix for a missing store or a
-    file that is not the expected parquet.
+    file that is not the expected parquet. An existing ``out_path`` is replaced only with
+    ``overwrite``; one inside the store or equal to an input is refused (``outputs.claim``).
     """
     from rankkit import stores
 
+    sources = [each for each in (store_path, bench, diffusion) if not isinstance(each, pl.DataFrame)]
+    outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
     records = list(store.examples())
     if not records:
@@ -84,10 +90,7 @@ def write_dashboard(
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     page = _page(store, records, store_path, bench_frame, diffusion_frame)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(page), encoding="utf-8")
-    return out
+    return outputs.write_text(render(page), out_path)
 
 
 def _frame(
