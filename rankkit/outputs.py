@@ -31,11 +31,17 @@ def claim(
         target = path.resolve()
         for source in resolved_inputs:
             if target == source or source in target.parents:
-                raise RankkitError(f"--out {path} is one of this command's inputs ({source}); choose another path")
+                raise RankkitError(
+                    f"--out {path} is one of this command's inputs ({source}); choose another path"
+                )
         if path.is_dir():
-            raise RankkitError(f"--out {path} is a directory; give a file path inside it, e.g. {path / 'out'}")
+            raise RankkitError(
+                f"--out {path} is a directory; give a file path inside it, e.g. {path / 'out'}"
+            )
         if path.exists() and not overwrite:
-            raise RankkitError(f"{path} already exists; pass --overwrite to replace it, or choose another --out")
+            raise RankkitError(
+                f"{path} already exists; pass --overwrite to replace it, or choose another --out"
+            )
     return paths
 
 
