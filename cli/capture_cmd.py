@@ -11,7 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rankkit import defaults
 from rankkit.cli.app import app
+from rankkit.cli.options import AllowOverlength, AsJson, Device, MaxNewTokens, Model
 
 console = Console(stderr=True)
 
@@ -69,27 +71,34 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
 
 @app.command()
 def capture(
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    model: Model = defaults.MODEL,
     data: str = typer.Option(
         "niah:n=8,length=2048", help="Data spec: niah:..., ruler:task=...,..., or a .jsonl path."
     ),
     probes: str = typer.Option("all", help="Comma-separated probe names, or 'all'."),
     out: Path = typer.Option(
-        Path("runs/capture.zarr"), help="The zarr store to write (resumed if it exists)."
+        Path("runs/capture.zarr"),
+        help="The zarr store to write; rerunning the same command resumes it (after Ctrl-C, SIGTERM "
+        "or a crash), other settings are refused.",
     ),
     limit: int = typer.Option(None, min=1, help="Capture at most this many examples."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: Device = defaults.DEVICE,
     overwrite: bool = typer.Option(False, help="Delete an existing store at --out first."),
     oracle: bool = typer.Option(False, help="Also add the Answer-Informed Oracle in the same run."),
     answer: str = typer.Option(
-        "generated", help="Oracle answer: generated or reference (teacher-forced gold)."
+        defaults.ORACLE_ANSWER, help="Oracle answer: generated or reference (teacher-forced gold)."
     ),
     softmax: bool = typer.Option(False, help="Oracle on post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(7, min=1, help="Oracle 1-D average-pooling kernel."),
-    max_new_tokens: int = typer.Option(32, min=1, help="Oracle answer length limit."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="Oracle 1-D average-pooling kernel."),
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    allow_overlength: AllowOverlength = False,
+    as_json: AsJson = False,
 ) -> None:
-    """Record every probe's per-layer token scores in one forward pass per example."""
+    """Record every probe's per-layer token scores in one forward pass per example.
+
+    Ctrl-C or SIGTERM keeps every example written whole and exits 130; the same command resumes.
+    A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
+    """
     from rankkit.capture import capture as run_capture
     from rankkit.capture import shard
 
@@ -107,6 +116,7 @@ def capture(
             overwrite=overwrite,
             oracle=options,
             progress=advance if rank == 0 else None,
+            allow_overlength=allow_overlength,
         )
     if rank == 0:
         _print_summary(summary, as_json, f"capture → {summary.out}")
@@ -116,15 +126,23 @@ def capture(
 def oracle(
     store: Path = typer.Argument(..., help="A store written by rankkit capture."),
     model: str = typer.Option(None, help="The model the store was captured with, if not the default."),
-    answer: str = typer.Option("generated", help="generated or reference (teacher-forced gold answer)."),
+    answer: str = typer.Option(
+        defaults.ORACLE_ANSWER, help="generated or reference (teacher-forced gold answer)."
+    ),
     softmax: bool = typer.Option(False, help="Post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(7, min=1, help="1-D average-pooling kernel."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    redo: bool = typer.Option(False, help="Recompute oracles that are already there."),
-    device: str = typer.Option("auto"),
-    as_json: bool = typer.Option(False, "--json"),
+    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="1-D average-pooling kernel."),
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    redo: bool = typer.Option(
+        False, help="Recompute every oracle, also those already there (needed to change the settings)."
+    ),
+    device: Device = defaults.DEVICE,
+    as_json: AsJson = False,
 ) -> None:
-    """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier."""
+    """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
+
+    Settings other than those of the store's oracles are refused unless --redo. Ctrl-C or
+    SIGTERM keeps every oracle written and exits 130; the same command resumes.
+    """
     from rankkit.capture import add_oracle
 
     progress, advance = _progress_bar(None, "oracle")

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app
-from .options import Overwrite
+from .options import Overwrite, comma_list
 
 
 @app.command("compare")
@@ -24,10 +24,10 @@ def compare(
     layer: int | None = typer.Option(
         None, "--layer", help="Pruning layer l_p the table reports at. (default: half the model's depth)"
     ),
-    methods: list[str] | None = typer.Option(
+    methods: str | None = typer.Option(
         None,
         "--methods",
-        help="Methods to compare, repeated or comma-separated: probe names, gemfilter, fastkv, claa, "
+        help="Comma-separated methods to compare: probe names, gemfilter, fastkv, claa, "
         "specprefill. (default: all the store offers)",
     ),
     out: Path | None = typer.Option(
@@ -42,11 +42,14 @@ def compare(
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
     from rankkit import outputs
     from rankkit.eval.compare import compare_store, output_paths
+    from rankkit.interrupts import keep_on_interrupt
 
     if out is not None:
         outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
-    chosen = [name for entry in methods or [] for name in entry.split(",") if name]
-    result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle)
+    with keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"):
+        result = compare_store(
+            store, layer=layer, methods=comma_list(methods, "--methods") or None, use_oracle=oracle
+        )
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)

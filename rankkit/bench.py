@@ -27,15 +27,15 @@ import polars as pl
 import torch
 
 from rankkit import defaults, models, outputs
-from rankkit.checks import check_layer, check_length, warn_clamped
-from rankkit.data import Example, load_examples, read_spec
+from rankkit.checks import check_layer, check_length, check_prompt_lengths, check_spec_length, warn_clamped
+from rankkit.data import Example, load_examples
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, Method, make
 from rankkit.methods.measure import CostModel, Measured, calibrate, measure_interleaved
 from rankkit.progress import Progress, ProgressCallback, ignore
-from rankkit.prompting import Prompt, build_prompt, example_prompt
+from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
 
 FULL = "full"
@@ -170,7 +170,8 @@ class MethodOptions:
         """The methods ``names`` with these options, ``layer`` checked against the model's depth.
 
         ``strict`` (one method, prefill) refuses ``layer`` for a method that has no selection
-        layer; a grid (bench) sets it on those that have one and warns about the rest.
+        layer; a grid (bench) sets it on those that have one and warns about the rest. ``full``
+        selects nothing, so the layer never concerns it.
         """
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
@@ -179,7 +180,7 @@ class MethodOptions:
         if self.layer is None:
             return methods
         layered = [method for method in methods if type(method).with_layer is not Method.with_layer]
-        others = [method.name for method in methods if method not in layered]
+        others = [method.name for method in methods if method not in layered and method.name != FULL]
         if others and (strict or not layered):
             raise RankkitError(
                 f"method {', '.join(others)} has no selection layer; leave --layer out "
@@ -209,12 +210,6 @@ class Setup:
         """The model's config, read without its weights."""
         return models.load_config(self.model)
 
-    def check_spec(self, data: str, config) -> None:
-        """A synthetic spec's length is checked against the model before anything loads."""
-        length = read_spec(data).length
-        if length is not None:
-            check_length(length, config, f"'{data}'", allow_overlength=self.allow_overlength)
-
     def load(self) -> tuple[models.LoadedModel, Runner]:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
@@ -223,12 +218,10 @@ class Setup:
 
 
 def _checked_prompts(tokenizer, examples: list[Example], config, setup: Setup, budgets) -> list[Prompt]:
-    prompts = [example_prompt(tokenizer, example) for example in examples]
+    prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
     for example, prompt in zip(examples, prompts, strict=True):
-        what = f"the prompt of example {example.id!r}"
-        check_length(prompt.num_tokens, config, what, allow_overlength=setup.allow_overlength)
         for budget in budgets:
-            warn_clamped(budget, prompt.num_tokens, what)
+            warn_clamped(budget, prompt.num_tokens, f"the prompt of example {example.id!r}")
     return prompts
 
 
@@ -259,7 +252,7 @@ def prefill(
     budget = budget or Budget.from_keep(1.0)
     config = setup.config()
     if data is not None:
-        setup.check_spec(data, config)
+        check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     names = [method] if compare is None else [compare, method]  # the reference goes first
     chosen = options.build(names, config.num_hidden_layers, strict=True)
     loaded, runner = setup.load()
@@ -334,7 +327,7 @@ def bench(
     run's but for timings. The frame is written to ``out`` atomically at the end.
     """
     config = setup.config()
-    setup.check_spec(data, config)
+    check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     chosen = options.build(methods, config.num_hidden_layers, strict=False)
     if not budgets:
         raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
@@ -350,12 +343,12 @@ def bench(
         "options": asdict(options),
         "settings": asdict(settings),
     }
-    journal = outputs.Journal(out, identity, overwrite=overwrite)
     loaded, runner = setup.load()
     examples = load_examples(data, loaded.tokenizer)[:limit]
     if not examples:
         raise RankkitError(f"{data} has no examples")
     prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)
+    journal = outputs.Journal(out, identity, overwrite=overwrite)
     by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
     with keep_on_interrupt(journal.kept):
         frame = run_bench(

@@ -17,10 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rankkit import models, stores
-from rankkit.data import METRICS, Example, load_examples, read_spec
+from rankkit import defaults, models, stores
+from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.data import METRICS, Example, load_examples
 from rankkit.errors import RankkitError
-from rankkit.oracle import answer_informed_oracle
+from rankkit.interrupts import keep_on_interrupt
+from rankkit.oracle import answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.prompting import Prompt, example_prompt
 from rankkit.runner import Runner
@@ -30,10 +32,30 @@ from rankkit.runner import Runner
 class OracleOptions:
     """How the Answer-Informed Oracle is run; recorded with every example's oracle."""
 
-    answer: str = "generated"
+    answer: str = defaults.ORACLE_ANSWER
     softmax: bool = False
-    kernel: int = 7
-    max_new_tokens: int = 32
+    kernel: int = defaults.ORACLE_KERNEL
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
+
+    def __post_init__(self) -> None:
+        self.params()  # bad settings fail here, before any model loads
+
+    def params(self) -> dict:
+        """What the store records with each oracle: its identity (``oracle_params``)."""
+        return oracle_params(self.answer, self.softmax, self.kernel, self.max_new_tokens)
+
+
+def check_oracle_settings(store_path, options: OracleOptions) -> None:
+    """Refuse to add oracles made with ``options`` to a store holding oracles made otherwise."""
+    wanted = options.params()
+    for record in stores.open(store_path).examples():
+        made = record.attrs.get("oracle_params") if record.has_oracle else None
+        if made is not None and made != wanted:
+            shown = ", ".join(f"{key}={value}" for key, value in made.items() if value is not None)
+            raise RankkitError(
+                f"{store_path} holds oracles made with {shown} (example {record.id!r}); rerun with those "
+                "settings, or recompute every oracle with `rankkit oracle STORE --redo` and the new ones"
+            )
 
 
 @dataclass
@@ -57,6 +79,13 @@ class CaptureSummary:
             self.correct.append(oracle_attrs["correct"])
         if progress:
             progress("skipped" if tokens is None else "written", self.examples, tokens or 0)
+
+    def kept(self) -> str:
+        """What an interrupted run kept: every example written whole (the store never holds half of one)."""
+        return (
+            f"interrupted: kept {self.written} examples written by this run ({self.skipped} were there "
+            f"before) in {self.out}; rerun the same command to resume"
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -165,11 +194,13 @@ def capture(
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    allow_overlength: bool = False,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
     ``progress(kind, done_examples, tokens)`` is called after each example (kind is
-    "written" or "skipped"), so a front end can draw a bar.
+    "written" or "skipped"), so a front end can draw a bar. A prompt longer than the
+    model's positions is refused before any compute unless ``allow_overlength``.
     """
     import time
 
@@ -177,35 +208,40 @@ def capture(
     if world > 1 and torch.cuda.is_available() and device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     probe_list = parse_probes(probes)
-    read_spec(data)  # a bad spec fails before minutes of model loading
+    config = models.load_config(model)  # a bad spec or length fails before the weights load
+    check_spec_length(data, config, allow_overlength=allow_overlength)
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
+    check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
     writer = stores.create(out, run_meta(loaded, probe_list, data), overwrite=overwrite and rank == 0)
+    if oracle is not None:
+        check_oracle_settings(out, oracle)
     runner = Runner(loaded.model)
     summary = CaptureSummary(out=str(Path(out)))
     started = time.perf_counter()
-    for index, example in enumerate(examples):
-        if index % world != rank:
-            continue
-        summary.examples += 1
-        if writer.is_complete(example.id) and (oracle is None or writer.has_oracle(example.id)):
-            summary.count(progress, None)
-            continue
-        prompt = example_prompt(loaded.tokenizer, example)
-        ids = prompt.input_ids.to(loaded.device)
-        attrs = example_attrs(loaded.tokenizer, example, prompt)
-        prefill = oracle_attrs = None
-        if not writer.is_complete(example.id):
-            recorder = ProbeRecorder(probe_list)
-            prefill = runner.prefill(ids, hooks=[recorder])
-            writer.write_example(
-                example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
-            )
-        if oracle is not None:
-            oracle_attrs = write_oracle(
-                writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
-            )
-        summary.count(progress, prompt.num_tokens, oracle_attrs)
+    with keep_on_interrupt(summary.kept):
+        for index, example in enumerate(examples):
+            if index % world != rank:
+                continue
+            summary.examples += 1
+            if writer.is_complete(example.id) and (oracle is None or writer.has_oracle(example.id)):
+                summary.count(progress, None)
+                continue
+            prompt = example_prompt(loaded.tokenizer, example)
+            ids = prompt.input_ids.to(loaded.device)
+            attrs = example_attrs(loaded.tokenizer, example, prompt)
+            prefill = oracle_attrs = None
+            if not writer.is_complete(example.id):
+                recorder = ProbeRecorder(probe_list)
+                prefill = runner.prefill(ids, hooks=[recorder])
+                writer.write_example(
+                    example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
+                )
+            if oracle is not None:
+                oracle_attrs = write_oracle(
+                    writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
+                )
+            summary.count(progress, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     _wait_for_other_ranks(world)
     return summary
@@ -235,18 +271,23 @@ def add_oracle(
         raise RankkitError(
             f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
         )
+    if not redo:
+        check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
     summary = CaptureSummary(out=str(store_path))
     started = time.perf_counter()
-    for record in store.examples():
-        summary.examples += 1
-        if record.has_oracle and not redo:
-            summary.count(progress, None)
-            continue
-        ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
-        oracle_attrs = write_oracle(writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options)
-        summary.count(progress, record.num_tokens, oracle_attrs)
+    with keep_on_interrupt(summary.kept):
+        for record in store.examples():
+            summary.examples += 1
+            if record.has_oracle and not redo:
+                summary.count(progress, None)
+                continue
+            ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
+            oracle_attrs = write_oracle(
+                writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options
+            )
+            summary.count(progress, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     return summary
 

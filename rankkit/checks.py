@@ -27,6 +27,26 @@ def check_length(num_tokens: int, config, what: str, *, allow_overlength: bool =
     warnings.warn(f"{message}; running it anyway (--allow-overlength)", stacklevel=2)
 
 
+def check_spec_length(data: str, config, *, allow_overlength: bool = False) -> None:
+    """A synthetic data spec's ``length`` is checked against the model before anything loads."""
+    from rankkit.data import read_spec
+
+    length = read_spec(data).length
+    if length is not None:
+        check_length(length, config, f"'{data}'", allow_overlength=allow_overlength)
+
+
+def check_prompt_lengths(tokenizer, examples, config, *, allow_overlength: bool = False) -> list:
+    """The prompts of ``examples``, each checked against the model's positions before any compute."""
+    from rankkit.prompting import example_prompt
+
+    prompts = [example_prompt(tokenizer, example) for example in examples]
+    for example, prompt in zip(examples, prompts, strict=True):
+        what = f"the prompt of example {example.id!r}"
+        check_length(prompt.num_tokens, config, what, allow_overlength=allow_overlength)
+    return prompts
+
+
 def warn_clamped(budget, prompt_length: int, what: str) -> None:
     """A token budget larger than the prompt keeps the whole prompt: say so instead of clamping silently."""
     if budget.tokens is not None and budget.tokens > prompt_length:

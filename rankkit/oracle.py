@@ -103,6 +103,21 @@ def average_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return pooled.reshape(scores.shape)
 
 
+def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) -> dict:
+    """The settings that define an oracle, checked; a store records them with each oracle, and
+    oracles made with other settings never mix in one store (``max_new_tokens`` counts only for
+    a generated answer)."""
+    if answer not in ANSWER_MODES:
+        raise RankkitError(f"--answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+    _check_kernel(kernel)
+    return {
+        "answer": answer,
+        "softmax": softmax,
+        "kernel": kernel,
+        "max_new_tokens": max_new_tokens if answer == "generated" else None,
+    }
+
+
 def _check_kernel(kernel: int) -> None:
     if kernel < 1 or kernel % 2 == 0:
         raise RankkitError(f"pooling kernel must be a positive odd number, got {kernel}")
@@ -162,11 +177,9 @@ def answer_informed_oracle(
     ``prefill`` reuses a full, unpruned prefill of ``input_ids`` (e.g. the capture pass
     that ran the probes); it is forked, never grown, so it stays reusable afterwards.
     """
-    if answer not in ANSWER_MODES:
-        raise RankkitError(f"answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+    params = oracle_params(answer, softmax, kernel, max_new_tokens)
     if answer == "reference" and reference_answer is None:
         raise RankkitError("answer='reference' needs reference_answer")
-    _check_kernel(kernel)
     prompt_length = int(input_ids.numel())
     if prefill is None:
         prefill = runner.prefill(input_ids)
@@ -195,11 +208,6 @@ def answer_informed_oracle(
         layer_scores=layer_scores.numpy().astype(np.float32),
         answer_tokens=answer_tokens,
         answer_text=tokenizer.decode(answer_tokens, skip_special_tokens=True),
-        params={
-            "answer": answer,
-            "softmax": softmax,
-            "kernel": kernel,
-            "max_new_tokens": max_new_tokens if answer == "generated" else None,
-        },
+        params=params,
         ended_with_eos=ended_with_eos,
     )

@@ -394,7 +394,7 @@ def test_cli_compare_json_keys(cli, store_path):
 def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
     out = tmp_path / "results.parquet"
     result = cli(
-        "compare", store_path, "--layer", 2, "--methods", "window,claa", "--methods", "lava", "--out", out
+        "compare", store_path, "--layer", 2, "--methods", "window,claa,lava", "--out", out
     )
     assert result.exit_code == 0, result.output
     assert "l_p = 2" in result.stdout and "claa" in result.stdout and "gemfilter" not in result.stdout
