@@ -20,6 +20,9 @@ def main() -> None:
     from rankkit.cli.app import app
 
     warnings.showwarning = _one_line_warning
+    # An interrupt during a store write abandons zarr's pending writes; the example stays
+    # unflagged (and is redone on resume), so Python's note about them says nothing useful.
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:
         app()
     except RankkitError as error:

@@ -3,50 +3,22 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app
 from rankkit.cli.options import AllowOverlength, AsJson, Device, MaxNewTokens, Model
-
-console = Console(stderr=True)
+from rankkit.cli.progress import progress_bar
 
 
 def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int):
     from rankkit.capture import OracleOptions
 
     return OracleOptions(answer=answer, softmax=softmax, kernel=kernel, max_new_tokens=max_new_tokens)
-
-
-def _progress_bar(total: int | None, what: str):
-    progress = Progress(
-        TextColumn(f"[bold]{what}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    task = progress.add_task(what, total=total, rate="")
-    state = {"tokens": 0, "seconds": 0.0}
-
-    import time
-
-    started = time.perf_counter()
-
-    def advance(kind: str, done: int, tokens: int) -> None:
-        state["tokens"] += tokens
-        elapsed = time.perf_counter() - started
-        rate = f"{state['tokens'] / elapsed:,.0f} tok/s" if state["tokens"] else kind
-        progress.update(task, completed=done, rate=rate)
-
-    return progress, advance
 
 
 def _print_summary(summary, as_json: bool, title: str) -> None:
@@ -101,11 +73,11 @@ def capture(
     """
     from rankkit.capture import capture as run_capture
     from rankkit.capture import shard
+    from rankkit.progress import ignore
 
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
-    progress, advance = _progress_bar(limit, "capture")
-    with progress if rank == 0 else nullcontext():
+    with progress_bar("capture") as show:
         summary = run_capture(
             model=model,
             data=data,
@@ -115,7 +87,7 @@ def capture(
             device=device,
             overwrite=overwrite,
             oracle=options,
-            progress=advance if rank == 0 else None,
+            progress=show if rank == 0 else ignore,
             allow_overlength=allow_overlength,
         )
     if rank == 0:
@@ -145,14 +117,13 @@ def oracle(
     """
     from rankkit.capture import add_oracle
 
-    progress, advance = _progress_bar(None, "oracle")
-    with progress:
+    with progress_bar("oracle") as show:
         summary = add_oracle(
             store,
             options=_oracle_options(answer, softmax, kernel, max_new_tokens),
             model=model,
             device=device,
             redo=redo,
-            progress=advance,
+            progress=show,
         )
     _print_summary(summary, as_json, f"oracle → {summary.out}")

@@ -10,7 +10,6 @@ WORLD_SIZE-th example and writes into the same store.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.oracle import answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
+from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt
 from rankkit.runner import Runner
 
@@ -67,8 +67,15 @@ class CaptureSummary:
     tokens: int = 0
     seconds: float = 0.0
     correct: list[float] = field(default_factory=list)
+    total: int | None = None  # the examples this run goes through
 
-    def count(self, progress, tokens: int | None, oracle_attrs: dict | None = None) -> None:
+    def count(
+        self,
+        progress: ProgressCallback,
+        example_id: str,
+        tokens: int | None,
+        oracle_attrs: dict | None = None,
+    ) -> None:
         """Book one example: written (``tokens`` given) or skipped (None), then report progress."""
         if tokens is None:
             self.skipped += 1
@@ -77,8 +84,8 @@ class CaptureSummary:
             self.tokens += tokens
         if oracle_attrs and "correct" in oracle_attrs:
             self.correct.append(oracle_attrs["correct"])
-        if progress:
-            progress("skipped" if tokens is None else "written", self.examples, tokens or 0)
+        stage = "skipped" if tokens is None else "written"
+        progress(Progress(stage, self.examples, self.total, example_id))
 
     def kept(self) -> str:
         """What an interrupted run kept: every example written whole (the store never holds half of one)."""
@@ -193,13 +200,13 @@ def capture(
     device: str = "auto",
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: ProgressCallback = ignore,
     allow_overlength: bool = False,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
-    ``progress(kind, done_examples, tokens)`` is called after each example (kind is
-    "written" or "skipped"), so a front end can draw a bar. A prompt longer than the
+    ``progress`` gets a ``Progress`` event after each example (stage "written" or
+    "skipped"; the total is this rank's share of the examples). A prompt longer than the
     model's positions is refused before any compute unless ``allow_overlength``.
     """
     import time
@@ -217,7 +224,7 @@ def capture(
     if oracle is not None:
         check_oracle_settings(out, oracle)
     runner = Runner(loaded.model)
-    summary = CaptureSummary(out=str(Path(out)))
+    summary = CaptureSummary(out=str(Path(out)), total=len(range(rank, len(examples), world)))
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept):
         for index, example in enumerate(examples):
@@ -225,7 +232,7 @@ def capture(
                 continue
             summary.examples += 1
             if writer.is_complete(example.id) and (oracle is None or writer.has_oracle(example.id)):
-                summary.count(progress, None)
+                summary.count(progress, example.id, None)
                 continue
             prompt = example_prompt(loaded.tokenizer, example)
             ids = prompt.input_ids.to(loaded.device)
@@ -241,7 +248,7 @@ def capture(
                 oracle_attrs = write_oracle(
                     writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
                 )
-            summary.count(progress, prompt.num_tokens, oracle_attrs)
+            summary.count(progress, example.id, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     _wait_for_other_ranks(world)
     return summary
@@ -254,7 +261,7 @@ def add_oracle(
     model: str | None = None,
     device: str = "auto",
     redo: bool = False,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: ProgressCallback = ignore,
 ) -> CaptureSummary:
     """Add the Answer-Informed Oracle to every complete example of a store captured earlier.
 
@@ -275,19 +282,20 @@ def add_oracle(
         check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
-    summary = CaptureSummary(out=str(store_path))
+    records = list(store.examples())
+    summary = CaptureSummary(out=str(store_path), total=len(records))
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept):
-        for record in store.examples():
+        for record in records:
             summary.examples += 1
             if record.has_oracle and not redo:
-                summary.count(progress, None)
+                summary.count(progress, record.id, None)
                 continue
             ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
             oracle_attrs = write_oracle(
                 writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options
             )
-            summary.count(progress, record.num_tokens, oracle_attrs)
+            summary.count(progress, record.id, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     return summary
 

@@ -103,9 +103,12 @@ _IS = {
     "null": lambda value: value is None,
     "object": lambda value: isinstance(value, dict),
     "strings": lambda value: isinstance(value, list) and all(isinstance(each, str) for each in value),
-    "spans": lambda value: isinstance(value, list)
-    and all(
-        isinstance(span, list) and len(span) == 2 and all(_IS["integer"](end) for end in span) for span in value
+    "spans": lambda value: (
+        isinstance(value, list)
+        and all(
+            isinstance(span, list) and len(span) == 2 and all(_IS["integer"](end) for end in span)
+            for span in value
+        )
     ),
 }
 _SHOWN = {"strings": "a list of strings", "spans": "a list of [start, end] integer pairs", "null": "null"}

@@ -95,7 +95,10 @@ class VarianceResult:
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``curves`` to ``path``, ``selections`` beside it as <stem>.selections.parquet; returns the paths."""
         target, selections = output_paths(path)
-        return [outputs.write_parquet(self.curves, target), outputs.write_parquet(self.selections, selections)]
+        return [
+            outputs.write_parquet(self.curves, target),
+            outputs.write_parquet(self.selections, selections),
+        ]
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over
