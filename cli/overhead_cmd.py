@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from rankkit import defaults
 from rankkit.cli.app import app
+from rankkit.cli.options import Device, Model
 
 console = Console()
 
@@ -18,8 +20,8 @@ console = Console()
 def overhead(
     scenario: str = typer.Argument(..., help="runner, capture or oracle."),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
-    model: str = typer.Option("default"),
-    device: str = typer.Option("auto"),
+    model: Model = defaults.MODEL,
+    device: Device = defaults.DEVICE,
     repeats: int = typer.Option(5, min=1, help="Interleaved timed repeats per side, after one warm-up."),
     memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),

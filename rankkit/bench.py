@@ -28,7 +28,7 @@ import torch
 
 from rankkit import defaults, models, outputs
 from rankkit.checks import check_layer, check_length, check_prompt_lengths, check_spec_length, warn_clamped
-from rankkit.data import Example, load_examples
+from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -332,7 +332,7 @@ def bench(
     if not budgets:
         raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
     if out is not None:
-        outputs.claim([out], overwrite=overwrite)
+        outputs.claim([out], overwrite=overwrite, inputs=[read_spec(data).path])
     identity = {
         "command": "bench",
         "methods": methods,

@@ -192,12 +192,12 @@ def oracle_for(
 
 def capture(
     *,
-    model: str = "default",
+    model: str = defaults.MODEL,
     data: str = "niah:n=8,length=2048",
     probes: str = "all",
     out: str | os.PathLike = "runs/capture.zarr",
     limit: int | None = None,
-    device: str = "auto",
+    device: str = defaults.DEVICE,
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
     progress: ProgressCallback = ignore,

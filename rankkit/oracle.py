@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rankkit import defaults
 from rankkit.errors import RankkitError
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
 
@@ -159,11 +160,11 @@ def answer_informed_oracle(
     input_ids: torch.Tensor,
     *,
     tokenizer,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     answer: str = "generated",
     reference_answer: str | None = None,
     softmax: bool = False,
-    kernel: int = 7,
+    kernel: int = defaults.ORACLE_KERNEL,
     prefill: PrefillResult | None = None,
 ) -> OracleResult:
     """CLAA Algorithm 1 / Listing 4 ``get_oracle_ranking`` on one prompt (see the module docstring).

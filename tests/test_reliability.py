@@ -205,6 +205,25 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path)
         ),
         (["data", "export", "old.jsonl", "--out", "old.html"], "old.html already exists"),
         (["diffusion", "--data", "old.jsonl", "--out", "old.parquet"], "old.parquet already exists"),
+        (
+            ["diffusion", "--data", "old.jsonl", "--out", "old.jsonl", "--overwrite"],
+            "is one of this command's inputs",
+        ),
+        (
+            [
+                "bench",
+                "--methods",
+                "full",
+                "--keep",
+                "1",
+                "--data",
+                "old.jsonl",
+                "--out",
+                "old.jsonl",
+                "--overwrite",
+            ],
+            "is one of this command's inputs",
+        ),
     ],
 )
 def test_outputs_are_never_overwritten_or_written_into_an_input_unless_asked(no_model_load, args, message):

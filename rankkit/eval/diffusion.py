@@ -34,7 +34,7 @@ from rankkit import defaults, models, outputs
 from rankkit.cache import KVCache
 from rankkit.capture import reference_answer
 from rankkit.checks import check_prompt_lengths, check_spec_length
-from rankkit.data import Example, load_examples, score
+from rankkit.data import Example, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -254,7 +254,7 @@ def diffusion_probe(
     config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
     if out is not None:
-        outputs.claim([out], overwrite=overwrite)
+        outputs.claim([out], overwrite=overwrite, inputs=[read_spec(data).path])
     identity = {
         "command": "diffusion",
         "data": data,
