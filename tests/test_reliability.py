@@ -154,6 +154,31 @@ def test_a_budget_larger_than_the_prompt_warns_that_it_keeps_everything(tmp_path
     assert frame.filter(pl.col("method") == "claa")["kv_ratio"].to_list() == [1.0]
 
 
+@pytest.mark.parametrize(("warmup", "repeats"), [(1, 1), (0, 3)])
+def test_bench_progress_counts_calibration_warmups_and_repeats_and_ends_at_its_total(
+    tiny_folder, warmup, repeats
+):
+    from rankkit.bench import BenchSettings, Setup, bench
+    from rankkit.methods import Budget
+
+    events = []
+    bench(
+        ["full", "claa", "fastkv"],
+        [Budget.from_keep(0.5), Budget.from_keep(0.25)],
+        "niah:n=2,length=200",
+        settings=BenchSettings(max_new_tokens=1, warmup_runs=warmup, repeats=repeats),
+        setup=Setup(model=str(tiny_folder), device="cpu"),
+        progress=events.append,
+    )
+    entries = 1 + 2 * 2  # full once, then claa and fastkv at each budget
+    total = 1 + 2 * entries * (1 + repeats)  # calibration, then per example a warm-up and the repeats
+    assert {event.total for event in events} == {total}
+    assert [event.done for event in events] == sorted(event.done for event in events)
+    assert events[-1].done == total and all(event.done <= total for event in events)
+    stages = [event.stage for event in events]
+    assert stages.count("warm-up") == 2 * entries and stages.count("timed") == 2 * entries * repeats
+
+
 # --- safe outputs ---
 
 
@@ -199,6 +224,10 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path)
         (["compare", "store.zarr", "--out", "c.parquet"], "c.summary.parquet already exists"),
         (["compare", "store.zarr", "--out", "store.zarr/c.parquet"], "is one of this command's inputs"),
         (["variance", "store.zarr", "--out", "old.parquet"], "old.parquet already exists"),
+        (
+            ["bench", "--methods", "full", "--keep", "1", "--data", "old.jsonl", "--out", "old.parquet"],
+            "old.parquet already exists",
+        ),
         (
             ["data", "export", "old.jsonl", "--out", "old.jsonl", "--overwrite"],
             "is one of this command's inputs",
