@@ -98,7 +98,8 @@ class Journal:
         for line in lines:
             try:
                 entries.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a kill; its unit is redone
+            except json.JSONDecodeError:  # a line cut short by a kill: drop it, its unit is redone
+                write_text("".join(f"{json.dumps(entry)}\n" for entry in entries), self.path)
                 break
         if not entries or entries[0].get("identity") != self.identity:
             raise RankkitError(

@@ -344,3 +344,15 @@ def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_pa
     resumed = outputs.Journal(out, {"methods": ["full", "claa"]})
     assert resumed.done("e0") and resumed.rows == [{"method": "full", "score": 1.0}]
     assert outputs.Journal(out, {"methods": ["full", "fastkv"]}, overwrite=True).rows == []
+
+
+def test_a_journal_line_cut_short_by_a_kill_is_redone_and_later_lines_survive(tmp_path):
+    out = tmp_path / "rows.parquet"
+    first = outputs.Journal(out, {"methods": ["full"]})
+    first.record("e0", [{"score": 1.0}])
+    with first.path.open("a") as journal:
+        journal.write('{"key": "e1", "rows": [{"sco')
+    second = outputs.Journal(out, {"methods": ["full"]})
+    assert second.done("e0") and not second.done("e1")
+    second.record("e1", [{"score": 0.5}])
+    assert outputs.Journal(out, {"methods": ["full"]}).rows == [{"score": 1.0}, {"score": 0.5}]
