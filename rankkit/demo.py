@@ -102,5 +102,5 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     console.print(frame_table(per_method, f"end to end at keep {DEMO_KEEP}, means over examples"))
 
     with console.status("dashboard"):
-        write_dashboard(written["store"], written["dashboard"], bench=frame)
+        write_dashboard(written["store"], written["dashboard"], bench=frame, overwrite=True)
     return written
