@@ -82,6 +82,29 @@ def test_kendall_is_scipys_tau_b(rows):
     assert same(kendall(scores, reference), stats.kendalltau(scores, reference).statistic)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 70).flatmap(
+        lambda length: st.tuples(
+            st.lists(st.lists(st.integers(0, 3), min_size=length, max_size=length), min_size=1, max_size=6),
+            st.lists(st.integers(0, 3), min_size=length, max_size=length),
+        )
+    )
+)
+def test_batched_kendall_equals_one_scipy_call_per_row(rows):
+    """Many tied rows against one tied reference, lengths on and off powers of two."""
+    scores, reference = np.array(rows[0], dtype=np.float64), np.array(rows[1], dtype=np.float64)
+    expected = [stats.kendalltau(row, reference).statistic if len(reference) > 1 else np.nan for row in scores]
+    assert same(kendall(scores, reference), expected)
+
+
+def test_batched_kendall_on_long_untied_rankings():
+    rng = np.random.default_rng(1)
+    scores, reference = rng.normal(size=(5, 3000)), rng.normal(size=3000)
+    expected = [stats.kendalltau(row, reference).statistic for row in scores]
+    assert np.allclose(kendall(scores, reference), expected, rtol=0, atol=1e-9)
+
+
 def test_rank_statistics_score_every_layer_and_head_at_once():
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 30, size=(4, 3, 200)).astype(np.float32)

@@ -47,14 +47,13 @@ import polars as pl
 from rankkit.errors import RankkitError
 
 from .ranking import (
+    TieRuns,
     aggregate_claa_every_layer,
     average_ranks,
-    descending_ranks,
     keep_count,
-    kendall,
+    kendall_from_runs,
     overlap_share,
     pearson,
-    ranks_and_places,
     spans_mask,
     specprefill_scores,
 )
@@ -110,13 +109,15 @@ class Reference:
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
         if oracle is not None:
-            self.oracle_ranks = average_ranks(oracle)
-            oracle_places = descending_ranks(oracle)
+            self.oracle_runs = TieRuns(oracle)
+            self.oracle_ranks = self.oracle_runs.average_ranks()
+            oracle_places = self.oracle_runs.descending_places()
             self.oracle_tops = [oracle_places < k for k in self.recall_ks]
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
         """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value per row."""
-        ranks, places = ranks_and_places(scores)
+        runs = TieRuns(scores)
+        ranks, places = runs.average_ranks(), runs.descending_places()
         oracle_metrics = (
             ("spearman", "kendall", *RECALL_COLUMNS) if with_kendall else ("spearman", *RECALL_COLUMNS)
         )
@@ -124,7 +125,7 @@ class Reference:
         if self.oracle is not None:
             columns["spearman"] = pearson(ranks, self.oracle_ranks)
             if with_kendall:
-                columns["kendall"] = kendall(scores, self.oracle)
+                columns["kendall"] = kendall_from_runs(runs, self.oracle_runs)
             for name, k, oracle_top in zip(RECALL_COLUMNS, self.recall_ks, self.oracle_tops, strict=True):
                 columns[name] = overlap_share(places < k, oracle_top)
         columns["needle_recall"] = overlap_share(places < self.needle_k, self.evidence)
