@@ -21,12 +21,15 @@ import polars as pl
 import zarr
 from zarr.storage import LocalStore
 
-from rankkit.errors import RankkitError
+from rankkit.errors import RankkitError, warn
 
+from . import manifest
+from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
     COMPLETE,
     EXAMPLE_FLAGS,
     EXAMPLE_NODES,
+    EXAMPLES,
     ORACLE,
     ORACLE_COMPLETE,
     ORACLE_LAYERS,
@@ -36,6 +39,7 @@ from .schema import (
     decode_name,
     encode_name,
     example_path,
+    example_state,
     list_example_dirs,
     open_node,
     open_root,
@@ -51,51 +55,92 @@ _EXAMPLE_COLUMNS = ("id", "complete", "task", "num_tokens", "has_oracle", "corre
 class ArrayGroup:
     """A complete group of arrays added to an example after capture (``add_arrays``)."""
 
-    def __init__(self, name: str, group: zarr.Group):
+    def __init__(self, name: str, group: zarr.Group, example: ExampleRecord):
         self.name = name
-        self.attrs = {key: value for key, value in group.attrs.asdict().items() if key != COMPLETE}
+        group_attrs = group.attrs.asdict()
+        self.attrs = {key: value for key, value in group_attrs.items() if key not in (COMPLETE, MANIFEST)}
         self._group = group
+        self._manifest = group_attrs.get(MANIFEST)
+        self._example = example
 
     @property
     def names(self) -> list[str]:
         return sorted(decode_name(key) for key in self._group.array_keys())
 
     def __getitem__(self, name: str) -> np.ndarray:
-        try:
-            array = self._group[encode_name(name)]
-        except KeyError:
+        if name not in self.names:
             raise RankkitError(
                 f"group {self.name!r} has no array {name!r} (it has {', '.join(self.names) or 'none'})"
-            ) from None
-        return array[...]
+            )
+        self._example.check(
+            encode_name(name),
+            self._manifest,
+            f"rerun the command that added group {self.name!r}",
+            under=encode_name(self.name),
+        )
+        return self._group[encode_name(name)][...]
 
 
 class ExampleRecord:
     """One complete example; arrays are read from disk when asked for."""
 
-    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any]):
+    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any], store_path: Path):
         self.id = example_id
-        self.attrs = attrs
+        self.attrs = {key: value for key, value in attrs.items() if key not in (MANIFEST, ORACLE_MANIFEST)}
+        self._manifest = attrs.get(MANIFEST)
+        self._oracle_manifest = attrs.get(ORACLE_MANIFEST)
         self._group = group
+        self._store_path = store_path
+        self._directory = store_path / example_path(example_id)
+
+    def check(self, node: str, recorded: dict[str, Any] | None, redo: str, *, under: str = "") -> None:
+        """RankkitError naming the example, the array and the fix when a file of ``node`` no longer
+        matches the manifest ``recorded`` (paths relative to ``under``); stores written before
+        manifests (None) are read unchecked."""
+        if recorded is None:
+            return
+        found = manifest.damage(self._directory / under, recorded, node)
+        if found:
+            array, detail = found[0]
+            shown = "/".join(decode_name(part) for part in f"{under}/{array}".strip("/").split("/"))
+            raise RankkitError(
+                f"example {self.id!r} in {self._store_path}: array {shown} is damaged ({detail}); "
+                f"run `rankkit store verify {self._store_path} --reset`, then {redo}"
+            )
+
+    def _check_captured(self, node: str) -> None:
+        self.check(node, self._manifest, f"rerun the capture into {self._store_path}")
+
+    def _check_oracle(self, node: str) -> None:
+        self.check(node, self._oracle_manifest, f"`rankkit oracle {self._store_path}`")
 
     def __repr__(self) -> str:
         return f"ExampleRecord({self.id!r}, tokens={self.num_tokens}, probes={self.probes})"
 
     @cached_property
     def tokens(self) -> np.ndarray:
+        self._check_captured(TOKENS)
         return self._group[TOKENS][...]
 
     @property
     def num_tokens(self) -> int:
-        return self._group[TOKENS].shape[0]
+        if self._manifest is None:
+            return self._group[TOKENS].shape[0]
+        return self._manifest["arrays"][TOKENS]["shape"][0]
 
     @cached_property
     def probes(self) -> list[str]:
-        return sorted(decode_name(key) for key in self._scores_group.array_keys())
+        if self._manifest is None:
+            return sorted(decode_name(key) for key in self._scores_group.array_keys())
+        prefix = f"{SCORES}/"
+        arrays = self._manifest["arrays"]
+        return sorted(decode_name(name[len(prefix) :]) for name in arrays if name.startswith(prefix))
 
     def score_shape(self, probe: str) -> tuple[int, int, int]:
         """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
-        return self._score_array(probe).shape
+        if self._manifest is None or probe not in self.probes:
+            return self._score_array(probe).shape
+        return tuple(self._manifest["arrays"][f"{SCORES}/{encode_name(probe)}"]["shape"])
 
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
         """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
@@ -108,12 +153,18 @@ class ExampleRecord:
     @property
     def oracle(self) -> np.ndarray | None:
         """float32 [T], or None until ``add_oracle`` completed for this example."""
-        return self._group[ORACLE][...] if self.has_oracle else None
+        if not self.has_oracle:
+            return None
+        self._check_oracle(ORACLE)
+        return self._group[ORACLE][...]
 
     @property
     def oracle_layers(self) -> np.ndarray | None:
         """float32 [layers, T], or None until ``add_oracle`` completed for this example."""
-        return self._group[ORACLE_LAYERS][...] if self.has_oracle else None
+        if not self.has_oracle:
+            return None
+        self._check_oracle(ORACLE_LAYERS)
+        return self._group[ORACLE_LAYERS][...]
 
     @cached_property
     def groups(self) -> list[str]:
@@ -129,7 +180,7 @@ class ExampleRecord:
             raise RankkitError(
                 f"example {self.id!r} has no complete group {name!r} (it has {', '.join(self.groups) or 'none'})"
             )
-        return ArrayGroup(name, self._group[encode_name(name)])
+        return ArrayGroup(name, self._group[encode_name(name)], self)
 
     def _read_scores(self, probe: str, layers: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The scores of ``layers`` (all when None) and those layers' indices."""
@@ -142,6 +193,7 @@ class ExampleRecord:
             raise RankkitError(
                 f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
             )
+        self._check_captured(f"{SCORES}/{encode_name(probe)}")
         return self._scores_group[encode_name(probe)]
 
     @cached_property
@@ -172,6 +224,11 @@ class Store:
             raise RankkitError(
                 f"store {self.path} has no example {example_id!r}; list them with `rankkit store info`"
             )
+        if example_state(self.path / EXAMPLES / encoded)[0] == "unreadable":
+            raise RankkitError(
+                f"example {example_id!r} in {self.path} is unreadable (its zarr.json does not parse); "
+                f"rerun the capture into {self.path} to redo it"
+            )
         attrs = read_example_attrs(self._store, encoded)
         if attrs is None or attrs.get(COMPLETE) is not True:
             raise RankkitError(
@@ -183,6 +240,19 @@ class Store:
         """Every complete example, in id order."""
         for example_id, attrs in self._example_attrs(complete_only=True):
             yield self._record(example_id, attrs)
+
+    def skipped(self) -> Counter[str]:
+        """How many examples ``examples()`` and the frames leave out, by ``example_state``:
+        "incomplete" (capture unfinished) and "unreadable" (metadata no longer parses)."""
+        states = (example_state(self.path / EXAMPLES / encoded)[0] for encoded in list_example_dirs(self.path))
+        return Counter(state for state in states if state != "complete")
+
+    def warn_skipped(self) -> None:
+        """Warn (one line) of the examples left out, for commands that read the complete ones."""
+        counts = self.skipped()
+        if counts:
+            listed = " and ".join(f"{count} {state}" for state, count in sorted(counts.items()))
+            warn(f"left out {listed} example(s) of {self.path}; `rankkit store verify {self.path}` lists them")
 
     def examples_frame(self, complete_only: bool = True) -> pl.DataFrame:
         """One row per example: id, complete, task, num_tokens, has_oracle, correct, then every
@@ -346,7 +416,7 @@ class Store:
                 yield self.example(example_id)
 
     def _record(self, example_id: str, attrs: dict[str, Any]) -> ExampleRecord:
-        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs)
+        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs, self.path)
 
 
 def open(path: str | os.PathLike) -> Store:

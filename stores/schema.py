@@ -3,12 +3,14 @@
 A store is a zarr v3 group on the local file system::
 
     run.zarr/                 attrs: schema_version, rankkit_version, created + the caller's run metadata
-      examples/<id>/          attrs: the caller's example attrs + "complete" (+ "oracle_complete")
+      examples/<id>/          attrs: the caller's example attrs + "complete" and "manifest"
+                                     (+ "oracle_complete" and "oracle_manifest")
         tokens                int32   [T]
         scores/<probe>        float32 [layers, kv_heads, T]
         oracle                float32 [T]
         oracle_layers         float32 [layers, T]
         <group>/<name>        later additions (add_arrays); group attrs carry their own "complete"
+                              and "manifest"
 
 Every directory name below ``examples/`` is an encoded id (see ``encode_name``).
 """
@@ -30,6 +32,8 @@ from zarr.storage import LocalStore
 
 from rankkit.errors import RankkitError
 
+from .manifest import MANIFEST, ORACLE_MANIFEST
+
 SCHEMA_VERSION = 1
 
 # Root attributes the store sets itself; callers' run metadata never overrides them
@@ -48,7 +52,8 @@ EXAMPLE_NODES = frozenset({TOKENS, SCORES, ORACLE, ORACLE_LAYERS})
 
 COMPLETE = "complete"
 ORACLE_COMPLETE = "oracle_complete"
-EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE})
+# The flags and what each completed write holds (rankkit.stores.manifest) are the store's own.
+EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE, MANIFEST, ORACLE_MANIFEST})
 
 # File names are at most 255 bytes on common file systems; leave room for the
 # ".<uuid>.partial" suffix zarr's atomic writes add next to a file.
@@ -155,7 +160,7 @@ def open_node(store: LocalStore, node_path: str = "") -> zarr.Group:
     )
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
@@ -171,7 +176,7 @@ def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any
         attrs = root.attrs.asdict()
     except Exception as error:  # zarr raises many types for unreadable metadata
         raise RankkitError(
-            f"store {path} is corrupt ({_one_line(error)}); recapture it with --overwrite"
+            f"store {path} is corrupt ({one_line(error)}); recapture it with --overwrite"
         ) from error
     version = attrs.get(SCHEMA_VERSION_KEY)
     if version is None:
@@ -200,6 +205,21 @@ def list_example_dirs(path: Path) -> list[str]:
     """
     with os.scandir(path / EXAMPLES) as entries:
         return sorted(entry.name for entry in entries if entry.is_dir() and not entry.name.startswith("."))
+
+
+def example_state(directory: Path) -> tuple[str, dict[str, Any]]:
+    """("complete" | "incomplete" | "unreadable", attrs) of an example or added group directory:
+    incomplete when its write never finished, unreadable when its zarr.json no longer parses."""
+    metadata = directory / "zarr.json"
+    if not metadata.is_file():
+        return "incomplete", {}
+    try:
+        attrs = json.loads(metadata.read_bytes()).get("attributes", {})
+    except (ValueError, AttributeError):
+        return "unreadable", {}
+    if not isinstance(attrs, dict):
+        return "unreadable", {}
+    return ("complete" if attrs.get(COMPLETE) is True else "incomplete"), attrs
 
 
 def read_example_attrs(store: LocalStore, encoded: str) -> dict[str, Any] | None:

@@ -24,6 +24,8 @@ from zarr.storage import LocalStore
 from rankkit import __version__ as rankkit_version
 from rankkit.errors import RankkitError
 
+from . import manifest
+from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
     COMPLETE,
     CREATED_KEY,
@@ -98,7 +100,8 @@ class StoreWriter:
         score_group = group.create_group(SCORES)
         for encoded_probe, values in score_arrays.items():
             write_array(score_group, encoded_probe, values)
-        _mark_complete(group, {COMPLETE: True})
+        example_dir = self.path / EXAMPLES / encoded
+        _mark_complete(group, {COMPLETE: True, MANIFEST: manifest.record(example_dir, [TOKENS, SCORES])})
 
     def add_oracle(
         self,
@@ -130,7 +133,8 @@ class StoreWriter:
             group.attrs.update({ORACLE_COMPLETE: False})
         write_array(group, ORACLE, oracle_values)
         write_array(group, ORACLE_LAYERS, layer_values)
-        _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True})
+        oracle_manifest = manifest.record(self.path / example_path(example_id), [ORACLE, ORACLE_LAYERS])
+        _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True, ORACLE_MANIFEST: oracle_manifest})
 
     def add_arrays(
         self,
@@ -152,12 +156,13 @@ class StoreWriter:
             encode_name(name): _numeric_array(values, f"{group}/{name} of example {example_id!r}")
             for name, values in arrays.items()
         }
-        _remove_directory(self.path / example_path(example_id) / encoded_group)
+        group_dir = self.path / example_path(example_id) / encoded_group
+        _remove_directory(group_dir)
 
         added = example.create_group(encoded_group, attributes={**group_attrs, COMPLETE: False})
         for encoded_name, values in encoded_arrays.items():
             write_array(added, encoded_name, values)
-        _mark_complete(added, {COMPLETE: True})
+        _mark_complete(added, {COMPLETE: True, MANIFEST: manifest.record(group_dir, encoded_arrays)})
 
     def _captured_example(self, example_id: str, purpose: str) -> zarr.Group:
         if not self.is_complete(example_id):

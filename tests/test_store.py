@@ -698,3 +698,146 @@ def test_cli_store_info_on_a_bad_path_exits_2_with_one_line(tmp_path):
         result.stderr
         == f"rankkit: error: no store at {tmp_path / 'missing.zarr'}; check the path or capture into it first\n"
     )
+
+
+# --- verification: a damaged array never reads as data ------------------------------------------
+
+
+@pytest.fixture
+def oracled(path) -> Path:
+    """Two examples with oracles."""
+    store_path = path
+    writer = stores.create(store_path, RUN_META)
+    for index, example_id in enumerate(("a", "b")):
+        write(writer, example_id, index)
+        oracle, oracle_layers = _oracle()
+        writer.add_oracle(example_id, oracle=oracle, oracle_layers=oracle_layers, attrs={"answer": "x"})
+    return store_path
+
+
+def chunk(path: Path, example_id: str, array: str) -> Path:
+    files = (path / "examples" / example_id / array).rglob("*")
+    (found,) = [file for file in files if file.is_file() and file.name != "zarr.json"]
+    return found
+
+
+def read_error(path: Path, read) -> str:
+    with pytest.raises(RankkitError) as caught:
+        read(stores.open(path).example("a"))
+    return str(caught.value)
+
+
+def test_a_deleted_scores_chunk_fails_naming_example_array_and_fix(oracled):
+    path = oracled
+    chunk(path, "a", "scores/fastkv").unlink()
+    message = read_error(path, lambda record: record.scores("fastkv"))
+    assert message.startswith(f"example 'a' in {path}: array scores/fastkv is damaged (c/0/0/0 is missing)")
+    assert message.endswith(f"run `rankkit store verify {path} --reset`, then rerun the capture into {path}")
+    np.testing.assert_array_equal(stores.open(path).example("a").scores("gemfilter"), example_data(0)[2]["gemfilter"])
+
+
+def test_a_truncated_oracle_chunk_fails_naming_the_oracle_command(oracled):
+    path = oracled
+    file = chunk(path, "a", "oracle")
+    size = file.stat().st_size
+    file.write_bytes(file.read_bytes()[: size // 2])
+    message = read_error(path, lambda record: record.oracle)
+    assert f"array oracle is damaged (c/0 has {size // 2} bytes, {size} were written)" in message
+    assert message.endswith(f"then `rankkit oracle {path}`")
+
+
+def test_a_corrupt_array_metadata_fails_before_zarr_parses_it(oracled):
+    path = oracled
+    (path / "examples" / "a" / "tokens" / "zarr.json").write_text("{ garbage")
+    message = read_error(path, lambda record: record.tokens)
+    assert "array tokens is damaged (zarr.json has 9 bytes" in message
+
+
+def test_a_same_size_alteration_is_caught_by_the_checksum(oracled):
+    path = oracled
+    file = chunk(path, "a", "scores/gemfilter")
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))
+    assert "c/0/0/0 was altered (checksum differs)" in read_error(path, lambda record: record.scores("gemfilter"))
+
+
+def test_a_corrupt_example_metadata_is_counted_and_named(oracled, capsys):
+    path = oracled
+    (path / "examples" / "a" / "zarr.json").write_text("{ garbage")
+    store = stores.open(path)
+    assert store.example_ids() == ["b"]
+    assert store.skipped() == {"unreadable": 1}
+    store.warn_skipped()
+    assert capsys.readouterr().err == (
+        f"warning: left out 1 unreadable example(s) of {path}; `rankkit store verify {path}` lists them\n"
+    )
+    with pytest.raises(RankkitError, match="example 'a' .* is unreadable"):
+        store.example("a")
+
+
+def test_verify_counts_every_state_and_reset_lets_the_writers_redo_the_damage(oracled):
+    path = oracled
+    writer = stores.create(path, RUN_META)
+    write(writer, "c", 2)
+    write(writer, "d", 3)
+    chunk(path, "a", "scores/fastkv").unlink()
+    chunk(path, "b", "oracle_layers").write_bytes(b"")
+    (path / "examples" / "c" / "zarr.json").write_text("{ garbage")
+    (path / "examples" / "e").mkdir()  # a capture killed before its metadata landed
+
+    report = stores.verify(path)
+    assert report.counts() == {"good": 1, "unchecked": 0, "damaged": 2, "incomplete": 1, "unreadable": 1}
+    assert [(problem.example, problem.part) for problem in report.problems if problem.state == "damaged"] == [
+        ("a", "capture"),
+        ("b", "oracle"),
+    ]
+    with pytest.raises(RankkitError, match=f"2 damaged example\\(s\\) in {path}; run `rankkit store verify"):
+        report.raise_if_damaged()
+
+    stores.verify(path, reset=True)
+    assert not writer.is_complete("a") and writer.is_complete("b") and not writer.has_oracle("b")
+    write(writer, "a", 0)
+    oracle, oracle_layers = _oracle()
+    writer.add_oracle("b", oracle=oracle, oracle_layers=oracle_layers, attrs={})
+    assert stores.verify(path).counts()["damaged"] == 0
+    assert_example_matches(stores.open(path), "a", 0)
+
+
+def test_a_store_written_before_manifests_still_reads_and_verifies_by_decoding(oracled):
+    path = oracled
+    for example_id in ("a", "b"):
+        metadata = path / "examples" / example_id / "zarr.json"
+        content = json.loads(metadata.read_text())
+        del content["attributes"]["manifest"], content["attributes"]["oracle_manifest"]
+        metadata.write_text(json.dumps(content))
+    store = stores.open(path)
+    assert_example_matches(store, "a", 0)
+    assert store.example("a").score_shape("fastkv") == (4, 2, 48)
+    assert stores.verify(path).counts() == {"good": 0, "unchecked": 2, "damaged": 0, "incomplete": 0, "unreadable": 0}
+    chunk(path, "a", "scores/fastkv").write_bytes(b"not blosc")
+    assert [problem.example for problem in stores.verify(path).problems] == ["a"]
+
+
+def test_an_added_group_is_checked_too(oracled):
+    path = oracled
+    writer = stores.create(path, RUN_META)
+    writer.add_arrays("a", "draft_scores", {"lookahead": np.ones((2, 48), dtype=np.float32)}, {})
+    chunk(path, "a", "draft_scores/lookahead").unlink()
+    message = read_error(path, lambda record: record.group("draft_scores")["lookahead"])
+    assert "array draft_scores/lookahead is damaged (c/0/0 is missing)" in message
+    assert message.endswith("rerun the command that added group 'draft_scores'")
+
+
+def test_cli_store_verify_lists_problems_and_exits_2(oracled):
+    path = oracled
+    chunk(path, "a", "scores/fastkv").unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "verify", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stdout.splitlines() == [
+        "a\tdamaged\tcapture\tscores/fastkv: c/0/0/0 is missing",
+        f"2 examples in {path}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable",
+    ]
+    assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1

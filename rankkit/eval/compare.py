@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rankkit.errors import RankkitError
+from rankkit.errors import RankkitError, warn
 
 from .ranking import (
     TieRuns,
@@ -278,15 +278,19 @@ def compare_store(
     from rankkit import stores
 
     store = stores.open(path)
+    store.warn_skipped()
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     if use_oracle:
+        without_oracle = sum(not record.has_oracle for record in records)
         records = [record for record in records if record.has_oracle]
         if not records:
             raise RankkitError(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
             )
+        if without_oracle:
+            warn(f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {path}` adds them")
 
     has_draft = any(DRAFT_GROUP in record.groups for record in records)
     offered = available_methods(sorted({probe for record in records for probe in record.probes}), has_draft)

@@ -123,6 +123,8 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
     comparison = compare_store(store_path, layer=layer) if has_oracle else None
+    if comparison is None:  # compare_store warns of what it leaves out itself
+        store.warn_skipped()
     variance = variance_store(store_path, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
