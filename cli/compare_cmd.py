@@ -33,12 +33,15 @@ def compare(
         None, "--out", help="Write the per-layer frame to this parquet file, the other frames beside it."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    workers: int | None = typer.Option(
+        None, "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
+    ),
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
     from rankkit.eval.compare import compare_store
 
     chosen = [name for entry in methods or [] for name in entry.split(",") if name]
-    result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle)
+    result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle, workers=workers)
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
@@ -97,12 +100,15 @@ def variance(
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object per example instead of a table."
     ),
+    workers: int | None = typer.Option(
+        None, "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
+    ),
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
     from rankkit.eval.variance import variance_store
 
     result = variance_store(
-        store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
+        store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs, workers=workers
     )
     if out is not None:
         written = result.write(out)

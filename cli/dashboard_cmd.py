@@ -21,8 +21,11 @@ def dashboard(
     out: Path = typer.Option(
         Path("report.html"), "--out", help="The HTML file to write (self-contained, works offline)."
     ),
+    workers: int | None = typer.Option(
+        None, "--workers", help="Processes sharing the examples; the page does not depend on it. (default: CPU count)"
+    ),
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.report import write_dashboard
 
-    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion))
+    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion, workers=workers))

@@ -390,6 +390,17 @@ def test_variance_store(store_path):
         variance_store(store_path, probe="missing")
 
 
+def test_two_workers_give_the_frames_of_one(tmp_path):
+    path = write_store(tmp_path / "run.zarr", examples=9)
+    one, two = compare_store(path, workers=1), compare_store(path, workers=2)
+    for name in ("per_layer", "per_head", "sweep", "stability", "summary"):
+        assert getattr(one, name).equals(getattr(two, name)), name
+    one, two = (variance_store(path, probe="lava", budget=5, workers=workers) for workers in (1, 2))
+    assert one.curves.equals(two.curves) and one.selections.equals(two.selections)
+    with pytest.raises(RankkitError, match="--workers must be"):
+        compare_store(path, workers=0)
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import polars as pl
 
 from rankkit.errors import RankkitError, warn
 
+from .parallel import map_examples
 from .ranking import (
     TieRuns,
     aggregate_claa_every_layer,
@@ -269,11 +271,13 @@ def compare_store(
     use_oracle: bool = True,
     ranked_span: str | None = "context_tokens",
     needle_keep: float | int = NEEDLE_KEEP,
+    workers: int | None = None,
 ) -> CompareResult:
     """Compare every method of a store with its oracle; ``layer`` is l_p for the summary (default: half depth).
 
     With ``use_oracle`` only examples with an oracle count; without it every example counts and
-    only the reference-free metrics are filled in.
+    only the reference-free metrics are filled in. ``workers`` processes share the examples
+    (default: one per CPU; see ``rankkit.eval.parallel``); the frames do not depend on it.
     """
     from rankkit import stores
 
@@ -307,24 +311,17 @@ def compare_store(
             f"layer {pruning_layer} (--layer) is outside the model's layers 0..{num_layers - 1}"
         )
 
-    needed = _probes_needed(chosen)
+    evaluate = partial(
+        compare_example,
+        methods=tuple(chosen),
+        use_oracle=use_oracle,
+        ranked_span=ranked_span,
+        needle_keep=needle_keep,
+    )
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
-    for record in records:
-        ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
-        spans = record.attrs.get("spans") or {}
-        evidence = [
-            (start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])
-        ]
-        oracle = record.oracle[ranked] if use_oracle else None
-        reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
-        scores = {probe: record.scores(probe)[..., ranked] for probe in record.probes if probe in needed}
-        draft = record.group(DRAFT_GROUP)[DRAFT_ARRAY][..., ranked] if DRAFT_GROUP in record.groups else None
-        example_columns = (
-            pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-            pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
-        )
-        for name, found in zip(frames, evaluate_example(scores, reference, chosen, draft), strict=True):
-            frames[name] += [frame.select(*example_columns, pl.all()) for frame in found]
+    for found in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+        for name in frames:
+            frames[name] += found[name]
 
     per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
     return CompareResult(
@@ -335,6 +332,34 @@ def compare_store(
         stability=stability_frame(per_layer),
         summary=summary_frame(per_layer, pruning_layer),
     )
+
+
+def compare_example(
+    record: Any,
+    *,
+    methods: Sequence[str],
+    use_oracle: bool = True,
+    ranked_span: str | None = "context_tokens",
+    needle_keep: float | int = NEEDLE_KEEP,
+) -> dict[str, list[pl.DataFrame]]:
+    """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit of work)."""
+    needed = _probes_needed(methods)
+    ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
+    spans = record.attrs.get("spans") or {}
+    evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]
+    oracle = record.oracle[ranked] if use_oracle else None
+    reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
+    scores = {probe: record.scores(probe)[..., ranked] for probe in record.probes if probe in needed}
+    draft = record.group(DRAFT_GROUP)[DRAFT_ARRAY][..., ranked] if DRAFT_GROUP in record.groups else None
+    example_columns = (
+        pl.lit(record.id, dtype=pl.Categorical).alias("example"),
+        pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
+    )
+    found = evaluate_example(scores, reference, methods, draft)
+    return {
+        name: [frame.select(*example_columns, pl.all()) for frame in frames]
+        for name, frames in zip(("per_layer", "per_head", "sweep"), found, strict=True)
+    }
 
 
 def _probes_needed(methods: Sequence[str]) -> set[str]:

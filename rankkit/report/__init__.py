@@ -66,11 +66,13 @@ def write_dashboard(
     out_path: str | os.PathLike,
     bench: str | os.PathLike | pl.DataFrame | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
+    workers: int | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
-    one ``rankkit diffusion --out`` writes. RankkitError names the fix for a missing store or a
+    one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
+    ``rankkit.eval.parallel``). RankkitError names the fix for a missing store or a
     file that is not the expected parquet.
     """
     from rankkit import stores
@@ -83,7 +85,7 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
-    page = _page(store, records, store_path, bench_frame, diffusion_frame)
+    page = _page(store, records, store_path, bench_frame, diffusion_frame, workers)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(page), encoding="utf-8")
@@ -114,7 +116,9 @@ def _frame(
     return frame
 
 
-def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None) -> Page:
+def _page(
+    store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None, workers: int | None
+) -> Page:
     from rankkit.eval.compare import compare_store
     from rankkit.eval.variance import variance_store
 
@@ -122,10 +126,12 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     layer = num_layers // 2  # compare's default pruning layer l_p
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store_path, layer=layer) if has_oracle else None
+    comparison = compare_store(store_path, layer=layer, workers=workers) if has_oracle else None
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
-    variance = variance_store(store_path, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
+    variance = (
+        variance_store(store_path, probe=DEFAULT_PROBE, workers=workers) if DEFAULT_PROBE in probes else None
+    )
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)
