@@ -26,6 +26,7 @@ from rankkit.errors import RankkitError, warn
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
+    ADDED_GROUPS,
     COMPLETE,
     EXAMPLE_FLAGS,
     EXAMPLE_NODES,
@@ -41,106 +42,123 @@ from .schema import (
     example_path,
     example_state,
     list_example_dirs,
+    one_line,
     open_node,
     open_root,
+    open_zip,
     read_example_attrs,
 )
 
 Reduce = Literal["sum", "mean", "max"] | None
 _HEAD_REDUCERS = {"sum": np.sum, "mean": np.mean, "max": np.max}
 
+_STORE_ATTRS = (MANIFEST, ORACLE_MANIFEST, ADDED_GROUPS)
 _EXAMPLE_COLUMNS = ("id", "complete", "task", "num_tokens", "has_oracle", "correct")
+
+
+class _Part:
+    """The arrays one write put down (the capture, the oracle, or an added group), read with checks.
+
+    ``recorded`` is the write's manifest; None for schema version 1 examples, whose arrays live
+    in ``legacy``, a zarr group of the example's directory.
+    """
+
+    def __init__(self, example: ExampleRecord, recorded: dict[str, Any] | None, legacy: zarr.Group, redo: str):
+        self.example = example
+        self.recorded = recorded
+        self._legacy = legacy
+        self._redo = redo
+
+    def array_names(self, prefix: str = "") -> list[str]:
+        """Encoded names of the arrays under ``prefix`` ("" or e.g. "scores/")."""
+        if self.recorded is not None:
+            names = (name[len(prefix) :] for name in self.recorded["arrays"] if name.startswith(prefix))
+            return sorted(name for name in names if "/" not in name)
+        group = self._legacy[prefix.rstrip("/")] if prefix else self._legacy
+        return sorted(group.array_keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self.recorded is not None:
+            return tuple(self.recorded["arrays"][name]["shape"])
+        return self.read(name, lambda array: array.shape)
+
+    def read(self, name: str, read: Any) -> Any:
+        """``read(zarr_array)`` of array ``name``; RankkitError naming the example, the array and the
+        fix when the file holding it is missing, truncated or no longer decodes."""
+        if self.recorded is not None:
+            found = manifest.damage(self.example.directory, self.recorded, checksum=False)
+            if found:
+                raise self._damaged(name, found[0][1])
+        try:
+            if self.recorded is None:
+                return read(self._legacy[name])
+            (file_name,) = self.recorded["files"]
+            with open_zip(self.example.directory / file_name) as root:
+                return read(root[name])
+        except Exception as error:  # zip, zarr, blosc and json raise many types for damaged bytes
+            raise self._damaged(name, f"does not decode: {one_line(error)}") from None
+
+    def _damaged(self, name: str, detail: str) -> RankkitError:
+        shown = "/".join(decode_name(part) for part in name.split("/"))
+        store = self.example.store_path
+        return RankkitError(
+            f"example {self.example.id!r} in {store}: array {shown} is damaged ({detail}); "
+            f"run `rankkit store verify {store} --reset`, then {self._redo}"
+        )
 
 
 class ArrayGroup:
     """A complete group of arrays added to an example after capture (``add_arrays``)."""
 
-    def __init__(self, name: str, group: zarr.Group, example: ExampleRecord):
+    def __init__(self, name: str, attrs: dict[str, Any], part: _Part):
         self.name = name
-        group_attrs = group.attrs.asdict()
-        self.attrs = {key: value for key, value in group_attrs.items() if key not in (COMPLETE, MANIFEST)}
-        self._group = group
-        self._manifest = group_attrs.get(MANIFEST)
-        self._example = example
+        self.attrs = attrs
+        self._part = part
 
     @property
     def names(self) -> list[str]:
-        return sorted(decode_name(key) for key in self._group.array_keys())
+        return [decode_name(key) for key in self._part.array_names()]
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.names:
             raise RankkitError(
                 f"group {self.name!r} has no array {name!r} (it has {', '.join(self.names) or 'none'})"
             )
-        self._example.check(
-            encode_name(name),
-            self._manifest,
-            f"rerun the command that added group {self.name!r}",
-            under=encode_name(self.name),
-        )
-        return self._group[encode_name(name)][...]
+        return self._part.read(encode_name(name), lambda array: array[...])
 
 
 class ExampleRecord:
-    """One complete example; arrays are read from disk when asked for."""
+    """One complete example; arrays are read from disk when asked for, each checked against
+    what its write recorded (``rankkit.stores.manifest``)."""
 
     def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any], store_path: Path):
         self.id = example_id
-        self.attrs = {key: value for key, value in attrs.items() if key not in (MANIFEST, ORACLE_MANIFEST)}
-        self._manifest = attrs.get(MANIFEST)
-        self._oracle_manifest = attrs.get(ORACLE_MANIFEST)
+        self.attrs = {key: value for key, value in attrs.items() if key not in _STORE_ATTRS}
+        self.store_path = store_path
+        self.directory = store_path / example_path(example_id)
         self._group = group
-        self._store_path = store_path
-        self._directory = store_path / example_path(example_id)
-
-    def check(self, node: str, recorded: dict[str, Any] | None, redo: str, *, under: str = "") -> None:
-        """RankkitError naming the example, the array and the fix when a file of ``node`` no longer
-        matches the manifest ``recorded`` (paths relative to ``under``); stores written before
-        manifests (None) are read unchecked."""
-        if recorded is None:
-            return
-        found = manifest.damage(self._directory / under, recorded, node)
-        if found:
-            array, detail = found[0]
-            shown = "/".join(decode_name(part) for part in f"{under}/{array}".strip("/").split("/"))
-            raise RankkitError(
-                f"example {self.id!r} in {self._store_path}: array {shown} is damaged ({detail}); "
-                f"run `rankkit store verify {self._store_path} --reset`, then {redo}"
-            )
-
-    def _check_captured(self, node: str) -> None:
-        self.check(node, self._manifest, f"rerun the capture into {self._store_path}")
-
-    def _check_oracle(self, node: str) -> None:
-        self.check(node, self._oracle_manifest, f"`rankkit oracle {self._store_path}`")
+        self._added = attrs.get(ADDED_GROUPS, {})
+        self._capture = _Part(self, attrs.get(MANIFEST), group, f"rerun the capture into {store_path}")
+        self._oracle = _Part(self, attrs.get(ORACLE_MANIFEST), group, f"`rankkit oracle {store_path}`")
 
     def __repr__(self) -> str:
         return f"ExampleRecord({self.id!r}, tokens={self.num_tokens}, probes={self.probes})"
 
     @cached_property
     def tokens(self) -> np.ndarray:
-        self._check_captured(TOKENS)
-        return self._group[TOKENS][...]
+        return self._capture.read(TOKENS, lambda array: array[...])
 
     @property
     def num_tokens(self) -> int:
-        if self._manifest is None:
-            return self._group[TOKENS].shape[0]
-        return self._manifest["arrays"][TOKENS]["shape"][0]
+        return self._capture.shape(TOKENS)[0]
 
     @cached_property
     def probes(self) -> list[str]:
-        if self._manifest is None:
-            return sorted(decode_name(key) for key in self._scores_group.array_keys())
-        prefix = f"{SCORES}/"
-        arrays = self._manifest["arrays"]
-        return sorted(decode_name(name[len(prefix) :]) for name in arrays if name.startswith(prefix))
+        return [decode_name(name) for name in self._capture.array_names(f"{SCORES}/")]
 
     def score_shape(self, probe: str) -> tuple[int, int, int]:
         """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
-        if self._manifest is None or probe not in self.probes:
-            return self._score_array(probe).shape
-        return tuple(self._manifest["arrays"][f"{SCORES}/{encode_name(probe)}"]["shape"])
+        return self._capture.shape(self._score_name(probe))
 
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
         """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
@@ -153,26 +171,21 @@ class ExampleRecord:
     @property
     def oracle(self) -> np.ndarray | None:
         """float32 [T], or None until ``add_oracle`` completed for this example."""
-        if not self.has_oracle:
-            return None
-        self._check_oracle(ORACLE)
-        return self._group[ORACLE][...]
+        return self._oracle.read(ORACLE, lambda array: array[...]) if self.has_oracle else None
 
     @property
     def oracle_layers(self) -> np.ndarray | None:
         """float32 [layers, T], or None until ``add_oracle`` completed for this example."""
-        if not self.has_oracle:
-            return None
-        self._check_oracle(ORACLE_LAYERS)
-        return self._group[ORACLE_LAYERS][...]
+        return self._oracle.read(ORACLE_LAYERS, lambda array: array[...]) if self.has_oracle else None
 
     @cached_property
     def groups(self) -> list[str]:
         """Names of the complete groups added with ``add_arrays``."""
-        names = []
-        for key, member in self._group.groups():
-            if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
-                names.append(decode_name(key))
+        names = list(self._added)
+        if self._capture.recorded is None:  # schema version 1: groups are directories
+            for key, member in self._group.groups():
+                if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
+                    names.append(decode_name(key))
         return sorted(names)
 
     def group(self, name: str) -> ArrayGroup:
@@ -180,25 +193,28 @@ class ExampleRecord:
             raise RankkitError(
                 f"example {self.id!r} has no complete group {name!r} (it has {', '.join(self.groups) or 'none'})"
             )
-        return ArrayGroup(name, self._group[encode_name(name)], self)
+        redo = f"rerun the command that added group {name!r}"
+        if name in self._added:
+            return ArrayGroup(name, self._added[name]["attrs"], _Part(self, self._added[name][MANIFEST], self._group, redo))
+        legacy = self._group[encode_name(name)]
+        attrs = {key: value for key, value in legacy.attrs.asdict().items() if key != COMPLETE}
+        return ArrayGroup(name, attrs, _Part(self, None, legacy, redo))
 
     def _read_scores(self, probe: str, layers: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The scores of ``layers`` (all when None) and those layers' indices."""
-        array = self._score_array(probe)
-        layer_ids = _checked_layers(layers, array.shape[0], f"probe {probe!r} of example {self.id!r}")
-        return (array[...] if layers is None else array.oindex[layer_ids]), layer_ids
+        name = self._score_name(probe)
+        layer_ids = _checked_layers(
+            layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
+        )
+        values = self._capture.read(name, lambda array: array[...] if layers is None else array.oindex[layer_ids])
+        return values, layer_ids
 
-    def _score_array(self, probe: str) -> zarr.Array:
+    def _score_name(self, probe: str) -> str:
         if probe not in self.probes:
             raise RankkitError(
                 f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
             )
-        self._check_captured(f"{SCORES}/{encode_name(probe)}")
-        return self._scores_group[encode_name(probe)]
-
-    @cached_property
-    def _scores_group(self) -> zarr.Group:
-        return self._group[SCORES]
+        return f"{SCORES}/{encode_name(probe)}"
 
 
 class Store:

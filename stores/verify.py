@@ -1,11 +1,11 @@
 """Check every example of a store in full: ``rankkit store verify STORE``.
 
 An example is *good* when every file its manifests list (``rankkit.stores.manifest``) is
-there, byte for byte; *damaged* when one is missing, truncated or altered; *incomplete*
-when its capture never finished; *unreadable* when its own ``zarr.json`` no longer
-parses. Examples written before manifests existed are read in full instead, which
-catches undecodable chunks and metadata but not a deleted chunk (zarr reads it back
-as its fill value); they are counted as *unchecked*.
+there, byte for byte (size and CRC-32); *damaged* when one is missing, truncated or
+altered; *incomplete* when its capture never finished; *unreadable* when its own
+``zarr.json`` no longer parses. Schema version 1 examples carry no manifest and are read
+in full instead, which catches undecodable chunks and metadata but not a deleted chunk
+(zarr reads it back as its fill value); they are counted as *unchecked*.
 
 ``reset`` clears the flag of every damaged part, so the command that wrote it redoes
 it: the capture for tokens and scores, ``rankkit oracle`` for the oracle.
@@ -27,8 +27,8 @@ from rankkit.errors import RankkitError
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
+    ADDED_GROUPS,
     COMPLETE,
-    EXAMPLE_NODES,
     EXAMPLES,
     ORACLE,
     ORACLE_COMPLETE,
@@ -36,7 +36,6 @@ from .schema import (
     SCORES,
     TOKENS,
     decode_name,
-    encode_name,
     example_state,
     list_example_dirs,
     one_line,
@@ -121,22 +120,16 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
 
 
 def _damaged_parts(directory: Path, attrs: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """(part, "array: what is wrong") per damaged file; None for an example without manifests."""
+    """(part, what is wrong) per damaged file; None for a schema version 1 example that reads whole."""
     if MANIFEST not in attrs:
         return _undecodable(directory)
-    parts = [(CAPTURE, directory, attrs[MANIFEST])]
+    parts = [(CAPTURE, attrs[MANIFEST])]
     if attrs.get(ORACLE_COMPLETE) is True:
-        parts.append((ORACLE_PART, directory, attrs.get(ORACLE_MANIFEST)))
-    for group_dir in sorted(path for path in directory.iterdir() if path.name not in EXAMPLE_NODES):
-        state, group_attrs = example_state(group_dir) if group_dir.is_dir() else ("", {})
-        if state == "complete":
-            parts.append((decode_name(group_dir.name), group_dir, group_attrs.get(MANIFEST)))
-    found = []
-    for part, root, recorded in parts:
-        if recorded is None:
-            continue
-        found += [(part, f"{_shown(array)}: {detail}") for array, detail in manifest.damage(root, recorded)]
-    return found
+        parts.append((ORACLE_PART, attrs[ORACLE_MANIFEST]))
+    parts += [(name, added[MANIFEST]) for name, added in attrs.get(ADDED_GROUPS, {}).items()]
+    return [
+        (part, detail) for part, recorded in parts for _, detail in manifest.damage(directory, recorded, checksum=True)
+    ]
 
 
 def _undecodable(directory: Path) -> list[tuple[str, str]] | None:
@@ -158,14 +151,12 @@ def _undecodable(directory: Path) -> list[tuple[str, str]] | None:
 
 def _unflag(local: LocalStore, example_node: str, parts: set[str]) -> None:
     example = open_node(local, example_node)
+    flags: dict[str, Any] = {}
     if CAPTURE in parts:
-        example.attrs.update({COMPLETE: False})
+        flags[COMPLETE] = False
     if ORACLE_PART in parts:
-        example.attrs.update({ORACLE_COMPLETE: False})
-    for part in parts - {CAPTURE, ORACLE_PART}:
-        group = open_node(local, f"{example_node}/{encode_name(part)}")
-        group.attrs.update({COMPLETE: False})
-
-
-def _shown(array: str) -> str:
-    return "/".join(decode_name(part) for part in array.split("/"))
+        flags[ORACLE_COMPLETE] = False
+    added = example.attrs.get(ADDED_GROUPS, {})
+    if parts - {CAPTURE, ORACLE_PART}:
+        flags[ADDED_GROUPS] = {name: group for name, group in added.items() if name not in parts}
+    example.attrs.update(flags)
