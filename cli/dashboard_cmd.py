@@ -21,11 +21,28 @@ def dashboard(
     out: Path = typer.Option(
         Path("report.html"), "--out", help="The HTML file to write (self-contained, works offline)."
     ),
+    explore: str | None = typer.Option(
+        None,
+        "--explore",
+        help="Comma-separated example ids for the token explorer. (default: all, or an evenly spaced "
+        "sample of 100 in larger stores)",
+    ),
     workers: int | None = typer.Option(
-        None, "--workers", help="Processes sharing the examples; the page does not depend on it. (default: CPU count)"
+        None,
+        "--workers",
+        help="Processes sharing the examples; the page does not depend on it. (default: CPU count)",
     ),
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.report import write_dashboard
 
-    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion, workers=workers))
+    typer.echo(
+        write_dashboard(
+            store,
+            out,
+            bench=bench,
+            diffusion=diffusion,
+            workers=workers,
+            explore=[name for name in (explore or "").split(",") if name] or None,
+        )
+    )

@@ -37,6 +37,9 @@ from .html import Control, Page, Panel, encode_array, render
 EXPLORER_BUDGET_BYTES = 7 * 2**20
 MAX_BINS = 1024  # about one column per screen pixel of a wide panel
 MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
+# Beyond this many examples the explorer shows a sample, so a 1,000-example page stays under
+# 20 MB and opens quickly; the aggregate panels always cover every example.
+EXPLORER_EXAMPLES = 100
 RANKED_SPAN = "context_tokens"  # what compare and variance rank; the explorer shows the same tokens
 DEFAULT_PROBE = "window"
 DEFAULT_TAU = 0.3
@@ -67,12 +70,15 @@ def write_dashboard(
     bench: str | os.PathLike | pl.DataFrame | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
     workers: int | None = None,
+    explore: Sequence[str] | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
     one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
-    ``rankkit.eval.parallel``). RankkitError names the fix for a missing store or a
+    ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
+    shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
+    evenly spaced sample of that many beyond, so a large store's page stays small and quick. RankkitError names the fix for a missing store or a
     file that is not the expected parquet.
     """
     from rankkit import stores
@@ -85,7 +91,8 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
-    page = _page(store, records, store_path, bench_frame, diffusion_frame, workers)
+    explored = _explorer_sample(records, explore, store_path)
+    page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(page), encoding="utf-8")
@@ -117,7 +124,13 @@ def _frame(
 
 
 def _page(
-    store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None, workers: int | None
+    store,
+    records,
+    explored,
+    store_path,
+    bench: pl.DataFrame | None,
+    diffusion: pl.DataFrame | None,
+    workers: int | None,
 ) -> Page:
     from rankkit.eval.compare import compare_store
     from rankkit.eval.variance import variance_store
@@ -147,12 +160,14 @@ def _page(
         else []
     )
     probe = DEFAULT_PROBE if DEFAULT_PROBE in probes else probes[0]
-    max_bins = _bins_for_budget(records)
+    max_bins = _bins_for_budget(explored)
 
     panels = [
         _spearman_panel(comparison, colors, layer, store_path),
         _variance_panel(variance, tau, layer, num_layers, store_path),
-        _explorer_panel(records, probe, layer, keep, max_bins),
+        _explorer_panel(
+            explored, probe, layer, keep, max_bins, _unexplored_note(records, explored, store_path)
+        ),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
         _diffusion_panel(diffusion, diffusion_metrics, layer),
@@ -162,8 +177,8 @@ def _page(
             "example",
             "example",
             "filter",
-            [(record.id, _example_label(record)) for record in records],
-            records[0].id,
+            [(record.id, _example_label(record)) for record in explored],
+            explored[0].id,
         ),
         Control("probe", "probe", "explorer", [(name, name) for name in probes], probe),
         Control("colour", "explorer colour", "explorer", list(figures.EXPLORER_COLOURS.items()), "rank"),
@@ -199,6 +214,7 @@ def _page(
         ("examples", f"{len(records)} ({sum(record.has_oracle for record in records)} with oracle)"),
         ("tasks", ", ".join(sorted({str(record.attrs.get("task")) for record in records}))),
         ("probes", ", ".join(probes)),
+        ("explorer", f"{len(explored)} of {len(records)} examples"),
         ("layers", str(num_layers)),
         ("bench rows", str(bench.height) if bench is not None else "none"),
     ]
@@ -207,7 +223,7 @@ def _page(
         facts=facts,
         controls=controls,
         panels=panels,
-        examples={record.id: _explorer_payload(record, max_bins) for record in records},
+        examples={record.id: _explorer_payload(record, max_bins) for record in explored},
         explorer={"colour_titles": figures.EXPLORER_COLOURS},
     )
 
@@ -260,14 +276,42 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     return Panel("variance", title, caption, figure)
 
 
-def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int) -> Panel:
+def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list:
+    """The examples the token explorer shows: ``explore``, or all up to ``EXPLORER_EXAMPLES``, or an
+    evenly spaced sample of that many."""
+    if explore:
+        by_id = {record.id: record for record in records}
+        missing = [example_id for example_id in explore if example_id not in by_id]
+        if missing:
+            raise RankkitError(
+                f"--explore names {', '.join(missing)}, not complete examples of {store_path}; "
+                f"list them with `rankkit store info {store_path}`"
+            )
+        return [by_id[example_id] for example_id in explore]
+    if len(records) <= EXPLORER_EXAMPLES:
+        return records
+    return [records[index * len(records) // EXPLORER_EXAMPLES] for index in range(EXPLORER_EXAMPLES)]
+
+
+def _unexplored_note(records, explored, store_path) -> str:
+    shown = {record.id for record in explored}
+    others = [record.id for record in records if record.id not in shown]
+    if not others:
+        return ""
+    return (
+        f" The explorer holds {len(explored)} of the {len(records)} examples; draw any others with "
+        f"`rankkit dashboard {store_path} --explore ID[,ID...]`. Not shown: {', '.join(others)}."
+    )
+
+
+def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int, note: str) -> Panel:
     caption = (
         "The picked probe's scores (summed over KV heads) for the picked example, layers x context tokens; the "
         "oracle is the top strip, and the strip below it marks the columns the probe's top tokens at the picked "
         "layer and keep rate fall in. Evidence spans are outlined in cyan. Colour by the top token's rank within "
         "its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and score (float16). "
         "Long contexts are pooled into columns of equal width, each showing its highest score."
-    )
+    ) + note
     record = records[0]  # the page redraws the explorer for the picked example; this sets its look
     ranked = _ranked_slice(record)
     chosen = probe if probe in record.probes else record.probes[0]
