@@ -88,6 +88,9 @@ def capture(
     kernel: int = typer.Option(7, min=1, help="Oracle 1-D average-pooling kernel."),
     max_new_tokens: int = typer.Option(32, min=1, help="Oracle answer length limit."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    score_dtype: str = typer.Option(
+        "float32", "--score-dtype", help="float32, or float16 for half-size stores (docs/benchmarks.md)."
+    ),
 ) -> None:
     """Record every probe's per-layer token scores in one forward pass per example."""
     from rankkit.capture import capture as run_capture
@@ -107,6 +110,7 @@ def capture(
             overwrite=overwrite,
             oracle=options,
             progress=advance if rank == 0 else None,
+            score_dtype=score_dtype,
         )
     if rank == 0:
         _print_summary(summary, as_json, f"capture → {summary.out}")

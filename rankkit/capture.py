@@ -165,11 +165,13 @@ def capture(
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    score_dtype: str = "float32",
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
     ``progress(kind, done_examples, tokens)`` is called after each example (kind is
-    "written" or "skipped"), so a front end can draw a bar.
+    "written" or "skipped"), so a front end can draw a bar. ``score_dtype`` "float16" stores
+    the scores at half the size (see docs/benchmarks.md for what it changes in the metrics).
     """
     import time
 
@@ -178,9 +180,14 @@ def capture(
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     probe_list = parse_probes(probes)
     parse_spec(data)  # a bad spec fails before minutes of model loading
+    stores.check_score_dtype(score_dtype)
+    # float32 stays implicit, so stores captured before the option existed still resume
+    stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
-    writer = stores.create(out, run_meta(loaded, probe_list, data), overwrite=overwrite and rank == 0)
+    writer = stores.create(
+        out, {**run_meta(loaded, probe_list, data), **stored_as}, overwrite=overwrite and rank == 0
+    )
     runner = Runner(loaded.model)
     summary = CaptureSummary(out=str(Path(out)))
     started = time.perf_counter()

@@ -11,16 +11,19 @@ read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole
 """
 
 from .reader import ArrayGroup, ExampleRecord, Store, describe, open
-from .schema import SCHEMA_VERSION, decode_name, encode_name
+from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
 from .verify import VerifyReport, verify
 from .writer import StoreWriter, create
 
 __all__ = [
     "SCHEMA_VERSION",
+    "SCORE_DTYPES",
+    "SCORE_DTYPE_KEY",
     "ArrayGroup",
     "ExampleRecord",
     "Store",
     "StoreWriter",
+    "check_score_dtype",
     "VerifyReport",
     "create",
     "decode_name",

@@ -161,7 +161,7 @@ class ExampleRecord:
         return self._capture.shape(self._score_name(probe))
 
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
-        """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
+        """float32 [layers, kv_heads, T] (whatever the stored dtype); ``layers`` picks (and orders) a subset."""
         return self._read_scores(probe, layers)[0]
 
     @property
@@ -207,7 +207,8 @@ class ExampleRecord:
             layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
         )
         values = self._capture.read(name, lambda array: array[...] if layers is None else array.oindex[layer_ids])
-        return values, layer_ids
+        # float16 stores (capture --score-dtype float16) read back as float32 like any other
+        return values.astype(np.float32, copy=False), layer_ids
 
     def _score_name(self, probe: str) -> str:
         if probe not in self.probes:

@@ -50,6 +50,11 @@ RANKKIT_VERSION_KEY = "rankkit_version"
 CREATED_KEY = "created"
 STORE_MANAGED_KEYS = frozenset({SCHEMA_VERSION_KEY, RANKKIT_VERSION_KEY, CREATED_KEY})
 
+# Run metadata naming how scores are stored: "float16" halves a store (capture
+# --score-dtype); absent means float32. Part of the run's identity, so a resume keeps it.
+SCORE_DTYPE_KEY = "score_dtype"
+SCORE_DTYPES = ("float32", "float16")
+
 EXAMPLES = "examples"
 TOKENS = "tokens"
 SCORES = "scores"
@@ -79,6 +84,11 @@ COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),
 
 _SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
 _SAFE_FIRST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+
+
+def check_score_dtype(score_dtype: str) -> None:
+    if score_dtype not in SCORE_DTYPES:
+        raise RankkitError(f"--score-dtype must be one of {', '.join(SCORE_DTYPES)}, got {score_dtype!r}")
 
 
 def encode_name(name: str) -> str:

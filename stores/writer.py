@@ -41,10 +41,12 @@ from .schema import (
     RANKKIT_VERSION_KEY,
     SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
+    SCORE_DTYPE_KEY,
     SCORES,
     STORE_MANAGED_KEYS,
     TOKENS,
     canonical_json,
+    check_score_dtype,
     encode_name,
     example_path,
     group_file,
@@ -65,6 +67,7 @@ class StoreWriter:
         self.path = path
         self.meta = meta
         self._store = LocalStore(path)
+        self._score_dtype = np.dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     def is_complete(self, example_id: str) -> bool:
         attrs = read_example_attrs(self._store, encode_name(example_id))
@@ -87,7 +90,9 @@ class StoreWriter:
         example_attrs = _caller_attrs(attrs, f"attrs of example {example_id!r}")
         token_ids = _token_array(tokens, example_id)
         score_arrays = {
-            encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0])
+            encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0]).astype(
+                self._score_dtype, copy=False
+            )
             for probe, values in scores.items()
         }
         if self.is_complete(example_id):
@@ -204,6 +209,7 @@ def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool
     if not isinstance(meta, dict):
         raise RankkitError(f"run_meta must be a dict, got {type(run_meta).__name__}")
     run_meta_only = {key: value for key, value in meta.items() if key not in STORE_MANAGED_KEYS}
+    check_score_dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     if overwrite:
         _remove_store(store_path)

@@ -863,3 +863,19 @@ def test_cli_store_verify_lists_problems_and_exits_2(oracled):
         f"2 examples in {oracled}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable",
     ]
     assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1
+
+
+def test_float16_scores_are_stored_at_half_size_and_read_as_float32(tmp_path):
+    half, full = tmp_path / "half.zarr", tmp_path / "full.zarr"
+    for path, meta in ((half, {**RUN_META, "score_dtype": "float16"}), (full, RUN_META)):
+        write(stores.create(path, meta), "a", 0, num_tokens=4096)
+    record = stores.open(half).example("a")
+    expected = example_data(0, num_tokens=4096)[2]["fastkv"]
+    assert record.scores("fastkv").dtype == np.float32
+    np.testing.assert_array_equal(record.scores("fastkv"), expected.astype(np.float16).astype(np.float32))
+    sizes = [(path / "examples" / "a" / "capture.zip").stat().st_size for path in (half, full)]
+    assert sizes[0] < 0.6 * sizes[1]
+    with pytest.raises(RankkitError, match="--score-dtype must be one of float32, float16, got 'int8'"):
+        stores.create(tmp_path / "bad.zarr", {**RUN_META, "score_dtype": "int8"})
+    with pytest.raises(RankkitError, match="holds a different run \\(score_dtype"):
+        stores.create(half, RUN_META)
