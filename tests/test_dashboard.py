@@ -495,6 +495,8 @@ def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_
     assert f"2 of {len(ids)} examples" in page
     assert f"--explore ID[,ID...]`. Not shown: {', '.join(others)}." in page
     assert all(f'data-example="{i}"' in page for i in sampled) and not any(f'data-example="{i}"' in page for i in others)
+    # only the explorer's examples get a bold curve the example control can show
+    assert all(f"{i} (picked)" in page for i in sampled) and not any(f"{i} (picked)" in page for i in others)
     chosen = write_dashboard(store, tmp_path / "chosen.html", explore=[ids[-1]]).read_text()
     assert f'data-example="{ids[-1]}"' in chosen and f'data-example="{ids[0]}"' not in chosen
     with pytest.raises(RankkitError, match="--explore names nope, not complete examples"):

@@ -164,7 +164,7 @@ def _page(
 
     panels = [
         _spearman_panel(comparison, colors, layer, store_path),
-        _variance_panel(variance, tau, layer, num_layers, store_path),
+        _variance_panel(variance, tau, layer, num_layers, store_path, explored),
         _explorer_panel(
             explored, probe, layer, keep, max_bins, _unexplored_note(records, explored, store_path)
         ),
@@ -254,7 +254,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     )
 
 
-def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path) -> Panel:
+def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path, explored) -> Panel:
     title = "Adaptive selection layer (ASL)"
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
@@ -271,7 +271,12 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
             f"{_code(command)}.",
         )
     figure = figures.variance_figure(
-        variance.curves, variance.selections, tau=tau, layer=layer, num_layers=num_layers
+        variance.curves,
+        variance.selections,
+        tau=tau,
+        layer=layer,
+        num_layers=num_layers,
+        pickable={record.id for record in explored},
     )
     return Panel("variance", title, caption, figure)
 
