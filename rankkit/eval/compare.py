@@ -47,7 +47,7 @@ import polars as pl
 
 from rankkit.errors import RankkitError, warn
 
-from .parallel import map_examples
+from .parallel import checked_workers, map_examples
 from .ranking import (
     TieRuns,
     aggregate_claa_every_layer,
@@ -281,6 +281,7 @@ def compare_store(
     """
     from rankkit import stores
 
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
     store = stores.open(path)
     store.warn_skipped()
     records = list(store.examples())

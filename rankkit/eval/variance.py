@@ -22,7 +22,7 @@ import polars as pl
 from rankkit.errors import RankkitError
 
 from .compare import ranked_slice, scored_layers
-from .parallel import map_examples
+from .parallel import checked_workers, map_examples
 from .ranking import descending_ranks, keep_count
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
@@ -134,6 +134,7 @@ def variance_store(
     """
     from rankkit import stores
 
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
     store = stores.open(path)
     records = list(store.examples())
     if not records:
