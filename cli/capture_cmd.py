@@ -65,6 +65,9 @@ def capture(
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
+    score_dtype: str = typer.Option(
+        defaults.SCORE_DTYPE, "--score-dtype", help="float32, or float16 for half-size stores (docs/benchmarks.md)."
+    ),
 ) -> None:
     """Record every probe's per-layer token scores in one forward pass per example.
 
@@ -89,6 +92,7 @@ def capture(
             oracle=options,
             progress=show if rank == 0 else ignore,
             allow_overlength=allow_overlength,
+            score_dtype=score_dtype,
         )
     if rank == 0:
         _print_summary(summary, as_json, f"capture → {summary.out}")

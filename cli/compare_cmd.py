@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app
-from .options import Overwrite, comma_list
+from .options import Overwrite, Workers, comma_list
 
 
 @app.command("compare")
@@ -38,6 +38,7 @@ def compare(
     ),
     overwrite: Overwrite = False,
     as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    workers: Workers = None,
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
     from rankkit import outputs
@@ -48,7 +49,11 @@ def compare(
         outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
     with keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"):
         result = compare_store(
-            store, layer=layer, methods=comma_list(methods, "--methods") or None, use_oracle=oracle
+            store,
+            layer=layer,
+            methods=comma_list(methods, "--methods") or None,
+            use_oracle=oracle,
+            workers=workers,
         )
     if out is not None:
         written = result.write(out)
@@ -112,6 +117,7 @@ def variance(
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object per example instead of a table."
     ),
+    workers: Workers = None,
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
     from rankkit import outputs
@@ -120,7 +126,7 @@ def variance(
     if out is not None:
         outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
     result = variance_store(
-        store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
+        store, probe=probe, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs, workers=workers
     )
     if out is not None:
         written = result.write(out)

@@ -51,6 +51,12 @@ AllowOverlength = Annotated[
         help="Run prompts longer than the model's max_position_embeddings (with a warning).",
     ),
 ]
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 
 

@@ -202,12 +202,15 @@ def capture(
     oracle: OracleOptions | None = None,
     progress: ProgressCallback = ignore,
     allow_overlength: bool = False,
+    score_dtype: str = defaults.SCORE_DTYPE,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
     ``progress`` gets a ``Progress`` event after each example (stage "written" or
     "skipped"; the total is this rank's share of the examples). A prompt longer than the
     model's positions is refused before any compute unless ``allow_overlength``.
+    ``score_dtype`` "float16" stores the scores at half the size (see docs/benchmarks.md
+    for what it changes in the metrics).
     """
     import time
 
@@ -215,12 +218,17 @@ def capture(
     if world > 1 and torch.cuda.is_available() and device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     probe_list = parse_probes(probes)
+    stores.check_score_dtype(score_dtype)
+    # float32 stays implicit, so stores captured before the option existed still resume
+    stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
     config = models.load_config(model)  # a bad spec or length fails before the weights load
     check_spec_length(data, config, allow_overlength=allow_overlength)
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
-    writer = stores.create(out, run_meta(loaded, probe_list, data), overwrite=overwrite and rank == 0)
+    writer = stores.create(
+        out, {**run_meta(loaded, probe_list, data), **stored_as}, overwrite=overwrite and rank == 0
+    )
     if oracle is not None:
         check_oracle_settings(out, oracle)
     runner = Runner(loaded.model)

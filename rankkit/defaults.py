@@ -13,3 +13,4 @@ WARMUP_RUNS = 1
 REPEATS = 1
 ORACLE_MIRROR = "fastkv"
 DRAFT_MODEL = "default"
+SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store

@@ -82,6 +82,29 @@ def test_kendall_is_scipys_tau_b(rows):
     assert same(kendall(scores, reference), stats.kendalltau(scores, reference).statistic)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 70).flatmap(
+        lambda length: st.tuples(
+            st.lists(st.lists(st.integers(0, 3), min_size=length, max_size=length), min_size=1, max_size=6),
+            st.lists(st.integers(0, 3), min_size=length, max_size=length),
+        )
+    )
+)
+def test_batched_kendall_equals_one_scipy_call_per_row(rows):
+    """Many tied rows against one tied reference, lengths on and off powers of two."""
+    scores, reference = np.array(rows[0], dtype=np.float64), np.array(rows[1], dtype=np.float64)
+    expected = [stats.kendalltau(row, reference).statistic if len(reference) > 1 else np.nan for row in scores]
+    assert same(kendall(scores, reference), expected)
+
+
+def test_batched_kendall_on_long_untied_rankings():
+    rng = np.random.default_rng(1)
+    scores, reference = rng.normal(size=(5, 3000)), rng.normal(size=3000)
+    expected = [stats.kendalltau(row, reference).statistic for row in scores]
+    assert np.allclose(kendall(scores, reference), expected, rtol=0, atol=1e-9)
+
+
 def test_rank_statistics_score_every_layer_and_head_at_once():
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 30, size=(4, 3, 200)).astype(np.float32)
@@ -367,6 +390,17 @@ def test_variance_store(store_path):
         variance_store(store_path, probe="missing")
 
 
+def test_two_workers_give_the_frames_of_one(tmp_path):
+    path = write_store(tmp_path / "run.zarr", examples=9)
+    one, two = compare_store(path, workers=1), compare_store(path, workers=2)
+    for name in ("per_layer", "per_head", "sweep", "stability", "summary"):
+        assert getattr(one, name).equals(getattr(two, name)), name
+    one, two = (variance_store(path, probe="lava", budget=5, workers=workers) for workers in (1, 2))
+    assert one.curves.equals(two.curves) and one.selections.equals(two.selections)
+    with pytest.raises(RankkitError, match="--workers must be"):
+        compare_store(path, workers=0)
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -411,6 +445,21 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--probe", "lava", "--budget", "0.1")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+
+
+def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
+    path = write_store(tmp_path / "partial.zarr", draft=False)
+    (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert {row["n_examples"] for row in json.loads(result.stdout)} == {2}
+    assert result.stderr == (
+        f"rankkit: warning: left out 1 unreadable example(s) of {path}; `rankkit store verify {path}` lists them\n"
+    )
 
 
 def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):

@@ -36,8 +36,10 @@ the one before (null at layer 0 and without layers).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +49,15 @@ import polars as pl
 from rankkit import outputs
 from rankkit.errors import RankkitError
 
+from .parallel import checked_workers, map_examples
 from .ranking import (
+    TieRuns,
     aggregate_claa_every_layer,
     average_ranks,
-    descending_ranks,
     keep_count,
-    kendall,
+    kendall_from_runs,
     overlap_share,
     pearson,
-    ranks_and_places,
     spans_mask,
     specprefill_scores,
 )
@@ -111,13 +113,15 @@ class Reference:
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
         if oracle is not None:
-            self.oracle_ranks = average_ranks(oracle)
-            oracle_places = descending_ranks(oracle)
+            self.oracle_runs = TieRuns(oracle)
+            self.oracle_ranks = self.oracle_runs.average_ranks()
+            oracle_places = self.oracle_runs.descending_places()
             self.oracle_tops = [oracle_places < k for k in self.recall_ks]
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
         """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value per row."""
-        ranks, places = ranks_and_places(scores)
+        runs = TieRuns(scores)
+        ranks, places = runs.average_ranks(), runs.descending_places()
         oracle_metrics = (
             ("spearman", "kendall", *RECALL_COLUMNS) if with_kendall else ("spearman", *RECALL_COLUMNS)
         )
@@ -125,7 +129,7 @@ class Reference:
         if self.oracle is not None:
             columns["spearman"] = pearson(ranks, self.oracle_ranks)
             if with_kendall:
-                columns["kendall"] = kendall(scores, self.oracle)
+                columns["kendall"] = kendall_from_runs(runs, self.oracle_runs)
             for name, k, oracle_top in zip(RECALL_COLUMNS, self.recall_ks, self.oracle_tops, strict=True):
                 columns[name] = overlap_share(places < k, oracle_top)
         columns["needle_recall"] = overlap_share(places < self.needle_k, self.evidence)
@@ -273,23 +277,33 @@ def compare_store(
     use_oracle: bool = True,
     ranked_span: str | None = "context_tokens",
     needle_keep: float | int = NEEDLE_KEEP,
+    workers: int | None = None,
 ) -> CompareResult:
     """Compare every method of a store with its oracle; ``layer`` is l_p for the summary (default: half depth).
 
     With ``use_oracle`` only examples with an oracle count; without it every example counts and
-    only the reference-free metrics are filled in.
+    only the reference-free metrics are filled in. ``workers`` processes share the examples
+    (default: one per CPU; see ``rankkit.eval.parallel``); the frames do not depend on it.
     """
     from rankkit import stores
 
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
     store = stores.open(path)
+    store.warn_skipped()
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     if use_oracle:
+        without_oracle = sum(not record.has_oracle for record in records)
         records = [record for record in records if record.has_oracle]
         if not records:
             raise RankkitError(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
+            )
+        if without_oracle:
+            warnings.warn(
+                f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {path}` adds them",
+                stacklevel=2,
             )
 
     has_draft = any(DRAFT_GROUP in record.groups for record in records)
@@ -307,24 +321,17 @@ def compare_store(
             f"layer {pruning_layer} (--layer) is outside the model's layers 0..{num_layers - 1}"
         )
 
-    needed = _probes_needed(chosen)
+    evaluate = partial(
+        compare_example,
+        methods=tuple(chosen),
+        use_oracle=use_oracle,
+        ranked_span=ranked_span,
+        needle_keep=needle_keep,
+    )
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
-    for record in records:
-        ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
-        spans = record.attrs.get("spans") or {}
-        evidence = [
-            (start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])
-        ]
-        oracle = record.oracle[ranked] if use_oracle else None
-        reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
-        scores = {probe: record.scores(probe)[..., ranked] for probe in record.probes if probe in needed}
-        draft = record.group(DRAFT_GROUP)[DRAFT_ARRAY][..., ranked] if DRAFT_GROUP in record.groups else None
-        example_columns = (
-            pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-            pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
-        )
-        for name, found in zip(frames, evaluate_example(scores, reference, chosen, draft), strict=True):
-            frames[name] += [frame.select(*example_columns, pl.all()) for frame in found]
+    for found in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+        for name in frames:
+            frames[name] += found[name]
 
     per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
     return CompareResult(
@@ -335,6 +342,34 @@ def compare_store(
         stability=stability_frame(per_layer),
         summary=summary_frame(per_layer, pruning_layer),
     )
+
+
+def compare_example(
+    record: Any,
+    *,
+    methods: Sequence[str],
+    use_oracle: bool = True,
+    ranked_span: str | None = "context_tokens",
+    needle_keep: float | int = NEEDLE_KEEP,
+) -> dict[str, list[pl.DataFrame]]:
+    """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit of work)."""
+    needed = _probes_needed(methods)
+    ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
+    spans = record.attrs.get("spans") or {}
+    evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]
+    oracle = record.oracle[ranked] if use_oracle else None
+    reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
+    scores = {probe: record.scores(probe)[..., ranked] for probe in record.probes if probe in needed}
+    draft = record.group(DRAFT_GROUP)[DRAFT_ARRAY][..., ranked] if DRAFT_GROUP in record.groups else None
+    example_columns = (
+        pl.lit(record.id, dtype=pl.Categorical).alias("example"),
+        pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
+    )
+    found = evaluate_example(scores, reference, methods, draft)
+    return {
+        name: [frame.select(*example_columns, pl.all()) for frame in frames]
+        for name, frames in zip(("per_layer", "per_head", "sweep"), found, strict=True)
+    }
 
 
 def _probes_needed(methods: Sequence[str]) -> set[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import polars as pl
 from rankkit import outputs
 from rankkit.errors import RankkitError
 
+from .compare import ranked_slice, scored_layers
+from .parallel import checked_workers, map_examples
 from .ranking import descending_ranks, keep_count
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
@@ -127,6 +130,7 @@ def variance_store(
     observed_layers: int = OBSERVED_LAYERS,
     thresholds: Sequence[float] = THRESHOLDS,
     ranked_span: str | None = "context_tokens",
+    workers: int | None = None,
 ) -> VarianceResult:
     """ASL curves and selection layers for every complete example of a store.
 
@@ -136,57 +140,26 @@ def variance_store(
     """
     from rankkit import stores
 
-    from .compare import ranked_slice, scored_layers
-
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
     store = stores.open(path)
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     if min_layer is None:
         min_layer = default_min_layer(scored_layers(records))
+    evaluate = partial(
+        variance_example,
+        probe=probe,
+        budget=budget,
+        min_layer=min_layer,
+        observed_layers=observed_layers,
+        thresholds=tuple(thresholds),
+        ranked_span=ranked_span,
+    )
     curve_frames, selection_rows = [], []
-    for record in records:
-        if probe not in record.probes:
-            raise RankkitError(
-                f"example {record.id!r} has no {probe!r} scores (it has {', '.join(record.probes)}); "
-                "pass --probe with one of those"
-            )
-        ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
-        try:
-            curve = rank_variance_curve(record.scores(probe)[..., ranked], budget, min_layer, observed_layers)
-        except ValueError as error:
-            raise RankkitError(
-                f"example {record.id!r}: {error}; adjust --l-min, --l-obs or --budget"
-            ) from None
-        task = record.attrs.get("task")
-        curve_frames.append(
-            pl.DataFrame(
-                {
-                    "layer": np.arange(curve.size, dtype=np.int32),
-                    "relative_variance": curve,
-                }
-            )
-            .with_columns(  # null before L_min and where a zero variance at L_min leaves no ratio
-                pl.when(pl.col("relative_variance").is_finite()).then(pl.col("relative_variance"))
-            )
-            .select(
-                pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-                pl.lit(task, dtype=pl.String).alias("task"),
-                pl.lit(probe).alias("probe"),
-                "layer",
-                "relative_variance",
-            )
-        )
-        selection_rows += [
-            {
-                "example": record.id,
-                "task": task,
-                "probe": probe,
-                "tau": float(threshold),
-                "selection_layer": selection_layer(curve, threshold),
-            }
-            for threshold in thresholds
-        ]
+    for curve_frame, rows in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+        curve_frames.append(curve_frame)
+        selection_rows += rows
     selection_schema = {
         "example": pl.Categorical,
         "task": pl.String,
@@ -197,3 +170,58 @@ def variance_store(
     return VarianceResult(
         min_layer, pl.concat(curve_frames), pl.DataFrame(selection_rows, schema=selection_schema)
     )
+
+
+def variance_example(
+    record: Any,
+    *,
+    probe: str,
+    budget: float | int,
+    min_layer: int,
+    observed_layers: int,
+    thresholds: Sequence[float],
+    ranked_span: str | None,
+) -> tuple[pl.DataFrame, list[dict[str, Any]]]:
+    """One stored example's curve frame and selection rows (``variance_store``'s unit of work)."""
+    if probe not in record.probes:
+        raise RankkitError(
+            f"example {record.id!r} has no {probe!r} scores (it has {', '.join(record.probes)}); "
+            "pass --probe with one of those"
+        )
+    ranked = ranked_slice(record.attrs.get("spans"), ranked_span, record.num_tokens)
+    try:
+        curve = rank_variance_curve(record.scores(probe)[..., ranked], budget, min_layer, observed_layers)
+    except ValueError as error:
+        raise RankkitError(
+            f"example {record.id!r}: {error}; adjust --l-min, --l-obs or --budget"
+        ) from None
+    task = record.attrs.get("task")
+    curve_frame = (
+        pl.DataFrame(
+            {
+                "layer": np.arange(curve.size, dtype=np.int32),
+                "relative_variance": curve,
+            }
+        )
+        .with_columns(  # null before L_min and where a zero variance at L_min leaves no ratio
+            pl.when(pl.col("relative_variance").is_finite()).then(pl.col("relative_variance"))
+        )
+        .select(
+            pl.lit(record.id, dtype=pl.Categorical).alias("example"),
+            pl.lit(task, dtype=pl.String).alias("task"),
+            pl.lit(probe).alias("probe"),
+            "layer",
+            "relative_variance",
+        )
+    )
+    selection_rows = [
+        {
+            "example": record.id,
+            "task": task,
+            "probe": probe,
+            "tau": float(threshold),
+            "selection_layer": selection_layer(curve, threshold),
+        }
+        for threshold in thresholds
+    ]
+    return curve_frame, selection_rows
