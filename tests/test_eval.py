@@ -4,9 +4,12 @@ against slow loops of the papers' pseudo-code, and `rankkit compare` / `variance
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
@@ -460,6 +463,30 @@ def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     assert result.stderr == (
         f"rankkit: warning: left out 1 unreadable example(s) of {path}; `rankkit store verify {path}` lists them\n"
     )
+
+
+def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_path):
+    from rankkit.eval.cost import build_store
+
+    path = tmp_path / "wide.zarr"
+    build_store(path, examples=40, tokens=1024)
+    # its own process group, as a terminal's: Ctrl-C reaches the command and its workers
+    command = subprocess.Popen(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children = f"/proc/{command.pid}/task/{command.pid}/children"
+    while command.poll() is None and len(open(children).read().split()) < 3:  # tracker + 2 workers
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.killpg(command.pid, signal.SIGINT)
+    _, stderr = command.communicate(timeout=60)
+    assert command.returncode == 130, stderr
+    assert f"rankkit: interrupted: nothing written, {path} unchanged\n" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -61,8 +64,33 @@ def map_examples(
         return
     # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(processes, initializer=_open_store, initargs=(os.fspath(path),)) as pool:
+    with _ignoring_ctrl_c():
+        pool = context.Pool(processes, initializer=_open_store, initargs=(os.fspath(path),))
+    with pool:
         yield from pool.imap(partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK)
+        # Workers that end on their own release the pool's semaphores; the terminate that
+        # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
+        pool.close()
+        pool.join()
+
+
+@contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """Workers started inside ignore SIGINT from birth (an ignored signal survives exec).
+
+    Ctrl-C reaches the whole process group: the parent alone turns it into one line
+    (``rankkit.interrupts``) and ends the pool, where workers would each print a traceback,
+    and a worker lost to it would leave the parent waiting for its results forever.
+    Signals can be set only from the main thread; elsewhere the workers keep the default.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _open_store(path: str) -> None:
