@@ -3,49 +3,22 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rankkit import defaults
 from rankkit.cli.app import app
-from rankkit.cli.prefill_cmd import DRAFT_HELP
-
-console = Console(stderr=True)
+from rankkit.cli.options import AllowOverlength, AsJson, Device, Draft, MaxNewTokens, Model
+from rankkit.cli.progress import progress_bar
 
 
 def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int):
     from rankkit.capture import OracleOptions
 
     return OracleOptions(answer=answer, softmax=softmax, kernel=kernel, max_new_tokens=max_new_tokens)
-
-
-def _progress_bar(total: int | None, what: str):
-    progress = Progress(
-        TextColumn(f"[bold]{what}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    task = progress.add_task(what, total=total, rate="")
-    state = {"tokens": 0, "seconds": 0.0}
-
-    import time
-
-    started = time.perf_counter()
-
-    def advance(kind: str, done: int, tokens: int) -> None:
-        state["tokens"] += tokens
-        elapsed = time.perf_counter() - started
-        rate = f"{state['tokens'] / elapsed:,.0f} tok/s" if state["tokens"] else kind
-        progress.update(task, completed=done, rate=rate)
-
-    return progress, advance
 
 
 def _print_summary(summary, as_json: bool, title: str) -> None:
@@ -70,7 +43,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
 
 @app.command()
 def capture(
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    model: Model = defaults.MODEL,
     data: str = typer.Option(
         "niah:n=8,length=2048", help="Data spec: niah:..., ruler:task=...,..., or a .jsonl path."
     ),
@@ -81,31 +54,39 @@ def capture(
         "defaults plus every setting a registered method ranks by (window at W=8 and window:w=32).",
     ),
     out: Path = typer.Option(
-        Path("runs/capture.zarr"), help="The zarr store to write (resumed if it exists)."
+        Path("runs/capture.zarr"),
+        help="The zarr store to write; rerunning the same command resumes it (after Ctrl-C, SIGTERM "
+        "or a crash), other settings are refused.",
     ),
     limit: int = typer.Option(None, min=1, help="Capture at most this many examples."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: Device = defaults.DEVICE,
     overwrite: bool = typer.Option(False, help="Delete an existing store at --out first."),
     oracle: bool = typer.Option(False, help="Also add the Answer-Informed Oracle in the same run."),
     answer: str = typer.Option(
-        "generated", help="Oracle answer: generated or reference (teacher-forced gold)."
+        defaults.ORACLE_ANSWER, help="Oracle answer: generated or reference (teacher-forced gold)."
     ),
     softmax: bool = typer.Option(False, help="Oracle on post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(7, min=1, help="Oracle 1-D average-pooling kernel."),
-    max_new_tokens: int = typer.Option(32, min=1, help="Oracle answer length limit."),
-    draft: str = typer.Option(
-        None, help="Also store SpecPrefill's lookahead scores from this draft. " + DRAFT_HELP
+    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="Oracle 1-D average-pooling kernel."),
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    draft: Draft = None,
+    allow_overlength: AllowOverlength = False,
+    as_json: AsJson = False,
+    score_dtype: str = typer.Option(
+        defaults.SCORE_DTYPE, "--score-dtype", help="float32, or float16 for half-size stores (docs/benchmarks.md)."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Record every probe's per-layer token scores in one forward pass per example."""
+    """Record every probe's per-layer token scores in one forward pass per example.
+
+    Ctrl-C or SIGTERM keeps every example written whole and exits 130; the same command resumes.
+    A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
+    """
     from rankkit.capture import capture as run_capture
     from rankkit.capture import shard
+    from rankkit.progress import ignore
 
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
-    progress, advance = _progress_bar(limit, "capture")
-    with progress if rank == 0 else nullcontext():
+    with progress_bar("capture") as show:
         summary = run_capture(
             model=model,
             data=data,
@@ -116,7 +97,9 @@ def capture(
             overwrite=overwrite,
             oracle=options,
             draft=draft,
-            progress=advance if rank == 0 else None,
+            progress=show if rank == 0 else ignore,
+            allow_overlength=allow_overlength,
+            score_dtype=score_dtype,
         )
     if rank == 0:
         _print_summary(summary, as_json, f"capture → {summary.out}")
@@ -126,25 +109,32 @@ def capture(
 def oracle(
     store: Path = typer.Argument(..., help="A store written by rankkit capture."),
     model: str = typer.Option(None, help="The model the store was captured with, if not the default."),
-    answer: str = typer.Option("generated", help="generated or reference (teacher-forced gold answer)."),
+    answer: str = typer.Option(
+        defaults.ORACLE_ANSWER, help="generated or reference (teacher-forced gold answer)."
+    ),
     softmax: bool = typer.Option(False, help="Post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(7, min=1, help="1-D average-pooling kernel."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    redo: bool = typer.Option(False, help="Recompute oracles that are already there."),
-    device: str = typer.Option("auto"),
-    as_json: bool = typer.Option(False, "--json"),
+    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="1-D average-pooling kernel."),
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    redo: bool = typer.Option(
+        False, help="Recompute every oracle, also those already there (needed to change the settings)."
+    ),
+    device: Device = defaults.DEVICE,
+    as_json: AsJson = False,
 ) -> None:
-    """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier."""
+    """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
+
+    Settings other than those of the store's oracles are refused unless --redo. Ctrl-C or
+    SIGTERM keeps every oracle written and exits 130; the same command resumes.
+    """
     from rankkit.capture import add_oracle
 
-    progress, advance = _progress_bar(None, "oracle")
-    with progress:
+    with progress_bar("oracle") as show:
         summary = add_oracle(
             store,
             options=_oracle_options(answer, softmax, kernel, max_new_tokens),
             model=model,
             device=device,
             redo=redo,
-            progress=advance,
+            progress=show,
         )
     _print_summary(summary, as_json, f"oracle → {summary.out}")

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app
+from .options import Overwrite, Workers
 
 
 @app.command("compare")
@@ -28,12 +29,12 @@ def compare(
         "sliding-window layers the nearest full-attention layer, ties to the earlier; a layer given "
         "here is used as is)",
     ),
-    methods: list[str] | None = typer.Option(
+    methods: str | None = typer.Option(
         None,
         "--methods",
-        help="Probes (store keys, e.g. window:w=32) and methods (gemfilter, fastkv, claa, specprefill, "
-        "asl, asl-2pass, snapkv, streamingllm, oracle...), repeated or comma-separated; a method's own "
-        "parameters follow it as claa:aggregation_window=8. (default: all the store offers)",
+        help="Comma-separated probes (store keys, e.g. window:w=32) and methods (gemfilter, fastkv, claa, "
+        "specprefill, asl, asl-2pass, snapkv, streamingllm, sage-kv, lava, sliminfer, oracle); a method's "
+        "own parameters follow it as claa:aggregation_window=8. (default: all the store offers)",
     ),
     span: str = typer.Option(
         "prompt",
@@ -44,17 +45,32 @@ def compare(
         0.1, "--keep", help="Keep rate the methods rank under (ASL's k, forced-token counts)."
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the per-layer frame to this parquet file, the other frames beside it."
+        None,
+        "--out",
+        help="Write the per-layer frame to this parquet file, the other frames beside it as "
+        "<stem>.per_head/.sweep/.stability/.summary.parquet (refused if any exists).",
     ),
+    overwrite: Overwrite = False,
     as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    workers: Workers = None,
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
-    from rankkit.eval.compare import compare_store
+    from rankkit import outputs
+    from rankkit.eval.compare import compare_store, output_paths
+    from rankkit.interrupts import keep_on_interrupt
 
-    chosen = ",".join(methods or [])
-    result = compare_store(
-        store, layer=layer, methods=chosen or None, use_oracle=oracle, span=span, keep=keep
-    )
+    if out is not None:
+        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
+    with keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"):
+        result = compare_store(
+            store,
+            layer=layer,
+            methods=methods,
+            use_oracle=oracle,
+            span=span,
+            keep=keep,
+            workers=workers,
+        )
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
@@ -114,17 +130,25 @@ def variance(
         None, "--l-obs", help="Layers whose ranks each point compares, L_obs. (default: 8 of 32, scaled)"
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the curves to this parquet file, the selection layers beside it."
+        None,
+        "--out",
+        help="Write the curves to this parquet file, the selection layers beside it as "
+        "<stem>.selections.parquet (refused if either exists).",
     ),
+    overwrite: Overwrite = False,
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object per example instead of a table."
     ),
+    workers: Workers = None,
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
-    from rankkit.eval.variance import variance_store
+    from rankkit import outputs
+    from rankkit.eval.variance import output_paths, variance_store
 
+    if out is not None:
+        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
     result = variance_store(
-        store, method=method, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs
+        store, method=method, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs, workers=workers
     )
     if out is not None:
         written = result.write(out)

@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
+from .options import Overwrite, Workers, comma_list
 
 
 @app.command("dashboard")
@@ -19,10 +20,31 @@ def dashboard(
         None, "--diffusion", help="Curves written by `rankkit diffusion --out`, for the diffusion panel."
     ),
     out: Path = typer.Option(
-        Path("report.html"), "--out", help="The HTML file to write (self-contained, works offline)."
+        Path("report.html"),
+        "--out",
+        help="The HTML file to write (self-contained, works offline); refused if it exists, "
+        "is a directory, or lies inside the store.",
     ),
+    overwrite: Overwrite = False,
+    explore: str | None = typer.Option(
+        None,
+        "--explore",
+        help="Comma-separated example ids for the token explorer. (default: all, or an evenly spaced "
+        "sample of 100 in larger stores)",
+    ),
+    workers: Workers = None,
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.report import write_dashboard
 
-    typer.echo(write_dashboard(store, out, bench=bench, diffusion=diffusion))
+    typer.echo(
+        write_dashboard(
+            store,
+            out,
+            bench=bench,
+            diffusion=diffusion,
+            overwrite=overwrite,
+            workers=workers,
+            explore=comma_list(explore, "--explore") or None,
+        )
+    )

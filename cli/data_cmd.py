@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from rankkit.cli.app import app
+from rankkit.cli.options import Overwrite
 
 data_app = typer.Typer(
     name="data", help="Datasets: needle in a haystack, RULER, JSONL.", no_args_is_help=True
@@ -18,7 +19,8 @@ def export(
         ...,
         help="niah:length=N,n=K[,depths=10;50;90][,seed=S] | ruler:task=NAME,length=N[,n=K] | PATH.jsonl[:n=K]",
     ),
-    out: Path = typer.Option(..., "--out", help="JSONL file to write."),
+    out: Path = typer.Option(..., "--out", help="JSONL file to write (refused if it exists)."),
+    overwrite: Overwrite = False,
     model: str = typer.Option(
         "default", help="Whose tokenizer measures lengths: 'default', an HF folder, or a hub id."
     ),
@@ -27,5 +29,5 @@ def export(
     from rankkit.data import export_spec
     from rankkit.models import load_tokenizer
 
-    count = export_spec(spec, load_tokenizer(model), out)
+    count = export_spec(spec, load_tokenizer(model), out, overwrite=overwrite)
     typer.echo(f"wrote {count} examples to {out}")

@@ -10,35 +10,48 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from rankkit import defaults
 from rankkit.cli.app import app
+from rankkit.cli.options import AllowOverlength, Device, MaxNewTokens, Model, Overwrite
+from rankkit.cli.progress import progress_bar
 
 
 @app.command("diffusion")
 def diffusion(
     data: str = typer.Option(..., "--data", help="Data spec with evidence spans, e.g. niah:n=4,length=1024."),
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    model: Model = defaults.MODEL,
     limit: int = typer.Option(None, min=1, help="Probe at most this many examples."),
-    max_new_tokens: int = typer.Option(16, min=1, help="Greedy answer length limit."),
+    max_new_tokens: MaxNewTokens = defaults.DIFFUSION_MAX_NEW_TOKENS,
     out: Path | None = typer.Option(
-        None, "--out", help="Write the per-example, per-layer frame to this parquet file."
+        None,
+        "--out",
+        help="Write the per-example, per-layer frame to this parquet file (refused if it exists). Finished "
+        "examples are kept beside it as they finish: after Ctrl-C (or SIGTERM) the same command resumes.",
     ),
+    overwrite: Overwrite = False,
+    allow_overlength: AllowOverlength = False,
     as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: Device = defaults.DEVICE,
 ) -> None:
-    """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?"""
+    """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?
+
+    Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
+    """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
 
-    status = Console(stderr=True)
-    frame = diffusion_probe(
-        data,
-        model=model,
-        limit=limit,
-        device=device,
-        max_new_tokens=max_new_tokens,
-        progress=lambda example: status.print(f"probed {example.id}"),
-    )
+    with progress_bar("diffusion") as show:
+        frame = diffusion_probe(
+            data,
+            model=model,
+            limit=limit,
+            device=device,
+            max_new_tokens=max_new_tokens,
+            out=out,
+            overwrite=overwrite,
+            allow_overlength=allow_overlength,
+            progress=show,
+        )
     if out is not None:
-        frame.write_parquet(out)
         typer.echo(f"wrote {out}", err=True)
     rows = layer_summary(frame).to_dicts()
     if as_json:

@@ -1,4 +1,5 @@
-"""`rankkit overhead SCENARIO`: rankkit's own cost over plain transformers, side by side."""
+"""`rankkit overhead SCENARIO`: rankkit's own cost over plain transformers, side by side; and
+`rankkit overhead analysis`: what compare, variance and dashboard cost on a synthetic store."""
 
 from __future__ import annotations
 
@@ -9,32 +10,40 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from rankkit import defaults
 from rankkit.cli.app import app
+from rankkit.cli.options import Device, Model
 
 console = Console()
 
 
 @app.command()
 def overhead(
-    scenario: str = typer.Argument(..., help="runner, capture or oracle."),
+    scenario: str = typer.Argument(..., help="runner, capture, oracle or analysis."),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
-    model: str = typer.Option("default"),
-    device: str = typer.Option("auto"),
+    model: Model = defaults.MODEL,
+    device: Device = defaults.DEVICE,
     repeats: int = typer.Option(5, min=1, help="Interleaved timed repeats per side, after one warm-up."),
     memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
     as_json: bool = typer.Option(False, "--json"),
+    examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
+    workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
 ) -> None:
-    """Time and peak memory of a rankkit path against its plain-transformers baseline."""
+    """Time and peak memory of a rankkit path against its plain-transformers baseline; `analysis`
+    times compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
 
-    if scenario not in SCENARIOS:
-        raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}")
+    if scenario not in (*SCENARIOS, "analysis"):
+        raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}, analysis")
     try:
         token_counts = [int(part) for part in lengths.split(",")]
     except ValueError:
         raise RankkitError(f"--lengths takes comma-separated integers, not '{lengths}'") from None
+    if scenario == "analysis":
+        _analysis(examples, token_counts, workers, as_json)
+        return
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"{scenario} overhead", total=len(token_counts) * repeats)
         rows = run_overhead(
@@ -76,3 +85,27 @@ def overhead(
 
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _analysis(examples: int, token_counts: list[int], workers: int | None, as_json: bool) -> None:
+    from rankkit.eval.cost import STEPS, run_analysis_cost
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("analysis cost", total=len(token_counts) * (1 + len(STEPS)))
+        rows = run_analysis_cost(examples, token_counts, workers=workers, progress=lambda: progress.advance(task))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"analysis of {examples} synthetic examples ({rows[0]['workers']} workers)")
+    for column in ("step", "tokens", "seconds", "s per example", "peak MiB", "files per example"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+    for row in rows:
+        table.add_row(
+            row["step"],
+            str(row["tokens"]),
+            f"{row['seconds']:.1f}",
+            f"{row['seconds_per_example']:.3f}",
+            f"{row['peak_mib']:.0f}",
+            str(row["files_per_example"]),
+        )
+    console.print(table)

@@ -7,79 +7,41 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rankkit import defaults
 from rankkit.cli.app import app
-from rankkit.errors import RankkitError
+from rankkit.cli.options import (
+    AllowOverlength,
+    AsJson,
+    Device,
+    Draft,
+    Layer,
+    MaxNewTokens,
+    Mirror,
+    Model,
+    Overwrite,
+    Repeats,
+    Threads,
+    Warmup,
+    budgets,
+    comma_list,
+)
+from rankkit.cli.progress import progress_bar
 
 console = Console()
-status = Console(stderr=True)
-
-JSON_KEYS = (
-    "example_id",
-    "method",
-    "keep",
-    "ttft_s",
-    "tpot_s",
-    "e2e_s",
-    "kv_bytes",
-    "peak_mem_bytes",
-    "ideal_ratio",
-    "answer",
-    "score",
-    "selection_layer",
-    "selected_positions",
-)
-DRAFT_HELP = (
-    "SpecPrefill's draft: layers:N (the target's first N layers, norm and LM head) or a model "
-    "spec with the target's tokenizer. Default: layers:⌈L/4⌉."
-)
-LAYER_HELP = (
-    "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled; "
-    "on models with sliding-window layers, the nearest full-attention layer, ties to the earlier). "
-    "A layer given here is used as is, even a sliding-window one, which cannot see keys older than "
-    "its window."
-)
 
 
-def _budgets(keep: str | None, budget: str | None):
-    from rankkit.methods import Budget
+def _library_options(
+    layer, draft, mirror, max_new_tokens, warmup, repeats, model, device, threads, overlength
+):
+    from rankkit.bench import BenchSettings, MethodOptions, Setup
 
-    if (keep is None) == (budget is None):
-        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
-    try:
-        if keep is not None:
-            return [Budget.from_keep(float(value)) for value in keep.split(",")]
-        return [Budget.from_tokens(int(value)) for value in budget.split(",")]
-    except ValueError as error:
-        raise RankkitError(f"cannot read the budget list: {error}") from None
-
-
-def _method(name: str, layer: int | None, draft: str | None, mirror: str, *, strict: bool = True):
-    """The method ``name`` with the CLI's options; ``--layer`` goes to methods that have a selection layer.
-
-    ``strict`` refuses ``--layer`` for a method without one (prefill); the bench grid skips those.
-    """
-    from rankkit.methods import make
-
-    params = {"specprefill": {"draft_model": draft}, "oracle": {"mirror": mirror}}.get(name, {})
-    method = make(name, **params)
-    if layer is None or name == "full" or not (method.selection_parameter or strict):
-        return method
-    return method.with_layer(layer)
-
-
-def _load(model: str, device: str, threads: int | None):
-    import torch
-
-    from rankkit import models
-    from rankkit.runner import Runner
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    loaded = models.load(model, device=device)
-    return loaded, Runner(loaded.model)
+    return dict(
+        options=MethodOptions(layer, draft, mirror),
+        settings=BenchSettings(max_new_tokens, warmup, repeats),
+        setup=Setup(model, device, threads, overlength),
+    )
 
 
 def _megabytes(value) -> str:
@@ -95,10 +57,10 @@ def prefill(
     method: str = typer.Option(
         ..., help="A method name: full, gemfilter, fastkv, claa, asl, ... (see docs/methods.md)."
     ),
-    keep: str = typer.Option(None, help="Keep rate in (0, 1], e.g. 0.1."),
+    keep: str = typer.Option(None, help="Keep rate in (0, 1], e.g. 0.1 (full needs none)."),
     budget: str = typer.Option(None, help="Tokens to keep, e.g. 2048 (instead of --keep)."),
-    layer: int = typer.Option(None, help=LAYER_HELP),
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
+    layer: Layer = None,
+    model: Model = defaults.MODEL,
     data: str = typer.Option(
         None, help="A data spec (niah:length=4096, ruler:..., FILE.jsonl); uses --example."
     ),
@@ -107,74 +69,50 @@ def prefill(
         None, exists=True, dir_okay=False, help="Context text (with --question)."
     ),
     question: str = typer.Option(None, help="The question after the context (with --context-file)."),
-    max_new_tokens: int = typer.Option(32, min=1),
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     compare: str = typer.Option(None, help="Run this method too (e.g. full) and print both and the ratios."),
-    draft: str = typer.Option(None, help=DRAFT_HELP),
-    mirror: str = typer.Option(
-        "fastkv", help="The architecture the oracle mirrors: gemfilter, fastkv or claa."
-    ),
-    warmup: int = typer.Option(
-        1, min=0, help="Untimed runs before the timed one (on CPU the first measures memory)."
-    ),
-    repeats: int = typer.Option(
-        1, min=1, help="Timed rounds, interleaved with --compare; times are medians."
-    ),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    draft: Draft = None,
+    mirror: Mirror = defaults.ORACLE_MIRROR,
+    warmup: Warmup = defaults.WARMUP_RUNS,
+    repeats: Repeats = defaults.REPEATS,
+    threads: Threads = None,
+    device: Device = defaults.DEVICE,
+    allow_overlength: AllowOverlength = False,
+    as_json: AsJson = False,
 ) -> None:
-    """Run one method's selection end to end on one prompt and print the answer and its measurements."""
-    import torch
+    """Run one method's selection end to end on one prompt and print the answer and its measurements.
 
-    from rankkit.bench import BenchSettings, compare_on_prompt
-    from rankkit.methods import Budget
-    from rankkit.methods.measure import calibrate
+    Every option is checked before the model loads.
+    """
+    from rankkit.bench import prefill as run_prefill
+    from rankkit.bench import prefill_json
 
-    (chosen_budget,) = _budgets(keep, budget)
-    loaded, runner = _load(model, device, threads)
-    example, prompt = _prompt(loaded.tokenizer, data, example_index, context_file, question)
-    entries = [(_method(method, layer, draft, mirror), chosen_budget)]
-    if compare:  # the reference goes first; full keeps everything whatever the budget
-        reference_budget = Budget.from_keep(1.0) if compare == "full" else chosen_budget
-        entries.insert(0, (_method(compare, layer, draft, mirror), reference_budget))
-    with torch.inference_mode():
-        cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
-    settings = BenchSettings(max_new_tokens, warmup, repeats)
-    rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
-    if not compare:
-        rows[0] |= {"ttft_ratio": None, "tpot_ratio": None, "kv_ratio": None}
-    else:
-        rows.reverse()  # the method first, then what it is compared with
+    (chosen_budget,) = budgets(keep, budget, required=False) or [None]
+    rows = run_prefill(
+        method,
+        chosen_budget,
+        data=data,
+        example_index=example_index,
+        context=context_file.read_text(encoding="utf-8") if context_file else None,
+        question=question,
+        compare=compare,
+        **_library_options(
+            layer,
+            draft,
+            mirror,
+            max_new_tokens,
+            warmup,
+            repeats,
+            model,
+            device,
+            threads,
+            allow_overlength,
+        ),
+    )
     if as_json:
-        result = {key: rows[0][key] for key in JSON_KEYS} | {
-            "budget": rows[0]["budget"],
-            "length": rows[0]["length"],
-        }
-        if compare:
-            result |= {"ttft_ratio": rows[0]["ttft_ratio"], "kv_ratio": rows[0]["kv_ratio"]}
-            result["tpot_ratio"] = rows[0]["tpot_ratio"]
-            result["compare"] = {key: rows[1][key] for key in JSON_KEYS}
-        console.print_json(json.dumps(result))
+        console.print_json(json.dumps(prefill_json(rows)))
         return
     _print_runs(rows, compare is not None)
-
-
-def _prompt(tokenizer, data, example_index, context_file, question):
-    from rankkit.capture import example_prompt
-    from rankkit.data import load_examples
-    from rankkit.prompting import build_prompt
-
-    if (data is None) == (context_file is None):
-        raise RankkitError("give either --data SPEC or --context-file FILE with --question")
-    if data is not None:
-        examples = load_examples(data, tokenizer)
-        if example_index >= len(examples):
-            raise RankkitError(f"--example {example_index} is past the {len(examples)} examples of {data}")
-        example = examples[example_index]
-        return example, example_prompt(tokenizer, example)
-    if not question:
-        raise RankkitError("--context-file needs --question")
-    return None, build_prompt(tokenizer, context_file.read_text(encoding="utf-8"), question)
 
 
 def _print_runs(rows: list[dict], compared: bool) -> None:
@@ -211,70 +149,55 @@ def bench(
     budget: str = typer.Option(None, help="Comma-separated token budgets (instead of --keep)."),
     data: str = typer.Option(..., help="A data spec, e.g. niah:n=4,length=4096."),
     limit: int = typer.Option(None, min=1, help="Only the first N examples."),
-    out: Path = typer.Option(None, help="Write one row per (example, method, budget) to this parquet file."),
-    layer: int = typer.Option(None, help=LAYER_HELP),
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    draft: str = typer.Option(None, help=DRAFT_HELP),
-    mirror: str = typer.Option(
-        "fastkv", help="The architecture the oracle mirrors: gemfilter, fastkv or claa."
+    out: Path = typer.Option(
+        None,
+        help="Write one row per (example, method, budget) to this parquet file. Finished examples are kept "
+        "beside it as they finish: after Ctrl-C (or SIGTERM) the same command resumes; an existing --out "
+        "is refused unless --overwrite.",
     ),
-    warmup: int = typer.Option(
-        1, min=0, help="Untimed runs before each timed one (on CPU the first measures memory)."
-    ),
-    repeats: int = typer.Option(
-        1,
-        min=1,
-        help="Timed rounds over all methods of an example; times are medians, ratios paired per round.",
-    ),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    as_json: bool = typer.Option(False, "--json", help="Print the per-method summary as JSON."),
+    overwrite: Overwrite = False,
+    layer: Layer = None,
+    model: Model = defaults.MODEL,
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    draft: Draft = None,
+    mirror: Mirror = defaults.ORACLE_MIRROR,
+    warmup: Warmup = defaults.WARMUP_RUNS,
+    repeats: Repeats = defaults.REPEATS,
+    threads: Threads = None,
+    device: Device = defaults.DEVICE,
+    allow_overlength: AllowOverlength = False,
+    as_json: AsJson = False,
 ) -> None:
-    """Run the methods x budgets grid over a dataset; print accuracy and TTFT ratio per method and budget."""
-    from rankkit.bench import BenchSettings, run_bench, summary
-    from rankkit.capture import example_prompt
-    from rankkit.data import load_examples
+    """Run the methods x budgets grid over a dataset; print accuracy and TTFT ratio per method and budget.
 
-    names = [name.strip() for name in methods.split(",") if name.strip()]
-    budgets = _budgets(keep, budget)
-    chosen = [_method(name, layer, draft, mirror, strict=False) for name in names]
-    loaded, runner = _load(model, device, threads)
-    examples = load_examples(data, loaded.tokenizer)[:limit]
-    if not examples:
-        raise RankkitError(f"{data} has no examples")
-    runs_per_example = 1 + sum(1 for name in names if name != "full") * len(budgets)
-    progress = Progress(
-        TextColumn("[bold]bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=status,
-    )
-    with progress:
-        task = progress.add_task("", total=len(examples) * runs_per_example)
-        started = {"runs": 0}
+    Every option is checked before the model loads. Ctrl-C or SIGTERM keeps every finished
+    example (with --out), says so and exits 130; rerunning the same command resumes.
+    """
+    from rankkit.bench import bench as run_bench
+    from rankkit.bench import summary
 
-        def on_run(description: str) -> None:
-            progress.update(task, description=description, completed=started["runs"])
-            if not description.startswith("calibrating"):
-                started["runs"] += 1
-
+    with progress_bar("bench") as show:
         frame = run_bench(
-            runner,
-            loaded.tokenizer,
-            examples,
-            chosen,
-            budgets,
-            BenchSettings(max_new_tokens, warmup, repeats),
-            prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
-            on_run=on_run,
+            comma_list(methods, "--methods"),
+            budgets(keep, budget),
+            data,
+            limit=limit,
+            out=out,
+            overwrite=overwrite,
+            progress=show,
+            **_library_options(
+                layer,
+                draft,
+                mirror,
+                max_new_tokens,
+                warmup,
+                repeats,
+                model,
+                device,
+                threads,
+                allow_overlength,
+            ),
         )
-        progress.update(task, completed=len(examples) * runs_per_example, description="done")
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        frame.write_parquet(out)
     table = summary(frame)
     if as_json:
         console.print_json(json.dumps({"out": str(out) if out else None, "summary": table.to_dicts()}))

@@ -8,7 +8,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from rankkit import defaults
 from rankkit.cli.app import app
+from rankkit.cli.options import AsJson, Device, MaxNewTokens, Model
 
 console = Console()
 
@@ -16,7 +18,7 @@ console = Console()
 @app.command()
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="Folder for everything the demo writes."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: Device = defaults.DEVICE,
 ) -> None:
     """Run the main job on the embedded default model and print where its output is."""
     from rankkit.demo import run_demo
@@ -33,10 +35,10 @@ def generate(
     context_file: Path = typer.Option(
         None, "--context-file", exists=True, dir_okay=False, help="Context text file."
     ),
-    model: str = typer.Option("default", help="'default', an HF folder, or a hub id."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    device: str = typer.Option("auto"),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    model: Model = defaults.MODEL,
+    max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
+    device: Device = defaults.DEVICE,
+    as_json: AsJson = False,
 ) -> None:
     """Greedy answer through the layer-by-layer runner (full prefill)."""
     from rankkit.demo import answer

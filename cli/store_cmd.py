@@ -92,3 +92,20 @@ def _compact(value: Any) -> str:
     """One line per metadata value; long ones (model configs) are cut, --json has them whole."""
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     return text if len(text) <= _VALUE_WIDTH else text[: _VALUE_WIDTH - 1] + "…"
+
+
+@store_app.command("verify")
+def verify(
+    path: Path = typer.Argument(..., help="Store directory, e.g. runs/capture.zarr."),
+    reset: bool = typer.Option(
+        False,
+        "--reset",
+        help="Unflag every damaged part, so rerunning the capture (or `rankkit oracle`) redoes it.",
+    ),
+) -> None:
+    """Check every file of every example against what its write recorded; exit 2 if any is damaged."""
+    report = stores.verify(path, reset=reset)
+    for problem in report.problems:
+        typer.echo(f"{problem.example}\t{problem.state}\t{problem.part}\t{problem.detail}")
+    typer.echo(report.summary())
+    report.raise_if_damaged()

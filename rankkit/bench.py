@@ -16,28 +16,37 @@ Fig. 4 analogue).
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import polars as pl
 import torch
 
-from rankkit.data import Example
+from rankkit import defaults, models, outputs
+from rankkit.checks import check_layer, check_length, check_prompt_lengths, check_spec_length, warn_clamped
+from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
+from rankkit.errors import RankkitError
+from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, Method, make
 from rankkit.methods.measure import CostModel, Measured, calibrate, measure_interleaved
-from rankkit.prompting import Prompt
+from rankkit.progress import Progress, ProgressCallback, ignore
+from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
 
 FULL = "full"
+COST_MODEL = "cost_model"  # the journal note a resumed bench reuses
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchSettings:
-    max_new_tokens: int = 32
-    warmup_runs: int = 1
-    repeats: int = 1
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
+    warmup_runs: int = defaults.WARMUP_RUNS
+    repeats: int = defaults.REPEATS
 
 
 def evidence_token_positions(prompt: Prompt, example: Example) -> set[int]:
@@ -99,6 +108,12 @@ def run_row(
     }
 
 
+def steps_per_prompt(entries: list[tuple[Method, Budget]], settings: BenchSettings) -> int:
+    """Progress steps ``compare_on_prompt`` reports: per entry one warm-up (of ``warmup_runs``
+    untimed runs, as ``measure_interleaved`` does them) and ``repeats`` timed runs."""
+    return len(entries) * (1 + settings.repeats)
+
+
 def compare_on_prompt(
     runner: Runner,
     tokenizer,
@@ -107,10 +122,20 @@ def compare_on_prompt(
     entries: list[tuple[Method, Budget]],
     cost_model: CostModel,
     settings: BenchSettings,
-    on_run: Callable[[str], None] = lambda description: None,
+    on_step: Callable[[str, str], None] = lambda stage, detail: None,
 ) -> list[dict]:
-    """Every (method, budget) of ``entries`` on one prompt, interleaved; ratios are to the first entry."""
+    """Every (method, budget) of ``entries`` on one prompt, interleaved; ratios are to the first entry.
+
+    ``on_step(stage, detail)`` is called as each of the ``steps_per_prompt`` steps starts:
+    stage "warm-up" for the first one of each entry, then "timed".
+    """
     name = example.id if example is not None else "prompt"
+    started = itertools.count()
+
+    def on_run(method: Method, budget: Budget) -> None:
+        stage = "warm-up" if next(started) < len(entries) else "timed"
+        on_step(stage, f"{name} {method.name} {budget.label}")
+
     measured = measure_interleaved(
         runner,
         entries,
@@ -119,7 +144,7 @@ def compare_on_prompt(
         tokenizer=tokenizer,
         warmup_runs=settings.warmup_runs,
         repeats=settings.repeats,
-        on_run=lambda method, budget: on_run(f"{name} {method.name} {budget.label}"),
+        on_run=on_run,
     )
     common = dict(tokenizer=tokenizer, example=example, prompt=prompt, cost_model=cost_model)
     return [
@@ -134,6 +159,217 @@ def grid(methods: list[Method], budgets: list[Budget]) -> list[tuple[Method, Bud
     return full + [(method, budget) for budget in budgets for method in methods if method.name != FULL]
 
 
+@dataclass(frozen=True)
+class MethodOptions:
+    """The options that shape every method of a run: ``--layer``, SpecPrefill's draft, the oracle's mirror."""
+
+    layer: int | None = None
+    draft: str | None = None  # SpecPrefill's own default: layers:⌈L/4⌉
+    mirror: str = defaults.ORACLE_MIRROR
+
+    def build(self, names: list[str], num_layers: int, *, strict: bool) -> list[Method]:
+        """The methods ``names`` with these options, ``layer`` checked against the model's depth.
+
+        ``strict`` (one method, prefill) refuses ``layer`` for a method that has no selection
+        layer; a grid (bench) sets it on those that have one and warns about the rest. ``full``
+        selects nothing, so the layer never concerns it.
+        """
+        if not names:
+            raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
+        params = {"specprefill": {"draft_model": self.draft}, "oracle": {"mirror": self.mirror}}
+        methods = [make(name, **params.get(name, {})) for name in names]
+        if self.layer is None:
+            return methods
+        layered = [method for method in methods if method.selection_parameter is not None]
+        others = [method.name for method in methods if method not in layered and method.name != FULL]
+        if others and (strict or not layered):
+            raise RankkitError(
+                f"method {', '.join(others)} has no selection layer; leave --layer out "
+                "(it sets claa, fastkv, gemfilter and oracle)"
+            )
+        if others:
+            warnings.warn(
+                f"--layer {self.layer} sets {', '.join(m.name for m in layered)}; "
+                f"{', '.join(others)} take no layer",
+                stacklevel=2,
+            )
+        for method in layered:
+            check_layer(self.layer, num_layers, method.name)
+        return [method.with_layer(self.layer) if method in layered else method for method in methods]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions."""
+
+    model: str = defaults.MODEL
+    device: str = defaults.DEVICE
+    threads: int | None = None
+    allow_overlength: bool = False
+
+    def config(self):
+        """The model's config, read without its weights."""
+        return models.load_config(self.model)
+
+    def load(self) -> tuple[models.LoadedModel, Runner]:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        loaded = models.load(self.model, device=self.device)
+        return loaded, Runner(loaded.model)
+
+
+def _checked_prompts(tokenizer, examples: list[Example], config, setup: Setup, budgets) -> list[Prompt]:
+    prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
+    for example, prompt in zip(examples, prompts, strict=True):
+        for budget in budgets:
+            warn_clamped(budget, prompt.num_tokens, f"the prompt of example {example.id!r}")
+    return prompts
+
+
+def prefill(
+    method: str,
+    budget: Budget | None,
+    *,
+    data: str | None = None,
+    example_index: int = 0,
+    context: str | None = None,
+    question: str | None = None,
+    compare: str | None = None,
+    options: MethodOptions = MethodOptions(),
+    settings: BenchSettings = BenchSettings(),
+    setup: Setup = Setup(),
+) -> list[dict]:
+    """One method end to end on one prompt (``data``'s example or ``context`` + ``question``).
+
+    Returns one ``run_row`` per method: ``method`` first, then ``compare`` with the ratios
+    of ``method`` to it. Every option is checked before the model loads.
+    """
+    if (data is None) == (context is None):
+        raise RankkitError("give either --data SPEC or --context-file FILE with --question")
+    if context is not None and not question:
+        raise RankkitError("--context-file needs --question")
+    if budget is None and method != FULL:
+        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    budget = budget or Budget.from_keep(1.0)
+    config = setup.config()
+    if data is not None:
+        check_spec_length(data, config, allow_overlength=setup.allow_overlength)
+    names = [method] if compare is None else [compare, method]  # the reference goes first
+    chosen = options.build(names, config.num_hidden_layers, strict=True)
+    loaded, runner = setup.load()
+    if data is not None:
+        examples = load_examples(data, loaded.tokenizer)
+        if example_index >= len(examples):
+            raise RankkitError(f"--example {example_index} is past the {len(examples)} examples of {data}")
+        example = examples[example_index]
+        (prompt,) = _checked_prompts(loaded.tokenizer, [example], config, setup, [budget])
+    else:
+        example, prompt = None, build_prompt(loaded.tokenizer, context, question)
+        check_length(prompt.num_tokens, config, "the prompt", allow_overlength=setup.allow_overlength)
+        warn_clamped(budget, prompt.num_tokens, "the prompt")
+    # full keeps everything whatever the budget
+    entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]
+    with torch.inference_mode():
+        cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
+    rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
+    if compare is None:
+        rows[0] |= dict.fromkeys(RATIOS)
+    return rows[::-1]
+
+
+PREFILL_JSON_KEYS = (
+    "example_id",
+    "method",
+    "keep",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "kv_bytes",
+    "peak_mem_bytes",
+    "ideal_ratio",
+    "answer",
+    "score",
+    "selection_layer",
+    "selected_positions",
+)
+RATIOS = ("ttft_ratio", "tpot_ratio", "kv_ratio")
+
+
+def prefill_json(rows: list[dict]) -> dict:
+    """The JSON form of ``prefill``'s rows: the method's measurements, budget and prompt length,
+    and with a comparison its ratios and the compared method's measurements under ``compare``."""
+    method = rows[0]
+    result = {key: method[key] for key in PREFILL_JSON_KEYS} | {
+        "budget": method["budget"],
+        "length": method["length"],
+    }
+    if len(rows) > 1:
+        result |= {key: method[key] for key in RATIOS}
+        result["compare"] = {key: rows[1][key] for key in PREFILL_JSON_KEYS}
+    return result
+
+
+def bench(
+    methods: list[str],
+    budgets: list[Budget],
+    data: str,
+    *,
+    limit: int | None = None,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    options: MethodOptions = MethodOptions(),
+    settings: BenchSettings = BenchSettings(),
+    setup: Setup = Setup(),
+    progress: ProgressCallback = ignore,
+) -> pl.DataFrame:
+    """The methods x budgets grid over the examples of ``data``: one row per (example, method, budget).
+
+    Every option is checked before the model loads. With ``out`` each example's rows are
+    kept as soon as they are measured (``outputs.Journal``): SIGINT or SIGTERM stops with
+    ``Interrupted`` naming what was kept, and the same call again resumes, skipping finished
+    examples and reusing the first run's cost model, so its output equals an uninterrupted
+    run's but for timings. The frame is written to ``out`` atomically at the end.
+    """
+    config = setup.config()
+    check_spec_length(data, config, allow_overlength=setup.allow_overlength)
+    chosen = options.build(methods, config.num_hidden_layers, strict=False)
+    if not budgets:
+        raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
+    if out is not None:
+        outputs.claim([out], overwrite=overwrite, inputs=[read_spec(data).path])
+    identity = {
+        "command": "bench",
+        "methods": methods,
+        "budgets": [budget.label for budget in budgets],
+        "data": data,
+        "limit": limit,
+        "model": setup.model,
+        "options": asdict(options),
+        "settings": asdict(settings),
+    }
+    loaded, runner = setup.load()
+    examples = load_examples(data, loaded.tokenizer)[:limit]
+    if not examples:
+        raise RankkitError(f"{data} has no examples")
+    prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)
+    journal = outputs.Journal(out, identity, overwrite=overwrite)
+    by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
+    with keep_on_interrupt(journal.kept):
+        frame = run_bench(
+            runner,
+            loaded.tokenizer,
+            examples,
+            chosen,
+            budgets,
+            settings,
+            prompt_for=lambda example: by_id[example.id],
+            journal=journal,
+            progress=progress,
+        )
+    journal.finish(frame)
+    return frame
+
+
 def run_bench(
     runner: Runner,
     tokenizer,
@@ -143,18 +379,39 @@ def run_bench(
     settings: BenchSettings,
     *,
     prompt_for: Callable[[Example], Prompt],
-    on_run: Callable[[str], None] = lambda description: None,
+    journal: outputs.Journal | None = None,
+    progress: ProgressCallback = ignore,
 ) -> pl.DataFrame:
-    """The grid over ``examples``; the cost model is calibrated once, on the first prompt."""
+    """The grid over ``examples``; the cost model is calibrated once, on the first prompt.
+
+    Each example's rows go to ``journal`` as they finish; examples it already holds are
+    skipped and the cost model it noted is reused (a resumed run).
+    """
+    journal = journal or outputs.Journal(None, {})
     prompts = [prompt_for(example) for example in examples]
-    on_run("calibrating the cost model (full prefills of prefixes of the first prompt)")
-    with torch.inference_mode():
-        cost_model = calibrate(runner, prompts[0].input_ids)
     entries = grid(methods, budgets)
-    rows = []
-    for example, prompt in zip(examples, prompts, strict=True):
-        rows += compare_on_prompt(runner, tokenizer, prompt, example, entries, cost_model, settings, on_run)
-    frame = pl.DataFrame(rows, infer_schema_length=None)
+    per_example = steps_per_prompt(entries, settings)
+    calibrating = 0 if COST_MODEL in journal.notes else 1
+    total = calibrating + len(examples) * per_example
+    if calibrating:
+        progress(Progress("calibrating", 0, total, "full prefills of prefixes of the first prompt"))
+        with torch.inference_mode():
+            fitted = calibrate(runner, prompts[0].input_ids)
+        journal.note(COST_MODEL, {"linear": fitted.linear, "quadratic": fitted.quadratic})
+    cost_model = CostModel(**journal.notes[COST_MODEL])
+    for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        done = calibrating + index * per_example
+        if journal.done(example.id):
+            progress(Progress("skipped", done + per_example, total, f"{example.id} (finished before)"))
+            continue
+
+        def on_step(stage: str, detail: str, steps=itertools.count(done)) -> None:
+            progress(Progress(stage, next(steps), total, detail))
+
+        rows = compare_on_prompt(runner, tokenizer, prompt, example, entries, cost_model, settings, on_step)
+        journal.record(example.id, rows)
+        progress(Progress("done", done + per_example, total, example.id))
+    frame = pl.DataFrame(journal.rows, infer_schema_length=None)
     return frame.with_columns(
         pl.lit(cost_model.linear).alias("cost_linear"), pl.lit(cost_model.quadratic).alias("cost_quadratic")
     )

@@ -10,19 +10,21 @@ WORLD_SIZE-th example and writes into the same store.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rankkit import models, stores
-from rankkit.data import METRICS, Example, load_examples, parse_spec
+from rankkit import defaults, models, stores
+from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.data import METRICS, Example, load_examples
 from rankkit.errors import RankkitError
+from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
-from rankkit.oracle import answer_informed_oracle
+from rankkit.oracle import answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
+from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt
 from rankkit.runner import Runner, layer_types
 
@@ -31,10 +33,30 @@ from rankkit.runner import Runner, layer_types
 class OracleOptions:
     """How the Answer-Informed Oracle is run; recorded with every example's oracle."""
 
-    answer: str = "generated"
+    answer: str = defaults.ORACLE_ANSWER
     softmax: bool = False
-    kernel: int = 7
-    max_new_tokens: int = 32
+    kernel: int = defaults.ORACLE_KERNEL
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
+
+    def __post_init__(self) -> None:
+        self.params()  # bad settings fail here, before any model loads
+
+    def params(self) -> dict:
+        """What the store records with each oracle: its identity (``oracle_params``)."""
+        return oracle_params(self.answer, self.softmax, self.kernel, self.max_new_tokens)
+
+
+def check_oracle_settings(store_path, options: OracleOptions) -> None:
+    """Refuse to add oracles made with ``options`` to a store holding oracles made otherwise."""
+    wanted = options.params()
+    for record in stores.open(store_path).examples():
+        made = record.attrs.get("oracle_params") if record.has_oracle else None
+        if made is not None and made != wanted:
+            shown = ", ".join(f"{key}={value}" for key, value in made.items() if value is not None)
+            raise RankkitError(
+                f"{store_path} holds oracles made with {shown} (example {record.id!r}); rerun with those "
+                "settings, or recompute every oracle with `rankkit oracle STORE --redo` and the new ones"
+            )
 
 
 @dataclass
@@ -46,8 +68,15 @@ class CaptureSummary:
     tokens: int = 0
     seconds: float = 0.0
     correct: list[float] = field(default_factory=list)
+    total: int | None = None  # the examples this run goes through
 
-    def count(self, progress, tokens: int | None, oracle_attrs: dict | None = None) -> None:
+    def count(
+        self,
+        progress: ProgressCallback,
+        example_id: str,
+        tokens: int | None,
+        oracle_attrs: dict | None = None,
+    ) -> None:
         """Book one example: written (``tokens`` given) or skipped (None), then report progress."""
         if tokens is None:
             self.skipped += 1
@@ -56,8 +85,15 @@ class CaptureSummary:
             self.tokens += tokens
         if oracle_attrs and "correct" in oracle_attrs:
             self.correct.append(oracle_attrs["correct"])
-        if progress:
-            progress("skipped" if tokens is None else "written", self.examples, tokens or 0)
+        stage = "skipped" if tokens is None else "written"
+        progress(Progress(stage, self.examples, self.total, example_id))
+
+    def kept(self) -> str:
+        """What an interrupted run kept: every example written whole (the store never holds half of one)."""
+        return (
+            f"interrupted: kept {self.written} examples written by this run ({self.skipped} were there "
+            f"before) in {self.out}; rerun the same command to resume"
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -167,24 +203,29 @@ def oracle_for(
 
 def capture(
     *,
-    model: str = "default",
+    model: str = defaults.MODEL,
     data: str = "niah:n=8,length=2048",
     probes: str = "all",
     out: str | os.PathLike = "runs/capture.zarr",
     limit: int | None = None,
-    device: str = "auto",
+    device: str = defaults.DEVICE,
     overwrite: bool = False,
     oracle: OracleOptions | None = None,
     draft: str | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: ProgressCallback = ignore,
+    allow_overlength: bool = False,
+    score_dtype: str = defaults.SCORE_DTYPE,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
     ``draft`` (a SpecPrefill draft spec, e.g. ``layers:8``) also stores the draft's
     lookahead scores (CLAA Eq. 3 before aggregation) in the example's ``draft_scores`` group.
 
-    ``progress(kind, done_examples, tokens)`` is called after each example (kind is
-    "written" or "skipped"), so a front end can draw a bar.
+    ``progress`` gets a ``Progress`` event after each example (stage "written" or
+    "skipped"; the total is this rank's share of the examples). A prompt longer than the
+    model's positions is refused before any compute unless ``allow_overlength``.
+    ``score_dtype`` "float16" stores the scores at half the size (see docs/benchmarks.md
+    for what it changes in the metrics).
     """
     import time
 
@@ -197,45 +238,53 @@ def capture(
 
         keys = {probe.key for probe in probe_list}
         probe_list += [probe for probe in probes_methods_need() if probe.key not in keys]
-    parse_spec(data)  # a bad spec fails before minutes of model loading
+    stores.check_score_dtype(score_dtype)
+    # float32 stays implicit, so stores captured before the option existed still resume
+    stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
+    config = models.load_config(model)  # a bad spec or length fails before the weights load
+    check_spec_length(data, config, allow_overlength=allow_overlength)
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
+    check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
     runner = Runner(loaded.model)
     drafter = None if draft is None else specprefill_for(draft, runner)
-    meta = run_meta(loaded, probe_list, data)
+    meta = {**run_meta(loaded, probe_list, data), **stored_as}
     if drafter is not None:  # part of the run's identity: a resume with another draft refuses
         meta["draft"] = drafter.resolved(runner.num_layers)
     writer = stores.create(out, meta, overwrite=overwrite and rank == 0)
-    summary = CaptureSummary(out=str(Path(out)))
+    if oracle is not None:
+        check_oracle_settings(out, oracle)
+    summary = CaptureSummary(out=str(Path(out)), total=len(range(rank, len(examples), world)))
     started = time.perf_counter()
-    for index, example in enumerate(examples):
-        if index % world != rank:
-            continue
-        summary.examples += 1
-        if (
-            writer.is_complete(example.id)
-            and (oracle is None or writer.has_oracle(example.id))
-            and (drafter is None or writer.has_group(example.id, DRAFT_GROUP))
-        ):
-            summary.count(progress, None)
-            continue
-        prompt = example_prompt(loaded.tokenizer, example)
-        ids = prompt.input_ids.to(loaded.device)
-        attrs = example_attrs(loaded.tokenizer, example, prompt)
-        prefill = oracle_attrs = None
-        if not writer.is_complete(example.id):
-            recorder = ProbeRecorder(probe_list)
-            prefill = runner.prefill(ids, hooks=[recorder])
-            writer.write_example(
-                example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
-            )
-        if oracle is not None and not writer.has_oracle(example.id):
-            oracle_attrs = write_oracle(
-                writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
-            )
-        if drafter is not None and not writer.has_group(example.id, DRAFT_GROUP):
-            write_draft_scores(writer, runner, drafter, example.id, ids)
-        summary.count(progress, prompt.num_tokens, oracle_attrs)
+    with keep_on_interrupt(summary.kept):
+        for index, example in enumerate(examples):
+            if index % world != rank:
+                continue
+            summary.examples += 1
+            if (
+                writer.is_complete(example.id)
+                and (oracle is None or writer.has_oracle(example.id))
+                and (drafter is None or writer.has_group(example.id, DRAFT_GROUP))
+            ):
+                summary.count(progress, example.id, None)
+                continue
+            prompt = example_prompt(loaded.tokenizer, example)
+            ids = prompt.input_ids.to(loaded.device)
+            attrs = example_attrs(loaded.tokenizer, example, prompt)
+            prefill = oracle_attrs = None
+            if not writer.is_complete(example.id):
+                recorder = ProbeRecorder(probe_list)
+                prefill = runner.prefill(ids, hooks=[recorder])
+                writer.write_example(
+                    example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
+                )
+            if oracle is not None and not writer.has_oracle(example.id):
+                oracle_attrs = write_oracle(
+                    writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
+                )
+            if drafter is not None and not writer.has_group(example.id, DRAFT_GROUP):
+                write_draft_scores(writer, runner, drafter, example.id, ids)
+            summary.count(progress, example.id, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     _wait_for_other_ranks(world)
     return summary
@@ -266,7 +315,7 @@ def add_oracle(
     model: str | None = None,
     device: str = "auto",
     redo: bool = False,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: ProgressCallback = ignore,
 ) -> CaptureSummary:
     """Add the Answer-Informed Oracle to every complete example of a store captured earlier.
 
@@ -283,18 +332,24 @@ def add_oracle(
         raise RankkitError(
             f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
         )
+    if not redo:
+        check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
-    summary = CaptureSummary(out=str(store_path))
+    records = list(store.examples())
+    summary = CaptureSummary(out=str(store_path), total=len(records))
     started = time.perf_counter()
-    for record in store.examples():
-        summary.examples += 1
-        if record.has_oracle and not redo:
-            summary.count(progress, None)
-            continue
-        ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
-        oracle_attrs = write_oracle(writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options)
-        summary.count(progress, record.num_tokens, oracle_attrs)
+    with keep_on_interrupt(summary.kept):
+        for record in records:
+            summary.examples += 1
+            if record.has_oracle and not redo:
+                summary.count(progress, record.id, None)
+                continue
+            ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
+            oracle_attrs = write_oracle(
+                writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options
+            )
+            summary.count(progress, record.id, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
     return summary
 

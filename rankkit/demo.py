@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 from rich.console import Console
 
-from rankkit import models
+from rankkit import defaults, models
 from rankkit.prompting import build_prompt
 from rankkit.runner import Runner
 
@@ -23,7 +23,12 @@ DEMO_KEEP = 0.2
 
 
 def answer(
-    model_spec: str, context: str, question: str, *, max_new_tokens: int = 32, device: str = "auto"
+    model_spec: str,
+    context: str,
+    question: str,
+    *,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
+    device: str = defaults.DEVICE,
 ) -> dict:
     """Greedy answer to (context, question) through the runner, with the prompt's size."""
     loaded = models.load(model_spec, device=device)
@@ -97,5 +102,5 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     console.print(frame_table(per_method, f"end to end at keep {DEMO_KEEP}, means over examples"))
 
     with console.status("dashboard"):
-        write_dashboard(written["store"], written["dashboard"], bench=frame)
+        write_dashboard(written["store"], written["dashboard"], bench=frame, overwrite=True)
     return written

@@ -202,6 +202,15 @@ def check_family(config) -> None:
         )
 
 
+def load_config(spec: str = "default"):
+    """The model's config (depth, context length) without its weights, so options are checked before a load."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(resolve_folder(spec)))
+    check_family(config)
+    return config
+
+
 def load_tokenizer(spec: str = "default"):
     from transformers import AutoTokenizer
 

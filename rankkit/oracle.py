@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rankkit import defaults
 from rankkit.errors import RankkitError
 from rankkit.pooling import check_pooling, pool_tokens
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
@@ -95,6 +96,21 @@ class AnswerAttention(LayerHook):
         return logits.reshape(kv_heads * groups, -1).amax(dim=0).cpu()
 
 
+def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) -> dict:
+    """The settings that define an oracle, checked; a store records them with each oracle, and
+    oracles made with other settings never mix in one store (``max_new_tokens`` counts only for
+    a generated answer)."""
+    if answer not in ANSWER_MODES:
+        raise RankkitError(f"--answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+    check_pooling("avg", kernel)
+    return {
+        "answer": answer,
+        "softmax": softmax,
+        "kernel": kernel,
+        "max_new_tokens": max_new_tokens if answer == "generated" else None,
+    }
+
+
 def fork_prefill(prefill: PrefillResult) -> PrefillResult:
     """The same prefill with a forked cache, so several continuations can start from it."""
     return dataclasses.replace(prefill, cache=prefill.cache.fork())
@@ -131,11 +147,11 @@ def answer_informed_oracle(
     input_ids: torch.Tensor,
     *,
     tokenizer,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     answer: str = "generated",
     reference_answer: str | None = None,
     softmax: bool = False,
-    kernel: int = 7,
+    kernel: int = defaults.ORACLE_KERNEL,
     prefill: PrefillResult | None = None,
 ) -> OracleResult:
     """CLAA Algorithm 1 / Listing 4 ``get_oracle_ranking`` on one prompt (see the module docstring).
@@ -149,11 +165,9 @@ def answer_informed_oracle(
     ``prefill`` reuses a full, unpruned prefill of ``input_ids`` (e.g. the capture pass
     that ran the probes); it is forked, never grown, so it stays reusable afterwards.
     """
-    if answer not in ANSWER_MODES:
-        raise RankkitError(f"answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+    params = oracle_params(answer, softmax, kernel, max_new_tokens)
     if answer == "reference" and reference_answer is None:
         raise RankkitError("answer='reference' needs reference_answer")
-    check_pooling("avg", kernel)
     prompt_length = int(input_ids.numel())
     if prefill is None:
         prefill = runner.prefill(input_ids)
@@ -179,11 +193,6 @@ def answer_informed_oracle(
         layer_scores=layer_scores.numpy().astype(np.float32),
         answer_tokens=answer_tokens,
         answer_text=tokenizer.decode(answer_tokens, skip_special_tokens=True),
-        params={
-            "answer": answer,
-            "softmax": softmax,
-            "kernel": kernel,
-            "max_new_tokens": max_new_tokens if answer == "generated" else None,
-        },
+        params=params,
         ended_with_eos=ended_with_eos,
     )

@@ -6,22 +6,29 @@
     s = stores.open("runs/a.zarr")                      # read-only
     s.scores_frame(reduce="sum")                        # example, probe, layer, token, score
 
-Layout and crash-safety rules: ``rankkit.stores.schema`` and ``rankkit.stores.writer``.
+Layout and crash-safety rules: ``rankkit.stores.schema`` and ``rankkit.stores.writer``; what a
+read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole store.
 """
 
 from .reader import ArrayGroup, ExampleRecord, Store, describe, open
-from .schema import SCHEMA_VERSION, decode_name, encode_name
+from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
+from .verify import VerifyReport, verify
 from .writer import StoreWriter, create
 
 __all__ = [
     "SCHEMA_VERSION",
+    "SCORE_DTYPES",
+    "SCORE_DTYPE_KEY",
     "ArrayGroup",
     "ExampleRecord",
     "Store",
     "StoreWriter",
+    "check_score_dtype",
+    "VerifyReport",
     "create",
     "decode_name",
     "describe",
     "encode_name",
     "open",
+    "verify",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from functools import cached_property
@@ -23,10 +24,14 @@ from zarr.storage import LocalStore
 
 from rankkit.errors import RankkitError
 
+from . import manifest
+from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
+    ADDED_GROUPS,
     COMPLETE,
     EXAMPLE_FLAGS,
     EXAMPLE_NODES,
+    EXAMPLES,
     ORACLE,
     ORACLE_COMPLETE,
     ORACLE_LAYERS,
@@ -36,69 +41,128 @@ from .schema import (
     decode_name,
     encode_name,
     example_path,
+    example_state,
     list_example_dirs,
+    one_line,
     open_node,
     open_root,
+    open_zip,
     read_example_attrs,
 )
 
 Reduce = Literal["sum", "mean", "max"] | None
 _HEAD_REDUCERS = {"sum": np.sum, "mean": np.mean, "max": np.max}
 
+_STORE_ATTRS = (MANIFEST, ORACLE_MANIFEST, ADDED_GROUPS)
 _EXAMPLE_COLUMNS = ("id", "complete", "task", "num_tokens", "has_oracle", "correct")
+
+
+class _Part:
+    """The arrays one write put down (the capture, the oracle, or an added group), read with checks.
+
+    ``recorded`` is the write's manifest; None for schema version 1 examples, whose arrays live
+    in ``legacy``, a zarr group of the example's directory.
+    """
+
+    def __init__(self, example: ExampleRecord, recorded: dict[str, Any] | None, legacy: zarr.Group, redo: str):
+        self.example = example
+        self.recorded = recorded
+        self._legacy = legacy
+        self._redo = redo
+
+    def array_names(self, prefix: str = "") -> list[str]:
+        """Encoded names of the arrays under ``prefix`` ("" or e.g. "scores/")."""
+        if self.recorded is not None:
+            names = (name[len(prefix) :] for name in self.recorded["arrays"] if name.startswith(prefix))
+            return sorted(name for name in names if "/" not in name)
+        group = self._legacy[prefix.rstrip("/")] if prefix else self._legacy
+        return sorted(group.array_keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self.recorded is not None:
+            return tuple(self.recorded["arrays"][name]["shape"])
+        return self.read(name, lambda array: array.shape)
+
+    def read(self, name: str, read: Any) -> Any:
+        """``read(zarr_array)`` of array ``name``; RankkitError naming the example, the array and the
+        fix when the file holding it is missing, truncated or no longer decodes."""
+        if self.recorded is not None:
+            found = manifest.damage(self.example.directory, self.recorded, checksum=False)
+            if found:
+                raise self._damaged(name, found[0][1])
+        try:
+            if self.recorded is None:
+                return read(self._legacy[name])
+            (file_name,) = self.recorded["files"]
+            with open_zip(self.example.directory / file_name) as root:
+                return read(root[name])
+        except Exception as error:  # zip, zarr, blosc and json raise many types for damaged bytes
+            raise self._damaged(name, f"does not decode: {one_line(error)}") from None
+
+    def _damaged(self, name: str, detail: str) -> RankkitError:
+        shown = "/".join(decode_name(part) for part in name.split("/"))
+        store = self.example.store_path
+        return RankkitError(
+            f"example {self.example.id!r} in {store}: array {shown} is damaged ({detail}); "
+            f"run `rankkit store verify {store} --reset`, then {self._redo}"
+        )
 
 
 class ArrayGroup:
     """A complete group of arrays added to an example after capture (``add_arrays``)."""
 
-    def __init__(self, name: str, group: zarr.Group):
+    def __init__(self, name: str, attrs: dict[str, Any], part: _Part):
         self.name = name
-        self.attrs = {key: value for key, value in group.attrs.asdict().items() if key != COMPLETE}
-        self._group = group
+        self.attrs = attrs
+        self._part = part
 
     @property
     def names(self) -> list[str]:
-        return sorted(decode_name(key) for key in self._group.array_keys())
+        return [decode_name(key) for key in self._part.array_names()]
 
     def __getitem__(self, name: str) -> np.ndarray:
-        try:
-            array = self._group[encode_name(name)]
-        except KeyError:
+        if name not in self.names:
             raise RankkitError(
                 f"group {self.name!r} has no array {name!r} (it has {', '.join(self.names) or 'none'})"
-            ) from None
-        return array[...]
+            )
+        return self._part.read(encode_name(name), lambda array: array[...])
 
 
 class ExampleRecord:
-    """One complete example; arrays are read from disk when asked for."""
+    """One complete example; arrays are read from disk when asked for, each checked against
+    what its write recorded (``rankkit.stores.manifest``)."""
 
-    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any]):
+    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any], store_path: Path):
         self.id = example_id
-        self.attrs = attrs
+        self.attrs = {key: value for key, value in attrs.items() if key not in _STORE_ATTRS}
+        self.store_path = store_path
+        self.directory = store_path / example_path(example_id)
         self._group = group
+        self._added = attrs.get(ADDED_GROUPS, {})
+        self._capture = _Part(self, attrs.get(MANIFEST), group, f"rerun the capture into {store_path}")
+        self._oracle = _Part(self, attrs.get(ORACLE_MANIFEST), group, f"`rankkit oracle {store_path}`")
 
     def __repr__(self) -> str:
         return f"ExampleRecord({self.id!r}, tokens={self.num_tokens}, probes={self.probes})"
 
     @cached_property
     def tokens(self) -> np.ndarray:
-        return self._group[TOKENS][...]
+        return self._capture.read(TOKENS, lambda array: array[...])
 
     @property
     def num_tokens(self) -> int:
-        return self._group[TOKENS].shape[0]
+        return self._capture.shape(TOKENS)[0]
 
     @cached_property
     def probes(self) -> list[str]:
-        return sorted(decode_name(key) for key in self._scores_group.array_keys())
+        return [decode_name(name) for name in self._capture.array_names(f"{SCORES}/")]
 
     def score_shape(self, probe: str) -> tuple[int, int, int]:
         """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
-        return self._score_array(probe).shape
+        return self._capture.shape(self._score_name(probe))
 
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
-        """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
+        """float32 [layers, kv_heads, T] (whatever the stored dtype); ``layers`` picks (and orders) a subset."""
         return self._read_scores(probe, layers)[0]
 
     @property
@@ -108,20 +172,21 @@ class ExampleRecord:
     @property
     def oracle(self) -> np.ndarray | None:
         """float32 [T], or None until ``add_oracle`` completed for this example."""
-        return self._group[ORACLE][...] if self.has_oracle else None
+        return self._oracle.read(ORACLE, lambda array: array[...]) if self.has_oracle else None
 
     @property
     def oracle_layers(self) -> np.ndarray | None:
         """float32 [layers, T], or None until ``add_oracle`` completed for this example."""
-        return self._group[ORACLE_LAYERS][...] if self.has_oracle else None
+        return self._oracle.read(ORACLE_LAYERS, lambda array: array[...]) if self.has_oracle else None
 
     @cached_property
     def groups(self) -> list[str]:
         """Names of the complete groups added with ``add_arrays``."""
-        names = []
-        for key, member in self._group.groups():
-            if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
-                names.append(decode_name(key))
+        names = list(self._added)
+        if self._capture.recorded is None:  # schema version 1: groups are directories
+            for key, member in self._group.groups():
+                if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
+                    names.append(decode_name(key))
         return sorted(names)
 
     def group(self, name: str) -> ArrayGroup:
@@ -129,24 +194,29 @@ class ExampleRecord:
             raise RankkitError(
                 f"example {self.id!r} has no complete group {name!r} (it has {', '.join(self.groups) or 'none'})"
             )
-        return ArrayGroup(name, self._group[encode_name(name)])
+        redo = f"rerun the command that added group {name!r}"
+        if name in self._added:
+            return ArrayGroup(name, self._added[name]["attrs"], _Part(self, self._added[name][MANIFEST], self._group, redo))
+        legacy = self._group[encode_name(name)]
+        attrs = {key: value for key, value in legacy.attrs.asdict().items() if key != COMPLETE}
+        return ArrayGroup(name, attrs, _Part(self, None, legacy, redo))
 
     def _read_scores(self, probe: str, layers: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The scores of ``layers`` (all when None) and those layers' indices."""
-        array = self._score_array(probe)
-        layer_ids = _checked_layers(layers, array.shape[0], f"probe {probe!r} of example {self.id!r}")
-        return (array[...] if layers is None else array.oindex[layer_ids]), layer_ids
+        name = self._score_name(probe)
+        layer_ids = _checked_layers(
+            layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
+        )
+        values = self._capture.read(name, lambda array: array[...] if layers is None else array.oindex[layer_ids])
+        # float16 stores (capture --score-dtype float16) read back as float32 like any other
+        return values.astype(np.float32, copy=False), layer_ids
 
-    def _score_array(self, probe: str) -> zarr.Array:
+    def _score_name(self, probe: str) -> str:
         if probe not in self.probes:
             raise RankkitError(
                 f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
             )
-        return self._scores_group[encode_name(probe)]
-
-    @cached_property
-    def _scores_group(self) -> zarr.Group:
-        return self._group[SCORES]
+        return f"{SCORES}/{encode_name(probe)}"
 
 
 class Store:
@@ -172,6 +242,11 @@ class Store:
             raise RankkitError(
                 f"store {self.path} has no example {example_id!r}; list them with `rankkit store info`"
             )
+        if example_state(self.path / EXAMPLES / encoded)[0] == "unreadable":
+            raise RankkitError(
+                f"example {example_id!r} in {self.path} is unreadable (its zarr.json does not parse); "
+                f"rerun the capture into {self.path} to redo it"
+            )
         attrs = read_example_attrs(self._store, encoded)
         if attrs is None or attrs.get(COMPLETE) is not True:
             raise RankkitError(
@@ -183,6 +258,22 @@ class Store:
         """Every complete example, in id order."""
         for example_id, attrs in self._example_attrs(complete_only=True):
             yield self._record(example_id, attrs)
+
+    def skipped(self) -> Counter[str]:
+        """How many examples ``examples()`` and the frames leave out, by ``example_state``:
+        "incomplete" (capture unfinished) and "unreadable" (metadata no longer parses)."""
+        states = (example_state(self.path / EXAMPLES / encoded)[0] for encoded in list_example_dirs(self.path))
+        return Counter(state for state in states if state != "complete")
+
+    def warn_skipped(self) -> None:
+        """Warn (one line) of the examples left out, for commands that read the complete ones."""
+        counts = self.skipped()
+        if counts:
+            listed = " and ".join(f"{count} {state}" for state, count in sorted(counts.items()))
+            warnings.warn(
+                f"left out {listed} example(s) of {self.path}; `rankkit store verify {self.path}` lists them",
+                stacklevel=2,
+            )
 
     def examples_frame(self, complete_only: bool = True) -> pl.DataFrame:
         """One row per example: id, complete, task, num_tokens, has_oracle, correct, then every
@@ -346,7 +437,7 @@ class Store:
                 yield self.example(example_id)
 
     def _record(self, example_id: str, attrs: dict[str, Any]) -> ExampleRecord:
-        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs)
+        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs, self.path)
 
 
 def open(path: str | os.PathLike) -> Store:

@@ -3,14 +3,21 @@
 A store is a zarr v3 group on the local file system::
 
     run.zarr/                 attrs: schema_version, rankkit_version, created + the caller's run metadata
-      examples/<id>/          attrs: the caller's example attrs + "complete" (+ "oracle_complete")
-        tokens                int32   [T]
-        scores/<probe>        float32 [layers, heads, T]  (KV heads; query heads for last_token_heads)
-        oracle                float32 [T]
-        oracle_layers         float32 [layers, T]
-        <group>/<name>        later additions (add_arrays); group attrs carry their own "complete"
+      examples/<id>/          attrs: the caller's example attrs + "complete" and "manifest"
+                                     (+ "oracle_complete" and "oracle_manifest", + "added_groups")
+        capture.zip           a zarr group: tokens int32 [T], scores/<probe> float32 [layers, heads, T]
+                              (KV heads; query heads for last_token_heads)
+        oracle.zip            oracle float32 [T], oracle_layers float32 [layers, T]
+        <group>.zip           later additions (add_arrays), listed with their attrs in "added_groups"
 
-Every directory name below ``examples/`` is an encoded id (see ``encode_name``).
+so an example is three or four files however many probes it holds, which keeps large stores
+quick to list, copy and sync. Each zip is written beside its final name and renamed into
+place, then the example's flag is set. Schema version 1 stores (before 0.2) held the same
+arrays as plain zarr directories under ``examples/<id>/`` (``tokens``, ``scores/<probe>``,
+``oracle``, ``oracle_layers``, ``<group>/<name>`` with its own "complete" flag); they still
+read, and a resumed capture adds new examples in this layout.
+
+Every name below ``examples/`` is an encoded id (see ``encode_name``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -26,11 +36,13 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BloscShuffle
 from zarr.errors import GroupNotFoundError
-from zarr.storage import LocalStore
+from zarr.storage import LocalStore, ZipStore
 
 from rankkit.errors import RankkitError
 
-SCHEMA_VERSION = 1
+from .manifest import MANIFEST, ORACLE_MANIFEST
+
+SCHEMA_VERSION = 2
 
 # Root attributes the store sets itself; callers' run metadata never overrides them
 # and they are not part of the resume compatibility check.
@@ -39,16 +51,25 @@ RANKKIT_VERSION_KEY = "rankkit_version"
 CREATED_KEY = "created"
 STORE_MANAGED_KEYS = frozenset({SCHEMA_VERSION_KEY, RANKKIT_VERSION_KEY, CREATED_KEY})
 
+# Run metadata naming how scores are stored: "float16" halves a store (capture
+# --score-dtype); absent means float32. Part of the run's identity, so a resume keeps it.
+SCORE_DTYPE_KEY = "score_dtype"
+SCORE_DTYPES = ("float32", "float16")
+
 EXAMPLES = "examples"
 TOKENS = "tokens"
 SCORES = "scores"
 ORACLE = "oracle"
 ORACLE_LAYERS = "oracle_layers"
 EXAMPLE_NODES = frozenset({TOKENS, SCORES, ORACLE, ORACLE_LAYERS})
+CAPTURE_FILE = "capture.zip"
+ORACLE_FILE = "oracle.zip"
+ADDED_GROUPS = "added_groups"
 
 COMPLETE = "complete"
 ORACLE_COMPLETE = "oracle_complete"
-EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE})
+# The flags and what each completed write holds (rankkit.stores.manifest) are the store's own.
+EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE, MANIFEST, ORACLE_MANIFEST, ADDED_GROUPS})
 
 # File names are at most 255 bytes on common file systems; leave room for the
 # ".<uuid>.partial" suffix zarr's atomic writes add next to a file.
@@ -64,6 +85,11 @@ COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),
 
 _SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
 _SAFE_FIRST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+
+
+def check_score_dtype(score_dtype: str) -> None:
+    if score_dtype not in SCORE_DTYPES:
+        raise RankkitError(f"--score-dtype must be one of {', '.join(SCORE_DTYPES)}, got {score_dtype!r}")
 
 
 def encode_name(name: str) -> str:
@@ -106,6 +132,38 @@ def chunks_for(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     row_bytes = math.prod(shape[1:]) * itemsize
     rows = max(1, min(shape[0], TARGET_CHUNK_BYTES // max(1, row_bytes)))
     return (rows, *shape[1:])
+
+
+def group_file(name: str) -> str:
+    """The zip an added group's arrays live in."""
+    return f"{encode_name(name)}.zip"
+
+
+def write_zip(path: Path, arrays: dict[str, np.ndarray], attrs: dict[str, Any] | None = None) -> None:
+    """A zarr group of ``arrays`` (keys are paths, e.g. "scores/<probe>") in one zip at ``path``,
+    written beside it under a hidden name and renamed into place: readers never see half a zip."""
+    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        store = ZipStore(staging, mode="w")
+        root = zarr.open_group(store, mode="w", zarr_format=3, attributes=attrs or {})
+        for name, data in arrays.items():
+            parent, _, leaf = name.rpartition("/")
+            write_array(root.require_group(parent) if parent else root, leaf, data)
+        store.close()
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+@contextmanager
+def open_zip(path: Path) -> Iterator[zarr.Group]:
+    """The zarr group in a zip, read-only; the file is closed on exit, so thousands of examples
+    read one after another never hold thousands of open files."""
+    store = ZipStore(path, mode="r")
+    try:
+        yield zarr.open_group(store, mode="r", zarr_format=3, use_consolidated=False)
+    finally:
+        store.close()
 
 
 def write_array(group: zarr.Group, name: str, data: np.ndarray) -> None:
@@ -155,7 +213,7 @@ def open_node(store: LocalStore, node_path: str = "") -> zarr.Group:
     )
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
@@ -171,7 +229,7 @@ def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any
         attrs = root.attrs.asdict()
     except Exception as error:  # zarr raises many types for unreadable metadata
         raise RankkitError(
-            f"store {path} is corrupt ({_one_line(error)}); recapture it with --overwrite"
+            f"store {path} is corrupt ({one_line(error)}); recapture it with --overwrite"
         ) from error
     version = attrs.get(SCHEMA_VERSION_KEY)
     if version is None:
@@ -200,6 +258,21 @@ def list_example_dirs(path: Path) -> list[str]:
     """
     with os.scandir(path / EXAMPLES) as entries:
         return sorted(entry.name for entry in entries if entry.is_dir() and not entry.name.startswith("."))
+
+
+def example_state(directory: Path) -> tuple[str, dict[str, Any]]:
+    """("complete" | "incomplete" | "unreadable", attrs) of an example or added group directory:
+    incomplete when its write never finished, unreadable when its zarr.json no longer parses."""
+    metadata = directory / "zarr.json"
+    if not metadata.is_file():
+        return "incomplete", {}
+    try:
+        attrs = json.loads(metadata.read_bytes()).get("attributes", {})
+    except (ValueError, AttributeError):
+        return "unreadable", {}
+    if not isinstance(attrs, dict):
+        return "unreadable", {}
+    return ("complete" if attrs.get(COMPLETE) is True else "incomplete"), attrs
 
 
 def read_example_attrs(store: LocalStore, encoded: str) -> dict[str, Any] | None:

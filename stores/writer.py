@@ -24,7 +24,11 @@ from zarr.storage import LocalStore
 from rankkit import __version__ as rankkit_version
 from rankkit.errors import RankkitError
 
+from . import manifest
+from .manifest import MANIFEST, ORACLE_MANIFEST
 from .schema import (
+    ADDED_GROUPS,
+    CAPTURE_FILE,
     COMPLETE,
     CREATED_KEY,
     EXAMPLE_FLAGS,
@@ -32,21 +36,25 @@ from .schema import (
     EXAMPLES,
     ORACLE,
     ORACLE_COMPLETE,
+    ORACLE_FILE,
     ORACLE_LAYERS,
     RANKKIT_VERSION_KEY,
     SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
+    SCORE_DTYPE_KEY,
     SCORES,
     STORE_MANAGED_KEYS,
     TOKENS,
     canonical_json,
+    check_score_dtype,
     encode_name,
     example_path,
+    group_file,
     open_node,
     open_root,
     read_example_attrs,
     to_json,
-    write_array,
+    write_zip,
 )
 
 _MAX_DIFFERENCES_SHOWN = 3
@@ -59,6 +67,7 @@ class StoreWriter:
         self.path = path
         self.meta = meta
         self._store = LocalStore(path)
+        self._score_dtype = np.dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     def is_complete(self, example_id: str) -> bool:
         attrs = read_example_attrs(self._store, encode_name(example_id))
@@ -86,7 +95,9 @@ class StoreWriter:
         example_attrs = _caller_attrs(attrs, f"attrs of example {example_id!r}")
         token_ids = _token_array(tokens, example_id)
         score_arrays = {
-            encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0])
+            encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0]).astype(
+                self._score_dtype, copy=False
+            )
             for probe, values in scores.items()
         }
         if self.is_complete(example_id):
@@ -99,11 +110,10 @@ class StoreWriter:
         group = open_node(self._store, EXAMPLES).create_group(
             encoded, attributes={**example_attrs, COMPLETE: False}
         )
-        write_array(group, TOKENS, token_ids)
-        score_group = group.create_group(SCORES)
-        for encoded_probe, values in score_arrays.items():
-            write_array(score_group, encoded_probe, values)
-        _mark_complete(group, {COMPLETE: True})
+        arrays = {TOKENS: token_ids, **{f"{SCORES}/{probe}": values for probe, values in score_arrays.items()}}
+        example_dir = self.path / EXAMPLES / encoded
+        write_zip(example_dir / CAPTURE_FILE, arrays)
+        _mark_complete(group, {COMPLETE: True, MANIFEST: manifest.record(example_dir, CAPTURE_FILE, arrays)})
 
     def add_oracle(
         self,
@@ -118,7 +128,9 @@ class StoreWriter:
         An interrupted add leaves the capture intact and the oracle unflagged.
         """
         group = self._captured_example(example_id, "adding its oracle")
-        num_tokens = group[TOKENS].shape[0]
+        recorded = group.attrs.get(MANIFEST)
+        # schema version 1 examples hold their tokens as a plain array
+        num_tokens = recorded["arrays"][TOKENS]["shape"][0] if recorded else group[TOKENS].shape[0]
         oracle_values = _float_array(oracle, f"oracle of example {example_id!r}", ndim=1)
         layer_values = _float_array(oracle_layers, f"oracle_layers of example {example_id!r}", ndim=2)
         for name, values in ((ORACLE, oracle_values), (ORACLE_LAYERS, layer_values)):
@@ -133,9 +145,11 @@ class StoreWriter:
         # leaves no oracle rather than a flagged mix of old and new arrays.
         if group.attrs.get(ORACLE_COMPLETE) is True:
             group.attrs.update({ORACLE_COMPLETE: False})
-        write_array(group, ORACLE, oracle_values)
-        write_array(group, ORACLE_LAYERS, layer_values)
-        _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True})
+        arrays = {ORACLE: oracle_values, ORACLE_LAYERS: layer_values}
+        example_dir = self.path / example_path(example_id)
+        write_zip(example_dir / ORACLE_FILE, arrays)
+        oracle_manifest = manifest.record(example_dir, ORACLE_FILE, arrays)
+        _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True, ORACLE_MANIFEST: oracle_manifest})
 
     def add_arrays(
         self,
@@ -148,21 +162,23 @@ class StoreWriter:
 
         The group's own attributes carry the caller's attrs and a ``complete`` flag set last.
         """
-        if group in EXAMPLE_NODES:
+        if group in EXAMPLE_NODES or group_file(group) in (CAPTURE_FILE, ORACLE_FILE):
             raise RankkitError(f"group name {group!r} is part of the example layout; choose another name")
-        encoded_group = encode_name(group)
         example = self._captured_example(example_id, f"adding group {group!r}")
         group_attrs = _caller_attrs(attrs, f"attrs of group {group!r}")
         encoded_arrays = {
             encode_name(name): _numeric_array(values, f"{group}/{name} of example {example_id!r}")
             for name, values in arrays.items()
         }
-        _remove_directory(self.path / example_path(example_id) / encoded_group)
-
-        added = example.create_group(encoded_group, attributes={**group_attrs, COMPLETE: False})
-        for encoded_name, values in encoded_arrays.items():
-            write_array(added, encoded_name, values)
-        _mark_complete(added, {COMPLETE: True})
+        added = dict(example.attrs.get(ADDED_GROUPS, {}))
+        if added.pop(group, None) is not None:
+            # Unlist the old group first: a crash while its zip is replaced then leaves no group.
+            example.attrs.update({ADDED_GROUPS: added})
+        example_dir = self.path / example_path(example_id)
+        write_zip(example_dir / group_file(group), encoded_arrays)
+        group_manifest = manifest.record(example_dir, group_file(group), encoded_arrays)
+        added[group] = {"attrs": group_attrs, MANIFEST: group_manifest}
+        _mark_complete(example, {ADDED_GROUPS: added})
 
     def _captured_example(self, example_id: str, purpose: str) -> zarr.Group:
         if not self.is_complete(example_id):
@@ -198,13 +214,18 @@ def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool
     if not isinstance(meta, dict):
         raise RankkitError(f"run_meta must be a dict, got {type(run_meta).__name__}")
     run_meta_only = {key: value for key, value in meta.items() if key not in STORE_MANAGED_KEYS}
+    check_score_dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     if overwrite:
         _remove_store(store_path)
     if not _is_populated(store_path):
         _create_atomically(store_path, run_meta_only)
-    _, stored = open_root(store_path, read_only=False)
+    root, stored = open_root(store_path, read_only=False)
     _check_same_run(store_path, stored, run_meta_only)
+    if stored[SCHEMA_VERSION_KEY] < SCHEMA_VERSION:
+        # Resuming an older store adds examples in the current layout; readers of the old
+        # version must then refuse the store rather than miss those examples.
+        root.attrs.update({SCHEMA_VERSION_KEY: SCHEMA_VERSION})
     return StoreWriter(store_path, stored)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,3 +193,51 @@ def test_capture_with_a_draft_stores_its_lookahead_scores_and_a_resume_with_anot
     assert stored.shape == (8, example.tokens.shape[0]) and np.array_equal(stored, expected.numpy())
     with pytest.raises(RankkitError):
         capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", draft="layers:1")
+
+
+def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_folder, tmp_path):
+    from rankkit.errors import RankkitError
+
+    made = "holds oracles made with answer=generated, softmax=False, kernel=7, max_new_tokens=4"
+    with pytest.raises(RankkitError, match=made):
+        capture(
+            model=str(tiny_folder),
+            data=DATA,
+            out=reference_store,
+            device="cpu",
+            oracle=OracleOptions(max_new_tokens=8),
+        )
+    for other in (OracleOptions(kernel=3, max_new_tokens=4), OracleOptions(softmax=True, max_new_tokens=4)):
+        with pytest.raises(RankkitError, match=made):
+            add_oracle(reference_store, options=other, model=str(tiny_folder), device="cpu")
+    redone = tmp_path / "redone.zarr"
+    shutil.copytree(reference_store, redone)
+    add_oracle(redone, options=OracleOptions(kernel=3, max_new_tokens=4), model=str(tiny_folder), redo=True)
+    kernels = {record.attrs["oracle_params"]["kernel"] for record in stores.open(redone).examples()}
+    assert kernels == {3}
+    with pytest.raises(RankkitError, match="kernel=3, max_new_tokens=4"):
+        add_oracle(redone, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
+
+
+def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(tiny_folder, tmp_path):
+    out = tmp_path / "interrupted.zarr"
+    command = _capture_cli(tiny_folder, out, data="niah:n=40,length=256")
+    victim = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        if out.exists() and len(list((out / "examples").glob("*"))) >= 3:  # zarr.json and 2 examples
+            break
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGINT)
+    stderr = victim.communicate(timeout=120)[1]
+    assert victim.returncode == 130, stderr
+    kept = len(stores.open(out).example_ids())
+    said = re.fullmatch(
+        rf"rankkit: interrupted: kept (\d+) examples written by this run \(0 were there before\) in {out}; "
+        "rerun the same command to resume",
+        stderr.strip().splitlines()[-1],
+    )
+    assert said is not None, stderr
+    assert 1 <= kept < 40 and int(said[1]) in (kept - 1, kept)  # the signal may fall between write and count
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    assert len(stores.open(out).example_ids()) == 40

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rankkit import stores
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.report import figures, write_dashboard
@@ -483,3 +484,22 @@ def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_sa
     assert missing == {"spearman", "variance", "needle", "tradeoff", "diffusion"}
     assert "rankkit oracle" in status["panels"]["spearman"]["text"]
     assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
+
+
+def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_path, store, monkeypatch):
+    import rankkit.report
+
+    monkeypatch.setattr(rankkit.report, "EXPLORER_EXAMPLES", 2)
+    ids = stores.open(store).example_ids()
+    page = write_dashboard(store, tmp_path / "report.html").read_text()
+    # evenly spaced: indices 0 and len // 2 of the store's order
+    sampled, others = [ids[0], ids[len(ids) // 2]], [i for i in ids if i not in (ids[0], ids[len(ids) // 2])]
+    assert f"2 of {len(ids)} examples" in page
+    assert f"--explore ID[,ID...]`. Not shown: {', '.join(others)}." in page
+    assert all(f'data-example="{i}"' in page for i in sampled) and not any(f'data-example="{i}"' in page for i in others)
+    # only the explorer's examples get a bold curve the example control can show
+    assert all(f"{i} (picked)" in page for i in sampled) and not any(f"{i} (picked)" in page for i in others)
+    chosen = write_dashboard(store, tmp_path / "chosen.html", explore=[ids[-1]]).read_text()
+    assert f'data-example="{ids[-1]}"' in chosen and f'data-example="{ids[0]}"' not in chosen
+    with pytest.raises(RankkitError, match="--explore names nope, not complete examples"):
+        write_dashboard(store, tmp_path / "bad.html", explore=["nope"])

@@ -298,6 +298,37 @@ def test_bad_jsonl_lines_name_the_line(tmp_path, line, message):
     assert message in str(raised.value)
 
 
+GOOD_LINE = '{"id": "a", "context": "c", "question": "q", "answers": ["x"]}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([GOOD_LINE, GOOD_LINE], ":2: id 'a' is also on line 1; every example needs its own id"),
+        (['{"id": "a", "context": null, "question": "q", "answers": ["x"]}'], ":1: 'context' must be a string, got null"),
+        (['{"id": "a", "context": "c", "question": "q", "answers": 5}'], ":1: 'answers' must be a string or a list of strings, got 5"),
+        (['{"id": "a", "context": "c", "question": "q", "answers": [1]}'], ":1: 'answers' must be a string or a list"),
+        (['{"id": "a", "context": "c\\ud800", "question": "q", "answers": ["x"]}'], ":1: 'context' holds a lone surrogate (\\ud800 at character 1)"),
+        (['{"id": "a", "context": "", "question": "q", "answers": ["x"]}'], ":1: the context of example 'a' is empty"),
+        (['{"id": "a", "context": "c", "question": "q", "answers": ["x"], "evidence": [[0]]}'], ":1: 'evidence' must be a list of [start, end] integer pairs"),
+        ([GOOD_LINE, '{"id": "b", "context": }'], ":2:24: not valid JSON (Expecting value)"),
+    ],
+)  # fmt: skip
+def test_jsonl_field_types_duplicates_and_empty_contexts_are_refused_by_line(tmp_path, lines, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RankkitError) as raised:
+        load_examples(str(path), None)
+    assert str(raised.value).startswith(f"{path}{message}")
+
+
+def test_jsonl_bytes_that_are_not_utf8_name_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b"\n" + '{"id": "b", "context": "café"}'.encode("latin-1") + b"\n")
+    with pytest.raises(RankkitError, match=re.escape(f"{path}:2: not UTF-8 (byte 28)")):
+        load_examples(str(path), None)
+
+
 def test_longbench_records_get_longbench_prompt_and_metric(tmp_path):
     path = write_lines(
         tmp_path / "longbench.jsonl",

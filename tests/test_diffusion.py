@@ -206,10 +206,17 @@ def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
         (
             "niah:n=1,length=512",
             True,
-            {"model": "default", "limit": 1, "device": "auto", "max_new_tokens": 16},
+            {
+                "model": "default",
+                "limit": 1,
+                "device": "auto",
+                "max_new_tokens": 16,
+                "out": out,
+                "overwrite": False,
+                "allow_overlength": False,
+            },
         )
     ]
-    assert pl.read_parquet(out).equals(frame)
     assert json.loads(result.stdout)[0] == layer_summary(frame).to_dicts()[0]
     table = CliRunner().invoke(app, ["diffusion", "--data", "niah:n=1,length=512"])
     assert table.exit_code == 0 and "Evidence removed from layer l on" in table.stdout

@@ -4,9 +4,12 @@ against slow loops of the papers' pseudo-code, and `rankkit compare` / `variance
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
@@ -81,6 +84,29 @@ def test_spearman_is_scipys_including_ties_and_constant_inputs(rows):
 def test_kendall_is_scipys_tau_b(rows):
     scores, reference = (np.array(row, dtype=np.float64) for row in rows)
     assert same(kendall(scores, reference), stats.kendalltau(scores, reference).statistic)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 70).flatmap(
+        lambda length: st.tuples(
+            st.lists(st.lists(st.integers(0, 3), min_size=length, max_size=length), min_size=1, max_size=6),
+            st.lists(st.integers(0, 3), min_size=length, max_size=length),
+        )
+    )
+)
+def test_batched_kendall_equals_one_scipy_call_per_row(rows):
+    """Many tied rows against one tied reference, lengths on and off powers of two."""
+    scores, reference = np.array(rows[0], dtype=np.float64), np.array(rows[1], dtype=np.float64)
+    expected = [stats.kendalltau(row, reference).statistic if len(reference) > 1 else np.nan for row in scores]
+    assert same(kendall(scores, reference), expected)
+
+
+def test_batched_kendall_on_long_untied_rankings():
+    rng = np.random.default_rng(1)
+    scores, reference = rng.normal(size=(5, 3000)), rng.normal(size=3000)
+    expected = [stats.kendalltau(row, reference).statistic for row in scores]
+    assert np.allclose(kendall(scores, reference), expected, rtol=0, atol=1e-9)
 
 
 def test_rank_statistics_score_every_layer_and_head_at_once():
@@ -451,6 +477,19 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
         )
 
 
+def test_two_workers_give_the_frames_of_one(tmp_path):
+    path = write_store(tmp_path / "run.zarr", examples=9)
+    one, two = compare_store(path, workers=1), compare_store(path, workers=2)
+    for name in ("per_layer", "per_head", "sweep", "stability", "summary"):
+        assert getattr(one, name).equals(getattr(two, name)), name
+    one, two = (
+        variance_store(path, method="asl:window_size=8", budget=20, workers=workers) for workers in (1, 2)
+    )
+    assert one.curves.equals(two.curves) and one.selections.equals(two.selections)
+    with pytest.raises(RankkitError, match="--workers must be"):
+        compare_store(path, workers=0)
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -479,7 +518,7 @@ def test_cli_compare_json_keys(cli, store_path):
 def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
     out = tmp_path / "results.parquet"
     result = cli(
-        "compare", store_path, "--layer", 2, "--methods", "window,claa", "--methods", "lava", "--out", out
+        "compare", store_path, "--layer", 2, "--methods", "window,claa,lava", "--out", out
     )
     assert result.exit_code == 0, result.output
     assert "l_p = 2" in result.stdout and "claa" in result.stdout and "gemfilter" not in result.stdout
@@ -497,6 +536,45 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+
+
+def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
+    path = write_store(tmp_path / "partial.zarr", draft=False)
+    (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert {row["n_examples"] for row in json.loads(result.stdout)} == {2}
+    assert result.stderr == (
+        f"rankkit: warning: left out 1 unreadable example(s) of {path}; `rankkit store verify {path}` lists them\n"
+    )
+
+
+def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_path):
+    from rankkit.eval.cost import build_store
+
+    path = tmp_path / "wide.zarr"
+    build_store(path, examples=40, tokens=1024)
+    # its own process group, as a terminal's: Ctrl-C reaches the command and its workers
+    command = subprocess.Popen(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children = f"/proc/{command.pid}/task/{command.pid}/children"
+    while command.poll() is None and len(open(children).read().split()) < 3:  # tracker + 2 workers
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.killpg(command.pid, signal.SIGINT)
+    _, stderr = command.communicate(timeout=60)
+    assert command.returncode == 130, stderr
+    assert f"rankkit: interrupted: nothing written, {path} unchanged\n" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):

@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
+import zarr
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -269,7 +271,7 @@ def test_sigkill_between_arrays_and_flag_leaves_an_incomplete_example_that_is_re
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-    assert (path / "examples" / "victim" / "scores" / "fastkv").is_dir()
+    assert (path / "examples" / "victim" / "capture.zip").is_file()
 
     assert stores.open(path).example_ids(complete_only=False) == ["victim"]
     assert stores.open(path).example_ids() == []
@@ -698,3 +700,183 @@ def test_cli_store_info_on_a_bad_path_exits_2_with_one_line(tmp_path):
         result.stderr
         == f"rankkit: error: no store at {tmp_path / 'missing.zarr'}; check the path or capture into it first\n"
     )
+
+
+# --- verification: a damaged array never reads as data ------------------------------------------
+
+
+@pytest.fixture
+def oracled(path) -> Path:
+    """Two examples with oracles."""
+    writer = stores.create(path, RUN_META)
+    for index, example_id in enumerate(("a", "b")):
+        write(writer, example_id, index)
+        oracle, oracle_layers = _oracle()
+        writer.add_oracle(example_id, oracle=oracle, oracle_layers=oracle_layers, attrs={"answer": "x"})
+    return path
+
+
+def read_error(path: Path, read) -> str:
+    with pytest.raises(RankkitError) as caught:
+        read(stores.open(path).example("a"))
+    return str(caught.value)
+
+
+def flip_byte_inside(zip_path: Path, member: str) -> None:
+    """Alter one byte of a member's data, keeping the file's size."""
+    with zipfile.ZipFile(zip_path) as archive:
+        info = archive.getinfo(member)
+    data = bytearray(zip_path.read_bytes())
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2] ^= 0xFF
+    zip_path.write_bytes(bytes(data))
+
+
+def test_an_example_is_three_files_and_four_with_an_added_group(oracled):
+    stores.create(oracled, RUN_META).add_arrays("a", "draft_scores", {"lookahead": np.ones((2, 48))}, {})
+    files = sorted(file.name for file in (oracled / "examples" / "a").rglob("*") if file.is_file())
+    assert files == ["capture.zip", "draft_scores.zip", "oracle.zip", "zarr.json"]
+
+
+def test_a_deleted_capture_file_fails_naming_example_array_and_fix(oracled):
+    (oracled / "examples" / "a" / "capture.zip").unlink()
+    message = read_error(oracled, lambda record: record.scores("fastkv"))
+    assert message == (
+        f"example 'a' in {oracled}: array scores/fastkv is damaged (capture.zip is missing); "
+        f"run `rankkit store verify {oracled} --reset`, then rerun the capture into {oracled}"
+    )
+    assert_example_matches(stores.open(oracled), "b", 1)
+
+
+def test_a_truncated_oracle_file_fails_naming_the_oracle_command(oracled):
+    file = oracled / "examples" / "a" / "oracle.zip"
+    size = file.stat().st_size
+    file.write_bytes(file.read_bytes()[: size // 2])
+    message = read_error(oracled, lambda record: record.oracle)
+    assert f"array oracle is damaged (oracle.zip has {size // 2} bytes, {size} were written)" in message
+    assert message.endswith(f"then `rankkit oracle {oracled}`")
+
+
+def test_an_altered_array_metadata_or_chunk_fails_on_read(oracled):
+    capture = oracled / "examples" / "a" / "capture.zip"
+    flip_byte_inside(capture, "tokens/zarr.json")
+    assert "array tokens is damaged (does not decode: Bad CRC-32" in read_error(oracled, lambda record: record.tokens)
+    flip_byte_inside(oracled / "examples" / "a" / "oracle.zip", "oracle_layers/c/0/0")
+    assert "array oracle_layers is damaged (does not decode: Bad CRC-32" in read_error(
+        oracled, lambda record: record.oracle_layers
+    )
+
+
+def test_a_corrupt_example_metadata_is_counted_and_named(oracled):
+    (oracled / "examples" / "a" / "zarr.json").write_text("{ garbage")
+    store = stores.open(oracled)
+    assert store.example_ids() == ["b"]
+    assert store.skipped() == {"unreadable": 1}
+    with pytest.warns(UserWarning) as warned:
+        store.warn_skipped()
+    assert [str(warning.message) for warning in warned] == [
+        f"left out 1 unreadable example(s) of {oracled}; `rankkit store verify {oracled}` lists them"
+    ]
+    with pytest.raises(RankkitError, match="example 'a' .* is unreadable"):
+        store.example("a")
+
+
+def test_verify_counts_every_state_and_reset_lets_the_writers_redo_the_damage(oracled):
+    writer = stores.create(oracled, RUN_META)
+    write(writer, "c", 2)
+    write(writer, "d", 3)
+    writer.add_arrays("d", "draft_scores", {"lookahead": np.ones((2, 48))}, {"k": 2})
+    flip_byte_inside(oracled / "examples" / "a" / "capture.zip", "scores/fastkv/c/0/0/0")
+    oracle_size = (oracled / "examples" / "b" / "oracle.zip").stat().st_size
+    (oracled / "examples" / "b" / "oracle.zip").write_bytes(b"")
+    (oracled / "examples" / "c" / "zarr.json").write_text("{ garbage")
+    (oracled / "examples" / "d" / "draft_scores.zip").unlink()
+    (oracled / "examples" / "e").mkdir()  # a capture killed before its metadata landed
+
+    report = stores.verify(oracled)
+    assert report.counts() == {"good": 0, "unchecked": 0, "damaged": 3, "incomplete": 1, "unreadable": 1}
+    assert [(problem.example, problem.part, problem.detail) for problem in report.problems][:2] == [
+        ("a", "capture", "capture.zip was altered (checksum differs)"),
+        ("b", "oracle", f"oracle.zip has 0 bytes, {oracle_size} were written"),
+    ]
+    with pytest.raises(RankkitError, match=f"3 damaged example\\(s\\) in {oracled}; run `rankkit store verify"):
+        report.raise_if_damaged()
+
+    stores.verify(oracled, reset=True)
+    assert not writer.is_complete("a") and writer.is_complete("b") and not writer.has_oracle("b")
+    assert stores.open(oracled).example("d").groups == []
+    write(writer, "a", 0)
+    oracle, oracle_layers = _oracle()
+    writer.add_oracle("b", oracle=oracle, oracle_layers=oracle_layers, attrs={})
+    writer.add_arrays("d", "draft_scores", {"lookahead": np.ones((2, 48))}, {"k": 2})
+    assert stores.verify(oracled).counts()["damaged"] == 0
+    assert_example_matches(stores.open(oracled), "a", 0)
+    assert stores.open(oracled).example("d").group("draft_scores").attrs == {"k": 2}
+
+
+def write_schema_1_store(path: Path) -> None:
+    """A store as rankkit 0.1 wrote it: every array a plain zarr directory, no manifests."""
+    root = zarr.open_group(path, mode="w", zarr_format=3, attributes={**RUN_META, "schema_version": 1})
+    examples = root.create_group("examples")
+    for index, example_id in enumerate(("a", "b")):
+        attrs, tokens, scores = example_data(index)
+        example = examples.create_group(example_id, attributes={**attrs, "complete": False})
+        example.create_array("tokens", data=tokens.astype(np.int32))
+        for probe, values in scores.items():
+            example.require_group("scores").create_array(probe, data=values)
+        oracle, oracle_layers = _oracle()
+        example.create_array("oracle", data=oracle)
+        example.create_array("oracle_layers", data=oracle_layers)
+        draft = example.create_group("draft_scores", attributes={"k": 2, "complete": True})
+        draft.create_array("lookahead", data=np.ones((2, 48), dtype=np.float32))
+        example.attrs.update({"complete": True, "oracle_complete": True})
+
+
+def test_a_schema_1_store_still_reads_verifies_by_decoding_and_resumes(path):
+    write_schema_1_store(path)
+    store = stores.open(path)
+    assert_example_matches(store, "a", 0)
+    record = store.example("a")
+    assert record.score_shape("fastkv") == (4, 2, 48) and record.num_tokens == 48
+    np.testing.assert_array_equal(record.oracle, _oracle()[0])
+    assert record.groups == ["draft_scores"] and record.group("draft_scores").attrs == {"k": 2}
+    assert record.group("draft_scores")["lookahead"].shape == (2, 48)
+    assert stores.verify(path).counts() == {"good": 0, "unchecked": 2, "damaged": 0, "incomplete": 0, "unreadable": 0}
+
+    (path / "examples" / "a" / "scores" / "fastkv" / "c" / "0" / "0" / "0").write_bytes(b"not blosc")
+    assert [problem.example for problem in stores.verify(path).problems] == ["a"]
+    assert "array scores/fastkv is damaged (does not decode" in read_error(path, lambda r: r.scores("fastkv"))
+
+    writer = stores.create(path, RUN_META)  # resuming adds examples in the current layout
+    write(writer, "c", 2)
+    assert stores.open(path).meta["schema_version"] == stores.SCHEMA_VERSION
+    assert stores.open(path).example_ids() == ["a", "b", "c"]
+    assert_example_matches(stores.open(path), "c", 2)
+
+
+def test_cli_store_verify_lists_problems_and_exits_2(oracled):
+    (oracled / "examples" / "a" / "capture.zip").unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "verify", str(oracled)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stdout.splitlines() == [
+        "a\tdamaged\tcapture\tcapture.zip is missing",
+        f"2 examples in {oracled}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable",
+    ]
+    assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1
+
+
+def test_float16_scores_are_stored_at_half_size_and_read_as_float32(tmp_path):
+    half, full = tmp_path / "half.zarr", tmp_path / "full.zarr"
+    for path, meta in ((half, {**RUN_META, "score_dtype": "float16"}), (full, RUN_META)):
+        write(stores.create(path, meta), "a", 0, num_tokens=4096)
+    record = stores.open(half).example("a")
+    expected = example_data(0, num_tokens=4096)[2]["fastkv"]
+    assert record.scores("fastkv").dtype == np.float32
+    np.testing.assert_array_equal(record.scores("fastkv"), expected.astype(np.float16).astype(np.float32))
+    sizes = [(path / "examples" / "a" / "capture.zip").stat().st_size for path in (half, full)]
+    assert sizes[0] < 0.6 * sizes[1]
+    with pytest.raises(RankkitError, match="--score-dtype must be one of float32, float16, got 'int8'"):
+        stores.create(tmp_path / "bad.zarr", {**RUN_META, "score_dtype": "int8"})
+    with pytest.raises(RankkitError, match="holds a different run \\(score_dtype"):
+        stores.create(half, RUN_META)

@@ -8,7 +8,7 @@ metric that scores it.
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.metrics import METRICS, score
-from rankkit.data.spec import export_spec, load_examples, parse_spec
+from rankkit.data.spec import DataSpec, export_spec, load_examples, parse_spec, read_spec
 
 __all__ = [
     "METRICS",
@@ -18,5 +18,7 @@ __all__ = [
     "load_examples",
     "load_jsonl",
     "parse_spec",
+    "read_spec",
+    "DataSpec",
     "score",
 ]

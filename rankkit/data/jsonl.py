@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from rankkit import outputs
 from rankkit.data.example import Example
 from rankkit.data.longbench import is_longbench_record, longbench_example
 from rankkit.data.metrics import METRICS
@@ -23,11 +24,8 @@ REQUIRED_FIELDS = ("id", "context", "question", "answers")
 
 
 def export_jsonl(examples: Iterable[Example], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for example in examples:
-            out.write(json.dumps(example.to_record(), ensure_ascii=False) + "\n")
+    lines = (json.dumps(example.to_record(), ensure_ascii=False) + "\n" for example in examples)
+    outputs.write_text("".join(lines), path)
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
@@ -36,25 +34,112 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     if not path.is_file():
         raise RankkitError(f"no such file: {path}")
     examples: list[Example] = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise RankkitError(
-                    f"{where}: not valid JSON ({error.msg}); fix or remove that line"
-                ) from error
-            if not isinstance(record, dict):
-                raise RankkitError(f"{where}: each line must be a JSON object")
-            examples.append(
-                longbench_example(record, where) if is_longbench_record(record) else _example(record, where)
+    first_line: dict[str, int] = {}  # example id -> the line that gave it
+    for number, line in _numbered_lines(path):
+        if limit is not None and len(examples) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RankkitError(
+                f"{where}:{error.colno}: not valid JSON ({error.msg}); fix or remove that line"
+            ) from None
+        if not isinstance(record, dict):
+            raise RankkitError(f"{where}: each line must be a JSON object")
+        longbench = is_longbench_record(record)
+        _check_types(record, LONGBENCH_FIELD_TYPES if longbench else FIELD_TYPES, where)
+        example = longbench_example(record, where) if longbench else _example(record, where)
+        _check_example(example, where)
+        if example.id in first_line:
+            raise RankkitError(
+                f"{where}: id {example.id!r} is also on line {first_line[example.id]}; "
+                "every example needs its own id"
             )
+        first_line[example.id] = number
+        examples.append(example)
     return examples
+
+
+def _numbered_lines(path: Path):
+    """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are named by line."""
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise RankkitError(
+                    f"{path}:{number}: not UTF-8 (byte {error.start + 1}); save the file as UTF-8"
+                ) from None
+
+
+# What each field may hold: JSON types by name; "strings" is one string or a list of strings.
+FIELD_TYPES = {
+    "id": ("string", "integer"),
+    "context": ("string",),
+    "question": ("string",),
+    "answers": ("string", "strings"),
+    "task": ("string",),
+    "preamble": ("string",),
+    "answer_prefix": ("string",),
+    "metric": ("string",),
+    "meta": ("object",),
+    "evidence": ("spans",),
+    "needle": ("string", "strings"),
+}
+LONGBENCH_FIELD_TYPES = {
+    "_id": ("string", "integer"),
+    "context": ("string",),
+    "input": ("string",),
+    "answers": ("string", "strings"),
+    "dataset": ("string",),
+    "all_classes": ("null", "strings"),
+}
+_IS = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "null": lambda value: value is None,
+    "object": lambda value: isinstance(value, dict),
+    "strings": lambda value: isinstance(value, list) and all(isinstance(each, str) for each in value),
+    "spans": lambda value: (
+        isinstance(value, list)
+        and all(
+            isinstance(span, list) and len(span) == 2 and all(_IS["integer"](end) for end in span)
+            for span in value
+        )
+    ),
+}
+_SHOWN = {"strings": "a list of strings", "spans": "a list of [start, end] integer pairs", "null": "null"}
+
+
+def _check_types(record: dict, types: dict[str, tuple[str, ...]], where: str) -> None:
+    for key, allowed in types.items():
+        if key in record and not any(_IS[kind](record[key]) for kind in allowed):
+            wanted = " or ".join(_SHOWN.get(kind, f"a {kind}") for kind in allowed)
+            raise RankkitError(f"{where}: '{key}' must be {wanted}, got {json.dumps(record[key])[:40]}")
+
+
+def _check_example(example: Example, where: str) -> None:
+    if not example.context.strip():
+        raise RankkitError(f"{where}: the context of example {example.id!r} is empty; give it text to read")
+    texts = {
+        "id": example.id,
+        "context": example.context,
+        "question": example.question,
+        "preamble": example.preamble,
+        "answer_prefix": example.answer_prefix,
+        **{f"answers[{index}]": answer for index, answer in enumerate(example.answers)},
+    }
+    for field_name, text in texts.items():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise RankkitError(
+                f"{where}: '{field_name}' holds a lone surrogate (\\u{ord(text[error.start]):04x} at "
+                f"character {error.start}); write the character itself or a valid surrogate pair"
+            ) from None
 
 
 def _example(record: dict, where: str) -> Example:

@@ -12,8 +12,10 @@ left out). ``seed`` defaults to 0; the same spec and tokenizer give the same exa
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from rankkit import outputs
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.niah import niah_examples, spread_depths
@@ -91,15 +93,26 @@ def _depths(params: dict[str, str], spec: str) -> list[float] | None:
     return depths
 
 
-def load_examples(spec: str, tokenizer) -> list[Example]:
-    """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
+@dataclass(frozen=True)
+class DataSpec:
+    """A data spec with every value read and checked; building its examples needs only a tokenizer."""
+
+    kind: str  # niah, ruler or jsonl
+    spec: str
+    path: str | None = None  # jsonl
+    n: int | None = None  # the first n lines of a jsonl; the examples of ruler
+    length: int | None = None  # prompt tokens of niah and ruler
+    depths: tuple[float, ...] = ()  # niah
+    task: str | None = None  # ruler
+    seed: int = 0
+
+
+def read_spec(spec: str) -> DataSpec:
+    """Check every key and value of ``spec`` (no tokenizer, no model): a bad spec fails before any loading."""
     kind, params = parse_spec(spec)
     if kind == "jsonl":
-        return load_jsonl(params["path"], limit=_integer(params, "n", spec) if "n" in params else None)
-    if tokenizer is None:
-        raise RankkitError(
-            f"'{spec}' is fitted to a length in tokens: pass a tokenizer (e.g. --model default)"
-        )
+        n = _integer(params, "n", spec) if "n" in params else None
+        return DataSpec(kind, spec, path=params["path"], n=n)
     length = _integer(params, "length", spec)
     seed = _integer(params, "seed", spec, default=0, minimum=0)
     if kind == "niah":
@@ -110,16 +123,35 @@ def load_examples(spec: str, tokenizer) -> list[Example]:
             raise RankkitError(
                 f"n={params['n']} but {len(depths)} depths are listed in '{spec}'; give one of them"
             )
-        return niah_examples(tokenizer, length=length, depths=depths, seed=seed)
+        return DataSpec(kind, spec, length=length, depths=tuple(depths), seed=seed)
     if "task" not in params:
         raise RankkitError(f"'{spec}' needs task=NAME, one of {', '.join(TASKS)}")
-    return ruler_examples(
-        tokenizer, task=params["task"], n=_integer(params, "n", spec, default=1), length=length, seed=seed
-    )
+    if params["task"] not in TASKS:
+        raise RankkitError(f"unknown RULER task '{params['task']}'; choose one of {', '.join(TASKS)}")
+    n = _integer(params, "n", spec, default=1)
+    return DataSpec(kind, spec, n=n, length=length, task=params["task"], seed=seed)
 
 
-def export_spec(spec: str, tokenizer, path: str | Path) -> int:
-    """Write the examples of ``spec`` to a JSONL file that loads back to the same examples; returns their count."""
+def load_examples(spec: str, tokenizer) -> list[Example]:
+    """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
+    data = read_spec(spec)
+    if data.kind == "jsonl":
+        return load_jsonl(data.path, limit=data.n)
+    if tokenizer is None:
+        raise RankkitError(
+            f"'{spec}' is fitted to a length in tokens: pass a tokenizer (e.g. --model default)"
+        )
+    if data.kind == "niah":
+        return niah_examples(tokenizer, length=data.length, depths=list(data.depths), seed=data.seed)
+    return ruler_examples(tokenizer, task=data.task, n=data.n, length=data.length, seed=data.seed)
+
+
+def export_spec(spec: str, tokenizer, path: str | Path, *, overwrite: bool = False) -> int:
+    """Write the examples of ``spec`` to a JSONL file that loads back to the same examples; returns their count.
+
+    An existing ``path`` is replaced only with ``overwrite``; the spec's own file never is.
+    """
+    outputs.claim([path], overwrite=overwrite, inputs=[read_spec(spec).path])
     examples = load_examples(spec, tokenizer)
     export_jsonl(examples, path)
     return len(examples)

@@ -39,8 +39,10 @@ the one before (null at layer 0 and without layers).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
@@ -61,14 +64,15 @@ from .offline import (
     recorded_model,
     split_names,
 )
+from .parallel import checked_workers, map_examples
 from .ranking import (
+    TieRuns,
     average_ranks,
     descending_ranks,
     keep_count,
-    kendall,
+    kendall_from_runs,
     overlap_share,
     pearson,
-    ranks_and_places,
     spans_mask,
 )
 
@@ -126,13 +130,15 @@ class Reference:
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
         if oracle is not None:
-            self.oracle_ranks = average_ranks(oracle)
+            self.oracle_runs = TieRuns(oracle)
+            self.oracle_ranks = self.oracle_runs.average_ranks()
             oracle_places = descending_ranks(oracle)
             self.oracle_tops = [oracle_places < k for k in self.recall_ks]
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
         """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value per row."""
-        ranks, places = ranks_and_places(scores)
+        runs = TieRuns(scores)
+        ranks, places = runs.average_ranks(), descending_ranks(scores)
         oracle_metrics = (
             ("spearman", "kendall", *RECALL_COLUMNS) if with_kendall else ("spearman", *RECALL_COLUMNS)
         )
@@ -140,7 +146,7 @@ class Reference:
         if self.oracle is not None:
             columns["spearman"] = pearson(ranks, self.oracle_ranks)
             if with_kendall:
-                columns["kendall"] = kendall(scores, self.oracle)
+                columns["kendall"] = kendall_from_runs(runs, self.oracle_runs)
             for name, k, oracle_top in zip(RECALL_COLUMNS, self.recall_ks, self.oracle_tops, strict=True):
                 columns[name] = overlap_share(places < k, oracle_top)
         columns["needle_recall"] = overlap_share(places < self.needle_k, self.evidence)
@@ -268,14 +274,18 @@ class CompareResult:
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        written = {target: self.per_layer}
-        for name in ("per_head", "sweep", "stability", "summary"):
-            written[target.with_name(f"{target.stem}.{name}.parquet")] = getattr(self, name)
-        for file, frame in written.items():
-            frame.write_parquet(file)
-        return list(written)
+        paths = output_paths(path)
+        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
+        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
+
+
+SIBLING_FRAMES = ("per_head", "sweep", "stability", "summary")
+
+
+def output_paths(path: str | os.PathLike) -> list[Path]:
+    """The files ``CompareResult.write(path)`` writes: ``path`` and its siblings, in frame order."""
+    target = Path(path)
+    return [target] + [target.with_name(f"{target.stem}.{name}.parquet") for name in SIBLING_FRAMES]
 
 
 def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
@@ -304,6 +314,7 @@ def compare_store(
     span: str = "prompt",
     keep: float | int = KEEP_RATES[0],
     needle_keep: float | int = NEEDLE_KEEP,
+    workers: int | None = None,
 ) -> CompareResult:
     """Compare probes and methods of a store with its oracle (see the module docstring).
 
@@ -313,19 +324,29 @@ def compare_store(
     summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
     are made under (it sets ASL's k and the size of forced sets). With ``use_oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
-    filled in.
+    filled in. ``workers`` processes share the examples (default: one per CPU; see
+    ``rankkit.eval.parallel``); the frames do not depend on it.
     """
     from rankkit import stores
 
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
+    ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
+    store.warn_skipped()
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     if use_oracle:
+        without_oracle = sum(not record.has_oracle for record in records)
         records = [record for record in records if record.has_oracle]
         if not records:
             raise RankkitError(
                 f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
+            )
+        if without_oracle:
+            warnings.warn(
+                f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {path}` adds them",
+                stacklevel=2,
             )
     num_layers = scored_layers(records)
     layout = recorded_model(store.meta)
@@ -340,6 +361,8 @@ def compare_store(
     has_draft = all(DRAFT_GROUP in record.groups for record in records)
     if isinstance(methods, str):
         methods = split_names(methods)
+        if not methods:
+            raise RankkitError("--methods names nothing; give e.g. --methods window,claa,fastkv")
     chosen = list(methods) if methods else available_methods(captured_probes, has_draft)
     unknown = [name for name in chosen if name not in captured_probes and not is_method(name)]
     if unknown:
@@ -354,23 +377,20 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
-    budget = Budget.parse(keep)
+    evaluate = partial(
+        compare_example,
+        probes=tuple(probes),
+        methods=ranked_methods,
+        budget=Budget.parse(keep),
+        span=span,
+        use_oracle=use_oracle,
+        needle_keep=needle_keep,
+        layout=layout,
+    )
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
-    for record in records:
-        ranked = ranked_slice(record.attrs.get("spans"), span, record.num_tokens)
-        spans = record.attrs.get("spans") or {}
-        evidence = [
-            (start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])
-        ]
-        oracle = record.oracle[ranked] if use_oracle else None
-        reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
-        example_columns = (
-            pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-            pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
-        )
-        found = evaluate_example(record, reference, probes, ranked_methods, budget, ranked, layout)
-        for name, frames_found in zip(frames, found, strict=True):
-            frames[name] += [frame.select(*example_columns, pl.all()) for frame in frames_found]
+    for found in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+        for name in frames:
+            frames[name] += found[name]
 
     per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
@@ -390,6 +410,35 @@ def compare_store(
         stability=stability_frame(per_layer),
         summary=summary_frame(per_layer, summary_layers),
     )
+
+
+def compare_example(
+    record: Any,
+    *,
+    probes: Sequence[str],
+    methods: Mapping[str, Method],
+    budget: Budget,
+    span: str = "prompt",
+    use_oracle: bool = True,
+    needle_keep: float | int = NEEDLE_KEEP,
+    layout: Mapping[str, Any] | None = None,
+) -> dict[str, list[pl.DataFrame]]:
+    """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit
+    of work, run in a worker process)."""
+    ranked = ranked_slice(record.attrs.get("spans"), span, record.num_tokens)
+    spans = record.attrs.get("spans") or {}
+    evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]
+    oracle = record.oracle[ranked] if use_oracle else None
+    reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
+    example_columns = (
+        pl.lit(record.id, dtype=pl.Categorical).alias("example"),
+        pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
+    )
+    found = evaluate_example(record, reference, probes, methods, budget, ranked, layout)
+    return {
+        name: [frame.select(*example_columns, pl.all()) for frame in frames]
+        for name, frames in zip(("per_layer", "per_head", "sweep"), found, strict=True)
+    }
 
 
 def _concat(frames: list[pl.DataFrame]) -> pl.DataFrame:

@@ -24,18 +24,22 @@ the response attends to that token. This module measures both, per layer l = 0..
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import polars as pl
 import torch
 
-from rankkit import models
+from rankkit import defaults, models, outputs
 from rankkit.cache import KVCache
 from rankkit.capture import reference_answer
-from rankkit.data import Example, load_examples, score
+from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.data import Example, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
+from rankkit.interrupts import keep_on_interrupt
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
+from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import example_prompt
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 
@@ -231,25 +235,47 @@ def example_diffusion(
 def diffusion_probe(
     data: str,
     *,
-    model: str = "default",
+    model: str = defaults.MODEL,
     limit: int | None = None,
-    device: str = "auto",
-    max_new_tokens: int = 16,
-    progress: Callable[[Example], None] | None = None,
+    device: str = defaults.DEVICE,
+    max_new_tokens: int = defaults.DIFFUSION_MAX_NEW_TOKENS,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    allow_overlength: bool = False,
+    progress: ProgressCallback = ignore,
 ) -> pl.DataFrame:
     """The probe over the examples of a data spec (e.g. ``niah:n=4,length=1024``), one frame for all.
 
-    ``progress(example)`` is called after each example.
+    With ``out`` the frame is written there atomically (an existing file only with
+    ``overwrite``) and each example's rows are kept as they finish (``outputs.Journal``):
+    SIGINT or SIGTERM stops with ``Interrupted`` naming what was kept, and the same call
+    again resumes, skipping finished examples. ``progress`` gets an event per example.
     """
+    config = models.load_config(model)
+    check_spec_length(data, config, allow_overlength=allow_overlength)
+    if out is not None:
+        outputs.claim([out], overwrite=overwrite, inputs=[read_spec(data).path])
+    identity = {
+        "command": "diffusion",
+        "data": data,
+        "model": model,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+    }
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
+    check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
+    journal = outputs.Journal(out, identity, overwrite=overwrite)
     runner = Runner(loaded.model)
-    frames = []
-    for example in examples:
-        frames.append(example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens))
-        if progress:
-            progress(example)
-    return pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)
+    with keep_on_interrupt(journal.kept):
+        for done, example in enumerate(examples, start=1):
+            if not journal.done(example.id):
+                frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
+                journal.record(example.id, frame.to_dicts())
+            progress(Progress("probed", done, len(examples), example.id))
+    frame = pl.DataFrame(journal.rows, schema=SCHEMA)
+    journal.finish(frame)
+    return frame
 
 
 def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:

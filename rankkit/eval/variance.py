@@ -12,17 +12,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl
 
 from .offline import captured, check_inputs, method_from_spec
+from .parallel import checked_workers, map_examples
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
@@ -35,6 +38,12 @@ def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
     return int(below[0]) if below.size else None
 
 
+def output_paths(path: str | os.PathLike) -> list[Path]:
+    """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections beside it."""
+    target = Path(path)
+    return [target, target.with_name(f"{target.stem}.selections.parquet")]
+
+
 @dataclass(frozen=True)
 class VarianceResult:
     min_layer: int
@@ -43,12 +52,11 @@ class VarianceResult:
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``curves`` to ``path``, ``selections`` beside it as <stem>.selections.parquet; returns the paths."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        selections = target.with_name(f"{target.stem}.selections.parquet")
-        self.curves.write_parquet(target)
-        self.selections.write_parquet(selections)
-        return [target, selections]
+        target, selections = output_paths(path)
+        return [
+            outputs.write_parquet(self.curves, target),
+            outputs.write_parquet(self.selections, selections),
+        ]
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over
@@ -76,6 +84,7 @@ def variance_store(
     min_layer: int | None = None,
     observed_layers: int | None = None,
     thresholds: Sequence[float] = THRESHOLDS,
+    workers: int | None = None,
 ) -> VarianceResult:
     """ASL curves and selection layers for every complete example of a store.
 
@@ -88,6 +97,7 @@ def variance_store(
 
     from .compare import scored_layers
 
+    workers = checked_workers(workers)  # a bad --workers fails before any reading
     asl = method_from_spec(method)
     if not isinstance(asl, Asl):
         raise RankkitError(f"rankkit variance follows ASL's curve; name asl or asl-2pass, not {method!r}")
@@ -104,39 +114,11 @@ def variance_store(
             f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
             f"{scored_layers(records)} layers; adjust --l-min or --l-obs"
         )
-    probe = asl.probe().key
+    evaluate = partial(variance_example, asl=asl, budget=Budget.parse(budget), thresholds=tuple(thresholds))
     curve_frames, selection_rows = [], []
-    for record in records:
-        curve = np.asarray(asl.variance_curve(captured(record, asl), Budget.parse(budget)))
-        task = record.attrs.get("task")
-        curve_frames.append(
-            pl.DataFrame(
-                {
-                    "layer": np.arange(curve.size, dtype=np.int32),
-                    "relative_variance": curve,
-                }
-            )
-            .with_columns(  # null before L_min
-                pl.when(pl.col("relative_variance").is_finite()).then(pl.col("relative_variance"))
-            )
-            .select(
-                pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-                pl.lit(task, dtype=pl.String).alias("task"),
-                pl.lit(probe).alias("probe"),
-                "layer",
-                "relative_variance",
-            )
-        )
-        selection_rows += [
-            {
-                "example": record.id,
-                "task": task,
-                "probe": probe,
-                "tau": float(threshold),
-                "selection_layer": selection_layer(curve, threshold),
-            }
-            for threshold in thresholds
-        ]
+    for curve_frame, rows in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+        curve_frames.append(curve_frame)
+        selection_rows += rows
     selection_schema = {
         "example": pl.Categorical,
         "task": pl.String,
@@ -147,3 +129,37 @@ def variance_store(
     return VarianceResult(
         bound.min_layer, pl.concat(curve_frames), pl.DataFrame(selection_rows, schema=selection_schema)
     )
+
+
+def variance_example(
+    record: Any, *, asl: Asl, budget: Budget, thresholds: Sequence[float]
+) -> tuple[pl.DataFrame, list[dict[str, Any]]]:
+    """One stored example's curve frame and selection rows (``variance_store``'s unit of work, run in
+    a worker process)."""
+    probe = asl.probe().key
+    curve = np.asarray(asl.variance_curve(captured(record, asl), budget))
+    task = record.attrs.get("task")
+    curve_frame = (
+        pl.DataFrame({"layer": np.arange(curve.size, dtype=np.int32), "relative_variance": curve})
+        .with_columns(  # null before L_min
+            pl.when(pl.col("relative_variance").is_finite()).then(pl.col("relative_variance"))
+        )
+        .select(
+            pl.lit(record.id, dtype=pl.Categorical).alias("example"),
+            pl.lit(task, dtype=pl.String).alias("task"),
+            pl.lit(probe).alias("probe"),
+            "layer",
+            "relative_variance",
+        )
+    )
+    selection_rows = [
+        {
+            "example": record.id,
+            "task": task,
+            "probe": probe,
+            "tau": float(threshold),
+            "selection_layer": selection_layer(curve, threshold),
+        }
+        for threshold in thresholds
+    ]
+    return curve_frame, selection_rows

@@ -279,3 +279,14 @@ class SlimInfer(Method):
         return Selection(
             first.layer, positions[torch.isin(positions // self.block_size, torch.tensor(sorted(chosen)))]
         )
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        """At the first pruning layer, each token ranked by its block's score (Eq. 2), the first block
+        (always kept) at +inf: the order ``select_offline`` takes blocks in."""
+        first = self._schedule(captured.num_layers, captured.num_tokens, budget, captured.layer_types)[0]
+        scores = captured.get(self.probe().key, self.name)[first.layer]
+        positions = torch.arange(captured.num_tokens)
+        by_block = block_scores_of(scores, positions, self.block_size)
+        ranking = torch.tensor([by_block[int(block)] for block in positions // self.block_size])
+        ranking[: self.block_size] = float("inf")
+        return {first.layer: ranking}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rankkit import outputs
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 
@@ -37,6 +38,9 @@ from .html import Control, Page, Panel, encode_array, render
 EXPLORER_BUDGET_BYTES = 7 * 2**20
 MAX_BINS = 1024  # about one column per screen pixel of a wide panel
 MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
+# Beyond this many examples the explorer shows a sample, so a 1,000-example page stays under
+# 20 MB and opens quickly; the aggregate panels always cover every example.
+EXPLORER_EXAMPLES = 100
 RANKED_SPAN = "prompt"  # what compare ranks by default; the explorer shows the same tokens
 DEFAULT_PROBE = "window"
 ASL_PROBE = "window:w=32"  # the window setting ASL ranks by (its curve is the variance panel)
@@ -67,15 +71,26 @@ def write_dashboard(
     out_path: str | os.PathLike,
     bench: str | os.PathLike | pl.DataFrame | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    explore: Sequence[str] | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
-    one ``rankkit diffusion --out`` writes. RankkitError names the fix for a missing store or a
-    file that is not the expected parquet.
+    one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
+    ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
+    shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
+    evenly spaced sample of that many beyond, so a large store's page stays small and quick.
+    RankkitError names the fix for a missing store or a file that is not the expected parquet.
+    An existing ``out_path`` is replaced only with ``overwrite``; one inside the store or equal
+    to an input is refused (``outputs.claim``).
     """
     from rankkit import stores
 
+    sources = [each for each in (store_path, bench, diffusion) if not isinstance(each, pl.DataFrame)]
+    outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
     records = list(store.examples())
     if not records:
@@ -84,11 +99,9 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
-    page = _page(store, records, store_path, bench_frame, diffusion_frame)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(page), encoding="utf-8")
-    return out
+    explored = _explorer_sample(records, explore, store_path)
+    page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
+    return outputs.write_text(render(page), out_path)
 
 
 def _frame(
@@ -115,7 +128,15 @@ def _frame(
     return frame
 
 
-def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.DataFrame | None) -> Page:
+def _page(
+    store,
+    records,
+    explored,
+    store_path,
+    bench: pl.DataFrame | None,
+    diffusion: pl.DataFrame | None,
+    workers: int | None,
+) -> Page:
     from rankkit.eval.compare import compare_store
     from rankkit.eval.offline import recorded_model
     from rankkit.eval.variance import variance_store
@@ -126,8 +147,10 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     layer = make("claa").bind(num_layers, recorded_model(store.meta).get("layer_types")).pruning_layer
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store_path) if has_oracle else None
-    variance = variance_store(store_path) if ASL_PROBE in probes else None
+    comparison = compare_store(store_path, workers=workers) if has_oracle else None
+    if comparison is None:  # compare_store warns of what it leaves out itself
+        store.warn_skipped()
+    variance = variance_store(store_path, workers=workers) if ASL_PROBE in probes else None
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)
@@ -143,12 +166,14 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         else []
     )
     probe = DEFAULT_PROBE if DEFAULT_PROBE in probes else probes[0]
-    max_bins = _bins_for_budget(records)
+    max_bins = _bins_for_budget(explored)
 
     panels = [
         _spearman_panel(comparison, colors, layer, store_path),
-        _variance_panel(variance, tau, layer, num_layers, store_path),
-        _explorer_panel(records, probe, layer, keep, max_bins),
+        _variance_panel(variance, tau, layer, num_layers, store_path, explored),
+        _explorer_panel(
+            explored, probe, layer, keep, max_bins, _unexplored_note(records, explored, store_path)
+        ),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
         _diffusion_panel(diffusion, diffusion_metrics, layer),
@@ -158,8 +183,8 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
             "example",
             "example",
             "filter",
-            [(record.id, _example_label(record)) for record in records],
-            records[0].id,
+            [(record.id, _example_label(record)) for record in explored],
+            explored[0].id,
         ),
         Control("probe", "probe", "explorer", [(name, name) for name in probes], probe),
         Control("colour", "explorer colour", "explorer", list(figures.EXPLORER_COLOURS.items()), "rank"),
@@ -195,6 +220,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         ("examples", f"{len(records)} ({sum(record.has_oracle for record in records)} with oracle)"),
         ("tasks", ", ".join(sorted({str(record.attrs.get("task")) for record in records}))),
         ("probes", ", ".join(probes)),
+        ("explorer", f"{len(explored)} of {len(records)} examples"),
         ("layers", str(num_layers)),
         ("bench rows", str(bench.height) if bench is not None else "none"),
     ]
@@ -203,7 +229,7 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
         facts=facts,
         controls=controls,
         panels=panels,
-        examples={record.id: _explorer_payload(record, max_bins, keeps) for record in records},
+        examples={record.id: _explorer_payload(record, max_bins, keeps) for record in explored},
         explorer={"colour_titles": figures.EXPLORER_COLOURS},
     )
 
@@ -235,7 +261,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     )
 
 
-def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path) -> Panel:
+def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path, explored) -> Panel:
     title = "Adaptive selection layer (ASL)"
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
@@ -252,12 +278,45 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
             f"{_code(command)}.",
         )
     figure = figures.variance_figure(
-        variance.curves, variance.selections, tau=tau, layer=layer, num_layers=num_layers
+        variance.curves,
+        variance.selections,
+        tau=tau,
+        layer=layer,
+        num_layers=num_layers,
+        pickable={record.id for record in explored},
     )
     return Panel("variance", title, caption, figure)
 
 
-def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int) -> Panel:
+def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list:
+    """The examples the token explorer shows: ``explore``, or all up to ``EXPLORER_EXAMPLES``, or an
+    evenly spaced sample of that many."""
+    if explore:
+        by_id = {record.id: record for record in records}
+        missing = [example_id for example_id in explore if example_id not in by_id]
+        if missing:
+            raise RankkitError(
+                f"--explore names {', '.join(missing)}, not complete examples of {store_path}; "
+                f"list them with `rankkit store info {store_path}`"
+            )
+        return [by_id[example_id] for example_id in explore]
+    if len(records) <= EXPLORER_EXAMPLES:
+        return records
+    return [records[index * len(records) // EXPLORER_EXAMPLES] for index in range(EXPLORER_EXAMPLES)]
+
+
+def _unexplored_note(records, explored, store_path) -> str:
+    shown = {record.id for record in explored}
+    others = [record.id for record in records if record.id not in shown]
+    if not others:
+        return ""
+    return (
+        f" The explorer holds {len(explored)} of the {len(records)} examples; draw any others with "
+        f"`rankkit dashboard {store_path} --explore ID[,ID...]`. Not shown: {', '.join(others)}."
+    )
+
+
+def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int, note: str) -> Panel:
     caption = (
         "The picked probe's scores (summed over KV heads) for the picked example, layers x prompt tokens outside "
         "the observation window (the span compare ranks); the "
@@ -265,7 +324,7 @@ def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int)
         "layer and keep rate fall in. Evidence spans are outlined in cyan. Colour by the top token's rank within "
         "its layer, or by raw score. Hover a cell for its tokens, its top token's text, rank and score (float16). "
         "Long contexts are pooled into columns of equal width, each showing its highest score."
-    )
+    ) + note
     record = records[0]  # the page redraws the explorer for the picked example; this sets its look
     ranked = _ranked_slice(record)
     chosen = probe if probe in record.probes else record.probes[0]

@@ -12,7 +12,7 @@ Shapes named ``"<control>:<axis>:<half width>"`` follow a control's value along 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,10 +120,17 @@ def _grid(count: int, max_columns: int) -> tuple[int, int]:
 
 
 def example_curves(
-    frame: pl.DataFrame, y: str, *, color: str, label: str, meta: Mapping[str, object] | None = None
+    frame: pl.DataFrame,
+    y: str,
+    *,
+    color: str,
+    label: str,
+    meta: Mapping[str, object] | None = None,
+    pickable: Collection[str] | None = None,
 ) -> list[go.Scatter]:
     """Every example's ``y`` vs layer as one faint trace (breaks between examples), then one bold
-    trace per example tagged ``example`` (hidden until the page's example control picks it)."""
+    trace per example tagged ``example`` (hidden until the page's example control picks it), for
+    the ``pickable`` examples only when given: a thousand hidden traces would slow the page."""
     meta = dict(meta or {})
     rows = frame.filter(pl.col(y).is_not_null()).sort("example", "layer")
     x: list = []
@@ -161,6 +168,7 @@ def example_curves(
             hovertemplate=f"<b>{example}</b> ({label})<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
         )
         for (example,), curve in rows.group_by("example", maintain_order=True)
+        if pickable is None or example in pickable
     ]
     return [faint, *picked]
 
@@ -279,7 +287,13 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
 
 
 def variance_figure(
-    curves: pl.DataFrame, selections: pl.DataFrame, *, tau: float, layer: int, num_layers: int
+    curves: pl.DataFrame,
+    selections: pl.DataFrame,
+    *,
+    tau: float,
+    layer: int,
+    num_layers: int,
+    pickable: Collection[str] | None = None,
 ) -> go.Figure:
     """Left: relative rank variance vs layer of every example (faint; the picked one bold) and per
     task (mean), with the tau line. Right: how many examples each layer is the selection layer of,
@@ -300,7 +314,11 @@ def variance_figure(
     defined = curves.filter(pl.col("relative_variance").is_not_null())
     for task in sorted(colors):
         for trace in example_curves(
-            defined.filter(pl.col("task") == task), "relative_variance", color=colors[task], label=task
+            defined.filter(pl.col("task") == task),
+            "relative_variance",
+            color=colors[task],
+            label=task,
+            pickable=pickable,
         ):
             figure.add_trace(trace, row=1, col=1)
     task_means = (

@@ -1,0 +1,92 @@
+"""Option types several commands share, declared once (typer ``Annotated`` aliases), and the
+one list convention: every multi-value option is a comma-separated string (``--methods claa,fastkv``).
+
+Commands take their defaults from ``rankkit.defaults``, where the library reads them too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from rankkit.errors import RankkitError
+
+OVERWRITE_HELP = (
+    "Replace an existing --out (written atomically: a reader sees the old file or the new one, never half)."
+)
+LAYER_HELP = (
+    "Selection layer: CLAA l_p, FastKV TSP, GemFilter r, the oracle's l_p (default: 15 of 32 scaled; "
+    "on models with sliding-window layers, the nearest full-attention layer, ties to the earlier); "
+    "checked against the model's depth. A layer given here is used as is, even a sliding-window one, "
+    "which cannot see keys older than its window."
+)
+DRAFT_HELP = (
+    "SpecPrefill's draft: layers:N (the target's first N layers, norm and LM head) or a model "
+    "spec with the target's tokenizer. Default: layers:⌈L/4⌉."
+)
+
+Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
+Model = Annotated[str, typer.Option("--model", help="'default', an HF folder, or a hub id.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+Threads = Annotated[
+    int | None, typer.Option("--threads", min=1, help="torch CPU threads (1 is steadier on a busy machine).")
+]
+Layer = Annotated[int | None, typer.Option("--layer", help=LAYER_HELP)]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy answer length limit.")]
+Draft = Annotated[str | None, typer.Option("--draft", help=DRAFT_HELP)]
+Mirror = Annotated[
+    str, typer.Option("--mirror", help="The architecture the oracle mirrors: gemfilter, fastkv or claa.")
+]
+Warmup = Annotated[
+    int,
+    typer.Option(
+        "--warmup", min=0, help="Untimed runs before the timed ones (on CPU the first measures memory)."
+    ),
+]
+Repeats = Annotated[
+    int,
+    typer.Option(
+        "--repeats", min=1, help="Timed rounds over all methods; times are medians, ratios paired per round."
+    ),
+]
+AllowOverlength = Annotated[
+    bool,
+    typer.Option(
+        "--allow-overlength",
+        help="Run prompts longer than the model's max_position_embeddings (with a warning).",
+    ),
+]
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+
+
+def comma_list(text: str | None, option: str) -> list[str]:
+    """The names in a comma-separated option value; an option given but naming nothing is refused."""
+    if text is None:
+        return []
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise RankkitError(f"{option} {text!r} names nothing; give comma-separated names, e.g. {option} a,b")
+    return names
+
+
+def budgets(keep: str | None, budget: str | None, *, required: bool = True):
+    """The budgets of ``--keep`` (rates) or ``--budget`` (token counts), comma-separated; at most one of them."""
+    from rankkit.methods import Budget
+
+    if keep is not None and budget is not None or (required and keep is None and budget is None):
+        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    try:
+        if keep is not None:
+            return [Budget.from_keep(float(value)) for value in comma_list(keep, "--keep")]
+        if budget is not None:
+            return [Budget.from_tokens(int(value)) for value in comma_list(budget, "--budget")]
+    except ValueError as error:
+        raise RankkitError(f"cannot read the budget list: {error}") from None
+    return []

@@ -1,0 +1,56 @@
+"""Checks every command runs on its options before the model loads (or before any compute)."""
+
+from __future__ import annotations
+
+import warnings
+
+from rankkit.errors import RankkitError
+
+
+def check_layer(layer: int, num_layers: int, method: str) -> None:
+    """A selection layer (``--layer``) must be one of the model's layers."""
+    if not 0 <= layer < num_layers:
+        raise RankkitError(
+            f"--layer {layer} is not a layer of this model ({num_layers} layers, 0..{num_layers - 1}) "
+            f"for method '{method}'; give a layer in that range or leave --layer out"
+        )
+
+
+def check_length(num_tokens: int, config, what: str, *, allow_overlength: bool = False) -> None:
+    """A prompt longer than the model's ``max_position_embeddings`` is refused unless forced."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or num_tokens <= limit:
+        return
+    message = f"{what} has {num_tokens} tokens, more than the model's {limit} positions"
+    if not allow_overlength:
+        raise RankkitError(f"{message}; shorten it, or pass --allow-overlength to run it anyway")
+    warnings.warn(f"{message}; running it anyway (--allow-overlength)", stacklevel=2)
+
+
+def check_spec_length(data: str, config, *, allow_overlength: bool = False) -> None:
+    """A synthetic data spec's ``length`` is checked against the model before anything loads."""
+    from rankkit.data import read_spec
+
+    length = read_spec(data).length
+    if length is not None:
+        check_length(length, config, f"'{data}'", allow_overlength=allow_overlength)
+
+
+def check_prompt_lengths(tokenizer, examples, config, *, allow_overlength: bool = False) -> list:
+    """The prompts of ``examples``, each checked against the model's positions before any compute."""
+    from rankkit.prompting import example_prompt
+
+    prompts = [example_prompt(tokenizer, example) for example in examples]
+    for example, prompt in zip(examples, prompts, strict=True):
+        what = f"the prompt of example {example.id!r}"
+        check_length(prompt.num_tokens, config, what, allow_overlength=allow_overlength)
+    return prompts
+
+
+def warn_clamped(budget, prompt_length: int, what: str) -> None:
+    """A token budget larger than the prompt keeps the whole prompt: say so instead of clamping silently."""
+    if budget.tokens is not None and budget.tokens > prompt_length:
+        warnings.warn(
+            f"--budget {budget.tokens} is larger than {what} ({prompt_length} tokens); it keeps all of it",
+            stacklevel=2,
+        )

@@ -1,0 +1,119 @@
+"""What analysis costs at benchmark scale: ``rankkit overhead analysis``.
+
+Builds a synthetic store through the stores API (N examples x T tokens x 30 layers x the
+six probe settings of a default capture, 9 query / 3 KV heads, with oracles) and runs ``compare --oracle`` (all probes and methods),
+``variance`` and ``dashboard`` on it, each in a fresh process so that its wall time and
+peak resident memory (the largest of the command and its workers, from ``wait4``) are
+its own. Scores are random: the metrics' cost does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rankkit.errors import RankkitError
+
+LAYERS = 30
+KV_HEADS = 3
+QUERY_HEADS = 9  # the default model's shape; last_token_heads keeps a row per query head
+PROBES = ("last_token_heads", "last_token_raw", "lava", "token_units", "window", "window:w=32")  # a default capture's
+QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
+
+STEPS = {
+    "compare": "from rankkit.eval.compare import compare_store; compare_store({store!r}, workers={workers})",
+    "variance": "from rankkit.eval.variance import variance_store; variance_store({store!r}, workers={workers})",
+    "dashboard": "from rankkit.report import write_dashboard; "
+    "write_dashboard({store!r}, {out!r}, workers={workers})",
+}
+
+
+def build_store(path: Path, examples: int, tokens: int, seed: int = 0) -> None:
+    """A store of ``examples`` synthetic examples of ``tokens`` tokens, each with an oracle."""
+    from rankkit import stores
+
+    rng = np.random.default_rng(seed)
+    meta = {"num_layers": LAYERS, "num_attention_heads": QUERY_HEADS, "kv_heads": KV_HEADS}
+    writer = stores.create(path, {"model": {"id": "synthetic", "num_hidden_layers": LAYERS}, **meta})
+    context = [0, tokens - QUESTION_TOKENS]
+    needle = tokens // 2
+    for index in range(examples):
+        spans = {"context_tokens": context, "evidence_tokens": [[needle, needle + 8]]}
+        writer.write_example(
+            f"synthetic:{index}",
+            attrs={"task": "synthetic", "spans": spans},
+            tokens=rng.integers(0, 50_000, tokens),
+            scores={
+                probe: rng.random(
+                    (LAYERS, QUERY_HEADS if probe == "last_token_heads" else KV_HEADS, tokens), dtype=np.float32
+                )
+                for probe in PROBES
+            },
+        )
+        oracle_layers = rng.random((LAYERS, tokens), dtype=np.float32)
+        writer.add_oracle(
+            f"synthetic:{index}", oracle=oracle_layers.mean(axis=0), oracle_layers=oracle_layers, attrs={}
+        )
+
+
+def run_analysis_cost(
+    examples: int,
+    lengths: list[int],
+    *,
+    workers: int | None = None,
+    progress: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """One row per (length, step): wall seconds, seconds per example, peak MiB, files per example."""
+    from rankkit.eval.parallel import checked_workers
+
+    processes = checked_workers(workers)
+    rows = []
+    for tokens in lengths:
+        with tempfile.TemporaryDirectory(prefix="rankkit-analysis-") as scratch:
+            store = Path(scratch) / "synthetic.zarr"
+            start = time.perf_counter()
+            build_store(store, examples, tokens)
+            build_s = time.perf_counter() - start
+            first_example = next((store / "examples").iterdir())
+            files = sum(1 for file in first_example.rglob("*") if file.is_file())
+            progress()
+            for step, code in STEPS.items():
+                script = code.format(store=str(store), out=str(Path(scratch) / "report.html"), workers=processes)
+                seconds, peak_bytes = _timed_process(script)
+                rows.append(
+                    {
+                        "step": step,
+                        "examples": examples,
+                        "tokens": tokens,
+                        "workers": processes,
+                        "seconds": seconds,
+                        "seconds_per_example": seconds / examples,
+                        "peak_mib": peak_bytes / 2**20,
+                        "files_per_example": files,
+                        "build_seconds": build_s,
+                    }
+                )
+                progress()
+    return rows
+
+
+def _timed_process(script: str) -> tuple[float, int]:
+    """Wall time and peak resident bytes of ``python -c script`` (its workers included)."""
+    with tempfile.TemporaryFile("w+") as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-c", script], stderr=errors)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            errors.seek(0)
+            lines = errors.read().strip().splitlines()
+            raise RankkitError(f"analysis step failed: {lines[-1] if lines else status}")
+    return seconds, usage.ru_maxrss * 1024  # Linux reports kibibytes

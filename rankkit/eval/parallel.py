@@ -1,0 +1,104 @@
+"""A store's examples as a stream, evaluated one at a time by a pool of worker processes.
+
+    frames = list(map_examples(store_path, example_ids, partial(evaluate_one, option=...), workers=2))
+
+Each worker opens the store once and reads one example at a time, so memory holds one
+example's arrays per worker plus what the evaluations return. Results come back in the
+order of ``example_ids`` whatever the number of workers, so one worker and many give
+identical frames. ``evaluate`` must be picklable: a module-level function, or a
+``functools.partial`` of one with picklable arguments.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, TypeVar
+
+from rankkit.errors import RankkitError
+
+Result = TypeVar("Result")
+
+# Examples handed to a worker at once: enough to amortise the round trip, few enough that
+# results stream back in order without one worker holding up the rest.
+_EXAMPLES_PER_TASK = 4
+
+_worker_store: Any = None
+
+
+def default_workers() -> int:
+    """One worker per CPU the process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def checked_workers(workers: int | None) -> int:
+    """``workers`` (default: ``default_workers``), refused below 1."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise RankkitError(f"--workers must be a whole number of processes >= 1, got {workers!r}")
+    return workers
+
+
+def map_examples(
+    path: str | os.PathLike,
+    example_ids: Sequence[str],
+    evaluate: Callable[[Any], Result],
+    *,
+    workers: int | None = None,
+) -> Iterator[Result]:
+    """``evaluate(record)`` for every example id of the store at ``path``, in order."""
+    from rankkit import stores
+
+    # A worker gets at least one task's worth of examples: spawning costs more than a few examples.
+    processes = min(checked_workers(workers), -(-len(example_ids) // _EXAMPLES_PER_TASK))
+    if processes <= 1:
+        store = stores.open(path)
+        for example_id in example_ids:
+            yield evaluate(store.example(example_id))
+        return
+    # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
+    context = multiprocessing.get_context("spawn")
+    with _ignoring_ctrl_c():
+        pool = context.Pool(processes, initializer=_open_store, initargs=(os.fspath(path),))
+    with pool:
+        yield from pool.imap(partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK)
+        # Workers that end on their own release the pool's semaphores; the terminate that
+        # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
+        pool.close()
+        pool.join()
+
+
+@contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """Workers started inside ignore SIGINT from birth (an ignored signal survives exec).
+
+    Ctrl-C reaches the whole process group: the parent alone turns it into one line
+    (``rankkit.interrupts``) and ends the pool, where workers would each print a traceback,
+    and a worker lost to it would leave the parent waiting for its results forever.
+    Signals can be set only from the main thread; elsewhere the workers keep the default.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _open_store(path: str) -> None:
+    from rankkit import stores
+
+    global _worker_store
+    _worker_store = stores.open(path)
+
+
+def _evaluate_in_worker(evaluate: Callable[[Any], Result], example_id: str) -> Result:
+    return evaluate(_worker_store.example(example_id))

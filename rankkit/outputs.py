@@ -1,0 +1,154 @@
+"""Safe output files: every ``--out`` of rankkit is claimed, then written atomically, here.
+
+``claim`` runs before any work, so a refused output costs nothing: a directory, an
+existing file (unless ``overwrite``) and a path that is, or lies inside, one of the
+command's own inputs (a store's ``zarr.json``, say) are refused with the fix named.
+``write_atomic`` writes beside the target and renames into place, so a reader (or an
+interrupted run) only ever sees the old file or the complete new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import polars as pl
+
+from rankkit.errors import RankkitError
+
+PathLike = str | os.PathLike
+
+
+def claim(
+    outputs: Sequence[PathLike], *, overwrite: bool = False, inputs: Iterable[PathLike | None] = ()
+) -> list[Path]:
+    """Check that ``outputs`` may be written; returns them as paths. Raises RankkitError naming the fix."""
+    resolved_inputs = [Path(each).resolve() for each in inputs if each is not None]
+    paths = [Path(each) for each in outputs]
+    for path in paths:
+        target = path.resolve()
+        for source in resolved_inputs:
+            if target == source or source in target.parents:
+                raise RankkitError(
+                    f"--out {path} is one of this command's inputs ({source}); choose another path"
+                )
+        if path.is_dir():
+            raise RankkitError(
+                f"--out {path} is a directory; give a file path inside it, e.g. {path / 'out'}"
+            )
+        if path.exists() and not overwrite:
+            raise RankkitError(
+                f"{path} already exists; pass --overwrite to replace it, or choose another --out"
+            )
+    return paths
+
+
+def write_atomic(path: PathLike, write: Callable[[Path], None]) -> Path:
+    """Call ``write(temporary)`` on a sibling file, then rename it to ``path``; returns ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        write(partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def write_parquet(frame: pl.DataFrame, path: PathLike) -> Path:
+    return write_atomic(path, frame.write_parquet)
+
+
+def write_text(text: str, path: PathLike) -> Path:
+    return write_atomic(path, lambda partial: partial.write_text(text, encoding="utf-8"))
+
+
+class Journal:
+    """The finished rows of an output still being made, kept beside it so an interrupted run resumes.
+
+    Rows are appended (and synced) to ``.<out>.unfinished.jsonl`` as each unit of work
+    (a key, e.g. an example id) finishes; its first line is the run's ``identity`` (the
+    settings that define the output). Rerunning with the same identity resumes: ``done``
+    names the finished keys and ``rows`` holds their rows. Other settings are refused
+    unless ``overwrite``. ``finish`` writes the output atomically and removes the journal.
+    Without ``out`` the rows live in memory only.
+    """
+
+    def __init__(self, out: PathLike | None, identity: dict, *, overwrite: bool = False) -> None:
+        self.out = None if out is None else Path(out)
+        self.path = None if out is None else self.out.with_name(f".{self.out.name}.unfinished.jsonl")
+        self.identity = json.loads(json.dumps(identity))  # as it reads back from the file
+        self.units: dict[str, list[dict]] = {}
+        self.notes: dict[str, object] = {}
+        if self.path is None:
+            return
+        if overwrite:
+            self.path.unlink(missing_ok=True)
+        if self.path.is_file():
+            self._resume()
+        else:
+            self._append({"identity": self.identity})
+
+    def _resume(self) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        entries = []
+        for line in lines:
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a kill: drop it, its unit is redone
+                write_text("".join(f"{json.dumps(entry)}\n" for entry in entries), self.path)
+                break
+        if not entries or entries[0].get("identity") != self.identity:
+            raise RankkitError(
+                f"{self.out} has an unfinished run with other settings ({self.path}); rerun with those "
+                "settings to resume it, or pass --overwrite to discard it"
+            )
+        for entry in entries[1:]:
+            if "note" in entry:
+                self.notes.update(entry["note"])
+            else:
+                self.units[entry["key"]] = entry["rows"]
+
+    def _append(self, entry: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as journal:
+            journal.write(json.dumps(entry) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+
+    def note(self, name: str, value) -> None:
+        """Keep a value the resumed run must reuse (e.g. a calibration), so its output matches."""
+        self.notes[name] = json.loads(json.dumps(value))
+        if self.path is not None:
+            self._append({"note": {name: value}})
+
+    def done(self, key: str) -> bool:
+        return key in self.units
+
+    def record(self, key: str, rows: list[dict]) -> None:
+        rows = json.loads(json.dumps(rows))  # the same values a resumed run reads back
+        self.units[key] = rows
+        if self.path is not None:
+            self._append({"key": key, "rows": rows})
+
+    @property
+    def rows(self) -> list[dict]:
+        return [row for rows in self.units.values() for row in rows]
+
+    def kept(self) -> str:
+        """One line saying what an interrupted run kept and how to resume it."""
+        if self.path is None:
+            return f"interrupted after {len(self.units)} finished; nothing kept (no --out)"
+        return (
+            f"interrupted: kept {len(self.units)} finished ({len(self.rows)} rows) in {self.path}; "
+            "rerun the same command to resume"
+        )
+
+    def finish(self, frame: pl.DataFrame) -> None:
+        if self.out is None:
+            return
+        write_parquet(frame, self.out)
+        self.path.unlink(missing_ok=True)

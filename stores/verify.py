@@ -1,0 +1,162 @@
+"""Check every example of a store in full: ``rankkit store verify STORE``.
+
+An example is *good* when every file its manifests list (``rankkit.stores.manifest``) is
+there, byte for byte (size and CRC-32); *damaged* when one is missing, truncated or
+altered; *incomplete* when its capture never finished; *unreadable* when its own
+``zarr.json`` no longer parses. Schema version 1 examples carry no manifest and are read
+in full instead, which catches undecodable chunks and metadata but not a deleted chunk
+(zarr reads it back as its fill value); they are counted as *unchecked*.
+
+``reset`` clears the flag of every damaged part, so the command that wrote it redoes
+it: the capture for tokens and scores, ``rankkit oracle`` for the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zarr
+from zarr.storage import LocalStore
+
+from rankkit.errors import RankkitError
+
+from . import manifest
+from .manifest import MANIFEST, ORACLE_MANIFEST
+from .schema import (
+    ADDED_GROUPS,
+    COMPLETE,
+    EXAMPLES,
+    ORACLE,
+    ORACLE_COMPLETE,
+    ORACLE_LAYERS,
+    SCORES,
+    TOKENS,
+    decode_name,
+    example_state,
+    list_example_dirs,
+    one_line,
+    open_node,
+    open_root,
+)
+
+CAPTURE = "capture"
+ORACLE_PART = "oracle"
+
+
+@dataclass(frozen=True)
+class Problem:
+    example: str
+    state: str  # "damaged", "incomplete" or "unreadable"
+    detail: str
+    part: str = CAPTURE  # what rewrites it: the capture, the oracle, or the named added group
+
+
+@dataclass
+class VerifyReport:
+    path: Path
+    examples: int = 0
+    good: int = 0
+    unchecked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    reset: bool = False
+
+    def counts(self) -> dict[str, int]:
+        states = Counter(problem.state for problem in self.problems)
+        # An example with several damaged arrays is one damaged example.
+        states["damaged"] = len({problem.example for problem in self.problems if problem.state == "damaged"})
+        return {"good": self.good, "unchecked": self.unchecked, **{key: states[key] for key in _STATES}}
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{count} {state}" for state, count in self.counts().items())
+        return f"{self.examples} examples in {self.path}: {counts}"
+
+    def raise_if_damaged(self) -> None:
+        """RankkitError (exit 2) naming the fix when any example is damaged."""
+        damaged = self.counts()["damaged"]
+        if not damaged:
+            return
+        redo = f"rerun the capture (or `rankkit oracle {self.path}`)"
+        fix = (
+            f"unflagged them; {redo} to redo them"
+            if self.reset
+            else f"run `rankkit store verify {self.path} --reset`, then {redo}"
+        )
+        raise RankkitError(f"{damaged} damaged example(s) in {self.path}; {fix}")
+
+
+_STATES = ("damaged", "incomplete", "unreadable")
+
+
+def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
+    """Check every example of the store at ``path``; with ``reset``, unflag each damaged part."""
+    store_path = Path(path)
+    open_root(store_path, read_only=not reset)
+    local = LocalStore(store_path, read_only=not reset)
+    report = VerifyReport(store_path, reset=reset)
+    for encoded in list_example_dirs(store_path):
+        report.examples += 1
+        example_id = decode_name(encoded)
+        directory = store_path / EXAMPLES / encoded
+        state, attrs = example_state(directory)
+        if state != "complete":
+            detail = "its metadata (zarr.json) does not parse" if state == "unreadable" else "capture unfinished"
+            report.problems.append(Problem(example_id, state, detail))
+            continue
+        found = _damaged_parts(directory, attrs)
+        if found is None:
+            report.unchecked += 1
+            continue
+        if not found:
+            report.good += 1
+            continue
+        report.problems += [Problem(example_id, "damaged", detail, part) for part, detail in found]
+        if reset:
+            _unflag(local, f"{EXAMPLES}/{encoded}", {part for part, _ in found})
+    return report
+
+
+def _damaged_parts(directory: Path, attrs: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """(part, what is wrong) per damaged file; None for a schema version 1 example that reads whole."""
+    if MANIFEST not in attrs:
+        return _undecodable(directory)
+    parts = [(CAPTURE, attrs[MANIFEST])]
+    if attrs.get(ORACLE_COMPLETE) is True:
+        parts.append((ORACLE_PART, attrs[ORACLE_MANIFEST]))
+    parts += [(name, added[MANIFEST]) for name, added in attrs.get(ADDED_GROUPS, {}).items()]
+    return [
+        (part, detail) for part, recorded in parts for _, detail in manifest.damage(directory, recorded, checksum=True)
+    ]
+
+
+def _undecodable(directory: Path) -> list[tuple[str, str]] | None:
+    """Read a pre-manifest example in full; what zarr cannot decode, or None when all of it reads."""
+    found = []
+    group = zarr.open_group(LocalStore(directory, read_only=True), mode="r", use_consolidated=False)
+    for node in (TOKENS, SCORES, ORACLE, ORACLE_LAYERS):
+        if not (directory / node).is_dir():
+            continue
+        try:
+            member = group[node]
+            arrays = [member] if isinstance(member, zarr.Array) else [array for _, array in member.arrays()]
+            for array in arrays:
+                array[...]
+        except Exception as error:  # zarr, blosc and json raise many types for damaged files
+            found.append((ORACLE_PART if node.startswith(ORACLE) else CAPTURE, f"{node}: {one_line(error)}"))
+    return found or None
+
+
+def _unflag(local: LocalStore, example_node: str, parts: set[str]) -> None:
+    example = open_node(local, example_node)
+    flags: dict[str, Any] = {}
+    if CAPTURE in parts:
+        flags[COMPLETE] = False
+    if ORACLE_PART in parts:
+        flags[ORACLE_COMPLETE] = False
+    added = example.attrs.get(ADDED_GROUPS, {})
+    if parts - {CAPTURE, ORACLE_PART}:
+        flags[ADDED_GROUPS] = {name: group for name, group in added.items() if name not in parts}
+    example.attrs.update(flags)
