@@ -1,6 +1,6 @@
 """The Answer-Informed Oracle: ground-truth token importance from the answer's attention to the prompt.
 
-CLAA (paper 001), Sec. 3.1, Algorithm 1 and Appendix D.4 Listing 4 (``get_oracle_ranking``):
+CLAA Sec. 3.1, Alg. 1 and Appendix D.4 Listing 4 (``get_oracle_ranking``):
 prefill the prompt once and keep its keys; generate the answer greedily; score every
 prompt token by the raw (pre-softmax) attention logits q·k·scaling of the answer queries
 against the prompt keys; take the maximum over layers and heads (MAXAGG), the mean over

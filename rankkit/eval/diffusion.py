@@ -1,4 +1,4 @@
-"""The information-diffusion probe: SlimInfer (paper 002) Sec. 3.1 and Fig. 2.
+"""The information-diffusion probe: SlimInfer Sec. 3.1 and Fig. 2.
 
 SlimInfer removes the hidden state of the critical prompt token at different layers and
 finds the answer survives late removal but not early removal, because by then the

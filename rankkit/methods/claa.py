@@ -1,4 +1,4 @@
-"""CLAA, Cross-Layer Attention Aggregation (paper 001, Sec. 4.2, Eq. 5, Appendix D.5 Listing 5).
+"""CLAA, Cross-Layer Attention Aggregation (CLAA Sec. 4.2, Eq. 5, Appendix D.5 Listing 5).
 
 Probe ``window`` (Eq. 5, avg pooled with kernel 7) x ``CrossLayerMax`` x one-pass mode:
 the first m layers keep their whole cache (deferred compression); layers m..l_p-1 keep,

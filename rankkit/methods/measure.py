@@ -15,7 +15,7 @@ was allocated before it" (model weights excluded), on both devices:
   Python call per operator, so it runs during the (untimed) warm-up, never the timed
   run. Scratch buffers inside a CPU kernel that are not tensors are not seen.
 
-Compute model (DESIGN.md): a layer that runs n queries over m keys costs a·n + b·n·m
+Compute model (rankkit's own, docs/methods.md): a layer that runs n queries over m keys costs a·n + b·n·m
 (a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
 prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
 it ran (every pass) over the cost of a full prefill.

@@ -1,4 +1,4 @@
-"""SAGE-KV (paper 003, Sec. 2 Steps 1-3, Appendix A.2), KV-only after a full prefill.
+"""SAGE-KV Sec. 2 Steps 1-3, Appendix A.2: KV-only after a full prefill.
 
 Probe ``last_token_heads`` (the last prompt token's softmax attention, max over the
 query heads of each KV group) x no selection layer x KV-only mode: every layer's cache

@@ -1,4 +1,4 @@
-"""SlimInfer (paper 002, Sec. 4, Eq. 1-2, Algorithm 1): progressive block pruning with KV swapping.
+"""SlimInfer Sec. 4, Eq. 1-2, Alg. 1: progressive block pruning with KV swapping.
 
 Probe ``token_units`` (Eq. 1-2: a block's score is the best of its token units' mean
 keys against the mean of the last w queries, averaged over heads) x a layer schedule

@@ -1,4 +1,4 @@
-"""SlimInfer's overlap-aware KV swapping (paper 002, Sec. 4.3, Algorithm 1) for one layer's cache.
+"""SlimInfer's overlap-aware KV swapping (SlimInfer Sec. 4.3, Alg. 1) for one layer's cache.
 
 The layer's prompt tokens are grouped into blocks of ``block_size`` original positions.
 The device tier is the layer's ``KVCache`` entries: the active blocks plus every
