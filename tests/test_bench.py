@@ -4,6 +4,7 @@ the cost model's fit; and the CLI on the default model (integration)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import tiny_model
 
 from rankkit.bench import BenchSettings, run_bench, summary
 from rankkit.data import Example
-from rankkit.measure import TensorMemoryTracker
+from rankkit.measure import TensorMemoryTracker, Timeline, measure
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods.measure import CostModel
 from rankkit.prompting import Prompt
@@ -79,6 +80,21 @@ def test_cost_model_fit_recovers_linear_and_quadratic_terms():
         30 * true.layer_cost(4000, 4000)
     )
     assert fitted.ideal_ratio(half_depth, 4000, 30) == pytest.approx(expected)
+
+
+def test_cpu_timeline_and_measure_time_the_work_between_marks_and_report_no_allocator_peak():
+    timeline = Timeline(torch.device("cpu"))
+    timeline.mark()
+    time.sleep(0.02)
+    timeline.mark()
+    timeline.mark()
+    timeline.finish()
+    assert 0.02 <= timeline.seconds(0, 1) < 1.0
+    assert timeline.seconds(1, 2) < 0.01
+    with measure(torch.device("cpu")) as block:
+        time.sleep(0.02)
+    assert 0.02 <= block.seconds < 1.0
+    assert block.peak_bytes is None
 
 
 def test_memory_tracker_counts_new_storages_until_they_are_freed():
