@@ -22,7 +22,7 @@ from rankkit.data import METRICS, Example, load_examples, parse_spec
 from rankkit.errors import RankkitError
 from rankkit.oracle import answer_informed_oracle
 from rankkit.probes import ProbeRecorder, parse_probes
-from rankkit.prompting import Prompt, example_prompt
+from rankkit.prompting import Prompt, example_prompt, reference_answer
 from rankkit.runner import Runner
 
 
@@ -114,14 +114,6 @@ def example_attrs(tokenizer, example: Example, prompt: Prompt) -> dict:
     }
 
 
-def reference_answer(attrs: dict) -> str:
-    """The gold answer as the model would continue it (after an answer prefix, with its space)."""
-    if not attrs["answers"]:
-        raise RankkitError("answer='reference' needs examples with answers")
-    answer = attrs["answers"][0]
-    return f" {answer}" if attrs.get("answer_prefix") else answer
-
-
 def write_oracle(
     writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, prefill=None
 ) -> dict:
@@ -141,7 +133,11 @@ def oracle_for(
         tokenizer=tokenizer,
         max_new_tokens=options.max_new_tokens,
         answer=options.answer,
-        reference_answer=reference_answer(attrs) if options.answer == "reference" else None,
+        reference_answer=(
+            reference_answer(attrs["answers"], attrs.get("answer_prefix", ""))
+            if options.answer == "reference"
+            else None
+        ),
         softmax=options.softmax,
         kernel=options.kernel,
         prefill=prefill,

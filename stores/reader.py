@@ -349,8 +349,14 @@ class Store:
         return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs)
 
 
-def open(path: str | os.PathLike) -> Store:
-    """Open a store read-only; RankkitError if it is missing, corrupt or from a newer rankkit."""
+def open(path: str | os.PathLike | Store) -> Store:
+    """Open a store read-only; RankkitError if it is missing, corrupt or from a newer rankkit.
+
+    An already open ``Store`` is returned as it is, so a command opens its store once and
+    hands it to every function that takes a store path.
+    """
+    if isinstance(path, Store):
+        return path
     store_path = Path(path)
     _, meta = open_root(store_path, read_only=True)
     return Store(store_path, meta)

@@ -39,12 +39,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 
 from rankkit.errors import RankkitError
+
+if TYPE_CHECKING:
+    from rankkit.stores import Store
 
 from .ranking import (
     aggregate_claa_every_layer,
@@ -261,7 +264,7 @@ def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
 
 
 def compare_store(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Store,  # a path, or a store already open
     *,
     layer: int | None = None,
     methods: Sequence[str] | None = None,
@@ -279,12 +282,12 @@ def compare_store(
     store = stores.open(path)
     records = list(store.examples())
     if not records:
-        raise RankkitError(f"store {path} has no complete example; capture into it first")
+        raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     if use_oracle:
         records = [record for record in records if record.has_oracle]
         if not records:
             raise RankkitError(
-                f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
+                f"store {store.path} has no oracle; run `rankkit oracle {store.path}` first (or pass --no-oracle)"
             )
 
     has_draft = any(DRAFT_GROUP in record.groups for record in records)
@@ -293,7 +296,7 @@ def compare_store(
     unknown = [method for method in chosen if method not in offered]
     if unknown:
         raise RankkitError(
-            f"method {', '.join(unknown)} is not available in {path}; choose from {', '.join(offered)}"
+            f"method {', '.join(unknown)} is not available in {store.path}; choose from {', '.join(offered)}"
         )
     num_layers = scored_layers(records)
     pruning_layer = num_layers // 2 if layer is None else layer

@@ -31,12 +31,11 @@ import torch
 
 from rankkit import models
 from rankkit.cache import KVCache
-from rankkit.capture import reference_answer
 from rankkit.data import Example, load_examples, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
-from rankkit.prompting import example_prompt
+from rankkit.prompting import example_prompt, reference_answer
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 
 SCHEMA = {
@@ -214,7 +213,7 @@ def example_diffusion(
     """``diffusion_curve`` of a dataset example: its prompt, evidence spans, first answer and metric."""
     prompt = example_prompt(tokenizer, example)
     spans = [prompt.context_token_span(start, end) for start, end in example.evidence]
-    answer = reference_answer({"answers": example.answers, "answer_prefix": example.answer_prefix})
+    answer = reference_answer(example.answers, example.answer_prefix)
     return diffusion_curve(
         runner,
         tokenizer,

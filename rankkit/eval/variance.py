@@ -13,12 +13,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 
 from rankkit.errors import RankkitError
+
+if TYPE_CHECKING:
+    from rankkit.stores import Store
 
 from .ranking import descending_ranks, keep_count
 
@@ -113,7 +116,7 @@ class VarianceResult:
 
 
 def variance_store(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Store,  # a path, or a store already open
     *,
     probe: str = "window",
     budget: float | int = DEFAULT_BUDGET,
@@ -135,7 +138,7 @@ def variance_store(
     store = stores.open(path)
     records = list(store.examples())
     if not records:
-        raise RankkitError(f"store {path} has no complete example; capture into it first")
+        raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     if min_layer is None:
         min_layer = default_min_layer(scored_layers(records))
     curve_frames, selection_rows = [], []

@@ -34,7 +34,7 @@ import torch
 
 from rankkit.methods.base import Method, full_prefill, make_probe, register, scale_layer
 from rankkit.methods.swap import BlockSwap, SwapDecision
-from rankkit.probes.token_units import _unit_means
+from rankkit.probes.token_units import unit_means
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 REFERENCE_PRUNING_LAYERS = (10, 20, 30)  # Llama-3.1-8B
@@ -77,7 +77,7 @@ class SlimInferHook(LayerHook):
         if call.phase == "prefill":
             self.scores = self.probe.score(call)
             unit = self.probe.unit_size
-            entry.unit_keys = _unit_means(call.key[0].float(), unit)
+            entry.unit_keys = unit_means(call.key[0].float(), unit)
             entry.unit_blocks = call.key_positions[0, ::unit] // self.block_size
             entry.recent_queries = deque(maxlen=self.window)
         elif entry.swap is not None:

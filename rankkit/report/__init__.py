@@ -122,8 +122,8 @@ def _page(store, records, store_path, bench: pl.DataFrame | None, diffusion: pl.
     layer = num_layers // 2  # compare's default pruning layer l_p
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store_path, layer=layer) if has_oracle else None
-    variance = variance_store(store_path, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
+    comparison = compare_store(store, layer=layer) if has_oracle else None
+    variance = variance_store(store, probe=DEFAULT_PROBE) if DEFAULT_PROBE in probes else None
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)
