@@ -11,12 +11,12 @@ import numpy as np
 import plotly.offline
 import polars as pl
 import pytest
+from browser import find_chromium, open_in_chromium
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankkit.errors import RankkitError
-from rankkit.report import figures, write_dashboard
-from rankkit.report.browser import find_chromium, open_in_chromium
+from rankkit.report import figures, html, write_dashboard
 
 LAYERS, HEADS = 6, 2
 PROBES = ("window", "last_token_raw", "lava")
@@ -368,6 +368,15 @@ def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
     assert "rankkit bench --methods" in page
     assert "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet" in page
     assert "The store has no window scores" in page and "--probes all" in page
+
+
+def test_page_inlines_the_packaged_css_and_javascript_and_carries_no_test_code(tmp_path):
+    store = write_synthetic_store(tmp_path / "no-oracle.zarr", examples=2, oracle=False, probes=("lava",))
+    page = write_dashboard(store, tmp_path / "report.html").read_text()
+    assets = Path(html.__file__).with_name("assets")
+    for name in ("error_capture.js", "dashboard.css", "dashboard.js"):
+        assert page.count((assets / name).read_text(encoding="utf-8")) == 1
+    assert "selftest" not in page.lower()
 
 
 def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
