@@ -36,38 +36,33 @@ def compare(
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
     from rankkit.eval.compare import compare_store
+    from rankkit.report.tables import frame_table
 
     chosen = [name for entry in methods or [] for name in entry.split(",") if name]
     result = compare_store(store, layer=layer, methods=chosen or None, use_oracle=oracle)
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
-    rows = result.summary.to_dicts()
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps(result.summary.to_dicts(), indent=2))
         return
-    Console().print(_compare_table(rows, result.pruning_layer, store))
+    title = f"Rankings vs oracle, {store}, l_p = {result.pruning_layer}"
+    Console().print(frame_table(result.summary.select(_COMPARE_COLUMNS), title))
 
 
-def _compare_table(rows: list[dict], pruning_layer: int, store: Path) -> Table:
-    table = Table(title=Text(f"Rankings vs oracle, {store}, l_p = {pruning_layer}"))
-    columns = {
-        "method": "method",
-        "ρ at l_p": "spearman",
-        "mean ρ": "mean_spearman",
-        "std ρ": "std_spearman",
-        "min ρ": "min_spearman",
-        "trough": "trough_layer",
-        "top-10% recall": "recall_at_10",
-        "needle recall": "needle_recall",
-        "layer-to-layer ρ": "layer_to_layer",
-        "examples": "n_examples",
-    }
-    for header in columns:
-        table.add_column(header, justify="left" if header == "method" else "right")
-    for row in rows:
-        table.add_row(*(_cell(row[key]) for key in columns.values()))
-    return table
+# The summary columns the table shows, in order (--json and --out carry them all).
+_COMPARE_COLUMNS = (
+    "method",
+    "spearman",
+    "mean_spearman",
+    "std_spearman",
+    "min_spearman",
+    "trough_layer",
+    "recall_at_10",
+    "needle_recall",
+    "layer_to_layer",
+    "n_examples",
+)
 
 
 def _cell(value: object) -> Text:

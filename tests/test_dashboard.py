@@ -490,3 +490,29 @@ def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_sa
     assert missing == {"spearman", "variance", "needle", "tradeoff", "diffusion"}
     assert "rankkit oracle" in status["panels"]["spearman"]["text"]
     assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
+
+
+# -- terminal tables -------------------------------------------------------------------------------
+
+
+def test_frame_table_fits_80_columns_with_short_headers_a_legend_and_no_cut_cells():
+    from rich.console import Console
+
+    from rankkit.report.tables import HEADERS, frame_table
+
+    methods = ["last_token_heads", "last_token_raw", "window"]
+    metrics = ["spearman", "mean_spearman", "std_spearman", "min_spearman", "recall_at_10"]
+    metrics += ["needle_recall", "layer_to_layer"]
+    frame = pl.DataFrame(
+        {"method": methods, **{name: [-0.123456, 0.5, None] for name in metrics}, "n_examples": [4, 4, 4]}
+    )
+    console = Console(width=80, record=True)
+    console.print(frame_table(frame, "rankings"))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    assert max(map(len, lines)) <= 80 and "…" not in "".join(lines)
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split() == "method ρ mean ρ sd ρ min ρ rec10 needle adj ρ n".split()
+    rows = [line.split() for line in lines if line.split()[:1] and line.split()[0] in methods]
+    assert rows == [[method, *[cell] * 7, "4"] for method, cell in zip(methods, ["-0.123", "0.500", "-"], strict=True)]
+    for name in [*metrics, "n_examples"]:
+        assert f"{HEADERS[name][0]}: {HEADERS[name][1]}" in lines
