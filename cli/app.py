@@ -9,3 +9,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+THREADS_HELP = "torch CPU threads (1 is steadier on a busy machine)."
+
+
+def use_threads(threads: int | None) -> None:
+    """torch's CPU thread count for this process, when the user gave one (``--threads``)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

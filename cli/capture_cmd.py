@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rankkit.cli.app import app
+from rankkit.cli.app import THREADS_HELP, app, use_threads
 
 console = Console(stderr=True)
 
@@ -79,6 +79,7 @@ def capture(
     ),
     limit: int = typer.Option(None, min=1, help="Capture at most this many examples."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    threads: int = typer.Option(None, min=1, help=THREADS_HELP),
     overwrite: bool = typer.Option(False, help="Delete an existing store at --out first."),
     oracle: bool = typer.Option(False, help="Also add the Answer-Informed Oracle in the same run."),
     answer: str = typer.Option(
@@ -93,6 +94,7 @@ def capture(
     from rankkit.capture import capture as run_capture
     from rankkit.capture import shard
 
+    use_threads(threads)
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
     progress, advance = _progress_bar(limit, "capture")

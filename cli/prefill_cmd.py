@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rankkit.cli.app import app
+from rankkit.cli.app import THREADS_HELP, app, use_threads
 from rankkit.errors import RankkitError
 
 console = Console()
@@ -62,13 +62,10 @@ def _method(name: str, layer: int | None, draft_model: str, mirror: str, *, stri
 
 
 def _load(model: str, device: str, threads: int | None):
-    import torch
-
     from rankkit import models
     from rankkit.runner import Runner
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     loaded = models.load(model, device=device)
     return loaded, Runner(loaded.model)
 
@@ -110,7 +107,7 @@ def prefill(
     repeats: int = typer.Option(
         1, min=1, help="Timed rounds, interleaved with --compare; times are medians."
     ),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
+    threads: int = typer.Option(None, min=1, help=THREADS_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -121,6 +118,8 @@ def prefill(
     from rankkit.methods import Budget
     from rankkit.methods.measure import calibrate
 
+    if method == "full" and keep is None and budget is None:  # full keeps everything: no budget to ask for
+        keep = "1.0"
     (chosen_budget,) = _budgets(keep, budget)
     loaded, runner = _load(model, device, threads)
     example, prompt = _prompt(loaded.tokenizer, data, example_index, context_file, question)
@@ -218,7 +217,7 @@ def bench(
         min=1,
         help="Timed rounds over all methods of an example; times are medians, ratios paired per round.",
     ),
-    threads: int = typer.Option(None, min=1, help="torch CPU threads (1 is steadier on a busy machine)."),
+    threads: int = typer.Option(None, min=1, help=THREADS_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-method summary as JSON."),
 ) -> None:

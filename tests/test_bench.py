@@ -169,3 +169,23 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(rand
     assert order == ["full", "snapkv", "full", "snapkv", "full", "snapkv"]
     assert [len(result.runs) for result in measured] == [2, 2]
     assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes
+
+
+@pytest.mark.integration
+def test_prefill_cli_runs_full_without_a_budget(tmp_path, default_model):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    context = tmp_path / "context.txt"
+    context.write_text("The secret code is 4172. " + "Grass is green and the sky is blue. " * 20)
+    result = CliRunner().invoke(
+        app,
+        ["prefill", "--method", "full", "--context-file", str(context), "--question", "What is the secret code?",
+         "--max-new-tokens", "4", "--json", "--warmup", "0", "--device", "cpu"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["method"] == "full" and payload["keep"] == 1.0
+    assert payload["ideal_ratio"] == pytest.approx(1.0)

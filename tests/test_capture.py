@@ -165,3 +165,10 @@ def test_bad_input_is_one_line_and_exit_2(tiny_folder, tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("rankkit: error: unknown data kind 'haystack'")
     assert not (tmp_path / "x.zarr").exists()
+
+
+def test_capture_cli_threads_runs_on_one_thread_and_writes_the_same_scores(tiny_folder, reference_store, tmp_path):
+    out = tmp_path / "one-thread.zarr"
+    extra = ("--threads", "1", "--oracle", "--max-new-tokens", "4")
+    subprocess.run(_capture_cli(tiny_folder, out, *extra), check=True, capture_output=True, timeout=600)
+    _same_store(out, reference_store, exact=False)
