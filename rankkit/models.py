@@ -112,10 +112,10 @@ def default_model_folder() -> Path:
     """
     gguf = default_gguf_path()
     source_hash = file_sha256(gguf)
-    models = cache_root() / "models"
-    target = models / f"{DEFAULT_MODEL_NAME}-{source_hash[:12]}"
+    target = default_model_target(source_hash)
     if (target / WEIGHTS_HASH_FILE).is_file():
         return target
+    models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(models)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=models))
@@ -140,6 +140,34 @@ def default_model_folder() -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return target
+
+
+def default_model_target(source_hash: str | None = None) -> Path:
+    """Where the converted default model lives (or will, after its first load) in the cache."""
+    source_hash = source_hash or file_sha256(default_gguf_path())
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{source_hash[:12]}"
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    folder: Path
+    weights_hash: str  # as recorded in the folder's WEIGHTS_HASH_FILE
+    source: str | None  # the file it was converted from
+    size_bytes: int
+
+
+def cached_models() -> list[CachedModel]:
+    """The complete converted model folders under ``$RANKKIT_CACHE/models``, by name."""
+    models = cache_root() / "models"
+    found = []
+    for folder in sorted(models.iterdir()) if models.is_dir() else []:
+        recorded = folder / WEIGHTS_HASH_FILE
+        if folder.name.startswith(".") or not recorded.is_file():  # a conversion still running or killed
+            continue
+        record = json.loads(recorded.read_text())
+        size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        found.append(CachedModel(folder, record["sha256"], record.get("source"), size))
+    return found
 
 
 def _remove_stale_partials(models: Path) -> None:

@@ -99,3 +99,34 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
     assert models.default_model_folder() == folder
+
+
+def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_names_the_default(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from typer.testing import CliRunner
+
+    from rankkit import models
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    done = tmp_path / "models" / "Tiny-0123456789ab"
+    done.mkdir(parents=True)
+    (done / "model.safetensors").write_bytes(b"\0" * 1000)
+    record = json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"})
+    (done / models.WEIGHTS_HASH_FILE).write_text(record)
+    (tmp_path / "models" / ".Tiny-0123456789ab.partial-1-x").mkdir()  # a conversion killed half-way
+    (tmp_path / "models" / "unfinished").mkdir()
+    (found,) = models.cached_models()
+    assert found == models.CachedModel(done, "ab" * 32, "tiny.gguf", 1000 + len(record))
+
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["default_model"] == str(models.default_model_target())
+    assert payload["default_model"].startswith(str(tmp_path / "models" / models.DEFAULT_MODEL_NAME))
+    assert [row["folder"] for row in payload["models"]] == [str(done)]
+    assert payload["models"][0]["default"] is False
