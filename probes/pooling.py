@@ -26,6 +26,20 @@ def check_pooling(pooling: str, kernel_size: int) -> None:
         )
 
 
+def pooling_layout(pooling: str, kernel_size: int, unpooled_last: int) -> dict:
+    """How a ``pool_before_window`` probe's stored scores are laid out, for the score array's attributes.
+
+    The last ``min(unpooled_last, T)`` positions hold the window's scores as computed
+    (unpooled sums); every position before them holds pooled scores.
+    """
+    return {
+        "pooling": pooling,
+        "kernel_size": kernel_size,
+        "unpooled_last": unpooled_last,
+        "layout": "pooled before the last min(unpooled_last, T) positions, unpooled sums at them",
+    }
+
+
 def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
     """Pool ``scores`` [..., T] along the token axis; the result has the same shape."""
     length = scores.shape[-1]

@@ -195,7 +195,11 @@ def capture(
             recorder = ProbeRecorder(probe_list)
             prefill = runner.prefill(ids, hooks=[recorder])
             writer.write_example(
-                example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
+                example.id,
+                attrs=attrs,
+                tokens=prompt.input_ids.numpy(),
+                scores=recorder.scores(),
+                score_attrs={probe.name: probe.layout() for probe in probe_list},
             )
         if oracle is not None:
             oracle_attrs = write_oracle(

@@ -97,6 +97,10 @@ class ExampleRecord:
         """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
         return self._score_array(probe).shape
 
+    def score_layout(self, probe: str) -> dict[str, Any]:
+        """The attributes of a probe's score array: how its positions are laid out (``Probe.layout``)."""
+        return dict(self._score_array(probe).attrs)
+
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
         """float32 [layers, kv_heads, T]; ``layers`` picks (and orders) a subset of layers."""
         return self._read_scores(probe, layers)[0]

@@ -108,13 +108,14 @@ def chunks_for(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return (rows, *shape[1:])
 
 
-def write_array(group: zarr.Group, name: str, data: np.ndarray) -> None:
+def write_array(group: zarr.Group, name: str, data: np.ndarray, attributes: dict | None = None) -> None:
     group.create_array(
         name,
         data=data,
         chunks=chunks_for(data.shape, data.dtype.itemsize),
         compressors=COMPRESSORS,
         overwrite=True,
+        attributes=attributes,
     )
 
 

@@ -75,14 +75,22 @@ class StoreWriter:
         attrs: dict[str, Any],
         tokens: np.ndarray,
         scores: dict[str, np.ndarray],
+        score_attrs: dict[str, dict] | None = None,
     ) -> None:
-        """Write one captured example, replacing an incomplete one; ``complete`` is set last."""
+        """Write one captured example, replacing an incomplete one; ``complete`` is set last.
+
+        ``score_attrs`` are the attributes of each probe's score array (``Probe.layout``).
+        """
         encoded = encode_name(example_id)
         example_attrs = _caller_attrs(attrs, f"attrs of example {example_id!r}")
         token_ids = _token_array(tokens, example_id)
         score_arrays = {
             encode_name(probe): _score_array(values, probe, example_id, token_ids.shape[0])
             for probe, values in scores.items()
+        }
+        score_layouts = {
+            encode_name(probe): _caller_attrs((score_attrs or {}).get(probe, {}), f"attrs of probe {probe!r}")
+            for probe in scores
         }
         if self.is_complete(example_id):
             raise RankkitError(
@@ -97,7 +105,7 @@ class StoreWriter:
         write_array(group, TOKENS, token_ids)
         score_group = group.create_group(SCORES)
         for encoded_probe, values in score_arrays.items():
-            write_array(score_group, encoded_probe, values)
+            write_array(score_group, encoded_probe, values, score_layouts[encoded_probe])
         _mark_complete(group, {COMPLETE: True})
 
     def add_oracle(
