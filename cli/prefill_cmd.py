@@ -116,7 +116,7 @@ def prefill(
 
     from rankkit.bench import BenchSettings, compare_on_prompt
     from rankkit.methods import Budget
-    from rankkit.methods.measure import calibrate
+    from rankkit.methods.measure import cached_calibration
 
     if method == "full" and keep is None and budget is None:  # full keeps everything: no budget to ask for
         keep = "1.0"
@@ -128,7 +128,7 @@ def prefill(
         reference_budget = Budget.from_keep(1.0) if compare == "full" else chosen_budget
         entries.insert(0, (_method(compare, layer, draft_model, mirror), reference_budget))
     with torch.inference_mode():
-        cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
+        cost_model = cached_calibration(runner, prompt.input_ids, loaded.weights_hash)
     settings = BenchSettings(max_new_tokens, warmup, repeats)
     rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
     if not compare:

@@ -189,3 +189,21 @@ def test_prefill_cli_runs_full_without_a_budget(tmp_path, default_model):
     payload = json.loads(result.stdout)
     assert payload["method"] == "full" and payload["keep"] == 1.0
     assert payload["ideal_ratio"] == pytest.approx(1.0)
+
+
+def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monkeypatch):
+    from rankkit.methods import measure as measure_module
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    calls = []
+    fitted = CostModel(2e-6, 3e-9, [(40, 0.001), (10, 0.0002)])
+    monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or fitted)
+    runner = Runner(tiny_model("llama"))
+    ids = torch.arange(40)
+    assert measure_module.cached_calibration(runner, ids, "ab" * 32) == fitted
+    assert measure_module.cached_calibration(runner, ids[:20], "ab" * 32) == fitted  # from the cache
+    assert len(calls) == 1
+    (path,) = (tmp_path / "calibration").iterdir()
+    assert path.name == f"{'ab' * 8}-cpu-{torch.get_num_threads()}threads.json"
+    measure_module.cached_calibration(runner, ids, "cd" * 32)  # another model calibrates anew
+    assert len(calls) == 2

@@ -15,6 +15,9 @@ it ran (every pass) over the cost of a full prefill.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +26,7 @@ import torch
 from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import Budget, Method, MethodPrefill, Pass
+from rankkit.models import cache_root
 from rankkit.runner import Runner
 
 
@@ -260,3 +264,26 @@ def calibrate(
             timed.append(block.seconds)
     samples = [(int(prefix.numel()), min(timed)) for prefix, timed in zip(prefixes, times, strict=True)]
     return CostModel.fit(samples, runner.num_layers)
+
+
+def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: str) -> CostModel:
+    """``calibrate`` (two lengths, one round) once per model weights, device and torch thread count.
+
+    The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later
+    prompt: a and b describe the model on the machine, not the prompt they were timed on.
+    """
+    device = runner.device
+    key = f"{weights_hash[:16]}-{device.type}{device.index if device.index is not None else ''}"
+    path = cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads.json"
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        return CostModel(
+            recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]]
+        )
+    cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as out:
+        json.dump(dataclasses.asdict(cost_model), out)
+    os.replace(partial, path)  # whole or not at all, even with two runs calibrating at once
+    return cost_model
