@@ -108,8 +108,8 @@ def test_memory_tracker_counts_new_storages_until_they_are_freed():
     assert tracker.live == 4000 and view.numel() == 10
 
 
-@pytest.mark.integration
-def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
+def _prefill_json(tmp_path, *options: str) -> dict:
+    """``rankkit prefill ... --json`` on a short secret-code prompt, its JSON parsed."""
     from typer.testing import CliRunner
 
     from rankkit.cli import commands  # noqa: F401
@@ -119,12 +119,16 @@ def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_m
     context.write_text("The secret code is 4172. " + "Grass is green and the sky is blue. " * 20)
     result = CliRunner().invoke(
         app,
-        ["prefill", "--method", "claa", "--keep", "0.5", "--context-file", str(context), "--question",
-         "What is the secret code?", "--max-new-tokens", "4", "--compare", "full", "--json", "--warmup", "0",
-         "--device", "cpu"],
+        ["prefill", *options, "--context-file", str(context), "--question", "What is the secret code?",
+         "--max-new-tokens", "4", "--json", "--warmup", "0", "--device", "cpu"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    payload = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.integration
+def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
+    payload = _prefill_json(tmp_path, "--method", "claa", "--keep", "0.5", "--compare", "full")
     assert {
         "method",
         "keep",
@@ -173,20 +177,7 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(rand
 
 @pytest.mark.integration
 def test_prefill_cli_runs_full_without_a_budget(tmp_path, default_model):
-    from typer.testing import CliRunner
-
-    from rankkit.cli import commands  # noqa: F401
-    from rankkit.cli.app import app
-
-    context = tmp_path / "context.txt"
-    context.write_text("The secret code is 4172. " + "Grass is green and the sky is blue. " * 20)
-    result = CliRunner().invoke(
-        app,
-        ["prefill", "--method", "full", "--context-file", str(context), "--question", "What is the secret code?",
-         "--max-new-tokens", "4", "--json", "--warmup", "0", "--device", "cpu"],
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    payload = json.loads(result.stdout)
+    payload = _prefill_json(tmp_path, "--method", "full")
     assert payload["method"] == "full" and payload["keep"] == 1.0
     assert payload["ideal_ratio"] == pytest.approx(1.0)
 
