@@ -7,8 +7,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from rankkit.cli.app import app
 
@@ -27,6 +25,7 @@ def diffusion(
 ) -> None:
     """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?"""
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
+    from rankkit.report.tables import frame_table
 
     status = Console(stderr=True)
     frame = diffusion_probe(
@@ -40,32 +39,8 @@ def diffusion(
     if out is not None:
         frame.write_parquet(out)
         typer.echo(f"wrote {out}", err=True)
-    rows = layer_summary(frame).to_dicts()
+    summary = layer_summary(frame)
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps(summary.to_dicts(), indent=2))
         return
-    Console().print(_table(rows, data))
-
-
-def _table(rows: list[dict], data: str) -> Table:
-    table = Table(title=Text(f"Evidence removed from layer l on, {data}"))
-    columns = {
-        "l": "layer",
-        "accuracy": "accuracy",
-        "score": "score",
-        "log p(answer)": "answer_logprob",
-        "KL 1st token": "first_token_kl",
-        "attn → evidence": "evidence_attention",
-        "examples": "examples",
-    }
-    for header in columns:
-        table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(*(_cell(row[key]) for key in columns.values()))
-    return table
-
-
-def _cell(value: object) -> Text:
-    if value is None:  # the attention column at l = L, where nothing is removed and no layer is read
-        return Text("–")
-    return Text(f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(frame_table(summary, f"Evidence removed from layer l on, {data}"))

@@ -12,8 +12,8 @@ import polars as pl
 from rich.table import Table
 from rich.text import Text
 
-# column -> (short header, what it holds). Spearman and recall follow rankkit.eval.compare;
-# the ratios follow rankkit.bench.
+# column -> (short header, what it holds). Spearman and recall follow rankkit.eval.compare,
+# the diffusion columns rankkit.eval.diffusion, the ratios rankkit.bench.
 HEADERS: Mapping[str, tuple[str, str]] = {
     "spearman": ("ρ", "Spearman with the oracle at the layer shown"),
     "kendall": ("τ_K", "Kendall's tau with the oracle at the layer shown"),
@@ -27,6 +27,11 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "recall_at_40": ("rec40", "same at 40%"),
     "needle_recall": ("needle", "share of the evidence tokens the method keeps"),
     "n_examples": ("n", "examples averaged"),
+    "accuracy": ("acc", "share of answers with full marks"),
+    "answer_logprob": ("log p", "log-probability of the reference answer, teacher-forced"),
+    "first_token_kl": ("KL 1st token", "KL(unpruned || pruned) of the first answer token's distribution"),
+    "evidence_attention": ("attn ev", "share of the answer's attention on the evidence (unpruned run)"),
+    "examples": ("n", "examples averaged"),
     "ttft_ratio": ("ttft", "time to first token over full's"),
     "ideal_ratio": ("ideal", "compute-model TTFT over full's"),
     "kv_ratio": ("kv", "KV cache bytes over full's"),
