@@ -1,6 +1,6 @@
 # Two entry points, each working from nothing but Python 3.11+:
 #   make demo   runs the main job on the embedded default model and prints where its output is
-#   make test   runs the test suite
+#   make test   checks the import layers and the dashboard's JavaScript, then runs the test suite
 # Both create .venv and install everything once; a second run reinstalls nothing.
 
 PYTHON ?= python3
