@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 # column -> (short header, what it holds). Spearman and recall follow rankkit.eval.compare,
-# the diffusion columns rankkit.eval.diffusion, the ratios rankkit.bench.
+# the diffusion columns rankkit.eval.diffusion, the ratios rankkit.bench and rankkit.overhead.
 HEADERS: Mapping[str, tuple[str, str]] = {
     "spearman": ("ρ", "Spearman with the oracle at the layer shown"),
     "kendall": ("τ_K", "Kendall's tau with the oracle at the layer shown"),
@@ -32,6 +32,12 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "first_token_kl": ("KL 1st token", "KL(unpruned || pruned) of the first answer token's distribution"),
     "evidence_attention": ("attn ev", "share of the answer's attention on the evidence (unpruned run)"),
     "examples": ("n", "examples averaged"),
+    "baseline_s": ("base s", "plain transformers' seconds, median of the repeats"),
+    "rankkit_s": ("rk s", "rankkit's seconds, median of the repeats"),
+    "time_ratio": ("time×", "rankkit's time over the baseline's"),
+    "baseline_peak_mib": ("base MiB", "plain transformers' peak memory"),
+    "rankkit_peak_mib": ("rk MiB", "rankkit's peak memory"),
+    "memory_ratio": ("mem×", "rankkit's peak memory over the baseline's"),
     "ttft_ratio": ("ttft", "time to first token over full's"),
     "ideal_ratio": ("ideal", "compute-model TTFT over full's"),
     "kv_ratio": ("kv", "KV cache bytes over full's"),
