@@ -110,17 +110,21 @@ def prefill(
     threads: int = typer.Option(None, min=1, help=THREADS_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    kept_layers: str = typer.Option(
+        None, help="With --json: comma-separated layers (e.g. 0,15,29) whose kept positions per KV head it lists."
+    ),
 ) -> None:
     """Run one method's selection end to end on one prompt and print the answer and its measurements."""
     import torch
 
-    from rankkit.bench import BenchSettings, compare_on_prompt
+    from rankkit.bench import BenchSettings, compare_on_prompt, kept_positions_by_layer
     from rankkit.methods import Budget
     from rankkit.methods.measure import cached_calibration
 
     if method == "full" and keep is None and budget is None:  # full keeps everything: no budget to ask for
         keep = "1.0"
     (chosen_budget,) = _budgets(keep, budget)
+    layers_to_list = _layer_list(kept_layers, as_json)
     loaded, runner = _load(model, device, threads)
     example, prompt = _prompt(loaded.tokenizer, data, example_index, context_file, question)
     entries = [(_method(method, layer, draft_model, mirror), chosen_budget)]
@@ -144,9 +148,24 @@ def prefill(
             result |= {"ttft_ratio": rows[0]["ttft_ratio"], "kv_ratio": rows[0]["kv_ratio"]}
             result["tpot_ratio"] = rows[0]["tpot_ratio"]
             result["compare"] = {key: rows[1][key] for key in JSON_KEYS}
+        if layers_to_list:
+            chosen_method, _ = entries[-1]
+            kept = kept_positions_by_layer(runner, chosen_method, prompt.input_ids, chosen_budget, layers_to_list)
+            result["kept_positions_by_layer"] = {str(layer): heads for layer, heads in kept.items()}
         console.print_json(json.dumps(result))
         return
     _print_runs(rows, compare is not None)
+
+
+def _layer_list(text: str | None, as_json: bool) -> list[int]:
+    if text is None:
+        return []
+    if not as_json:
+        raise RankkitError("--kept-layers lists positions in the JSON output: add --json")
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise RankkitError(f"--kept-layers takes comma-separated layer numbers, e.g. 0,15,29, not {text!r}") from None
 
 
 def _prompt(tokenizer, data, example_index, context_file, question):

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import polars as pl
 import torch
 
+from rankkit.cache import PADDING
 from rankkit.data import Example
 from rankkit.data import score as score_answer
+from rankkit.errors import RankkitError
 from rankkit.methods import Budget, Method, make
 from rankkit.methods.measure import CostModel, Measured, calibrate, measure_interleaved
 from rankkit.prompting import Prompt
@@ -125,6 +127,25 @@ def compare_on_prompt(
         run_row(result, budget=budget, num_layers=runner.num_layers, reference=measured[0], **common)
         for (_, budget), result in zip(entries, measured, strict=True)
     ]
+
+
+def kept_positions_by_layer(
+    runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, layers: list[int]
+) -> dict[int, list[list[int]]]:
+    """The original positions each KV head of ``layers`` holds in its cache after the method's prefill.
+
+    One more, untimed, prefill of a prepared method. It answers for every method alike:
+    the tokens a shared selection kept, or a KV-only method's per-head choice.
+    """
+    for layer in layers:
+        if not 0 <= layer < runner.num_layers:
+            raise RankkitError(f"layer {layer} is out of range: the model has layers 0-{runner.num_layers - 1}")
+    with torch.inference_mode():
+        cache = method.prefill(runner, input_ids, budget).result.cache
+    return {
+        layer: [[position for position in head if position != PADDING] for head in cache.positions[layer].tolist()]
+        for layer in layers
+    }
 
 
 def grid(methods: list[Method], budgets: list[Budget]) -> list[tuple[Method, Budget]]:

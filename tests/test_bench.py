@@ -198,3 +198,34 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     assert path.name == f"{'ab' * 8}-cpu-{torch.get_num_threads()}threads.json"
     measure_module.cached_calibration(runner, ids, "cd" * 32)  # another model calibrates anew
     assert len(calls) == 2
+
+
+def test_kept_positions_by_layer_are_each_kv_heads_cache_after_the_prefill():
+    from rankkit.bench import kept_positions_by_layer
+    from rankkit.errors import RankkitError
+
+    runner = Runner(tiny_model("llama"))
+    heads = runner.model.config.num_key_value_heads
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0))
+    streaming = kept_positions_by_layer(runner, make("streamingllm"), ids, Budget.from_tokens(12), [0, 2])
+    # StreamingLLM keeps the 4 sink tokens and the most recent ones, in every head of every layer.
+    assert streaming == {layer: [[0, 1, 2, 3, *range(32, 40)]] * heads for layer in (0, 2)}
+    full = kept_positions_by_layer(runner, make("full"), ids, Budget.from_keep(1.0), [1])
+    assert full == {1: [list(range(40))] * heads}
+    with pytest.raises(RankkitError, match="out of range"):
+        kept_positions_by_layer(runner, make("full"), ids, Budget.from_keep(1.0), [runner.num_layers])
+
+
+@pytest.mark.integration
+def test_prefill_cli_lists_a_kv_only_methods_kept_positions_per_layer_and_head(tmp_path, default_model):
+    model, _ = default_model
+    payload = _prefill_json(tmp_path, "--method", "snapkv", "--keep", "0.5", "--kept-layers", "0,29")
+    kept = payload["kept_positions_by_layer"]
+    assert set(kept) == {"0", "29"}
+    length = payload["length"]
+    for heads in kept.values():
+        assert len(heads) == model.config.num_key_value_heads
+        for positions in heads:
+            # SnapKV keeps a budget of its best tokens per head, the observation window among them.
+            assert positions == sorted(set(positions)) and length - 1 in positions
+            assert len(positions) == -(-length // 2)  # Budget.resolve: ceil(keep * T)
