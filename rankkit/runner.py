@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rankkit.cache import KVCache
+from rankkit.errors import RankkitError
 
 ATTENTION_NAME = "rankkit"
 
@@ -124,18 +125,14 @@ class Generation:
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTENTION_NAME, _rankkit_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step = kwargs.pop("rankkit_step", None)
-    if step is None:  # a plain model(...) or generate() call: behave exactly as SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    step = kwargs.get("rankkit_step")
+    if step is None:
+        raise RankkitError("rankkit's attention runs only inside Runner.prefill and decode_step")
     output = step.attend(
         module.layer_idx, query, key, value, scaling,
         kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"),
