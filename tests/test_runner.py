@@ -196,3 +196,23 @@ def test_forked_caches_grow_independently(random_ids):
     assert torch.allclose(first, again, atol=1e-6)
     assert twin.get_seq_length() == 41 and prefill.cache.get_seq_length() == 42
     assert prefill.cache.positions[0][0, -2:].tolist() == [40, 41]
+
+
+def test_multimodal_gemma3_runs_its_text_decoder_alone(random_ids):
+    """A ``gemma3`` checkpoint (vision tower + text decoder) used for text: the runner drives the decoder."""
+    from conftest import tiny_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = AutoConfig.for_model(
+        "gemma3", text_config=tiny_config("gemma3_text").to_dict(), vision_config=vision,
+        mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = random_ids % 90  # clear of the image tokens
+    with torch.inference_mode():
+        expected = model(input_ids=ids[None]).logits[0]
+    assert torch.allclose(Runner(model).prefill(ids, logits_at="all").logits, expected, atol=1e-4)
