@@ -37,7 +37,7 @@ class KVCache:
         self._incoming = positions
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        new_positions = self._incoming.expand(key.shape[1], -1)
+        new_positions = self._incoming.to(key.device).expand(key.shape[1], -1)  # beside its layer's keys
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value

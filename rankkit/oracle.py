@@ -20,6 +20,13 @@ Generating N tokens therefore costs one decode step more than plain greedy gener
 
 The scores are reduced on the fly by a decode-phase hook (running max over layers, running
 sum over answer tokens), so memory stays O(layers x T) and no query is stored.
+
+The logits are the ones the model computes: soft-capped where the family caps them (Gemma
+2/3), and with ``softmax=True`` normalized with the family's attention sinks (GPT-OSS).
+A key outside a sliding-window layer's reach from an answer query has no logit there: it
+is left out of that layer's mean over answer tokens and out of the maximum over layers,
+and a key that no layer could see from any answer query scores NaN (so do the layer
+scores of keys a local layer never saw). Pooling averages the neighbours that have a score.
 """
 
 from __future__ import annotations
@@ -61,45 +68,71 @@ class AnswerAttention(LayerHook):
         self.prompt_length = prompt_length
         self.softmax = softmax
         self.layer_sums = torch.zeros(num_layers, prompt_length)
+        self.layer_counts = torch.zeros(num_layers, prompt_length)  # answer queries that saw each key
         self.sums = torch.zeros(prompt_length)
+        self.counts = torch.zeros(prompt_length)
         self.tokens = 0
         self._step_max: torch.Tensor | None = None
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "decode":
             return
-        head_max = self.head_max(call)
-        self.layer_sums[call.layer] += head_max
-        if call.layer == 0:
-            self._step_max = head_max
-        else:
-            self._step_max = torch.maximum(self._step_max, head_max)
+        head_max = self.head_max(call)  # NaN where this layer cannot see the key
+        seen = ~head_max.isnan()
+        self.layer_sums[call.layer] += head_max.nan_to_num(0.0)
+        self.layer_counts[call.layer] += seen
+        # fmax skips NaN, so a key keeps the maximum over the layers that saw it
+        self._step_max = head_max if call.layer == 0 else torch.fmax(self._step_max, head_max)
         if call.layer == self.num_layers - 1:
-            self.sums += self._step_max
+            self.sums += self._step_max.nan_to_num(0.0)
+            self.counts += ~self._step_max.isnan()
             self.tokens += 1
 
+    @property
+    def mean(self) -> torch.Tensor:
+        """[T] MEANAGG over the answer queries of the layer maximum; NaN for keys no layer saw."""
+        return self.sums / self.counts
+
+    @property
+    def layer_mean(self) -> torch.Tensor:
+        """[layers, T] mean over the answer queries per layer; NaN where a local layer never saw the key."""
+        return self.layer_sums / self.layer_counts
+
     def head_max(self, call: AttentionCall) -> torch.Tensor:
-        """[T] max over query heads of one decode query's logits (or softmax) over the prompt keys."""
+        """[T] max over query heads of one decode query's capped logits (or softmax) over the prompt keys.
+
+        NaN for prompt keys outside the layer's sliding window.
+        """
         kv_heads, groups = call.key.shape[1], call.group_size
         query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
         keys = call.key[0, :, : self.prompt_length].float()
-        logits = torch.matmul(query, keys.transpose(1, 2))  # [kv_heads, groups, T]
+        logits = call.cap(torch.matmul(query, keys.transpose(1, 2)))  # [kv_heads, groups, T]
+        unseen = None
+        if call.sliding_window is not None:
+            unseen = call.key_positions[0, : self.prompt_length] <= call.query_positions[-1] - call.sliding_window
+            logits = logits.masked_fill(unseen, float("-inf"))
         if self.softmax:  # over the prompt keys, as COMPUTEATTN(Q_gen, K_prompt) sees them
-            logits = logits.softmax(dim=-1)
-        return logits.reshape(kv_heads * groups, -1).amax(dim=0).cpu()
+            logits = call.softmax(logits)
+        head_max = logits.reshape(kv_heads * groups, -1).amax(dim=0)
+        if unseen is not None:
+            head_max = head_max.masked_fill(unseen, float("nan"))
+        return head_max.cpu()
 
 
 def average_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     """Centred moving average along the last axis, same length; windows are clipped at the ends.
 
     Raw attention logits can be negative, so zero padding would bias the first and last
-    tokens; each output is the mean over the neighbours that exist instead.
+    tokens; each output is the mean over the neighbours that exist instead. NaN entries
+    (keys no layer could see) are not neighbours either: a window holding only NaN is NaN.
     """
     _check_kernel(kernel)
     if kernel == 1:
         return scores
     rows = scores.reshape(-1, 1, scores.shape[-1])
-    pooled = F.avg_pool1d(rows, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    scored = (~rows.isnan()).to(rows.dtype)
+    window = dict(kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    pooled = F.avg_pool1d(rows.nan_to_num(0.0), **window) / F.avg_pool1d(scored, **window)
     return pooled.reshape(scores.shape)
 
 
@@ -188,8 +221,8 @@ def answer_informed_oracle(
         if not answer_tokens:
             raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
 
-    scores = average_pool(attention.sums / attention.tokens, kernel)
-    layer_scores = average_pool(attention.layer_sums / attention.tokens, kernel)
+    scores = average_pool(attention.mean, kernel)
+    layer_scores = average_pool(attention.layer_mean, kernel)
     return OracleResult(
         scores=scores.numpy().astype(np.float32),
         layer_scores=layer_scores.numpy().astype(np.float32),

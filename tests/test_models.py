@@ -22,7 +22,7 @@ def test_unsupported_family_fails_up_front_naming_the_supported_ones(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3"):
+    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3, gemma2, .*, olmo2$"):
         models.load(str(tmp_path))
 
 
@@ -44,6 +44,24 @@ def test_weights_hash_follows_content(tmp_path):
     first = models.folder_weights_hash(tmp_path / "a")
     assert first == models.folder_weights_hash(tmp_path / "a")
     assert first != models.folder_weights_hash(tmp_path / "b")
+
+
+def test_weights_hash_is_computed_once_per_folder_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    reads = []
+    real_sha256 = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
+    first = models.folder_weights_hash(folder)
+    assert models.folder_weights_hash(folder) == first
+    assert reads == ["model.safetensors"]
+    weights = folder / "model.safetensors"
+    tiny_model("llama", seed=1).save_pretrained(folder)  # new content, size equal: the mtime tells
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    changed = models.folder_weights_hash(folder)
+    assert changed != first and reads == ["model.safetensors"] * 2
+    assert changed == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
 
 
 def test_device_resolution():

@@ -62,27 +62,17 @@ class RemoveAfter(LayerHook):
             state.prune(self.keep)
 
 
-def sliding_window(runner: Runner, layer: int) -> int | None:
-    """The window the model's attention module hands to the attention function (None: full causal).
-
-    Qwen2/3 keep it per layer on the module (None on full-attention layers), Mistral
-    reads it from the config, Llama has none.
-    """
-    attention = runner.body.layers[layer].self_attn
-    return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
-
-
 class EvidenceAttention(LayerHook):
     """Per layer, the post-softmax attention mass of each decode query on the evidence, mean over heads.
 
     ``shares`` [layers] is the mean over the decoded tokens. The softmax runs over the
-    keys the query really attends, masked as the runner masks them.
+    keys the query really attends, masked as the runner masks them, with the family's
+    soft-capping and sinks (``AttentionCall.cap``/``softmax``).
     """
 
     def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
         self.cache = cache
         self.evidence_positions = evidence_positions.to(runner.device)
-        self.windows = [sliding_window(runner, layer) for layer in range(runner.num_layers)]
         self.sums = torch.zeros(runner.num_layers, dtype=torch.float64)
         self.steps = 0
 
@@ -91,12 +81,12 @@ class EvidenceAttention(LayerHook):
             return
         kv_heads, groups = call.key.shape[1], call.group_size
         query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
-        logits = torch.matmul(query, call.key[0].float().transpose(1, 2))  # [kv_heads, groups, S]
-        mask = self.cache.attention_mask(call.layer, call.query_positions, self.windows[call.layer])
+        logits = call.cap(torch.matmul(query, call.key[0].float().transpose(1, 2)))  # [kv_heads, groups, S]
+        mask = self.cache.attention_mask(call.layer, call.query_positions, call.sliding_window)
         if mask is not None:  # [1, kv_heads or 1, 1, S]
             logits = logits.masked_fill(~mask[0, :, -1, None, :], float("-inf"))
         on_evidence = torch.isin(call.key_positions, self.evidence_positions)  # [kv_heads, S]
-        shares = (logits.softmax(dim=-1) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
+        shares = (call.softmax(logits) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
         self.sums[call.layer] += float(shares.mean())
         if call.layer == 0:
             self.steps += 1

@@ -7,7 +7,9 @@ each function returns one value per leading index. Which tokens are ranked is th
 choice: the evaluators pass the context span only (see ``rankkit.eval.compare``).
 
 Higher score = more important everywhere. Top-k sets break ties toward the earlier token, so
-results are deterministic.
+results are deterministic. A NaN score (a key a sliding-window layer could not see, or that no
+layer of the oracle saw) ranks below every scored token, all NaN tied: a layer that cannot
+see a token can never select it.
 """
 
 from __future__ import annotations
@@ -36,13 +38,19 @@ def keep_count(keep: float | int, num_tokens: int) -> int:
     return min(keep, num_tokens)
 
 
+def unscored_last(scores: np.ndarray) -> np.ndarray:
+    """``scores`` with NaN (no score) replaced by -inf, so unscored tokens rank last."""
+    values = np.asarray(scores)
+    return np.where(np.isnan(values), -np.inf, values) if np.isnan(values).any() else values
+
+
 class _TieRuns:
     """One unstable (fast, SIMD) ascending sort of every row, and the run of equal scores each
     sorted position belongs to. Run ids are global and increase along the flattened rows; no
     run crosses a row, since every row starts a new one. Both rank kinds below come from it."""
 
     def __init__(self, scores: np.ndarray):
-        values = np.asarray(scores)
+        values = unscored_last(scores)
         self.shape = values.shape
         self.order = np.argsort(values, axis=-1)
         ascending = np.take_along_axis(values, self.order, axis=-1)
@@ -118,7 +126,7 @@ def kendall(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
     tau-b counts discordant pairs by a merge sort that numpy cannot batch, so this loops over
     the leading indices (about 1-2 ms per 4,000-token ranking).
     """
-    scores, reference = np.broadcast_arrays(np.asarray(scores), np.asarray(reference))
+    scores, reference = np.broadcast_arrays(unscored_last(scores), unscored_last(reference))
     rows = zip(scores.reshape(-1, scores.shape[-1]), reference.reshape(-1, reference.shape[-1]), strict=True)
     taus = [stats.kendalltau(row, reference_row).statistic for row, reference_row in rows]
     return np.asarray(taus, dtype=np.float64).reshape(scores.shape[:-1])

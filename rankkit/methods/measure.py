@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +24,7 @@ import torch
 from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import Budget, Method, MethodPrefill, Pass
-from rankkit.models import cache_root
+from rankkit.models import cache_root, write_atomically
 from rankkit.runner import Runner
 
 
@@ -281,9 +279,5 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
             recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]]
         )
     cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        json.dump(dataclasses.asdict(cost_model), out)
-    os.replace(partial, path)  # whole or not at all, even with two runs calibrating at once
+    write_atomically(path, json.dumps(dataclasses.asdict(cost_model)))
     return cost_model

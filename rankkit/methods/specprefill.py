@@ -67,7 +67,7 @@ def lookahead_scores(
             [length + step + 1 for step in range(steps) for _ in range(draft.num_layers)],
         ),
     ]
-    return attention.sums / attention.tokens, passes
+    return attention.mean, passes
 
 
 @register
