@@ -9,3 +9,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+def use_threads(threads: int | None) -> None:
+    """torch's CPU thread count for this process, when the user gave one (``--threads``)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app
-from rankkit.cli.options import AllowOverlength, AsJson, Device, Draft, MaxNewTokens, Model
+from rankkit.cli.app import app, use_threads
+from rankkit.cli.options import AllowOverlength, AsJson, Device, Draft, MaxNewTokens, Model, Threads
 from rankkit.cli.progress import progress_bar
 
 
@@ -60,6 +60,7 @@ def capture(
     ),
     limit: int = typer.Option(None, min=1, help="Capture at most this many examples."),
     device: Device = defaults.DEVICE,
+    threads: Threads = None,
     overwrite: bool = typer.Option(False, help="Delete an existing store at --out first."),
     oracle: bool = typer.Option(False, help="Also add the Answer-Informed Oracle in the same run."),
     answer: str = typer.Option(
@@ -84,6 +85,7 @@ def capture(
     from rankkit.capture import shard
     from rankkit.progress import ignore
 
+    use_threads(threads)
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
     with progress_bar("capture") as show:

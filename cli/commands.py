@@ -6,6 +6,7 @@ from rankkit.cli import (
     dashboard_cmd,  # noqa: F401
     data_cmd,  # noqa: F401
     diffusion_cmd,  # noqa: F401
+    models_cmd,  # noqa: F401
     overhead_cmd,  # noqa: F401
     prefill_cmd,  # noqa: F401
     run_cmd,  # noqa: F401

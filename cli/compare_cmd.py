@@ -58,6 +58,7 @@ def compare(
     from rankkit import outputs
     from rankkit.eval.compare import compare_store, output_paths
     from rankkit.interrupts import keep_on_interrupt
+    from rankkit.report.tables import frame_table
 
     if out is not None:
         outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
@@ -78,29 +79,24 @@ def compare(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    Console().print(_compare_table(rows, result.pruning_layer, result.span, store))
+    title = f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}"
+    Console().print(frame_table(result.summary.select(_COMPARE_COLUMNS), title))
 
 
-def _compare_table(rows: list[dict], pruning_layer: int, span: str, store: Path) -> Table:
-    table = Table(title=Text(f"Rankings vs oracle, {store}, span {span}, probes at l_p = {pruning_layer}"))
-    columns = {
-        "method": "method",
-        "layer": "layer",
-        "ρ": "spearman",
-        "mean ρ": "mean_spearman",
-        "std ρ": "std_spearman",
-        "min ρ": "min_spearman",
-        "trough": "trough_layer",
-        "top-10% recall": "recall_at_10",
-        "needle recall": "needle_recall",
-        "layer-to-layer ρ": "layer_to_layer",
-        "examples": "n_examples",
-    }
-    for header in columns:
-        table.add_column(header, justify="left" if header == "method" else "right")
-    for row in rows:
-        table.add_row(*(_cell(row[key]) for key in columns.values()))
-    return table
+# The summary columns the table shows, in order (--json and --out carry them all).
+_COMPARE_COLUMNS = (
+    "method",
+    "layer",
+    "spearman",
+    "mean_spearman",
+    "std_spearman",
+    "min_spearman",
+    "trough_layer",
+    "recall_at_10",
+    "needle_recall",
+    "layer_to_layer",
+    "n_examples",
+)
 
 
 def _cell(value: object) -> Text:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from rankkit import defaults
 from rankkit.cli.app import app
@@ -38,6 +36,7 @@ def diffusion(
     Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
     """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
+    from rankkit.report.tables import frame_table
 
     with progress_bar("diffusion") as show:
         frame = diffusion_probe(
@@ -53,32 +52,8 @@ def diffusion(
         )
     if out is not None:
         typer.echo(f"wrote {out}", err=True)
-    rows = layer_summary(frame).to_dicts()
+    summary = layer_summary(frame)
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps(summary.to_dicts(), indent=2))
         return
-    Console().print(_table(rows, data))
-
-
-def _table(rows: list[dict], data: str) -> Table:
-    table = Table(title=Text(f"Evidence removed from layer l on, {data}"))
-    columns = {
-        "l": "layer",
-        "accuracy": "accuracy",
-        "score": "score",
-        "log p(answer)": "answer_logprob",
-        "KL 1st token": "first_token_kl",
-        "attn → evidence": "evidence_attention",
-        "examples": "examples",
-    }
-    for header in columns:
-        table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(*(_cell(row[key]) for key in columns.values()))
-    return table
-
-
-def _cell(value: object) -> Text:
-    if value is None:  # the attention column at l = L, where nothing is removed and no layer is read
-        return Text("–")
-    return Text(f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(frame_table(summary, f"Evidence removed from layer l on, {data}"))

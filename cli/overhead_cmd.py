@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import polars as pl
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -34,6 +35,7 @@ def overhead(
     times compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
+    from rankkit.report.tables import frame_table
 
     if scenario not in (*SCENARIOS, "analysis"):
         raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}, analysis")
@@ -59,32 +61,26 @@ def overhead(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']})")
-    for column in (
-        "tokens",
-        "baseline s",
-        "rankkit s",
-        "time ratio",
-        "baseline peak MiB",
-        "rankkit peak MiB",
-        "memory ratio",
-    ):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(
-            str(row["tokens"]),
-            f"{row['baseline_s']:.3f}",
-            f"{row['rankkit_s']:.3f}",
-            f"{row['time_ratio']:.3f}",
-            _mib(row.get("baseline_peak_bytes")),
-            _mib(row.get("rankkit_peak_bytes")),
-            f"{row['memory_ratio']:.3f}" if "memory_ratio" in row else "-",
-        )
-    console.print(table)
+    frame = pl.DataFrame(
+        [
+            {
+                "tokens": row["tokens"],
+                "baseline_s": row["baseline_s"],
+                "rankkit_s": row["rankkit_s"],
+                "time_ratio": row["time_ratio"],
+                "baseline_peak_mib": _mib(row.get("baseline_peak_bytes")),
+                "rankkit_peak_mib": _mib(row.get("rankkit_peak_bytes")),
+                "memory_ratio": row.get("memory_ratio"),
+            }
+            for row in rows
+        ]
+    )
+    title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']})"
+    console.print(frame_table(frame, title))
 
 
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f}"
+def _mib(value: int | None) -> float | None:
+    return None if value is None else value / 2**20
 
 
 def _analysis(examples: int, token_counts: list[int], workers: int | None, as_json: bool) -> None:

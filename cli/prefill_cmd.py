@@ -28,6 +28,7 @@ from rankkit.cli.options import (
     comma_list,
 )
 from rankkit.cli.progress import progress_bar
+from rankkit.errors import RankkitError
 
 console = Console()
 
@@ -79,6 +80,9 @@ def prefill(
     device: Device = defaults.DEVICE,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
+    kept_layers: str = typer.Option(
+        None, help="With --json: comma-separated layers (e.g. 0,15,29) whose kept positions per KV head it lists."
+    ),
 ) -> None:
     """Run one method's selection end to end on one prompt and print the answer and its measurements.
 
@@ -96,6 +100,7 @@ def prefill(
         context=context_file.read_text(encoding="utf-8") if context_file else None,
         question=question,
         compare=compare,
+        kept_layers=_layer_list(kept_layers, as_json),
         **_library_options(
             layer,
             draft,
@@ -113,6 +118,17 @@ def prefill(
         console.print_json(json.dumps(prefill_json(rows)))
         return
     _print_runs(rows, compare is not None)
+
+
+def _layer_list(text: str | None, as_json: bool) -> list[int]:
+    if text is None:
+        return []
+    if not as_json:
+        raise RankkitError("--kept-layers lists positions in the JSON output: add --json")
+    try:
+        return [int(part) for part in comma_list(text, "--kept-layers")]
+    except ValueError:
+        raise RankkitError(f"--kept-layers takes comma-separated layer numbers, e.g. 0,15,29, not {text!r}") from None
 
 
 def _print_runs(rows: list[dict], compared: bool) -> None:

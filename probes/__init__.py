@@ -2,8 +2,9 @@
 
 Every probe returns float32 [kv_heads, S] per layer from the post-RoPE Q/K/V the runner
 exposes, without an S x S matrix. Importing this package registers all of them.
-Like the oracle, the probes rank by full causal attention logits and ignore a model's
-sliding window (see ``attention.py``).
+Like the oracle, the probes score the attention the model computes: capped logits, sinks
+in the softmax, and a local layer's sliding window in the mask (see ``attention.py``);
+``ProbeRecorder`` stores NaN for keys a local layer cannot see.
 """
 
 from __future__ import annotations

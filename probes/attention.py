@@ -9,11 +9,14 @@ Inputs may be bf16/fp16: queries and keys are upcast once and every product and 
 accumulates in float32.
 
 Visibility comes from original positions, not indices: key ``i`` is visible to query
-``j`` when ``key_position[i] <= query_position[j]`` and ``i`` is not cache padding. This
-is the causal mask inside the window, and it stays right after pruning or over a cache.
-The model's sliding window (Mistral) is deliberately ignored: probes rank by full
-causal attention, the attention a query would pay with every prompt token still in
-reach, because a sliding window would give every token outside it a score of zero.
+``j`` when ``key_position[i] <= query_position[j]``, ``i`` is not cache padding, and on
+a sliding-window layer ``key_position[i] > query_position[j] - window``. This is the
+mask the model itself applies, and it stays right after pruning or over a cache.
+
+The logits and softmax are the ones the model computes: soft-capped where the family
+caps (Gemma 2/3) and normalized with the family's attention sinks (GPT-OSS), through
+``AttentionCall.cap`` and ``AttentionCall.softmax``. Keys a local layer cannot see at
+all get no score: ``ProbeRecorder`` stores NaN for them.
 """
 
 from __future__ import annotations
@@ -36,21 +39,24 @@ def window_length(call: AttentionCall, window_size: int) -> int:
 
 
 def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
-    """Scaled logits q_j . k_i * scaling of the window queries: float32 [kv_heads, group, W, S].
+    """Scaled, capped logits of the window queries: float32 [kv_heads, group, W, S].
 
-    Keys a query cannot see (later positions, cache padding) are -inf.
+    Keys a query cannot see (later positions, cache padding, outside a sliding window) are -inf.
     """
     kv_heads, keys_length = call.key.shape[1], call.key.shape[2]
     window = window_length(call, window_size)
     queries = call.query[0, :, -window:].float().reshape(kv_heads, call.group_size * window, -1)
     keys = call.key[0].float()
     logits = torch.bmm(queries, keys.transpose(1, 2)).mul_(call.scaling)
-    logits = logits.view(kv_heads, call.group_size, window, keys_length)
+    logits = call.cap(logits.view(kv_heads, call.group_size, window, keys_length))
     # padding counts as lying after every query, so one comparison builds the whole mask
     key_positions = call.key_positions.masked_fill(
         call.key_positions == PADDING, torch.iinfo(call.key_positions.dtype).max
     )
-    hidden = key_positions[:, None, :] > call.query_positions[-window:][None, :, None]
+    query_positions = call.query_positions[-window:][None, :, None]
+    hidden = key_positions[:, None, :] > query_positions
+    if call.sliding_window is not None:
+        hidden |= key_positions[:, None, :] <= query_positions - call.sliding_window
     return logits.masked_fill_(hidden[:, None], float("-inf"))
 
 
@@ -60,4 +66,4 @@ def window_attention(call: AttentionCall, window_size: int) -> torch.Tensor:
     CLAA Eq. 5 / ASL Algorithm 1 lines 3-4 before any head reduction or pooling; a key
     outside a query's causal view contributes zero for that query.
     """
-    return torch.softmax(window_logits(call, window_size), dim=-1).sum(dim=2)
+    return call.softmax(window_logits(call, window_size)).sum(dim=2)

@@ -23,6 +23,10 @@ class Probe:
     def score(self, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError
 
+    def layout(self) -> dict:
+        """How the stored scores are laid out, recorded on the probe's score array (empty: one rule for all)."""
+        return {}
+
     def params(self) -> dict:
         """The parameters a store records beside the scores."""
         return {"probe": self.name, **asdict(self)}

@@ -11,7 +11,7 @@ from rankkit.runner import AttentionCall
 
 from .attention import window_logits
 from .base import Probe, register
-from .pooling import check_pooling, pool_before_window
+from .pooling import check_pooling, pool_before_window, pooling_layout
 
 
 @register
@@ -36,6 +36,9 @@ class LastTokenRawProbe(Probe):
 
     def __post_init__(self) -> None:
         check_pooling(self.pooling, self.kernel_size)
+
+    def layout(self) -> dict:
+        return pooling_layout(self.pooling, self.kernel_size, 1)
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         summed = window_logits(call, 1)[:, :, 0].sum(dim=1)

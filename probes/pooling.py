@@ -6,7 +6,21 @@ import torch
 
 from rankkit.pooling import check_pooling, pool_tokens
 
-__all__ = ["check_pooling", "pool_before_window"]
+__all__ = ["check_pooling", "pool_before_window", "pooling_layout"]
+
+
+def pooling_layout(pooling: str, kernel_size: int, unpooled_last: int) -> dict:
+    """How a ``pool_before_window`` probe's stored scores are laid out, for the score array's attributes.
+
+    The last ``min(unpooled_last, T)`` positions hold the window's scores as computed
+    (unpooled sums); every position before them holds pooled scores.
+    """
+    return {
+        "pooling": pooling,
+        "kernel_size": kernel_size,
+        "unpooled_last": unpooled_last,
+        "layout": "pooled before the last min(unpooled_last, T) positions, unpooled sums at them",
+    }
 
 
 def pool_before_window(

@@ -24,7 +24,9 @@ class ProbeRecorder(LayerHook):
     Scores are laid out by original position: ``scores()[key][layer, head, p]`` is the
     score of the prompt token at position p, with T one past the largest position seen.
     A token absent from a layer (pruned by an earlier layer, or not re-prefilled in a
-    two-pass run) is NaN there; in a plain prefill nothing is NaN.
+    two-pass run) is NaN there, and so is a token a sliding-window layer cannot see from
+    its last query (position <= last position - window): such a layer has no opinion on
+    it. In a plain prefill of a model with only global layers nothing is NaN.
     """
 
     def __init__(self, probes: Iterable[Probe]):
@@ -40,6 +42,12 @@ class ProbeRecorder(LayerHook):
         if self._layers and call.layer <= self._layers[-1][0]:
             self._layers = []
         scores = {probe.key: probe.score(call) for probe in self.probes}
+        unseen = call.unseen_keys()  # [kv_heads, S] on a local layer
+        if unseen is not None:  # a per-query-head probe's rows share their KV head's keys
+            scores = {
+                key: score.masked_fill(unseen.repeat_interleave(score.shape[0] // unseen.shape[0], dim=0), float("nan"))
+                for key, score in scores.items()
+            }
         self._layers.append((call.layer, call.key_positions, scores))
 
     def scores(self) -> dict[str, np.ndarray]:

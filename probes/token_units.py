@@ -55,7 +55,7 @@ class TokenUnitsProbe(Probe):
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         kv_heads, keys_length = call.key.shape[1], call.key.shape[2]
-        unit_keys = _unit_means(call.key[0].float(), self.unit_size)
+        unit_keys = unit_means(call.key[0].float(), self.unit_size)
         window = window_length(call, self.window_size)
         mean_queries = call.query[0, :, -window:].float().mean(dim=1).view(kv_heads, call.group_size, -1)
         similarity = torch.bmm(mean_queries, unit_keys.transpose(1, 2))  # [kv_heads, group, units]
@@ -70,7 +70,7 @@ class TokenUnitsProbe(Probe):
         return block_scores.repeat_interleave(self.block_size, dim=1)[:, :keys_length]
 
 
-def _unit_means(keys: torch.Tensor, unit_size: int) -> torch.Tensor:
+def unit_means(keys: torch.Tensor, unit_size: int) -> torch.Tensor:
     """Mean key of every run of ``unit_size`` consecutive tokens: [kv_heads, S, d] -> [kv_heads, units, d]."""
     kv_heads, length, dim = keys.shape
     units = -(-length // unit_size)

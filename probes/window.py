@@ -11,7 +11,7 @@ from rankkit.runner import AttentionCall
 
 from .attention import check_window_size, window_attention, window_length
 from .base import Probe, register
-from .pooling import check_pooling, pool_before_window
+from .pooling import check_pooling, pool_before_window, pooling_layout
 
 
 @register
@@ -44,6 +44,9 @@ class WindowProbe(Probe):
     def __post_init__(self) -> None:
         check_window_size(self.window_size)
         check_pooling(self.pooling, self.kernel_size)
+
+    def layout(self) -> dict:
+        return pooling_layout(self.pooling, self.kernel_size, self.window_size)
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         attention = window_attention(call, self.window_size)

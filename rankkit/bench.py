@@ -20,20 +20,21 @@ import itertools
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import polars as pl
 import torch
 
 from rankkit import defaults, models, outputs
+from rankkit.cache import PADDING
 from rankkit.checks import check_layer, check_length, check_prompt_lengths, check_spec_length, warn_clamped
 from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, Method, make
-from rankkit.methods.measure import CostModel, Measured, calibrate, measure_interleaved
+from rankkit.methods.measure import CostModel, Measured, cached_calibration, calibrate, measure_interleaved
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
@@ -153,6 +154,25 @@ def compare_on_prompt(
     ]
 
 
+def kept_positions_by_layer(
+    runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, layers: list[int]
+) -> dict[int, list[list[int]]]:
+    """The original positions each KV head of ``layers`` holds in its cache after the method's prefill.
+
+    One more, untimed, prefill of a prepared method. It answers for every method alike:
+    the tokens a shared selection kept, or a KV-only method's per-head choice.
+    """
+    for layer in layers:
+        if not 0 <= layer < runner.num_layers:
+            raise RankkitError(f"layer {layer} is out of range: the model has layers 0-{runner.num_layers - 1}")
+    with torch.inference_mode():
+        cache = method.prefill(runner, input_ids, budget).result.cache
+    return {
+        layer: [[position for position in head if position != PADDING] for head in cache.positions[layer].tolist()]
+        for layer in layers
+    }
+
+
 def grid(methods: list[Method], budgets: list[Budget]) -> list[tuple[Method, Budget]]:
     """``full`` (the reference) once, then every (budget, method) but full."""
     full = [(make(FULL), Budget.from_keep(1.0))]
@@ -235,6 +255,7 @@ def prefill(
     context: str | None = None,
     question: str | None = None,
     compare: str | None = None,
+    kept_layers: Sequence[int] = (),
     options: MethodOptions = MethodOptions(),
     settings: BenchSettings = BenchSettings(),
     setup: Setup = Setup(),
@@ -242,7 +263,8 @@ def prefill(
     """One method end to end on one prompt (``data``'s example or ``context`` + ``question``).
 
     Returns one ``run_row`` per method: ``method`` first, then ``compare`` with the ratios
-    of ``method`` to it. Every option is checked before the model loads.
+    of ``method`` to it. With ``kept_layers`` the method's row also holds
+    ``kept_positions_by_layer``. Every option is checked before the model loads.
     """
     if (data is None) == (context is None):
         raise RankkitError("give either --data SPEC or --context-file FILE with --question")
@@ -256,6 +278,11 @@ def prefill(
         check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     names = [method] if compare is None else [compare, method]  # the reference goes first
     chosen = options.build(names, config.num_hidden_layers, strict=True)
+    for layer in kept_layers:
+        if not 0 <= layer < config.num_hidden_layers:
+            raise RankkitError(
+                f"--kept-layers {layer} is not a layer of this model (0..{config.num_hidden_layers - 1})"
+            )
     loaded, runner = setup.load()
     if data is not None:
         examples = load_examples(data, loaded.tokenizer)
@@ -270,10 +297,14 @@ def prefill(
     # full keeps everything whatever the budget
     entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]
     with torch.inference_mode():
-        cost_model = calibrate(runner, prompt.input_ids, fractions=(1.0, 0.25), repeats=1)
+        cost_model = cached_calibration(runner, prompt.input_ids, loaded.weights_hash)
     rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
     if compare is None:
         rows[0] |= dict.fromkeys(RATIOS)
+    if kept_layers:
+        chosen_method, chosen_budget = entries[-1]
+        kept = kept_positions_by_layer(runner, chosen_method, prompt.input_ids, chosen_budget, list(kept_layers))
+        rows[-1]["kept_positions_by_layer"] = {str(layer): heads for layer, heads in kept.items()}
     return rows[::-1]
 
 
@@ -306,6 +337,8 @@ def prefill_json(rows: list[dict]) -> dict:
     if len(rows) > 1:
         result |= {key: method[key] for key in RATIOS}
         result["compare"] = {key: rows[1][key] for key in PREFILL_JSON_KEYS}
+    if "kept_positions_by_layer" in method:
+        result["kept_positions_by_layer"] = method["kept_positions_by_layer"]
     return result
 
 

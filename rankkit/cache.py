@@ -45,7 +45,7 @@ class KVCache:
         ready = self._ready.pop(layer_idx, None)
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-        new_positions = self._incoming.expand(key.shape[1], -1)
+        new_positions = self._incoming.to(key.device).expand(key.shape[1], -1)  # beside its layer's keys
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value

@@ -25,7 +25,7 @@ from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.progress import Progress, ProgressCallback, ignore
-from rankkit.prompting import Prompt, example_prompt
+from rankkit.prompting import Prompt, example_prompt, reference_answer
 from rankkit.runner import Runner, layer_types
 
 
@@ -161,14 +161,6 @@ def example_attrs(tokenizer, example: Example, prompt: Prompt) -> dict:
     }
 
 
-def reference_answer(attrs: dict) -> str:
-    """The gold answer as the model would continue it (after an answer prefix, with its space)."""
-    if not attrs["answers"]:
-        raise RankkitError("answer='reference' needs examples with answers")
-    answer = attrs["answers"][0]
-    return f" {answer}" if attrs.get("answer_prefix") else answer
-
-
 def write_oracle(
     writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, prefill=None
 ) -> dict:
@@ -188,7 +180,11 @@ def oracle_for(
         tokenizer=tokenizer,
         max_new_tokens=options.max_new_tokens,
         answer=options.answer,
-        reference_answer=reference_answer(attrs) if options.answer == "reference" else None,
+        reference_answer=(
+            reference_answer(attrs["answers"], attrs.get("answer_prefix", ""))
+            if options.answer == "reference"
+            else None
+        ),
         softmax=options.softmax,
         kernel=options.kernel,
         prefill=prefill,
@@ -276,7 +272,11 @@ def capture(
                 recorder = ProbeRecorder(probe_list)
                 prefill = runner.prefill(ids, hooks=[recorder])
                 writer.write_example(
-                    example.id, attrs=attrs, tokens=prompt.input_ids.numpy(), scores=recorder.scores()
+                    example.id,
+                    attrs=attrs,
+                    tokens=prompt.input_ids.numpy(),
+                    scores=recorder.scores(),
+                    score_attrs={probe.key: probe.layout() for probe in probe_list},
                 )
             if oracle is not None and not writer.has_oracle(example.id):
                 oracle_attrs = write_oracle(

@@ -1,11 +1,18 @@
-"""Honest wall-clock time and peak memory on CPU and CUDA.
+"""Honest wall-clock time and peak memory on CPU and CUDA: the one place rankkit times and weighs work.
 
-Time: CUDA events around the work with synchronisation; on CPU ``perf_counter``.
-Peak memory: on CUDA the allocator's peak above what was allocated before. On CPU the
-process's resident size is no measure (glibc keeps freed blocks, so two runs with the
-same tensor footprint differ by 1.8x), so ``TensorMemoryTracker`` adds up the storage
-bytes every operator creates and subtracts them when freed. It costs a Python call per
-operator: use it in an untimed run.
+Time: on CUDA, events recorded on the current stream and read after one
+synchronisation at the end (``Timeline``), so timing adds no sync points inside the
+run; on CPU ``perf_counter``.
+
+Peak memory is "bytes of tensors allocated by the work, at their peak, above what was
+allocated before it" (model weights excluded):
+- CUDA: the allocator's peak minus what was allocated at the start (``PeakMemory``;
+  includes kernel workspaces), measured in the timed run;
+- CPU: the process's resident size is no measure (glibc keeps freed blocks, so two runs
+  with the same tensor footprint differ by 1.8x), so ``TensorMemoryTracker`` adds up
+  the storage bytes every operator creates and subtracts them when freed. It costs a
+  Python call per operator: use it in an untimed run. Scratch buffers inside a CPU
+  kernel that are not tensors are not seen.
 """
 
 from __future__ import annotations
@@ -25,6 +32,52 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Timeline:
+    """Marks points in time; ``seconds`` between marks is valid after ``finish``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def finish(self) -> None:
+        synchronize(self.device)
+
+    def seconds(self, start: int, end: int) -> float:
+        if self.cuda:
+            return self.marks[start].elapsed_time(self.marks[end]) / 1000.0
+        return self.marks[end] - self.marks[start]
+
+
+class PeakMemory:
+    """The CUDA allocator's peak above what was allocated when this was made; ``None`` on CPU.
+
+    Making it synchronises and resets the device's peak statistics, so make it just
+    before the work.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = 0
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.baseline = torch.cuda.memory_allocated(device)
+
+    def bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - self.baseline
+
+
 @dataclass
 class Measurement:
     seconds: float = 0.0
@@ -35,21 +88,14 @@ class Measurement:
 def measure(device: torch.device):
     """Time (and on CUDA peak extra memory) of the block: ``with measure(dev) as m: ...; m.seconds``."""
     result = Measurement()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield result
-        end.record()
-        synchronize(device)
-        result.seconds = start.elapsed_time(end) / 1000
-        result.peak_bytes = torch.cuda.max_memory_allocated(device) - baseline
-        return
-    started = time.perf_counter()
+    peak = PeakMemory(device)
+    timeline = Timeline(device)
+    timeline.mark()
     yield result
-    result.seconds = time.perf_counter() - started
+    timeline.mark()
+    timeline.finish()
+    result.seconds = timeline.seconds(0, 1)
+    result.peak_bytes = peak.bytes()
 
 
 class TensorMemoryTracker(TorchDispatchMode):

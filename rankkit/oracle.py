@@ -1,6 +1,6 @@
 """The Answer-Informed Oracle: ground-truth token importance from the answer's attention to the prompt.
 
-CLAA (paper 001), Sec. 3.1, Algorithm 1 and Appendix D.4 Listing 4 (``get_oracle_ranking``):
+CLAA Sec. 3.1, Alg. 1 and Appendix D.4 Listing 4 (``get_oracle_ranking``):
 prefill the prompt once and keep its keys; generate the answer greedily; score every
 prompt token by the raw (pre-softmax) attention logits q·k·scaling of the answer queries
 against the prompt keys; take the maximum over layers and heads (MAXAGG), the mean over
@@ -20,6 +20,13 @@ Generating N tokens therefore costs one decode step more than plain greedy gener
 
 The scores are reduced on the fly by a decode-phase hook (running max over layers, running
 sum over answer tokens), so memory stays O(layers x T) and no query is stored.
+
+The logits are the ones the model computes: soft-capped where the family caps them (Gemma
+2/3), and with ``softmax=True`` normalized with the family's attention sinks (GPT-OSS).
+A key outside a sliding-window layer's reach from an answer query has no logit there: it
+is left out of that layer's mean over answer tokens and out of the maximum over layers,
+and a key that no layer could see from any answer query scores NaN (so do the layer
+scores of keys a local layer never saw). Pooling averages the neighbours that have a score.
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ class AnswerAttention(LayerHook):
         self.prompt_length = prompt_length
         self.softmax = softmax
         self.layer_sums = torch.zeros(num_layers, prompt_length)
+        self.layer_counts = torch.zeros(num_layers, prompt_length)  # answer queries that saw each key
         self.sums = torch.zeros(prompt_length)
+        self.counts = torch.zeros(prompt_length)
         self.tokens = 0
         self.keep_per_token = keep_per_token
         self.token_maxima: list[torch.Tensor] = []  # each query's max over layers and heads, when kept
@@ -73,27 +82,48 @@ class AnswerAttention(LayerHook):
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "decode":
             return
-        head_max = self.head_max(call)
-        self.layer_sums[call.layer] += head_max
-        if call.layer == 0:
-            self._step_max = head_max
-        else:
-            self._step_max = torch.maximum(self._step_max, head_max)
+        head_max = self.head_max(call)  # NaN where this layer cannot see the key
+        seen = ~head_max.isnan()
+        self.layer_sums[call.layer] += head_max.nan_to_num(0.0)
+        self.layer_counts[call.layer] += seen
+        # fmax skips NaN, so a key keeps the maximum over the layers that saw it
+        self._step_max = head_max if call.layer == 0 else torch.fmax(self._step_max, head_max)
         if call.layer == self.num_layers - 1:
-            self.sums += self._step_max
+            self.sums += self._step_max.nan_to_num(0.0)
+            self.counts += ~self._step_max.isnan()
             self.tokens += 1
             if self.keep_per_token:
                 self.token_maxima.append(self._step_max)
 
+    @property
+    def mean(self) -> torch.Tensor:
+        """[T] MEANAGG over the answer queries of the layer maximum; NaN for keys no layer saw."""
+        return self.sums / self.counts
+
+    @property
+    def layer_mean(self) -> torch.Tensor:
+        """[layers, T] mean over the answer queries per layer; NaN where a local layer never saw the key."""
+        return self.layer_sums / self.layer_counts
+
     def head_max(self, call: AttentionCall) -> torch.Tensor:
-        """[T] max over query heads of one decode query's logits (or softmax) over the prompt keys."""
+        """[T] max over query heads of one decode query's capped logits (or softmax) over the prompt keys.
+
+        NaN for prompt keys outside the layer's sliding window.
+        """
         kv_heads, groups = call.key.shape[1], call.group_size
         query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
         keys = call.key[0, :, : self.prompt_length].float()
-        logits = torch.matmul(query, keys.transpose(1, 2))  # [kv_heads, groups, T]
+        logits = call.cap(torch.matmul(query, keys.transpose(1, 2)))  # [kv_heads, groups, T]
+        unseen = None
+        if call.sliding_window is not None:
+            unseen = call.key_positions[0, : self.prompt_length] <= call.query_positions[-1] - call.sliding_window
+            logits = logits.masked_fill(unseen, float("-inf"))
         if self.softmax:  # over the prompt keys, as COMPUTEATTN(Q_gen, K_prompt) sees them
-            logits = logits.softmax(dim=-1)
-        return logits.reshape(kv_heads * groups, -1).amax(dim=0).cpu()
+            logits = call.softmax(logits)
+        head_max = logits.reshape(kv_heads * groups, -1).amax(dim=0)
+        if unseen is not None:
+            head_max = head_max.masked_fill(unseen, float("nan"))
+        return head_max.cpu()
 
 
 def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) -> dict:
@@ -186,8 +216,8 @@ def answer_informed_oracle(
         if not answer_tokens:
             raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
 
-    scores = pool_tokens(attention.sums / attention.tokens, "avg", kernel)
-    layer_scores = pool_tokens(attention.layer_sums / attention.tokens, "avg", kernel)
+    scores = pool_tokens(attention.mean, "avg", kernel)
+    layer_scores = pool_tokens(attention.layer_mean, "avg", kernel)
     return OracleResult(
         scores=scores.numpy().astype(np.float32),
         layer_scores=layer_scores.numpy().astype(np.float32),

@@ -34,14 +34,20 @@ def check_pooling(pooling: str, kernel_size: int) -> None:
 
 
 def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
-    """Pool ``scores`` [..., T] along the token axis; the result has the same shape."""
+    """Pool ``scores`` [..., T] along the token axis; the result has the same shape.
+
+    NaN entries (keys a sliding-window layer could not see) are not neighbours in an
+    average either: a window holding only NaN stays NaN.
+    """
     length = scores.shape[-1]
     if kernel_size == 1 or length == 0:
         return scores
     rows = scores.reshape(-1, 1, length)
     padding = kernel_size // 2
-    if pooling == "avg":
-        pooled = F.avg_pool1d(rows, kernel_size, stride=1, padding=padding, count_include_pad=False)
-    else:
-        pooled = F.max_pool1d(rows, kernel_size, stride=1, padding=padding)
+    if pooling == "max":
+        return F.max_pool1d(rows, kernel_size, stride=1, padding=padding).reshape(scores.shape)
+    window = dict(kernel_size=kernel_size, stride=1, padding=padding, count_include_pad=False)
+    unscored = rows.isnan()
+    summed = F.avg_pool1d(rows.masked_fill(unscored, 0.0), **window)  # infinities stay infinite
+    pooled = summed / F.avg_pool1d((~unscored).to(rows.dtype), **window)
     return pooled.reshape(scores.shape)

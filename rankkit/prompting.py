@@ -106,3 +106,10 @@ def example_prompt(tokenizer, example) -> Prompt:
         answer_prefix=example.answer_prefix,
         use_chat_template=example.meta.get("use_chat_template"),
     )
+
+
+def reference_answer(answers, answer_prefix: str) -> str:
+    """The first gold answer as the model would continue the prompt (after an answer prefix, with its space)."""
+    if not answers:
+        raise RankkitError("answer='reference' needs examples with answers")
+    return f" {answers[0]}" if answer_prefix else answers[0]

@@ -6,7 +6,15 @@ ids for RoPE), compress any layer's KV cache to a per-head index set, and comput
 logits only where they are needed. Attention goes through a function registered with
 transformers' ``AttentionInterface``: it receives post-RoPE (and post-QK-norm) Q, K, V,
 hands them to the hooks, then runs SDPA (flash-attn on CUDA when installed). No model
-class is patched; ``model(...)`` and ``model.generate`` keep working unchanged.
+class is patched; the model's own attention implementation is set back after every
+prefill and decode step, so ``model(...)`` and ``model.generate`` behave as before.
+
+Families whose attention adds terms SDPA has no argument for run them exactly as their
+eager attention does: Gemma 2/3 soft-cap the scaled logits (``softcap * tanh(x / softcap)``),
+GPT-OSS adds one learned sink logit per query head to the softmax denominator. Gemma 3
+rotates local and global layers with different RoPE bases (one embedding per layer
+type); SmolLM3's NoPE layers skip RoPE inside the attention module itself. Under an
+accelerate device map each layer runs on its own device and keeps its cache there.
 
 Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` and
 ``value`` are [1, kv_heads, S, head_dim] with S the cached plus new tokens.
@@ -14,12 +22,15 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from rankkit.cache import KVCache
+from rankkit.errors import RankkitError
 
 ATTENTION_NAME = "rankkit"
 GLOBAL_ATTENTION = "full_attention"  # config.layer_types' name for a layer that sees every earlier key
@@ -53,6 +64,8 @@ class AttentionCall:
     query_positions: torch.Tensor  # [n] original positions of the queries
     key_positions: torch.Tensor  # [kv_heads, S] original positions of the keys; -1 marks padding
     scaling: float
+    softcap: float | None = None  # Gemma 2/3: logits become softcap * tanh(logits / softcap)
+    sinks: torch.Tensor | None = None  # GPT-OSS: [q_heads] sink logits joining the softmax denominator
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
 
     @property
@@ -64,6 +77,22 @@ class AttentionCall:
         if self.sliding_window is None:
             return None
         return self.key_positions <= self.query_positions[-1] - self.sliding_window
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scaled logits as the model's softmax sees them (soft-capped where the family caps)."""
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    def softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Softmax over the last axis of capped logits [kv_heads, group, ..., S], sinks included.
+
+        A sink takes probability mass without being a key, so the probabilities over the
+        keys sum to less than one, exactly as in the model's attention.
+        """
+        if self.sinks is None:
+            return logits.softmax(dim=-1)
+        sinks = self.sinks.float().reshape(logits.shape[0], logits.shape[1], *[1] * (logits.dim() - 2))
+        normalizer = torch.logaddexp(torch.logsumexp(logits, dim=-1, keepdim=True), sinks.to(logits.device))
+        return torch.exp(logits - normalizer)
 
 
 class LayerHook:
@@ -90,16 +119,18 @@ class PrefillState:
     positions: torch.Tensor  # [n] original position ids of the live tokens
     cache: KVCache
     prompt_length: int
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: dict  # layer type (None for one shared RoPE) -> (cos, sin) [1, n, rotary_dim]
     stop: bool = False
 
     def prune(self, keep: torch.Tensor) -> None:
         """Keep only the live tokens at indices ``keep`` (into the current live set) for later layers."""
         keep = torch.sort(keep.to(self.positions.device)).values
-        self.hidden = self.hidden[:, keep]
+        self.hidden = self.hidden[:, keep.to(self.hidden.device)]
         self.positions = self.positions[keep]
-        cos, sin = self.position_embeddings
-        self.position_embeddings = (cos[:, keep], sin[:, keep])
+        self.position_embeddings = {
+            kind: (cos[:, keep.to(cos.device)], sin[:, keep.to(sin.device)])
+            for kind, (cos, sin) in self.position_embeddings.items()
+        }
 
     def stop_here(self) -> None:
         """End the layer loop after this layer (two-pass methods only need the first layers)."""
@@ -123,19 +154,26 @@ class Generation:
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTENTION_NAME, _rankkit_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step = kwargs.pop("rankkit_step", None)
-    if step is None:  # a plain model(...) or generate() call: behave exactly as SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    step = kwargs.get("rankkit_step")
+    if step is None:
+        raise RankkitError("rankkit's attention runs only inside Runner.prefill and decode_step")
+    output = step.attend(
+        module.layer_idx, query, key, value, scaling,
+        kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"),
+    )
+    return output, None
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    return step.attend(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window")), None
+
+def _rotary_kinds(rotary_emb, config, num_layers: int) -> list:
+    """Which rotary embedding each layer uses: its layer type when the family has one RoPE per type (Gemma 3)."""
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        return list(config.layer_types[:num_layers])
+    return [None] * num_layers
 
 
 def _flash_attn_func():
@@ -156,28 +194,67 @@ class _Step:
         self.cache = cache
         self.hooks = hooks
 
-    def attend(self, layer, query, key, value, scaling, sliding_window):
+    def attend(self, layer, query, key, value, scaling, sliding_window, softcap, sinks):
         key_positions = self.cache.positions[layer]
+        positions = self.positions.to(key_positions.device)
         call = AttentionCall(
-            layer, self.phase, query, key, value, self.positions, key_positions, scaling, sliding_window
+            layer, self.phase, query, key, value, positions, key_positions, scaling, softcap, sinks, sliding_window
         )
         for hook in self.hooks:
             hook.on_attention(call)
-        mask = self.cache.attention_mask(layer, self.positions, sliding_window)
+        mask = self.cache.attention_mask(layer, positions, sliding_window)
+        if softcap is not None or sinks is not None:
+            return eager_attention(call, mask)
         return self.runner.attention(query, key, value, mask, scaling)
 
 
+def eager_attention(call: AttentionCall, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention with the terms SDPA cannot take (soft-capping, sinks), computed as the family's eager code does.
+
+    ``mask`` as from ``KVCache.attention_mask``; None means causal over a fresh prefill
+    (or all keys for one query). Returns [1, n, q_heads, head_dim].
+    """
+    kv_heads, groups, n = call.key.shape[1], call.group_size, call.query.shape[2]
+    keys_length = call.key.shape[2]
+    query = call.query[0].reshape(kv_heads, groups * n, -1)
+    logits = torch.bmm(query, call.key[0].transpose(1, 2)).mul_(call.scaling).view(kv_heads, groups, n, -1)
+    logits = call.cap(logits)
+    if mask is None and n > 1:
+        mask = torch.ones(n, keys_length, dtype=torch.bool, device=logits.device).tril(keys_length - n)
+        mask = mask[None, None]
+    if mask is not None:  # [1, kv_heads or 1, n, S]
+        logits = logits.masked_fill(~mask[0][:, None], float("-inf"))
+    weights = call.softmax(logits.float()).to(call.value.dtype)
+    output = torch.matmul(weights.view(kv_heads, groups * n, -1), call.value[0])
+    return output.view(kv_heads * groups, n, -1).transpose(0, 1)[None].contiguous()
+
+
 class Runner:
-    """Drives one model layer by layer. Build once per model; calls are independent."""
+    """Drives one model layer by layer. Build once per model; calls are independent.
+
+    The model's attention implementation is switched to rankkit's only for the duration
+    of each prefill and decode step (``_installed``), so a model shared with other code
+    keeps behaving as loaded between and after runs.
+    """
 
     def __init__(self, model):
         _register_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
-        self.config = model.config
-        self.body = model.model
-        self.device = next(model.parameters()).device
+        # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
+        self.body = getattr(model.model, "language_model", model.model)
+        self.config = self.body.config
+        self.device = self.body.embed_tokens.weight.device
         self._flash = _flash_attn_func() if self.device.type == "cuda" else None
+        self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
+
+    @contextmanager
+    def _installed(self):
+        previous = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = previous
 
     @property
     def num_layers(self) -> int:
@@ -227,13 +304,15 @@ class Runner:
         live = []
         for index, layer in enumerate(self.body.layers):
             live.append(hidden.shape[1])
+            device = next(layer.parameters()).device  # a device map may put each layer elsewhere
+            cos, sin = position_embeddings[self._rotary_kinds[index]]
             hidden = layer(
-                hidden,
+                hidden.to(device),
                 attention_mask=None,
                 position_ids=positions[None],
                 past_key_values=cache,
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                position_embeddings=(cos.to(device), sin.to(device)),
                 rankkit_step=step,
             )
             if state is None:
@@ -250,7 +329,17 @@ class Runner:
         return hidden, live
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.body.norm(hidden))
+        """Next-token logits, soft-capped where the family caps them (Gemma 2/3 ``final_logit_softcapping``)."""
+        head = self.model.lm_head
+        logits = head(self.body.norm(hidden.to(self.body.norm.weight.device)).to(head.weight.device))
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        kinds = set(self._rotary_kinds)
+        if kinds == {None}:
+            return {None: self.body.rotary_emb(hidden, position_ids=positions[None])}
+        return {kind: self.body.rotary_emb(hidden, positions[None], kind) for kind in kinds}
 
     @torch.inference_mode()
     def prefill(
@@ -272,11 +361,12 @@ class Runner:
             positions = torch.arange(input_ids.shape[0], device=self.device)
         positions = positions.to(self.device)
         cache = cache if cache is not None else KVCache(self.num_layers)
-        hidden = self.body.embed_tokens(input_ids[None])
-        embeddings = self.body.rotary_emb(hidden, position_ids=positions[None])
         prompt_length = int(positions.max()) + 1
-        state = PrefillState(hidden, positions, cache, prompt_length, embeddings)
-        hidden, live = self._layers(state, hidden, positions, cache, hooks, "prefill", embeddings)
+        with self._installed():
+            hidden = self.body.embed_tokens(input_ids[None])
+            embeddings = self._rotary(hidden, positions)
+            state = PrefillState(hidden, positions, cache, prompt_length, embeddings)
+            hidden, live = self._layers(state, hidden, positions, cache, hooks, "prefill", embeddings)
         logits = None
         if logits_at == "last":
             logits = self.logits(hidden[:, -1:])[0, -1]
@@ -292,8 +382,8 @@ class Runner:
         """
         positions = torch.tensor([position], device=self.device)
         hidden = self.body.embed_tokens(torch.tensor([[token]], device=self.device))
-        embeddings = self.body.rotary_emb(hidden, position_ids=positions[None])
-        hidden, _ = self._layers(None, hidden, positions, cache, hooks, "decode", embeddings)
+        with self._installed():
+            hidden, _ = self._layers(None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions))
         for hook in hooks:
             hook.after_decode_step(cache, position)
         return self.logits(hidden)[0, -1]

@@ -161,6 +161,10 @@ class ExampleRecord:
         """[layers, kv_heads, tokens] of a probe's scores, without reading them."""
         return self._capture.shape(self._score_name(probe))
 
+    def score_layout(self, probe: str) -> dict[str, Any]:
+        """The attributes of a probe's score array: how its positions are laid out (``Probe.layout``)."""
+        return self._capture.read(self._score_name(probe), lambda array: dict(array.attrs))
+
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
         """float32 [layers, kv_heads, T] (whatever the stored dtype); ``layers`` picks (and orders) a subset."""
         return self._read_scores(probe, layers)[0]
@@ -440,8 +444,14 @@ class Store:
         return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs, self.path)
 
 
-def open(path: str | os.PathLike) -> Store:
-    """Open a store read-only; RankkitError if it is missing, corrupt or from a newer rankkit."""
+def open(path: str | os.PathLike | Store) -> Store:
+    """Open a store read-only; RankkitError if it is missing, corrupt or from a newer rankkit.
+
+    An already open ``Store`` is returned as it is, so a command opens its store once and
+    hands it to every function that takes a store path.
+    """
+    if isinstance(path, Store):
+        return path
     store_path = Path(path)
     _, meta = open_root(store_path, read_only=True)
     return Store(store_path, meta)

@@ -139,16 +139,23 @@ def group_file(name: str) -> str:
     return f"{encode_name(name)}.zip"
 
 
-def write_zip(path: Path, arrays: dict[str, np.ndarray], attrs: dict[str, Any] | None = None) -> None:
+def write_zip(
+    path: Path,
+    arrays: dict[str, np.ndarray],
+    attrs: dict[str, Any] | None = None,
+    array_attrs: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """A zarr group of ``arrays`` (keys are paths, e.g. "scores/<probe>") in one zip at ``path``,
-    written beside it under a hidden name and renamed into place: readers never see half a zip."""
+    written beside it under a hidden name and renamed into place: readers never see half a zip.
+    ``attrs`` are the group's attributes, ``array_attrs`` those of the arrays it names."""
     staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     try:
         store = ZipStore(staging, mode="w")
         root = zarr.open_group(store, mode="w", zarr_format=3, attributes=attrs or {})
         for name, data in arrays.items():
             parent, _, leaf = name.rpartition("/")
-            write_array(root.require_group(parent) if parent else root, leaf, data)
+            group = root.require_group(parent) if parent else root
+            write_array(group, leaf, data, (array_attrs or {}).get(name))
         store.close()
         os.replace(staging, path)
     finally:
@@ -166,13 +173,14 @@ def open_zip(path: Path) -> Iterator[zarr.Group]:
         store.close()
 
 
-def write_array(group: zarr.Group, name: str, data: np.ndarray) -> None:
+def write_array(group: zarr.Group, name: str, data: np.ndarray, attributes: dict | None = None) -> None:
     group.create_array(
         name,
         data=data,
         chunks=chunks_for(data.shape, data.dtype.itemsize),
         compressors=COMPRESSORS,
         overwrite=True,
+        attributes=attributes,
     )
 
 

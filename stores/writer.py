@@ -89,8 +89,12 @@ class StoreWriter:
         attrs: dict[str, Any],
         tokens: np.ndarray,
         scores: dict[str, np.ndarray],
+        score_attrs: dict[str, dict] | None = None,
     ) -> None:
-        """Write one captured example, replacing an incomplete one; ``complete`` is set last."""
+        """Write one captured example, replacing an incomplete one; ``complete`` is set last.
+
+        ``score_attrs`` are the attributes of each probe's score array (``Probe.layout``).
+        """
         encoded = encode_name(example_id)
         example_attrs = _caller_attrs(attrs, f"attrs of example {example_id!r}")
         token_ids = _token_array(tokens, example_id)
@@ -99,6 +103,10 @@ class StoreWriter:
                 self._score_dtype, copy=False
             )
             for probe, values in scores.items()
+        }
+        score_layouts = {
+            encode_name(probe): _caller_attrs((score_attrs or {}).get(probe, {}), f"attrs of probe {probe!r}")
+            for probe in scores
         }
         if self.is_complete(example_id):
             raise RankkitError(
@@ -112,7 +120,8 @@ class StoreWriter:
         )
         arrays = {TOKENS: token_ids, **{f"{SCORES}/{probe}": values for probe, values in score_arrays.items()}}
         example_dir = self.path / EXAMPLES / encoded
-        write_zip(example_dir / CAPTURE_FILE, arrays)
+        layouts = {f"{SCORES}/{probe}": layout for probe, layout in score_layouts.items()}
+        write_zip(example_dir / CAPTURE_FILE, arrays, array_attrs=layouts)
         _mark_complete(group, {COMPLETE: True, MANIFEST: manifest.record(example_dir, CAPTURE_FILE, arrays)})
 
     def add_oracle(

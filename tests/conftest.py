@@ -7,11 +7,48 @@ import os
 import pytest
 import torch
 
-FAMILIES = ("llama", "llama-mha", "mistral", "qwen2", "qwen3")
+FAMILIES = (
+    "llama", "llama-mha", "mistral", "qwen2", "qwen3",
+    "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "smollm3", "olmo2",
+)
+# Families whose layers are not all global: half the layers see only the last 8 keys.
+HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
+# What makes each family's attention differ from Llama's, at a size that builds in milliseconds.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "llama-mha": {"num_key_value_heads": 4},
+    "mistral": {"sliding_window": 8},  # a short window so the sliding mask really cuts in
+    "qwen2": {},
+    "qwen3": {"head_dim": 24},  # QK-norm, and head_dim not tied to hidden_size / heads
+    "gemma2": {  # soft-capped logits, query_pre_attn_scalar scaling, alternating local layers
+        "head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0, "sliding_window": 8, "layer_types": HYBRID,
+    },
+    "gemma3_text": {  # local and global layers rotate with different RoPE bases
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "layer_types": HYBRID,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "phi3": {"sliding_window": None},  # fused qkv projection
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 24},
+    "gpt_oss": {  # learned attention sinks, alternating local layers, YaRN RoPE
+        "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+        "layer_types": HYBRID,
+    },
+    "smollm3": {"no_rope_layers": [1, 1, 0], "no_rope_layer_interval": 3},  # the last layer has no RoPE
+    "olmo2": {},  # QK-norm over the whole projection, norms after attention and MLP
+}
 
 
 def tiny_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig
 
     common = dict(
         vocab_size=97,
@@ -26,28 +63,21 @@ def tiny_config(family: str):
         bos_token_id=None,
         pad_token_id=None,
     )
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "llama-mha":
-        return LlamaConfig(**{**common, "num_key_value_heads": 4})
-    if family == "mistral":  # a short window so the sliding mask really cuts in
-        return MistralConfig(**common, sliding_window=8)
-    if family == "qwen2":
-        return Qwen2Config(**common)
-    if family == "qwen3":  # QK-norm, and head_dim not tied to hidden_size / heads
-        return Qwen3Config(**common, head_dim=24)
-    raise ValueError(family)
+    model_type = "llama" if family == "llama-mha" else family
+    return AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[family]})
 
 
 def tiny_model(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
     with torch.no_grad():  # larger weights make attention peaked, so ranking differences show
         for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
                 parameter.mul_(8.0)
+            if name.endswith("sinks"):  # sinks large enough to take a visible share of attention
+                parameter.normal_(0.0, 2.0)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model.eval()

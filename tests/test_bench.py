@@ -4,6 +4,7 @@ the cost model's fit; and the CLI on the default model (integration)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import tiny_model
 
 from rankkit.bench import BenchSettings, run_bench, summary
 from rankkit.data import Example
-from rankkit.measure import TensorMemoryTracker
+from rankkit.measure import TensorMemoryTracker, Timeline, measure
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods.measure import CostModel
 from rankkit.prompting import Prompt
@@ -81,6 +82,21 @@ def test_cost_model_fit_recovers_linear_and_quadratic_terms():
     assert fitted.ideal_ratio(half_depth, 4000, 30) == pytest.approx(expected)
 
 
+def test_cpu_timeline_and_measure_time_the_work_between_marks_and_report_no_allocator_peak():
+    timeline = Timeline(torch.device("cpu"))
+    timeline.mark()
+    time.sleep(0.02)
+    timeline.mark()
+    timeline.mark()
+    timeline.finish()
+    assert 0.02 <= timeline.seconds(0, 1) < 1.0
+    assert timeline.seconds(1, 2) < 0.01
+    with measure(torch.device("cpu")) as block:
+        time.sleep(0.02)
+    assert 0.02 <= block.seconds < 1.0
+    assert block.peak_bytes is None
+
+
 def test_memory_tracker_counts_new_storages_until_they_are_freed():
     weights = torch.ones(1000)
     with TensorMemoryTracker() as tracker:
@@ -92,8 +108,8 @@ def test_memory_tracker_counts_new_storages_until_they_are_freed():
     assert tracker.live == 4000 and view.numel() == 10
 
 
-@pytest.mark.integration
-def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
+def _prefill_json(tmp_path, *options: str) -> dict:
+    """``rankkit prefill ... --json`` on a short secret-code prompt, its JSON parsed."""
     from typer.testing import CliRunner
 
     from rankkit.cli import commands  # noqa: F401
@@ -103,12 +119,16 @@ def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_m
     context.write_text("The secret code is 4172. " + "Grass is green and the sky is blue. " * 20)
     result = CliRunner().invoke(
         app,
-        ["prefill", "--method", "claa", "--keep", "0.5", "--context-file", str(context), "--question",
-         "What is the secret code?", "--max-new-tokens", "4", "--compare", "full", "--json", "--warmup", "0",
-         "--device", "cpu"],
+        ["prefill", *options, "--context-file", str(context), "--question", "What is the secret code?",
+         "--max-new-tokens", "4", "--json", "--warmup", "0", "--device", "cpu"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    payload = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.integration
+def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
+    payload = _prefill_json(tmp_path, "--method", "claa", "--keep", "0.5", "--compare", "full")
     assert {
         "method",
         "keep",
@@ -157,3 +177,59 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(rand
     assert order == ["full", "snapkv", "full", "snapkv", "full", "snapkv"]
     assert [len(result.runs) for result in measured] == [2, 2]
     assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes
+
+
+@pytest.mark.integration
+def test_prefill_cli_runs_full_without_a_budget(tmp_path, default_model):
+    payload = _prefill_json(tmp_path, "--method", "full")
+    assert payload["method"] == "full" and payload["keep"] == 1.0
+    assert payload["ideal_ratio"] == pytest.approx(1.0)
+
+
+def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monkeypatch):
+    from rankkit.methods import measure as measure_module
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    calls = []
+    fitted = CostModel(2e-6, 3e-9, [(40, 0.001), (10, 0.0002)])
+    monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or fitted)
+    runner = Runner(tiny_model("llama"))
+    ids = torch.arange(40)
+    assert measure_module.cached_calibration(runner, ids, "ab" * 32) == fitted
+    assert measure_module.cached_calibration(runner, ids[:20], "ab" * 32) == fitted  # from the cache
+    assert len(calls) == 1
+    (path,) = (tmp_path / "calibration").iterdir()
+    assert path.name == f"{'ab' * 8}-cpu-{torch.get_num_threads()}threads.json"
+    measure_module.cached_calibration(runner, ids, "cd" * 32)  # another model calibrates anew
+    assert len(calls) == 2
+
+
+def test_kept_positions_by_layer_are_each_kv_heads_cache_after_the_prefill():
+    from rankkit.bench import kept_positions_by_layer
+    from rankkit.errors import RankkitError
+
+    runner = Runner(tiny_model("llama"))
+    heads = runner.model.config.num_key_value_heads
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0))
+    streaming = kept_positions_by_layer(runner, make("streamingllm"), ids, Budget.from_tokens(12), [0, 2])
+    # StreamingLLM keeps the 4 sink tokens and the most recent ones, in every head of every layer.
+    assert streaming == {layer: [[0, 1, 2, 3, *range(32, 40)]] * heads for layer in (0, 2)}
+    full = kept_positions_by_layer(runner, make("full"), ids, Budget.from_keep(1.0), [1])
+    assert full == {1: [list(range(40))] * heads}
+    with pytest.raises(RankkitError, match="out of range"):
+        kept_positions_by_layer(runner, make("full"), ids, Budget.from_keep(1.0), [runner.num_layers])
+
+
+@pytest.mark.integration
+def test_prefill_cli_lists_a_kv_only_methods_kept_positions_per_layer_and_head(tmp_path, default_model):
+    model, _ = default_model
+    payload = _prefill_json(tmp_path, "--method", "snapkv", "--keep", "0.5", "--kept-layers", "0,29")
+    kept = payload["kept_positions_by_layer"]
+    assert set(kept) == {"0", "29"}
+    length = payload["length"]
+    for heads in kept.values():
+        assert len(heads) == model.config.num_key_value_heads
+        for positions in heads:
+            # SnapKV keeps a budget of its best tokens per head, the observation window among them.
+            assert positions == sorted(set(positions)) and length - 1 in positions
+            assert len(positions) == -(-length // 2)  # Budget.resolve: ceil(keep * T)

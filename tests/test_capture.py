@@ -241,3 +241,20 @@ def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(t
     assert 1 <= kept < 40 and int(said[1]) in (kept - 1, kept)  # the signal may fall between write and count
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     assert len(stores.open(out).example_ids()) == 40
+
+
+def test_capture_cli_threads_runs_on_one_thread_and_writes_the_same_scores(tiny_folder, reference_store, tmp_path):
+    out = tmp_path / "one-thread.zarr"
+    extra = ("--threads", "1", "--oracle", "--max-new-tokens", "4")
+    subprocess.run(_capture_cli(tiny_folder, out, *extra), check=True, capture_output=True, timeout=600)
+    _same_store(out, reference_store, exact=False)
+
+
+def test_score_arrays_record_where_their_scores_are_pooled(reference_store):
+    record = next(iter(stores.open(reference_store).examples()))
+    window = record.score_layout("window")
+    assert (window["pooling"], window["kernel_size"], window["unpooled_last"]) == ("avg", 7, 8)
+    lava = record.score_layout("lava")
+    assert (lava["pooling"], lava["kernel_size"], lava["unpooled_last"]) == ("max", 7, 32)
+    assert record.score_layout("last_token_raw")["unpooled_last"] == 1
+    assert record.score_layout("last_token_heads") == {} and record.score_layout("token_units") == {}

@@ -11,14 +11,14 @@ import numpy as np
 import plotly.offline
 import polars as pl
 import pytest
+from browser import find_chromium, open_in_chromium
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rankkit import stores
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
-from rankkit.report import figures, write_dashboard
-from rankkit.report.browser import find_chromium, open_in_chromium
+from rankkit.report import figures, html, write_dashboard
 
 LAYERS, HEADS = 6, 2
 PROBES = ("window", "window:w=32", "last_token_raw", "lava")
@@ -372,6 +372,15 @@ def test_page_is_self_contained_and_missing_data_names_the_command(tmp_path):
     assert "The store has no window:w=32 scores" in page and "--probes all" in page
 
 
+def test_page_inlines_the_packaged_css_and_javascript_and_carries_no_test_code(tmp_path):
+    store = write_synthetic_store(tmp_path / "no-oracle.zarr", examples=2, oracle=False, probes=("lava",))
+    page = write_dashboard(store, tmp_path / "report.html").read_text()
+    assets = Path(html.__file__).with_name("assets")
+    for name in ("error_capture.js", "dashboard.css", "dashboard.js"):
+        assert page.count((assets / name).read_text(encoding="utf-8")) == 1
+    assert "selftest" not in page.lower()
+
+
 def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
     with pytest.raises(RankkitError, match="no store at .*capture into it first"):
         write_dashboard(tmp_path / "missing.zarr", tmp_path / "report.html")
@@ -503,3 +512,29 @@ def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_
     assert f'data-example="{ids[-1]}"' in chosen and f'data-example="{ids[0]}"' not in chosen
     with pytest.raises(RankkitError, match="--explore names nope, not complete examples"):
         write_dashboard(store, tmp_path / "bad.html", explore=["nope"])
+
+
+# -- terminal tables -------------------------------------------------------------------------------
+
+
+def test_frame_table_fits_80_columns_with_short_headers_a_legend_and_no_cut_cells():
+    from rich.console import Console
+
+    from rankkit.report.tables import HEADERS, frame_table
+
+    methods = ["last_token_heads", "last_token_raw", "window"]
+    metrics = ["spearman", "mean_spearman", "std_spearman", "min_spearman", "recall_at_10"]
+    metrics += ["needle_recall", "layer_to_layer"]
+    frame = pl.DataFrame(
+        {"method": methods, **{name: [-0.123456, 0.5, None] for name in metrics}, "n_examples": [4, 4, 4]}
+    )
+    console = Console(width=80, record=True)
+    console.print(frame_table(frame, "rankings"))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    assert max(map(len, lines)) <= 80 and "…" not in "".join(lines)
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split() == "method ρ mean ρ sd ρ min ρ rec10 needle adj ρ n".split()
+    rows = [line.split() for line in lines if line.split()[:1] and line.split()[0] in methods]
+    assert rows == [[method, *[cell] * 7, "4"] for method, cell in zip(methods, ["-0.123", "0.500", "-"], strict=True)]
+    for name in [*metrics, "n_examples"]:
+        assert f"{HEADERS[name][0]}: {HEADERS[name][1]}" in lines

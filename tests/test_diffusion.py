@@ -61,7 +61,7 @@ def slow_evidence_attention(model, ids, answer) -> list[float]:
     length, total = ids.shape[0], ids.shape[0] + len(answer)
     on_evidence = evidence_mask(total).double()
     shares = []
-    for query, key in recorded:
+    for query, key, _module in recorded:
         keys = key.repeat_interleave(query.shape[0] // key.shape[0], dim=0)
         logits = query @ keys.transpose(1, 2) * scaling  # [heads, total, total]
         logits = logits.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf"))

@@ -624,3 +624,15 @@ def test_a_probe_recorded_with_other_settings_is_refused(tmp_path):
         compare_store(path, methods="claa", use_oracle=False)
     rows = compare_store(path, methods="window", use_oracle=False).summary  # the probe itself is fine
     assert rows["method"].to_list() == ["window"]
+
+
+def test_unscored_tokens_rank_last_and_tied():
+    """NaN (a key a local layer could not see) ranks below every score, as -inf would."""
+    from rankkit.eval.ranking import average_ranks, descending_ranks, kendall
+
+    scores = np.array([[0.3, np.nan, -2.0, np.nan, 5.0]])
+    same = np.array([[0.3, -np.inf, -2.0, -np.inf, 5.0]])
+    assert average_ranks(scores).tolist() == [[4.0, 1.5, 3.0, 1.5, 5.0]]
+    assert descending_ranks(scores).tolist() == descending_ranks(same).tolist() == [[1, 3, 2, 4, 0]]
+    reference = np.array([1.0, 0.0, 2.0, 3.0, 4.0])
+    assert kendall(scores, reference)[0] == pytest.approx(stats.kendalltau(same[0], reference).statistic)

@@ -22,7 +22,7 @@ def test_unsupported_family_fails_up_front_naming_the_supported_ones(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3"):
+    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3, gemma2, .*, olmo2$"):
         models.load(str(tmp_path))
 
 
@@ -44,6 +44,24 @@ def test_weights_hash_follows_content(tmp_path):
     first = models.folder_weights_hash(tmp_path / "a")
     assert first == models.folder_weights_hash(tmp_path / "a")
     assert first != models.folder_weights_hash(tmp_path / "b")
+
+
+def test_weights_hash_is_computed_once_per_folder_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    reads = []
+    real_sha256 = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
+    first = models.folder_weights_hash(folder)
+    assert models.folder_weights_hash(folder) == first
+    assert reads == ["model.safetensors"]
+    weights = folder / "model.safetensors"
+    tiny_model("llama", seed=1).save_pretrained(folder)  # new content, size equal: the mtime tells
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    changed = models.folder_weights_hash(folder)
+    assert changed != first and reads == ["model.safetensors"] * 2
+    assert changed == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
 
 
 def test_device_resolution():
@@ -99,3 +117,34 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
     assert models.default_model_folder() == folder
+
+
+def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_names_the_default(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from typer.testing import CliRunner
+
+    from rankkit import models
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    done = tmp_path / "models" / "Tiny-0123456789ab"
+    done.mkdir(parents=True)
+    (done / "model.safetensors").write_bytes(b"\0" * 1000)
+    record = json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"})
+    (done / models.WEIGHTS_HASH_FILE).write_text(record)
+    (tmp_path / "models" / ".Tiny-0123456789ab.partial-1-x").mkdir()  # a conversion killed half-way
+    (tmp_path / "models" / "unfinished").mkdir()
+    (found,) = models.cached_models()
+    assert found == models.CachedModel(done, "ab" * 32, "tiny.gguf", 1000 + len(record))
+
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["default_model"] == str(models.default_model_target())
+    assert payload["default_model"].startswith(str(tmp_path / "models" / models.DEFAULT_MODEL_NAME))
+    assert [row["folder"] for row in payload["models"]] == [str(done)]
+    assert payload["models"][0]["default"] is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -25,20 +27,26 @@ class CharTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def record_queries_and_keys(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Post-RoPE (query, key) of every layer from one plain HF forward over ``ids`` (no runner involved)."""
+def record_queries_and_keys(model, ids: torch.Tensor) -> list[tuple]:
+    """Post-RoPE (query, key, module) of every layer from one plain HF forward over ``ids``.
+
+    The forward runs each family's own eager attention (caps, sinks, windows and all); no
+    runner is involved.
+    """
+    import sys
+
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
     recorded = {}
 
-    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        recorded[module.layer_idx] = (query[0].double(), key[0].double())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    def record(module, query, key, value, attention_mask, **kwargs):
+        recorded[module.layer_idx] = (query[0].double(), key[0].double(), module)
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(RECORD_ATTENTION, record)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORD_ATTENTION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORD_ATTENTION, eager_mask)
     model.set_attn_implementation(RECORD_ATTENTION)
     with torch.inference_mode():
         model(ids[None])
@@ -46,25 +54,47 @@ def record_queries_and_keys(model, ids: torch.Tensor) -> list[tuple[torch.Tensor
 
 
 def slow_pool(values: np.ndarray, kernel: int) -> np.ndarray:
+    """Mean of the scored neighbours (NaN: no score) within kernel // 2 on each side."""
     radius = kernel // 2
-    return np.array([values[max(0, i - radius) : i + radius + 1].mean() for i in range(len(values))])
+    windows = [values[max(0, i - radius) : i + radius + 1] for i in range(len(values))]
+    return np.array([np.nanmean(w) if not np.isnan(w).all() else np.nan for w in windows])
 
 
 def brute_force_oracle(model, prompt: torch.Tensor, answer: list[int], *, softmax: bool, kernel: int):
-    """Listing 4 the slow way: every answer token's query (fed back) at every layer and head, full matrices."""
+    """Listing 4 the slow way: every answer token's query (fed back) at every layer and head, full matrices.
+
+    Logits are capped as the family caps them, the softmax over the prompt keys carries
+    the family's sinks, and a key outside a local layer's window from a query has no score (NaN).
+    """
     prompt_length = prompt.shape[0]
     recorded = record_queries_and_keys(model, torch.cat([prompt, torch.tensor(answer)]))
-    scaling = model.model.layers[0].self_attn.scaling
     matrices = []
-    for query, key in recorded:
+    for query, key, module in recorded:
         groups = query.shape[0] // key.shape[0]
         answer_queries = query[:, prompt_length : prompt_length + len(answer)]  # [heads, answer, d]
         prompt_keys = key[:, :prompt_length].repeat_interleave(groups, dim=0)  # [heads, T, d]
-        logits = answer_queries @ prompt_keys.transpose(1, 2) * scaling  # [heads, answer, T]
-        matrices.append(logits.softmax(dim=-1) if softmax else logits)
-    scores = torch.stack(matrices)  # [layers, heads, answer, T]
-    oracle = scores.amax(dim=(0, 1)).mean(dim=0).numpy()
-    per_layer = scores.amax(dim=1).mean(dim=1).numpy()
+        logits = answer_queries @ prompt_keys.transpose(1, 2) * module.scaling  # [heads, answer, T]
+        softcap = getattr(module, "attn_logit_softcapping", None)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))  # Mistral: config
+        unseen = torch.zeros(len(answer), prompt_length, dtype=torch.bool)
+        if window is not None:
+            query_positions = torch.arange(prompt_length, prompt_length + len(answer))[:, None]
+            unseen = torch.arange(prompt_length)[None] <= query_positions - window
+        logits = logits.masked_fill(unseen, float("-inf"))
+        if softmax:
+            sinks = getattr(module, "sinks", None)
+            columns = [logits]
+            if sinks is not None:
+                columns.append(sinks.detach().double()[:, None, None].expand(-1, len(answer), 1))
+            logits = torch.cat(columns, dim=-1).softmax(dim=-1)[..., :prompt_length]
+        matrices.append(logits.masked_fill(unseen, float("nan")))
+    scores = torch.stack(matrices).numpy()  # [layers, heads, answer, T]
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices are the point here
+        oracle = np.nanmean(np.nanmax(scores, axis=(0, 1)), axis=0)
+        per_layer = np.nanmean(np.nanmax(scores, axis=1), axis=1)
     return slow_pool(oracle, kernel), np.stack([slow_pool(row, kernel) for row in per_layer])
 
 
@@ -72,11 +102,14 @@ def assert_matches_brute_force(family_name, prompt, result, *, softmax, kernel):
     expected, expected_layers = brute_force_oracle(
         tiny_model(family_name), prompt, result.answer_tokens, softmax=softmax, kernel=kernel
     )
-    np.testing.assert_allclose(result.scores, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(result.layer_scores, expected_layers, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.scores, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(result.layer_scores, expected_layers, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("family_name", ["llama", "qwen3"])  # GQA; QK-norm with its own head_dim
+ORACLE_FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "smollm3", "olmo2", "phi3"]
+
+
+@pytest.mark.parametrize("family_name", ORACLE_FAMILIES)  # GQA, QK-norm, windows, caps, sinks, NoPE
 @pytest.mark.parametrize("softmax", [False, True])
 def test_generated_answer_oracle_equals_brute_force(family_name, softmax, random_ids):
     model = tiny_model(family_name)

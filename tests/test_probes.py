@@ -56,17 +56,26 @@ def captured_calls(family: str, length: int) -> list[AttentionCall]:
 
 
 def full_logits(call: AttentionCall) -> torch.Tensor:
-    """[q_heads, T, T] scaled logits, -inf above the diagonal (no sliding window: see probes/attention.py)."""
+    """[q_heads, T, T] scaled logits as the family's eager attention has them: capped, causal, windowed."""
     query = call.query[0].double()
     key = call.key[0].double().repeat_interleave(call.group_size, dim=0)
     logits = query @ key.transpose(1, 2) * call.scaling
+    if call.softcap is not None:
+        logits = torch.tanh(logits / call.softcap) * call.softcap
     length = logits.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return logits.masked_fill(~causal, float("-inf"))
+    visible = torch.ones(length, length, dtype=torch.bool).tril()
+    if call.sliding_window is not None:
+        visible &= ~torch.ones(length, length, dtype=torch.bool).tril(-call.sliding_window)
+    return logits.masked_fill(~visible, float("-inf"))
 
 
 def full_attention(call: AttentionCall) -> torch.Tensor:
-    return torch.softmax(full_logits(call), dim=-1)
+    """Softmax rows with each head's sink logit appended to the keys and dropped after (GPT-OSS)."""
+    logits = full_logits(call)
+    if call.sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sinks = call.sinks.double()[:, None, None].expand(-1, logits.shape[1], 1)
+    return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
 
 
 def reference_pool(row: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
@@ -235,11 +244,17 @@ def test_window_scores_of_the_window_tokens_are_their_summed_attention():
     )
 
 
-def test_sliding_window_is_ignored_by_the_probes():
-    """Mistral's window of 8 cuts the model's attention, but the probes rank by full causal attention."""
-    call = captured_calls("mistral", 40)[0]
-    scores = WindowProbe(window_size=1, kernel_size=1).score(call)
-    assert float(scores[:, :32].sum()) > 1e-3
+@pytest.mark.parametrize(
+    "family_name, local", [("mistral", [True] * 3), ("gemma2", [True, False, True]), ("gpt_oss", [True, False, True])]
+)
+def test_keys_a_sliding_window_layer_cannot_see_are_recorded_as_nan(family_name, local, random_ids):
+    """A window of 8: from position 39 a local layer sees positions 32..39 only; global layers see all."""
+    recorder = ProbeRecorder(parse_probes("all"))
+    Runner(tiny_model(family_name)).prefill(random_ids, hooks=[recorder])
+    for name, recorded in recorder.scores().items():
+        for layer, is_local in enumerate(local):
+            assert np.isnan(recorded[layer, :, :32]).all() == is_local, (name, layer)
+            assert not np.isnan(recorded[layer, :, 32:]).any(), (name, layer)
 
 
 def test_cache_padding_is_invisible_to_the_window_probes():

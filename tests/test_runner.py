@@ -42,14 +42,31 @@ def test_greedy_decode_matches_generate(family, random_ids):
     assert Runner(model).generate(random_ids, 12).tokens == expected
 
 
-def test_plain_model_call_is_unchanged_after_runner_registers():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("family_name", ["llama", "gemma2"])  # SDPA, and eager for soft-capping
+def test_plain_model_call_is_unchanged_after_a_run(family_name):
+    model = tiny_model(family_name)
+    implementation = model.config._attn_implementation
     ids = torch.arange(20)
     with torch.inference_mode():
         before = model(ids[None]).logits
-        Runner(model)
+        Runner(model).generate(ids, 3)
         after = model(ids[None]).logits
+    assert model.config._attn_implementation == implementation
     assert torch.equal(before, after)
+
+
+def test_explicit_per_layer_device_map_runs_like_the_model(tiny_folder):
+    """The device-map load path with one entry per layer, on CPU (one device: placement is a no-op here)."""
+    from rankkit import models
+
+    layout = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    layout |= {f"model.layers.{index}": "cpu" for index in range(3)}
+    loaded = models.load(str(tiny_folder), device="cpu", device_map=layout)
+    ids = torch.arange(5, 45)
+    expected = loaded.model.generate(ids[None], max_new_tokens=4, do_sample=False)[0, 40:].tolist()
+    generation = Runner(loaded.model).generate(ids, 4)
+    assert generation.tokens == expected
+    assert all(keys.device.type == "cpu" for keys in generation.prefill.cache.keys)
 
 
 def _reference_pruned_logits(model, ids, layer, keep):
@@ -179,3 +196,23 @@ def test_forked_caches_grow_independently(random_ids):
     assert torch.allclose(first, again, atol=1e-6)
     assert twin.get_seq_length() == 41 and prefill.cache.get_seq_length() == 42
     assert prefill.cache.positions[0][0, -2:].tolist() == [40, 41]
+
+
+def test_multimodal_gemma3_runs_its_text_decoder_alone(random_ids):
+    """A ``gemma3`` checkpoint (vision tower + text decoder) used for text: the runner drives the decoder."""
+    from conftest import tiny_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = AutoConfig.for_model(
+        "gemma3", text_config=tiny_config("gemma3_text").to_dict(), vision_config=vision,
+        mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = random_ids % 90  # clear of the image tokens
+    with torch.inference_mode():
+        expected = model(input_ids=ids[None]).logits[0]
+    assert torch.allclose(Runner(model).prefill(ids, logits_at="all").logits, expected, atol=1e-4)

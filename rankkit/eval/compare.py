@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -65,6 +65,10 @@ from .offline import (
     split_names,
 )
 from .parallel import checked_workers, map_examples
+
+if TYPE_CHECKING:
+    from rankkit.stores import Store
+
 from .ranking import (
     TieRuns,
     average_ranks,
@@ -306,7 +310,7 @@ def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
 
 
 def compare_store(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Store,  # a path, or a store already open
     *,
     layer: int | None = None,
     methods: str | Sequence[str] | None = None,
@@ -335,17 +339,17 @@ def compare_store(
     store.warn_skipped()
     records = list(store.examples())
     if not records:
-        raise RankkitError(f"store {path} has no complete example; capture into it first")
+        raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     if use_oracle:
         without_oracle = sum(not record.has_oracle for record in records)
         records = [record for record in records if record.has_oracle]
         if not records:
             raise RankkitError(
-                f"store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)"
+                f"store {store.path} has no oracle; run `rankkit oracle {store.path}` first (or pass --no-oracle)"
             )
         if without_oracle:
             warnings.warn(
-                f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {path}` adds them",
+                f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {store.path}` adds them",
                 stacklevel=2,
             )
     num_layers = scored_layers(records)
@@ -367,7 +371,7 @@ def compare_store(
     unknown = [name for name in chosen if name not in captured_probes and not is_method(name)]
     if unknown:
         raise RankkitError(
-            f"{', '.join(unknown)} is neither a probe {path} holds nor a method; choose from "
+            f"{', '.join(unknown)} is neither a probe {store.path} holds nor a method; choose from "
             f"{', '.join([*captured_probes, *sorted(REGISTRY)])}"
         )
     probes = [name for name in chosen if name in captured_probes]
@@ -388,7 +392,7 @@ def compare_store(
         layout=layout,
     )
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
-    for found in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+    for found in map_examples(store.path, [record.id for record in records], evaluate, workers=workers):
         for name in frames:
             frames[name] += found[name]
 

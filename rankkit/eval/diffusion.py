@@ -1,4 +1,4 @@
-"""The information-diffusion probe: SlimInfer (paper 002) Sec. 3.1 and Fig. 2.
+"""The information-diffusion probe: SlimInfer Sec. 3.1 and Fig. 2.
 
 SlimInfer removes the hidden state of the critical prompt token at different layers and
 finds the answer survives late removal but not early removal, because by then the
@@ -32,7 +32,6 @@ import torch
 
 from rankkit import defaults, models, outputs
 from rankkit.cache import KVCache
-from rankkit.capture import reference_answer
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import Example, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
@@ -40,7 +39,7 @@ from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
 from rankkit.progress import Progress, ProgressCallback, ignore
-from rankkit.prompting import example_prompt
+from rankkit.prompting import example_prompt, reference_answer
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 
 SCHEMA = {
@@ -67,27 +66,17 @@ class RemoveAfter(LayerHook):
             state.prune(self.keep)
 
 
-def sliding_window(runner: Runner, layer: int) -> int | None:
-    """The window the model's attention module hands to the attention function (None: full causal).
-
-    Qwen2/3 keep it per layer on the module (None on full-attention layers), Mistral
-    reads it from the config, Llama has none.
-    """
-    attention = runner.body.layers[layer].self_attn
-    return getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
-
-
 class EvidenceAttention(LayerHook):
     """Per layer, the post-softmax attention mass of each decode query on the evidence, mean over heads.
 
     ``shares`` [layers] is the mean over the decoded tokens. The softmax runs over the
-    keys the query really attends, masked as the runner masks them.
+    keys the query really attends, masked as the runner masks them, with the family's
+    soft-capping and sinks (``AttentionCall.cap``/``softmax``).
     """
 
     def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
         self.cache = cache
         self.evidence_positions = evidence_positions.to(runner.device)
-        self.windows = [sliding_window(runner, layer) for layer in range(runner.num_layers)]
         self.sums = torch.zeros(runner.num_layers, dtype=torch.float64)
         self.steps = 0
 
@@ -96,12 +85,12 @@ class EvidenceAttention(LayerHook):
             return
         kv_heads, groups = call.key.shape[1], call.group_size
         query = call.query[0, :, -1].float().reshape(kv_heads, groups, -1) * call.scaling
-        logits = torch.matmul(query, call.key[0].float().transpose(1, 2))  # [kv_heads, groups, S]
-        mask = self.cache.attention_mask(call.layer, call.query_positions, self.windows[call.layer])
+        logits = call.cap(torch.matmul(query, call.key[0].float().transpose(1, 2)))  # [kv_heads, groups, S]
+        mask = self.cache.attention_mask(call.layer, call.query_positions, call.sliding_window)
         if mask is not None:  # [1, kv_heads or 1, 1, S]
             logits = logits.masked_fill(~mask[0, :, -1, None, :], float("-inf"))
         on_evidence = torch.isin(call.key_positions, self.evidence_positions)  # [kv_heads, S]
-        shares = (logits.softmax(dim=-1) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
+        shares = (call.softmax(logits) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
         self.sums[call.layer] += float(shares.mean())
         if call.layer == 0:
             self.steps += 1
@@ -218,7 +207,7 @@ def example_diffusion(
     """``diffusion_curve`` of a dataset example: its prompt, evidence spans, first answer and metric."""
     prompt = example_prompt(tokenizer, example)
     spans = [prompt.context_token_span(start, end) for start, end in example.evidence]
-    answer = reference_answer({"answers": example.answers, "answer_prefix": example.answer_prefix})
+    answer = reference_answer(example.answers, example.answer_prefix)
     return diffusion_curve(
         runner,
         tokenizer,

@@ -7,7 +7,9 @@ each function returns one value per leading index. Which tokens are ranked is th
 choice: compare passes the span it ranks (see ``rankkit.eval.compare``).
 
 Higher score = more important everywhere. Top-k sets break ties toward the earlier token, so
-results are deterministic.
+results are deterministic. A NaN score (a key a sliding-window layer could not see, or that no
+layer of the oracle saw) ranks below every scored token, all NaN tied: a layer that cannot
+see a token can never select it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ def keep_count(keep: float | int, num_tokens: int) -> int:
     return Budget.parse(keep).resolve(num_tokens)
 
 
+def unscored_last(scores: np.ndarray) -> np.ndarray:
+    """``scores`` with NaN (no score) replaced by -inf, so unscored tokens rank last."""
+    values = np.asarray(scores)
+    return np.where(np.isnan(values), -np.inf, values) if np.isnan(values).any() else values
+
+
 class TieRuns:
     """One unstable (fast, SIMD) ascending sort of every row, and the run of equal scores each
     sorted position belongs to. Run ids are global and increase along the flattened rows; no
@@ -33,7 +41,7 @@ class TieRuns:
     pairs all come from it, so a score array is sorted once for them."""
 
     def __init__(self, scores: np.ndarray):
-        values = np.asarray(scores)
+        values = unscored_last(scores)
         self.shape = values.shape
         self.order = np.argsort(values, axis=-1)
         ascending = np.take_along_axis(values, self.order, axis=-1)
@@ -87,7 +95,7 @@ def descending_ranks(scores: np.ndarray) -> np.ndarray:
     """
     from rankkit.methods.selection import descending_ranks as method_ranks
 
-    return method_ranks(torch.from_numpy(np.ascontiguousarray(scores))).numpy()
+    return method_ranks(torch.from_numpy(np.ascontiguousarray(unscored_last(scores)))).numpy()
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -26,6 +26,10 @@ from rankkit.methods.asl import Asl
 
 from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
+
+if TYPE_CHECKING:
+    from rankkit.stores import Store
+
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
@@ -77,7 +81,7 @@ class VarianceResult:
 
 
 def variance_store(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Store,  # a path, or a store already open
     *,
     method: str = "asl",
     budget: float | int = DEFAULT_BUDGET,
@@ -106,7 +110,7 @@ def variance_store(
     store = stores.open(path)
     records = list(store.examples())
     if not records:
-        raise RankkitError(f"store {path} has no complete example; capture into it first")
+        raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
     bound = asl.bind(scored_layers(records))
     if not 0 <= bound.min_layer < scored_layers(records) or bound.observed_layers < 1:
@@ -116,7 +120,7 @@ def variance_store(
         )
     evaluate = partial(variance_example, asl=asl, budget=Budget.parse(budget), thresholds=tuple(thresholds))
     curve_frames, selection_rows = [], []
-    for curve_frame, rows in map_examples(path, [record.id for record in records], evaluate, workers=workers):
+    for curve_frame, rows in map_examples(store.path, [record.id for record in records], evaluate, workers=workers):
         curve_frames.append(curve_frame)
         selection_rows += rows
     selection_schema = {

@@ -1,4 +1,4 @@
-"""ASL, Adaptive Selection Layer (ASL Sec. 4, Appendix A Algorithms 1-2).
+"""ASL, Adaptive Selection Layer (ASL Sec. 4, Appendix A Alg. 1-2).
 
 Probe ``window`` (W=32, avg pooled with kernel 7; summed over all heads, Sec. 4.1) x
 ``RankVariance`` x one of two modes:

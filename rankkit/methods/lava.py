@@ -1,4 +1,4 @@
-"""LAVa (LAVa Sec. 4, Eq. 5-7, Algorithms 1-2), KV-only with dynamic head and layer budgets.
+"""LAVa Sec. 4, Eq. 5-7, Alg. 1-2: KV-only with dynamic head and layer budgets.
 
 Probe ``lava`` (Eq. 5: window attention scaled by the largest value norm, max-pooled
 with kernel 7, maximised over the query heads of each KV group, Sec. 4.3) x no

@@ -1,22 +1,13 @@
 """Timing, memory and the compute model for one method run: written once, used by every method.
 
-Timing. CPU: ``time.perf_counter`` around the work. CUDA: events recorded on the
-current stream, read after one synchronisation at the end, so timing adds no sync
-points inside the run. TTFT ends when the first token is chosen; TPOT is the mean
-time of the decode steps after it; end-to-end is TTFT plus all decode steps.
+Times and peak memory come from ``rankkit.measure`` (its docstring says what they
+mean on each device). TTFT ends when the first token is chosen; TPOT is the mean time
+of the decode steps after it; end-to-end is TTFT plus all decode steps. On CUDA the
+peak is measured in the timed run; on CPU ``TensorMemoryTracker`` costs a Python call
+per operator, so it runs during the (untimed) warm-up, never the timed run.
 
-Peak memory is "bytes of tensors allocated by the run, at their peak, above what
-was allocated before it" (model weights excluded), on both devices:
-- CUDA: ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` at the start
-  (includes kernel workspaces), measured in the timed run;
-- CPU: process RSS is useless here (glibc keeps freed blocks, so growth depends on
-  what ran before), so a ``TorchDispatchMode`` adds up the storage bytes of every
-  tensor an operator creates and subtracts them when the storage is freed. It costs a
-  Python call per operator, so it runs during the (untimed) warm-up, never the timed
-  run. Scratch buffers inside a CPU kernel that are not tensors are not seen.
-
-Compute model (DESIGN.md): a layer that runs n queries over m keys costs a·n + b·n·m
-(a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
+Compute model (rankkit's own, docs/methods.md): a layer that runs n queries over m
+keys costs a·n + b·n·m (a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
 prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
 it ran (every pass) over the cost of a full prefill.
 """
@@ -24,40 +15,17 @@ it ran (every pass) over the cost of a full prefill.
 from __future__ import annotations
 
 import dataclasses
-import time
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from rankkit.measure import TensorMemoryTracker
+from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
+from rankkit.measure import measure as timed_block
 from rankkit.methods.base import Budget, Method, Pass
+from rankkit.models import cache_root, write_atomically
 from rankkit.runner import Runner, greedy_continue
-
-
-class Timeline:
-    """Marks points in time; ``seconds`` between marks is valid after ``finish``."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def finish(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def seconds(self, start: int, end: int) -> float:
-        if self.cuda:
-            return self.marks[start].elapsed_time(self.marks[end]) / 1000.0
-        return self.marks[end] - self.marks[start]
 
 
 @dataclass
@@ -85,13 +53,8 @@ def run_once(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, max_new_tokens: int
 ) -> MethodRun:
     """One timed run: the method's prefill, then greedy decoding from its cache."""
-    device = runner.device
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-    timeline = Timeline(device)
+    peak = PeakMemory(runner.device)
+    timeline = Timeline(runner.device)
     timeline.mark()
     with torch.inference_mode():
         run = method.prefill(runner, input_ids, budget)
@@ -120,7 +83,7 @@ def run_once(
         live_tokens=run.live_tokens,
         passes=run.passes,
         selection_layer=run.selection_layer,
-        peak_mem_bytes=torch.cuda.max_memory_allocated(device) - baseline if cuda else None,
+        peak_mem_bytes=peak.bytes(),
         kept_positions=None if run.kept_positions is None else run.kept_positions.tolist(),
     )
 
@@ -277,11 +240,27 @@ def calibrate(
     times: list[list[float]] = [[] for _ in prefixes]
     for _ in range(repeats):
         for prefix, timed in zip(prefixes, times, strict=True):
-            timeline = Timeline(runner.device)
-            timeline.mark()
-            runner.prefill(prefix)
-            timeline.mark()
-            timeline.finish()
-            timed.append(timeline.seconds(0, 1))
+            with timed_block(runner.device) as block:
+                runner.prefill(prefix)
+            timed.append(block.seconds)
     samples = [(int(prefix.numel()), min(timed)) for prefix, timed in zip(prefixes, times, strict=True)]
     return CostModel.fit(samples, runner.num_layers)
+
+
+def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: str) -> CostModel:
+    """``calibrate`` (two lengths, one round) once per model weights, device and torch thread count.
+
+    The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later
+    prompt: a and b describe the model on the machine, not the prompt they were timed on.
+    """
+    device = runner.device
+    key = f"{weights_hash[:16]}-{device.type}{device.index if device.index is not None else ''}"
+    path = cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads.json"
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        return CostModel(
+            recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]]
+        )
+    cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
+    write_atomically(path, json.dumps(dataclasses.asdict(cost_model)))
+    return cost_model

@@ -1,4 +1,4 @@
-"""SAGE-KV (SAGE-KV Sec. 2 Steps 1-4, Appendix A.2), KV-only after a full prefill.
+"""SAGE-KV Sec. 2 Steps 1-4, Appendix A.2: KV-only after a full prefill.
 
 Step 1 cuts every layer's cache into sink tokens S, evicted candidates E, recent
 tokens R and the last token. Step 2: each query head h takes the top-k of E by the

@@ -1,4 +1,4 @@
-"""SlimInfer (SlimInfer Sec. 4, Eq. 1-2, Alg. 1): progressive block pruning with KV swapping.
+"""SlimInfer Sec. 4, Eq. 1-2, Alg. 1: progressive block pruning with KV swapping.
 
 Prefill. The prompt is cut into blocks of ``block_size`` original positions, each block
 into token units of ``unit_size``. Right after a pruning layer's attention, every block

@@ -147,10 +147,10 @@ def _page(
     layer = make("claa").bind(num_layers, recorded_model(store.meta).get("layer_types")).pruning_layer
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store_path, workers=workers) if has_oracle else None
+    comparison = compare_store(store, workers=workers) if has_oracle else None
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
-    variance = variance_store(store_path, workers=workers) if ASL_PROBE in probes else None
+    variance = variance_store(store, workers=workers) if ASL_PROBE in probes else None
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)

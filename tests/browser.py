@@ -1,5 +1,9 @@
 """Open a dashboard in headless Chromium, offline, and read the status the page writes about itself.
 
+The page opened is a copy of the dashboard with ``assets/selftest.js`` injected (the test
+hook that steps every control when the fragment has ``selftest``); the dashboard itself
+carries no test code.
+
     report = open_in_chromium(Path("report.html"), screenshot=Path("report.png"))
     report.status["errors"], report.status["panels"], report.seconds
 
@@ -35,6 +39,7 @@ OFFLINE_FLAGS = (
     "--disable-sync",
 )
 VIRTUAL_TIME_BUDGET_MS = 20_000
+SELFTEST_JS = Path(__file__).with_name("assets") / "selftest.js"
 STATUS = re.compile(r'<pre id="rankkit-status"[^>]*>(.*?)</pre>', re.DOTALL)
 
 
@@ -46,6 +51,18 @@ class BrowserReport:
 
 def find_chromium() -> str | None:
     return next((found for name in CHROMIUM_NAMES if (found := shutil.which(name))), None)
+
+
+def with_test_hook(page: Path) -> Path:
+    """A copy of ``page`` beside it with the self-test hook in its head, before the dashboard's runtime."""
+    text = page.read_text(encoding="utf-8")
+    # The title is escaped text, so its end tag comes before any script that could contain one.
+    hooked = text.replace(
+        "</title>", f"</title>\n<script>{SELFTEST_JS.read_text(encoding='utf-8')}</script>", 1
+    )
+    target = page.with_name(f"{page.stem}.selftest{page.suffix}")
+    target.write_text(hooked, encoding="utf-8")
+    return target
 
 
 def _run(chromium: str, arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -71,7 +88,7 @@ def open_in_chromium(
     chromium = find_chromium()
     if chromium is None:
         raise RankkitError("no Chromium found; install it with `make browser` (apt-get install chromium)")
-    url = page.resolve().as_uri() + (f"#{fragment}" if fragment else "")
+    url = with_test_hook(page).resolve().as_uri() + (f"#{fragment}" if fragment else "")
     budget = f"--virtual-time-budget={VIRTUAL_TIME_BUDGET_MS}"
     started = time.perf_counter()
     dumped = _run(chromium, [budget, "--dump-dom", url], timeout)

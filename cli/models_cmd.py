@@ -1,0 +1,43 @@
+"""`rankkit models`: the converted models in the cache, and where the default model lives."""
+
+import json
+from dataclasses import asdict
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from rankkit.cli.app import app
+
+
+@app.command("models")
+def models_list(
+    as_json: bool = typer.Option(False, "--json", help="Print the folders as JSON."),
+) -> None:
+    """List the converted model folders in $RANKKIT_CACHE with their weights hash and size."""
+    from rankkit import models
+
+    default = models.default_model_target()
+    found = models.cached_models()
+    if as_json:
+        rows = [
+            asdict(entry) | {"folder": str(entry.folder), "default": entry.folder == default}
+            for entry in found
+        ]
+        typer.echo(json.dumps({"default_model": str(default), "models": rows}, indent=2))
+        return
+    table = Table(title=Text(f"Converted models in {models.cache_root() / 'models'}"))
+    for header in ("folder", "weights sha256", "MiB", "source"):
+        table.add_column(header, justify="right" if header == "MiB" else "left", overflow="fold")
+    for entry in found:
+        table.add_row(
+            Text(entry.folder.name),
+            entry.weights_hash[:12],
+            f"{entry.size_bytes / 2**20:,.1f}",
+            Text(entry.source or "-"),
+        )
+    console = Console()
+    console.print(table)
+    state = "converted" if default in [entry.folder for entry in found] else "converted on its first use"
+    console.print(Text(f"default model: {default} ({state})"))
