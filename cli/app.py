@@ -10,6 +10,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
 def use_threads(threads: int | None) -> None:
     """torch's CPU thread count for this process, when the user gave one (``--threads``)."""
     if threads is not None:

@@ -11,7 +11,16 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, use_threads
-from rankkit.cli.options import AllowOverlength, AsJson, Device, Draft, MaxNewTokens, Model, Threads
+from rankkit.cli.options import (
+    AllowOverlength,
+    AsJson,
+    Device,
+    DeviceMap,
+    Draft,
+    MaxNewTokens,
+    Model,
+    Threads,
+)
 from rankkit.cli.progress import progress_bar
 
 
@@ -60,6 +69,7 @@ def capture(
     ),
     limit: int = typer.Option(None, min=1, help="Capture at most this many examples."),
     device: Device = defaults.DEVICE,
+    device_map: DeviceMap = None,
     threads: Threads = None,
     overwrite: bool = typer.Option(False, help="Delete an existing store at --out first."),
     oracle: bool = typer.Option(False, help="Also add the Answer-Informed Oracle in the same run."),
@@ -73,7 +83,9 @@ def capture(
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     score_dtype: str = typer.Option(
-        defaults.SCORE_DTYPE, "--score-dtype", help="float32, or float16 for half-size stores (docs/benchmarks.md)."
+        defaults.SCORE_DTYPE,
+        "--score-dtype",
+        help="float32, or float16 for half-size stores (docs/benchmarks.md).",
     ),
 ) -> None:
     """Record every probe's per-layer token scores in one forward pass per example.
@@ -102,6 +114,7 @@ def capture(
             progress=show if rank == 0 else ignore,
             allow_overlength=allow_overlength,
             score_dtype=score_dtype,
+            device_map=device_map,
         )
     if rank == 0:
         _print_summary(summary, as_json, f"capture → {summary.out}")
@@ -121,6 +134,7 @@ def oracle(
         False, help="Recompute every oracle, also those already there (needed to change the settings)."
     ),
     device: Device = defaults.DEVICE,
+    device_map: DeviceMap = None,
     as_json: AsJson = False,
 ) -> None:
     """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
@@ -138,5 +152,6 @@ def oracle(
             device=device,
             redo=redo,
             progress=show,
+            device_map=device_map,
         )
     _print_summary(summary, as_json, f"oracle → {summary.out}")

@@ -29,6 +29,14 @@ DRAFT_HELP = (
 Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
 Model = Annotated[str, typer.Option("--model", help="'default', an HF folder, or a hub id.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+DeviceMap = Annotated[
+    str | None,
+    typer.Option(
+        "--device-map",
+        help="Spread a model too large for one GPU: auto (accelerate's placement), balanced, "
+        'sequential, or a JSON file of module -> device, e.g. {"model.layers.0": 0, ...}.',
+    ),
+]
 Threads = Annotated[
     int | None, typer.Option("--threads", min=1, help="torch CPU threads (1 is steadier on a busy machine).")
 ]

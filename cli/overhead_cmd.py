@@ -88,7 +88,9 @@ def _analysis(examples: int, token_counts: list[int], workers: int | None, as_js
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("analysis cost", total=len(token_counts) * (1 + len(STEPS)))
-        rows = run_analysis_cost(examples, token_counts, workers=workers, progress=lambda: progress.advance(task))
+        rows = run_analysis_cost(
+            examples, token_counts, workers=workers, progress=lambda: progress.advance(task)
+        )
     if as_json:
         print(json.dumps(rows, indent=2))
         return

@@ -15,6 +15,7 @@ from rankkit.cli.options import (
     AllowOverlength,
     AsJson,
     Device,
+    DeviceMap,
     Draft,
     Layer,
     MaxNewTokens,
@@ -34,14 +35,14 @@ console = Console()
 
 
 def _library_options(
-    layer, draft, mirror, max_new_tokens, warmup, repeats, model, device, threads, overlength
+    layer, draft, mirror, max_new_tokens, warmup, repeats, model, device, threads, overlength, device_map
 ):
     from rankkit.bench import BenchSettings, MethodOptions, Setup
 
     return dict(
         options=MethodOptions(layer, draft, mirror),
         settings=BenchSettings(max_new_tokens, warmup, repeats),
-        setup=Setup(model, device, threads, overlength),
+        setup=Setup(model, device, threads, overlength, device_map),
     )
 
 
@@ -78,10 +79,12 @@ def prefill(
     repeats: Repeats = defaults.REPEATS,
     threads: Threads = None,
     device: Device = defaults.DEVICE,
+    device_map: DeviceMap = None,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     kept_layers: str = typer.Option(
-        None, help="With --json: comma-separated layers (e.g. 0,15,29) whose kept positions per KV head it lists."
+        None,
+        help="With --json: comma-separated layers (e.g. 0,15,29) whose kept positions per KV head it lists.",
     ),
 ) -> None:
     """Run one method's selection end to end on one prompt and print the answer and its measurements.
@@ -112,6 +115,7 @@ def prefill(
             device,
             threads,
             allow_overlength,
+            device_map,
         ),
     )
     if as_json:
@@ -128,7 +132,9 @@ def _layer_list(text: str | None, as_json: bool) -> list[int]:
     try:
         return [int(part) for part in comma_list(text, "--kept-layers")]
     except ValueError:
-        raise RankkitError(f"--kept-layers takes comma-separated layer numbers, e.g. 0,15,29, not {text!r}") from None
+        raise RankkitError(
+            f"--kept-layers takes comma-separated layer numbers, e.g. 0,15,29, not {text!r}"
+        ) from None
 
 
 def _print_runs(rows: list[dict], compared: bool) -> None:
@@ -181,6 +187,7 @@ def bench(
     repeats: Repeats = defaults.REPEATS,
     threads: Threads = None,
     device: Device = defaults.DEVICE,
+    device_map: DeviceMap = None,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
 ) -> None:
@@ -212,6 +219,7 @@ def bench(
                 device,
                 threads,
                 allow_overlength,
+                device_map,
             ),
         )
     table = summary(frame)

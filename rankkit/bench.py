@@ -164,11 +164,15 @@ def kept_positions_by_layer(
     """
     for layer in layers:
         if not 0 <= layer < runner.num_layers:
-            raise RankkitError(f"layer {layer} is out of range: the model has layers 0-{runner.num_layers - 1}")
+            raise RankkitError(
+                f"layer {layer} is out of range: the model has layers 0-{runner.num_layers - 1}"
+            )
     with torch.inference_mode():
         cache = method.prefill(runner, input_ids, budget).result.cache
     return {
-        layer: [[position for position in head if position != PADDING] for head in cache.positions[layer].tolist()]
+        layer: [
+            [position for position in head if position != PADDING] for head in cache.positions[layer].tolist()
+        ]
         for layer in layers
     }
 
@@ -220,12 +224,17 @@ class MethodOptions:
 
 @dataclass(frozen=True)
 class Setup:
-    """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions."""
+    """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions,
+    ``device_map`` spreads the model over devices (``models.parse_device_map``)."""
 
     model: str = defaults.MODEL
     device: str = defaults.DEVICE
     threads: int | None = None
     allow_overlength: bool = False
+    device_map: str | None = None
+
+    def __post_init__(self):
+        models.parse_device_map(self.device_map)  # a bad map fails before anything loads
 
     def config(self):
         """The model's config, read without its weights."""
@@ -234,7 +243,7 @@ class Setup:
     def load(self) -> tuple[models.LoadedModel, Runner]:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        loaded = models.load(self.model, device=self.device)
+        loaded = models.load(self.model, device=self.device, device_map=self.device_map)
         return loaded, Runner(loaded.model)
 
 
@@ -303,7 +312,9 @@ def prefill(
         rows[0] |= dict.fromkeys(RATIOS)
     if kept_layers:
         chosen_method, chosen_budget = entries[-1]
-        kept = kept_positions_by_layer(runner, chosen_method, prompt.input_ids, chosen_budget, list(kept_layers))
+        kept = kept_positions_by_layer(
+            runner, chosen_method, prompt.input_ids, chosen_budget, list(kept_layers)
+        )
         rows[-1]["kept_positions_by_layer"] = {str(layer): heads for layer, heads in kept.items()}
     return rows[::-1]
 

@@ -211,6 +211,7 @@ def capture(
     progress: ProgressCallback = ignore,
     allow_overlength: bool = False,
     score_dtype: str = defaults.SCORE_DTYPE,
+    device_map: str | None = None,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
@@ -221,7 +222,8 @@ def capture(
     "skipped"; the total is this rank's share of the examples). A prompt longer than the
     model's positions is refused before any compute unless ``allow_overlength``.
     ``score_dtype`` "float16" stores the scores at half the size (see docs/benchmarks.md
-    for what it changes in the metrics).
+    for what it changes in the metrics). ``device_map`` spreads the model over devices
+    (``models.parse_device_map``).
     """
     import time
 
@@ -237,9 +239,10 @@ def capture(
     stores.check_score_dtype(score_dtype)
     # float32 stays implicit, so stores captured before the option existed still resume
     stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
-    config = models.load_config(model)  # a bad spec or length fails before the weights load
+    config = models.load_config(model)  # a bad spec, length or device map fails before the weights load
     check_spec_length(data, config, allow_overlength=allow_overlength)
-    loaded = models.load(model, device=device)
+    device_map = models.parse_device_map(device_map)
+    loaded = models.load(model, device=device, device_map=device_map)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
     runner = Runner(loaded.model)
@@ -316,6 +319,7 @@ def add_oracle(
     device: str = "auto",
     redo: bool = False,
     progress: ProgressCallback = ignore,
+    device_map: str | None = None,
 ) -> CaptureSummary:
     """Add the Answer-Informed Oracle to every complete example of a store captured earlier.
 
@@ -327,7 +331,7 @@ def add_oracle(
     store = stores.open(store_path)
     meta = store.meta
     spec = model or ("default" if meta["model"]["id"] == models.DEFAULT_MODEL_NAME else meta["model"]["id"])
-    loaded = models.load(spec, device=device)
+    loaded = models.load(spec, device=device, device_map=device_map)
     if loaded.weights_hash != meta["model"]["weights_hash"]:
         raise RankkitError(
             f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"

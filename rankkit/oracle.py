@@ -116,7 +116,9 @@ class AnswerAttention(LayerHook):
         logits = call.cap(torch.matmul(query, keys.transpose(1, 2)))  # [kv_heads, groups, T]
         unseen = None
         if call.sliding_window is not None:
-            unseen = call.key_positions[0, : self.prompt_length] <= call.query_positions[-1] - call.sliding_window
+            unseen = (
+                call.key_positions[0, : self.prompt_length] <= call.query_positions[-1] - call.sliding_window
+            )
             logits = logits.masked_fill(unseen, float("-inf"))
         if self.softmax:  # over the prompt keys, as COMPUTEATTN(Q_gen, K_prompt) sees them
             logits = call.softmax(logits)

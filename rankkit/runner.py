@@ -163,8 +163,14 @@ def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if step is None:
         raise RankkitError("rankkit's attention runs only inside Runner.prefill and decode_step")
     output = step.attend(
-        module.layer_idx, query, key, value, scaling,
-        kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux"),
+        module.layer_idx,
+        query,
+        key,
+        value,
+        scaling,
+        kwargs.get("sliding_window"),
+        kwargs.get("softcap"),
+        kwargs.get("s_aux"),
     )
     return output, None
 
@@ -198,7 +204,17 @@ class _Step:
         key_positions = self.cache.positions[layer]
         positions = self.positions.to(key_positions.device)
         call = AttentionCall(
-            layer, self.phase, query, key, value, positions, key_positions, scaling, softcap, sinks, sliding_window
+            layer,
+            self.phase,
+            query,
+            key,
+            value,
+            positions,
+            key_positions,
+            scaling,
+            softcap,
+            sinks,
+            sliding_window,
         )
         for hook in self.hooks:
             hook.on_attention(call)
@@ -383,7 +399,9 @@ class Runner:
         positions = torch.tensor([position], device=self.device)
         hidden = self.body.embed_tokens(torch.tensor([[token]], device=self.device))
         with self._installed():
-            hidden, _ = self._layers(None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions))
+            hidden, _ = self._layers(
+                None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions)
+            )
         for hook in hooks:
             hook.after_decode_step(cache, position)
         return self.logits(hidden)[0, -1]

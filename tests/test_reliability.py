@@ -119,6 +119,45 @@ def test_spec_values_and_lengths_are_checked_before_the_model_loads(
     assert refused(capture, no_model_load).startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (None, "--device-map 'missing.json' is neither a strategy nor a file; give one of auto, "),
+        ("{not json", "--device-map missing.json: not readable JSON"),
+        ("[1, 2]", "--device-map missing.json: expected a non-empty JSON object"),
+        ('{"model.layers.0": [0]}', "--device-map missing.json: module 'model.layers.0' maps to [0]"),
+    ],
+)
+def test_a_bad_device_map_is_refused_before_the_model_loads(no_model_load, tiny_folder, layout, message):
+    if layout is not None:
+        (no_model_load / "missing.json").write_text(layout)
+    common = ["--keep", "0.2", "--data", "niah:n=1,length=200", "--model", str(tiny_folder)]
+    for command in (["bench", "--methods", "full,claa", *common], ["prefill", "--method", "claa", *common],
+                    ["capture", "--data", "niah:n=1,length=200", "--model", str(tiny_folder), "--out", "s.zarr"]):
+        assert refused([*command, "--device-map", "missing.json"], no_model_load).startswith(message)  # fmt: skip
+
+
+def test_prefill_through_a_device_map_file_gives_the_answer_of_a_plain_load(tmp_path, tiny_folder):
+    """The explicit per-layer map a multi-GPU user writes, here with every module on the CPU."""
+    layout = {name: "cpu" for name in ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")}
+    layout |= {f"model.layers.{index}": "cpu" for index in range(3)}
+    map_file = tmp_path / "layout.json"
+    map_file.write_text(json.dumps(layout))
+    runs = []
+    for device_map in (None, str(map_file)):
+        result = CliRunner().invoke(
+            app,
+            ["prefill", "--method", "claa", "--keep", "0.5", "--data", "niah:n=1,length=200",
+             "--model", str(tiny_folder), "--device", "cpu", "--max-new-tokens", "3", "--repeats", "1",
+             "--warmup", "0", "--json", *(["--device-map", device_map] if device_map else [])],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads(result.output))
+    same = ("answer", "selection_layer", "selected_positions", "kv_bytes")
+    assert [{key: run[key] for key in same} for run in runs][0] == {key: runs[1][key] for key in same}
+    assert runs[0]["selected_positions"] and runs[0]["kv_bytes"] > 0
+
+
 def test_oracle_answer_is_checked_before_the_model_loads(no_model_load, tiny_folder):
     capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--out", "store.zarr"]
     message = refused([*capture, "--oracle", "--answer", "gold"], no_model_load)

@@ -190,7 +190,9 @@ def evaluate_example(
         per_layer.append(_layers_frame(label, layers, reference.metrics(rankings)))
         if method.name == CLAA:
             for n in CLAA_SWEEP:
-                layers, rankings = _rankings(replace(method, aggregation_window=n), record, budget, ranked, layout)
+                layers, rankings = _rankings(
+                    replace(method, aggregation_window=n), record, budget, ranked, layout
+                )
                 columns = reference.metrics(rankings, with_kendall=False)
                 sweep.append(
                     _layers_frame(f"{CLAA}-n{n}", layers, columns).insert_column(

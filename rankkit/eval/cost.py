@@ -25,7 +25,14 @@ from rankkit.errors import RankkitError
 LAYERS = 30
 KV_HEADS = 3
 QUERY_HEADS = 9  # the default model's shape; last_token_heads keeps a row per query head
-PROBES = ("last_token_heads", "last_token_raw", "lava", "token_units", "window", "window:w=32")  # a default capture's
+PROBES = (
+    "last_token_heads",
+    "last_token_raw",
+    "lava",
+    "token_units",
+    "window",
+    "window:w=32",
+)  # a default capture's
 QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
 
 STEPS = {
@@ -53,7 +60,8 @@ def build_store(path: Path, examples: int, tokens: int, seed: int = 0) -> None:
             tokens=rng.integers(0, 50_000, tokens),
             scores={
                 probe: rng.random(
-                    (LAYERS, QUERY_HEADS if probe == "last_token_heads" else KV_HEADS, tokens), dtype=np.float32
+                    (LAYERS, QUERY_HEADS if probe == "last_token_heads" else KV_HEADS, tokens),
+                    dtype=np.float32,
                 )
                 for probe in PROBES
             },
@@ -86,7 +94,9 @@ def run_analysis_cost(
             files = sum(1 for file in first_example.rglob("*") if file.is_file())
             progress()
             for step, code in STEPS.items():
-                script = code.format(store=str(store), out=str(Path(scratch) / "report.html"), workers=processes)
+                script = code.format(
+                    store=str(store), out=str(Path(scratch) / "report.html"), workers=processes
+                )
                 seconds, peak_bytes = _timed_process(script)
                 rows.append(
                     {

@@ -67,7 +67,9 @@ def map_examples(
     with _ignoring_ctrl_c():
         pool = context.Pool(processes, initializer=_open_store, initargs=(os.fspath(path),))
     with pool:
-        yield from pool.imap(partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK)
+        yield from pool.imap(
+            partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK
+        )
         # Workers that end on their own release the pool's semaphores; the terminate that
         # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
         pool.close()

@@ -69,6 +69,7 @@ class TieRuns:
         """Pairs of tokens with equal scores, per row (Kendall's n_1 or n_2)."""
         return _tied_pairs(self.run_ids)
 
+
 def _tied_pairs(run_ids: np.ndarray) -> np.ndarray:
     """Pairs sharing a run, per row, from global run ids numbered row after row (as ``TieRuns``)."""
     run_sizes = np.bincount(run_ids.ravel())

@@ -120,7 +120,9 @@ def variance_store(
         )
     evaluate = partial(variance_example, asl=asl, budget=Budget.parse(budget), thresholds=tuple(thresholds))
     curve_frames, selection_rows = [], []
-    for curve_frame, rows in map_examples(store.path, [record.id for record in records], evaluate, workers=workers):
+    for curve_frame, rows in map_examples(
+        store.path, [record.id for record in records], evaluate, workers=workers
+    ):
         curve_frames.append(curve_frame)
         selection_rows += rows
     selection_schema = {

@@ -62,7 +62,9 @@ def frame_table(frame: pl.DataFrame, title: str, digits: int = 3) -> Table:
         header = HEADERS[name][0] if name in HEADERS else name
         # A cell is never cut: the column is as wide as its widest cell and header.
         width = max([len(header), *map(len, column)])
-        table.add_column(header, justify="right" if dtype.is_numeric() else "left", min_width=width, no_wrap=True)
+        table.add_column(
+            header, justify="right" if dtype.is_numeric() else "left", min_width=width, no_wrap=True
+        )
     for row in zip(*cells, strict=True):
         table.add_row(*map(Text, row))
     return table
