@@ -10,7 +10,7 @@ Layout and crash-safety rules: ``rankkit.stores.schema`` and ``rankkit.stores.wr
 read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole store.
 """
 
-from .reader import ArrayGroup, ExampleRecord, Store, describe, open
+from .reader import ArrayGroup, ExampleRecord, ReadOnce, Store, describe, open
 from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
 from .verify import VerifyReport, verify
 from .writer import StoreWriter, create
@@ -21,6 +21,7 @@ __all__ = [
     "SCORE_DTYPE_KEY",
     "ArrayGroup",
     "ExampleRecord",
+    "ReadOnce",
     "Store",
     "StoreWriter",
     "check_score_dtype",

@@ -31,7 +31,9 @@ def record(directory: Path, file_name: str, arrays: dict[str, np.ndarray]) -> di
     """The manifest of ``arrays`` (path -> data), just written to ``directory / file_name``."""
     file = directory / file_name
     return {
-        "arrays": {name: {"shape": list(data.shape), "dtype": str(data.dtype)} for name, data in arrays.items()},
+        "arrays": {
+            name: {"shape": list(data.shape), "dtype": str(data.dtype)} for name, data in arrays.items()
+        },
         "files": {file_name: [file.stat().st_size, _crc32(file)]},
     }
 

@@ -64,7 +64,9 @@ class _Part:
     in ``legacy``, a zarr group of the example's directory.
     """
 
-    def __init__(self, example: ExampleRecord, recorded: dict[str, Any] | None, legacy: zarr.Group, redo: str):
+    def __init__(
+        self, example: ExampleRecord, recorded: dict[str, Any] | None, legacy: zarr.Group, redo: str
+    ):
         self.example = example
         self.recorded = recorded
         self._legacy = legacy
@@ -200,7 +202,9 @@ class ExampleRecord:
             )
         redo = f"rerun the command that added group {name!r}"
         if name in self._added:
-            return ArrayGroup(name, self._added[name]["attrs"], _Part(self, self._added[name][MANIFEST], self._group, redo))
+            return ArrayGroup(
+                name, self._added[name]["attrs"], _Part(self, self._added[name][MANIFEST], self._group, redo)
+            )
         legacy = self._group[encode_name(name)]
         attrs = {key: value for key, value in legacy.attrs.asdict().items() if key != COMPLETE}
         return ArrayGroup(name, attrs, _Part(self, None, legacy, redo))
@@ -211,7 +215,9 @@ class ExampleRecord:
         layer_ids = _checked_layers(
             layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
         )
-        values = self._capture.read(name, lambda array: array[...] if layers is None else array.oindex[layer_ids])
+        values = self._capture.read(
+            name, lambda array: array[...] if layers is None else array.oindex[layer_ids]
+        )
         # float16 stores (capture --score-dtype float16) read back as float32 like any other
         return values.astype(np.float32, copy=False), layer_ids
 
@@ -221,6 +227,34 @@ class ExampleRecord:
                 f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
             )
         return f"{SCORES}/{encode_name(probe)}"
+
+
+class ReadOnce:
+    """An example whose whole arrays are read from disk once, for a unit of analysis that asks for
+    the same scores several times (compare ranks a probe and the methods built on it). Hold one
+    only while working on its example: it keeps what it read."""
+
+    def __init__(self, record: ExampleRecord):
+        self.record = record
+        self._scores: dict[str, np.ndarray] = {}
+
+    def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
+        if layers is not None:
+            return self.record.scores(probe, layers)
+        if probe not in self._scores:
+            self._scores[probe] = self.record.scores(probe)
+        return self._scores[probe].copy()  # a caller may write into its arrays (torch.from_numpy shares them)
+
+    @cached_property
+    def _oracle(self) -> np.ndarray | None:
+        return self.record.oracle
+
+    @property
+    def oracle(self) -> np.ndarray | None:
+        return None if self._oracle is None else self._oracle.copy()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.record, name)
 
 
 class Store:
@@ -266,7 +300,9 @@ class Store:
     def skipped(self) -> Counter[str]:
         """How many examples ``examples()`` and the frames leave out, by ``example_state``:
         "incomplete" (capture unfinished) and "unreadable" (metadata no longer parses)."""
-        states = (example_state(self.path / EXAMPLES / encoded)[0] for encoded in list_example_dirs(self.path))
+        states = (
+            example_state(self.path / EXAMPLES / encoded)[0] for encoded in list_example_dirs(self.path)
+        )
         return Counter(state for state in states if state != "complete")
 
     def warn_skipped(self) -> None:

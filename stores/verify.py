@@ -103,7 +103,9 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
         directory = store_path / EXAMPLES / encoded
         state, attrs = example_state(directory)
         if state != "complete":
-            detail = "its metadata (zarr.json) does not parse" if state == "unreadable" else "capture unfinished"
+            detail = (
+                "its metadata (zarr.json) does not parse" if state == "unreadable" else "capture unfinished"
+            )
             report.problems.append(Problem(example_id, state, detail))
             continue
         found = _damaged_parts(directory, attrs)
@@ -128,7 +130,9 @@ def _damaged_parts(directory: Path, attrs: dict[str, Any]) -> list[tuple[str, st
         parts.append((ORACLE_PART, attrs[ORACLE_MANIFEST]))
     parts += [(name, added[MANIFEST]) for name, added in attrs.get(ADDED_GROUPS, {}).items()]
     return [
-        (part, detail) for part, recorded in parts for _, detail in manifest.damage(directory, recorded, checksum=True)
+        (part, detail)
+        for part, recorded in parts
+        for _, detail in manifest.damage(directory, recorded, checksum=True)
     ]
 
 

@@ -118,7 +118,10 @@ class StoreWriter:
         group = open_node(self._store, EXAMPLES).create_group(
             encoded, attributes={**example_attrs, COMPLETE: False}
         )
-        arrays = {TOKENS: token_ids, **{f"{SCORES}/{probe}": values for probe, values in score_arrays.items()}}
+        arrays = {
+            TOKENS: token_ids,
+            **{f"{SCORES}/{probe}": values for probe, values in score_arrays.items()},
+        }
         example_dir = self.path / EXAMPLES / encoded
         layouts = {f"{SCORES}/{probe}": layout for probe, layout in score_layouts.items()}
         write_zip(example_dir / CAPTURE_FILE, arrays, array_attrs=layouts)

@@ -8,8 +8,20 @@ import pytest
 import torch
 
 FAMILIES = (
-    "llama", "llama-mha", "mistral", "qwen2", "qwen3",
-    "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "smollm3", "olmo2",
+    "llama",
+    "llama-mha",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "smollm3",
+    "olmo2",
 )
 # Families whose layers are not all global: half the layers see only the last 8 keys.
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -21,11 +33,18 @@ FAMILY_CONFIGS = {
     "qwen2": {},
     "qwen3": {"head_dim": 24},  # QK-norm, and head_dim not tied to hidden_size / heads
     "gemma2": {  # soft-capped logits, query_pre_attn_scalar scaling, alternating local layers
-        "head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
-        "final_logit_softcapping": 3.0, "sliding_window": 8, "layer_types": HYBRID,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "sliding_window": 8,
+        "layer_types": HYBRID,
     },
     "gemma3_text": {  # local and global layers rotate with different RoPE bases
-        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "layer_types": HYBRID,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": HYBRID,
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -34,12 +53,17 @@ FAMILY_CONFIGS = {
     "phi3": {"sliding_window": None},  # fused qkv projection
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48,
     },
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 24},
     "gpt_oss": {  # learned attention sinks, alternating local layers, YaRN RoPE
-        "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
         "layer_types": HYBRID,
     },
     "smollm3": {"no_rope_layers": [1, 1, 0], "no_rope_layer_interval": 3},  # the last layer has no RoPE

@@ -243,7 +243,9 @@ def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(t
     assert len(stores.open(out).example_ids()) == 40
 
 
-def test_capture_cli_threads_runs_on_one_thread_and_writes_the_same_scores(tiny_folder, reference_store, tmp_path):
+def test_capture_cli_threads_runs_on_one_thread_and_writes_the_same_scores(
+    tiny_folder, reference_store, tmp_path
+):
     out = tmp_path / "one-thread.zarr"
     extra = ("--threads", "1", "--oracle", "--max-new-tokens", "4")
     subprocess.run(_capture_cli(tiny_folder, out, *extra), check=True, capture_output=True, timeout=600)

@@ -505,7 +505,9 @@ def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_
     sampled, others = [ids[0], ids[len(ids) // 2]], [i for i in ids if i not in (ids[0], ids[len(ids) // 2])]
     assert f"2 of {len(ids)} examples" in page
     assert f"--explore ID[,ID...]`. Not shown: {', '.join(others)}." in page
-    assert all(f'data-example="{i}"' in page for i in sampled) and not any(f'data-example="{i}"' in page for i in others)
+    assert all(f'data-example="{i}"' in page for i in sampled) and not any(
+        f'data-example="{i}"' in page for i in others
+    )
     # only the explorer's examples get a bold curve the example control can show
     assert all(f"{i} (picked)" in page for i in sampled) and not any(f"{i} (picked)" in page for i in others)
     chosen = write_dashboard(store, tmp_path / "chosen.html", explore=[ids[-1]]).read_text()
@@ -535,6 +537,8 @@ def test_frame_table_fits_80_columns_with_short_headers_a_legend_and_no_cut_cell
     header = next(line for line in lines if line.startswith("method"))
     assert header.split() == "method ρ mean ρ sd ρ min ρ rec10 needle adj ρ n".split()
     rows = [line.split() for line in lines if line.split()[:1] and line.split()[0] in methods]
-    assert rows == [[method, *[cell] * 7, "4"] for method, cell in zip(methods, ["-0.123", "0.500", "-"], strict=True)]
+    assert rows == [
+        [method, *[cell] * 7, "4"] for method, cell in zip(methods, ["-0.123", "0.500", "-"], strict=True)
+    ]
     for name in [*metrics, "n_examples"]:
         assert f"{HEADERS[name][0]}: {HEADERS[name][1]}" in lines

@@ -98,7 +98,9 @@ def test_kendall_is_scipys_tau_b(rows):
 def test_batched_kendall_equals_one_scipy_call_per_row(rows):
     """Many tied rows against one tied reference, lengths on and off powers of two."""
     scores, reference = np.array(rows[0], dtype=np.float64), np.array(rows[1], dtype=np.float64)
-    expected = [stats.kendalltau(row, reference).statistic if len(reference) > 1 else np.nan for row in scores]
+    expected = [
+        stats.kendalltau(row, reference).statistic if len(reference) > 1 else np.nan for row in scores
+    ]
     assert same(kendall(scores, reference), expected)
 
 
@@ -517,9 +519,7 @@ def test_cli_compare_json_keys(cli, store_path):
 
 def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
     out = tmp_path / "results.parquet"
-    result = cli(
-        "compare", store_path, "--layer", 2, "--methods", "window,claa,lava", "--out", out
-    )
+    result = cli("compare", store_path, "--layer", 2, "--methods", "window,claa,lava", "--out", out)
     assert result.exit_code == 0, result.output
     assert "l_p = 2" in result.stdout and "claa" in result.stdout and "gemfilter" not in result.stdout
     assert "span prompt" in result.stdout

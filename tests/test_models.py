@@ -86,12 +86,18 @@ def test_default_model_runner_matches_transformers(default_model):
     from rankkit.prompting import build_prompt
 
     model, tokenizer = default_model
-    prompt = build_prompt(tokenizer, "The pass key is 68247. " + "The grass is green. " * 40, "What is the pass key?")
+    prompt = build_prompt(
+        tokenizer, "The pass key is 68247. " + "The grass is green. " * 40, "What is the pass key?"
+    )
     with torch.inference_mode():
         expected_logits = model(prompt.input_ids[None]).logits[0]
     runner = Runner(model)
-    assert torch.allclose(runner.prefill(prompt.input_ids, logits_at="all").logits, expected_logits, atol=1e-4)
-    expected = model.generate(prompt.input_ids[None], max_new_tokens=16, do_sample=False)[0, prompt.num_tokens :]
+    assert torch.allclose(
+        runner.prefill(prompt.input_ids, logits_at="all").logits, expected_logits, atol=1e-4
+    )
+    expected = model.generate(prompt.input_ids[None], max_new_tokens=16, do_sample=False)[
+        0, prompt.num_tokens :
+    ]
     assert runner.generate(prompt.input_ids, 16).tokens == expected.tolist()
 
 
@@ -109,9 +115,13 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert list(models_dir.glob(".*.partial-*")), "the conversion should have been caught half-way"
-    assert not [p for p in models_dir.iterdir() if not p.name.startswith(".")], "nothing half-written is published"
+    assert not [p for p in models_dir.iterdir() if not p.name.startswith(".")], (
+        "nothing half-written is published"
+    )
 
-    done = subprocess.run([sys.executable, "-c", _CONVERT], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _CONVERT], env=env, capture_output=True, text=True, check=True
+    )
     folder = Path(done.stdout.strip().splitlines()[-1])
     assert (folder / models.WEIGHTS_HASH_FILE).is_file()
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"

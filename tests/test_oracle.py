@@ -77,7 +77,9 @@ def brute_force_oracle(model, prompt: torch.Tensor, answer: list[int], *, softma
         softcap = getattr(module, "attn_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))  # Mistral: config
+        window = getattr(
+            module, "sliding_window", getattr(module.config, "sliding_window", None)
+        )  # Mistral: config
         unseen = torch.zeros(len(answer), prompt_length, dtype=torch.bool)
         if window is not None:
             query_positions = torch.arange(prompt_length, prompt_length + len(answer))[:, None]
@@ -106,7 +108,17 @@ def assert_matches_brute_force(family_name, prompt, result, *, softmax, kernel):
     np.testing.assert_allclose(result.layer_scores, expected_layers, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-ORACLE_FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "smollm3", "olmo2", "phi3"]
+ORACLE_FAMILIES = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "smollm3",
+    "olmo2",
+    "phi3",
+]
 
 
 @pytest.mark.parametrize("family_name", ORACLE_FAMILIES)  # GQA, QK-norm, windows, caps, sinks, NoPE

@@ -245,7 +245,8 @@ def test_window_scores_of_the_window_tokens_are_their_summed_attention():
 
 
 @pytest.mark.parametrize(
-    "family_name, local", [("mistral", [True] * 3), ("gemma2", [True, False, True]), ("gpt_oss", [True, False, True])]
+    "family_name, local",
+    [("mistral", [True] * 3), ("gemma2", [True, False, True]), ("gpt_oss", [True, False, True])],
 )
 def test_keys_a_sliding_window_layer_cannot_see_are_recorded_as_nan(family_name, local, random_ids):
     """A window of 8: from position 39 a local layer sees positions 32..39 only; global layers see all."""

@@ -132,8 +132,11 @@ def test_a_bad_device_map_is_refused_before_the_model_loads(no_model_load, tiny_
     if layout is not None:
         (no_model_load / "missing.json").write_text(layout)
     common = ["--keep", "0.2", "--data", "niah:n=1,length=200", "--model", str(tiny_folder)]
-    for command in (["bench", "--methods", "full,claa", *common], ["prefill", "--method", "claa", *common],
-                    ["capture", "--data", "niah:n=1,length=200", "--model", str(tiny_folder), "--out", "s.zarr"]):
+    for command in (
+        ["bench", "--methods", "full,claa", *common],
+        ["prefill", "--method", "claa", *common],
+        ["capture", "--data", "niah:n=1,length=200", "--model", str(tiny_folder), "--out", "s.zarr"],
+    ):
         assert refused([*command, "--device-map", "missing.json"], no_model_load).startswith(message)  # fmt: skip
 
 

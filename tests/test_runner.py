@@ -117,7 +117,9 @@ def test_decode_positions_continue_from_prompt_length(random_ids):
     recorder = Recorder()
     keep = torch.tensor([0, 5, 39])
     Runner(model).generate(random_ids, 4, hooks=[PruneAfter(0, keep), recorder])
-    decode_positions = [int(q[0]) for layer, phase, q, _ in recorder.calls if phase == "decode" and layer == 0]
+    decode_positions = [
+        int(q[0]) for layer, phase, q, _ in recorder.calls if phase == "decode" and layer == 0
+    ]
     assert decode_positions == [40, 41, 42]
     decode_keys_layer2 = [k for layer, phase, _, k in recorder.calls if phase == "decode" and layer == 2][0]
     assert decode_keys_layer2[0].tolist() == [0, 5, 39, 40]
@@ -204,11 +206,21 @@ def test_multimodal_gemma3_runs_its_text_decoder_alone(random_ids):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vision = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
     )
     config = AutoConfig.for_model(
-        "gemma3", text_config=tiny_config("gemma3_text").to_dict(), vision_config=vision,
-        mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95,
+        "gemma3",
+        text_config=tiny_config("gemma3_text").to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=96,
+        boi_token_index=94,
+        eoi_token_index=95,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -759,7 +759,9 @@ def test_a_truncated_oracle_file_fails_naming_the_oracle_command(oracled):
 def test_an_altered_array_metadata_or_chunk_fails_on_read(oracled):
     capture = oracled / "examples" / "a" / "capture.zip"
     flip_byte_inside(capture, "tokens/zarr.json")
-    assert "array tokens is damaged (does not decode: Bad CRC-32" in read_error(oracled, lambda record: record.tokens)
+    assert "array tokens is damaged (does not decode: Bad CRC-32" in read_error(
+        oracled, lambda record: record.tokens
+    )
     flip_byte_inside(oracled / "examples" / "a" / "oracle.zip", "oracle_layers/c/0/0")
     assert "array oracle_layers is damaged (does not decode: Bad CRC-32" in read_error(
         oracled, lambda record: record.oracle_layers
@@ -798,7 +800,9 @@ def test_verify_counts_every_state_and_reset_lets_the_writers_redo_the_damage(or
         ("a", "capture", "capture.zip was altered (checksum differs)"),
         ("b", "oracle", f"oracle.zip has 0 bytes, {oracle_size} were written"),
     ]
-    with pytest.raises(RankkitError, match=f"3 damaged example\\(s\\) in {oracled}; run `rankkit store verify"):
+    with pytest.raises(
+        RankkitError, match=f"3 damaged example\\(s\\) in {oracled}; run `rankkit store verify"
+    ):
         report.raise_if_damaged()
 
     stores.verify(oracled, reset=True)
@@ -840,7 +844,13 @@ def test_a_schema_1_store_still_reads_verifies_by_decoding_and_resumes(path):
     np.testing.assert_array_equal(record.oracle, _oracle()[0])
     assert record.groups == ["draft_scores"] and record.group("draft_scores").attrs == {"k": 2}
     assert record.group("draft_scores")["lookahead"].shape == (2, 48)
-    assert stores.verify(path).counts() == {"good": 0, "unchecked": 2, "damaged": 0, "incomplete": 0, "unreadable": 0}
+    assert stores.verify(path).counts() == {
+        "good": 0,
+        "unchecked": 2,
+        "damaged": 0,
+        "incomplete": 0,
+        "unreadable": 0,
+    }
 
     (path / "examples" / "a" / "scores" / "fastkv" / "c" / "0" / "0" / "0").write_bytes(b"not blosc")
     assert [problem.example for problem in stores.verify(path).problems] == ["a"]

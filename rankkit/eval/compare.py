@@ -431,6 +431,9 @@ def compare_example(
 ) -> dict[str, list[pl.DataFrame]]:
     """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit
     of work, run in a worker process)."""
+    from rankkit.stores import ReadOnce
+
+    record = ReadOnce(record)  # probes are read again by the methods ranking by them
     ranked = ranked_slice(record.attrs.get("spans"), span, record.num_tokens)
     spans = record.attrs.get("spans") or {}
     evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]

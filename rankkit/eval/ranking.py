@@ -159,31 +159,40 @@ def kendall_from_runs(score_runs: TieRuns, reference_runs: TieRuns) -> np.ndarra
     return np.where(undefined, np.nan, np.clip(tau, -1.0, 1.0)).reshape(shape[:-1])
 
 
+_BRUTE_FORCE_BLOCK = 8  # below this width comparing every pair costs less than a merge pass
+
+
 def _inversions(values: np.ndarray) -> np.ndarray:
     """Pairs i < j with values[i] > values[j] in every row of a non-negative int array [R, T].
 
-    A bottom-up merge sort over positions, all rows at once: at each level sibling blocks of
-    ``width`` sorted values meet, and each right-block element is inverted with the left-block
-    elements above it, found by one ``searchsorted`` over every block (blocks are offset by
-    block index x value range, so their concatenation stays sorted). Rows are padded to a power
-    of two with a value above all others; padding only ever follows real values, so it adds no
-    inversion. O(T log^2 T) per row in log2(T) array passes.
+    A bottom-up merge sort over positions, all rows at once. Rows are padded to a power of two
+    with a value above all others (padding only ever follows real values, so it adds no
+    inversion). Within blocks of ``_BRUTE_FORCE_BLOCK`` every pair is compared; then at each
+    level sibling sorted blocks of ``width`` are merged by one stable sort (two sorted runs:
+    a linear merge), which puts a left element before an equal right one. A right element
+    at merged position p with index r in its block has p - r left elements not above it,
+    so it is inverted with width - (p - r) of them. O(T log T) per row in log2(T) passes.
     """
     num_rows, num_tokens = values.shape
     padded_tokens = 1 << max(0, (num_tokens - 1).bit_length())
     pad_value = int(values.max()) + 1 if values.size else 1
     blocks = np.full((num_rows, padded_tokens), pad_value, dtype=np.int64)
     blocks[:, :num_tokens] = values
-    inversions = np.zeros(num_rows, dtype=np.int64)
-    width = 1
+    width = min(_BRUTE_FORCE_BLOCK, padded_tokens)
+    small = blocks.reshape(-1, width)
+    later = np.triu(np.ones((width, width), dtype=bool), 1)
+    inversions = (
+        ((small[:, :, np.newaxis] > small[:, np.newaxis, :]) & later).reshape(num_rows, -1).sum(axis=1)
+    )
+    blocks = np.sort(small, axis=-1).reshape(num_rows, padded_tokens)
     while width < padded_tokens:
-        pairs = blocks.reshape(num_rows * padded_tokens // (2 * width), 2, width)
-        block_ids = np.arange(pairs.shape[0])[:, np.newaxis]
-        offsets = block_ids * (pad_value + 1)
-        lefts = (pairs[:, 0] + offsets).ravel()
-        lefts_not_above = np.searchsorted(lefts, pairs[:, 1] + offsets, side="right") - block_ids * width
-        inversions += (width - lefts_not_above).reshape(num_rows, -1).sum(axis=1)
-        blocks = np.sort(pairs.reshape(-1, 2 * width), axis=-1).reshape(num_rows, padded_tokens)
+        pairs = blocks.reshape(-1, 2 * width)
+        order = np.argsort(pairs, axis=-1, kind="stable")
+        right_positions = ((order >= width) * np.arange(2 * width)).sum(axis=-1)
+        # sum over right elements of width - p + r = width^2 - sum(p) + width(width - 1)/2
+        merged = width * width + width * (width - 1) // 2 - right_positions
+        inversions += merged.reshape(num_rows, -1).sum(axis=1)
+        blocks = np.take_along_axis(pairs, order, axis=-1).reshape(num_rows, padded_tokens)
         width *= 2
     return inversions
 
