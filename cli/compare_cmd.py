@@ -51,12 +51,20 @@ def compare(
         "<stem>.per_head/.sweep/.stability/.summary.parquet (refused if any exists).",
     ),
     overwrite: Overwrite = False,
-    as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    pairs: str | None = typer.Option(
+        None,
+        "--pairs",
+        help="Paired tests METHOD:BASELINE,... (e.g. claa:fastkv): the mean Spearman difference per layer "
+        "over the same examples, its 95% interval and Wilcoxon p. (default: claa against each "
+        "single-layer heuristic compared)",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary's rows as a JSON list instead."),
     workers: Workers = None,
 ) -> None:
-    """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer."""
+    """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer,
+    as means over examples with 95% intervals; paired differences between methods."""
     from rankkit import outputs
-    from rankkit.eval.compare import compare_store, output_paths
+    from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
     from rankkit.interrupts import keep_on_interrupt
     from rankkit.report.tables import frame_table
 
@@ -71,6 +79,7 @@ def compare(
             span=span,
             keep=keep,
             workers=workers,
+            pairs=pairs,
         )
     if out is not None:
         written = result.write(out)
@@ -79,24 +88,19 @@ def compare(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    title = f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}"
-    Console().print(frame_table(result.summary.select(_COMPARE_COLUMNS), title))
-
-
-# The summary columns the table shows, in order (--json and --out carry them all).
-_COMPARE_COLUMNS = (
-    "method",
-    "layer",
-    "spearman",
-    "mean_spearman",
-    "std_spearman",
-    "min_spearman",
-    "trough_layer",
-    "recall_at_10",
-    "needle_recall",
-    "layer_to_layer",
-    "n_examples",
-)
+    title = (
+        f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}: "
+        "means [95% interval] over n examples"
+    )
+    console = Console()
+    console.print(frame_table(summary_table(result.summary), title))
+    if result.stability.height:
+        console.print(frame_table(result.stability, "Stability across layers (of the mean curve)"))
+    paired = pairs_at_layer(result.pairs, result.pruning_layer)
+    if paired.height:
+        console.print(
+            frame_table(paired, f"Paired Spearman differences at l_p = {result.pruning_layer} (Wilcoxon p)")
+        )
 
 
 def _cell(value: object) -> Text:

@@ -230,24 +230,33 @@ def bench(
 
 
 def _print_summary(table, out: Path | None) -> None:
-    view = Table(title="methods vs full (means over examples)")
+    from rankkit.eval.stats import interval_columns, with_interval
+
+    def interval(metric: str):
+        low, high = interval_columns(metric)
+        return lambda row: with_interval(row[metric], row[low], row[high])
+
+    def plain(key: str, render=_number):
+        return lambda row: render(row[key])
+
+    view = Table(title="methods vs full: means [95% interval] over n examples")
     columns = [
-        ("method", "method", str),
-        ("budget", "budget", str),
-        ("n", "examples", str),
-        ("accuracy", "accuracy", lambda v: _number(v, 2)),
-        ("TTFT ratio", "ttft_ratio", _number),
-        ("ideal", "ideal_ratio", _number),
-        ("measured/ideal", "measured_over_ideal", _number),
-        ("TPOT ratio", "tpot_ratio", _number),
-        ("KV ratio", "kv_ratio", _number),
-        ("KV MiB", "kv_bytes", _megabytes),
-        ("peak MiB", "peak_mem_bytes", _megabytes),
+        ("method", plain("method", str)),
+        ("budget", plain("budget", str)),
+        ("n", plain("n_examples", str)),
+        ("accuracy", interval("accuracy")),
+        ("TTFT ratio", interval("ttft_ratio")),
+        ("ideal", plain("ideal_ratio")),
+        ("measured/ideal", plain("measured_over_ideal")),
+        ("TPOT ratio", interval("tpot_ratio")),
+        ("KV ratio", interval("kv_ratio")),
+        ("KV MiB", plain("kv_bytes", _megabytes)),
+        ("peak MiB", plain("peak_mem_bytes", _megabytes)),
     ]
-    for label, _, _ in columns:
+    for label, _ in columns:
         view.add_column(label, justify="left" if label in ("method", "budget") else "right")
     for row in table.to_dicts():
-        view.add_row(*(render(row[key]) for _, key, render in columns))
+        view.add_row(*(render(row) for _, render in columns))
     console.print(view)
     if out is not None:
         console.print(f"rows: {out}")

@@ -461,24 +461,44 @@ def run_bench(
     )
 
 
+SUMMARY_METRICS = ("accuracy", "ttft_ratio", "tpot_ratio", "kv_ratio")  # each with its 95% interval
+SUMMARY_INPUTS = (  # the grid's columns ``summary`` reads
+    "example_id",
+    "method",
+    "budget",
+    "keep",
+    "score",
+    "ttft_ratio",
+    "tpot_ratio",
+    "kv_ratio",
+    "ideal_ratio",
+    "ttft_s",
+    "tpot_s",
+    "kv_bytes",
+    "peak_mem_bytes",
+)
+
+
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per method and budget: mean score, TTFT/TPOT/KV ratios to full and the ideal ratio.
+    """Per method and budget: mean score (``accuracy``) and TTFT/TPOT/KV ratios to full, each with its
+    95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
+    otherwise; ``rankkit.eval.stats``) and ``n_examples``; then the mean keep rate, ideal ratio,
+    times and bytes, and measured over ideal.
 
     Ratios are means over examples of each example's paired median ratio.
     """
-    return (
-        frame.group_by("method", "budget", maintain_order=True)
-        .agg(
-            pl.len().alias("examples"),
-            pl.col("score").mean().alias("accuracy"),
-            pl.col("ttft_ratio").mean(),
-            pl.col("ideal_ratio").mean(),
-            pl.col("tpot_ratio").mean(),
-            pl.col("kv_ratio").mean(),
-            pl.col("ttft_s").mean(),
-            pl.col("tpot_s").mean(),
-            pl.col("kv_bytes").mean(),
-            pl.col("peak_mem_bytes").mean(),
-        )
-        .with_columns((pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal"))
+    from rankkit.eval.stats import mean_intervals
+
+    scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    means = scored.group_by("method", "budget", maintain_order=True).agg(
+        pl.col("keep").mean(),
+        pl.col("ideal_ratio").mean(),
+        pl.col("ttft_s").mean(),
+        pl.col("tpot_s").mean(),
+        pl.col("kv_bytes").mean(),
+        pl.col("peak_mem_bytes").mean(),
+    )
+    intervals = mean_intervals(scored, ["method", "budget"], SUMMARY_METRICS, example="example_id")
+    return intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
+        (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import polars as pl
 from rich.console import Console
 
 from rankkit import defaults, models
@@ -40,10 +39,11 @@ def answer(
 
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
-    from rankkit.bench import BenchSettings, run_bench
+    from rankkit.bench import BenchSettings, run_bench, summary
     from rankkit.capture import OracleOptions, capture, example_prompt
     from rankkit.data import load_examples
-    from rankkit.eval.compare import compare_store
+    from rankkit.eval.compare import compare_store, summary_table
+    from rankkit.eval.stats import interval_columns
     from rankkit.eval.variance import variance_store
     from rankkit.methods import Budget, make
     from rankkit.report import write_dashboard
@@ -72,16 +72,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         comparison = compare_store(written["store"])
         comparison.write(written["compare"])
         variance_store(written["store"]).write(written["variance"])
-    columns = (
-        "method",
-        "layer",
-        "spearman",
-        "recall_at_10",
-        "needle_recall",
-        "mean_spearman",
-        "std_spearman",
-    )
-    console.print(frame_table(comparison.summary.select(columns), "rankings vs the oracle"))
+    console.print(frame_table(summary_table(comparison.summary), "rankings vs the oracle"))
 
     loaded = models.load("default", device=device)
     examples = load_examples(DEMO_DATA, loaded.tokenizer)[:2]
@@ -96,10 +87,16 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
             prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
         )
         frame.write_parquet(written["bench"])
-    per_method = frame.group_by("method", maintain_order=True).agg(
-        pl.col("score", "ttft_ratio", "ideal_ratio", "kv_ratio").mean()
+    per_method = summary(frame).select(
+        "method",
+        *(column for metric in ("accuracy", "ttft_ratio") for column in (metric, *interval_columns(metric))),
+        "ideal_ratio",
+        "kv_ratio",
+        "n_examples",
     )
-    console.print(frame_table(per_method, f"end to end at keep {DEMO_KEEP}, means over examples"))
+    console.print(
+        frame_table(per_method, f"end to end at keep {DEMO_KEEP}: means [95% interval] over n examples")
+    )
 
     with console.status("dashboard"):
         write_dashboard(written["store"], written["dashboard"], bench=frame, overwrite=True)

@@ -94,9 +94,16 @@ def _bench_row(
         "depth_percent": depth,
         "method": method,
         "keep": keep,
+        "budget": f"keep={keep:g}",
         "score": score,
         "ttft_ratio": ttft,
+        "tpot_ratio": 0.5 + keep,
+        "kv_ratio": keep,
         "ideal_ratio": ttft * 0.9,
+        "ttft_s": ttft * 2,
+        "tpot_s": 0.01,
+        "kv_bytes": int(keep * 1e6),
+        "peak_mem_bytes": int(1e8),
         "evidence_kept": None if method == "full" else min(1.0, keep * 3),
     }
 
@@ -179,7 +186,9 @@ def test_variance_figure_counts_selection_layers_per_tau_with_a_never_bar():
         },
         schema_overrides={"selection_layer": pl.Int32},
     )
-    figure = figures.variance_figure(curves, selections, tau=0.3, layer=1, num_layers=3)
+    from rankkit.eval.variance import mean_curves
+
+    figure = figures.variance_figure(curves, selections, mean_curves(curves), tau=0.3, layer=1, num_layers=3)
     examples = [trace for trace in figure.data if trace.meta and "example" in trace.meta]
     assert [list(trace.y) for trace in examples] == [[1.0, 0.2], [1.0, 0.5]]
     mean = next(

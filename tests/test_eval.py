@@ -317,7 +317,15 @@ def test_compare_frames_have_the_documented_columns(result):
     ]  # fmt: skip
     stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
     assert result.stability.columns == ["method", *stability]
-    assert result.summary.columns == ["method", "layer", *metrics, "n_examples", *stability]
+    with_intervals = [
+        name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
+    ]
+    assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples"]
+    assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability]
+    assert result.pairs.columns == [
+        "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high", "p_value",
+        "n_examples",
+    ]  # fmt: skip
     assert result.per_layer["example"].dtype == pl.Categorical
 
 
@@ -432,8 +440,10 @@ def test_compare_writes_every_frame(result, tmp_path):
         "results.parquet",
         "results.per_head.parquet",
         "results.sweep.parquet",
+        "results.curve.parquet",
         "results.stability.parquet",
         "results.summary.parquet",
+        "results.pairs.parquet",
     ]
     assert pl.read_parquet(written[0]).equals(result.per_layer)
 
@@ -482,7 +492,7 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
 def test_two_workers_give_the_frames_of_one(tmp_path):
     path = write_store(tmp_path / "run.zarr", examples=9)
     one, two = compare_store(path, workers=1), compare_store(path, workers=2)
-    for name in ("per_layer", "per_head", "sweep", "stability", "summary"):
+    for name in ("per_layer", "per_head", "sweep", "curve", "stability", "summary", "pairs"):
         assert getattr(one, name).equals(getattr(two, name)), name
     one, two = (
         variance_store(path, method="asl:window_size=8", budget=20, workers=workers) for workers in (1, 2)
@@ -511,7 +521,7 @@ def test_cli_compare_json_keys(cli, store_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     required = {"method", "layer", "spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40"}
-    required |= {"needle_recall", "n_examples"}
+    required |= {"needle_recall", "n_examples", "spearman_ci_low", "spearman_ci_high", "needle_recall_ci_low"}
     assert all(required <= row.keys() for row in rows)
     assert [row["method"] for row in rows][-2:] == ["gemfilter", "specprefill"]
     assert {row["span"] for row in rows} == {"prompt"}

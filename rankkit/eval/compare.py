@@ -24,11 +24,19 @@ per_layer  example, task, method, layer, spearman, kendall, recall_at_10, recall
 per_head   example, task, method, layer, head, spearman                       (probes only)
 sweep      example, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
+curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall) its mean
+           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples
 stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
-summary    method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40, needle_recall,
-           n_examples, then the stability columns; each method at its own selection layer
-           (``--layer`` sets it), probes and KV-only methods at CLAA's l_p (or ``--layer``),
-           adaptive ones at the layer each example picks (``layer`` null when they differ)
+summary    method, layer, each metric with its interval as in ``curve``, n_examples, then the
+           stability columns; each method at its own selection layer (``--layer`` sets it),
+           probes and KV-only methods at CLAA's l_p (or ``--layer``), adaptive ones at the
+           layer each example picks (``layer`` null when they differ)
+pairs      method, baseline, layer, difference, difference_ci_low, difference_ci_high, p_value,
+           n_examples: the paired Spearman difference method - baseline over the examples both
+           have at that layer (``pairs``; default CLAA against each single-layer heuristic)
+
+Intervals are 95%, over examples (``rankkit.eval.stats``: percentile bootstrap resampling
+examples, Wilson for 0/1 values); p-values are Wilcoxon signed-rank, two-sided.
 
 recall_at_X: share of the oracle's top X% that the method's top X% keeps. needle_recall: share
 of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep``, null
@@ -62,9 +70,11 @@ from .offline import (
     is_method,
     method_from_spec,
     recorded_model,
+    single_layer_methods,
     split_names,
 )
 from .parallel import checked_workers, map_examples
+from .stats import interval_columns, mean_intervals, paired_difference
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -260,12 +270,117 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
     if not at_layer.height:
         return pl.DataFrame()
     layer = pl.col("layer")
-    means = at_layer.group_by("method", maintain_order=True).agg(
-        pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer"),
-        *(pl.col(name).mean() for name in METRIC_COLUMNS),
-        pl.len().cast(pl.Int32).alias("n_examples"),
+    layers = at_layer.group_by("method", maintain_order=True).agg(
+        pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer")
+    )
+    means = layers.join(
+        mean_intervals(at_layer, ["method"], METRIC_COLUMNS), on="method", maintain_order="left"
     )
     return means.join(stability_frame(per_layer), on="method", how="left", maintain_order="left")
+
+
+def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """Per method and layer: each metric's mean over examples with its 95% interval, and n."""
+    if not per_layer.height:
+        return pl.DataFrame()
+    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS)
+
+
+def default_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
+    """CLAA against each single-layer heuristic among ``methods`` (CLAA's own comparison, Fig. 2)."""
+    if CLAA not in methods:
+        return []
+    return [(CLAA, baseline) for baseline in single_layer_methods(methods) if baseline != CLAA]
+
+
+def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
+    """``"claa:fastkv,claa:gemfilter"`` as (method, baseline) pairs of compared ``labels``. A label may
+    hold ":" itself (``window:w=32``): each pair splits at the ":" that leaves a label on both sides."""
+    pairs = []
+    for entry in (part.strip() for part in spec.split(",")):
+        if not entry:
+            continue
+        splits = [
+            (entry[:index], entry[index + 1 :])
+            for index, char in enumerate(entry)
+            if char == ":" and entry[:index] in labels and entry[index + 1 :] in labels
+        ]
+        if len(splits) != 1:
+            raise RankkitError(
+                f"--pairs {entry!r} is not METHOD:BASELINE of two compared methods "
+                f"({', '.join(labels)}); e.g. --pairs claa:fastkv"
+            )
+        pairs.append(splits[0])
+    if not pairs:
+        raise RankkitError("--pairs names no pair; give e.g. --pairs claa:fastkv,claa:gemfilter")
+    return pairs
+
+
+def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl.DataFrame:
+    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_difference``)."""
+    rows = []
+    for method, baseline in pairs:
+        both = (
+            per_layer.filter(pl.col("method") == method)
+            .select("example", "layer", pl.col("spearman").alias("first"))
+            .join(
+                per_layer.filter(pl.col("method") == baseline).select(
+                    "example", "layer", pl.col("spearman").alias("second")
+                ),
+                on=["example", "layer"],
+                nulls_equal=True,
+            )
+            .sort("layer", nulls_last=True, maintain_order=True)
+        )
+        for (layer,), values in both.group_by("layer", maintain_order=True):
+            first, second = (
+                values[name].cast(pl.Float64).fill_null(np.nan).to_numpy() for name in ("first", "second")
+            )
+            rows.append(
+                {"method": method, "baseline": baseline, "layer": layer, **paired_difference(first, second)}
+            )
+    schema = {
+        "method": pl.String,
+        "baseline": pl.String,
+        "layer": pl.Int32,
+        "difference": pl.Float64,
+        "difference_ci_low": pl.Float64,
+        "difference_ci_high": pl.Float64,
+        "p_value": pl.Float64,
+        "n_examples": pl.Int32,
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+TABLE_METRICS = ("spearman", "recall_at_10", "needle_recall")  # what a terminal table has room for
+
+
+def summary_table(summary: pl.DataFrame) -> pl.DataFrame:
+    """The summary columns a terminal table shows: method, layer, ``TABLE_METRICS`` with their
+    intervals, n_examples (``--json`` and ``--out`` carry every column)."""
+    if not summary.height:
+        return summary
+    metrics = [column for name in TABLE_METRICS for column in (name, *interval_columns(name))]
+    return summary.select("method", "layer", *metrics, "n_examples")
+
+
+def pairs_at_layer(pairs: pl.DataFrame, layer: int) -> pl.DataFrame:
+    """Each pair's difference at ``layer`` with its interval, p-value and n, and at how many of the
+    layers they share the difference is significant (p < 0.05): "12/30"."""
+    if not pairs.height:
+        return pairs
+    significant = pairs.group_by("method", "baseline", maintain_order=True).agg(
+        pl.format("{}/{}", (pl.col("p_value") < SIGNIFICANCE).sum(), pl.len()).alias("significant_layers")
+    )
+    return (
+        pairs.filter(pl.col("layer") == layer)
+        .drop("layer")
+        .join(significant, on=["method", "baseline"], how="right", maintain_order="right")
+        .select("method", "baseline", pl.all().exclude("method", "baseline"))
+    )
+
+
+SIGNIFICANCE = 0.05  # the p-value below which a paired difference counts as significant
 
 
 @dataclass(frozen=True)
@@ -275,8 +390,10 @@ class CompareResult:
     per_layer: pl.DataFrame
     per_head: pl.DataFrame
     sweep: pl.DataFrame
+    curve: pl.DataFrame
     stability: pl.DataFrame
     summary: pl.DataFrame
+    pairs: pl.DataFrame
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
@@ -285,7 +402,7 @@ class CompareResult:
         return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
 
 
-SIBLING_FRAMES = ("per_head", "sweep", "stability", "summary")
+SIBLING_FRAMES = ("per_head", "sweep", "curve", "stability", "summary", "pairs")
 
 
 def output_paths(path: str | os.PathLike) -> list[Path]:
@@ -321,6 +438,7 @@ def compare_store(
     keep: float | int = KEEP_RATES[0],
     needle_keep: float | int = NEEDLE_KEEP,
     workers: int | None = None,
+    pairs: str | Sequence[tuple[str, str]] | None = None,
 ) -> CompareResult:
     """Compare probes and methods of a store with its oracle (see the module docstring).
 
@@ -331,7 +449,9 @@ def compare_store(
     are made under (it sets ASL's k and the size of forced sets). With ``use_oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
-    ``rankkit.eval.parallel``); the frames do not depend on it.
+    ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
+    baseline) pairs the ``pairs`` frame tests, or their ``--pairs`` string (``parse_pairs``);
+    default ``default_pairs``.
     """
     from rankkit import stores
 
@@ -383,6 +503,11 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
+    labels = [*probes, *ranked_methods]
+    if pairs is None:
+        pairs = default_pairs(labels)
+    elif isinstance(pairs, str):
+        pairs = parse_pairs(pairs, labels)
     evaluate = partial(
         compare_example,
         probes=tuple(probes),
@@ -413,8 +538,10 @@ def compare_store(
         per_layer=per_layer,
         per_head=per_head,
         sweep=sweep,
+        curve=curve_frame(per_layer),
         stability=stability_frame(per_layer),
         summary=summary_frame(per_layer, summary_layers),
+        pairs=pairs_frame(per_layer, pairs),
     )
 
 

@@ -50,6 +50,24 @@ def is_method(name: str) -> bool:
     return name.partition(":")[0] in REGISTRY
 
 
+def single_layer_methods(names: Iterable[str]) -> dict[str, str]:
+    """Registered methods among ``names`` that select at one layer by one probe's head sum (fastkv,
+    gemfilter), each with its probe's key: the single-layer heuristics CLAA is compared with."""
+    from rankkit.methods.selection import FixedLayer, PolicyMethod
+
+    found = {}
+    for name in names:
+        if name not in REGISTRY or not issubclass(REGISTRY[name], PolicyMethod) or name == "oracle":
+            continue
+        method = make(name).bind(_ANY_DEPTH)
+        if isinstance(method.policy(_ANY_DEPTH, 1), FixedLayer):
+            found[name] = method.probe().key
+    return found
+
+
+_ANY_DEPTH = 32  # a policy's kind does not depend on the depth
+
+
 def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str | None:
     """Why ``record`` lacks what ``method`` ranks by, naming the command that adds it; None if it has it."""
     recorded = store_meta.get("probes") or {}

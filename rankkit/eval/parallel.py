@@ -65,7 +65,8 @@ def map_examples(
     # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
     context = multiprocessing.get_context("spawn")
     with _ignoring_ctrl_c():
-        pool = context.Pool(processes, initializer=_open_store, initargs=(os.fspath(path),))
+        threads = max(1, default_workers() // processes)
+        pool = context.Pool(processes, initializer=_start_worker, initargs=(os.fspath(path), threads))
     with pool:
         yield from pool.imap(
             partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK
@@ -95,9 +96,15 @@ def _ignoring_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _open_store(path: str) -> None:
+def _start_worker(path: str, threads: int) -> None:
+    """Open the store once; share the CPUs among the workers, whose torch and polars thread
+    pools would each take every core (four busy threads on two cores ran compare slower)."""
+    os.environ.setdefault("POLARS_MAX_THREADS", str(threads))  # read when polars is first imported
+    import torch
+
     from rankkit import stores
 
+    torch.set_num_threads(threads)
     global _worker_store
     _worker_store = stores.open(path)
 

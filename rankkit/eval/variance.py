@@ -5,6 +5,9 @@ Frames:
 
 curves      example, task, probe, layer, relative_variance   (null before L_min)
 selections  example, task, probe, tau, selection_layer        (null when the curve never drops below tau)
+means       task, probe, layer, relative_variance, relative_variance_ci_low, relative_variance_ci_high,
+            n_examples: the mean curve per task with its 95% interval over the task's examples
+            (``rankkit.eval.stats``), from L_min on
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,7 @@ from rankkit.methods.asl import Asl
 
 from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
+from .stats import mean_intervals
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -43,9 +47,21 @@ def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
 
 
 def output_paths(path: str | os.PathLike) -> list[Path]:
-    """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections beside it."""
+    """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections and
+    the mean curves beside it."""
     target = Path(path)
-    return [target, target.with_name(f"{target.stem}.selections.parquet")]
+    return [target, *(target.with_name(f"{target.stem}.{name}.parquet") for name in ("selections", "means"))]
+
+
+def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
+    """The ``means`` frame of ``curves`` (see the module docstring)."""
+    defined = curves.filter(pl.col("relative_variance").is_not_null())
+    if not defined.height:
+        return pl.DataFrame()
+    by_task = defined.partition_by("task", maintain_order=True)  # resampled within each task
+    return pl.concat(
+        [mean_intervals(task, ["task", "probe", "layer"], ["relative_variance"]) for task in by_task]
+    )
 
 
 @dataclass(frozen=True)
@@ -54,12 +70,16 @@ class VarianceResult:
     curves: pl.DataFrame
     selections: pl.DataFrame
 
+    @cached_property
+    def means(self) -> pl.DataFrame:
+        return mean_curves(self.curves)
+
     def write(self, path: str | os.PathLike) -> list[Path]:
-        """``curves`` to ``path``, ``selections`` beside it as <stem>.selections.parquet; returns the paths."""
-        target, selections = output_paths(path)
+        """``curves`` to ``path``, ``selections`` and ``means`` beside it as <stem>.selections.parquet
+        and <stem>.means.parquet; returns the paths."""
+        frames = (self.curves, self.selections, self.means)
         return [
-            outputs.write_parquet(self.curves, target),
-            outputs.write_parquet(self.selections, selections),
+            outputs.write_parquet(frame, file) for frame, file in zip(frames, output_paths(path), strict=True)
         ]
 
     def by_example(self) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
+from rankkit.bench import SUMMARY_INPUTS
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 
@@ -46,16 +47,7 @@ DEFAULT_PROBE = "window"
 ASL_PROBE = "window:w=32"  # the window setting ASL ranks by (its curve is the variance panel)
 DEFAULT_TAU = 0.3
 
-BENCH_COLUMNS = (
-    "method",
-    "keep",
-    "score",
-    "ttft_ratio",
-    "ideal_ratio",
-    "length",
-    "depth_percent",
-    "evidence_kept",
-)
+BENCH_COLUMNS = (*SUMMARY_INPUTS, "length", "depth_percent", "evidence_kept")
 DIFFUSION_COLUMNS = ("example", "layer", "correct")
 BENCH_COMMAND = (
     "rankkit bench --methods full,gemfilter,fastkv,claa --keep 0.1,0.2,0.4 --data niah:n=8,length=2048 "
@@ -242,7 +234,9 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     title = "Ranking quality per layer"
     caption = (
         "Spearman ρ between each method's token ranking and the answer-informed oracle at every layer, "
-        "averaged over the task's examples with a ±1 sd band (CLAA Fig. 2, Fig. 8). The dotted line is the "
+        "averaged over the task's examples with a band for its 95% interval (bootstrap over examples; "
+        "CLAA Fig. 2, Fig. 8). Stars mark layers where CLAA differs from a single-layer heuristic "
+        "(Wilcoxon signed-rank p < 0.05 within the task; hover for the difference). The dotted line is the "
         "layer control; dashed curves have no layer (SpecPrefill). Ranked span: every prompt token outside "
         "CLAA's observation window (compare --span prompt); each method ranks with its own defaults."
     )
@@ -257,7 +251,12 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
         "spearman",
         title,
         caption,
-        figures.spearman_figure(comparison.per_layer, pruning_layer=layer, colors=colors),
+        figures.spearman_figure(
+            comparison.per_layer,
+            pruning_layer=layer,
+            colors=colors,
+            pairs=comparison.pairs.select("method", "baseline").unique(maintain_order=True).rows(),
+        ),
     )
 
 
@@ -265,7 +264,8 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     title = "Adaptive selection layer (ASL)"
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
-        "per example (thin; the picked example bold) and per task (ASL Fig. 6); right, how many examples each "
+        "per example (thin; the picked example bold) and per task (mean, band: 95% interval over examples; "
+        "ASL Fig. 6); right, how many examples each "
         "layer is the first below τ for (ASL Fig. 9). Probe: window:w=32, k = 10% of the prompt - W."
     )
     if variance is None:
@@ -280,6 +280,7 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     figure = figures.variance_figure(
         variance.curves,
         variance.selections,
+        variance.means,
         tau=tau,
         layer=layer,
         num_layers=num_layers,

@@ -20,7 +20,9 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
+from rankkit.eval.offline import single_layer_methods
 from rankkit.eval.ranking import descending_ranks, keep_count
+from rankkit.eval.stats import interval_columns, mean_intervals
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
 KNOWN_METHOD_COLORS = {
@@ -180,49 +182,40 @@ def displayed_methods(methods: Iterable[str]) -> list[str]:
     """Methods worth a line: a probe that a single-layer method ranks by unchanged (window for fastkv,
     last_token_raw for gemfilter) draws the same curve, so only the method's name is drawn."""
     present = set(methods)
-    aliased = {probe for method, probe in single_layer_probes(present).items()}
+    aliased = set(single_layer_methods(present).values())
     return sorted(present - aliased)
 
 
-def single_layer_probes(names: Iterable[str]) -> dict[str, str]:
-    """Registered methods among ``names`` that select at one layer by one probe's head sum: their probe key."""
-    from rankkit.methods import REGISTRY, make
-    from rankkit.methods.selection import FixedLayer, PolicyMethod
-
-    found = {}
-    for name in names:
-        if name not in REGISTRY or not issubclass(REGISTRY[name], PolicyMethod) or name == "oracle":
-            continue
-        method = make(name).bind(REFERENCE_DEPTH)
-        if isinstance(method.policy(REFERENCE_DEPTH, 1), FixedLayer):
-            found[name] = method.probe().key
-    return found
-
-
-REFERENCE_DEPTH = 32  # any depth will do: the policy's kind does not depend on it
-
-
-def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapping[str, str]) -> go.Figure:
-    """Mean Spearman rho vs layer per method with a ±1 sd band over examples, one subplot per task.
+def spearman_figure(
+    per_layer: pl.DataFrame,
+    *,
+    pruning_layer: int,
+    colors: Mapping[str, str],
+    pairs: Sequence[tuple[str, str]] = (),
+) -> go.Figure:
+    """Mean Spearman rho vs layer per method with its 95% interval over examples as a band
+    (``rankkit.eval.stats``), one subplot per task.
 
     ``per_layer`` is ``CompareResult.per_layer``; layer-less methods (specprefill) are a flat
-    dashed line at their one value.
+    dashed line at their one value. For each (method, baseline) of ``pairs`` a star marks the
+    method's curve at the layers where the paired difference is significant (Wilcoxon p < 0.05,
+    within the task; ``rankkit.eval.compare.pairs_frame``).
     """
+    from rankkit.eval.compare import pairs_frame
+
     frame = per_layer.with_columns(
         pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String)
     )
     frame = frame.filter(pl.col("method").is_in(displayed_methods(frame["method"].unique())))
     layers = sorted(frame["layer"].drop_nulls().unique())
-    stats = (
-        frame.group_by("task", "method", "layer")
-        .agg(
-            pl.col("spearman").mean().alias("mean"),
-            pl.col("spearman").std(ddof=0).fill_null(0.0).alias("sd"),
-            pl.col("spearman").count().alias("examples"),
-        )
-        .sort("task", "method", "layer", nulls_last=True)
-    )
-    tasks = sorted(stats["task"].unique())
+    tasks = sorted(frame["task"].unique())
+    low, high = interval_columns("spearman")
+    stats = pl.concat(  # resampled within each task: a task's curve is over its own examples
+        [
+            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
+            for task in tasks
+        ]
+    ).sort("task", "method", "layer", nulls_last=True)
     rows, columns = _grid(len(tasks), 3)
     figure = make_subplots(
         rows=rows,
@@ -242,11 +235,12 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
                 dash = "dash"
             else:
                 dash = "solid"
-            x, mean, sd = curve["layer"].to_list(), curve["mean"].to_numpy(), curve["sd"].to_numpy()
+            x, mean = curve["layer"].to_list(), curve["spearman"].to_numpy()
+            lows, highs = (curve[name].fill_null(np.nan).to_numpy() for name in (low, high))
             color = colors[method]
             band = go.Scatter(
                 x=x + x[::-1],
-                y=np.concatenate([mean + sd, (mean - sd)[::-1]]),
+                y=np.concatenate([highs, lows[::-1]]),
                 fill="toself",
                 fillcolor=color,
                 opacity=0.15,
@@ -254,7 +248,7 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
                 hoverinfo="skip",
                 legendgroup=method,
                 showlegend=False,
-                name=f"{method} ±1 sd",
+                name=f"{method} 95% interval",
             )
             line = go.Scatter(
                 x=x,
@@ -264,13 +258,16 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
                 name=method,
                 legendgroup=method,
                 showlegend=method not in shown_in_legend,
-                customdata=np.column_stack([sd, curve["examples"].to_numpy()]),
-                hovertemplate=f"<b>{method}</b> layer %{{x}}<br>ρ %{{y:.3f}} ± %{{customdata[0]:.3f}}"
-                " (%{customdata[1]} examples)<extra></extra>",
+                customdata=np.column_stack([lows, highs, curve["n_examples"].to_numpy()]),
+                hovertemplate=f"<b>{method}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
+                "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
             )
             shown_in_legend.add(method)
             figure.add_trace(band, row=row + 1, col=column + 1)
             figure.add_trace(line, row=row + 1, col=column + 1)
+        task_rows = frame.filter(pl.col("task") == task)
+        for marks in _significant_marks(pairs_frame(task_rows, pairs), stats.filter(pl.col("task") == task)):
+            figure.add_trace(marks, row=row + 1, col=column + 1)
     _add_shape_to_subplots(
         figure, marker_shape("layer", "x", pruning_layer, **LAYER_MARKER), _subplot_axes(len(tasks))
     )
@@ -278,9 +275,37 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
     figure.update_yaxes(title_text="Spearman ρ vs oracle", col=1)
     return _style(
         figure,
-        "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean ± 1 sd over examples)",
+        "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean, 95% interval over examples)",
         360 * rows + 80,
     )
+
+
+def _significant_marks(pairs: pl.DataFrame, curves: pl.DataFrame) -> list[go.Scatter]:
+    """Stars on each method's curve where it differs from a baseline significantly (``SIGNIFICANCE``)."""
+    from rankkit.eval.compare import SIGNIFICANCE
+
+    significant = pairs.filter(pl.col("p_value") < SIGNIFICANCE).join(
+        curves.select("method", "layer", "spearman"), on=["method", "layer"]
+    )
+    traces = []
+    for (method, baseline), rows in significant.group_by("method", "baseline", maintain_order=True):
+        traces.append(
+            go.Scatter(
+                x=rows["layer"],
+                y=rows["spearman"],
+                mode="markers",
+                marker={"symbol": "star", "size": 9, "color": "#222222"},
+                name=f"{method} vs {baseline}, p < {SIGNIFICANCE}",
+                legendgroup=method,
+                showlegend=False,
+                customdata=rows.select(
+                    "difference", "difference_ci_low", "difference_ci_high", "p_value"
+                ).to_numpy(),
+                hovertemplate=f"<b>{method} − {baseline}</b> layer %{{x}}<br>Δρ %{{customdata[0]:+.3f}} "
+                "[%{customdata[1]:+.3f}, %{customdata[2]:+.3f}], Wilcoxon p = %{customdata[3]:.3g}<extra></extra>",
+            )
+        )
+    return traces
 
 
 # -- ASL relative rank variance (ASL Fig. 6 / Fig. 9) ----------------------------------------------
@@ -289,6 +314,7 @@ def spearman_figure(per_layer: pl.DataFrame, *, pruning_layer: int, colors: Mapp
 def variance_figure(
     curves: pl.DataFrame,
     selections: pl.DataFrame,
+    means: pl.DataFrame,
     *,
     tau: float,
     layer: int,
@@ -299,7 +325,8 @@ def variance_figure(
     task (mean), with the tau line. Right: how many examples each layer is the selection layer of,
     per task, for the picked tau.
 
-    ``curves`` and ``selections`` are ``VarianceResult``'s frames; bars are tagged with ``tau``.
+    ``curves``, ``selections`` and ``means`` are ``VarianceResult``'s frames (the mean curves with
+    their 95% interval as a band); bars are tagged with ``tau``.
     """
     curves = curves.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
     selections = selections.with_columns(pl.col("task").fill_null("all"), pl.col("example").cast(pl.String))
@@ -321,20 +348,38 @@ def variance_figure(
             pickable=pickable,
         ):
             figure.add_trace(trace, row=1, col=1)
-    task_means = (
-        defined.group_by("task", "layer").agg(pl.col("relative_variance").mean()).sort("task", "layer")
-    )
+    low, high = interval_columns("relative_variance")
     for task in sorted(colors):
-        mean = task_means.filter(pl.col("task") == task)
+        mean = means.filter(pl.col("task").fill_null("all") == task).sort("layer")
+        layers = mean["layer"].to_list()
+        lows, highs = (mean[name].fill_null(np.nan).to_numpy() for name in (low, high))
         figure.add_trace(
             go.Scatter(
-                x=mean["layer"],
+                x=layers + layers[::-1],
+                y=np.concatenate([highs, lows[::-1]]),
+                fill="toself",
+                fillcolor=colors[task],
+                opacity=0.15,
+                line={"width": 0},
+                hoverinfo="skip",
+                legendgroup=task,
+                showlegend=False,
+                name=f"{task} 95% interval",
+            ),
+            row=1,
+            col=1,
+        )
+        figure.add_trace(
+            go.Scatter(
+                x=layers,
                 y=mean["relative_variance"],
                 mode="lines",
                 line={"color": colors[task], "width": 3},
                 name=task,
                 legendgroup=task,
-                hovertemplate=f"<b>{task}</b> mean<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+                customdata=np.column_stack([lows, highs, mean["n_examples"].to_numpy()]),
+                hovertemplate=f"<b>{task}</b> mean<br>layer %{{x}}: %{{y:.3f}} [%{{customdata[0]:.3f}}, "
+                "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
             ),
             row=1,
             col=1,
@@ -676,18 +721,29 @@ def needle_figure(
 
 
 def tradeoff_frame(bench: pl.DataFrame) -> pl.DataFrame:
-    """One point per method and keep rate: mean accuracy (score) and mean TTFT ratio to full, over examples."""
+    """One point per method and budget: ``rankkit.bench.summary``'s mean accuracy and TTFT ratio to
+    full with their 95% intervals, where both are defined."""
+    from rankkit.bench import summary
+
     return (
-        bench.group_by("method", "keep")
-        .agg(
-            pl.col("score").cast(pl.Float64).mean().alias("accuracy"),
-            pl.col("ttft_ratio").cast(pl.Float64).mean(),
-            pl.col("ideal_ratio").cast(pl.Float64).mean(),
-            pl.len().alias("examples"),
-        )
+        summary(bench)
         .filter(pl.col("accuracy").is_not_null() & pl.col("ttft_ratio").is_not_null())
         .sort("method", "keep")
     )
+
+
+def _error_bars(points: pl.DataFrame, metric: str) -> dict:
+    """Plotly's asymmetric error bars from a metric's interval columns (none where it has no interval)."""
+    low, high = interval_columns(metric)
+    mean = points[metric].to_numpy()
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": (points[high].fill_null(np.nan).to_numpy() - mean).tolist(),
+        "arrayminus": (mean - points[low].fill_null(np.nan).to_numpy()).tolist(),
+        "thickness": 1,
+        "width": 3,
+    }
 
 
 def pareto_front(points: pl.DataFrame, *, cost: str = "ttft_ratio", value: str = "accuracy") -> pl.DataFrame:
@@ -703,7 +759,7 @@ def pareto_front(points: pl.DataFrame, *, cost: str = "ttft_ratio", value: str =
 
 
 def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Figure:
-    """Accuracy vs TTFT ratio, one point per method and keep rate, and the Pareto front."""
+    """Accuracy vs TTFT ratio, one point per method and keep rate with 95% interval bars, and the Pareto front."""
     points = tradeoff_frame(bench)
     figure = go.Figure()
     for method in sorted(points["method"].unique(), key=lambda name: (name != FULL, name)):
@@ -722,10 +778,19 @@ def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Fig
                     "symbol": "square" if method == FULL else "circle",
                 },
                 line={"color": colors[method], "width": 1.5},
+                error_x=_error_bars(method_points, "ttft_ratio"),
+                error_y=_error_bars(method_points, "accuracy"),
                 name=method,
-                customdata=method_points.select("keep", "ideal_ratio", "examples").to_numpy(),
-                hovertemplate=f"<b>{method}</b> keep %{{customdata[0]:.0%}}<br>TTFT ratio %{{x:.3f}}"
-                " (ideal %{customdata[1]:.3f})<br>accuracy %{y:.3f} over %{customdata[2]} runs<extra></extra>",
+                customdata=method_points.select(
+                    "keep",
+                    "ideal_ratio",
+                    "n_examples",
+                    *interval_columns("accuracy"),
+                    *interval_columns("ttft_ratio"),
+                ).to_numpy(),
+                hovertemplate=f"<b>{method}</b> keep %{{customdata[0]:.0%}}<br>TTFT ratio %{{x:.3f}} "
+                "[%{customdata[5]:.3f}, %{customdata[6]:.3f}] (ideal %{customdata[1]:.3f})<br>accuracy %{y:.3f} "
+                "[%{customdata[3]:.3f}, %{customdata[4]:.3f}], n = %{customdata[2]}<extra></extra>",
             )
         )
     front = pareto_front(points)

@@ -27,6 +27,9 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "recall_at_40": ("rec40", "same at 40%"),
     "needle_recall": ("needle", "share of the evidence tokens the method keeps"),
     "n_examples": ("n", "examples averaged"),
+    "difference": ("Δρ", "mean paired difference method - baseline"),
+    "p_value": ("p", "Wilcoxon signed-rank p-value of the difference"),
+    "significant_layers": ("signif.", "layers with p < 0.05, of those both have"),
     "accuracy": ("acc", "share of answers with full marks"),
     "answer_logprob": ("log p", "log-probability of the reference answer, teacher-forced"),
     "first_token_kl": ("KL 1st token", "KL(unpruned || pruned) of the first answer token's distribution"),
@@ -45,9 +48,16 @@ HEADERS: Mapping[str, tuple[str, str]] = {
 
 
 def frame_table(frame: pl.DataFrame, title: str, digits: int = 3) -> Table:
-    """One row per frame row; floats rounded to ``digits``, missing values as '-'; short headers, legend below."""
+    """One row per frame row; floats rounded to ``digits``, missing values as '-'; short headers, legend below.
+
+    A column with interval columns beside it (``rankkit.eval.stats.interval_columns``) shows
+    "0.62 [0.55, 0.69]" in two digits, and the interval columns are not shown on their own.
+    """
+    frame, merged = _merge_intervals(frame)
     shown = [name for name in frame.columns if name in HEADERS]
     legend = "\n".join(f"{HEADERS[name][0]}: {HEADERS[name][1]}" for name in shown)
+    if merged:
+        legend += "\n[low, high]: 95% interval over examples"
     # No rules and one space between columns: ten metric columns and a method name fit 80 columns.
     table = Table(
         title=Text(title),
@@ -63,11 +73,33 @@ def frame_table(frame: pl.DataFrame, title: str, digits: int = 3) -> Table:
         # A cell is never cut: the column is as wide as its widest cell and header.
         width = max([len(header), *map(len, column)])
         table.add_column(
-            header, justify="right" if dtype.is_numeric() else "left", min_width=width, no_wrap=True
+            header,
+            justify="right" if dtype.is_numeric() or name in merged else "left",
+            min_width=width,
+            no_wrap=True,
         )
     for row in zip(*cells, strict=True):
         table.add_row(*map(Text, row))
     return table
+
+
+def _merge_intervals(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+    """``frame`` with each metric that has interval columns as one text column "mean [low, high]"."""
+    from rankkit.eval.stats import interval_columns, with_interval
+
+    merged = [name for name in frame.columns if set(interval_columns(name)) <= set(frame.columns)]
+    if not merged:
+        return frame, merged
+    texts = {
+        name: pl.Series(
+            name,
+            [with_interval(*values) for values in frame.select(name, *interval_columns(name)).iter_rows()],
+            dtype=pl.String,
+        )
+        for name in merged
+    }
+    hidden = {column for name in merged for column in interval_columns(name)}
+    return frame.with_columns(*texts.values()).drop(hidden), merged
 
 
 def _cell(value, digits: int) -> str:

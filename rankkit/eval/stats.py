@@ -1,0 +1,155 @@
+"""How sure a mean over examples is: confidence intervals and paired tests.
+
+Every mean rankkit reports over examples comes with a 95% interval and its n:
+
+- ``bootstrap_means``: the percentile bootstrap, resampling examples (the unit that varies),
+  for many quantities at once. All quantities share the same resamples, so intervals of
+  rankings measured on the same examples move together, as they should. A quantity an
+  example lacks (NaN) leaves that example out of its mean; n counts the examples it has.
+- ``wilson_interval``: the Wilson score interval for a 0/1 score (accuracy), which stays
+  inside [0, 1] and is not degenerate at 0 or 1 as a bootstrap of n identical scores is.
+- ``paired_difference``: the mean difference of two rankings over the same examples, its
+  bootstrap interval and the Wilcoxon signed-rank p-value.
+
+Fewer than two values give no interval (NaN): one example says nothing about spread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+from scipy import stats
+
+CONFIDENCE = 0.95
+RESAMPLES = 9999  # scipy.stats.bootstrap's default
+SEED = 0  # fixed: the same data give the same interval
+
+
+_RESAMPLES_PER_BATCH = 1000  # bounds memory: a batch holds 1000 x examples draw counts
+
+
+def _resample_batches(num_examples: int):
+    """[resamples, n] arrays, ``RESAMPLES`` rows in all: how often each example is drawn in each
+    resample (n draws with replacement), from one seeded generator."""
+    rng = np.random.default_rng(SEED)
+    uniform = np.full(num_examples, 1.0 / num_examples)
+    for start in range(0, RESAMPLES, _RESAMPLES_PER_BATCH):
+        size = min(_RESAMPLES_PER_BATCH, RESAMPLES - start)
+        yield rng.multinomial(num_examples, uniform, size=size).astype(np.float64)
+
+
+def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, interval low, interval high and n of every column of ``values`` [examples, quantities].
+
+    NaN marks a value an example lacks. A resample's mean of a column is the weighted mean of
+    the examples it drew that have the value; the interval is the 2.5th and 97.5th percentile
+    of those means over ``RESAMPLES`` resamples (resamples without any such example are
+    skipped). Columns with fewer than two values get a NaN interval.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2:
+        raise ValueError(f"values must be [examples, quantities], got shape {values.shape}")
+    present = ~np.isnan(values)
+    counts = present.sum(axis=0)
+    filled = np.where(present, values, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = filled.sum(axis=0) / counts
+    low = np.full(values.shape[1], np.nan)
+    high = np.full(values.shape[1], np.nan)
+    spread = counts >= 2
+    if spread.any():
+        kept, has = filled[:, spread], present[:, spread].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            resampled = np.concatenate(
+                [(weights @ kept) / (weights @ has) for weights in _resample_batches(values.shape[0])]
+            )
+        tail = (1 - CONFIDENCE) / 2 * 100
+        low[spread], high[spread] = np.nanpercentile(resampled, [tail, 100 - tail], axis=0)
+    return means, low, high, counts
+
+
+def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (``scipy.stats.binomtest``); NaN without trials."""
+    if trials == 0:
+        return np.nan, np.nan
+    interval = stats.binomtest(int(successes), int(trials)).proportion_ci(CONFIDENCE, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+def is_binary(values: np.ndarray) -> bool:
+    """True when every present value is 0 or 1 (a right/wrong score)."""
+    present = values[~np.isnan(values)]
+    return bool(np.isin(present, (0.0, 1.0)).all())
+
+
+def interval_columns(metric: str) -> tuple[str, str]:
+    """The names of a metric's interval columns: ``<metric>_ci_low``, ``<metric>_ci_high``."""
+    return f"{metric}_ci_low", f"{metric}_ci_high"
+
+
+def mean_intervals(
+    frame: pl.DataFrame, by: Sequence[str], metrics: Sequence[str], *, example: str = "example"
+) -> pl.DataFrame:
+    """Per group of ``by`` (in first-seen order): each metric's mean over the group's rows, its
+    interval (``interval_columns``) and ``n_examples`` (rows with any metric). Rows are
+    examples; a group has at most one row per ``example``.
+
+    A metric whose values are all 0 or 1 gets the Wilson interval, any other the bootstrap
+    (``bootstrap_means``, resampling the frame's examples, the same resamples for every group).
+    """
+    if not frame.height:
+        return pl.DataFrame()
+    groups = frame.select(by).unique(maintain_order=True).with_row_index("_group")
+    examples = frame.select(example).unique(maintain_order=True).with_row_index("_example")
+    indexed = frame.join(groups, on=list(by), how="left", nulls_equal=True).join(
+        examples, on=example, how="left", nulls_equal=True
+    )
+    rows, columns = indexed["_example"].to_numpy(), indexed["_group"].to_numpy()
+    result = groups.drop("_group")
+    has_any = np.zeros((examples.height, groups.height), dtype=bool)
+    for metric in metrics:
+        grid = np.full((examples.height, groups.height), np.nan)
+        grid[rows, columns] = indexed[metric].cast(pl.Float64).fill_null(np.nan).to_numpy()
+        has_any |= ~np.isnan(grid)
+        means, low, high, counts = bootstrap_means(grid)
+        for group in range(groups.height) if is_binary(grid) else ():
+            low[group], high[group] = wilson_interval(np.nansum(grid[:, group]), counts[group])
+        low_name, high_name = interval_columns(metric)
+        result = result.with_columns(
+            pl.Series(metric, means).fill_nan(None),
+            pl.Series(low_name, low).fill_nan(None),
+            pl.Series(high_name, high).fill_nan(None),
+        )
+    return result.with_columns(pl.Series("n_examples", has_any.sum(axis=0), dtype=pl.Int32))
+
+
+def paired_difference(first: np.ndarray, second: np.ndarray) -> dict[str, Any]:
+    """``first - second`` over the examples that have both (NaN elsewhere): the mean difference, its
+    bootstrap interval, the Wilcoxon signed-rank p-value (two-sided; None below two
+    differences or when every difference is zero) and n."""
+    differences = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
+    differences = differences[~np.isnan(differences)]
+    mean, low, high, count = (float(value[0]) for value in bootstrap_means(differences[:, np.newaxis]))
+    p_value = None
+    if differences.size >= 2 and np.any(differences != 0):
+        p_value = float(stats.wilcoxon(differences).pvalue)
+    finite = lambda value: None if np.isnan(value) else value  # noqa: E731
+    return {
+        "difference": finite(mean),
+        "difference_ci_low": finite(low),
+        "difference_ci_high": finite(high),
+        "p_value": p_value,
+        "n_examples": int(count),
+    }
+
+
+def with_interval(value: float | None, low: float | None, high: float | None, digits: int = 2) -> str:
+    """ "0.62 [0.55, 0.69]": a mean and its interval as tables show them; "–" when undefined."""
+    if value is None:
+        return "–"
+    if low is None or high is None:
+        return f"{value:.{digits}f}"
+    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"

@@ -1,0 +1,212 @@
+"""Confidence intervals and paired tests (rankkit.eval.stats), each against scipy or the formula
+written out by hand, and their place in compare, bench, variance and the tables."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+from scipy import stats as scipy_stats
+
+from rankkit.eval.stats import (
+    bootstrap_means,
+    mean_intervals,
+    paired_difference,
+    wilson_interval,
+    with_interval,
+)
+
+
+def scipy_percentile_interval(values: np.ndarray) -> tuple[float, float]:
+    result = scipy_stats.bootstrap(
+        (values,), np.mean, method="percentile", n_resamples=9999, rng=np.random.default_rng(1)
+    )
+    return result.confidence_interval.low, result.confidence_interval.high
+
+
+@pytest.mark.parametrize("size", [8, 40])
+def test_bootstrap_interval_agrees_with_scipys_percentile_bootstrap(size):
+    rng = np.random.default_rng(size)
+    values = rng.normal(0.5, 0.2, size=(size, 3))
+    means, low, high, counts = bootstrap_means(values)
+    np.testing.assert_allclose(means, values.mean(axis=0))
+    assert counts.tolist() == [size] * 3
+    for column in range(3):
+        expected_low, expected_high = scipy_percentile_interval(values[:, column])
+        width = expected_high - expected_low
+        # two Monte Carlo estimates of the same percentiles: equal to a few percent of the width
+        assert low[column] == pytest.approx(expected_low, abs=0.05 * width)
+        assert high[column] == pytest.approx(expected_high, abs=0.05 * width)
+
+
+def test_bootstrap_is_deterministic_and_leaves_out_missing_values():
+    rng = np.random.default_rng(0)
+    values = rng.random((30, 2))
+    values[::3, 1] = np.nan
+    first, second = bootstrap_means(values), bootstrap_means(values)
+    for got, again in zip(first, second, strict=True):
+        np.testing.assert_array_equal(got, again)
+    means, low, high, counts = first
+    assert counts.tolist() == [30, 20]
+    assert means[1] == pytest.approx(np.nanmean(values[:, 1]))
+    assert low[1] < means[1] < high[1]
+
+
+def test_fewer_than_two_values_have_no_interval():
+    means, low, high, counts = bootstrap_means(np.array([[0.7, np.nan], [np.nan, np.nan]]))
+    assert means[0] == 0.7 and math.isnan(means[1])
+    assert np.isnan(low).all() and np.isnan(high).all() and counts.tolist() == [1, 0]
+
+
+def test_identical_values_have_a_zero_width_interval():
+    _, low, high, _ = bootstrap_means(np.full((5, 1), 0.25))
+    assert low[0] == high[0] == 0.25
+
+
+@pytest.mark.parametrize(("successes", "trials"), [(0, 4), (3, 4), (4, 4), (17, 50)])
+def test_wilson_interval_is_the_formula(successes, trials):
+    z = scipy_stats.norm.ppf(0.975)
+    share = successes / trials
+    centre = (share + z**2 / (2 * trials)) / (1 + z**2 / trials)
+    half = z / (1 + z**2 / trials) * math.sqrt(share * (1 - share) / trials + z**2 / (4 * trials**2))
+    low, high = wilson_interval(successes, trials)
+    assert low == pytest.approx(max(0.0, centre - half), abs=1e-12)
+    assert high == pytest.approx(min(1.0, centre + half), abs=1e-12)
+
+
+def test_mean_intervals_per_group_wilson_for_right_or_wrong_scores():
+    frame = pl.DataFrame(
+        {
+            "example": ["a", "b", "c", "d"] * 2,
+            "method": ["x"] * 4 + ["y"] * 4,
+            "score": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, None],
+            "ratio": [0.5, 0.6, 0.55, 0.7, 0.2, 0.25, 0.3, 0.35],
+        }
+    )
+    rows = {row["method"]: row for row in mean_intervals(frame, ["method"], ["score", "ratio"]).to_dicts()}
+    assert rows["x"]["score"] == 0.75
+    assert (rows["x"]["score_ci_low"], rows["x"]["score_ci_high"]) == pytest.approx(wilson_interval(3, 4))
+    assert (rows["y"]["score_ci_low"], rows["y"]["score_ci_high"]) == pytest.approx(wilson_interval(0, 3))
+    assert rows["x"]["ratio"] == pytest.approx(0.5875)
+    assert rows["x"]["ratio_ci_low"] < 0.5875 < rows["x"]["ratio_ci_high"]
+    assert rows["x"]["n_examples"] == 4 and rows["y"]["n_examples"] == 4  # y has a ratio for d
+
+
+def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
+    rng = np.random.default_rng(3)
+    first = rng.normal(0.6, 0.1, 12)
+    second = first - rng.normal(0.05, 0.03, 12)
+    second[4] = np.nan  # an example only one side has is left out
+    found = paired_difference(first, second)
+    kept = ~np.isnan(second)
+    differences = first[kept] - second[kept]
+    assert found["n_examples"] == 11
+    assert found["difference"] == pytest.approx(differences.mean())
+    assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(differences).pvalue)
+    assert found["difference_ci_low"] < found["difference"] < found["difference_ci_high"]
+    assert paired_difference(np.ones(3), np.ones(3))["p_value"] is None  # no difference to test
+
+
+def test_with_interval_formats_what_tables_show():
+    assert with_interval(0.6213, 0.551, 0.6949) == "0.62 [0.55, 0.69]"
+    assert with_interval(0.5, None, None) == "0.50" and with_interval(None, None, None) == "–"
+
+
+# -- where the intervals appear ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    from test_eval import write_store
+
+    from rankkit.eval.compare import compare_store
+
+    return compare_store(write_store(tmp_path_factory.mktemp("stats") / "run.zarr", examples=6))
+
+
+def test_compare_curve_is_the_mean_over_examples_per_method_and_layer(comparison):
+    slow = (
+        comparison.per_layer.filter(pl.col("method") == "lava")
+        .group_by("layer")
+        .agg(pl.col("spearman").mean())
+        .sort("layer")
+    )
+    curve = comparison.curve.filter(pl.col("method") == "lava").sort("layer")
+    np.testing.assert_allclose(curve["spearman"], slow["spearman"])
+    assert (curve["spearman_ci_low"] <= curve["spearman"]).all()
+    assert (curve["spearman"] <= curve["spearman_ci_high"]).all()
+    assert set(curve["n_examples"]) == {6}
+
+
+def test_compare_pairs_claa_with_each_single_layer_heuristic_by_wilcoxon(comparison):
+    pairs = comparison.pairs
+    assert sorted(set(pairs.select("method", "baseline").rows())) == [
+        ("claa", "fastkv"),
+        ("claa", "gemfilter"),
+    ]
+    row = pairs.filter((pl.col("baseline") == "gemfilter") & (pl.col("layer") == 3)).row(0, named=True)
+    per_layer = comparison.per_layer.filter(pl.col("layer") == 3)
+    claa, gemfilter = (
+        per_layer.filter(pl.col("method") == name).sort("example")["spearman"]
+        for name in ("claa", "gemfilter")
+    )
+    differences = (claa - gemfilter).to_numpy()
+    assert row["difference"] == pytest.approx(differences.mean()) and row["n_examples"] == 6
+    assert row["p_value"] == pytest.approx(scipy_stats.wilcoxon(differences).pvalue)
+
+
+def test_compare_pairs_option_names_methods_and_refuses_others(tmp_path):
+    from test_eval import write_store
+
+    from rankkit.errors import RankkitError
+    from rankkit.eval.compare import compare_store
+
+    store = write_store(tmp_path / "run.zarr")
+    chosen = compare_store(store, methods="window,lava,claa", pairs="lava:window")
+    assert set(chosen.pairs["method"]) == {"lava"} and set(chosen.pairs["baseline"]) == {"window"}
+    with pytest.raises(
+        RankkitError, match="--pairs 'claa:nope' is not METHOD:BASELINE of two compared methods"
+    ):
+        compare_store(store, methods="window,claa", pairs="claa:nope")
+
+
+def test_compare_table_shows_means_with_intervals(tmp_path):
+    from test_eval import write_store
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+
+    store = write_store(tmp_path / "run.zarr", examples=4)
+    result = CliRunner().invoke(
+        app, ["compare", str(store), "--methods", "lava,claa,fastkv"], env={"COLUMNS": "80"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "means [95% interval] over n examples" in result.stdout
+    lava = next(line for line in result.stdout.splitlines() if line.startswith("lava"))
+    assert " [" in lava and "]" in lava  # "0.03 [-0.05, 0.10]"
+    assert "Paired Spearman differences" in result.stdout and "claa" in result.stdout
+    assert max(map(len, result.stdout.splitlines())) <= 80
+
+
+def test_variance_means_carry_intervals(tmp_path):
+    from test_eval import write_store
+
+    from rankkit.eval.variance import variance_store
+
+    store = write_store(tmp_path / "run.zarr", examples=4)
+    result = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, observed_layers=2)
+    means = result.means
+    assert means.columns == [
+        "task", "probe", "layer", "relative_variance", "relative_variance_ci_low", "relative_variance_ci_high",
+        "n_examples",
+    ]  # fmt: skip
+    slow = (
+        result.curves.drop_nulls("relative_variance")
+        .group_by("layer")
+        .agg(pl.col("relative_variance").mean())
+    )
+    joined = means.join(slow, on="layer", suffix="_slow")
+    np.testing.assert_allclose(joined["relative_variance"], joined["relative_variance_slow"])
