@@ -34,15 +34,16 @@ from rankkit.errors import RankkitError
 console = Console()
 
 
-def _library_options(
-    layer, draft, mirror, max_new_tokens, warmup, repeats, model, device, threads, overlength, device_map
-):
+def _library_options(given: dict) -> dict:
+    """The library's option objects from the options ``prefill`` and ``bench`` share (their ``locals()``)."""
     from rankkit.bench import BenchSettings, MethodOptions, Setup
 
     return dict(
-        options=MethodOptions(layer, draft, mirror),
-        settings=BenchSettings(max_new_tokens, warmup, repeats),
-        setup=Setup(model, device, threads, overlength, device_map),
+        options=MethodOptions(given["layer"], given["draft"], given["mirror"]),
+        settings=BenchSettings(given["max_new_tokens"], given["warmup"], given["repeats"]),
+        setup=Setup(
+            given["model"], given["device"], given["threads"], given["allow_overlength"], given["device_map"]
+        ),
     )
 
 
@@ -104,19 +105,7 @@ def prefill(
         question=question,
         compare=compare,
         kept_layers=_layer_list(kept_layers, as_json),
-        **_library_options(
-            layer,
-            draft,
-            mirror,
-            max_new_tokens,
-            warmup,
-            repeats,
-            model,
-            device,
-            threads,
-            allow_overlength,
-            device_map,
-        ),
+        **_library_options(locals()),
     )
     if as_json:
         console.print_json(json.dumps(prefill_json(rows)))
@@ -208,19 +197,7 @@ def bench(
             out=out,
             overwrite=overwrite,
             progress=show,
-            **_library_options(
-                layer,
-                draft,
-                mirror,
-                max_new_tokens,
-                warmup,
-                repeats,
-                model,
-                device,
-                threads,
-                allow_overlength,
-                device_map,
-            ),
+            **_library_options(locals()),
         )
     table = summary(frame)
     if as_json:

@@ -238,18 +238,7 @@ def spearman_figure(
             x, mean = curve["layer"].to_list(), curve["spearman"].to_numpy()
             lows, highs = (curve[name].fill_null(np.nan).to_numpy() for name in (low, high))
             color = colors[method]
-            band = go.Scatter(
-                x=x + x[::-1],
-                y=np.concatenate([highs, lows[::-1]]),
-                fill="toself",
-                fillcolor=color,
-                opacity=0.15,
-                line={"width": 0},
-                hoverinfo="skip",
-                legendgroup=method,
-                showlegend=False,
-                name=f"{method} 95% interval",
-            )
+            band = _interval_band(x, lows, highs, color=color, group=method)
             line = go.Scatter(
                 x=x,
                 y=mean,
@@ -277,6 +266,22 @@ def spearman_figure(
         figure,
         "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean, 95% interval over examples)",
         360 * rows + 80,
+    )
+
+
+def _interval_band(x: list, lows: np.ndarray, highs: np.ndarray, *, color: str, group: str) -> go.Scatter:
+    """A mean curve's 95% interval as a filled band, in the curve's colour and legend group."""
+    return go.Scatter(
+        x=x + x[::-1],
+        y=np.concatenate([highs, lows[::-1]]),
+        fill="toself",
+        fillcolor=color,
+        opacity=0.15,
+        line={"width": 0},
+        hoverinfo="skip",
+        legendgroup=group,
+        showlegend=False,
+        name=f"{group} 95% interval",
     )
 
 
@@ -353,22 +358,7 @@ def variance_figure(
         mean = means.filter(pl.col("task").fill_null("all") == task).sort("layer")
         layers = mean["layer"].to_list()
         lows, highs = (mean[name].fill_null(np.nan).to_numpy() for name in (low, high))
-        figure.add_trace(
-            go.Scatter(
-                x=layers + layers[::-1],
-                y=np.concatenate([highs, lows[::-1]]),
-                fill="toself",
-                fillcolor=colors[task],
-                opacity=0.15,
-                line={"width": 0},
-                hoverinfo="skip",
-                legendgroup=task,
-                showlegend=False,
-                name=f"{task} 95% interval",
-            ),
-            row=1,
-            col=1,
-        )
+        figure.add_trace(_interval_band(layers, lows, highs, color=colors[task], group=task), row=1, col=1)
         figure.add_trace(
             go.Scatter(
                 x=layers,
