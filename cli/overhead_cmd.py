@@ -95,7 +95,7 @@ def _analysis(examples: int, token_counts: list[int], workers: int | None, as_js
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"analysis of {examples} synthetic examples ({rows[0]['workers']} workers)")
-    for column in ("step", "tokens", "seconds", "s per example", "peak MiB", "files per example"):
+    for column in ("step", "tokens", "seconds", "s per example", "peak MiB", "files per example", "page MiB"):
         table.add_column(column, justify="left" if column == "step" else "right")
     for row in rows:
         table.add_row(
@@ -105,5 +105,6 @@ def _analysis(examples: int, token_counts: list[int], workers: int | None, as_js
             f"{row['seconds_per_example']:.3f}",
             f"{row['peak_mib']:.0f}",
             str(row["files_per_example"]),
+            "-" if row["output_mib"] is None else f"{row['output_mib']:.1f}",
         )
     console.print(table)

@@ -34,3 +34,5 @@ def test_analysis_cost_times_every_step_on_a_synthetic_store(tmp_path):
     for row in rows:
         assert row["files_per_example"] == 3 and row["seconds"] > 0 and row["peak_mib"] > 10
         assert row["seconds_per_example"] == row["seconds"] / 2
+        assert (row["output_mib"] is None) == (row["step"] != "dashboard")
+    assert rows[-1]["output_mib"] > 0.1  # the page carries plotly itself

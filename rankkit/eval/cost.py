@@ -79,7 +79,8 @@ def run_analysis_cost(
     workers: int | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
-    """One row per (length, step): wall seconds, seconds per example, peak MiB, files per example."""
+    """One row per (length, step): wall seconds, seconds per example, peak MiB, files per example,
+    and for the dashboard the page's size in MiB."""
     from rankkit.eval.parallel import checked_workers
 
     processes = checked_workers(workers)
@@ -93,10 +94,9 @@ def run_analysis_cost(
             first_example = next((store / "examples").iterdir())
             files = sum(1 for file in first_example.rglob("*") if file.is_file())
             progress()
+            report = Path(scratch) / "report.html"
             for step, code in STEPS.items():
-                script = code.format(
-                    store=str(store), out=str(Path(scratch) / "report.html"), workers=processes
-                )
+                script = code.format(store=str(store), out=str(report), workers=processes)
                 seconds, peak_bytes = _timed_process(script)
                 rows.append(
                     {
@@ -108,6 +108,7 @@ def run_analysis_cost(
                         "seconds_per_example": seconds / examples,
                         "peak_mib": peak_bytes / 2**20,
                         "files_per_example": files,
+                        "output_mib": report.stat().st_size / 2**20 if step == "dashboard" else None,
                         "build_seconds": build_s,
                     }
                 )
