@@ -78,9 +78,13 @@ class StoreWriter:
         return attrs is not None and attrs.get(COMPLETE) is True and attrs.get(ORACLE_COMPLETE) is True
 
     def has_group(self, example_id: str, group: str) -> bool:
-        """Whether ``add_arrays`` completed ``group`` for this example."""
-        attrs = read_example_attrs(self._store, f"{encode_name(example_id)}/{encode_name(group)}")
-        return attrs is not None and attrs.get(COMPLETE) is True
+        """Whether ``add_arrays`` completed ``group`` for this example: listed in the example's
+        attributes, or (schema version 1) a group directory flagged complete."""
+        example = read_example_attrs(self._store, encode_name(example_id))
+        if example is not None and group in example.get(ADDED_GROUPS, {}):
+            return True
+        legacy = read_example_attrs(self._store, f"{encode_name(example_id)}/{encode_name(group)}")
+        return legacy is not None and legacy.get(COMPLETE) is True
 
     def write_example(
         self,

@@ -530,6 +530,9 @@ def test_add_arrays_round_trip_and_interruption(path, monkeypatch):
         with pytest.raises(Crash):
             writer.add_arrays("a", "half_written", {"x": np.ones(3)}, {})
 
+    reopened = stores.create(path, RUN_META)  # what a resumed capture asks before redoing a group
+    assert reopened.has_group("a", "draft_scores") and writer.has_group("a", "draft_scores")
+    assert not reopened.has_group("a", "half_written") and not reopened.has_group("a", "other")
     record = stores.open(path).example("a")
     assert record.groups == ["draft_scores"]
     group = record.group("draft_scores")
