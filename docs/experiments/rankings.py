@@ -63,11 +63,8 @@ def task_section(task: str, store: Path) -> str:
     stability = {row["method"]: row for row in result.stability.to_dicts()}
     for row in result.summary.to_dicts():
         steady = stability[row["method"]]
-        trough = (
-            "–"
-            if steady["min_spearman"] is None
-            else f"{steady['min_spearman']:.2f} ({steady['trough_layer']})"
-        )
+        trough = "–" if steady["min_spearman"] is None else f"{steady['min_spearman']:.2f}"
+        trough += "" if steady["trough_layer"] is None else f" ({steady['trough_layer']})"
         layer = "–" if row["layer"] is None else row["layer"]
         mean = "–" if steady["mean_spearman"] is None else f"{steady['mean_spearman']:.2f}"
         metrics = " | ".join(cell(row, metric) for metric in SUMMARY_METRICS)
@@ -90,12 +87,15 @@ def task_section(task: str, store: Path) -> str:
     paired = pairs_at_layer(result.pairs, result.pruning_layer)
     if paired.height:
         lines += ["", f"Paired differences in ρ at l_p = {result.pruning_layer} (Wilcoxon signed-rank):", ""]
-        lines += ["| pair | Δρ [95% interval] | p | layers with p < 0.05 |", "|---|---:|---:|---:|"]
+        lines += [
+            "| pair | Δρ [95% interval] | p | layers higher, p < 0.05 | layers lower, p < 0.05 |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for row in paired.to_dicts():
             p_value = "–" if row["p_value"] is None else f"{row['p_value']:.2g}"
             lines.append(
                 f"| {row['method']} − {row['baseline']} | {cell(row, 'difference')} | {p_value} | "
-                f"{row['significant_layers']} |"
+                f"{row['higher_layers']} | {row['lower_layers']} |"
             )
     variance = variance_store(store)
     chosen = variance.selections.group_by("tau", maintain_order=True).agg(

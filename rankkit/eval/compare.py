@@ -366,11 +366,13 @@ def summary_table(summary: pl.DataFrame) -> pl.DataFrame:
 
 def pairs_at_layer(pairs: pl.DataFrame, layer: int) -> pl.DataFrame:
     """Each pair's difference at ``layer`` with its interval, p-value and n, and at how many of the
-    layers they share the difference is significant (p < 0.05): "12/30"."""
+    layers they share the method is significantly higher and lower (p < 0.05): "12/30", "3/30"."""
     if not pairs.height:
         return pairs
+    significant = pl.col("p_value") < SIGNIFICANCE
     significant = pairs.group_by("method", "baseline", maintain_order=True).agg(
-        pl.format("{}/{}", (pl.col("p_value") < SIGNIFICANCE).sum(), pl.len()).alias("significant_layers")
+        pl.format("{}/{}", (significant & (pl.col("difference") > 0)).sum(), pl.len()).alias("higher_layers"),
+        pl.format("{}/{}", (significant & (pl.col("difference") < 0)).sum(), pl.len()).alias("lower_layers"),
     )
     return (
         pairs.filter(pl.col("layer") == layer)
