@@ -48,7 +48,7 @@ def compare(
         None,
         "--out",
         help="Write the per-layer frame to this parquet file, the other frames beside it as "
-        "<stem>.per_head/.sweep/.stability/.summary.parquet (refused if any exists).",
+        "<stem>.per_head/.sweep/.curve/.stability/.summary/.pairs.parquet (refused if any exists).",
     ),
     overwrite: Overwrite = False,
     pairs: str | None = typer.Option(
@@ -132,8 +132,9 @@ def variance(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Write the curves to this parquet file, the selection layers beside it as "
-        "<stem>.selections.parquet (refused if either exists).",
+        help="Write the curves to this parquet file, the selection layers and the mean curves with "
+        "their 95% intervals beside it as <stem>.selections.parquet and <stem>.means.parquet "
+        "(refused if any exists).",
     ),
     overwrite: Overwrite = False,
     as_json: bool = typer.Option(
