@@ -58,8 +58,8 @@ class RankVariance(LayerPolicy):
         if layer < self.min_layer:
             return None
         ranks = torch.stack(list(self.rank_cache))  # [L_obs, T - W]
-        k = min(self.top_k, ranks.shape[1])
-        union = torch.unique(torch.topk(ranks, k, dim=1, largest=False).indices.flatten())
+        # each layer's ranks are a permutation, so its top-k are the tokens ranked below k
+        union = (ranks < self.top_k).any(dim=0)
         variance = float(ranks[:, union].var(dim=0, unbiased=False).mean())
         if self.initial_variance is None:
             self.initial_variance = variance
