@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,16 +80,7 @@ from .stats import interval_columns, mean_intervals, paired_difference
 if TYPE_CHECKING:
     from rankkit.stores import Store
 
-from .ranking import (
-    TieRuns,
-    average_ranks,
-    descending_ranks,
-    keep_count,
-    kendall_from_runs,
-    overlap_share,
-    pearson,
-    spans_mask,
-)
+from .ranking import Ranked, keep_count, kendall_tau_b, overlap_share, spans_mask, spearman_rho
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
@@ -144,32 +136,30 @@ class Reference:
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
         if oracle is not None:
-            self.oracle_runs = TieRuns(oracle)
-            self.oracle_ranks = self.oracle_runs.average_ranks()
-            oracle_places = descending_ranks(oracle)
-            self.oracle_tops = [oracle_places < k for k in self.recall_ks]
+            self.oracle_ranked = Ranked(oracle)
+            self.oracle_tops = [self.oracle_ranked.places < k for k in self.recall_ks]
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
         """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value per row."""
-        runs = TieRuns(scores)
-        ranks, places = runs.average_ranks(), descending_ranks(scores)
+        ranked = Ranked(scores)
+        places = ranked.places
         oracle_metrics = (
             ("spearman", "kendall", *RECALL_COLUMNS) if with_kendall else ("spearman", *RECALL_COLUMNS)
         )
         columns = dict.fromkeys(oracle_metrics, np.full(scores.shape[0], np.nan))
         if self.oracle is not None:
-            columns["spearman"] = pearson(ranks, self.oracle_ranks)
+            columns["spearman"] = spearman_rho(ranked, self.oracle_ranked)
             if with_kendall:
-                columns["kendall"] = kendall_from_runs(runs, self.oracle_runs)
+                columns["kendall"] = kendall_tau_b(ranked, self.oracle_ranked)
             for name, k, oracle_top in zip(RECALL_COLUMNS, self.recall_ks, self.oracle_tops, strict=True):
                 columns[name] = overlap_share(places < k, oracle_top)
         columns["needle_recall"] = overlap_share(places < self.needle_k, self.evidence)
-        columns["adjacent_spearman"] = np.concatenate([[np.nan], pearson(ranks[1:], ranks[:-1])])
+        columns["adjacent_spearman"] = np.concatenate([[np.nan], spearman_rho(ranked[1:], ranked[:-1])])
         return columns
 
     def head_spearman(self, scores: np.ndarray) -> np.ndarray | None:
         """Spearman per (layer, head) of scores [L, H, T]; None without an oracle."""
-        return None if self.oracle is None else pearson(average_ranks(scores), self.oracle_ranks)
+        return None if self.oracle is None else spearman_rho(Ranked(scores), self.oracle_ranked)
 
 
 def evaluate_example(
@@ -180,36 +170,68 @@ def evaluate_example(
     budget: Budget,
     ranked: slice,
     layout: Mapping[str, Any] | None = None,
-) -> tuple[list[pl.DataFrame], list[pl.DataFrame], list[pl.DataFrame]]:
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Per-layer, per-head and sweep frames (without example columns) of one example: ``probes``
     by their stored scores, ``methods`` (label -> method) by their ``layer_rankings`` under
     ``budget``; every ranking cut to the ``ranked`` tokens."""
-    per_layer, per_head, sweep = [], [], []
+    per_layer, per_head, sweep = _Rows(), _Rows(), _Rows()
     for probe in probes:
         scores = record.scores(probe)[..., ranked]
+        num_layers, num_heads = scores.shape[:2]
         # CLAA Eq. 1, 2 and 5 all sum over heads; the window scores are pooled before the sum,
         # and avg pooling commutes with it.
-        per_layer.append(
-            _layers_frame(probe, list(range(scores.shape[0])), reference.metrics(scores.sum(axis=1)))
-        )
+        per_layer.add(probe, layer=range(num_layers), **reference.metrics(scores.sum(axis=1)))
         head_rho = reference.head_spearman(scores)
         if head_rho is not None:
-            per_head.append(_heads_frame(probe, head_rho))
+            per_head.add(
+                probe,
+                layer=np.repeat(np.arange(num_layers), num_heads),
+                head=np.tile(np.arange(num_heads), num_layers),
+                spearman=head_rho.reshape(-1),
+            )
     for label, method in methods.items():
         layers, rankings = _rankings(method, record, budget, ranked, layout)
-        per_layer.append(_layers_frame(label, layers, reference.metrics(rankings)))
+        per_layer.add(label, layer=layers, **reference.metrics(rankings))
         if method.name == CLAA:
             for n in CLAA_SWEEP:
                 layers, rankings = _rankings(
                     replace(method, aggregation_window=n), record, budget, ranked, layout
                 )
                 columns = reference.metrics(rankings, with_kendall=False)
-                sweep.append(
-                    _layers_frame(f"{CLAA}-n{n}", layers, columns).insert_column(
-                        1, pl.lit(n, dtype=pl.Int32).alias("claa_layers")
-                    )
-                )
-    return per_layer, per_head, sweep
+                sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **columns)
+    return per_layer.frame(), per_head.frame(), sweep.frame()
+
+
+class _Rows:
+    """One example's rows of a frame, gathered method by method and built into one frame at the
+    end: a frame per method costs more than the metrics in it. Columns: method, then the keyword
+    columns in the order of the first ``add`` (integer ``layer``, ``head`` and ``claa_layers``,
+    float metrics with NaN as null)."""
+
+    INTEGER_COLUMNS = ("layer", "head", "claa_layers")
+
+    def __init__(self):
+        self.columns: dict[str, list] = {}
+
+    def add(self, method: str, **columns: Iterable) -> None:
+        columns = {
+            name: list(values) if name in self.INTEGER_COLUMNS else values for name, values in columns.items()
+        }
+        rows = len(next(iter(columns.values())))
+        for name, values in {"method": [method] * rows, **columns}.items():
+            self.columns.setdefault(name, []).append(values)
+
+    def frame(self) -> pl.DataFrame:
+        series = []
+        for name, parts in self.columns.items():
+            if name == "method":
+                series.append(pl.Series(name, list(chain.from_iterable(parts)), dtype=pl.String))
+            elif name in self.INTEGER_COLUMNS:
+                series.append(pl.Series(name, list(chain.from_iterable(parts)), dtype=pl.Int32))
+            else:
+                values = np.concatenate(parts).astype(np.float64)
+                series.append(pl.Series(name, values, nan_to_null=True))
+        return pl.DataFrame(series)
 
 
 def _rankings(
@@ -220,24 +242,6 @@ def _rankings(
     rankings = method.layer_rankings(captured(record, method, layout), budget)
     layers = sorted(rankings, key=lambda layer: -1 if layer is None else layer)
     return layers, torch.stack([rankings[layer] for layer in layers]).numpy()[..., ranked]
-
-
-def _layers_frame(method: str, layer_ids: list[int | None], columns: dict[str, np.ndarray]) -> pl.DataFrame:
-    layers = pl.Series("layer", layer_ids, dtype=pl.Int32)
-    frame = pl.DataFrame({name: values.astype(np.float64) for name, values in columns.items()})
-    return frame.fill_nan(None).select(pl.lit(method).alias("method"), layers, pl.all())
-
-
-def _heads_frame(method: str, head_rho: np.ndarray) -> pl.DataFrame:
-    num_layers, num_heads = head_rho.shape
-    return pl.DataFrame(
-        {
-            "method": [method] * head_rho.size,
-            "layer": np.repeat(np.arange(num_layers, dtype=np.int32), num_heads),
-            "head": np.tile(np.arange(num_heads, dtype=np.int32), num_layers),
-            "spearman": head_rho.reshape(-1),
-        }
-    ).fill_nan(None)
 
 
 def stability_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
@@ -574,8 +578,8 @@ def compare_example(
     )
     found = evaluate_example(record, reference, probes, methods, budget, ranked, layout)
     return {
-        name: [frame.select(*example_columns, pl.all()) for frame in frames]
-        for name, frames in zip(("per_layer", "per_head", "sweep"), found, strict=True)
+        name: [frame.select(*example_columns, pl.all())] if frame.height else []
+        for name, frame in zip(("per_layer", "per_head", "sweep"), found, strict=True)
     }
 
 

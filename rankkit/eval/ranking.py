@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numba
 import numpy as np
-import torch
 
 
 def keep_count(keep: float | int, num_tokens: int) -> int:
@@ -28,130 +28,191 @@ def keep_count(keep: float | int, num_tokens: int) -> int:
     return Budget.parse(keep).resolve(num_tokens)
 
 
-def unscored_last(scores: np.ndarray) -> np.ndarray:
-    """``scores`` with NaN (no score) replaced by -inf, so unscored tokens rank last."""
-    values = np.asarray(scores)
-    return np.where(np.isnan(values), -np.inf, values) if np.isnan(values).any() else values
+class Ranked:
+    """Every row of a score array (tokens on the last axis, any leading axes) sorted once, in
+    descending order with ties to the earlier token, and what the metrics read off that sort:
 
+    - ``places``: each token's place in that order (0 for the highest score), int32; the
+      top-k set is ``places < k``, exactly k tokens (the methods' own rule,
+      ``rankkit.methods.selection.descending_ranks``);
+    - ``average_ranks``: ranks 1..T ascending, tied scores sharing their average rank
+      (scipy's ``rankdata(method="average")``), float64;
+    - ``dense_ranks``: ranks 0, 1, ... ascending with ties sharing one rank and no gaps, int32;
+    - ``tied_pairs``: pairs of tokens with equal scores, per row (Kendall's n_1 or n_2);
+    - ``spread``: the sum of squared deviations of ``average_ranks`` from their mean, per row
+      (what Spearman's rho divides by).
 
-class TieRuns:
-    """One unstable (fast, SIMD) ascending sort of every row, and the run of equal scores each
-    sorted position belongs to. Run ids are global and increase along the flattened rows; no
-    run crosses a row, since every row starts a new one. Average and dense ranks and the tied
-    pairs all come from it, so a score array is sorted once for them."""
+    Indexing a ``Ranked`` picks rows along the leading axes (``ranked[1:]``).
+
+    NaN (no score) ranks below every score, all NaN tied, as -inf would. One compiled pass per
+    row (``_rank_rows``): comparing hundreds of rankings of thousands of tokens per example is
+    where compare spends its time.
+    """
 
     def __init__(self, scores: np.ndarray):
-        values = unscored_last(scores)
+        values = np.asarray(scores, dtype=np.float64)
         self.shape = values.shape
-        self.order = np.argsort(values, axis=-1)
-        ascending = np.take_along_axis(values, self.order, axis=-1)
-        run_starts = np.ones(values.shape, dtype=bool)
-        run_starts[..., 1:] = ascending[..., 1:] != ascending[..., :-1]
-        self.run_ids = (np.cumsum(run_starts, axis=None) - 1).reshape(values.shape)
+        rows = np.ascontiguousarray(values.reshape(-1, self.shape[-1]))
+        places, ranks, dense, tied, spread = _rank_rows(rows)
+        self.places = places.reshape(self.shape)
+        self.average_ranks = ranks.reshape(self.shape)
+        self.dense_ranks = dense.reshape(self.shape)
+        self.tied_pairs = tied.reshape(self.shape[:-1])
+        self.spread = spread.reshape(self.shape[:-1])
 
-    def average_ranks(self) -> np.ndarray:
-        # A run gets the mean of the 1-based positions it spans, whatever order the sort left it in.
-        positions = np.broadcast_to(np.arange(1.0, self.shape[-1] + 1), self.shape).ravel()
-        run_ids = self.run_ids.ravel()
-        run_means = np.bincount(run_ids, weights=positions) / np.bincount(run_ids)
-        ranks = np.empty(self.shape, dtype=np.float64)
-        np.put_along_axis(ranks, self.order, run_means[self.run_ids], axis=-1)
-        return ranks
-
-    def dense_ranks(self) -> np.ndarray:
-        """Ranks 0, 1, ... along the last axis with ties sharing one rank and no gaps."""
-        row_first_run = self.run_ids[..., :1]
-        ranks = np.empty(self.shape, dtype=np.int64)
-        np.put_along_axis(ranks, self.order, self.run_ids - row_first_run, axis=-1)
-        return ranks
-
-    def tied_pairs(self) -> np.ndarray:
-        """Pairs of tokens with equal scores, per row (Kendall's n_1 or n_2)."""
-        return _tied_pairs(self.run_ids)
+    def __getitem__(self, rows) -> Ranked:
+        picked = object.__new__(Ranked)
+        for name in ("places", "average_ranks", "dense_ranks"):
+            setattr(picked, name, getattr(self, name)[rows])
+        picked.tied_pairs, picked.spread = self.tied_pairs[rows], self.spread[rows]
+        picked.shape = picked.places.shape
+        return picked
 
 
-def _tied_pairs(run_ids: np.ndarray) -> np.ndarray:
-    """Pairs sharing a run, per row, from global run ids numbered row after row (as ``TieRuns``)."""
-    run_sizes = np.bincount(run_ids.ravel())
-    row_first_runs = run_ids[..., 0].ravel()
-    pairs_per_run = run_sizes * (run_sizes - 1) // 2
-    # A row's runs are consecutive, so its pairs are a slice of the cumulative sum.
-    cumulative = np.concatenate([[0], np.cumsum(pairs_per_run)])
-    row_ends = np.append(row_first_runs[1:], len(run_sizes))
-    return (cumulative[row_ends] - cumulative[row_first_runs]).reshape(run_ids.shape[:-1])
+_SIGN = np.uint64(1 << 63)
+_DIGIT_BITS = 11  # 2,048 buckets: a float32 score's 32 bits in three passes
+
+
+@numba.njit(cache=True, nogil=True)
+def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
+    """``Ranked``'s arrays for every row of a C-contiguous float64 array [R, T].
+
+    A stable LSD radix sort of each row's scores as unsigned keys that order like the floats,
+    inverted so the highest score comes first (ties then keep token order), over the bits
+    that differ between the row's keys only; then one walk along the sorted runs of equal
+    scores.
+    """
+    num_rows, num_tokens = values.shape
+    places = np.empty((num_rows, num_tokens), np.int32)
+    ranks = np.empty((num_rows, num_tokens), np.float64)
+    dense = np.empty((num_rows, num_tokens), np.int32)
+    tied = np.zeros(num_rows, np.int64)
+    spread = np.zeros(num_rows, np.float64)
+    center = (num_tokens + 1) / 2.0
+    normalized = np.empty(num_tokens, np.float64)
+    keys, spare_keys = np.empty(num_tokens, np.uint64), np.empty(num_tokens, np.uint64)
+    order, spare_order = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
+    counts = np.empty(1 << _DIGIT_BITS, np.int64)
+    digit_mask = np.uint64((1 << _DIGIT_BITS) - 1)
+    for row in range(num_rows):
+        for token in range(num_tokens):
+            value = values[row, token]
+            # NaN ranks with -inf; -0.0 + 0.0 is 0.0, so the two zeros tie as they compare.
+            normalized[token] = -np.inf if value != value else value + 0.0
+        bits = normalized.view(np.uint64)
+        common_ones, any_ones = ~np.uint64(0), np.uint64(0)
+        for token in range(num_tokens):
+            # Flipping the sign bit of positives and every bit of negatives orders keys like
+            # the floats; inverting that puts the highest score first.
+            ascending = ~bits[token] if bits[token] & _SIGN else bits[token] | _SIGN
+            keys[token] = ~ascending
+            order[token] = token
+            common_ones &= keys[token]
+            any_ones |= keys[token]
+        differing = common_ones ^ any_ones  # float32 scores widened to float64 differ in 32 bits at most
+        shift = 0
+        while shift < 64 and not (differing >> np.uint64(shift)) & np.uint64(1):
+            shift += 1
+        while shift < 64 and differing >> np.uint64(shift):
+            counts[:] = 0
+            for position in range(num_tokens):
+                counts[(keys[position] >> np.uint64(shift)) & digit_mask] += 1
+            offset = 0
+            for bucket in range(1 << _DIGIT_BITS):
+                offset, counts[bucket] = offset + counts[bucket], offset
+            for position in range(num_tokens):
+                key = keys[position]
+                bucket = (key >> np.uint64(shift)) & digit_mask
+                target = counts[bucket]
+                counts[bucket] = target + 1
+                spare_keys[target], spare_order[target] = key, order[position]
+            keys, spare_keys = spare_keys, keys
+            order, spare_order = spare_order, order
+            shift += _DIGIT_BITS
+        start, runs, row_tied, row_spread = 0, 0, 0, 0.0
+        while start < num_tokens:
+            end = start + 1
+            while end < num_tokens and keys[end] == keys[start]:
+                end += 1
+            average = num_tokens - (start + end - 1) / 2.0  # ascending ranks count from the lowest
+            row_tied += (end - start) * (end - start - 1) // 2
+            row_spread += (end - start) * (average - center) ** 2  # half-integers: exact
+            for place in range(start, end):
+                token = order[place]
+                places[row, token], ranks[row, token], dense[row, token] = place, average, runs
+            runs += 1
+            start = end
+        tied[row], spread[row] = row_tied, row_spread
+        for token in range(num_tokens):
+            dense[row, token] = runs - 1 - dense[row, token]
+    return places, ranks, dense, tied, spread
 
 
 def average_ranks(scores: np.ndarray) -> np.ndarray:
-    """Ranks 1..T along the last axis, tied scores sharing their average rank: scipy's
-    ``rankdata(method="average")`` for NaN-free input, about twice as fast."""
-    return TieRuns(scores).average_ranks()
+    """Ranks 1..T along the last axis, tied scores sharing their average rank (``Ranked``)."""
+    return Ranked(scores).average_ranks
 
 
 def descending_ranks(scores: np.ndarray) -> np.ndarray:
-    """Each token's place in the descending order along the last axis: 0 for the highest score.
+    """Each token's place in the descending order along the last axis: 0 for the highest score,
+    ties to the earlier token (``Ranked``)."""
+    return Ranked(scores).places
 
-    The methods' own rank rule (``rankkit.methods.selection.descending_ranks``): ties go to the
-    earlier token, so every row is a permutation of 0..T-1 and the top-k set is
-    ``descending_ranks(scores) < k``: exactly k tokens.
+
+def spearman(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Spearman's rho along the last axis, as ``scipy.stats.spearmanr``; NaN where either side is constant.
+
+    The rank correlation CLAA (Sec. 3.1, Fig. 2) reports against the Answer-Informed Oracle.
+    Callers comparing many rankings with one reference should rank the reference once and
+    call ``spearman_rho`` with both ``Ranked``.
     """
-    from rankkit.methods.selection import descending_ranks as method_ranks
-
-    return method_ranks(torch.from_numpy(np.ascontiguousarray(unscored_last(scores)))).numpy()
+    return spearman_rho(Ranked(scores), Ranked(reference))
 
 
-def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson correlation along the last axis (broadcasting the leading axes); NaN where either side is constant."""
-    x_centered = x - x.mean(axis=-1, keepdims=True)
-    y_centered = y - y.mean(axis=-1, keepdims=True)
-    covariance = (x_centered * y_centered).sum(axis=-1)
-    scale = np.sqrt((x_centered**2).sum(axis=-1) * (y_centered**2).sum(axis=-1))
+def spearman_rho(scores: Ranked, reference: Ranked) -> np.ndarray:
+    """Spearman's rho of every row of ``scores`` with ``reference`` (rows broadcast): the Pearson
+    correlation of their average ranks, whose mean is (T + 1) / 2 on every row."""
+    center = (scores.shape[-1] + 1) / 2
+    deviations = reference.average_ranks - center
+    if deviations.ndim == 1:  # one reference: a matrix-vector product (its deviations sum to 0)
+        covariance = scores.average_ranks @ deviations
+    else:
+        covariance = ((scores.average_ranks - center) * deviations).sum(axis=-1)
+    scale = np.sqrt(scores.spread * reference.spread)
     with np.errstate(divide="ignore", invalid="ignore"):
         correlation = covariance / scale
     # Rounding can push |r| a hair past 1; scipy clips the same way.
     return np.clip(np.where(scale > 0, correlation, np.nan), -1.0, 1.0)
 
 
-def spearman(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """Spearman's rho along the last axis, as ``scipy.stats.spearmanr``: Pearson on average ranks.
-
-    The rank correlation CLAA (Sec. 3.1, Fig. 2) reports against the Answer-Informed Oracle.
-    Callers comparing many rankings with one reference should rank the reference once with
-    ``average_ranks`` and call ``pearson`` on the ranks.
-    """
-    return pearson(average_ranks(scores), average_ranks(reference))
-
-
 def kendall(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Kendall's tau-b along the last axis (ties corrected, as ``scipy.stats.kendalltau``); NaN for a constant side.
 
-    Callers comparing many rankings with one reference should build the reference's
-    ``TieRuns`` once and call ``kendall_from_runs``.
+    Callers comparing many rankings with one reference should rank the reference once and
+    call ``kendall_tau_b`` with both ``Ranked``.
     """
-    scores, reference = np.broadcast_arrays(np.asarray(scores), np.asarray(reference))
-    return kendall_from_runs(TieRuns(scores), TieRuns(reference))
+    return kendall_tau_b(Ranked(scores), Ranked(reference))
 
 
-def kendall_from_runs(score_runs: TieRuns, reference_runs: TieRuns) -> np.ndarray:
-    """Kendall's tau-b of every row of two sorted score arrays (the reference's rows broadcast).
+def kendall_tau_b(scores: Ranked, reference: Ranked) -> np.ndarray:
+    """Kendall's tau-b of every row of ``scores`` with ``reference`` (its rows broadcast).
 
     tau_b = (n_c - n_d) / sqrt((n_0 - n_1)(n_0 - n_2)) with n_0 = T(T-1)/2, n_1 and n_2 the
     pairs tied in either side and n_c - n_d = n_0 - n_1 - n_2 + n_3 - 2 n_d, n_3 the pairs tied
-    in both; the discordant pairs n_d are inversions of the score ranks once the tokens are
-    ordered by (reference, score), counted for all rows at once by ``_inversions``.
+    in both and n_d the discordant pairs (``_discordant_pairs``).
     """
-    shape = np.broadcast_shapes(score_runs.shape, reference_runs.shape)
+    shape = np.broadcast_shapes(scores.shape, reference.shape)
     num_tokens = shape[-1]
-    score_dense = np.broadcast_to(score_runs.dense_ranks(), shape).reshape(-1, num_tokens)
-    reference_dense = np.broadcast_to(reference_runs.dense_ranks(), shape).reshape(-1, num_tokens)
-    joint = np.sort(reference_dense * num_tokens + score_dense, axis=-1)
-    discordant = _inversions(joint % num_tokens)
-    joint_starts = np.ones(joint.shape, dtype=bool)
-    joint_starts[:, 1:] = joint[:, 1:] != joint[:, :-1]
-    both_tied = _tied_pairs(np.cumsum(joint_starts, axis=None).reshape(joint.shape) - 1)
-
+    reference_dense = reference.dense_ranks.reshape(-1, num_tokens)
+    if reference_dense.shape[0] != 1 or scores.shape != shape:  # the kernel broadcasts one reference row
+        reference_dense = np.broadcast_to(reference.dense_ranks, shape).reshape(-1, num_tokens)
+    score_dense = np.broadcast_to(scores.dense_ranks, shape).reshape(-1, num_tokens)
+    discordant, both_tied = _discordant_pairs(
+        np.ascontiguousarray(score_dense), np.ascontiguousarray(reference_dense)
+    )
     total = num_tokens * (num_tokens - 1) // 2
-    score_tied = np.broadcast_to(score_runs.tied_pairs(), shape[:-1]).reshape(-1)
-    reference_tied = np.broadcast_to(reference_runs.tied_pairs(), shape[:-1]).reshape(-1)
+    score_tied = np.broadcast_to(scores.tied_pairs, shape[:-1]).reshape(-1)
+    reference_tied = np.broadcast_to(reference.tied_pairs, shape[:-1]).reshape(-1)
     concordant_minus_discordant = total - score_tied - reference_tied + both_tied - 2 * discordant
     with np.errstate(divide="ignore", invalid="ignore"):
         tau = concordant_minus_discordant / np.sqrt(total - score_tied) / np.sqrt(total - reference_tied)
@@ -159,42 +220,66 @@ def kendall_from_runs(score_runs: TieRuns, reference_runs: TieRuns) -> np.ndarra
     return np.where(undefined, np.nan, np.clip(tau, -1.0, 1.0)).reshape(shape[:-1])
 
 
-_BRUTE_FORCE_BLOCK = 8  # below this width comparing every pair costs less than a merge pass
+@numba.njit(cache=True, nogil=True)
+def _discordant_pairs(score_dense, reference_dense):  # pragma: no cover - compiled; tested through kendall
+    """Per row of dense ranks [R, T] against ``reference_dense`` [R or 1, T]: the discordant
+    pairs n_d (lower in the reference, higher in the scores) and the pairs tied in both n_3.
 
-
-def _inversions(values: np.ndarray) -> np.ndarray:
-    """Pairs i < j with values[i] > values[j] in every row of a non-negative int array [R, T].
-
-    A bottom-up merge sort over positions, all rows at once. Rows are padded to a power of two
-    with a value above all others (padding only ever follows real values, so it adds no
-    inversion). Within blocks of ``_BRUTE_FORCE_BLOCK`` every pair is compared; then at each
-    level sibling sorted blocks of ``width`` are merged by one stable sort (two sorted runs:
-    a linear merge), which puts a left element before an equal right one. A right element
-    at merged position p with index r in its block has p - r left elements not above it,
-    so it is inverted with width - (p - r) of them. O(T log T) per row in log2(T) passes.
+    The tokens are visited in the reference's order (a counting sort of its dense ranks); a
+    Fenwick tree over score ranks counts, for each token, the tokens before it that score
+    higher. A group of reference-tied tokens enters the tree only once all of it is counted,
+    so reference-tied pairs are never discordant; a per-rank tally counts its equal scores
+    (n_3). O(T log T) per row.
     """
-    num_rows, num_tokens = values.shape
-    padded_tokens = 1 << max(0, (num_tokens - 1).bit_length())
-    pad_value = int(values.max()) + 1 if values.size else 1
-    blocks = np.full((num_rows, padded_tokens), pad_value, dtype=np.int64)
-    blocks[:, :num_tokens] = values
-    width = min(_BRUTE_FORCE_BLOCK, padded_tokens)
-    small = blocks.reshape(-1, width)
-    later = np.triu(np.ones((width, width), dtype=bool), 1)
-    inversions = (
-        ((small[:, :, np.newaxis] > small[:, np.newaxis, :]) & later).reshape(num_rows, -1).sum(axis=1)
-    )
-    blocks = np.sort(small, axis=-1).reshape(num_rows, padded_tokens)
-    while width < padded_tokens:
-        pairs = blocks.reshape(-1, 2 * width)
-        order = np.argsort(pairs, axis=-1, kind="stable")
-        right_positions = ((order >= width) * np.arange(2 * width)).sum(axis=-1)
-        # sum over right elements of width - p + r = width^2 - sum(p) + width(width - 1)/2
-        merged = width * width + width * (width - 1) // 2 - right_positions
-        inversions += merged.reshape(num_rows, -1).sum(axis=1)
-        blocks = np.take_along_axis(pairs, order, axis=-1).reshape(num_rows, padded_tokens)
-        width *= 2
-    return inversions
+    num_rows, num_tokens = score_dense.shape
+    discordant = np.zeros(num_rows, np.int64)
+    both_tied = np.zeros(num_rows, np.int64)
+    order = np.empty(num_tokens, np.int32)
+    group_ends = np.empty(num_tokens, np.int32)  # per position in the reference's order
+    sequence = np.empty(num_tokens, np.int32)
+    tree = np.empty(num_tokens + 1, np.int32)
+    in_group = np.zeros(num_tokens, np.int32)
+    prepared = -1
+    for row in range(num_rows):
+        reference_row = row if reference_dense.shape[0] > 1 else 0
+        if reference_row != prepared:
+            starts = np.zeros(num_tokens + 1, np.int32)
+            for token in range(num_tokens):
+                starts[reference_dense[reference_row, token] + 1] += 1
+            for group in range(num_tokens):
+                starts[group + 1] += starts[group]
+            filled = starts[:-1].copy()
+            for token in range(num_tokens):
+                group = reference_dense[reference_row, token]
+                order[filled[group]] = token
+                group_ends[filled[group]] = starts[group + 1]
+                filled[group] += 1
+            prepared = reference_row
+        for position in range(num_tokens):
+            sequence[position] = score_dense[row, order[position]]
+        tree[:] = 0
+        group_start, row_discordant, row_both_tied = 0, 0, 0
+        for position in range(num_tokens):
+            rank = sequence[position]
+            not_higher, node = 0, rank + 1
+            while node > 0:
+                not_higher += tree[node]
+                node -= node & -node
+            row_discordant += group_start - not_higher
+            group_end = group_ends[position]
+            if group_end - group_start > 1:
+                row_both_tied += in_group[rank]
+                in_group[rank] += 1
+            if position + 1 == group_end:
+                for member in range(group_start, group_end):
+                    in_group[sequence[member]] = 0
+                    node = sequence[member] + 1
+                    while node <= num_tokens:
+                        tree[node] += 1
+                        node += node & -node
+                group_start = group_end
+        discordant[row], both_tied[row] = row_discordant, row_both_tied
+    return discordant, both_tied
 
 
 def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
