@@ -498,7 +498,9 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("kv_bytes").mean(),
         pl.col("peak_mem_bytes").mean(),
     )
-    intervals = mean_intervals(scored, ["method", "budget"], SUMMARY_METRICS, example="example_id")
+    intervals = mean_intervals(
+        scored, ["method", "budget"], SUMMARY_METRICS, example="example_id", scores=["accuracy"]
+    )
     return intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")
     )

@@ -83,9 +83,12 @@ def test_mean_intervals_per_group_wilson_for_right_or_wrong_scores():
             "method": ["x"] * 4 + ["y"] * 4,
             "score": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, None],
             "ratio": [0.5, 0.6, 0.55, 0.7, 0.2, 0.25, 0.3, 0.35],
+            "constant": [1.0] * 8,  # 0/1 values, but not a right/wrong score: no Wilson
         }
     )
-    rows = {row["method"]: row for row in mean_intervals(frame, ["method"], ["score", "ratio"]).to_dicts()}
+    found = mean_intervals(frame, ["method"], ["score", "ratio", "constant"], scores=["score"])
+    rows = {row["method"]: row for row in found.to_dicts()}
+    assert (rows["x"]["constant_ci_low"], rows["x"]["constant_ci_high"]) == (1.0, 1.0)
     assert rows["x"]["score"] == 0.75
     assert (rows["x"]["score_ci_low"], rows["x"]["score_ci_high"]) == pytest.approx(wilson_interval(3, 4))
     assert (rows["y"]["score_ci_low"], rows["y"]["score_ci_high"]) == pytest.approx(wilson_interval(0, 3))

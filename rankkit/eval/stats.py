@@ -109,14 +109,21 @@ def interval_columns(metric: str) -> tuple[str, str]:
 
 
 def mean_intervals(
-    frame: pl.DataFrame, by: Sequence[str], metrics: Sequence[str], *, example: str = "example"
+    frame: pl.DataFrame,
+    by: Sequence[str],
+    metrics: Sequence[str],
+    *,
+    example: str = "example",
+    scores: Sequence[str] = (),
 ) -> pl.DataFrame:
     """Per group of ``by`` (in first-seen order): each metric's mean over the group's rows, its
     interval (``interval_columns``) and ``n_examples`` (rows with any metric). Rows are
     examples; a group has at most one row per ``example``.
 
-    A metric whose values are all 0 or 1 gets the Wilson interval, any other the bootstrap
-    (``bootstrap_means``, resampling the frame's examples, the same resamples for every group).
+    A right/wrong score (one of ``scores``) whose values are all 0 or 1 gets the Wilson
+    interval; every other metric the bootstrap (``bootstrap_means``, resampling the frame's
+    examples, the same resamples for every group), even when its values happen to be 0 or 1
+    (full prefill's TTFT ratio is 1 on every example: a constant, not a proportion).
     """
     if not frame.height:
         return pl.DataFrame()
@@ -133,7 +140,7 @@ def mean_intervals(
         grid[rows, columns] = indexed[metric].cast(pl.Float64).fill_null(np.nan).to_numpy()
         has_any |= ~np.isnan(grid)
         means, low, high, counts = bootstrap_means(grid)
-        for group in range(groups.height) if is_binary(grid) else ():
+        for group in range(groups.height) if metric in scores and is_binary(grid) else ():
             low[group], high[group] = wilson_interval(np.nansum(grid[:, group]), counts[group])
         low_name, high_name = interval_columns(metric)
         result = result.with_columns(
