@@ -333,6 +333,15 @@ def result(store_path):
     return compare_store(store_path)
 
 
+def test_compare_without_detail_is_the_same_per_layer_rows_without_kendall(store_path, result):
+    """What the dashboard asks for: the per-layer rows, Kendall left null, no per-head or sweep rows."""
+    light = compare_store(store_path, detailed=False)
+    assert light.per_layer["kendall"].null_count() == light.per_layer.height
+    assert light.per_head.is_empty() and light.sweep.is_empty()
+    assert light.per_layer.drop("kendall").equals(result.per_layer.drop("kendall"))
+    assert light.pairs.equals(result.pairs)
+
+
 def test_compare_frames_have_the_documented_columns(result):
     metrics = ["spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall"]
     assert result.per_layer.columns == ["example", "task", "method", "layer", *metrics, "adjacent_spearman"]

@@ -140,13 +140,11 @@ class Reference:
             self.oracle_tops = [self.oracle_ranked.places < k for k in self.recall_ks]
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
-        """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value per row."""
+        """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value
+        per row; ``kendall`` is NaN without ``with_kendall`` (the slow metric)."""
         ranked = Ranked(scores)
         places = ranked.places
-        oracle_metrics = (
-            ("spearman", "kendall", *RECALL_COLUMNS) if with_kendall else ("spearman", *RECALL_COLUMNS)
-        )
-        columns = dict.fromkeys(oracle_metrics, np.full(scores.shape[0], np.nan))
+        columns = dict.fromkeys(("spearman", "kendall", *RECALL_COLUMNS), np.full(scores.shape[0], np.nan))
         if self.oracle is not None:
             columns["spearman"] = spearman_rho(ranked, self.oracle_ranked)
             if with_kendall:
@@ -170,18 +168,22 @@ def evaluate_example(
     budget: Budget,
     ranked: slice,
     layout: Mapping[str, Any] | None = None,
+    detailed: bool = True,
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Per-layer, per-head and sweep frames (without example columns) of one example: ``probes``
     by their stored scores, ``methods`` (label -> method) by their ``layer_rankings`` under
-    ``budget``; every ranking cut to the ``ranked`` tokens."""
+    ``budget``; every ranking cut to the ``ranked`` tokens. Without ``detailed``, per-layer rows
+    only, without Kendall (``compare_store``'s ``detailed``)."""
     per_layer, per_head, sweep = _Rows(), _Rows(), _Rows()
     for probe in probes:
         scores = record.scores(probe)[..., ranked]
         num_layers, num_heads = scores.shape[:2]
         # CLAA Eq. 1, 2 and 5 all sum over heads; the window scores are pooled before the sum,
         # and avg pooling commutes with it.
-        per_layer.add(probe, layer=range(num_layers), **reference.metrics(scores.sum(axis=1)))
-        head_rho = reference.head_spearman(scores)
+        per_layer.add(
+            probe, layer=range(num_layers), **reference.metrics(scores.sum(axis=1), with_kendall=detailed)
+        )
+        head_rho = reference.head_spearman(scores) if detailed else None
         if head_rho is not None:
             per_head.add(
                 probe,
@@ -191,13 +193,14 @@ def evaluate_example(
             )
     for label, method in methods.items():
         layers, rankings = _rankings(method, record, budget, ranked, layout)
-        per_layer.add(label, layer=layers, **reference.metrics(rankings))
-        if method.name == CLAA:
+        per_layer.add(label, layer=layers, **reference.metrics(rankings, with_kendall=detailed))
+        if method.name == CLAA and detailed:
             for n in CLAA_SWEEP:
                 layers, rankings = _rankings(
                     replace(method, aggregation_window=n), record, budget, ranked, layout
                 )
                 columns = reference.metrics(rankings, with_kendall=False)
+                del columns["kendall"]
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **columns)
     return per_layer.frame(), per_head.frame(), sweep.frame()
 
@@ -445,6 +448,7 @@ def compare_store(
     needle_keep: float | int = NEEDLE_KEEP,
     workers: int | None = None,
     pairs: str | Sequence[tuple[str, str]] | None = None,
+    detailed: bool = True,
 ) -> CompareResult:
     """Compare probes and methods of a store with its oracle (see the module docstring).
 
@@ -457,7 +461,9 @@ def compare_store(
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
     baseline) pairs the ``pairs`` frame tests, or their ``--pairs`` string (``parse_pairs``);
-    default ``default_pairs``.
+    default ``default_pairs``. Without ``detailed`` only the per-layer rows are made, with
+    ``kendall`` null, and ``per_head`` and ``sweep`` are empty: what the dashboard shows, at
+    about half the cost.
     """
     from rankkit import stores
 
@@ -523,6 +529,7 @@ def compare_store(
         use_oracle=use_oracle,
         needle_keep=needle_keep,
         layout=layout,
+        detailed=detailed,
     )
     frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
     for found in map_examples(store.path, [record.id for record in records], evaluate, workers=workers):
@@ -561,6 +568,7 @@ def compare_example(
     use_oracle: bool = True,
     needle_keep: float | int = NEEDLE_KEEP,
     layout: Mapping[str, Any] | None = None,
+    detailed: bool = True,
 ) -> dict[str, list[pl.DataFrame]]:
     """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit
     of work, run in a worker process)."""
@@ -576,7 +584,7 @@ def compare_example(
         pl.lit(record.id, dtype=pl.Categorical).alias("example"),
         pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
     )
-    found = evaluate_example(record, reference, probes, methods, budget, ranked, layout)
+    found = evaluate_example(record, reference, probes, methods, budget, ranked, layout, detailed)
     return {
         name: [frame.select(*example_columns, pl.all())] if frame.height else []
         for name, frame in zip(("per_layer", "per_head", "sweep"), found, strict=True)

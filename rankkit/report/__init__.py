@@ -139,7 +139,8 @@ def _page(
     layer = make("claa").bind(num_layers, recorded_model(store.meta).get("layer_types")).pruning_layer
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
-    comparison = compare_store(store, workers=workers) if has_oracle else None
+    # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
+    comparison = compare_store(store, workers=workers, detailed=False) if has_oracle else None
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
     variance = variance_store(store, workers=workers) if ASL_PROBE in probes else None
