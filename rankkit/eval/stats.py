@@ -85,7 +85,14 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
                 batches.append((weights @ kept) / denominators)
         resampled = np.concatenate(batches)
         tail = (1 - CONFIDENCE) / 2 * 100
-        low[spread], high[spread] = np.nanpercentile(resampled, [tail, 100 - tail], axis=0)
+        # A resample lacks a column's mean only where that column lacks values; numpy's
+        # percentile is vectorized, its NaN-skipping one goes column by column.
+        skipped = np.isnan(resampled).any(axis=0)
+        bounds = np.empty((2, resampled.shape[1]))
+        bounds[:, ~skipped] = np.percentile(resampled[:, ~skipped], [tail, 100 - tail], axis=0)
+        if skipped.any():
+            bounds[:, skipped] = np.nanpercentile(resampled[:, skipped], [tail, 100 - tail], axis=0)
+        low[spread], high[spread] = bounds
     return means, low, high, counts
 
 
