@@ -47,11 +47,11 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def format_spec(kind: str, params: dict[str, object]) -> str:
     """The spec string of ``kind`` (niah or ruler) with ``params``, keys in their usual order and
-    ``depths`` joined by ';': ``format_spec("ruler", {"task": "vt", "length": 2048})`` is
-    "ruler:task=vt,length=2048". ``read_spec`` checks it like any spec."""
+    ``depths`` joined by ';', None meaning not given: ``format_spec("ruler", {"task": "vt", "length": 2048})``
+    is "ruler:task=vt,length=2048". ``read_spec`` checks it like any spec."""
     if kind not in ("niah", "ruler"):
         raise RankkitError(f"unknown data kind '{kind}'; {USAGE}")
-    unknown = [key for key in params if key not in KEYS[kind]]
+    unknown = [key for key, value in params.items() if value is not None and key not in KEYS[kind]]
     if unknown:
         raise RankkitError(f"{kind} does not take {', '.join(unknown)}; its keys are {', '.join(KEYS[kind])}")
     items = [
