@@ -81,6 +81,8 @@ NEEDS = {  # the stages whose output a stage reads, when the experiment has them
     "variance": ("capture",),
     "dashboard": ("capture", "oracle", "bench", "diffusion"),
 }
+BUDGETED_STAGES = ("compare", "variance")  # run once per keep rate (or token budget)
+LAYERED_STAGES = ("compare", "bench")  # run once per layer setting
 TAG_TYPES = {  # the columns naming a unit, leading every row of a stage's parquet
     "cell": pl.String,
     "dataset": pl.String,
@@ -124,10 +126,21 @@ class Unit:
         return tags
 
 
+def tag_columns(stage: str) -> list[str]:
+    """The columns naming the unit at the front of every row of ``stage``'s parquet."""
+    given = {
+        "keep": stage in BUDGETED_STAGES,
+        "budget": stage in BUDGETED_STAGES,
+        "layer_setting": stage in LAYERED_STAGES,
+        "pruning_layer": stage == "compare",
+    }
+    return [name for name in TAG_TYPES if given.get(name, True)]
+
+
 def units(experiment: Experiment, stage: str) -> list[Unit]:
     """The grid of ``stage``: its units in the order they run."""
-    budgets = experiment.budgets if stage in ("compare", "variance") else (None,)
-    layered = stage in ("compare", "bench")
+    budgets = experiment.budgets if stage in BUDGETED_STAGES else (None,)
+    layered = stage in LAYERED_STAGES
     layers = experiment.layers if layered else (None,)
     return [
         Unit(cell, budget, layer, layered)

@@ -19,7 +19,7 @@ from rankkit.eval.compare import compare_store
 from rankkit.eval.variance import variance_store
 from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS
 from rankkit.shards import interleave, share
-from rankkit.sweep import TAG_TYPES, sweep
+from rankkit.sweep import sweep, tag_columns
 
 EXPERIMENT = """
 name = "tiny"
@@ -81,8 +81,8 @@ def finished(experiment, tmp_path_factory) -> Path:
     return out
 
 
-def _untagged(frame: pl.DataFrame) -> pl.DataFrame:
-    return frame.drop([name for name in TAG_TYPES if name in frame.columns])
+def _untagged(frame: pl.DataFrame, stage: str) -> pl.DataFrame:
+    return frame.drop(tag_columns(stage))
 
 
 def test_compare_and_variance_parquets_are_the_library_calls_on_each_store(finished):
@@ -94,14 +94,14 @@ def test_compare_and_variance_parquets_are_the_library_calls_on_each_store(finis
         store = finished / "stores" / f"{cell}.zarr"
         direct = compare_store(store, keep=0.2, workers=1)
         mine = {name: frame.filter(pl.col("cell") == cell) for name, frame in compared.items()}
-        assert_frame_equal(_untagged(mine[""]), direct.per_layer)
-        assert_frame_equal(_untagged(mine[".summary"]), direct.summary)
-        assert_frame_equal(_untagged(mine[".pairs"]), direct.pairs)
+        assert_frame_equal(_untagged(mine[""], "compare"), direct.per_layer)
+        assert_frame_equal(_untagged(mine[".summary"], "compare"), direct.summary)
+        assert_frame_equal(_untagged(mine[".pairs"], "compare"), direct.pairs)
         assert mine[""]["pruning_layer"].unique().to_list() == [direct.pruning_layer]
         assert mine[""]["budget"].unique().to_list() == ["keep=0.2"]
         assert mine[""]["layer_setting"].is_null().all()
         assert_frame_equal(
-            _untagged(curves.filter(pl.col("cell") == cell)),
+            _untagged(curves.filter(pl.col("cell") == cell), "variance"),
             variance_store(store, budget=0.2, workers=1).curves,
         )
     first = compared[""].filter(pl.col("cell") == "niah-192").row(0, named=True)
