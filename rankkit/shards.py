@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TypeVar
 
 Item = TypeVar("Item")
+BARRIER_TIMEOUT = timedelta(hours=24)
 
 
 def shard() -> tuple[int, int]:
@@ -83,7 +85,9 @@ def process_group(world: int) -> Iterator[None]:
         return
     import torch.distributed as dist
 
-    dist.init_process_group(_backend())
+    # A rank with a small share (or none) of a stage waits at the next barrier for the slowest,
+    # which may take hours; the default 30 minutes would end the run.
+    dist.init_process_group(_backend(), timeout=BARRIER_TIMEOUT)
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ compare's frames also carry ``pruning_layer``, the layer its probes are summaris
 
 Resume: each unit's result is kept under ``parts/<stage>/<cell>/`` as it finishes (the
 library's own files, written atomically, then a ``.done`` marker for multi-file results);
-capture and bench also resume inside a unit, example by example. A rerun skips every
+capture, oracle, bench and diffusion also resume inside a unit, example by example. A rerun skips every
 finished unit and stage output, so an interrupted sweep loses at most the examples in
 flight. ``experiment.toml`` in DIR is the experiment that made it: another one is refused
 unless ``overwrite``, which discards the previous sweep's outputs.
@@ -97,7 +97,7 @@ TAG_TYPES = {  # the columns naming a unit, leading every row of a stage's parqu
 
 @dataclass(frozen=True)
 class Unit:
-    """One cell of a stage's grid: a data cell, and the budget and layer setting where the stage varies them."""
+    """One point of a stage's grid: a data cell, and the budget and layer setting where the stage varies them."""
 
     cell: DataCell
     budget: Budget | None = None
@@ -264,8 +264,9 @@ def sweep(
     running = _running(plan, stages, experiment_path)
     layout = Layout(Path(out))
     rank, world = shard()
-    examples = check(plan, layout, running, experiment_path)
+    # Every rank checks before the process group forms, so before rank 0 writes anything.
     _check_directory(layout, plan, overwrite)
+    examples = check(plan, layout, running, experiment_path)
     run = Run(plan, layout, running, examples, workers)
     summary = SweepSummary(layout.root, plan.name, rank, world)
     started = time.perf_counter()
@@ -307,7 +308,6 @@ def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
         num_layers = config.num_hidden_layers
-        examples = _cell_examples(plan, config) if any(stage in MODEL_STAGES for stage in running) else {}
         for layer in plan.layers:
             if layer is not None and not 0 <= layer < num_layers:
                 raise RankkitError(f"layers: {layer} is not a layer of this model (0..{num_layers - 1})")
@@ -321,7 +321,9 @@ def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path
             _check_compare(plan, layout)
         if "variance" in plan.stages:
             variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
-    return examples
+        if any(stage in MODEL_STAGES for stage in running):
+            return _cell_examples(plan, config)  # last: it builds every example
+    return {}
 
 
 def _cell_examples(plan: Experiment, config) -> dict[str, int]:
@@ -603,8 +605,9 @@ def _merge(run: Run, stage: str, world: int) -> list[Path]:
         frames = [pl.read_parquet(path) for path in shares if path.exists()]
         by_example = [frame.partition_by(_EXAMPLE_COLUMN[stage], maintain_order=True) for frame in frames]
         outputs.write_parquet(pl.concat(interleave(by_example), how="diagonal_relaxed"), part)
-        for leftover in part.parent.glob(f"{unit.variant}.rank*"):  # those of another world size too
-            leftover.unlink()
+        for pattern in (f"{unit.variant}.rank*", f".{unit.variant}.rank*"):  # journals, other world sizes
+            for leftover in part.parent.glob(pattern):
+                leftover.unlink()
     return _write_stage_outputs(run, stage)
 
 
@@ -702,12 +705,14 @@ def _dashboard_stage(run: Run, step: _Counter) -> StageReport:
             report.skipped += 1
             step.advance(1, f"{cell.name} finished before")
             continue
-        write_dashboard(
-            layout.store(cell),
-            target,
-            bench=_cell_rows(bench, cell, first_layer=plan.layers[0]),
-            diffusion=_cell_rows(diffusion, cell),
-            workers=run.workers,
+        report.outputs.append(
+            write_dashboard(
+                layout.store(cell),
+                target,
+                bench=_cell_rows(bench, cell, first_layer=plan.layers[0]),
+                diffusion=_cell_rows(diffusion, cell),
+                workers=run.workers,
+            )
         )
         report.ran += 1
         step.advance(1, cell.name)
@@ -723,7 +728,6 @@ def _dashboard_stage(run: Run, step: _Counter) -> StageReport:
     facts = [("model", plan.model.name), ("stages", ", ".join(plan.stages)), ("cells", str(len(plan.data)))]
     if plan.description:
         facts.insert(0, ("about", plan.description))
-    report.outputs += [*map(layout.dashboard, plan.data)]
     report.outputs.append(write_index(layout.index, f"rankkit sweep: {plan.name}", facts, rows))
     return report
 
