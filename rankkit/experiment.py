@@ -363,6 +363,8 @@ def _read(table: dict[str, Any], fields: dict[str, Field], where: str) -> dict[s
             raise RankkitError(
                 f"{where}: {key} must be {field.kind.description}, not {_shown(value)}; e.g. {field.example}"
             )
+        if value == []:
+            raise RankkitError(f"{where}: {key} is an empty list; name at least one, e.g. {field.example}")
         if field.minimum is not None and any(item < field.minimum for item in _as_tuple(value)):
             raise RankkitError(
                 f"{where}: {key} must be at least {field.minimum}, not {_shown(value)}; e.g. {field.example}"

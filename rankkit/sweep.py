@@ -304,23 +304,27 @@ def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path
     weights load) and the directory: every cell's examples and prompt lengths, layers, methods and
     pairs, ASL's layers, and that the inputs of each running stage are in ``layout`` or made by a
     stage running with it. Returns each cell's number of examples when a model stage runs."""
-    with errors_in(str(path)):
+    with errors_in(f"{path} [model]"):
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
-        num_layers = config.num_hidden_layers
+    num_layers = config.num_hidden_layers
+    with errors_in(str(path)):
         for layer in plan.layers:
             if layer is not None and not 0 <= layer < num_layers:
                 raise RankkitError(f"layers: {layer} is not a layer of this model (0..{num_layers - 1})")
         _check_inputs(plan, layout, running)
-        if "bench" in plan.stages:
-            with warnings.catch_warnings():  # the bench stage itself warns of layer-less methods
-                warnings.simplefilter("ignore")
-                for layer in plan.layers:
-                    plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
-        if "compare" in plan.stages:
+    if "bench" in plan.stages:
+        with errors_in(f"{path} [bench]"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the bench stage itself warns of layer-less methods
+            for layer in plan.layers:
+                plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
+    if "compare" in plan.stages:
+        with errors_in(f"{path} [compare]"):
             _check_compare(plan, layout)
-        if "variance" in plan.stages:
+    if "variance" in plan.stages:
+        with errors_in(f"{path} [variance]"):
             variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
+    with errors_in(str(path)):
         if any(stage in MODEL_STAGES for stage in running):
             return _cell_examples(plan, config)  # last: it builds every example
     return {}

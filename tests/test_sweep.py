@@ -4,6 +4,7 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,37 @@ def test_a_unit_lost_is_redone_alone_and_the_stage_output_rewritten(finished, ex
     assert_frame_equal(pl.read_parquet(finished / "compare.summary.parquet"), expected)
 
 
+def test_an_interrupt_keeps_the_finished_units_and_the_rerun_finishes(
+    finished, experiment, tmp_path, monkeypatch
+):
+    from rankkit.errors import Interrupted
+    from rankkit.eval import compare
+
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    expected = pl.read_parquet(out / "compare.parquet")
+    for path in [*out.glob("compare*.parquet"), *(out / "parts/compare").rglob("*.done")]:
+        path.unlink()
+    calls = []
+    real = compare.compare_store
+
+    def ctrl_c_on_the_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "compare_store", ctrl_c_on_the_second)
+    with pytest.raises(Interrupted, match=f"kept every finished unit in {out}"):
+        sweep(experiment, out, stages=["compare"], workers=1)
+    assert [path.parent.name for path in (out / "parts/compare").rglob("*.done")] == ["niah-256"]
+    assert not (out / "compare.parquet").exists()
+    monkeypatch.setattr(compare, "compare_store", real)
+    summary = sweep(experiment, out, stages=["compare"], workers=1)
+    assert [(report.ran, report.skipped) for report in summary.stages] == [(1, 1)]
+    assert_frame_equal(pl.read_parquet(out / "compare.parquet"), expected)
+
+
 def test_two_gloo_ranks_give_the_one_rank_result(finished, experiment, tmp_path):
     out = tmp_path / "sharded"
     command = [
@@ -250,6 +282,7 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         (("depths = [25, 75]", "depths = [25, 175]"), r"\[\[data\]\] #2: depths must be percentages"),
         (("n=2,length=256", "n=2,length=9999"), "more than the model's 512 positions"),
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
+        (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
     ],
 )
