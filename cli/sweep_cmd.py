@@ -38,7 +38,7 @@ def sweep(
     threads: Threads = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run an experiment file's grid: models x data x probes x methods x keep rates x layers, stage by stage.
+    """Run an experiment file's grid (data cells x probes x methods x keep rates x layers), stage by stage.
 
     Everything is checked before any model loads. Under torchrun every rank takes its share of
     each cell's examples in the model stages (capture, oracle, bench, diffusion) and rank 0

@@ -9,6 +9,10 @@ compare and variance parquets. Every mean is shown with its 95% interval over ex
 n (``rankkit.eval.stats``).
 
     python docs/experiments/rankings.py --out runs/findings/rankings
+
+Stores the earlier version of this script captured (``runs/findings/<task>.zarr``) hold the
+same specs, probes, oracle and draft: moved to ``<out>/stores/<task>-2048.zarr`` they resume
+with nothing left to capture.
 """
 
 from __future__ import annotations
