@@ -50,10 +50,13 @@ jscheck:
 	@command -v node >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs >/dev/null)
 	for script in rankkit/report/assets/*.js tests/assets/*.js; do node --check $$script || exit 1; done
 
-# Recaptures (resuming) what docs/findings.md's rankings tables come from and rewrites them:
-# 5 tasks x 50 examples of 2,048 tokens, about an hour on two cores. Not part of `make test`.
+# Reruns (resuming, with `rankkit sweep`) the experiments of docs/experiments/*.toml and rewrites
+# docs/findings.md's tables from their parquets: the rankings (5 tasks x 50 examples of 2,048
+# tokens, about an hour on two cores) and the end-to-end grid (13 methods x 3 keep rates on one
+# example per task). Not part of `make test`.
 findings: $(STAMP)
-	$(BIN)/python docs/experiments/rankings.py --examples 50 --runs runs/findings
+	$(BIN)/python docs/experiments/rankings.py --out runs/findings/rankings
+	$(BIN)/python docs/experiments/end_to_end.py --out runs/findings/end_to_end
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

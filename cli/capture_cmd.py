@@ -94,8 +94,8 @@ def capture(
     A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
     """
     from rankkit.capture import capture as run_capture
-    from rankkit.capture import shard
     from rankkit.progress import ignore
+    from rankkit.shards import shard
 
     use_threads(threads)
     rank, _ = shard()
@@ -140,10 +140,14 @@ def oracle(
     """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
 
     Settings other than those of the store's oracles are refused unless --redo. Ctrl-C or
-    SIGTERM keeps every oracle written and exits 130; the same command resumes.
+    SIGTERM keeps every oracle written and exits 130; the same command resumes. Under
+    torchrun each rank adds the oracles of its share of the examples.
     """
     from rankkit.capture import add_oracle
+    from rankkit.progress import ignore
+    from rankkit.shards import shard
 
+    rank, _ = shard()
     with progress_bar("oracle") as show:
         summary = add_oracle(
             store,
@@ -151,7 +155,8 @@ def oracle(
             model=model,
             device=device,
             redo=redo,
-            progress=show,
+            progress=show if rank == 0 else ignore,
             device_map=device_map,
         )
-    _print_summary(summary, as_json, f"oracle → {summary.out}")
+    if rank == 0:
+        _print_summary(summary, as_json, f"oracle → {summary.out}")

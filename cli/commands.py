@@ -12,4 +12,5 @@ from rankkit.cli import (
     run_cmd,  # noqa: F401
     select_cmd,  # noqa: F401
     store_cmd,  # noqa: F401
+    sweep_cmd,  # noqa: F401
 )

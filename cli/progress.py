@@ -32,3 +32,28 @@ def progress_bar(what: str) -> Iterator:
         yield show
     finally:
         bar.stop()
+
+
+@contextmanager
+def stage_bars(what: str) -> Iterator:
+    """A callback for ``Progress`` events of several stages: one bar per stage, in the order they start."""
+    bars = Progress(
+        TextColumn("[bold]{task.fields[stage]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=status,
+    )
+    tasks: dict[str, int] = {}
+
+    def show(event) -> None:
+        bars.start()
+        if event.stage not in tasks:
+            tasks[event.stage] = bars.add_task("", total=None, stage=f"{what} {event.stage}")
+        bars.update(tasks[event.stage], completed=event.done, total=event.total, description=event.detail)
+
+    try:
+        yield show
+    finally:
+        bars.stop()

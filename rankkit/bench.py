@@ -38,6 +38,7 @@ from rankkit.methods.measure import CostModel, Measured, cached_calibration, cal
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
+from rankkit.shards import share
 
 FULL = "full"
 COST_MODEL = "cost_model"  # the journal note a resumed bench reuses
@@ -365,6 +366,7 @@ def bench(
     settings: BenchSettings = BenchSettings(),
     setup: Setup = Setup(),
     progress: ProgressCallback = ignore,
+    shard: tuple[int, int] = (0, 1),
 ) -> pl.DataFrame:
     """The methods x budgets grid over the examples of ``data``: one row per (example, method, budget).
 
@@ -373,6 +375,10 @@ def bench(
     ``Interrupted`` naming what was kept, and the same call again resumes, skipping finished
     examples and reusing the first run's cost model, so its output equals an uninterrupted
     run's but for timings. The frame is written to ``out`` atomically at the end.
+
+    ``shard`` = (rank, world) runs only that rank's ``rankkit.shards.share`` of the examples
+    (every prompt is still checked), calibrating its own cost model on its first prompt;
+    ``rankkit.shards.interleave`` of the ranks' rows by example restores the order.
     """
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)
@@ -391,11 +397,16 @@ def bench(
         "options": asdict(options),
         "settings": asdict(settings),
     }
+    if shard != (0, 1):  # a share is its own run; whole runs keep the identity they always had
+        identity["shard"] = list(shard)
     loaded, runner = setup.load()
     examples = load_examples(data, loaded.tokenizer)[:limit]
     if not examples:
         raise RankkitError(f"{data} has no examples")
     prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)
+    examples, prompts = (share(items, *shard) for items in (examples, prompts))
+    if not examples:
+        raise RankkitError(f"rank {shard[0]} of {shard[1]} has no example of {data}; run fewer ranks")
     journal = outputs.Journal(out, identity, overwrite=overwrite)
     by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
     with keep_on_interrupt(journal.kept):

@@ -4,7 +4,7 @@ Every example gets one prefill through the runner with a ``ProbeRecorder`` on it
 ``oracle=True`` the same prefill is reused for the Answer-Informed Oracle's decode. An
 example is written whole, its ``complete`` flag last, so a killed run resumes where it
 stopped and never trusts half an example. Under ``torchrun`` each rank takes every
-WORLD_SIZE-th example and writes into the same store.
+WORLD_SIZE-th example and writes into the same store (``rankkit.shards``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt, reference_answer
 from rankkit.runner import Runner, layer_types
+from rankkit.shards import rank_device, shard, share, share_size, wait_for_other_ranks
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,6 @@ class CaptureSummary:
     @property
     def accuracy(self) -> float | None:
         return float(np.mean(self.correct)) if self.correct else None
-
-
-def shard() -> tuple[int, int]:
-    """(rank, world size) under torchrun / accelerate launch, else (0, 1)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
@@ -197,6 +193,18 @@ def oracle_for(
     return result, oracle_attrs
 
 
+def capture_probes(probes: str) -> list:
+    """The probes ``capture(probes=...)`` records: those named, or for "all" every probe and every
+    probe setting a registered method ranks by (``probes_methods_need``)."""
+    probe_list = parse_probes(probes)
+    if probes.strip() == "all":
+        from rankkit.methods import probes_methods_need
+
+        keys = {probe.key for probe in probe_list}
+        probe_list += [probe for probe in probes_methods_need() if probe.key not in keys]
+    return probe_list
+
+
 def capture(
     *,
     model: str = defaults.MODEL,
@@ -228,14 +236,8 @@ def capture(
     import time
 
     rank, world = shard()
-    if world > 1 and torch.cuda.is_available() and device == "auto":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
-    probe_list = parse_probes(probes)
-    if probes.strip() == "all":  # every probe, and every probe setting a registered method ranks by
-        from rankkit.methods import probes_methods_need
-
-        keys = {probe.key for probe in probe_list}
-        probe_list += [probe for probe in probes_methods_need() if probe.key not in keys]
+    device = rank_device(device)
+    probe_list = capture_probes(probes)
     stores.check_score_dtype(score_dtype)
     # float32 stays implicit, so stores captured before the option existed still resume
     stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
@@ -253,12 +255,10 @@ def capture(
     writer = stores.create(out, meta, overwrite=overwrite and rank == 0)
     if oracle is not None:
         check_oracle_settings(out, oracle)
-    summary = CaptureSummary(out=str(Path(out)), total=len(range(rank, len(examples), world)))
+    summary = CaptureSummary(out=str(Path(out)), total=share_size(len(examples), rank, world))
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept):
-        for index, example in enumerate(examples):
-            if index % world != rank:
-                continue
+        for example in share(examples, rank, world):
             summary.examples += 1
             if (
                 writer.is_complete(example.id)
@@ -289,7 +289,7 @@ def capture(
                 write_draft_scores(writer, runner, drafter, example.id, ids)
             summary.count(progress, example.id, prompt.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
-    _wait_for_other_ranks(world)
+    wait_for_other_ranks(world)
     return summary
 
 
@@ -324,14 +324,16 @@ def add_oracle(
     """Add the Answer-Informed Oracle to every complete example of a store captured earlier.
 
     The model is the store's own (its weights hash must match) unless ``model`` names
-    the folder or hub id it was captured from.
+    the folder or hub id it was captured from. Under ``torchrun`` each rank takes its
+    ``share`` of the examples, as ``capture`` does.
     """
     import time
 
+    rank, world = shard()
     store = stores.open(store_path)
     meta = store.meta
     spec = model or ("default" if meta["model"]["id"] == models.DEFAULT_MODEL_NAME else meta["model"]["id"])
-    loaded = models.load(spec, device=device, device_map=device_map)
+    loaded = models.load(spec, device=rank_device(device), device_map=device_map)
     if loaded.weights_hash != meta["model"]["weights_hash"]:
         raise RankkitError(
             f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
@@ -340,7 +342,7 @@ def add_oracle(
         check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
-    records = list(store.examples())
+    records = share(list(store.examples()), rank, world)
     summary = CaptureSummary(out=str(store_path), total=len(records))
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept):
@@ -355,16 +357,5 @@ def add_oracle(
             )
             summary.count(progress, record.id, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started
+    wait_for_other_ranks(world)
     return summary
-
-
-def _wait_for_other_ranks(world: int) -> None:
-    """Under torchrun, return only when every rank has written its share."""
-    if world == 1:
-        return
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    dist.barrier()
-    dist.destroy_process_group()

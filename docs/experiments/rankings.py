@@ -1,67 +1,55 @@
 """The rankings section of docs/findings.md, written by code: ``make findings`` runs this.
 
-One store per task (niah and four RULER tasks, ``--examples`` prompts of 2,048 tokens each,
-every probe, the Answer-Informed Oracle and SpecPrefill's draft scores) under ``--runs``,
-captured unless already complete (a rerun resumes); then ``compare`` and ``variance`` per
-task through the library, and the text between the ``<!-- rankings:begin -->`` and
-``<!-- rankings:end -->`` markers of docs/findings.md is replaced with the tables. Every
-mean is shown with its 95% interval over examples and n (``rankkit.eval.stats``).
+Runs docs/experiments/rankings.toml with ``rankkit sweep`` into ``--out`` (resuming what is
+there: one store per task, niah and four RULER tasks, 50 prompts of 2,048 tokens each, every
+probe, the Answer-Informed Oracle and SpecPrefill's draft scores; compare and variance per
+task), then replaces the text between the ``<!-- rankings:begin -->`` and
+``<!-- rankings:end -->`` markers of docs/findings.md with tables read from the sweep's
+compare and variance parquets. Every mean is shown with its 95% interval over examples and
+n (``rankkit.eval.stats``).
 
-    python docs/experiments/rankings.py --examples 50 --runs runs/findings
+    python docs/experiments/rankings.py --out runs/findings/rankings
+
+Stores the earlier version of this script captured (``runs/findings/<task>.zarr``) hold the
+same specs, probes, oracle and draft: moved to ``<out>/stores/<task>-2048.zarr`` they resume
+with nothing left to capture.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import polars as pl
+from findings import FINDINGS, cell_frame, rewrite_section, run_experiment
 
-from rankkit import models, outputs
-from rankkit.capture import OracleOptions, capture
-from rankkit.cli.progress import progress_bar
-from rankkit.eval.compare import compare_store, pairs_at_layer
+from rankkit.eval.compare import pairs_at_layer
 from rankkit.eval.stats import interval_columns, with_interval
-from rankkit.eval.variance import variance_store
-from rankkit.methods.specprefill import self_draft_spec
+from rankkit.experiment import DataCell
 
-TASKS = {
-    "niah": "niah:n={n},length=2048",
-    "niah_single_2": "ruler:task=niah_single_2,n={n},length=2048",
-    "niah_multikey_1": "ruler:task=niah_multikey_1,n={n},length=2048",
-    "vt": "ruler:task=vt,n={n},length=2048",
-    "qa_1": "ruler:task=qa_1,n={n},length=2048",
-}
 SHOWN_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29)
 SUMMARY_METRICS = ("spearman", "recall_at_10", "needle_recall")
-FINDINGS = Path(__file__).resolve().parents[1] / "findings.md"
-BEGIN, END = "<!-- rankings:begin -->", "<!-- rankings:end -->"
-
-
-def capture_task(task: str, spec: str, store: Path) -> None:
-    draft = self_draft_spec(models.load_config("default").num_hidden_layers)
-    with progress_bar(f"capture {task}") as show:
-        capture(data=spec, out=store, probes="all", oracle=OracleOptions(), draft=draft, progress=show)
 
 
 def cell(row: dict, metric: str) -> str:
     return with_interval(row[metric], *(row[name] for name in interval_columns(metric)))
 
 
-def task_section(task: str, store: Path) -> str:
-    result = compare_store(store)
-    n = result.per_layer["example"].n_unique()
-    lines = [f"### {task} (n = {n}, 2,048 tokens)", ""]
+def task_section(out: Path, data: DataCell) -> str:
+    """One task's tables from the sweep's compare and variance parquets."""
+    per_layer = pl.read_parquet(out / "compare.parquet").filter(pl.col("cell") == data.name)
+    pruning_layer = per_layer["pruning_layer"][0]
+    n = per_layer["example"].n_unique()
+    lines = [f"### {data.dataset} (n = {n}, {data.length:,} tokens)", ""]
     lines += [
-        f"At each method's own layer (probes and KV-only methods at l_p = {result.pruning_layer}); "
+        f"At each method's own layer (probes and KV-only methods at l_p = {pruning_layer}); "
         "mean [95% interval] over examples:",
         "",
         "| method | layer | ρ | top-10% recall | needle recall | mean ρ over layers | min ρ (layer) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    stability = {row["method"]: row for row in result.stability.to_dicts()}
-    for row in result.summary.to_dicts():
+    stability = {row["method"]: row for row in cell_frame(out, "compare.stability", data).to_dicts()}
+    for row in cell_frame(out, "compare.summary", data).to_dicts():
         steady = stability[row["method"]]
         trough = "–" if steady["min_spearman"] is None else f"{steady['min_spearman']:.2f}"
         trough += "" if steady["trough_layer"] is None else f" ({steady['trough_layer']})"
@@ -69,7 +57,7 @@ def task_section(task: str, store: Path) -> str:
         mean = "–" if steady["mean_spearman"] is None else f"{steady['mean_spearman']:.2f}"
         metrics = " | ".join(cell(row, metric) for metric in SUMMARY_METRICS)
         lines.append(f"| {row['method']} | {layer} | {metrics} | {mean} | {trough} |")
-    curve = result.curve.filter(pl.col("layer").is_in(SHOWN_LAYERS))
+    curve = cell_frame(out, "compare.curve", data).filter(pl.col("layer").is_in(SHOWN_LAYERS))
     lines += [
         "",
         "Mean ρ per layer:",
@@ -84,9 +72,9 @@ def task_section(task: str, store: Path) -> str:
                 "" if by_layer.get(layer) is None else f"{by_layer[layer]:.2f}" for layer in SHOWN_LAYERS
             ]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    paired = pairs_at_layer(result.pairs, result.pruning_layer)
+    paired = pairs_at_layer(cell_frame(out, "compare.pairs", data), pruning_layer)
     if paired.height:
-        lines += ["", f"Paired differences in ρ at l_p = {result.pruning_layer} (Wilcoxon signed-rank):", ""]
+        lines += ["", f"Paired differences in ρ at l_p = {pruning_layer} (Wilcoxon signed-rank):", ""]
         lines += [
             "| pair | Δρ [95% interval] | p | layers higher, p < 0.05 | layers lower, p < 0.05 |",
             "|---|---:|---:|---:|---:|",
@@ -97,11 +85,12 @@ def task_section(task: str, store: Path) -> str:
                 f"| {row['method']} − {row['baseline']} | {cell(row, 'difference')} | {p_value} | "
                 f"{row['higher_layers']} | {row['lower_layers']} |"
             )
-    variance = variance_store(store)
-    chosen = variance.selections.group_by("tau", maintain_order=True).agg(
-        pl.col("selection_layer").is_not_null().sum().alias("selected"), pl.len().alias("examples")
+    chosen = (
+        cell_frame(out, "variance.selections", data)
+        .group_by("tau", maintain_order=True)
+        .agg(pl.col("selection_layer").is_not_null().sum().alias("selected"), pl.len().alias("examples"))
     )
-    means = variance.means.sort("layer").filter(pl.col("layer") % 3 == 0)
+    means = cell_frame(out, "variance.means", data).sort("layer").filter(pl.col("layer") % 3 == 0)
     curve_text = ", ".join(f"l{row['layer']} {cell(row, 'relative_variance')}" for row in means.to_dicts())
     lines += ["", f"ASL relative rank variance (mean [95% interval]): {curve_text}.", ""]
     lines.append(
@@ -114,20 +103,11 @@ def task_section(task: str, store: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=50)
-    parser.add_argument("--runs", type=Path, default=Path("runs/findings"))
+    parser.add_argument("--out", type=Path, default=Path("runs/findings/rankings"))
     args = parser.parse_args()
-    sections = []
-    for task, spec in TASKS.items():
-        store = args.runs / f"{task}.zarr"
-        capture_task(task, spec.format(n=args.examples), store)
-        sections.append(task_section(task, store))
-    text = FINDINGS.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
-    if not pattern.search(text):
-        raise SystemExit(f"{FINDINGS} has no {BEGIN} ... {END} section to fill")
-    body = "\n\n".join(sections)
-    outputs.write_text(pattern.sub(lambda _: f"{BEGIN}\n{body}\n{END}", text), FINDINGS)
+    experiment = run_experiment("rankings", args.out)
+    sections = [task_section(args.out, data) for data in experiment.data]
+    rewrite_section("rankings", "\n\n".join(sections))
     print(f"wrote {len(sections)} task tables into {FINDINGS}")
 
 

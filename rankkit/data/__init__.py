@@ -8,13 +8,21 @@ metric that scores it.
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.metrics import METRICS, score
-from rankkit.data.spec import DataSpec, export_spec, load_examples, parse_spec, read_spec
+from rankkit.data.spec import (
+    DataSpec,
+    export_spec,
+    format_spec,
+    load_examples,
+    parse_spec,
+    read_spec,
+)
 
 __all__ = [
     "METRICS",
     "Example",
     "export_jsonl",
     "export_spec",
+    "format_spec",
     "load_examples",
     "load_jsonl",
     "parse_spec",

@@ -45,6 +45,23 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return kind, _parameters(kind, spec, rest)
 
 
+def format_spec(kind: str, params: dict[str, object]) -> str:
+    """The spec string of ``kind`` (niah or ruler) with ``params``, keys in their usual order and
+    ``depths`` joined by ';', None meaning not given: ``format_spec("ruler", {"task": "vt", "length": 2048})``
+    is "ruler:task=vt,length=2048". ``read_spec`` checks it like any spec."""
+    if kind not in ("niah", "ruler"):
+        raise RankkitError(f"unknown data kind '{kind}'; {USAGE}")
+    unknown = [key for key, value in params.items() if value is not None and key not in KEYS[kind]]
+    if unknown:
+        raise RankkitError(f"{kind} does not take {', '.join(unknown)}; its keys are {', '.join(KEYS[kind])}")
+    items = [
+        f"{key}={';'.join(f'{depth:g}' for depth in params[key]) if key == 'depths' else params[key]}"
+        for key in KEYS[kind]
+        if params.get(key) is not None
+    ]
+    return f"{kind}:{','.join(items)}"
+
+
 def _parameters(kind: str, spec: str, text: str) -> dict[str, str]:
     params: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

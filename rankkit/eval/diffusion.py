@@ -41,6 +41,7 @@ from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import example_prompt, reference_answer
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
+from rankkit.shards import share
 
 SCHEMA = {
     "example": pl.String,
@@ -232,6 +233,7 @@ def diffusion_probe(
     overwrite: bool = False,
     allow_overlength: bool = False,
     progress: ProgressCallback = ignore,
+    shard: tuple[int, int] = (0, 1),
 ) -> pl.DataFrame:
     """The probe over the examples of a data spec (e.g. ``niah:n=4,length=1024``), one frame for all.
 
@@ -239,6 +241,7 @@ def diffusion_probe(
     ``overwrite``) and each example's rows are kept as they finish (``outputs.Journal``):
     SIGINT or SIGTERM stops with ``Interrupted`` naming what was kept, and the same call
     again resumes, skipping finished examples. ``progress`` gets an event per example.
+    ``shard`` = (rank, world) probes only that rank's ``rankkit.shards.share`` of the examples.
     """
     config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
@@ -251,9 +254,12 @@ def diffusion_probe(
         "limit": limit,
         "max_new_tokens": max_new_tokens,
     }
+    if shard != (0, 1):  # a share is its own run; whole runs keep the identity they always had
+        identity["shard"] = list(shard)
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
+    examples = share(examples, *shard)
     journal = outputs.Journal(out, identity, overwrite=overwrite)
     runner = Runner(loaded.model)
     with keep_on_interrupt(journal.kept):

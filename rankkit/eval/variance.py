@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
 DEFAULT_BUDGET = 0.1
+DEFAULT_METHOD = "asl"
 
 
 def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
@@ -100,10 +101,33 @@ class VarianceResult:
         return rows
 
 
+def curve_method(
+    method: str = DEFAULT_METHOD, min_layer: int | None = None, observed_layers: int | None = None
+) -> Asl:
+    """The ASL method ``method`` (``asl:window_size=8``) whose curve ``variance_store`` draws, with
+    L_min and L_obs overridden where given."""
+    asl = method_from_spec(method)
+    if not isinstance(asl, Asl):
+        raise RankkitError(f"rankkit variance follows ASL's curve; name asl or asl-2pass, not {method!r}")
+    overrides = {"min_layer": min_layer, "observed_layers": observed_layers}
+    return replace(asl, **{name: value for name, value in overrides.items() if value is not None})
+
+
+def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
+    """``asl`` bound to a model of ``num_layers`` layers, its L_min and L_obs checked against them."""
+    bound = asl.bind(num_layers)
+    if not 0 <= bound.min_layer < num_layers or bound.observed_layers < 1:
+        raise RankkitError(
+            f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
+            f"{num_layers} layers; adjust --l-min or --l-obs"
+        )
+    return bound
+
+
 def variance_store(
     path: str | os.PathLike | Store,  # a path, or a store already open
     *,
-    method: str = "asl",
+    method: str = DEFAULT_METHOD,
     budget: float | int = DEFAULT_BUDGET,
     min_layer: int | None = None,
     observed_layers: int | None = None,
@@ -122,22 +146,13 @@ def variance_store(
     from .compare import scored_layers
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
-    asl = method_from_spec(method)
-    if not isinstance(asl, Asl):
-        raise RankkitError(f"rankkit variance follows ASL's curve; name asl or asl-2pass, not {method!r}")
-    overrides = {"min_layer": min_layer, "observed_layers": observed_layers}
-    asl = replace(asl, **{name: value for name, value in overrides.items() if value is not None})
+    asl = curve_method(method, min_layer, observed_layers)
     store = stores.open(path)
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
-    bound = asl.bind(scored_layers(records))
-    if not 0 <= bound.min_layer < scored_layers(records) or bound.observed_layers < 1:
-        raise RankkitError(
-            f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
-            f"{scored_layers(records)} layers; adjust --l-min or --l-obs"
-        )
+    bound = bound_curve_method(asl, scored_layers(records))
     evaluate = partial(variance_example, asl=asl, budget=Budget.parse(budget), thresholds=tuple(thresholds))
     curve_frames, selection_rows = [], []
     for curve_frame, rows in map_examples(

@@ -32,7 +32,7 @@ from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 
 from . import figures
-from .html import Control, Page, Panel, encode_array, render
+from .html import Control, Page, Panel, encode_array, render, render_index
 
 # The explorer's arrays (before base64) stay under this; with plotly.js (4.8 MB), the token
 # texts and the other panels a 50-example, 4k-token, 5-probe, 30-layer store comes out near 16 MB.
@@ -55,7 +55,7 @@ BENCH_COMMAND = (
 )
 DIFFUSION_COMMAND = "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet"
 
-__all__ = ["write_dashboard"]
+__all__ = ["write_dashboard", "write_index"]
 
 
 def write_dashboard(
@@ -94,6 +94,19 @@ def write_dashboard(
     explored = _explorer_sample(records, explore, store_path)
     page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
     return outputs.write_text(render(page), out_path)
+
+
+def write_index(
+    out_path: str | os.PathLike,
+    title: str,
+    facts: Sequence[tuple[str, str]],
+    rows: Sequence[dict[str, str]],
+    *,
+    link: str = "dashboard",
+) -> Path:
+    """A page linking several dashboards (one row each, ``link`` holding the dashboard's path
+    relative to ``out_path``), written atomically over any page there."""
+    return outputs.write_text(render_index(title, facts, rows, link), out_path)
 
 
 def _frame(

@@ -160,3 +160,41 @@ def render(page: Page) -> str:
 </body>
 </html>
 """
+
+
+def render_index(
+    title: str, facts: Sequence[tuple[str, str]], rows: Sequence[dict[str, str]], link: str
+) -> str:
+    """A page of links to other pages, with the dashboards' style: one table row per entry of ``rows``
+    (its keys are the columns), the ``link`` column's value being the linked page's relative path."""
+    columns = list(rows[0]) if rows else [link]
+    head = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td><a href="{html.escape(row[column])}">{html.escape(row[column])}</a></td>'
+            if column == link
+            else f"<td>{html.escape(row[column])}</td>"
+            for column in columns
+        )
+        + "</tr>"
+        for row in rows
+    )
+    fact_items = "".join(
+        f"<div><dt>{html.escape(key)}</dt><dd>{html.escape(value)}</dd></div>" for key, value in facts
+    )
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(title)}</title>
+<style>{asset("dashboard.css")}
+table.index {{ border-collapse: collapse; }} table.index th, table.index td {{ text-align: left; padding: 4px 14px 4px 0; }}</style>
+</head>
+<body>
+<header><h1>{html.escape(title)}</h1><dl class="facts">{fact_items}</dl></header>
+<main><section class="panel"><table class="index"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section></main>
+</body>
+</html>
+"""

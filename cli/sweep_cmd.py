@@ -1,0 +1,84 @@
+"""`rankkit sweep EXPERIMENT.toml --out DIR`: an experiment's grid, every stage, into one directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rankkit.cli.app import app, use_threads
+from rankkit.cli.options import AsJson, Threads, Workers, comma_list
+from rankkit.cli.progress import stage_bars
+
+
+@app.command("sweep")
+def sweep(
+    experiment: Path = typer.Argument(
+        ..., help="The experiment file (TOML; docs/sweeps.md shows every field)."
+    ),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        help="The directory to run into: one store per data cell, one parquet per stage, the dashboards. "
+        "Rerunning resumes it; another experiment's directory is refused. (default: runs/<file name>)",
+    ),
+    stages: str | None = typer.Option(
+        None,
+        "--stages",
+        help="Run only these of the experiment's stages, comma-separated (e.g. capture,oracle under torchrun, "
+        "then compare,variance,dashboard); the stages they read must have run. (default: all of them)",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Discard what a previous sweep wrote into --out, and start over."
+    ),
+    workers: Workers = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run an experiment file's grid (data cells x probes x methods x keep rates x layers), stage by stage.
+
+    Everything is checked before any model loads. Under torchrun every rank takes its share of
+    each cell's examples in the model stages (capture, oracle, bench, diffusion) and rank 0
+    merges them and runs the others. Ctrl-C or SIGTERM keeps every finished unit and example
+    and exits 130; the same command resumes.
+    """
+    from rankkit.progress import ignore
+    from rankkit.shards import shard
+    from rankkit.sweep import sweep as run_sweep
+
+    use_threads(threads)
+    rank, _ = shard()
+    with stage_bars("sweep") as show:
+        summary = run_sweep(
+            experiment,
+            out or Path("runs") / experiment.stem,
+            stages=comma_list(stages, "--stages") or None,
+            overwrite=overwrite,
+            workers=workers,
+            progress=show if rank == 0 else ignore,
+        )
+    if rank != 0:
+        return
+    rows = [
+        {
+            "stage": report.stage,
+            "ran": report.ran,
+            "skipped": report.skipped,
+            "outputs": [str(path) for path in report.outputs],
+        }
+        for report in summary.stages
+    ]
+    if as_json:
+        typer.echo(
+            json.dumps({"out": str(summary.out), "seconds": round(summary.seconds, 3), "stages": rows})
+        )
+        return
+    table = Table(title=f"sweep {summary.experiment} → {summary.out} ({summary.seconds:.1f} s)")
+    for column in ("stage", "ran", "skipped (finished before)", "wrote"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["stage"], str(row["ran"]), str(row["skipped"]), "\n".join(row["outputs"]) or "-")
+    Console().print(table)
