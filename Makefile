@@ -52,11 +52,13 @@ jscheck:
 
 # Reruns (resuming, with `rankkit sweep`) the experiments of docs/experiments/*.toml and rewrites
 # docs/findings.md's tables from their parquets: the rankings (5 tasks x 50 examples of 2,048
-# tokens, about an hour on two cores) and the end-to-end grid (13 methods x 3 keep rates on one
-# example per task). Not part of `make test`.
+# tokens, about an hour on two cores) and the end-to-end grids (13 methods x 3 keep rates on one
+# example per task, and on 20 examples of two tasks at 1,024 tokens: about two hours more).
+# Not part of `make test`.
 findings: $(STAMP)
 	$(BIN)/python docs/experiments/rankings.py --out runs/findings/rankings
-	$(BIN)/python docs/experiments/end_to_end.py --out runs/findings/end_to_end
+	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end
+	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end_20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,52 +1,57 @@
-"""The end-to-end table of docs/findings.md, written by code: ``make findings`` runs this.
+"""The end-to-end tables of docs/findings.md, written by code: ``make findings`` runs this.
 
-Runs docs/experiments/end_to_end.toml with ``rankkit sweep`` into ``--out`` (resuming what
-is there: 13 methods at keep 0.1, 0.2 and 0.4 on one example per task, one torch thread),
-then replaces the text between the ``<!-- end_to_end:begin -->`` and
-``<!-- end_to_end:end -->`` markers of docs/findings.md with the table read from the sweep's
-bench.parquet: per method the score at each task and keep rate (``rankkit.bench.summary``'s
-accuracy; full runs once and stands for every keep rate), then the mean measured and ideal
-TTFT ratios to full over the tasks at the first keep rate.
+Runs ``docs/experiments/EXPERIMENT.toml`` (``--experiment``: ``end_to_end``, one example per
+task, or ``end_to_end_20``, 20 per task) with ``rankkit sweep`` into ``--out`` (resuming what
+is there; one torch thread), then replaces the text between the ``<!-- EXPERIMENT:begin -->``
+and ``<!-- EXPERIMENT:end -->`` markers of docs/findings.md with the table read from the
+sweep's bench.parquet: per method the score at each task and keep rate with its 95% interval
+(``rankkit.bench.summary``: Wilson for right/wrong scores; full runs once and stands for
+every keep rate), then the mean measured and ideal TTFT ratios to full over the tasks at the
+first keep rate.
 
-    python docs/experiments/end_to_end.py --out runs/findings/end_to_end
+``--bench TASK=FILE`` (once per task) reads rows ``rankkit bench --out FILE`` made with the
+experiment's settings instead of running the sweep: the finished parquet, or the journal of a
+run still unfinished (``.FILE.unfinished.jsonl``: its finished examples).
+
+    python docs/experiments/end_to_end.py --experiment end_to_end_20 --out runs/findings/end_to_end_20
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import polars as pl
 import torch
-from findings import FINDINGS, cell_frame, rewrite_section, run_experiment
+from findings import EXPERIMENTS, FINDINGS, cell_frame, rewrite_section, run_experiment
 
 from rankkit.bench import FULL, summary
-from rankkit.experiment import Experiment
+from rankkit.eval.stats import interval_columns, with_interval
+from rankkit.experiment import Experiment, read_experiment
 
-EXPERIMENT = "end_to_end"
 
-
-def table(out: Path, experiment: Experiment) -> str:
+def table(per_task: dict[str, pl.DataFrame], experiment: Experiment, source: str) -> str:
+    """The markdown table of ``per_task`` bench summaries (``rankkit.bench.summary``)."""
     budgets = [budget.label for budget in experiment.budgets]
     first = budgets[0]
-    per_task = {data.dataset: summary(cell_frame(out, "bench", data)) for data in experiment.data}
 
     def at(frame: pl.DataFrame, method: str, budget: str) -> dict:
         rows = frame.filter((pl.col("method") == method) & ((pl.col("budget") == budget) | (method == FULL)))
         return rows.row(0, named=True)
 
-    header = [f"{task} @ {budget}" for task in per_task for budget in budgets]
+    def score(row: dict) -> str:
+        return with_interval(row["accuracy"], *(row[name] for name in interval_columns("accuracy")))
+
+    sizes = {task: at(frame, FULL, first)["n_examples"] for task, frame in per_task.items()}
+    header = [f"{task} (n = {sizes[task]}) @ {budget}" for task in per_task for budget in budgets]
     lines = [
         "| method | " + " | ".join(header) + f" | mean TTFT ratio @ {first.removeprefix('keep=')} "
         f"| ideal @ {first.removeprefix('keep=')} |",
         "|---|" + "---:|" * (len(header) + 2),
     ]
     for method in experiment.bench.methods:
-        scores = [
-            f"{at(frame, method, budget)['accuracy']:.2f}"
-            for frame in per_task.values()
-            for budget in budgets
-        ]
+        scores = [score(at(frame, method, budget)) for frame in per_task.values() for budget in budgets]
         ratios = [
             sum(at(frame, method, first)[column] for frame in per_task.values()) / len(per_task)
             for column in ("ttft_ratio", "ideal_ratio")
@@ -54,21 +59,38 @@ def table(out: Path, experiment: Experiment) -> str:
         lines.append(
             f"| {method} | " + " | ".join(scores) + "".join(f" | {ratio:.2f}" for ratio in ratios) + " |"
         )
-    lines += [
-        "",
-        f"Written by `make findings` from `docs/experiments/{EXPERIMENT}.toml`: every row from the same run.",
-    ]
+    lines += ["", f"Written by `make findings` from `docs/experiments/{experiment.name}.toml`: {source}."]
     return "\n".join(lines)
+
+
+def bench_rows(path: Path) -> pl.DataFrame:
+    """The rows of ``rankkit bench --out PATH``: the parquet, or the finished examples of its journal."""
+    if path.is_file():
+        return pl.read_parquet(path)
+    journal = path.with_name(f".{path.name}.unfinished.jsonl")
+    entries = [json.loads(line) for line in journal.read_text(encoding="utf-8").splitlines()]
+    return pl.DataFrame([row for entry in entries if "rows" in entry for row in entry["rows"]])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/findings") / EXPERIMENT)
+    parser.add_argument("--experiment", default="end_to_end", help="end_to_end or end_to_end_20")
+    parser.add_argument("--out", type=Path, help="the sweep's directory (default runs/findings/EXPERIMENT)")
+    parser.add_argument("--bench", action="append", default=[], metavar="TASK=FILE")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as the table's runs were made (--threads 1): steadier on a busy machine
-    experiment = run_experiment(EXPERIMENT, args.out)
-    rewrite_section(EXPERIMENT, table(args.out, experiment))
-    print(f"wrote the end-to-end table into {FINDINGS}")
+    if args.bench:
+        experiment = read_experiment(EXPERIMENTS / f"{args.experiment}.toml")[0]
+        files = dict(entry.split("=", 1) for entry in args.bench)
+        per_task = {task: summary(bench_rows(Path(file))) for task, file in files.items()}
+        source = "rows of `rankkit bench` runs with its settings, one per task"
+    else:
+        torch.set_num_threads(1)  # as the table's runs were made (--threads 1): steadier on a busy machine
+        out = args.out or Path("runs/findings") / args.experiment
+        experiment = run_experiment(args.experiment, out)
+        per_task = {data.dataset: summary(cell_frame(out, "bench", data)) for data in experiment.data}
+        source = "every row from the same run"
+    rewrite_section(experiment.name, table(per_task, experiment, source))
+    print(f"wrote the {experiment.name} table into {FINDINGS}")
 
 
 if __name__ == "__main__":
