@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +153,11 @@ def tiny_folder(tmp_path_factory, default_tokenizer):
     model.save_pretrained(folder)
     default_tokenizer.save_pretrained(folder)
     return folder
+
+
+def run_on_two_gloo_ranks(port: int, *arguments) -> subprocess.CompletedProcess:
+    """``rankkit ARGUMENTS`` under torchrun with two CPU (gloo) ranks of one thread each."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(port), "-m", "rankkit.cli", *map(str, arguments)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -13,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import run_on_two_gloo_ranks
 
 from rankkit import stores
 from rankkit.capture import OracleOptions, add_oracle, capture
@@ -135,31 +135,11 @@ def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_fol
 
 def test_two_ranks_on_gloo_shard_into_one_store(reference_store, tiny_folder, tmp_path):
     out = tmp_path / "sharded.zarr"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "29533",
-        "-m",
-        "rankkit.cli",
-        "capture",
-        "--model",
-        str(tiny_folder),
-        "--data",
-        DATA,
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--oracle",
-        "--max-new-tokens",
-        "4",
-    ]
-    subprocess.run(command, check=True, capture_output=True, env=env, timeout=600)
+    done = run_on_two_gloo_ranks(
+        29533, "capture", "--model", tiny_folder, "--data", DATA, "--out", out,
+        "--device", "cpu", "--oracle", "--max-new-tokens", 4,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
     _same_store(out, reference_store, exact=False)
 
 

@@ -3,7 +3,6 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from conftest import run_on_two_gloo_ranks
 from polars.testing import assert_frame_equal
 
 from rankkit import stores
@@ -187,27 +187,16 @@ def test_an_interrupt_keeps_the_finished_units_and_the_rerun_finishes(
 
 def test_two_gloo_ranks_give_the_one_rank_result(finished, experiment, tmp_path):
     out = tmp_path / "sharded"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "29541",
-        "-m",
-        "rankkit.cli",
+    done = run_on_two_gloo_ranks(
+        29541,
         "sweep",
-        str(experiment),
+        experiment,
         "--out",
-        str(out),
+        out,
         "--workers",
-        "1",
+        1,
         "--stages",
         "capture,oracle,bench,diffusion,compare",
-    ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
     for cell in CELLS:  # one store per cell, each example written by the rank whose share it is
