@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
@@ -216,10 +216,7 @@ class _Rows:
     def __init__(self):
         self.columns: dict[str, list] = {}
 
-    def add(self, method: str, **columns: Iterable) -> None:
-        columns = {
-            name: list(values) if name in self.INTEGER_COLUMNS else values for name, values in columns.items()
-        }
+    def add(self, method: str, **columns: Sequence) -> None:
         rows = len(next(iter(columns.values())))
         for name, values in {"method": [method] * rows, **columns}.items():
             self.columns.setdefault(name, []).append(values)
