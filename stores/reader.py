@@ -12,7 +12,7 @@ import os
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +47,7 @@ from .schema import (
     open_node,
     open_root,
     open_zip,
-    read_example_attrs,
+    read_zip_array,
 )
 
 Reduce = Literal["sum", "mean", "max"] | None
@@ -61,16 +61,24 @@ class _Part:
     """The arrays one write put down (the capture, the oracle, or an added group), read with checks.
 
     ``recorded`` is the write's manifest; None for schema version 1 examples, whose arrays live
-    in ``legacy``, a zarr group of the example's directory.
+    in the zarr group ``legacy()`` opens, of the example's directory (opened only for them).
     """
 
     def __init__(
-        self, example: ExampleRecord, recorded: dict[str, Any] | None, legacy: zarr.Group, redo: str
+        self,
+        example: ExampleRecord,
+        recorded: dict[str, Any] | None,
+        legacy: Callable[[], zarr.Group],
+        redo: str,
     ):
         self.example = example
         self.recorded = recorded
-        self._legacy = legacy
+        self._open_legacy = legacy
         self._redo = redo
+
+    @property
+    def _legacy(self) -> zarr.Group:
+        return self._open_legacy()
 
     def array_names(self, prefix: str = "") -> list[str]:
         """Encoded names of the arrays under ``prefix`` ("" or e.g. "scores/")."""
@@ -85,17 +93,21 @@ class _Part:
             return tuple(self.recorded["arrays"][name]["shape"])
         return self.read(name, lambda array: array.shape)
 
-    def read(self, name: str, read: Any) -> Any:
-        """``read(zarr_array)`` of array ``name``; RankkitError naming the example, the array and the
-        fix when the file holding it is missing, truncated or no longer decodes."""
+    def read(self, name: str, read: Any = None) -> Any:
+        """``read(zarr_array)`` of array ``name``, or the whole array without ``read``; RankkitError
+        naming the example, the array and the fix when the file holding it is missing, truncated
+        or no longer decodes."""
         if self.recorded is not None:
             found = manifest.damage(self.example.directory, self.recorded, checksum=False)
             if found:
                 raise self._damaged(name, found[0][1])
         try:
             if self.recorded is None:
-                return read(self._legacy[name])
+                array = self._legacy[name]
+                return array[...] if read is None else read(array)
             (file_name,) = self.recorded["files"]
+            if read is None:
+                return read_zip_array(self.example.directory / file_name, name)
             with open_zip(self.example.directory / file_name) as root:
                 return read(root[name])
         except Exception as error:  # zip, zarr, blosc and json raise many types for damaged bytes
@@ -127,29 +139,37 @@ class ArrayGroup:
             raise RankkitError(
                 f"group {self.name!r} has no array {name!r} (it has {', '.join(self.names) or 'none'})"
             )
-        return self._part.read(encode_name(name), lambda array: array[...])
+        return self._part.read(encode_name(name))
 
 
 class ExampleRecord:
     """One complete example; arrays are read from disk when asked for, each checked against
     what its write recorded (``rankkit.stores.manifest``)."""
 
-    def __init__(self, example_id: str, group: zarr.Group, attrs: dict[str, Any], store_path: Path):
+    def __init__(self, example_id: str, store: LocalStore, attrs: dict[str, Any], store_path: Path):
         self.id = example_id
         self.attrs = {key: value for key, value in attrs.items() if key not in _STORE_ATTRS}
         self.store_path = store_path
         self.directory = store_path / example_path(example_id)
-        self._group = group
+        self._store = store
         self._added = attrs.get(ADDED_GROUPS, {})
-        self._capture = _Part(self, attrs.get(MANIFEST), group, f"rerun the capture into {store_path}")
-        self._oracle = _Part(self, attrs.get(ORACLE_MANIFEST), group, f"`rankkit oracle {store_path}`")
+        self._capture = _Part(
+            self, attrs.get(MANIFEST), self._example_group, f"rerun the capture into {store_path}"
+        )
+        self._oracle = _Part(
+            self, attrs.get(ORACLE_MANIFEST), self._example_group, f"`rankkit oracle {store_path}`"
+        )
+
+    def _example_group(self) -> zarr.Group:
+        """The example's zarr group: what schema version 1 examples keep their arrays in."""
+        return open_node(self._store, example_path(self.id))
 
     def __repr__(self) -> str:
         return f"ExampleRecord({self.id!r}, tokens={self.num_tokens}, probes={self.probes})"
 
     @cached_property
     def tokens(self) -> np.ndarray:
-        return self._capture.read(TOKENS, lambda array: array[...])
+        return self._capture.read(TOKENS)
 
     @property
     def num_tokens(self) -> int:
@@ -178,19 +198,19 @@ class ExampleRecord:
     @property
     def oracle(self) -> np.ndarray | None:
         """float32 [T], or None until ``add_oracle`` completed for this example."""
-        return self._oracle.read(ORACLE, lambda array: array[...]) if self.has_oracle else None
+        return self._oracle.read(ORACLE) if self.has_oracle else None
 
     @property
     def oracle_layers(self) -> np.ndarray | None:
         """float32 [layers, T], or None until ``add_oracle`` completed for this example."""
-        return self._oracle.read(ORACLE_LAYERS, lambda array: array[...]) if self.has_oracle else None
+        return self._oracle.read(ORACLE_LAYERS) if self.has_oracle else None
 
     @cached_property
     def groups(self) -> list[str]:
         """Names of the complete groups added with ``add_arrays``."""
         names = list(self._added)
         if self._capture.recorded is None:  # schema version 1: groups are directories
-            for key, member in self._group.groups():
+            for key, member in self._example_group().groups():
                 if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
                     names.append(decode_name(key))
         return sorted(names)
@@ -203,11 +223,13 @@ class ExampleRecord:
         redo = f"rerun the command that added group {name!r}"
         if name in self._added:
             return ArrayGroup(
-                name, self._added[name]["attrs"], _Part(self, self._added[name][MANIFEST], self._group, redo)
+                name,
+                self._added[name]["attrs"],
+                _Part(self, self._added[name][MANIFEST], self._example_group, redo),
             )
-        legacy = self._group[encode_name(name)]
+        legacy = self._example_group()[encode_name(name)]
         attrs = {key: value for key, value in legacy.attrs.asdict().items() if key != COMPLETE}
-        return ArrayGroup(name, attrs, _Part(self, None, legacy, redo))
+        return ArrayGroup(name, attrs, _Part(self, None, lambda: legacy, redo))
 
     def _read_scores(self, probe: str, layers: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """The scores of ``layers`` (all when None) and those layers' indices."""
@@ -215,9 +237,7 @@ class ExampleRecord:
         layer_ids = _checked_layers(
             layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
         )
-        values = self._capture.read(
-            name, lambda array: array[...] if layers is None else array.oindex[layer_ids]
-        )
+        values = self._capture.read(name, None if layers is None else lambda array: array.oindex[layer_ids])
         # float16 stores (capture --score-dtype float16) read back as float32 like any other
         return values.astype(np.float32, copy=False), layer_ids
 
@@ -280,13 +300,13 @@ class Store:
             raise RankkitError(
                 f"store {self.path} has no example {example_id!r}; list them with `rankkit store info`"
             )
-        if example_state(self.path / EXAMPLES / encoded)[0] == "unreadable":
+        state, attrs = example_state(self.path / EXAMPLES / encoded)
+        if state == "unreadable":
             raise RankkitError(
                 f"example {example_id!r} in {self.path} is unreadable (its zarr.json does not parse); "
                 f"rerun the capture into {self.path} to redo it"
             )
-        attrs = read_example_attrs(self._store, encoded)
-        if attrs is None or attrs.get(COMPLETE) is not True:
+        if state != "complete":
             raise RankkitError(
                 f"example {example_id!r} in {self.path} is incomplete (interrupted capture); rerun the capture to redo it"
             )
@@ -463,8 +483,8 @@ class Store:
         """(id, attrs) per example in id order; unreadable examples count as incomplete."""
         found = []
         for encoded in list_example_dirs(self.path):
-            attrs = read_example_attrs(self._store, encoded) or {}
-            if complete_only and attrs.get(COMPLETE) is not True:
+            state, attrs = example_state(self.path / EXAMPLES / encoded)
+            if complete_only and state != "complete":
                 continue
             found.append((decode_name(encoded), attrs))
         return sorted(found, key=lambda item: _natural_key(item[0]))
@@ -477,7 +497,7 @@ class Store:
                 yield self.example(example_id)
 
     def _record(self, example_id: str, attrs: dict[str, Any]) -> ExampleRecord:
-        return ExampleRecord(example_id, open_node(self._store, example_path(example_id)), attrs, self.path)
+        return ExampleRecord(example_id, self._store, attrs, self.path)
 
 
 def open(path: str | os.PathLike | Store) -> Store:

@@ -879,6 +879,47 @@ def test_cli_store_verify_lists_problems_and_exits_2(oracled):
     assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1
 
 
+def test_zip_arrays_decode_as_zarr_reads_them_in_every_chunk_layout(tmp_path, monkeypatch):
+    from rankkit.stores import schema
+
+    monkeypatch.setattr(schema, "TARGET_CHUNK_BYTES", 64)  # several chunks, the last one partial
+    rng = np.random.default_rng(0)
+    arrays = {
+        "scores/many_chunks": rng.random((7, 3, 5), dtype=np.float32),
+        "scores/half": rng.random((2, 2, 9)).astype(np.float16),
+        "tokens": rng.integers(0, 50_000, 33).astype(np.int32),
+        "zeros": np.zeros((5, 4), dtype=np.float32),  # chunks of only the fill value are never written
+        "holes": np.where(np.arange(6)[:, None] < 3, 0.0, rng.random((6, 4))).astype(np.float64),
+        "nan_fill": np.full((3, 2), np.nan, dtype=np.float32),
+    }
+    path = tmp_path / "arrays.zip"
+    schema.write_zip(path, arrays)
+    with zipfile.ZipFile(path) as archive:
+        assert not any(name.startswith("zeros/c") for name in archive.namelist())
+        assert "scores/many_chunks/c/6/0/0" in archive.namelist()
+    for name, expected in arrays.items():
+        with schema.open_zip(path) as root:
+            via_zarr = root[name][...]
+        found = schema.read_zip_array(path, name)
+        assert found.dtype == expected.dtype and found.shape == expected.shape
+        np.testing.assert_array_equal(found, via_zarr)
+        np.testing.assert_array_equal(found, expected)
+
+
+def test_zip_arrays_of_another_layout_read_through_zarr(tmp_path):
+    from zarr.storage import ZipStore
+
+    from rankkit.stores import schema
+
+    path = tmp_path / "other.zip"
+    store = ZipStore(path, mode="w")
+    root = zarr.open_group(store, mode="w", zarr_format=3)
+    values = np.arange(24, dtype=np.int64).reshape(4, 6)
+    root.create_array("gzipped", data=values, chunks=(3, 4), compressors=zarr.codecs.GzipCodec())
+    store.close()
+    np.testing.assert_array_equal(schema.read_zip_array(path, "gzipped"), values)
+
+
 def test_float16_scores_are_stored_at_half_size_and_read_as_float32(tmp_path):
     half, full = tmp_path / "half.zarr", tmp_path / "full.zarr"
     for path, meta in ((half, {**RUN_META, "score_dtype": "float16"}), (full, RUN_META)):
