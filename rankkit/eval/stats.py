@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from scipy import stats
 
 CONFIDENCE = 0.95
 RESAMPLES = 9999  # scipy.stats.bootstrap's default
@@ -98,6 +97,8 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
     """The Wilson score interval of a proportion (``scipy.stats.binomtest``); NaN without trials."""
+    from scipy import stats  # imported when used: it takes a second, longer than most analyses
+
     if trials == 0:
         return np.nan, np.nan
     interval = stats.binomtest(int(successes), int(trials)).proportion_ci(CONFIDENCE, method="wilson")
@@ -162,6 +163,8 @@ def paired_difference(first: np.ndarray, second: np.ndarray) -> dict[str, Any]:
     """``first - second`` over the examples that have both (NaN elsewhere): the mean difference, its
     bootstrap interval, the Wilcoxon signed-rank p-value (two-sided; None below two
     differences or when every difference is zero) and n."""
+    from scipy import stats  # imported when used, as in ``wilson_interval``
+
     differences = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
     differences = differences[~np.isnan(differences)]
     mean, low, high, count = (float(value[0]) for value in bootstrap_means(differences[:, np.newaxis]))
