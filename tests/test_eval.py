@@ -28,6 +28,7 @@ from rankkit.eval.ranking import (
     keep_count,
     kendall,
     needle_recall,
+    row_metrics,
     spans_mask,
     spearman,
     top_k_mask,
@@ -146,6 +147,54 @@ def test_rank_statistics_score_every_layer_and_head_at_once():
     for layer, head in np.ndindex(4, 3):
         assert same(rho[layer, head], stats.spearmanr(scores[layer, head], reference).statistic)
         assert same(tau[layer, head], stats.kendalltau(scores[layer, head], reference).statistic)
+
+
+@pytest.mark.filterwarnings("ignore::scipy.stats.ConstantInputWarning")
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(2, 60).flatmap(
+        lambda length: st.tuples(
+            st.lists(st.lists(st.integers(-1, 4), min_size=length, max_size=length), min_size=1, max_size=5),
+            st.lists(st.integers(0, 3), min_size=length, max_size=length),
+            st.lists(st.booleans(), min_size=length, max_size=length),
+            st.lists(st.integers(1, length + 2), min_size=0, max_size=3),
+            st.sampled_from([np.float32, np.float64]),
+        )
+    )
+)
+def test_row_metrics_equal_one_metric_at_a_time(drawn):
+    """compare's fused pass equals scipy's Spearman and Kendall, the top-k rule and Spearman of
+    consecutive rows, row by row; tied, unscored (NaN) and constant rows included."""
+    rows, reference, evidence, top_ks, dtype = drawn
+    scores = np.array(rows, dtype=dtype)
+    scores[scores == -1] = np.nan
+    reference = np.array(reference, dtype=np.float64)
+    evidence = np.array(evidence)
+    oracle = Ranked(reference)
+    top_sets = np.stack([oracle.places < k for k in top_ks]) if top_ks else None
+    found = row_metrics(
+        scores,
+        oracle,
+        top_sets=top_sets,
+        top_ks=top_ks,
+        evidence=evidence,
+        needle_k=top_ks[0] if top_ks else 1,
+        with_kendall=True,
+        chained=True,
+    )
+    unscored_low = np.where(np.isnan(scores), -np.inf, scores)  # how the rankings treat NaN
+    for row, values in enumerate(unscored_low):
+        assert same(found["spearman"][row], stats.spearmanr(values, reference).statistic)
+        assert same(found["kendall"][row], stats.kendalltau(values, reference).statistic)
+        for index, k in enumerate(top_ks):
+            assert same(found["overlap"][row, index], topk_recall(values, reference, k))
+        expected_needle = needle_recall(values, evidence, top_ks[0] if top_ks else 1)
+        assert same(found["evidence"][row], expected_needle)
+        previous = stats.spearmanr(values, unscored_low[row - 1]).statistic if row else np.nan
+        assert same(found["chained"][row], previous)
+    without = row_metrics(scores, None, evidence=evidence, needle_k=1)
+    assert np.isnan(without["spearman"]).all() and np.isnan(without["kendall"]).all()
+    assert np.isnan(without["chained"]).all() and without["overlap"].shape == (len(rows), 0)
 
 
 # ---------------------------------------------------------------- top-k and needle recall

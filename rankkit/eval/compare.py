@@ -80,7 +80,7 @@ from .stats import interval_columns, mean_intervals, paired_difference
 if TYPE_CHECKING:
     from rankkit.stores import Store
 
-from .ranking import Ranked, keep_count, kendall_tau_b, overlap_share, spans_mask, spearman_rho
+from .ranking import Ranked, keep_count, row_metrics, spans_mask
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
@@ -135,29 +135,41 @@ class Reference:
         self.evidence = evidence
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
-        if oracle is not None:
-            self.oracle_ranked = Ranked(oracle)
-            self.oracle_tops = [self.oracle_ranked.places < k for k in self.recall_ks]
+        self.oracle_ranked = None if oracle is None else Ranked(oracle)
+        self.oracle_tops = None
+        if self.oracle_ranked is not None:
+            self.oracle_tops = np.stack([self.oracle_ranked.places < k for k in self.recall_ks])
 
     def metrics(self, scores: np.ndarray, *, with_kendall: bool = True) -> dict[str, np.ndarray]:
         """Metric columns for the rankings in ``scores`` [R, T] (rows are layers, in order): one value
         per row; ``kendall`` is NaN without ``with_kendall`` (the slow metric)."""
-        ranked = Ranked(scores)
-        places = ranked.places
-        columns = dict.fromkeys(("spearman", "kendall", *RECALL_COLUMNS), np.full(scores.shape[0], np.nan))
-        if self.oracle is not None:
-            columns["spearman"] = spearman_rho(ranked, self.oracle_ranked)
-            if with_kendall:
-                columns["kendall"] = kendall_tau_b(ranked, self.oracle_ranked)
-            for name, k, oracle_top in zip(RECALL_COLUMNS, self.recall_ks, self.oracle_tops, strict=True):
-                columns[name] = overlap_share(places < k, oracle_top)
-        columns["needle_recall"] = overlap_share(places < self.needle_k, self.evidence)
-        columns["adjacent_spearman"] = np.concatenate([[np.nan], spearman_rho(ranked[1:], ranked[:-1])])
-        return columns
+        found = row_metrics(
+            scores,
+            self.oracle_ranked,
+            top_sets=self.oracle_tops,
+            top_ks=self.recall_ks if self.oracle_tops is not None else (),
+            evidence=self.evidence,
+            needle_k=self.needle_k,
+            with_kendall=with_kendall,
+            chained=True,
+        )
+        overlap = found["overlap"]
+        return {
+            "spearman": found["spearman"],
+            "kendall": found["kendall"],
+            **{
+                name: overlap[:, index] if overlap.shape[1] else np.full(len(overlap), np.nan)
+                for index, name in enumerate(RECALL_COLUMNS)
+            },
+            "needle_recall": found["evidence"],
+            "adjacent_spearman": found["chained"],
+        }
 
     def head_spearman(self, scores: np.ndarray) -> np.ndarray | None:
         """Spearman per (layer, head) of scores [L, H, T]; None without an oracle."""
-        return None if self.oracle is None else spearman_rho(Ranked(scores), self.oracle_ranked)
+        if self.oracle is None:
+            return None
+        return row_metrics(scores, self.oracle_ranked)["spearman"].reshape(scores.shape[:-1])
 
 
 def evaluate_example(

@@ -74,14 +74,65 @@ _DIGIT_BITS = 11  # 2,048 buckets: a float32 score's 32 bits in three passes
 
 
 @numba.njit(cache=True, nogil=True)
-def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
-    """``Ranked``'s arrays for every row of a C-contiguous float64 array [R, T].
+def _sort_row(values, normalized, keys, spare_keys, order, spare_order, counts):  # pragma: no cover
+    """Sort one row of scores (float32 or float64 [T]) in descending order, ties kept in token
+    order, NaN last: a stable LSD radix sort of the scores as unsigned keys that order like the
+    floats, inverted so the highest comes first, over the bits in which the row's keys differ.
+    ``normalized`` [T] float64 and the others are scratch buffers, reused row after row.
+    Returns (keys, spare_keys, order, spare_order) with the sorted keys and token order in the
+    first of each pair (the passes swap buffers). Compiled; tested through ``Ranked``."""
+    num_tokens = values.shape[0]
+    digit_mask = np.uint64((1 << _DIGIT_BITS) - 1)
+    for token in range(num_tokens):
+        value = np.float64(values[token])
+        # NaN ranks with -inf; -0.0 + 0.0 is 0.0, so the two zeros tie as they compare.
+        normalized[token] = -np.inf if value != value else value + 0.0
+    bits = normalized.view(np.uint64)
+    common_ones, any_ones = ~np.uint64(0), np.uint64(0)
+    for token in range(num_tokens):
+        # Flipping the sign bit of positives and every bit of negatives orders keys like the
+        # floats; inverting that puts the highest score first.
+        ascending = ~bits[token] if bits[token] & _SIGN else bits[token] | _SIGN
+        keys[token] = ~ascending
+        order[token] = token
+        common_ones &= keys[token]
+        any_ones |= keys[token]
+    differing = common_ones ^ any_ones  # float32 scores widened to float64 differ in 32 bits at most
+    shift = 0
+    while shift < 64 and not (differing >> np.uint64(shift)) & np.uint64(1):
+        shift += 1
+    while shift < 64 and differing >> np.uint64(shift):
+        counts[:] = 0
+        for position in range(num_tokens):
+            counts[(keys[position] >> np.uint64(shift)) & digit_mask] += 1
+        offset = 0
+        for bucket in range(1 << _DIGIT_BITS):
+            offset, counts[bucket] = offset + counts[bucket], offset
+        for position in range(num_tokens):
+            key = keys[position]
+            bucket = (key >> np.uint64(shift)) & digit_mask
+            target = counts[bucket]
+            counts[bucket] = target + 1
+            spare_keys[target], spare_order[target] = key, order[position]
+        keys, spare_keys = spare_keys, keys
+        order, spare_order = spare_order, order
+        shift += _DIGIT_BITS
+    return keys, spare_keys, order, spare_order
 
-    A stable LSD radix sort of each row's scores as unsigned keys that order like the floats,
-    inverted so the highest score comes first (ties then keep token order), over the bits
-    that differ between the row's keys only; then one walk along the sorted runs of equal
-    scores.
-    """
+
+@numba.njit(cache=True, nogil=True)
+def _run_end(keys, start):  # pragma: no cover - compiled
+    """The end of the run of equal keys that starts at ``start`` in sorted ``keys``."""
+    end = start + 1
+    while end < keys.shape[0] and keys[end] == keys[start]:
+        end += 1
+    return end
+
+
+@numba.njit(cache=True, nogil=True)
+def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
+    """``Ranked``'s arrays for every row of a C-contiguous array [R, T]: each row sorted once
+    (``_sort_row``), then one walk along its runs of equal scores."""
     num_rows, num_tokens = values.shape
     places = np.empty((num_rows, num_tokens), np.int32)
     ranks = np.empty((num_rows, num_tokens), np.float64)
@@ -93,50 +144,17 @@ def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
     keys, spare_keys = np.empty(num_tokens, np.uint64), np.empty(num_tokens, np.uint64)
     order, spare_order = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
     counts = np.empty(1 << _DIGIT_BITS, np.int64)
-    digit_mask = np.uint64((1 << _DIGIT_BITS) - 1)
     for row in range(num_rows):
-        for token in range(num_tokens):
-            value = values[row, token]
-            # NaN ranks with -inf; -0.0 + 0.0 is 0.0, so the two zeros tie as they compare.
-            normalized[token] = -np.inf if value != value else value + 0.0
-        bits = normalized.view(np.uint64)
-        common_ones, any_ones = ~np.uint64(0), np.uint64(0)
-        for token in range(num_tokens):
-            # Flipping the sign bit of positives and every bit of negatives orders keys like
-            # the floats; inverting that puts the highest score first.
-            ascending = ~bits[token] if bits[token] & _SIGN else bits[token] | _SIGN
-            keys[token] = ~ascending
-            order[token] = token
-            common_ones &= keys[token]
-            any_ones |= keys[token]
-        differing = common_ones ^ any_ones  # float32 scores widened to float64 differ in 32 bits at most
-        shift = 0
-        while shift < 64 and not (differing >> np.uint64(shift)) & np.uint64(1):
-            shift += 1
-        while shift < 64 and differing >> np.uint64(shift):
-            counts[:] = 0
-            for position in range(num_tokens):
-                counts[(keys[position] >> np.uint64(shift)) & digit_mask] += 1
-            offset = 0
-            for bucket in range(1 << _DIGIT_BITS):
-                offset, counts[bucket] = offset + counts[bucket], offset
-            for position in range(num_tokens):
-                key = keys[position]
-                bucket = (key >> np.uint64(shift)) & digit_mask
-                target = counts[bucket]
-                counts[bucket] = target + 1
-                spare_keys[target], spare_order[target] = key, order[position]
-            keys, spare_keys = spare_keys, keys
-            order, spare_order = spare_order, order
-            shift += _DIGIT_BITS
+        keys, spare_keys, order, spare_order = _sort_row(
+            values[row], normalized, keys, spare_keys, order, spare_order, counts
+        )
         start, runs, row_tied, row_spread = 0, 0, 0, 0.0
         while start < num_tokens:
-            end = start + 1
-            while end < num_tokens and keys[end] == keys[start]:
-                end += 1
-            average = num_tokens - (start + end - 1) / 2.0  # ascending ranks count from the lowest
-            row_tied += (end - start) * (end - start - 1) // 2
-            row_spread += (end - start) * (average - center) ** 2  # half-integers: exact
+            end = _run_end(keys, start)
+            average = num_tokens - (start + end - 1) * 0.5  # ascending ranks count from the lowest
+            if end - start > 1:  # integer division is slow enough to matter here
+                row_tied += (end - start) * (end - start - 1) // 2
+            row_spread += (end - start) * (average - center) * (average - center)  # half-integers: exact
             for place in range(start, end):
                 token = order[place]
                 places[row, token], ranks[row, token], dense[row, token] = place, average, runs
@@ -178,7 +196,12 @@ def spearman_rho(scores: Ranked, reference: Ranked) -> np.ndarray:
         covariance = scores.average_ranks @ deviations
     else:
         covariance = ((scores.average_ranks - center) * deviations).sum(axis=-1)
-    scale = np.sqrt(scores.spread * reference.spread)
+    return _correlation(covariance, scores.spread, reference.spread)
+
+
+def _correlation(covariance: np.ndarray, spread: np.ndarray, reference_spread: np.ndarray) -> np.ndarray:
+    """Pearson's r from a covariance and both sides' sums of squared deviations; NaN for a constant side."""
+    scale = np.sqrt(spread * reference_spread)
     with np.errstate(divide="ignore", invalid="ignore"):
         correlation = covariance / scale
     # Rounding can push |r| a hair past 1; scipy clips the same way.
@@ -210,76 +233,234 @@ def kendall_tau_b(scores: Ranked, reference: Ranked) -> np.ndarray:
     discordant, both_tied = _discordant_pairs(
         np.ascontiguousarray(score_dense), np.ascontiguousarray(reference_dense)
     )
-    total = num_tokens * (num_tokens - 1) // 2
     score_tied = np.broadcast_to(scores.tied_pairs, shape[:-1]).reshape(-1)
     reference_tied = np.broadcast_to(reference.tied_pairs, shape[:-1]).reshape(-1)
-    concordant_minus_discordant = total - score_tied - reference_tied + both_tied - 2 * discordant
+    return _tau_b(discordant, both_tied, score_tied, reference_tied, num_tokens).reshape(shape[:-1])
+
+
+def _tau_b(
+    discordant: np.ndarray,
+    both_tied: np.ndarray,
+    tied: np.ndarray,
+    reference_tied: np.ndarray,
+    num_tokens: int,
+) -> np.ndarray:
+    """Kendall's tau-b from n_d, n_3, n_1 and n_2 (``kendall_tau_b``); NaN for a constant side."""
+    total = num_tokens * (num_tokens - 1) // 2
+    concordant_minus_discordant = total - tied - reference_tied + both_tied - 2 * discordant
     with np.errstate(divide="ignore", invalid="ignore"):
-        tau = concordant_minus_discordant / np.sqrt(total - score_tied) / np.sqrt(total - reference_tied)
-    undefined = (score_tied == total) | (reference_tied == total)
-    return np.where(undefined, np.nan, np.clip(tau, -1.0, 1.0)).reshape(shape[:-1])
+        tau = concordant_minus_discordant / np.sqrt(total - tied) / np.sqrt(total - reference_tied)
+    undefined = (tied == total) | (reference_tied == total)
+    return np.where(undefined, np.nan, np.clip(tau, -1.0, 1.0))
+
+
+def row_metrics(
+    scores: np.ndarray,
+    reference: Ranked | None,
+    *,
+    top_sets: np.ndarray | None = None,
+    top_ks: Sequence[int] = (),
+    evidence: np.ndarray | None = None,
+    needle_k: int = 0,
+    with_kendall: bool = False,
+    chained: bool = False,
+) -> dict[str, np.ndarray]:
+    """Every metric of every row of ``scores`` [R, T] in one compiled pass per row, with no
+    per-token array built (what compare asks of hundreds of rankings per example):
+
+    - ``spearman``, and with ``with_kendall`` ``kendall`` (tau-b), against ``reference`` (a
+      ``Ranked`` [T]; None: NaN), equal to ``spearman_rho`` and ``kendall_tau_b``;
+    - ``overlap`` [R, K]: the share of each ``top_sets[j]`` (bool [K, T]) inside the row's top
+      ``top_ks[j]`` (``top_k_mask``);
+    - ``evidence``: the share of ``evidence`` (bool [T]) inside the row's top ``needle_k``
+      (NaN without evidence);
+    - ``chained``, with ``chained``: Spearman with the row before (NaN for the first row).
+    """
+    values = np.ascontiguousarray(scores.reshape(-1, scores.shape[-1]))
+    num_rows, num_tokens = values.shape
+    no_tokens = np.zeros(0, np.float64)
+    top_sets = np.zeros((0, num_tokens), bool) if top_sets is None else np.asarray(top_sets, bool)
+    evidence = np.zeros(num_tokens, bool) if evidence is None else np.asarray(evidence, bool)
+    found = _score_rows(
+        values,
+        no_tokens if reference is None else reference.average_ranks - (num_tokens + 1) / 2,
+        np.zeros(num_tokens, np.int32) if reference is None else reference.dense_ranks,
+        top_sets,
+        np.asarray(top_ks, np.int64),
+        evidence,
+        needle_k,
+        with_kendall and reference is not None,
+        chained,
+    )
+    covariance, chained_covariance, tied, spread, top_hits, evidence_hits, discordant, both_tied = found
+    nothing = np.full(num_rows, np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        columns = {
+            "spearman": nothing if reference is None else _correlation(covariance, spread, reference.spread),
+            "kendall": _tau_b(discordant, both_tied, tied, reference.tied_pairs, num_tokens)
+            if with_kendall and reference is not None
+            else nothing,
+            "overlap": top_hits / top_sets.sum(axis=-1),
+            "evidence": evidence_hits / evidence.sum(),
+            "chained": _correlation(chained_covariance, spread, np.concatenate([[np.nan], spread[:-1]]))
+            if chained
+            else nothing,
+        }
+    return columns
 
 
 @numba.njit(cache=True, nogil=True)
 def _discordant_pairs(score_dense, reference_dense):  # pragma: no cover - compiled; tested through kendall
     """Per row of dense ranks [R, T] against ``reference_dense`` [R or 1, T]: the discordant
-    pairs n_d (lower in the reference, higher in the scores) and the pairs tied in both n_3.
-
-    The tokens are visited in the reference's order (a counting sort of its dense ranks); a
-    Fenwick tree over score ranks counts, for each token, the tokens before it that score
-    higher. A group of reference-tied tokens enters the tree only once all of it is counted,
-    so reference-tied pairs are never discordant; a per-rank tally counts its equal scores
-    (n_3). O(T log T) per row.
-    """
+    pairs n_d (lower in the reference, higher in the scores) and the pairs tied in both n_3
+    (``_count_discordant``)."""
     num_rows, num_tokens = score_dense.shape
     discordant = np.zeros(num_rows, np.int64)
     both_tied = np.zeros(num_rows, np.int64)
     order = np.empty(num_tokens, np.int32)
-    group_ends = np.empty(num_tokens, np.int32)  # per position in the reference's order
-    sequence = np.empty(num_tokens, np.int32)
-    tree = np.empty(num_tokens + 1, np.int32)
-    in_group = np.zeros(num_tokens, np.int32)
+    group_ends = np.empty(num_tokens, np.int32)
+    scratch = np.zeros((3, num_tokens + 1), np.int32)
     prepared = -1
     for row in range(num_rows):
         reference_row = row if reference_dense.shape[0] > 1 else 0
         if reference_row != prepared:
-            starts = np.zeros(num_tokens + 1, np.int32)
-            for token in range(num_tokens):
-                starts[reference_dense[reference_row, token] + 1] += 1
-            for group in range(num_tokens):
-                starts[group + 1] += starts[group]
-            filled = starts[:-1].copy()
-            for token in range(num_tokens):
-                group = reference_dense[reference_row, token]
-                order[filled[group]] = token
-                group_ends[filled[group]] = starts[group + 1]
-                filled[group] += 1
+            _reference_order(reference_dense[reference_row], order, group_ends)
             prepared = reference_row
-        for position in range(num_tokens):
-            sequence[position] = score_dense[row, order[position]]
-        tree[:] = 0
-        group_start, row_discordant, row_both_tied = 0, 0, 0
-        for position in range(num_tokens):
-            rank = sequence[position]
-            not_higher, node = 0, rank + 1
-            while node > 0:
-                not_higher += tree[node]
-                node -= node & -node
-            row_discordant += group_start - not_higher
-            group_end = group_ends[position]
-            if group_end - group_start > 1:
-                row_both_tied += in_group[rank]
-                in_group[rank] += 1
-            if position + 1 == group_end:
-                for member in range(group_start, group_end):
-                    in_group[sequence[member]] = 0
-                    node = sequence[member] + 1
-                    while node <= num_tokens:
-                        tree[node] += 1
-                        node += node & -node
-                group_start = group_end
-        discordant[row], both_tied[row] = row_discordant, row_both_tied
+        discordant[row], both_tied[row] = _count_discordant(score_dense[row], order, group_ends, scratch)
     return discordant, both_tied
+
+
+@numba.njit(cache=True, nogil=True)
+def _reference_order(reference_dense, order, group_ends):  # pragma: no cover - compiled
+    """Fill ``order`` with the tokens in the reference's ascending order (a counting sort of its
+    dense ranks [T], ties in token order) and ``group_ends`` with, per position in that order,
+    where its group of reference-tied tokens ends."""
+    num_tokens = reference_dense.shape[0]
+    starts = np.zeros(num_tokens + 1, np.int32)
+    for token in range(num_tokens):
+        starts[reference_dense[token] + 1] += 1
+    for group in range(num_tokens):
+        starts[group + 1] += starts[group]
+    filled = starts[:-1].copy()
+    for token in range(num_tokens):
+        group = reference_dense[token]
+        order[filled[group]] = token
+        group_ends[filled[group]] = starts[group + 1]
+        filled[group] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_discordant(score_dense, order, group_ends, scratch):  # pragma: no cover - compiled
+    """(n_d, n_3) of one row of dense ranks [T] against the reference ``_reference_order`` prepared.
+
+    The tokens are visited in the reference's order; a Fenwick tree over score ranks counts,
+    for each token, the tokens before it that score higher. A group of reference-tied tokens
+    enters the tree only once all of it is counted, so reference-tied pairs are never
+    discordant; a per-rank tally counts its equal scores (n_3). O(T log T). ``scratch`` is
+    int32 [3, T + 1], zeros before the first row (the tally is back at zero after each).
+    """
+    num_tokens = score_dense.shape[0]
+    sequence, tree, in_group = scratch[0], scratch[1], scratch[2]
+    for position in range(num_tokens):
+        sequence[position] = score_dense[order[position]]
+    tree[:] = 0
+    group_start, discordant, both_tied = 0, 0, 0
+    for position in range(num_tokens):
+        rank = sequence[position]
+        not_higher, node = 0, rank + 1
+        while node > 0:
+            not_higher += tree[node]
+            node -= node & -node
+        discordant += group_start - not_higher
+        group_end = group_ends[position]
+        if group_end - group_start > 1:
+            both_tied += in_group[rank]
+            in_group[rank] += 1
+        if position + 1 == group_end:
+            for member in range(group_start, group_end):
+                in_group[sequence[member]] = 0
+                node = sequence[member] + 1
+                while node <= num_tokens:
+                    tree[node] += 1
+                    node += node & -node
+            group_start = group_end
+    return discordant, both_tied
+
+
+@numba.njit(cache=True, nogil=True)
+def _score_rows(
+    values, reference_deviations, reference_dense, tops, top_ks, evidence, needle_k, with_kendall, chained
+):  # pragma: no cover - compiled; tested through RowMetrics against Ranked and scipy
+    """``RowMetrics``'s raw counts for every row of ``values`` [R, T] against one reference,
+    without building any per-token array: each row sorted once (``_sort_row``), then one walk
+    along its runs of equal scores accumulates
+
+    - the covariance of its average ranks with the reference's, given as their deviations from
+      their mean [T] (empty: no reference), and, with ``chained``, with the previous row's
+      (rows are consecutive layers);
+    - its tied pairs and rank spread (Spearman's denominator);
+    - how many of each ``tops[j]`` [T] (bool) its top ``top_ks[j]`` keep, and of ``evidence``
+      its top ``needle_k``;
+    - with ``with_kendall``, its dense ranks, whose discordant pairs with ``reference_dense``
+      ``_count_discordant`` counts.
+    """
+    num_rows, num_tokens = values.shape
+    center = (num_tokens + 1) / 2.0
+    covariance = np.zeros(num_rows, np.float64)
+    chained_covariance = np.full(num_rows, np.nan)
+    tied = np.zeros(num_rows, np.int64)
+    spread = np.zeros(num_rows, np.float64)
+    top_hits = np.zeros((num_rows, top_ks.shape[0]), np.int64)
+    evidence_hits = np.zeros(num_rows, np.int64)
+    discordant = np.zeros(num_rows, np.int64)
+    both_tied = np.zeros(num_rows, np.int64)
+    normalized = np.empty(num_tokens, np.float64)
+    keys, spare_keys = np.empty(num_tokens, np.uint64), np.empty(num_tokens, np.uint64)
+    order, spare_order = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
+    counts = np.empty(1 << _DIGIT_BITS, np.int64)
+    deviations, previous = np.empty(num_tokens, np.float64), np.empty(num_tokens, np.float64)
+    dense = np.empty(num_tokens, np.int32)
+    reference_order, group_ends = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
+    scratch = np.zeros((3, num_tokens + 1), np.int32)
+    has_reference = reference_deviations.shape[0] == num_tokens
+    if with_kendall:
+        _reference_order(reference_dense, reference_order, group_ends)
+    for row in range(num_rows):
+        keys, spare_keys, order, spare_order = _sort_row(
+            values[row], normalized, keys, spare_keys, order, spare_order, counts
+        )
+        start, runs, row_tied, row_spread, row_covariance, row_chained = 0, 0, 0, 0.0, 0.0, 0.0
+        while start < num_tokens:
+            end = _run_end(keys, start)
+            deviation = num_tokens - (start + end - 1) * 0.5 - center  # of the run's average rank
+            if end - start > 1:  # integer division is slow enough to matter here
+                row_tied += (end - start) * (end - start - 1) // 2
+            row_spread += (end - start) * deviation * deviation  # half-integers: exact
+            for place in range(start, end):
+                token = order[place]
+                if has_reference:
+                    row_covariance += deviation * reference_deviations[token]
+                if chained and row > 0:
+                    row_chained += deviation * previous[token]
+                deviations[token] = deviation
+                dense[token] = runs
+            runs += 1
+            start = end
+        # the top k are the first k places (ties already broken toward the earlier token)
+        for j in range(top_ks.shape[0]):
+            for place in range(min(top_ks[j], num_tokens)):
+                top_hits[row, j] += tops[j, order[place]]
+        for place in range(min(needle_k, num_tokens)):
+            evidence_hits[row] += evidence[order[place]]
+        covariance[row], tied[row], spread[row] = row_covariance, row_tied, row_spread
+        if chained and row > 0:
+            chained_covariance[row] = row_chained
+        previous, deviations = deviations, previous
+        if with_kendall:
+            for token in range(num_tokens):
+                dense[token] = runs - 1 - dense[token]  # ascending, like the reference's
+            discordant[row], both_tied[row] = _count_discordant(dense, reference_order, group_ends, scratch)
+    return covariance, chained_covariance, tied, spread, top_hits, evidence_hits, discordant, both_tied
 
 
 def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
