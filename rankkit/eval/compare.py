@@ -203,9 +203,14 @@ def evaluate_example(
                 head=np.tile(np.arange(num_heads), num_layers),
                 spearman=head_rho.reshape(-1),
             )
+    computed: dict[tuple, tuple[list[int | None], dict[str, np.ndarray]]] = {}
     for label, method in methods.items():
-        layers, rankings = _rankings(method, record, budget, ranked, layout)
-        per_layer.add(label, layer=layers, **reference.metrics(rankings, with_kendall=detailed))
+        key = method.offline_key()  # asl and asl-2pass rank alike: rank and score once
+        if key not in computed:
+            layers, rankings = _rankings(method, record, budget, ranked, layout)
+            computed[key] = layers, reference.metrics(rankings, with_kendall=detailed)
+        layers, columns = computed[key]
+        per_layer.add(label, layer=layers, **columns)
         if method.name == CLAA and detailed:
             for n in CLAA_SWEEP:
                 layers, rankings = _rankings(

@@ -130,6 +130,7 @@ class AslTwoPass(Asl):
 
     name: ClassVar[str] = "asl-2pass"
     two_pass: ClassVar[bool] = True
+    ranks_like: ClassVar[type[Asl]] = Asl
 
 
 register(Asl)

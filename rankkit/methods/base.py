@@ -193,6 +193,14 @@ class Method:
     """
 
     name: ClassVar[str] = ""
+    # A method whose offline face is this other one's (they differ only in how they prefill).
+    ranks_like: ClassVar[type[Method] | None] = None
+
+    def offline_key(self) -> tuple:
+        """Equal for two methods whose ``layer_rankings`` and ``select_offline`` are the same
+        computation, so a caller can rank once for both: the same class (or ``ranks_like``)
+        with the same parameters."""
+        return (self.ranks_like or type(self), tuple(getattr(self, spec.name) for spec in fields(self)))
 
     def prepare(self, runner: Runner, input_ids: torch.Tensor, *, tokenizer) -> None:
         """Untimed work on a prompt before its runs (the oracle's offline ranking); most methods need none."""

@@ -29,7 +29,7 @@ ranked first (``top_k_with_forced``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -351,18 +351,23 @@ class PolicyMethod(Method):
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
         every layer for a method with a selection layer (``--layer``), the one layer an adaptive
-        policy picks, and every layer's head sum for KV-only methods."""
+        policy picks, and every layer's head sum for KV-only methods.
+
+        The method is planned once (its budget and forced tokens do not depend on where it
+        selects); each candidate layer then replays its own policy over the stored scores.
+        """
         scores = self.captured_scores(captured)
         num_layers, length = captured.num_layers, captured.num_tokens
+        bound, keep, window, sinks = self._plan(num_layers, length, budget, captured.layer_types)
+        forced = forced_mask(length, window, sinks, scores.device)
+        selection = bound.selection_parameter
         candidates = (
-            [self.with_layer(layer) for layer in range(num_layers)] if self.selection_parameter else [self]
+            [replace(bound, **{selection: layer}) for layer in range(num_layers)] if selection else [bound]
         )
         rankings: dict[int | None, torch.Tensor] = {}
         for method in candidates:
-            bound, keep, window, sinks = method._plan(num_layers, length, budget, captured.layer_types)
-            forced = forced_mask(length, window, sinks, scores.device)
-            selected = replay(bound.policy(num_layers, keep), scores)
+            selected = replay(method.policy(num_layers, keep), scores)
             if selected is None:
-                return {layer: with_forced(scores[layer].sum(0), forced) for layer in range(num_layers)}
+                return dict(enumerate(with_forced(scores.sum(1), forced).unbind(0)))
             rankings[selected[0]] = with_forced(selected[1], forced)
         return rankings
