@@ -586,6 +586,31 @@ def test_ranks_break_ties_toward_the_earlier_token():
     assert top_k_with_forced(scores, 2, forced).tolist() == [1, 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64])
+def test_the_compiled_cpu_order_is_torchs_stable_descending_sort(dtype):
+    """On a CPU the selection rule sorts with rankkit.sorting; it orders every token as torch's
+    stable descending sort does: ties, -0.0 and 0.0, +-inf, NaN (first) and all-NaN rows."""
+    from rankkit.methods.selection import descending_order, descending_ranks
+
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 2, 7, 64, 2_049):
+        values = torch.randint(-3, 4, (3, length), generator=generator).double()
+        if dtype.is_floating_point:
+            values[values == 3] = float("nan")
+            values[values == -3] = -0.0
+            values[values == 2] = float("inf")
+            values[values == -2] = float("-inf")
+            values[1] = float("nan")
+            values[2] += torch.rand(length, generator=generator, dtype=torch.float64)
+        scores = values.to(dtype)
+        sortable = scores if scores.is_floating_point() else scores.float()
+        expected = torch.sort(sortable, dim=-1, descending=True, stable=True).indices
+        assert torch.equal(descending_order(scores), expected)
+        assert torch.equal(descending_order(scores[2]), expected[2])
+        places = torch.empty_like(expected).scatter_(-1, expected, torch.arange(length).expand_as(expected))
+        assert torch.equal(descending_ranks(scores), places)
+
+
 @pytest.fixture(scope="module")
 def default_store(tmp_path_factory, default_runner, short_prompt):
     """A store of the short prompt with every probe setting the methods rank by, as a capture writes it."""

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
+from rankkit.sorting import run_end, sort_buffers, sort_row
+
 
 def keep_count(keep: float | int, num_tokens: int) -> int:
     """How many of ``num_tokens`` a budget keeps: a keep rate (a float in (0, 1]) or a token count
@@ -69,70 +71,10 @@ class Ranked:
         return picked
 
 
-_SIGN = np.uint64(1 << 63)
-_DIGIT_BITS = 11  # 2,048 buckets: a float32 score's 32 bits in three passes
-
-
-@numba.njit(cache=True, nogil=True)
-def _sort_row(values, normalized, keys, spare_keys, order, spare_order, counts):  # pragma: no cover
-    """Sort one row of scores (float32 or float64 [T]) in descending order, ties kept in token
-    order, NaN last: a stable LSD radix sort of the scores as unsigned keys that order like the
-    floats, inverted so the highest comes first, over the bits in which the row's keys differ.
-    ``normalized`` [T] float64 and the others are scratch buffers, reused row after row.
-    Returns (keys, spare_keys, order, spare_order) with the sorted keys and token order in the
-    first of each pair (the passes swap buffers). Compiled; tested through ``Ranked``."""
-    num_tokens = values.shape[0]
-    digit_mask = np.uint64((1 << _DIGIT_BITS) - 1)
-    for token in range(num_tokens):
-        value = np.float64(values[token])
-        # NaN ranks with -inf; -0.0 + 0.0 is 0.0, so the two zeros tie as they compare.
-        normalized[token] = -np.inf if value != value else value + 0.0
-    bits = normalized.view(np.uint64)
-    common_ones, any_ones = ~np.uint64(0), np.uint64(0)
-    for token in range(num_tokens):
-        # Flipping the sign bit of positives and every bit of negatives orders keys like the
-        # floats; inverting that puts the highest score first.
-        ascending = ~bits[token] if bits[token] & _SIGN else bits[token] | _SIGN
-        keys[token] = ~ascending
-        order[token] = token
-        common_ones &= keys[token]
-        any_ones |= keys[token]
-    differing = common_ones ^ any_ones  # float32 scores widened to float64 differ in 32 bits at most
-    shift = 0
-    while shift < 64 and not (differing >> np.uint64(shift)) & np.uint64(1):
-        shift += 1
-    while shift < 64 and differing >> np.uint64(shift):
-        counts[:] = 0
-        for position in range(num_tokens):
-            counts[(keys[position] >> np.uint64(shift)) & digit_mask] += 1
-        offset = 0
-        for bucket in range(1 << _DIGIT_BITS):
-            offset, counts[bucket] = offset + counts[bucket], offset
-        for position in range(num_tokens):
-            key = keys[position]
-            bucket = (key >> np.uint64(shift)) & digit_mask
-            target = counts[bucket]
-            counts[bucket] = target + 1
-            spare_keys[target], spare_order[target] = key, order[position]
-        keys, spare_keys = spare_keys, keys
-        order, spare_order = spare_order, order
-        shift += _DIGIT_BITS
-    return keys, spare_keys, order, spare_order
-
-
-@numba.njit(cache=True, nogil=True)
-def _run_end(keys, start):  # pragma: no cover - compiled
-    """The end of the run of equal keys that starts at ``start`` in sorted ``keys``."""
-    end = start + 1
-    while end < keys.shape[0] and keys[end] == keys[start]:
-        end += 1
-    return end
-
-
 @numba.njit(cache=True, nogil=True)
 def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
     """``Ranked``'s arrays for every row of a C-contiguous array [R, T]: each row sorted once
-    (``_sort_row``), then one walk along its runs of equal scores."""
+    (``rankkit.sorting.sort_row``, NaN last), then one walk along its runs of equal scores."""
     num_rows, num_tokens = values.shape
     places = np.empty((num_rows, num_tokens), np.int32)
     ranks = np.empty((num_rows, num_tokens), np.float64)
@@ -140,17 +82,13 @@ def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
     tied = np.zeros(num_rows, np.int64)
     spread = np.zeros(num_rows, np.float64)
     center = (num_tokens + 1) / 2.0
-    normalized = np.empty(num_tokens, np.float64)
-    keys, spare_keys = np.empty(num_tokens, np.uint64), np.empty(num_tokens, np.uint64)
-    order, spare_order = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
-    counts = np.empty(1 << _DIGIT_BITS, np.int64)
+    buffers = sort_buffers(num_tokens)
     for row in range(num_rows):
-        keys, spare_keys, order, spare_order = _sort_row(
-            values[row], normalized, keys, spare_keys, order, spare_order, counts
-        )
+        buffers = sort_row(values[row], False, buffers)
+        keys, order = buffers[1], buffers[3]
         start, runs, row_tied, row_spread = 0, 0, 0, 0.0
         while start < num_tokens:
-            end = _run_end(keys, start)
+            end = run_end(keys, start)
             average = num_tokens - (start + end - 1) * 0.5  # ascending ranks count from the lowest
             if end - start > 1:  # integer division is slow enough to matter here
                 row_tied += (end - start) * (end - start - 1) // 2
@@ -392,7 +330,7 @@ def _score_rows(
     values, reference_deviations, reference_dense, tops, top_ks, evidence, needle_k, with_kendall, chained
 ):  # pragma: no cover - compiled; tested through RowMetrics against Ranked and scipy
     """``RowMetrics``'s raw counts for every row of ``values`` [R, T] against one reference,
-    without building any per-token array: each row sorted once (``_sort_row``), then one walk
+    without building any per-token array: each row sorted once (``rankkit.sorting.sort_row``, NaN last), then one walk
     along its runs of equal scores accumulates
 
     - the covariance of its average ranks with the reference's, given as their deviations from
@@ -414,10 +352,7 @@ def _score_rows(
     evidence_hits = np.zeros(num_rows, np.int64)
     discordant = np.zeros(num_rows, np.int64)
     both_tied = np.zeros(num_rows, np.int64)
-    normalized = np.empty(num_tokens, np.float64)
-    keys, spare_keys = np.empty(num_tokens, np.uint64), np.empty(num_tokens, np.uint64)
-    order, spare_order = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
-    counts = np.empty(1 << _DIGIT_BITS, np.int64)
+    buffers = sort_buffers(num_tokens)
     deviations, previous = np.empty(num_tokens, np.float64), np.empty(num_tokens, np.float64)
     dense = np.empty(num_tokens, np.int32)
     reference_order, group_ends = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
@@ -426,12 +361,11 @@ def _score_rows(
     if with_kendall:
         _reference_order(reference_dense, reference_order, group_ends)
     for row in range(num_rows):
-        keys, spare_keys, order, spare_order = _sort_row(
-            values[row], normalized, keys, spare_keys, order, spare_order, counts
-        )
+        buffers = sort_row(values[row], False, buffers)
+        keys, order = buffers[1], buffers[3]
         start, runs, row_tied, row_spread, row_covariance, row_chained = 0, 0, 0, 0.0, 0.0, 0.0
         while start < num_tokens:
-            end = _run_end(keys, start)
+            end = run_end(keys, start)
             deviation = num_tokens - (start + end - 1) * 0.5 - center  # of the run's average rank
             if end - start > 1:  # integer division is slow enough to matter here
                 row_tied += (end - start) * (end - start - 1) // 2

@@ -59,7 +59,7 @@ class RankVariance(LayerPolicy):
             return None
         ranks = torch.stack(list(self.rank_cache))  # [L_obs, T - W]
         # each layer's ranks are a permutation, so its top-k are the tokens ranked below k
-        union = (ranks < self.top_k).any(dim=0)
+        union = ranks.amin(dim=0) < self.top_k
         observed = ranks[:, union]
         # Each token's population variance across the layers, averaged over U; written out,
         # as torch's var along dim 0 costs ten times more on CPU.

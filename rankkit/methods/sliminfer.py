@@ -286,7 +286,7 @@ class SlimInfer(Method):
         first = self._schedule(captured.num_layers, captured.num_tokens, budget, captured.layer_types)[0]
         scores = captured.get(self.probe().key, self.name)[first.layer]
         positions = torch.arange(captured.num_tokens)
-        by_block = block_scores_of(scores, positions, self.block_size)
-        ranking = torch.tensor([by_block[int(block)] for block in positions // self.block_size])
+        by_block = block_scores_of(scores, positions, self.block_size)  # blocks 0, 1, ... in order
+        ranking = torch.tensor(list(by_block.values()))[positions // self.block_size]
         ranking[: self.block_size] = float("inf")
         return {first.layer: ranking}
