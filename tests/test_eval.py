@@ -586,6 +586,25 @@ def test_two_workers_give_the_frames_of_one(tmp_path):
         compare_store(path, workers=0)
 
 
+def worker_pid(record) -> int:
+    return os.getpid()
+
+
+def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_path):
+    from rankkit.eval.parallel import map_examples, shared_workers
+
+    path = write_store(tmp_path / "run.zarr", examples=9)
+    ids = [f"ex{index}" for index in range(9)]
+    alone = compare_store(path, workers=2)
+    with shared_workers(path):
+        first = set(map_examples(path, ids, worker_pid, workers=2))
+        shared = compare_store(path, workers=2)
+        second = set(map_examples(path, ids, worker_pid, workers=2))
+    assert len(first) == 2 and first == second
+    assert not set(map_examples(path, ids, worker_pid, workers=2)) & first  # a pool of its own again
+    assert alone.per_layer.equals(shared.per_layer) and alone.pairs.equals(shared.pairs)
+
+
 # ---------------------------------------------------------------- CLI
 
 

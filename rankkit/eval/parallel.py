@@ -62,15 +62,55 @@ def map_examples(
         for example_id in example_ids:
             yield evaluate(store.example(example_id))
         return
+    with _worker_pool(os.fspath(path), processes) as pool:
+        yield from pool.imap(
+            partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK
+        )
+
+
+@contextmanager
+def shared_workers(path: str | os.PathLike) -> Iterator[None]:
+    """Inside, the ``map_examples`` calls over the store at ``path`` share one pool of workers,
+    started by the first and ended on leaving: a command that runs several analyses of one
+    store (the dashboard runs compare, variance and the explorer) pays the workers' start-up,
+    about 3 s of imports each, once."""
+    key = os.fspath(path)
+    _shared_pools[key] = None
+    try:
+        yield
+    except BaseException:
+        pool = _shared_pools.pop(key, None)
+        if pool is not None:
+            pool[1].terminate()
+        raise
+    pool = _shared_pools.pop(key, None)
+    if pool is not None:
+        pool[1].close()
+        pool[1].join()
+
+
+_shared_pools: dict[str, tuple[int, Any] | None] = {}
+
+
+@contextmanager
+def _worker_pool(path: str, processes: int) -> Iterator[Any]:
+    """A pool of ``processes`` workers on the store at ``path``: the one ``shared_workers`` keeps, or
+    a pool of its own, ended on leaving."""
+    shared = _shared_pools.get(path)
+    if shared is not None and shared[0] == processes:
+        yield shared[1]
+        return
     # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
     context = multiprocessing.get_context("spawn")
     with _ignoring_ctrl_c():
         threads = max(1, default_workers() // processes)
-        pool = context.Pool(processes, initializer=_start_worker, initargs=(os.fspath(path), threads))
+        pool = context.Pool(processes, initializer=_start_worker, initargs=(path, threads))
+    if path in _shared_pools and shared is None:
+        _shared_pools[path] = processes, pool
+        yield pool
+        return
     with pool:
-        yield from pool.imap(
-            partial(_evaluate_in_worker, evaluate), example_ids, chunksize=_EXAMPLES_PER_TASK
-        )
+        yield pool
         # Workers that end on their own release the pool's semaphores; the terminate that
         # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
         pool.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from functools import partial
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from rankkit import outputs
 from rankkit.bench import SUMMARY_INPUTS
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
+from rankkit.eval.parallel import map_examples, shared_workers
 
 from . import figures
 from .html import Control, Page, Panel, encode_array, render, render_index
@@ -92,7 +94,8 @@ def write_dashboard(
     bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
-    page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
+    with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
+        page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
     return outputs.write_text(render(page), out_path)
 
 
@@ -219,6 +222,10 @@ def _page(
                 diffusion_metrics[0],
             )
         )
+    explored_ids = [record.id for record in explored]
+    payloads = map_examples(
+        store.path, explored_ids, partial(_explorer_payload, max_bins=max_bins, keeps=keeps), workers=workers
+    )
     model = (store.meta.get("model") or {}).get("id", "unknown model")
     facts = [
         ("store", str(store_path)),
@@ -235,7 +242,7 @@ def _page(
         facts=facts,
         controls=controls,
         panels=panels,
-        examples={record.id: _explorer_payload(record, max_bins, keeps) for record in explored},
+        examples=dict(zip(explored_ids, payloads, strict=True)),
         explorer={"colour_titles": figures.EXPLORER_COLOURS},
     )
 
