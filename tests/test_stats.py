@@ -14,6 +14,7 @@ from rankkit.eval.stats import (
     bootstrap_means,
     mean_intervals,
     paired_difference,
+    paired_differences,
     wilson_interval,
     with_interval,
 )
@@ -110,6 +111,22 @@ def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(differences).pvalue)
     assert found["difference_ci_low"] < found["difference"] < found["difference_ci_high"]
     assert paired_difference(np.ones(3), np.ones(3))["p_value"] is None  # no difference to test
+
+
+def test_many_paired_differences_equal_one_call_each():
+    """Pairs with as many shared examples share one bootstrap; each still gets its own interval."""
+    rng = np.random.default_rng(5)
+    pairs = []
+    for missing in (0, 0, 1, 3, 0, 12):
+        first, second = rng.normal(0.5, 0.2, 12), rng.normal(0.4, 0.2, 12)
+        second[rng.choice(12, missing, replace=False)] = np.nan
+        pairs.append((first, second))
+    pairs.append((np.ones(4), np.ones(4)))
+    for found, pair in zip(paired_differences(pairs), pairs, strict=True):
+        alone = paired_difference(*pair)
+        assert found.keys() == alone.keys()
+        for name, value in alone.items():
+            assert found[name] == (value if value is None else pytest.approx(value, abs=1e-12)), name
 
 
 def test_with_interval_formats_what_tables_show():

@@ -75,7 +75,7 @@ from .offline import (
     split_names,
 )
 from .parallel import checked_workers, map_examples
-from .stats import interval_columns, mean_intervals, paired_difference
+from .stats import interval_columns, mean_intervals, paired_differences
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -338,8 +338,8 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl.DataFrame:
-    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_difference``)."""
-    rows = []
+    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``)."""
+    keys, columns = [], []
     for method, baseline in pairs:
         both = (
             per_layer.filter(pl.col("method") == method)
@@ -354,12 +354,13 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
             .sort("layer", nulls_last=True, maintain_order=True)
         )
         for (layer,), values in both.group_by("layer", maintain_order=True):
-            first, second = (
-                values[name].cast(pl.Float64).fill_null(np.nan).to_numpy() for name in ("first", "second")
+            keys.append({"method": method, "baseline": baseline, "layer": layer})
+            columns.append(
+                tuple(
+                    values[name].cast(pl.Float64).fill_null(np.nan).to_numpy() for name in ("first", "second")
+                )
             )
-            rows.append(
-                {"method": method, "baseline": baseline, "layer": layer, **paired_difference(first, second)}
-            )
+    rows = [{**key, **found} for key, found in zip(keys, paired_differences(columns), strict=True)]
     schema = {
         "method": pl.String,
         "baseline": pl.String,

@@ -163,22 +163,38 @@ def paired_difference(first: np.ndarray, second: np.ndarray) -> dict[str, Any]:
     """``first - second`` over the examples that have both (NaN elsewhere): the mean difference, its
     bootstrap interval, the Wilcoxon signed-rank p-value (two-sided; None below two
     differences or when every difference is zero) and n."""
+    return paired_differences([(first, second)])[0]
+
+
+def paired_differences(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
+    """``paired_difference`` of every (first, second) pair. Pairs with as many shared examples share
+    one bootstrap call (the resamples depend only on that number), which costs as much as one."""
     from scipy import stats  # imported when used, as in ``wilson_interval``
 
-    differences = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
-    differences = differences[~np.isnan(differences)]
-    mean, low, high, count = (float(value[0]) for value in bootstrap_means(differences[:, np.newaxis]))
-    p_value = None
-    if differences.size >= 2 and np.any(differences != 0):
-        p_value = float(stats.wilcoxon(differences).pvalue)
-    finite = lambda value: None if np.isnan(value) else value  # noqa: E731
-    return {
-        "difference": finite(mean),
-        "difference_ci_low": finite(low),
-        "difference_ci_high": finite(high),
-        "p_value": p_value,
-        "n_examples": int(count),
-    }
+    differences = []
+    for first, second in pairs:
+        difference = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
+        differences.append(difference[~np.isnan(difference)])
+    by_count: dict[int, list[int]] = {}
+    for index, difference in enumerate(differences):
+        by_count.setdefault(difference.size, []).append(index)
+    rows: list[dict[str, Any]] = [{} for _ in differences]
+    finite = lambda value: None if np.isnan(value) else float(value)  # noqa: E731
+    for count, indices in by_count.items():
+        stacked = np.stack([differences[index] for index in indices], axis=1).reshape(count, len(indices))
+        for column, (mean, low, high) in enumerate(zip(*bootstrap_means(stacked)[:3], strict=True)):
+            difference = differences[indices[column]]
+            p_value = None
+            if difference.size >= 2 and np.any(difference != 0):
+                p_value = float(stats.wilcoxon(difference).pvalue)
+            rows[indices[column]] = {
+                "difference": finite(mean),
+                "difference_ci_low": finite(low),
+                "difference_ci_high": finite(high),
+                "p_value": p_value,
+                "n_examples": count,
+            }
+    return rows
 
 
 def with_interval(value: float | None, low: float | None, high: float | None, digits: int = 2) -> str:
