@@ -50,7 +50,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -409,15 +409,33 @@ SIGNIFICANCE = 0.05  # the p-value below which a paired difference counts as sig
 
 @dataclass(frozen=True)
 class CompareResult:
+    """The frames of one comparison. ``curve``, ``stability``, ``summary`` and ``pairs`` are made from
+    ``per_layer`` when first asked for: their bootstrap intervals cost seconds at a thousand
+    examples, and the dashboard reads none of them."""
+
     pruning_layer: int  # the layer probes and KV-only methods are summarised at
     span: str  # which tokens were ranked: "prompt" or "context"
     per_layer: pl.DataFrame
     per_head: pl.DataFrame
     sweep: pl.DataFrame
-    curve: pl.DataFrame
-    stability: pl.DataFrame
-    summary: pl.DataFrame
-    pairs: pl.DataFrame
+    summary_layers: Mapping[str, int | None]  # each method's layer in ``summary`` (summary_frame)
+    tested_pairs: Sequence[tuple[str, str]]  # the (method, baseline) pairs ``pairs`` tests
+
+    @cached_property
+    def curve(self) -> pl.DataFrame:
+        return curve_frame(self.per_layer)
+
+    @cached_property
+    def stability(self) -> pl.DataFrame:
+        return stability_frame(self.per_layer)
+
+    @cached_property
+    def summary(self) -> pl.DataFrame:
+        return summary_frame(self.per_layer, self.summary_layers)
+
+    @cached_property
+    def pairs(self) -> pl.DataFrame:
+        return pairs_frame(self.per_layer, self.tested_pairs)
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
@@ -566,10 +584,8 @@ def compare_store(
         per_layer=per_layer,
         per_head=per_head,
         sweep=sweep,
-        curve=curve_frame(per_layer),
-        stability=stability_frame(per_layer),
-        summary=summary_frame(per_layer, summary_layers),
-        pairs=pairs_frame(per_layer, pairs),
+        summary_layers=summary_layers,
+        tested_pairs=list(pairs),
     )
 
 

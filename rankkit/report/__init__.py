@@ -276,7 +276,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             comparison.per_layer,
             pruning_layer=layer,
             colors=colors,
-            pairs=comparison.pairs.select("method", "baseline").unique(maintain_order=True).rows(),
+            pairs=comparison.tested_pairs,
         ),
     )
 
