@@ -203,22 +203,27 @@ def evaluate_example(
                 head=np.tile(np.arange(num_heads), num_layers),
                 spearman=head_rho.reshape(-1),
             )
-    computed: dict[tuple, tuple[list[int | None], dict[str, np.ndarray]]] = {}
-    for label, method in methods.items():
-        key = method.offline_key()  # asl and asl-2pass rank alike: rank and score once
-        if key not in computed:
+    num_layers = record.score_shape(record.probes[0])[0]
+    layer_types = (layout or {}).get("layer_types")
+    computed: dict[tuple, tuple[list[int | None], dict[str, np.ndarray], bool]] = {}
+
+    def scored(method: Method, with_kendall: bool) -> tuple[list[int | None], dict[str, np.ndarray]]:
+        """The method's layers and metric columns, ranked and scored once per offline face: asl and
+        asl-2pass rank alike, and so do claa and the sweep's claa at its own n."""
+        key = method.bind(num_layers, layer_types).offline_key()
+        if key not in computed or (with_kendall and not computed[key][2]):
             layers, rankings = _rankings(method, record, budget, ranked, layout)
-            computed[key] = layers, reference.metrics(rankings, with_kendall=detailed)
-        layers, columns = computed[key]
+            computed[key] = layers, reference.metrics(rankings, with_kendall=with_kendall), with_kendall
+        return computed[key][:2]
+
+    for label, method in methods.items():
+        layers, columns = scored(method, detailed)
         per_layer.add(label, layer=layers, **columns)
         if method.name == CLAA and detailed:
             for n in CLAA_SWEEP:
-                layers, rankings = _rankings(
-                    replace(method, aggregation_window=n), record, budget, ranked, layout
-                )
-                columns = reference.metrics(rankings, with_kendall=False)
-                del columns["kendall"]
-                sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **columns)
+                layers, columns = scored(replace(method, aggregation_window=n), False)
+                without_kendall = {name: values for name, values in columns.items() if name != "kendall"}
+                sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
     return per_layer.frame(), per_head.frame(), sweep.frame()
 
 
