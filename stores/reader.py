@@ -47,7 +47,7 @@ from .schema import (
     open_node,
     open_root,
     open_zip,
-    read_zip_array,
+    read_zip_arrays,
 )
 
 Reduce = Literal["sum", "mean", "max"] | None
@@ -97,21 +97,37 @@ class _Part:
         """``read(zarr_array)`` of array ``name``, or the whole array without ``read``; RankkitError
         naming the example, the array and the fix when the file holding it is missing, truncated
         or no longer decodes."""
-        if self.recorded is not None:
-            found = manifest.damage(self.example.directory, self.recorded, checksum=False)
-            if found:
-                raise self._damaged(name, found[0][1])
+        if read is None:
+            return self.read_whole([name])[name]
+        self._check(name)
         try:
             if self.recorded is None:
-                array = self._legacy[name]
-                return array[...] if read is None else read(array)
+                return read(self._legacy[name])
             (file_name,) = self.recorded["files"]
-            if read is None:
-                return read_zip_array(self.example.directory / file_name, name)
             with open_zip(self.example.directory / file_name) as root:
                 return read(root[name])
         except Exception as error:  # zip, zarr, blosc and json raise many types for damaged bytes
             raise self._damaged(name, f"does not decode: {one_line(error)}") from None
+
+    def read_whole(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """The whole arrays ``names``, their file opened once; checked as ``read`` checks them."""
+        self._check(names[0])
+        try:
+            if self.recorded is None:
+                return {name: self._legacy[name][...] for name in names}
+            (file_name,) = self.recorded["files"]
+            return read_zip_arrays(self.example.directory / file_name, names)
+        except Exception as error:  # zip, zarr, blosc and json raise many types for damaged bytes
+            if len(names) > 1:  # one at a time, to name the array that does not decode
+                return {name: self.read_whole([name])[name] for name in names}
+            raise self._damaged(names[0], f"does not decode: {one_line(error)}") from None
+
+    def _check(self, name: str) -> None:
+        """RankkitError naming ``name`` when the part's file is missing or truncated (its manifest)."""
+        if self.recorded is not None:
+            found = manifest.damage(self.example.directory, self.recorded, checksum=False)
+            if found:
+                raise self._damaged(name, found[0][1])
 
     def _damaged(self, name: str, detail: str) -> RankkitError:
         shown = "/".join(decode_name(part) for part in name.split("/"))
@@ -191,6 +207,12 @@ class ExampleRecord:
         """float32 [layers, kv_heads, T] (whatever the stored dtype); ``layers`` picks (and orders) a subset."""
         return self._read_scores(probe, layers)[0]
 
+    def all_scores(self) -> dict[str, np.ndarray]:
+        """Every probe's ``scores``, read in one opening of the capture's file."""
+        names = {probe: self._score_name(probe) for probe in self.probes}
+        found = self._capture.read_whole(list(names.values()))
+        return {probe: _as_scores(found[name]) for probe, name in names.items()}
+
     @property
     def has_oracle(self) -> bool:
         return self.attrs.get(ORACLE_COMPLETE) is True
@@ -238,8 +260,7 @@ class ExampleRecord:
             layers, self._capture.shape(name)[0], f"probe {probe!r} of example {self.id!r}"
         )
         values = self._capture.read(name, None if layers is None else lambda array: array.oindex[layer_ids])
-        # float16 stores (capture --score-dtype float16) read back as float32 like any other
-        return values.astype(np.float32, copy=False), layer_ids
+        return _as_scores(values), layer_ids
 
     def _score_name(self, probe: str) -> str:
         if probe not in self.probes:
@@ -247,6 +268,11 @@ class ExampleRecord:
                 f"example {self.id!r} has no scores for probe {probe!r} (it has {', '.join(self.probes)})"
             )
         return f"{SCORES}/{encode_name(probe)}"
+
+
+def _as_scores(values: np.ndarray) -> np.ndarray:
+    # float16 stores (capture --score-dtype float16) read back as float32 like any other
+    return values.astype(np.float32, copy=False)
 
 
 class ReadOnce:
@@ -259,10 +285,10 @@ class ReadOnce:
         self._scores: dict[str, np.ndarray] = {}
 
     def scores(self, probe: str, layers: Sequence[int] | None = None) -> np.ndarray:
-        if layers is not None:
+        if layers is not None or probe not in self.record.probes:
             return self.record.scores(probe, layers)
-        if probe not in self._scores:
-            self._scores[probe] = self.record.scores(probe)
+        if not self._scores:  # every probe at once: analyses that read one read them all
+            self._scores = self.record.all_scores()
         return self._scores[probe].copy()  # a caller may write into its arrays (torch.from_numpy shares them)
 
     @cached_property

@@ -28,7 +28,7 @@ import math
 import os
 import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -165,8 +165,8 @@ def write_zip(
         staging.unlink(missing_ok=True)
 
 
-def read_zip_array(path: Path, name: str) -> np.ndarray:
-    """The whole array ``name`` of the zarr group in the zip at ``path``.
+def read_zip_arrays(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The whole arrays ``names`` of the zarr group in the zip at ``path``, the zip opened once.
 
     Arrays laid out as ``write_array`` writes them (a regular chunk grid, "/" chunk keys, the
     bytes codec then blosc) are decoded here, chunk by chunk; zarr's own reader costs about
@@ -175,27 +175,31 @@ def read_zip_array(path: Path, name: str) -> np.ndarray:
     zarr.
     """
     with zipfile.ZipFile(path) as archive:
-        metadata = json.loads(archive.read(f"{name}/zarr.json"))
-        if not _written_by_write_array(metadata):
-            with open_zip(path) as root:
-                return root[name][...]
-        shape = tuple(metadata["shape"])
-        chunk_shape = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
-        dtype = np.dtype(metadata["data_type"]).newbyteorder("<")
-        values = np.empty(shape, dtype)
         members = set(archive.namelist())
-        grid = [range(-(-size // chunk)) for size, chunk in zip(shape, chunk_shape, strict=True)]
-        for index in itertools.product(*grid):
-            key = "/".join((name, "c", *map(str, index))) if index else f"{name}/c"
-            region = tuple(
-                slice(start * chunk, min(size, (start + 1) * chunk))
-                for start, chunk, size in zip(index, chunk_shape, shape, strict=True)
-            )
-            if key not in members:  # zarr leaves out chunks that hold only the fill value
-                values[region] = _fill_value(metadata["fill_value"])
-                continue
-            chunk = np.frombuffer(blosc.decompress(archive.read(key)), dtype).reshape(chunk_shape)
-            values[region] = chunk[tuple(slice(0, part.stop - part.start) for part in region)]
+        return {name: _read_member_array(archive, members, path, name) for name in names}
+
+
+def _read_member_array(archive: zipfile.ZipFile, members: set[str], path: Path, name: str) -> np.ndarray:
+    metadata = json.loads(archive.read(f"{name}/zarr.json"))
+    if not _written_by_write_array(metadata):
+        with open_zip(path) as root:
+            return root[name][...]
+    shape = tuple(metadata["shape"])
+    chunk_shape = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    dtype = np.dtype(metadata["data_type"]).newbyteorder("<")
+    values = np.empty(shape, dtype)
+    grid = [range(-(-size // chunk)) for size, chunk in zip(shape, chunk_shape, strict=True)]
+    for index in itertools.product(*grid):
+        key = "/".join((name, "c", *map(str, index))) if index else f"{name}/c"
+        region = tuple(
+            slice(start * chunk, min(size, (start + 1) * chunk))
+            for start, chunk, size in zip(index, chunk_shape, shape, strict=True)
+        )
+        if key not in members:  # zarr leaves out chunks that hold only the fill value
+            values[region] = _fill_value(metadata["fill_value"])
+            continue
+        chunk = np.frombuffer(blosc.decompress(archive.read(key)), dtype).reshape(chunk_shape)
+        values[region] = chunk[tuple(slice(0, part.stop - part.start) for part in region)]
     return values.astype(dtype.newbyteorder("="), copy=False)
 
 

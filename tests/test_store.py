@@ -900,10 +900,14 @@ def test_zip_arrays_decode_as_zarr_reads_them_in_every_chunk_layout(tmp_path, mo
     for name, expected in arrays.items():
         with schema.open_zip(path) as root:
             via_zarr = root[name][...]
-        found = schema.read_zip_array(path, name)
+        found = schema.read_zip_arrays(path, [name])[name]
         assert found.dtype == expected.dtype and found.shape == expected.shape
         np.testing.assert_array_equal(found, via_zarr)
         np.testing.assert_array_equal(found, expected)
+    together = schema.read_zip_arrays(path, list(arrays))  # one opening of the zip
+    assert list(together) == list(arrays)
+    for name, expected in arrays.items():
+        np.testing.assert_array_equal(together[name], expected)
 
 
 def test_zip_arrays_of_another_layout_read_through_zarr(tmp_path):
@@ -917,7 +921,7 @@ def test_zip_arrays_of_another_layout_read_through_zarr(tmp_path):
     values = np.arange(24, dtype=np.int64).reshape(4, 6)
     root.create_array("gzipped", data=values, chunks=(3, 4), compressors=zarr.codecs.GzipCodec())
     store.close()
-    np.testing.assert_array_equal(schema.read_zip_array(path, "gzipped"), values)
+    np.testing.assert_array_equal(schema.read_zip_arrays(path, ["gzipped"])["gzipped"], values)
 
 
 def test_float16_scores_are_stored_at_half_size_and_read_as_float32(tmp_path):
