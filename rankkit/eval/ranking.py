@@ -376,8 +376,10 @@ def _score_rows(
                     row_covariance += deviation * reference_deviations[token]
                 if chained and row > 0:
                     row_chained += deviation * previous[token]
-                deviations[token] = deviation
-                dense[token] = runs
+                if chained:  # only what a later step reads: the writes cost a third of the walk
+                    deviations[token] = deviation
+                if with_kendall:
+                    dense[token] = runs
             runs += 1
             start = end
         # the top k are the first k places (ties already broken toward the earlier token)
