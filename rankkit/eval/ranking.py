@@ -147,33 +147,10 @@ def _correlation(covariance: np.ndarray, spread: np.ndarray, reference_spread: n
 
 
 def kendall(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """Kendall's tau-b along the last axis (ties corrected, as ``scipy.stats.kendalltau``); NaN for a constant side.
-
-    Callers comparing many rankings with one reference should rank the reference once and
-    call ``kendall_tau_b`` with both ``Ranked``.
-    """
-    return kendall_tau_b(Ranked(scores), Ranked(reference))
-
-
-def kendall_tau_b(scores: Ranked, reference: Ranked) -> np.ndarray:
-    """Kendall's tau-b of every row of ``scores`` with ``reference`` (its rows broadcast).
-
-    tau_b = (n_c - n_d) / sqrt((n_0 - n_1)(n_0 - n_2)) with n_0 = T(T-1)/2, n_1 and n_2 the
-    pairs tied in either side and n_c - n_d = n_0 - n_1 - n_2 + n_3 - 2 n_d, n_3 the pairs tied
-    in both and n_d the discordant pairs (``_discordant_pairs``).
-    """
-    shape = np.broadcast_shapes(scores.shape, reference.shape)
-    num_tokens = shape[-1]
-    reference_dense = reference.dense_ranks.reshape(-1, num_tokens)
-    if reference_dense.shape[0] != 1 or scores.shape != shape:  # the kernel broadcasts one reference row
-        reference_dense = np.broadcast_to(reference.dense_ranks, shape).reshape(-1, num_tokens)
-    score_dense = np.broadcast_to(scores.dense_ranks, shape).reshape(-1, num_tokens)
-    discordant, both_tied = _discordant_pairs(
-        np.ascontiguousarray(score_dense), np.ascontiguousarray(reference_dense)
-    )
-    score_tied = np.broadcast_to(scores.tied_pairs, shape[:-1]).reshape(-1)
-    reference_tied = np.broadcast_to(reference.tied_pairs, shape[:-1]).reshape(-1)
-    return _tau_b(discordant, both_tied, score_tied, reference_tied, num_tokens).reshape(shape[:-1])
+    """Kendall's tau-b along the last axis (ties corrected, as ``scipy.stats.kendalltau``); NaN for a
+    constant side. ``row_metrics`` with ``with_kendall`` scores many rows against one ``Ranked``."""
+    found = row_metrics(scores, Ranked(reference), with_kendall=True)["kendall"]
+    return found.reshape(np.shape(scores)[:-1])
 
 
 def _tau_b(
@@ -183,7 +160,9 @@ def _tau_b(
     reference_tied: np.ndarray,
     num_tokens: int,
 ) -> np.ndarray:
-    """Kendall's tau-b from n_d, n_3, n_1 and n_2 (``kendall_tau_b``); NaN for a constant side."""
+    """Kendall's tau-b = (n_c - n_d) / sqrt((n_0 - n_1)(n_0 - n_2)) from n_d (discordant pairs),
+    n_3 (pairs tied in both), n_1 and n_2 (pairs tied in either side), n_0 = T(T-1)/2 and
+    n_c - n_d = n_0 - n_1 - n_2 + n_3 - 2 n_d; NaN for a constant side."""
     total = num_tokens * (num_tokens - 1) // 2
     concordant_minus_discordant = total - tied - reference_tied + both_tied - 2 * discordant
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -207,7 +186,7 @@ def row_metrics(
     per-token array built (what compare asks of hundreds of rankings per example):
 
     - ``spearman``, and with ``with_kendall`` ``kendall`` (tau-b), against ``reference`` (a
-      ``Ranked`` [T]; None: NaN), equal to ``spearman_rho`` and ``kendall_tau_b``;
+      ``Ranked`` [T]; None: NaN), as ``scipy.stats.spearmanr`` and ``kendalltau`` give them;
     - ``overlap`` [R, K]: the share of each ``top_sets[j]`` (bool [K, T]) inside the row's top
       ``top_ks[j]`` (``top_k_mask``);
     - ``evidence``: the share of ``evidence`` (bool [T]) inside the row's top ``needle_k``
@@ -248,84 +227,6 @@ def row_metrics(
 
 
 @numba.njit(cache=True, nogil=True)
-def _discordant_pairs(score_dense, reference_dense):  # pragma: no cover - compiled; tested through kendall
-    """Per row of dense ranks [R, T] against ``reference_dense`` [R or 1, T]: the discordant
-    pairs n_d (lower in the reference, higher in the scores) and the pairs tied in both n_3
-    (``_count_discordant``)."""
-    num_rows, num_tokens = score_dense.shape
-    discordant = np.zeros(num_rows, np.int64)
-    both_tied = np.zeros(num_rows, np.int64)
-    order = np.empty(num_tokens, np.int32)
-    group_ends = np.empty(num_tokens, np.int32)
-    scratch = np.zeros((3, num_tokens + 1), np.int32)
-    prepared = -1
-    for row in range(num_rows):
-        reference_row = row if reference_dense.shape[0] > 1 else 0
-        if reference_row != prepared:
-            _reference_order(reference_dense[reference_row], order, group_ends)
-            prepared = reference_row
-        discordant[row], both_tied[row] = _count_discordant(score_dense[row], order, group_ends, scratch)
-    return discordant, both_tied
-
-
-@numba.njit(cache=True, nogil=True)
-def _reference_order(reference_dense, order, group_ends):  # pragma: no cover - compiled
-    """Fill ``order`` with the tokens in the reference's ascending order (a counting sort of its
-    dense ranks [T], ties in token order) and ``group_ends`` with, per position in that order,
-    where its group of reference-tied tokens ends."""
-    num_tokens = reference_dense.shape[0]
-    starts = np.zeros(num_tokens + 1, np.int32)
-    for token in range(num_tokens):
-        starts[reference_dense[token] + 1] += 1
-    for group in range(num_tokens):
-        starts[group + 1] += starts[group]
-    filled = starts[:-1].copy()
-    for token in range(num_tokens):
-        group = reference_dense[token]
-        order[filled[group]] = token
-        group_ends[filled[group]] = starts[group + 1]
-        filled[group] += 1
-
-
-@numba.njit(cache=True, nogil=True)
-def _count_discordant(score_dense, order, group_ends, scratch):  # pragma: no cover - compiled
-    """(n_d, n_3) of one row of dense ranks [T] against the reference ``_reference_order`` prepared.
-
-    The tokens are visited in the reference's order; a Fenwick tree over score ranks counts,
-    for each token, the tokens before it that score higher. A group of reference-tied tokens
-    enters the tree only once all of it is counted, so reference-tied pairs are never
-    discordant; a per-rank tally counts its equal scores (n_3). O(T log T). ``scratch`` is
-    int32 [3, T + 1], zeros before the first row (the tally is back at zero after each).
-    """
-    num_tokens = score_dense.shape[0]
-    sequence, tree, in_group = scratch[0], scratch[1], scratch[2]
-    for position in range(num_tokens):
-        sequence[position] = score_dense[order[position]]
-    tree[:] = 0
-    group_start, discordant, both_tied = 0, 0, 0
-    for position in range(num_tokens):
-        rank = sequence[position]
-        not_higher, node = 0, rank + 1
-        while node > 0:
-            not_higher += tree[node]
-            node -= node & -node
-        discordant += group_start - not_higher
-        group_end = group_ends[position]
-        if group_end - group_start > 1:
-            both_tied += in_group[rank]
-            in_group[rank] += 1
-        if position + 1 == group_end:
-            for member in range(group_start, group_end):
-                in_group[sequence[member]] = 0
-                node = sequence[member] + 1
-                while node <= num_tokens:
-                    tree[node] += 1
-                    node += node & -node
-            group_start = group_end
-    return discordant, both_tied
-
-
-@numba.njit(cache=True, nogil=True)
 def _score_rows(
     values, reference_deviations, reference_dense, tops, top_ks, evidence, needle_k, with_kendall, chained
 ):  # pragma: no cover - compiled; tested through RowMetrics against Ranked and scipy
@@ -339,8 +240,13 @@ def _score_rows(
     - its tied pairs and rank spread (Spearman's denominator);
     - how many of each ``tops[j]`` [T] (bool) its top ``top_ks[j]`` keep, and of ``evidence``
       its top ``needle_k``;
-    - with ``with_kendall``, its dense ranks, whose discordant pairs with ``reference_dense``
-      ``_count_discordant`` counts.
+    - with ``with_kendall``, Kendall's n_d and n_3 against ``reference_dense`` (the reference's
+      ascending dense ranks [T]): walking the tokens from the highest score down, a Fenwick tree
+      over reference ranks counts, for each token, the higher-scoring tokens ranked lower by the
+      reference (discordant pairs). A run of tied scores enters the tree only once all of it
+      is counted, so score-tied pairs are never discordant, and the strict comparison leaves
+      reference-tied ones out; a per-rank tally within each run counts the pairs tied in both.
+      O(T log T).
     """
     num_rows, num_tokens = values.shape
     center = (num_tokens + 1) / 2.0
@@ -354,16 +260,15 @@ def _score_rows(
     both_tied = np.zeros(num_rows, np.int64)
     buffers = sort_buffers(num_tokens)
     deviations, previous = np.empty(num_tokens, np.float64), np.empty(num_tokens, np.float64)
-    dense = np.empty(num_tokens, np.int32)
-    reference_order, group_ends = np.empty(num_tokens, np.int32), np.empty(num_tokens, np.int32)
-    scratch = np.zeros((3, num_tokens + 1), np.int32)
+    tree, tally = np.zeros(num_tokens + 1, np.int32), np.zeros(num_tokens, np.int32)
     has_reference = reference_deviations.shape[0] == num_tokens
-    if with_kendall:
-        _reference_order(reference_dense, reference_order, group_ends)
     for row in range(num_rows):
         buffers = sort_row(values[row], False, buffers)
         keys, order = buffers[1], buffers[3]
-        start, runs, row_tied, row_spread, row_covariance, row_chained = 0, 0, 0, 0.0, 0.0, 0.0
+        start, row_tied, row_spread, row_covariance, row_chained = 0, 0, 0.0, 0.0, 0.0
+        row_discordant, row_both_tied = 0, 0
+        if with_kendall:
+            tree[:] = 0
         while start < num_tokens:
             end = run_end(keys, start)
             deviation = num_tokens - (start + end - 1) * 0.5 - center  # of the run's average rank
@@ -376,11 +281,26 @@ def _score_rows(
                     row_covariance += deviation * reference_deviations[token]
                 if chained and row > 0:
                     row_chained += deviation * previous[token]
-                if chained:  # only what a later step reads: the writes cost a third of the walk
+                if chained:  # only what the next row reads: the write costs a third of the walk
                     deviations[token] = deviation
                 if with_kendall:
-                    dense[token] = runs
-            runs += 1
+                    rank, lower = reference_dense[token], 0
+                    node = rank  # tree slots 1..rank hold the ranks below this token's
+                    while node > 0:
+                        lower += tree[node]
+                        node -= node & -node
+                    row_discordant += lower
+                    if end - start > 1:
+                        row_both_tied += tally[rank]
+                        tally[rank] += 1
+            if with_kendall:
+                for place in range(start, end):
+                    rank = reference_dense[order[place]]
+                    tally[rank] = 0
+                    node = rank + 1
+                    while node <= num_tokens:
+                        tree[node] += 1
+                        node += node & -node
             start = end
         # the top k are the first k places (ties already broken toward the earlier token)
         for j in range(top_ks.shape[0]):
@@ -389,13 +309,10 @@ def _score_rows(
         for place in range(min(needle_k, num_tokens)):
             evidence_hits[row] += evidence[order[place]]
         covariance[row], tied[row], spread[row] = row_covariance, row_tied, row_spread
+        discordant[row], both_tied[row] = row_discordant, row_both_tied
         if chained and row > 0:
             chained_covariance[row] = row_chained
         previous, deviations = deviations, previous
-        if with_kendall:
-            for token in range(num_tokens):
-                dense[token] = runs - 1 - dense[token]  # ascending, like the reference's
-            discordant[row], both_tied[row] = _count_discordant(dense, reference_order, group_ends, scratch)
     return covariance, chained_covariance, tied, spread, top_hits, evidence_hits, discordant, both_tied
 
 
