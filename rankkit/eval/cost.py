@@ -35,8 +35,9 @@ PROBES = (
 )  # a default capture's
 QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
 
-STEPS = {
-    "compare": "from rankkit.eval.compare import compare_store; compare_store({store!r}, workers={workers})",
+STEPS = {  # each as its command runs it: compare writes every frame it makes (--out)
+    "compare": "from rankkit.eval.compare import compare_store; "
+    "compare_store({store!r}, workers={workers}).write({compare_out!r})",
     "variance": "from rankkit.eval.variance import variance_store; variance_store({store!r}, workers={workers})",
     "dashboard": "from rankkit.report import write_dashboard; "
     "write_dashboard({store!r}, {out!r}, workers={workers})",
@@ -96,7 +97,12 @@ def run_analysis_cost(
             progress()
             report = Path(scratch) / "report.html"
             for step, code in STEPS.items():
-                script = code.format(store=str(store), out=str(report), workers=processes)
+                script = code.format(
+                    store=str(store),
+                    out=str(report),
+                    compare_out=str(Path(scratch) / "compare.parquet"),
+                    workers=processes,
+                )
                 seconds, peak_bytes = _timed_process(script)
                 rows.append(
                     {
