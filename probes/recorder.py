@@ -45,7 +45,9 @@ class ProbeRecorder(LayerHook):
         unseen = call.unseen_keys()  # [kv_heads, S] on a local layer
         if unseen is not None:  # a per-query-head probe's rows share their KV head's keys
             scores = {
-                key: score.masked_fill(unseen.repeat_interleave(score.shape[0] // unseen.shape[0], dim=0), float("nan"))
+                key: score.masked_fill(
+                    unseen.repeat_interleave(score.shape[0] // unseen.shape[0], dim=0), float("nan")
+                )
                 for key, score in scores.items()
             }
         self._layers.append((call.layer, call.key_positions, scores))

@@ -47,8 +47,9 @@ class Ranked:
     Indexing a ``Ranked`` picks rows along the leading axes (``ranked[1:]``).
 
     NaN (no score) ranks below every score, all NaN tied, as -inf would. One compiled pass per
-    row (``_rank_rows``): comparing hundreds of rankings of thousands of tokens per example is
-    where compare spends its time.
+    row (``_rank_rows``). Compare ranks its reference (the oracle) this way, once per example;
+    the hundreds of rankings it scores against it go through ``row_metrics``, which builds no
+    per-token array.
     """
 
     def __init__(self, scores: np.ndarray):
