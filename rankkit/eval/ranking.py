@@ -120,8 +120,9 @@ def spearman(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Spearman's rho along the last axis, as ``scipy.stats.spearmanr``; NaN where either side is constant.
 
     The rank correlation CLAA (Sec. 3.1, Fig. 2) reports against the Answer-Informed Oracle.
-    Callers comparing many rankings with one reference should rank the reference once and
-    call ``spearman_rho`` with both ``Ranked``.
+    Callers scoring many rankings against one reference should rank the reference once and
+    call ``row_metrics``, as compare does; this path, through every row's ``Ranked``, stays as
+    the tests' second way to the same number.
     """
     return spearman_rho(Ranked(scores), Ranked(reference))
 
