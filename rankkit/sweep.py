@@ -211,10 +211,11 @@ class Run:
     examples: dict[str, int]  # per cell, its examples (known when a model stage runs)
     workers: int | None = None
 
-    def share(self, cell: DataCell, limit: int | None = None) -> int:
-        """This rank's share of the cell's examples (of the first ``limit``)."""
+    def share(self, cell: DataCell, limit: int | None = None, of: tuple[int, int] | None = None) -> int:
+        """This rank's share of the cell's examples (of the first ``limit``), or the share of
+        ``of``, another (rank, world size)."""
         count = self.examples[cell.name]
-        return share_size(count if limit is None else min(count, limit), *shard())
+        return share_size(count if limit is None else min(count, limit), *(of or shard()))
 
 
 @dataclass
@@ -587,11 +588,15 @@ def _diffusion_unit(plan: Experiment, unit: Unit, out: Path, progress: ProgressC
     )
 
 
+_LIMITS = {  # how many of a cell's examples a sharded stage runs (None: all)
+    "bench": lambda plan: plan.bench.limit,
+    "diffusion": lambda plan: plan.diffusion.limit,
+}
 _MODEL_STAGES = {
     "capture": _capture_stage,
     "oracle": _oracle_stage,
-    "bench": _sharded_stage("bench", lambda plan: plan.bench.limit, _bench_unit),
-    "diffusion": _sharded_stage("diffusion", lambda plan: plan.diffusion.limit, _diffusion_unit),
+    "bench": _sharded_stage("bench", _LIMITS["bench"], _bench_unit),
+    "diffusion": _sharded_stage("diffusion", _LIMITS["diffusion"], _diffusion_unit),
 }
 _EXAMPLE_COLUMN = {"bench": "example_id", "diffusion": "example"}
 
@@ -606,6 +611,13 @@ def _merge(run: Run, stage: str, world: int) -> list[Path]:
         if part.exists():
             continue
         shares = [run.layout.rank_part(stage, unit, rank, world) for rank in range(world)]
+        limit = _LIMITS[stage](run.plan)
+        for rank, path in enumerate(shares):  # a rank with examples to run that left no part did not finish
+            if not path.exists() and run.share(unit.cell, limit, of=(rank, world)):
+                raise RankkitError(
+                    f"{path} is missing: rank {rank} of {world} did not finish its share of the {stage} "
+                    f"stage of {unit.cell.name}; rerun the same command to redo it"
+                )
         frames = [pl.read_parquet(path) for path in shares if path.exists()]
         by_example = [frame.partition_by(_EXAMPLE_COLUMN[stage], maintain_order=True) for frame in frames]
         outputs.write_parquet(pl.concat(interleave(by_example), how="diagonal_relaxed"), part)

@@ -225,6 +225,26 @@ def test_two_gloo_ranks_give_the_one_rank_result(finished, experiment, tmp_path)
     assert not list((out / "parts").rglob("*.rank*"))  # merged, then removed
 
 
+def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment, tmp_path):
+    """Two ranks each had an example of the cell to bench; rank 1's part is missing, so merging
+    rank 0's alone would drop its rows without a word."""
+    from rankkit.experiment import read_experiment
+    from rankkit.sweep import Layout, Run, _merge, units
+
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    plan = read_experiment(experiment)[0]
+    layout = Layout(out)
+    unit = units(plan, "bench")[0]
+    part = layout.part("bench", unit)
+    part.rename(layout.rank_part("bench", unit, 0, 2))
+    (out / "bench.parquet").unlink()
+    run = Run(plan, layout, ("bench",), {cell.name: 2 for cell in plan.data})
+    with pytest.raises(RankkitError, match=r"rank1-of-2.parquet is missing: rank 1 of 2 did not finish"):
+        _merge(run, "bench", 2)
+    assert not part.exists() and not (out / "bench.parquet").exists()
+
+
 def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tmp_path):
     small = (
         EXPERIMENT.format(model=tiny_folder)
