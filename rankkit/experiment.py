@@ -252,9 +252,10 @@ class Experiment:
     description: str = ""
 
     def identity(self) -> dict[str, Any]:
-        """What decides the outputs: everything but the name and the description."""
+        """What decides the outputs: everything but the name, the description and the stages (a
+        stage added to the file, or left out of it, changes no other stage's output)."""
         fields = dataclasses.asdict(self)
-        return {key: value for key, value in fields.items() if key not in ("name", "description")}
+        return {key: value for key, value in fields.items() if key not in ("name", "description", "stages")}
 
     def differences(self, other: Experiment) -> list[str]:
         """The top-level fields and tables whose settings differ from ``other``'s."""

@@ -259,6 +259,15 @@ def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tm
     sweep(first, out)
     renamed = _write(tmp_path / "b.toml", first.read_text().replace('name = "tiny"', 'name = "same"'))
     assert sweep(renamed, out).stages[0].skipped == 1  # the name is no part of what the outputs depend on
+    more = _write(
+        tmp_path / "more.toml",
+        first.read_text().replace('stages = ["capture"]', 'stages = ["capture", "variance"]'),
+    )
+    grown = sweep(more, out)  # a stage added to the file keeps what the others finished
+    assert [(report.stage, report.ran, report.skipped) for report in grown.stages] == [
+        ("capture", 0, 1),
+        ("variance", 1, 0),
+    ]
     other = _write(tmp_path / "c.toml", first.read_text().replace("length=128", "length=160"))
     with pytest.raises(RankkitError, match=r"another experiment \(it differs in data\); pass --overwrite"):
         sweep(other, out)
