@@ -66,6 +66,34 @@ def write_text(text: str, path: PathLike) -> Path:
     return write_atomic(path, lambda partial: partial.write_text(text, encoding="utf-8"))
 
 
+def journal_path(out: PathLike) -> Path:
+    """Where the rows of ``out`` are kept until it is written (``Journal``)."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.unfinished.jsonl")
+
+
+def _journal_entries(path: Path) -> tuple[list[dict], bool]:
+    """A journal's entries, up to a line cut short by a kill, and whether there was one."""
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            return entries, True
+    return entries, False
+
+
+def _finished_units(entries: list[dict]) -> tuple[dict[str, list[dict]], dict[str, object]]:
+    """(rows per finished unit, notes) of a journal's entries after its identity line."""
+    units, notes = {}, {}
+    for entry in entries[1:]:
+        if "note" in entry:
+            notes.update(entry["note"])
+        else:
+            units[entry["key"]] = entry["rows"]
+    return units, notes
+
+
 class Journal:
     """The finished rows of an output still being made, kept beside it so an interrupted run resumes.
 
@@ -79,7 +107,7 @@ class Journal:
 
     def __init__(self, out: PathLike | None, identity: dict, *, overwrite: bool = False) -> None:
         self.out = None if out is None else Path(out)
-        self.path = None if out is None else self.out.with_name(f".{self.out.name}.unfinished.jsonl")
+        self.path = None if out is None else journal_path(self.out)
         self.identity = json.loads(json.dumps(identity))  # as it reads back from the file
         self.units: dict[str, list[dict]] = {}
         self.notes: dict[str, object] = {}
@@ -93,24 +121,22 @@ class Journal:
             self._append({"identity": self.identity})
 
     def _resume(self) -> None:
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        entries = []
-        for line in lines:
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a kill: drop it, its unit is redone
-                write_text("".join(f"{json.dumps(entry)}\n" for entry in entries), self.path)
-                break
+        entries, cut = _journal_entries(self.path)
+        if cut:  # a line cut short by a kill: drop it, its unit is redone
+            write_text("".join(f"{json.dumps(entry)}\n" for entry in entries), self.path)
         if not entries or entries[0].get("identity") != self.identity:
             raise RankkitError(
                 f"{self.out} has an unfinished run with other settings ({self.path}); rerun with those "
                 "settings to resume it, or pass --overwrite to discard it"
             )
-        for entry in entries[1:]:
-            if "note" in entry:
-                self.notes.update(entry["note"])
-            else:
-                self.units[entry["key"]] = entry["rows"]
+        self.units, self.notes = _finished_units(entries)
+
+    @staticmethod
+    def finished_rows(out: PathLike) -> list[dict]:
+        """The rows the unfinished run making ``out`` has finished so far, read without touching
+        its journal (the run may still be appending to it)."""
+        units, _ = _finished_units(_journal_entries(journal_path(out))[0])
+        return [row for rows in units.values() for row in rows]
 
     def _append(self, entry: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

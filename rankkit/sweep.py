@@ -529,7 +529,7 @@ def _oracle_stage(run: Run, step: _Counter) -> list[StageReport]:
     return [report]
 
 
-def _sharded_stage(stage: str, limit: Callable[[Experiment], int | None], run_unit: Callable[..., None]):
+def _sharded_stage(stage: str, run_unit: Callable[..., None]):
     """A model stage whose every rank writes its share of a unit's rows to a part of its own
     (``Layout.rank_part``), merged by rank 0 into the unit's part after the barrier."""
 
@@ -537,9 +537,10 @@ def _sharded_stage(stage: str, limit: Callable[[Experiment], int | None], run_un
         report = StageReport(stage)
         rank, world = shard()
         grid = units(run.plan, stage)
-        step.start(sum(run.share(unit.cell, limit(run.plan)) for unit in grid))
+        limit = _LIMITS[stage](run.plan)
+        step.start(sum(run.share(unit.cell, limit) for unit in grid))
         for unit in grid:
-            count = run.share(unit.cell, limit(run.plan))
+            count = run.share(unit.cell, limit)
             own = run.layout.rank_part(stage, unit, rank, world)
             if run.layout.part(stage, unit).exists() or own.exists():
                 report.skipped += 1
@@ -595,8 +596,8 @@ _LIMITS = {  # how many of a cell's examples a sharded stage runs (None: all)
 _MODEL_STAGES = {
     "capture": _capture_stage,
     "oracle": _oracle_stage,
-    "bench": _sharded_stage("bench", _LIMITS["bench"], _bench_unit),
-    "diffusion": _sharded_stage("diffusion", _LIMITS["diffusion"], _diffusion_unit),
+    "bench": _sharded_stage("bench", _bench_unit),
+    "diffusion": _sharded_stage("diffusion", _diffusion_unit),
 }
 _EXAMPLE_COLUMN = {"bench": "example_id", "diffusion": "example"}
 

@@ -170,14 +170,16 @@ class ExampleRecord:
         self._store = store
         self._added = attrs.get(ADDED_GROUPS, {})
         self._capture = _Part(
-            self, attrs.get(MANIFEST), self._example_group, f"rerun the capture into {store_path}"
+            self, attrs.get(MANIFEST), lambda: self._example_group, f"rerun the capture into {store_path}"
         )
         self._oracle = _Part(
-            self, attrs.get(ORACLE_MANIFEST), self._example_group, f"`rankkit oracle {store_path}`"
+            self, attrs.get(ORACLE_MANIFEST), lambda: self._example_group, f"`rankkit oracle {store_path}`"
         )
 
+    @cached_property
     def _example_group(self) -> zarr.Group:
-        """The example's zarr group: what schema version 1 examples keep their arrays in."""
+        """The example's zarr group, opened once when first needed: what schema version 1 examples
+        keep their arrays in."""
         return open_node(self._store, example_path(self.id))
 
     def __repr__(self) -> str:
@@ -232,7 +234,7 @@ class ExampleRecord:
         """Names of the complete groups added with ``add_arrays``."""
         names = list(self._added)
         if self._capture.recorded is None:  # schema version 1: groups are directories
-            for key, member in self._example_group().groups():
+            for key, member in self._example_group.groups():
                 if key not in EXAMPLE_NODES and member.attrs.get(COMPLETE) is True:
                     names.append(decode_name(key))
         return sorted(names)
@@ -247,9 +249,9 @@ class ExampleRecord:
             return ArrayGroup(
                 name,
                 self._added[name]["attrs"],
-                _Part(self, self._added[name][MANIFEST], self._example_group, redo),
+                _Part(self, self._added[name][MANIFEST], lambda: self._example_group, redo),
             )
-        legacy = self._example_group()[encode_name(name)]
+        legacy = self._example_group[encode_name(name)]
         attrs = {key: value for key, value in legacy.attrs.asdict().items() if key != COMPLETE}
         return ArrayGroup(name, attrs, _Part(self, None, lambda: legacy, redo))
 

@@ -19,7 +19,6 @@ run still unfinished (``.FILE.unfinished.jsonl``: its finished examples).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import polars as pl
@@ -29,6 +28,7 @@ from findings import EXPERIMENTS, FINDINGS, cell_frame, rewrite_section, run_exp
 from rankkit.bench import FULL, summary
 from rankkit.eval.stats import interval_columns, with_interval
 from rankkit.experiment import Experiment, read_experiment
+from rankkit.outputs import Journal
 
 
 def table(per_task: dict[str, pl.DataFrame], experiment: Experiment, source: str) -> str:
@@ -65,11 +65,7 @@ def table(per_task: dict[str, pl.DataFrame], experiment: Experiment, source: str
 
 def bench_rows(path: Path) -> pl.DataFrame:
     """The rows of ``rankkit bench --out PATH``: the parquet, or the finished examples of its journal."""
-    if path.is_file():
-        return pl.read_parquet(path)
-    journal = path.with_name(f".{path.name}.unfinished.jsonl")
-    entries = [json.loads(line) for line in journal.read_text(encoding="utf-8").splitlines()]
-    return pl.DataFrame([row for entry in entries if "rows" in entry for row in entry["rows"]])
+    return pl.read_parquet(path) if path.is_file() else pl.DataFrame(Journal.finished_rows(path))
 
 
 def main() -> None:

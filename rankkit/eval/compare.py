@@ -203,7 +203,7 @@ def evaluate_example(
                 head=np.tile(np.arange(num_heads), num_layers),
                 spearman=head_rho.reshape(-1),
             )
-    num_layers = record.score_shape(record.probes[0])[0]
+    num_layers = scored_layers([record])
     layer_types = (layout or {}).get("layer_types")
     computed: dict[tuple, tuple[list[int | None], dict[str, np.ndarray], bool]] = {}
 

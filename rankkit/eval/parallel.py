@@ -76,17 +76,19 @@ def shared_workers(path: str | os.PathLike) -> Iterator[None]:
     about 3 s of imports each, once."""
     key = os.fspath(path)
     _shared_pools[key] = None
+    finished = False
     try:
         yield
-    except BaseException:
-        pool = _shared_pools.pop(key, None)
-        if pool is not None:
-            pool[1].terminate()
-        raise
-    pool = _shared_pools.pop(key, None)
-    if pool is not None:
-        pool[1].close()
-        pool[1].join()
+        finished = True
+    finally:
+        started = _shared_pools.pop(key, None)
+        if started is not None:
+            pool = started[1]
+            if finished:  # workers that end on their own; an error or interrupt ends them at once
+                pool.close()
+                pool.join()
+            else:
+                pool.terminate()
 
 
 _shared_pools: dict[str, tuple[int, Any] | None] = {}
