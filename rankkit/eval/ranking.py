@@ -73,15 +73,6 @@ class Ranked:
 
 
 @numba.njit(cache=True, nogil=True)
-def _run_rank(start, end, num_tokens):  # pragma: no cover - compiled
-    """The average ascending rank (1..T) of the tied scores at sorted places ``start``..``end`` - 1
-    (places count from the highest score), and the tied pairs they make."""
-    # integer division is slow enough in these walks to skip where the run is one token
-    pairs = (end - start) * (end - start - 1) // 2 if end - start > 1 else 0
-    return num_tokens - (start + end - 1) * 0.5, pairs
-
-
-@numba.njit(cache=True, nogil=True)
 def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
     """``Ranked``'s arrays for every row of a C-contiguous array [R, T]: each row sorted once
     (``rankkit.sorting.sort_row``, NaN last), then one walk along its runs of equal scores."""
@@ -99,8 +90,9 @@ def _rank_rows(values):  # pragma: no cover - compiled; tested through Ranked
         start, runs, row_tied, row_spread = 0, 0, 0, 0.0
         while start < num_tokens:
             end = run_end(keys, start)
-            average, pairs = _run_rank(start, end, num_tokens)
-            row_tied += pairs
+            average = num_tokens - (start + end - 1) * 0.5  # ascending ranks count from the lowest
+            if end - start > 1:  # integer division is slow enough to matter here
+                row_tied += (end - start) * (end - start - 1) // 2
             row_spread += (end - start) * (average - center) * (average - center)  # half-integers: exact
             for place in range(start, end):
                 token = order[place]
@@ -281,9 +273,9 @@ def _score_rows(
             tree[:] = 0
         while start < num_tokens:
             end = run_end(keys, start)
-            average, pairs = _run_rank(start, end, num_tokens)
-            deviation = average - center
-            row_tied += pairs
+            deviation = num_tokens - (start + end - 1) * 0.5 - center  # of the run's average rank
+            if end - start > 1:  # integer division is slow enough to matter here
+                row_tied += (end - start) * (end - start - 1) // 2
             row_spread += (end - start) * deviation * deviation  # half-integers: exact
             for place in range(start, end):
                 token = order[place]
