@@ -3,6 +3,7 @@ and each method's cache holds what its paper says, layer by layer."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -609,6 +610,37 @@ def test_the_compiled_cpu_order_is_torchs_stable_descending_sort(dtype):
         assert torch.equal(descending_order(scores[2]), expected[2])
         places = torch.empty_like(expected).scatter_(-1, expected, torch.arange(length).expand_as(expected))
         assert torch.equal(descending_ranks(scores), places)
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda rng, length: rng.random(length, dtype=np.float32),  # float32, one sign: 32-bit keys
+        lambda rng, length: rng.standard_normal(length).astype(np.float32),  # both signs
+        lambda rng, length: (rng.standard_normal(length) * 1e30).astype(np.float32) ** 3,  # +-inf, zeros
+        lambda rng, length: rng.random(length, dtype=np.float32).astype(
+            np.float64
+        ),  # float32 values in float64
+        lambda rng, length: rng.standard_normal(length),  # float64 values: 64-bit keys
+        lambda rng, length: np.exp(rng.standard_normal(length) * 300),  # float64 beyond float32's range
+        lambda rng, length: np.full(length, 0.25, np.float32),  # one key: no pass at all
+    ],
+)
+@pytest.mark.parametrize("nan_first", [True, False])
+def test_the_radix_sort_orders_as_a_stable_sort_on_both_key_widths(draw, nan_first):
+    from rankkit.sorting import descending_orders
+
+    rng = np.random.default_rng(3)
+    for length in (1, 5, 2_048, 33_000):
+        values = draw(rng, length)
+        values[rng.random(length) < 0.05] = np.nan
+        values[rng.random(length) < 0.05] = values[0]  # ties
+        wide = values.astype(np.float64)
+        sortable = np.where(np.isnan(wide), np.inf if nan_first else -np.inf, wide)
+        # first, NaN goes above +inf; last, it ties with -inf (no score is as low as the lowest)
+        above_inf = np.isnan(wide) & nan_first
+        expected = np.lexsort((np.arange(length), ~above_inf, -sortable))
+        assert np.array_equal(descending_orders(values, nan_first=nan_first), expected), length
 
 
 @pytest.fixture(scope="module")
