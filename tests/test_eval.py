@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from rankkit.errors import RankkitError
-from rankkit.eval.compare import CLAA_SWEEP, compare_store
+from rankkit.eval.compare import CLAA_SWEEP, Reference, compare_store
 from rankkit.eval.ranking import (
     Ranked,
     average_ranks,
@@ -198,6 +198,22 @@ def test_row_metrics_equal_one_metric_at_a_time(drawn):
 
 
 # ---------------------------------------------------------------- top-k and needle recall
+
+
+def test_a_ranking_scored_before_is_not_scored_again():
+    """Methods that rank by a probe's own scores (fastkv by window's) reuse its metrics, in any
+    dtype; a ranking scored without Kendall is scored again when Kendall is asked for."""
+    rng = np.random.default_rng(4)
+    reference = Reference(rng.random(300), np.zeros(300, bool))
+    scores = rng.random((4, 300)).astype(np.float32)
+    quick = reference.metrics(scores, with_kendall=False)
+    assert np.isnan(quick["kendall"]).all()
+    full = reference.metrics(scores.astype(np.float64))
+    assert full is not quick and same(full["kendall"], kendall(scores, reference.oracle))
+    assert reference.metrics(scores.copy()) is full
+    other = scores.copy()
+    other[2, 7] += 1  # a value the fingerprint's sampled columns miss
+    assert reference.metrics(other) is not full
 
 
 def test_keep_count_takes_a_rate_or_a_count():

@@ -233,25 +233,23 @@ def _score_rows(
     values, reference_deviations, reference_dense, tops, top_ks, evidence, needle_k, with_kendall, chained
 ):  # pragma: no cover - compiled; tested through row_metrics against Ranked and scipy
     """``row_metrics``'s raw counts for every row of ``values`` [R, T] against one reference,
-    without building any per-token array: each row sorted once (``rankkit.sorting.sort_row``, NaN last), then one walk
-    along its runs of equal scores accumulates
+    without building any per-token array: each row sorted once (``rankkit.sorting.sort_row``,
+    NaN last), then
 
-    - the covariance of its average ranks with the reference's, given as their deviations from
-      their mean [T] (empty: no reference), and, with ``chained``, with the previous row's
-      (rows are consecutive layers);
-    - its tied pairs and rank spread (Spearman's denominator);
+    - one walk along the sorted tokens, as if no two scores were tied, accumulates the
+      covariance of its ranks with the reference's, given as their deviations from their mean
+      [T] (empty: no reference), and, with ``chained``, with the previous row's (rows are
+      consecutive layers);
+    - one scan for runs of tied scores corrects that to their average rank, and takes the
+      run's tied pairs and its share of the rank spread (Spearman's denominator) off the
+      untied T(T^2 - 1) / 12; rankings rarely tie, so this costs a comparison per token;
     - how many of each ``tops[j]`` [T] (bool) its top ``top_ks[j]`` keep, and of ``evidence``
       its top ``needle_k``;
-    - with ``with_kendall``, Kendall's n_d and n_3 against ``reference_dense`` (the reference's
-      ascending dense ranks [T]): walking the tokens from the highest score down, a Fenwick tree
-      over reference ranks counts, for each token, the higher-scoring tokens ranked lower by the
-      reference (discordant pairs). A run of tied scores enters the tree only once all of it
-      is counted, so score-tied pairs are never discordant, and the strict comparison leaves
-      reference-tied ones out; a per-rank tally within each run counts the pairs tied in both.
-      O(T log T).
+    - with ``with_kendall``, Kendall's n_d and n_3 (``_discordant_pairs``).
     """
     num_rows, num_tokens = values.shape
-    center = (num_tokens + 1) / 2.0
+    highest = (num_tokens - 1) / 2.0  # the top place's deviation from the mean rank, untied
+    untied_spread = num_tokens * (num_tokens * num_tokens - 1) / 12.0
     covariance = np.zeros(num_rows, np.float64)
     chained_covariance = np.full(num_rows, np.nan)
     tied = np.zeros(num_rows, np.int64)
@@ -267,55 +265,92 @@ def _score_rows(
     for row in range(num_rows):
         buffers = sort_row(values[row], False, buffers)
         keys, order = buffers[1], buffers[3]
-        start, row_tied, row_spread, row_covariance, row_chained = 0, 0, 0.0, 0.0, 0.0
-        row_discordant, row_both_tied = 0, 0
-        if with_kendall:
-            tree[:] = 0
-        while start < num_tokens:
+        follows = chained and row > 0
+        row_covariance, row_chained = 0.0, 0.0
+        for place in range(num_tokens):
+            token, deviation = order[place], highest - place
+            if has_reference:
+                row_covariance += deviation * reference_deviations[token]
+            if follows:
+                row_chained += deviation * previous[token]
+            if chained:  # only what the next row reads: the write costs a third of the walk
+                deviations[token] = deviation
+        row_tied, row_spread, start = 0, untied_spread, 0
+        while start < num_tokens - 1:
+            if keys[start + 1] != keys[start]:
+                start += 1
+                continue
             end = run_end(keys, start)
-            deviation = num_tokens - (start + end - 1) * 0.5 - center  # of the run's average rank
-            if end - start > 1:  # integer division is slow enough to matter here
-                row_tied += (end - start) * (end - start - 1) // 2
-            row_spread += (end - start) * deviation * deviation  # half-integers: exact
+            size = end - start
+            row_tied += size * (size - 1) // 2
+            row_spread -= (size * size * size - size) / 12.0
+            average = highest - (start + end - 1) * 0.5
             for place in range(start, end):
-                token = order[place]
+                token, correction = order[place], average - (highest - place)
                 if has_reference:
-                    row_covariance += deviation * reference_deviations[token]
-                if chained and row > 0:
-                    row_chained += deviation * previous[token]
-                if chained:  # only what the next row reads: the write costs a third of the walk
-                    deviations[token] = deviation
-                if with_kendall:
-                    rank, lower = reference_dense[token], 0
-                    node = rank  # tree slots 1..rank hold the ranks below this token's
-                    while node > 0:
-                        lower += tree[node]
-                        node -= node & -node
-                    row_discordant += lower
-                    if end - start > 1:
-                        row_both_tied += tally[rank]
-                        tally[rank] += 1
-            if with_kendall:
-                for place in range(start, end):
-                    rank = reference_dense[order[place]]
-                    tally[rank] = 0
-                    node = rank + 1
-                    while node <= num_tokens:
-                        tree[node] += 1
-                        node += node & -node
+                    row_covariance += correction * reference_deviations[token]
+                if follows:
+                    row_chained += correction * previous[token]
+                if chained:
+                    deviations[token] = average
             start = end
+        if with_kendall:
+            discordant[row], both_tied[row] = _discordant_pairs(keys, order, reference_dense, tree, tally)
         # the top k are the first k places (ties already broken toward the earlier token)
         for j in range(top_ks.shape[0]):
-            for place in range(min(top_ks[j], num_tokens)):
-                top_hits[row, j] += tops[j, order[place]]
-        for place in range(min(needle_k, num_tokens)):
-            evidence_hits[row] += evidence[order[place]]
+            top_hits[row, j] = _hits(tops[j], order, top_ks[j])
+        evidence_hits[row] = _hits(evidence, order, needle_k)
         covariance[row], tied[row], spread[row] = row_covariance, row_tied, row_spread
-        discordant[row], both_tied[row] = row_discordant, row_both_tied
-        if chained and row > 0:
+        if follows:
             chained_covariance[row] = row_chained
         previous, deviations = deviations, previous
     return covariance, chained_covariance, tied, spread, top_hits, evidence_hits, discordant, both_tied
+
+
+@numba.njit(cache=True, nogil=True)
+def _hits(targets, order, k):  # pragma: no cover - compiled
+    """How many of ``targets`` (bool [T]) the first ``k`` places of ``order`` hold."""
+    hits = 0
+    for place in range(min(k, order.shape[0])):
+        hits += targets[order[place]]
+    return hits
+
+
+@numba.njit(cache=True, nogil=True)
+def _discordant_pairs(keys, order, reference_dense, tree, tally):  # pragma: no cover - compiled
+    """Kendall's n_d and n_3 of one sorted row (``keys`` and ``order`` from ``sort_row``) against
+    ``reference_dense`` (the reference's ascending dense ranks [T]). Walking the tokens from
+    the highest score down, a Fenwick tree over reference ranks counts, for each token, the
+    higher-scoring tokens ranked lower by the reference (discordant pairs). A run of tied
+    scores enters the tree only once all of it is counted, so score-tied pairs are never
+    discordant, and the strict comparison leaves reference-tied ones out; a per-rank tally
+    within each run counts the pairs tied in both. O(T log T); ``tree`` [T + 1] and ``tally``
+    [T] are scratch, ``tally`` left all zero.
+    """
+    num_tokens = keys.shape[0]
+    tree[:] = 0
+    discordant, both_tied, start = 0, 0, 0
+    while start < num_tokens:
+        end = run_end(keys, start)
+        for place in range(start, end):
+            rank, lower = reference_dense[order[place]], 0
+            node = rank  # tree slots 1..rank hold the ranks below this token's
+            while node > 0:
+                lower += tree[node]
+                node -= node & -node
+            discordant += lower
+            if end - start > 1:
+                both_tied += tally[rank]
+                tally[rank] += 1
+        for place in range(start, end):
+            rank = reference_dense[order[place]]
+            tally[rank] = 0
+            node = rank + 1
+            while node <= num_tokens:
+                tree[node] += 1
+                node += node & -node
+        start = end
+    return discordant, both_tied
 
 
 def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
