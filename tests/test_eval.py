@@ -279,6 +279,35 @@ def test_claa_ranks_by_the_max_over_the_n_layers_ending_at_the_pruning_layer(n, 
         assert kept.layer == pruning_layer and kept.positions.tolist() == top
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "claa",
+        "claa:aggregation_window=1",
+        "claa:aggregation_window=8,deferred_layers=3",
+        "fastkv",
+        "gemfilter",
+    ],
+)
+def test_rankings_read_off_head_sums_equal_a_replay_of_each_candidate_to_the_bit(spec):
+    """``layer_rankings`` asks each candidate layer's policy to decide at once from the head sums;
+    a replay through the layers, as a prefill decides, gives the same scores."""
+    from rankkit.eval.offline import method_from_spec
+    from rankkit.methods.selection import forced_mask, replay, with_forced
+
+    method = method_from_spec(spec)
+    layer_scores = torch.from_numpy(np.random.default_rng(2).random((10, 3, 50)).astype(np.float32))
+    captured = Captured({method.probe().key: layer_scores}, 10, 50)
+    budget = Budget.from_keep(0.2)
+    rankings = method.layer_rankings(captured, budget)
+    bound, keep, window, sinks = method._plan(10, 50, budget)
+    forced = forced_mask(50, window, sinks)
+    assert list(rankings) == list(range(10))
+    for layer, ranking in rankings.items():
+        selected = replay(bound.with_layer(layer).policy(10, keep), layer_scores)
+        assert selected[0] == layer and torch.equal(ranking, with_forced(selected[1], forced))
+
+
 def test_specprefill_is_the_mean_over_lookahead_queries_of_the_max_over_layers_and_heads():
     # [k=2 queries, 2 layers, 2 heads, 3 tokens]
     lookahead = np.zeros((2, 2, 2, 3), dtype=np.float32)

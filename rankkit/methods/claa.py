@@ -42,6 +42,11 @@ class CrossLayerMax(LayerPolicy):
             return None
         return torch.stack(list(self.buffer)).amax(dim=0)
 
+    def decide_at_once(self, head_sums):
+        if not 0 <= self.layer < head_sums.shape[0]:
+            return None
+        return self.layer, head_sums[self.first_layer : self.layer + 1].amax(dim=0)
+
 
 @register
 @dataclass

@@ -166,6 +166,19 @@ class LayerPolicy:
     def decide(self, layer: int, scores: torch.Tensor | None) -> torch.Tensor | None:
         raise NotImplementedError
 
+    def decide_at_once(self, head_sums: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """What ``replay`` finds, read straight off every layer's scores summed over heads
+        ([L, T], ``head_sums``), for a policy whose decision needs no walk through the layers;
+        None (the default) when it does. An offline face asks this of each of its 30-odd
+        candidate layers: a replay per candidate costs more than the metrics of its ranking."""
+        return None
+
+
+def head_sums(layer_scores: torch.Tensor) -> torch.Tensor:
+    """Scores [L, kv_heads, T] summed over heads, layer by layer as a policy sums the scores it is
+    given, so that ``decide_at_once`` and ``decide`` see the same values to the last bit."""
+    return torch.stack([scores.sum(0) for scores in layer_scores])
+
 
 @dataclass
 class FixedLayer(LayerPolicy):
@@ -178,6 +191,9 @@ class FixedLayer(LayerPolicy):
 
     def decide(self, layer, scores):
         return scores.sum(0) if layer == self.layer else None
+
+    def decide_at_once(self, head_sums):
+        return (self.layer, head_sums[self.layer]) if 0 <= self.layer < head_sums.shape[0] else None
 
 
 @dataclass
@@ -360,7 +376,8 @@ class PolicyMethod(Method):
         policy picks, and every layer's head sum for KV-only methods.
 
         The method is planned once (its budget and forced tokens do not depend on where it
-        selects); each candidate layer then replays its own policy over the stored scores.
+        selects); each candidate layer then replays its own policy over the stored scores, or
+        reads its decision off the layers' head sums (``LayerPolicy.decide_at_once``).
         """
         scores = self.captured_scores(captured)
         num_layers, length = captured.num_layers, captured.num_tokens
@@ -370,10 +387,16 @@ class PolicyMethod(Method):
         candidates = (
             [replace(bound, **{selection: layer}) for layer in range(num_layers)] if selection else [bound]
         )
-        rankings: dict[int | None, torch.Tensor] = {}
+        shared: dict[int | None, torch.Tensor] = {}
+        summed = head_sums(scores) if len(candidates) > 1 else None  # for every candidate's decide_at_once
         for method in candidates:
-            selected = replay(method.policy(num_layers, keep), scores)
+            policy = method.policy(num_layers, keep)
+            selected = None if summed is None else policy.decide_at_once(summed)
+            if selected is None:
+                selected = replay(policy, scores)
             if selected is None:
                 return dict(enumerate(with_forced(scores.sum(1), forced).unbind(0)))
-            rankings[selected[0]] = with_forced(selected[1], forced)
-        return rankings
+            shared[selected[0]] = selected[1]
+        return dict(
+            zip(shared, with_forced(torch.stack(list(shared.values())), forced).unbind(0), strict=True)
+        )
