@@ -198,8 +198,12 @@ def _read_member_array(archive: zipfile.ZipFile, members: set[str], path: Path, 
         if key not in members:  # zarr leaves out chunks that hold only the fill value
             values[region] = _fill_value(metadata["fill_value"])
             continue
+        target = values[region]
+        if target.shape == chunk_shape and target.flags.c_contiguous:  # a whole chunk: no copy
+            blosc.decompress(archive.read(key), target)
+            continue
         chunk = np.frombuffer(blosc.decompress(archive.read(key)), dtype).reshape(chunk_shape)
-        values[region] = chunk[tuple(slice(0, part.stop - part.start) for part in region)]
+        target[...] = chunk[tuple(slice(0, part.stop - part.start) for part in region)]
     return values.astype(dtype.newbyteorder("="), copy=False)
 
 

@@ -139,14 +139,16 @@ def _ignoring_ctrl_c() -> Iterator[None]:
 
 
 def _start_worker(path: str, threads: int) -> None:
-    """Open the store once; share the CPUs among the workers, whose torch and polars thread
-    pools would each take every core (four busy threads on two cores ran compare slower)."""
+    """Open the store once; share the CPUs among the workers, whose torch, polars and blosc
+    thread pools would each take every core (four busy threads on two cores ran compare slower)."""
     os.environ.setdefault("POLARS_MAX_THREADS", str(threads))  # read when polars is first imported
     import torch
+    from numcodecs import blosc
 
     from rankkit import stores
 
     torch.set_num_threads(threads)
+    blosc.set_nthreads(threads)
     global _worker_store
     _worker_store = stores.open(path)
 
