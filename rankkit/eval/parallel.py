@@ -12,6 +12,7 @@ identical frames. ``evaluate`` must be picklable: a module-level function, or a
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -149,6 +150,9 @@ def _start_worker(path: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     blosc.set_nthreads(threads)
+    # The last of a worker's exit handlers: a worker has sent every result and has nothing to
+    # flush, and the interpreter's teardown of torch and numba would keep the pool waiting a second.
+    multiprocessing.util.Finalize(None, os._exit, args=(0,), exitpriority=-1)
     global _worker_store
     _worker_store = stores.open(path)
 
