@@ -631,8 +631,12 @@ def test_two_workers_give_the_frames_of_one(tmp_path):
         compare_store(path, workers=0)
 
 
-def worker_pid(record) -> int:
-    return os.getpid()
+# Set when a worker imports this module: its identity even once its pid is reused.
+PROCESS_IDENTITY = f"{os.getpid()}:{time.time_ns()}"
+
+
+def worker_pid(record) -> str:
+    return PROCESS_IDENTITY
 
 
 def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_path):

@@ -201,8 +201,8 @@ def evaluate_example(
     ranked: slice,
     layout: Mapping[str, Any] | None = None,
     detailed: bool = True,
-) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """Per-layer, per-head and sweep frames (without example columns) of one example: ``probes``
+) -> tuple[_Rows, _Rows, _Rows]:
+    """Per-layer, per-head and sweep rows (without example columns) of one example: ``probes``
     by their stored scores, ``methods`` (label -> method) by their ``layer_rankings`` under
     ``budget``; every ranking cut to the ``ranked`` tokens. Without ``detailed``, per-layer rows
     only, without Kendall (``compare_store``'s ``detailed``)."""
@@ -244,12 +244,13 @@ def evaluate_example(
                 layers, columns = scored(replace(method, aggregation_window=n), False)
                 without_kendall = {name: values for name, values in columns.items() if name != "kendall"}
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
-    return per_layer.frame(), per_head.frame(), sweep.frame()
+    return per_layer, per_head, sweep
 
 
 class _Rows:
-    """One example's rows of a frame, gathered method by method and built into one frame at the
-    end: a frame per method costs more than the metrics in it. Columns: method, then the keyword
+    """The rows of a frame, gathered method by method and example by example and built into one
+    frame at the end: a frame per method, or per example, costs more than the metrics in it.
+    Columns: example and task (when examples were added, ``extend``), method, then the keyword
     columns in the order of the first ``add`` (integer ``layer``, ``head`` and ``claa_layers``,
     float metrics with NaN as null)."""
 
@@ -257,14 +258,30 @@ class _Rows:
 
     def __init__(self):
         self.columns: dict[str, list] = {}
+        self.examples: list[tuple[str, str | None, int]] = []  # id, task, number of rows
 
     def add(self, method: str, **columns: Sequence) -> None:
         rows = len(next(iter(columns.values())))
         for name, values in {"method": [method] * rows, **columns}.items():
             self.columns.setdefault(name, []).append(values)
 
+    def extend(self, example: _Rows, example_id: str, task: str | None) -> None:
+        """Add one example's rows (``evaluate_example``'s) under its id and task."""
+        rows = sum(len(part) for part in example.columns.get("method", ()))
+        if rows:
+            self.examples.append((example_id, task, rows))
+            for name, parts in example.columns.items():
+                self.columns.setdefault(name, []).extend(parts)
+
     def frame(self) -> pl.DataFrame:
+        if not self.columns:
+            return pl.DataFrame()
         series = []
+        if self.examples:
+            ids, tasks, counts = zip(*self.examples, strict=True)
+            each_row = np.repeat(np.arange(len(ids)), counts)
+            series.append(pl.Series("example", ids, dtype=pl.String).gather(each_row).cast(pl.Categorical))
+            series.append(pl.Series("task", tasks, dtype=pl.String).gather(each_row))
         for name, parts in self.columns.items():
             if name == "method":
                 series.append(pl.Series(name, list(chain.from_iterable(parts)), dtype=pl.String))
@@ -589,12 +606,13 @@ def compare_store(
         layout=layout,
         detailed=detailed,
     )
-    frames: dict[str, list[pl.DataFrame]] = {"per_layer": [], "per_head": [], "sweep": []}
-    for found in map_examples(store.path, [record.id for record in records], evaluate, workers=workers):
-        for name in frames:
-            frames[name] += found[name]
-
-    per_layer, per_head, sweep = (_concat(frames[name]) for name in ("per_layer", "per_head", "sweep"))
+    rows = {"per_layer": _Rows(), "per_head": _Rows(), "sweep": _Rows()}
+    for example_id, task, found in map_examples(
+        store.path, [record.id for record in records], evaluate, workers=workers
+    ):
+        for name, example_rows in zip(rows, found, strict=True):
+            rows[name].extend(example_rows, example_id, task)
+    per_layer, per_head, sweep = (rows[name].frame() for name in ("per_layer", "per_head", "sweep"))
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
     for name, method in ranked_methods.items():
         selection = method.selection_parameter
@@ -625,9 +643,9 @@ def compare_example(
     needle_keep: float | int = NEEDLE_KEEP,
     layout: Mapping[str, Any] | None = None,
     detailed: bool = True,
-) -> dict[str, list[pl.DataFrame]]:
-    """``per_layer``, ``per_head`` and ``sweep`` frames of one stored example (``compare_store``'s unit
-    of work, run in a worker process)."""
+) -> tuple[str, str | None, tuple[_Rows, _Rows, _Rows]]:
+    """The example's id, task and ``per_layer``, ``per_head`` and ``sweep`` rows (``compare_store``'s
+    unit of work, run in a worker process; the main process builds the frames once)."""
     from rankkit.stores import ReadOnce
 
     record = ReadOnce(record)  # probes are read again by the methods ranking by them
@@ -636,15 +654,8 @@ def compare_example(
     evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]
     oracle = record.oracle[ranked] if use_oracle else None
     reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
-    example_columns = (
-        pl.lit(record.id, dtype=pl.Categorical).alias("example"),
-        pl.lit(record.attrs.get("task"), dtype=pl.String).alias("task"),
-    )
     found = evaluate_example(record, reference, probes, methods, budget, ranked, layout, detailed)
-    return {
-        name: [frame.select(*example_columns, pl.all())] if frame.height else []
-        for name, frame in zip(("per_layer", "per_head", "sweep"), found, strict=True)
-    }
+    return record.id, record.attrs.get("task"), found
 
 
 def _concat(frames: list[pl.DataFrame]) -> pl.DataFrame:
