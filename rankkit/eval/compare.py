@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from itertools import chain
@@ -75,7 +76,7 @@ from .offline import (
     split_names,
 )
 from .parallel import checked_workers, map_examples
-from .stats import interval_columns, mean_intervals, paired_differences
+from .stats import interval_columns, made_ahead, mean_intervals, paired_differences
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -607,11 +608,13 @@ def compare_store(
         detailed=detailed,
     )
     rows = {"per_layer": _Rows(), "per_head": _Rows(), "sweep": _Rows()}
-    for example_id, task, found in map_examples(
-        store.path, [record.id for record in records], evaluate, workers=workers
-    ):
-        for name, example_rows in zip(rows, found, strict=True):
-            rows[name].extend(example_rows, example_id, task)
+    # the intervals are made from the frames only when asked for: not by the dashboard
+    with made_ahead(len(records)) if detailed else nullcontext():
+        for example_id, task, found in map_examples(
+            store.path, [record.id for record in records], evaluate, workers=workers
+        ):
+            for name, example_rows in zip(rows, found, strict=True):
+                rows[name].extend(example_rows, example_id, task)
     per_layer, per_head, sweep = (rows[name].frame() for name in ("per_layer", "per_head", "sweep"))
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
     for name, method in ranked_methods.items():

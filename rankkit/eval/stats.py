@@ -19,7 +19,9 @@ read such intervals as a lower bound on the uncertainty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -98,6 +100,24 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
             bounds = np.percentile(resampled, [tail, 100 - tail], axis=0)
         low[spread], high[spread] = bounds + means[spread]
     return means, low, high, counts
+
+
+@contextmanager
+def made_ahead(num_examples: int) -> Iterator[None]:
+    """Inside, a thread makes what intervals over ``num_examples`` examples will need (the
+    resample counts, half a second at a thousand, and scipy's tests, a second to import) while
+    the caller waits on other processes; leaving waits for it."""
+
+    def make() -> None:
+        _resample_counts(num_examples)
+        import scipy.stats  # noqa: F401
+
+    thread = threading.Thread(target=make, name="rankkit-intervals", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
