@@ -649,8 +649,10 @@ def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_
         first = set(map_examples(path, ids, worker_pid, workers=2))
         shared = compare_store(path, workers=2)
         second = set(map_examples(path, ids, worker_pid, workers=2))
-    assert len(first) == 2 and first == second
-    assert not set(map_examples(path, ids, worker_pid, workers=2)) & first  # a pool of its own again
+    assert len(first | second) <= 2  # one pool of two (a slow-starting worker may get no task)
+    assert not set(map_examples(path, ids, worker_pid, workers=2)) & (
+        first | second
+    )  # a pool of its own again
     assert alone.per_layer.equals(shared.per_layer) and alone.pairs.equals(shared.pairs)
 
 
