@@ -63,14 +63,23 @@ def compare(
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer,
     as means over examples with 95% intervals; paired differences between methods."""
-    from rankkit import outputs
-    from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
-    from rankkit.interrupts import keep_on_interrupt
-    from rankkit.report.tables import frame_table
+    from rankkit.eval.parallel import shared_workers
 
-    if out is not None:
-        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
+    with shared_workers(store, workers, now=True):  # the workers import while this process does
+        _compare(store, oracle, layer, methods, span, keep, out, overwrite, pairs, as_json, workers)
+
+
+def _compare(store, oracle, layer, methods, span, keep, out, overwrite, pairs, as_json, workers) -> None:
+    from rankkit.interrupts import keep_on_interrupt
+
+    # from the first import on: the workers are already running
     with keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"):
+        from rankkit import outputs
+        from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
+        from rankkit.report.tables import frame_table
+
+        if out is not None:
+            outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
         result = compare_store(
             store,
             layer=layer,
@@ -143,14 +152,22 @@ def variance(
     workers: Workers = None,
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
-    from rankkit import outputs
-    from rankkit.eval.variance import output_paths, variance_store
+    from rankkit.eval.parallel import shared_workers
 
-    if out is not None:
-        outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
-    result = variance_store(
-        store, method=method, budget=_budget(budget), min_layer=l_min, observed_layers=l_obs, workers=workers
-    )
+    with shared_workers(store, workers, now=True):  # the workers import while this process does
+        from rankkit import outputs
+        from rankkit.eval.variance import output_paths, variance_store
+
+        if out is not None:
+            outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
+        result = variance_store(
+            store,
+            method=method,
+            budget=_budget(budget),
+            min_layer=l_min,
+            observed_layers=l_obs,
+            workers=workers,
+        )
     if out is not None:
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)

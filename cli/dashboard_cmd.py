@@ -35,10 +35,12 @@ def dashboard(
     workers: Workers = None,
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
-    from rankkit.report import write_dashboard
+    from rankkit.eval.parallel import shared_workers
 
-    typer.echo(
-        write_dashboard(
+    with shared_workers(store, workers, now=True):  # the workers import while this process does
+        from rankkit.report import write_dashboard
+
+        written = write_dashboard(
             store,
             out,
             bench=bench,
@@ -47,4 +49,4 @@ def dashboard(
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
         )
-    )
+    typer.echo(written)

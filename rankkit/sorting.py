@@ -156,18 +156,31 @@ def run_end(keys, start):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _descending_orders(values, nan_first):  # pragma: no cover - compiled; tested through descending_orders
+def _descending(values, nan_first, as_places):  # pragma: no cover - compiled; tested through its callers
     num_rows, num_tokens = values.shape
-    orders = np.empty((num_rows, num_tokens), np.int64)
+    found = np.empty((num_rows, num_tokens), np.int64)
     buffers = sort_buffers(num_tokens)
     for row in range(num_rows):
         buffers = sort_row(values[row], nan_first, buffers)
-        orders[row] = buffers[3]
-    return orders
+        order = buffers[3]
+        if as_places:
+            for place in range(num_tokens):
+                found[row, order[place]] = place
+        else:
+            found[row] = order
+    return found
 
 
 def descending_orders(values: np.ndarray, *, nan_first: bool) -> np.ndarray:
     """int64 indices along the last axis of ``values`` from the highest score down, ties in token
     order; NaN first (``nan_first``, as torch's descending sort) or last."""
-    rows = np.ascontiguousarray(values.reshape(-1, values.shape[-1]) if values.ndim else values.reshape(1, 1))
-    return _descending_orders(rows, nan_first).reshape(values.shape)
+    return _descending(_rows(values), nan_first, False).reshape(values.shape)
+
+
+def descending_places(values: np.ndarray, *, nan_first: bool) -> np.ndarray:
+    """Each entry's place in ``descending_orders`` along the last axis (0 = highest score), int64."""
+    return _descending(_rows(values), nan_first, True).reshape(values.shape)
+
+
+def _rows(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values.reshape(-1, values.shape[-1]) if values.ndim else values.reshape(1, 1))

@@ -2,7 +2,7 @@
 
 Builds a synthetic store through the stores API (N examples x T tokens x 30 layers x the
 six probe settings of a default capture, 9 query / 3 KV heads, with oracles) and runs ``compare --oracle`` (all probes and methods),
-``variance`` and ``dashboard`` on it, each in a fresh process so that its wall time and
+``variance`` and ``dashboard`` on it, each as its command in a fresh process so that its wall time and
 peak resident memory (the largest of the command and its workers, from ``wait4``) are
 its own. Scores are random: the metrics' cost does not depend on their values.
 """
@@ -35,12 +35,10 @@ PROBES = (
 )  # a default capture's
 QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
 
-STEPS = {  # each as its command runs it: compare writes every frame it makes (--out)
-    "compare": "from rankkit.eval.compare import compare_store; "
-    "compare_store({store!r}, workers={workers}).write({compare_out!r})",
-    "variance": "from rankkit.eval.variance import variance_store; variance_store({store!r}, workers={workers})",
-    "dashboard": "from rankkit.report import write_dashboard; "
-    "write_dashboard({store!r}, {out!r}, workers={workers})",
+STEPS = {  # each command as a user runs it (compare writes every frame it makes)
+    "compare": ["compare", "{store}", "--out", "{compare_out}", "--workers", "{workers}", "--json"],
+    "variance": ["variance", "{store}", "--workers", "{workers}", "--json"],
+    "dashboard": ["dashboard", "{store}", "--out", "{out}", "--workers", "{workers}"],
 }
 
 
@@ -96,14 +94,14 @@ def run_analysis_cost(
             files = sum(1 for file in first_example.rglob("*") if file.is_file())
             progress()
             report = Path(scratch) / "report.html"
-            for step, code in STEPS.items():
-                script = code.format(
-                    store=str(store),
-                    out=str(report),
-                    compare_out=str(Path(scratch) / "compare.parquet"),
-                    workers=processes,
-                )
-                seconds, peak_bytes = _timed_process(script)
+            for step, arguments in STEPS.items():
+                values = {
+                    "store": store,
+                    "out": report,
+                    "compare_out": Path(scratch) / "compare.parquet",
+                    "workers": processes,
+                }
+                seconds, peak_bytes = _timed_command([argument.format(**values) for argument in arguments])
                 rows.append(
                     {
                         "step": step,
@@ -122,11 +120,13 @@ def run_analysis_cost(
     return rows
 
 
-def _timed_process(script: str) -> tuple[float, int]:
-    """Wall time and peak resident bytes of ``python -c script`` (its workers included)."""
+def _timed_command(arguments: list[str]) -> tuple[float, int]:
+    """Wall time and peak resident bytes of ``rankkit ARGUMENTS`` (its workers included)."""
     with tempfile.TemporaryFile("w+") as errors:
         start = time.perf_counter()
-        process = subprocess.Popen([sys.executable, "-c", script], stderr=errors)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rankkit.cli", *arguments], stdout=subprocess.DEVNULL, stderr=errors
+        )
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - start
         if os.waitstatus_to_exitcode(status) != 0:

@@ -70,15 +70,28 @@ def map_examples(
 
 
 @contextmanager
-def shared_workers(path: str | os.PathLike) -> Iterator[None]:
+def shared_workers(
+    path: str | os.PathLike, workers: int | None = None, *, now: bool = False
+) -> Iterator[None]:
     """Inside, the ``map_examples`` calls over the store at ``path`` share one pool of workers,
     started by the first and ended on leaving: a command that runs several analyses of one
     store (the dashboard runs compare, variance and the explorer) pays the workers' start-up,
-    about 3 s of imports each, once."""
-    key = os.fspath(path)
+    about 3 s of imports each, once.
+
+    With ``now``, the pool of ``workers`` (default: one per CPU) starts on entering: a command
+    that has still to import the library starts its workers first, and their imports overlap
+    its own. Inside another ``shared_workers`` of the same store, this one is the other's.
+    """
+    key = _pool_key(path)
+    if key in _shared_pools:
+        yield
+        return
     _shared_pools[key] = None
     finished = False
     try:
+        processes = checked_workers(workers)
+        if now and processes > 1:
+            _shared_pools[key] = processes, _new_pool(os.fspath(path), processes)
         yield
         finished = True
     finally:
@@ -92,24 +105,25 @@ def shared_workers(path: str | os.PathLike) -> Iterator[None]:
                 pool.terminate()
 
 
-_shared_pools: dict[str, tuple[int, Any] | None] = {}
+_shared_pools: dict[str, tuple[int, Any] | None] = {}  # by _pool_key
+
+
+def _pool_key(path: str | os.PathLike) -> str:
+    return os.path.abspath(os.fspath(path))
 
 
 @contextmanager
 def _worker_pool(path: str, processes: int) -> Iterator[Any]:
-    """A pool of ``processes`` workers on the store at ``path``: the one ``shared_workers`` keeps, or
-    a pool of its own, ended on leaving."""
-    shared = _shared_pools.get(path)
-    if shared is not None and shared[0] == processes:
+    """A pool of ``processes`` workers on the store at ``path``: the one ``shared_workers`` keeps
+    (when it has as many workers or more), or a pool of its own, ended on leaving."""
+    key = _pool_key(path)
+    shared = _shared_pools.get(key)
+    if shared is not None and shared[0] >= processes:
         yield shared[1]
         return
-    # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
-    context = multiprocessing.get_context("spawn")
-    with _ignoring_ctrl_c():
-        threads = max(1, default_workers() // processes)
-        pool = context.Pool(processes, initializer=_start_worker, initargs=(path, threads))
-    if path in _shared_pools and shared is None:
-        _shared_pools[path] = processes, pool
+    pool = _new_pool(path, processes)
+    if key in _shared_pools and shared is None:
+        _shared_pools[key] = processes, pool
         yield pool
         return
     with pool:
@@ -118,6 +132,14 @@ def _worker_pool(path: str, processes: int) -> Iterator[Any]:
         # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
         pool.close()
         pool.join()
+
+
+def _new_pool(path: str, processes: int) -> Any:
+    # spawn, not fork: the parent may hold polars and BLAS thread pools that a fork copies mid-use.
+    context = multiprocessing.get_context("spawn")
+    with _ignoring_ctrl_c():
+        threads = max(1, default_workers() // processes)
+        return context.Pool(processes, initializer=_start_worker, initargs=(path, threads))
 
 
 @contextmanager
@@ -153,9 +175,22 @@ def _start_worker(path: str, threads: int) -> None:
     # The last of a worker's exit handlers: a worker has sent every result and has nothing to
     # flush, and the interpreter's teardown of torch and numba would keep the pool waiting a second.
     multiprocessing.util.Finalize(None, os._exit, args=(0,), exitpriority=-1)
+    # What every analysis a worker runs needs, loaded before its first example: when the pool
+    # starts early (``shared_workers(now=True)``) this overlaps the command's own imports.
+    import numpy as np
+
+    from rankkit.eval import compare  # noqa: F401
+    from rankkit.sorting import descending_orders
+
+    descending_orders(np.zeros((1, 1), np.float32), nan_first=False)  # starts numba
     global _worker_store
-    _worker_store = stores.open(path)
+    try:
+        _worker_store = stores.open(path)
+    except Exception as error:  # a pool restarts a worker whose start fails, forever: fail its tasks
+        _worker_store = error
 
 
 def _evaluate_in_worker(evaluate: Callable[[Any], Result], example_id: str) -> Result:
+    if isinstance(_worker_store, Exception):
+        raise _worker_store
     return evaluate(_worker_store.example(example_id))

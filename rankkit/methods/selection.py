@@ -45,7 +45,7 @@ from rankkit.methods.base import (
     reprefill_selected,
 )
 from rankkit.runner import SLIDING_ATTENTION, AttentionCall, LayerHook, PrefillState
-from rankkit.sorting import descending_orders
+from rankkit.sorting import descending_orders, descending_places
 
 
 @dataclass
@@ -102,19 +102,33 @@ def forced_mask(length: int, window: int = 0, sinks: int = 0, device=None) -> to
 def descending_order(scores: torch.Tensor) -> torch.Tensor:
     """Indices along the last axis from the highest score down; tied scores keep token order
     (NaN first, as torch's descending sort puts it)."""
-    ranked = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()  # exact for scores
-    if ranked.device.type == "cpu" and ranked.numel():
-        # The compiled sort: torch's stable sort of the same order costs 7x more per row on a CPU,
-        # and the methods' offline faces sort every layer of every example a store holds.
-        return torch.from_numpy(descending_orders(ranked.detach().numpy(), nan_first=True))
-    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    on_cpu = _on_cpu(scores)
+    if on_cpu is not None:
+        return torch.from_numpy(descending_orders(on_cpu, nan_first=True))
+    return torch.sort(_sortable(scores), dim=-1, descending=True, stable=True).indices
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each entry's place in ``descending_order`` (0 = highest score), int64, same shape as ``scores``."""
+    on_cpu = _on_cpu(scores)
+    if on_cpu is not None:
+        return torch.from_numpy(descending_places(on_cpu, nan_first=True))
     order = descending_order(scores)
     places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, places)
+
+
+def _sortable(scores: torch.Tensor) -> torch.Tensor:
+    return scores if scores.dtype in (torch.float32, torch.float64) else scores.float()  # exact for scores
+
+
+def _on_cpu(scores: torch.Tensor):
+    """The scores as a numpy array when they are on a CPU, for the compiled sort (``rankkit.sorting``):
+    torch's stable sort of the same order costs 7x more per row there, and the methods' offline
+    faces sort every layer of every example a store holds; None elsewhere."""
+    if scores.device.type != "cpu" or not scores.numel():
+        return None
+    return _sortable(scores).detach().numpy()
 
 
 def with_forced(scores: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
