@@ -104,15 +104,13 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 @contextmanager
 def made_ahead(num_examples: int) -> Iterator[None]:
-    """Inside, a thread makes what intervals over ``num_examples`` examples will need (the
-    resample counts, half a second at a thousand, and scipy's tests, a second to import) while
-    the caller waits on other processes; leaving waits for it."""
-
-    def make() -> None:
-        _resample_counts(num_examples)
-        import scipy.stats  # noqa: F401
-
-    thread = threading.Thread(target=make, name="rankkit-intervals", daemon=True)
+    """Inside, a thread makes the resample counts intervals over ``num_examples`` examples will
+    need (half a second at a thousand) while the caller waits on other processes; leaving waits
+    for it. It imports nothing: an import in a thread can deadlock with one in the caller
+    (numba imports scipy.linalg when it loads a kernel)."""
+    thread = threading.Thread(
+        target=_resample_counts, args=(num_examples,), name="rankkit-intervals", daemon=True
+    )
     thread.start()
     try:
         yield
