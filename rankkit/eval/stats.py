@@ -106,8 +106,10 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 def made_ahead(num_examples: int) -> Iterator[None]:
     """Inside, a thread makes the resample counts intervals over ``num_examples`` examples will
     need (half a second at a thousand) while the caller waits on other processes; leaving waits
-    for it. It imports nothing: an import in a thread can deadlock with one in the caller
-    (numba imports scipy.linalg when it loads a kernel)."""
+    for it. The thread imports nothing: an import in a thread can deadlock with one in the
+    caller (numba imports scipy.linalg when it loads a kernel)."""
+    import numpy.random  # noqa: F401  (numpy loads it on first use: here, not in the thread)
+
     thread = threading.Thread(
         target=_resample_counts, args=(num_examples,), name="rankkit-intervals", daemon=True
     )
