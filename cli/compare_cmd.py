@@ -64,16 +64,13 @@ def compare(
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer,
     as means over examples with 95% intervals; paired differences between methods."""
     from rankkit.eval.parallel import shared_workers
-
-    with shared_workers(store, workers, now=True):  # the workers import while this process does
-        _compare(store, oracle, layer, methods, span, keep, out, overwrite, pairs, as_json, workers)
-
-
-def _compare(store, oracle, layer, methods, span, keep, out, overwrite, pairs, as_json, workers) -> None:
     from rankkit.interrupts import keep_on_interrupt
 
-    # from the first import on: the workers are already running
-    with keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"):
+    # the workers import while this process does; an interrupt from the first import on is one line
+    with (
+        shared_workers(store, workers, now=True),
+        keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"),
+    ):
         from rankkit import outputs
         from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
         from rankkit.report.tables import frame_table

@@ -226,16 +226,17 @@ def evaluate_example(
             )
     num_layers = scored_layers([record])
     layer_types = (layout or {}).get("layer_types")
-    computed: dict[tuple, tuple[list[int | None], dict[str, np.ndarray], bool]] = {}
+    ranked_once: dict[tuple, tuple[list[int | None], np.ndarray]] = {}
 
     def scored(method: Method, with_kendall: bool) -> tuple[list[int | None], dict[str, np.ndarray]]:
-        """The method's layers and metric columns, ranked and scored once per offline face: asl and
-        asl-2pass rank alike, and so do claa and the sweep's claa at its own n."""
+        """The method's layers and metric columns, ranked once per offline face (asl and asl-2pass
+        rank alike, and so do claa and the sweep's claa at its own n) and scored once per
+        distinct ranking (``Reference.metrics``)."""
         key = method.bind(num_layers, layer_types).offline_key()
-        if key not in computed or (with_kendall and not computed[key][2]):
-            layers, rankings = _rankings(method, record, budget, ranked, layout)
-            computed[key] = layers, reference.metrics(rankings, with_kendall=with_kendall), with_kendall
-        return computed[key][:2]
+        if key not in ranked_once:
+            ranked_once[key] = _rankings(method, record, budget, ranked, layout)
+        layers, rankings = ranked_once[key]
+        return layers, reference.metrics(rankings, with_kendall=with_kendall)
 
     for label, method in methods.items():
         layers, columns = scored(method, detailed)

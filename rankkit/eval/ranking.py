@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from rankkit.sorting import run_end, sort_buffers, sort_row
+from rankkit.sorting import descending_places, run_end, sort_buffers, sort_row
 
 
 def keep_count(keep: float | int, num_tokens: int) -> int:
@@ -112,8 +112,8 @@ def average_ranks(scores: np.ndarray) -> np.ndarray:
 
 def descending_ranks(scores: np.ndarray) -> np.ndarray:
     """Each token's place in the descending order along the last axis: 0 for the highest score,
-    ties to the earlier token (``Ranked``)."""
-    return Ranked(scores).places
+    ties to the earlier token, NaN last (``Ranked.places``, without the rest of ``Ranked``)."""
+    return descending_places(np.asarray(scores), nan_first=False)
 
 
 def spearman(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
