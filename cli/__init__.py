@@ -16,18 +16,21 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def main() -> None:
-    from rankkit.cli import commands  # noqa: F401  (registers every command)
-    from rankkit.cli.app import app
-
-    warnings.showwarning = _one_line_warning
-    # An interrupt during a store write abandons zarr's pending writes; the example stays
-    # unflagged (and is redone on resume), so Python's note about them says nothing useful.
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     try:
+        from rankkit.cli import commands  # noqa: F401  (registers every command)
+        from rankkit.cli.app import app
+
+        warnings.showwarning = _one_line_warning
+        # An interrupt during a store write abandons zarr's pending writes; the example stays
+        # unflagged (and is redone on resume), so Python's note about them says nothing useful.
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
         app()
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as interrupted:
         print(f"rankkit: {interrupted}", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:  # while the command line itself loads: no command has started
+        print("rankkit: interrupted before the command started; nothing written", file=sys.stderr)
         sys.exit(130)

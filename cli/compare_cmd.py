@@ -64,16 +64,17 @@ def compare(
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer,
     as means over examples with 95% intervals; paired differences between methods."""
     from rankkit.eval.parallel import shared_workers
-    from rankkit.interrupts import keep_on_interrupt
+    from rankkit.interrupts import deferred_interrupts, keep_on_interrupt
 
     # the workers import while this process does; an interrupt from the first import on is one line
     with (
-        shared_workers(store, workers, now=True),
         keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"),
+        shared_workers(store, workers, now=True),
     ):
-        from rankkit import outputs
-        from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
-        from rankkit.report.tables import frame_table
+        with deferred_interrupts():
+            from rankkit import outputs
+            from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
+            from rankkit.report.tables import frame_table
 
         if out is not None:
             outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
@@ -150,10 +151,12 @@ def variance(
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
     from rankkit.eval.parallel import shared_workers
+    from rankkit.interrupts import deferred_interrupts
 
     with shared_workers(store, workers, now=True):  # the workers import while this process does
-        from rankkit import outputs
-        from rankkit.eval.variance import output_paths, variance_store
+        with deferred_interrupts():
+            from rankkit import outputs
+            from rankkit.eval.variance import output_paths, variance_store
 
         if out is not None:
             outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])

@@ -36,9 +36,11 @@ def dashboard(
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.eval.parallel import shared_workers
+    from rankkit.interrupts import deferred_interrupts
 
     with shared_workers(store, workers, now=True):  # the workers import while this process does
-        from rankkit.report import write_dashboard
+        with deferred_interrupts():
+            from rankkit.report import write_dashboard
 
         written = write_dashboard(
             store,

@@ -31,3 +31,31 @@ def keep_on_interrupt(kept: Callable[[], str]) -> Iterator[None]:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside the block are noted, and raised again at its end.
+
+    For a command's import of torch while its workers start: torch's C++ runs Python code as
+    it loads, and a KeyboardInterrupt raised in there cannot unwind through it, so the process
+    aborts ("terminate called after throwing an instance of 'pybind11::error_already_set'").
+    A handler that only notes the signal raises nothing (blocking the signal would not do:
+    the pool's threads would still take it). Outside the main thread, where Python delivers
+    no signal, the block changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: arrived.append(signum)) for signum in signals
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if arrived:  # to this thread, with the handlers of before: a KeyboardInterrupt, or what SIGTERM did
+        signal.raise_signal(arrived[0])
