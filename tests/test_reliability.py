@@ -311,7 +311,6 @@ def test_outputs_are_never_overwritten_or_written_into_an_input_unless_asked(no_
 # --- interrupts and resume ---
 
 
-
 def test_an_interrupt_inside_deferred_interrupts_is_raised_at_its_end():
     import os
 
@@ -325,6 +324,7 @@ def test_an_interrupt_inside_deferred_interrupts_is_raised_at_its_end():
             reached.append("end of block")
     assert reached == ["end of block"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
 
 BENCH = dict(methods="full,claa,fastkv", keep="0.5", data="niah:n=4,length=200", max_new_tokens=2, repeats=15)
 
