@@ -15,6 +15,7 @@ from rankkit.eval.stats import (
     mean_intervals,
     paired_difference,
     paired_differences,
+    wilcoxon_p_value,
     wilson_interval,
     with_interval,
 )
@@ -111,6 +112,22 @@ def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(differences).pvalue)
     assert found["difference_ci_low"] < found["difference"] < found["difference_ci_high"]
     assert paired_difference(np.ones(3), np.ones(3))["p_value"] is None  # no difference to test
+
+
+@pytest.mark.parametrize("shape", ["continuous", "ties", "zeros", "one_sided", "small"])
+def test_wilcoxon_p_value_equals_scipys(shape):
+    """Past 50 differences the normal approximation with the tie correction is rankkit's own; it
+    must give scipy's p-value wherever scipy's "auto" picks that test, ties and zeros included."""
+    rng = np.random.default_rng(len(shape))
+    differences = rng.normal(0.02, 0.3, 40 if shape == "small" else 700)
+    if shape in ("ties", "zeros"):
+        differences = np.round(differences, 1)  # a few dozen distinct values
+    if shape == "zeros":
+        differences[:200] = 0.0
+    if shape == "one_sided":
+        differences = np.abs(differences) + 0.01
+    expected = scipy_stats.wilcoxon(differences).pvalue
+    assert wilcoxon_p_value(differences) == pytest.approx(expected, rel=1e-12, abs=1e-300)
 
 
 def test_many_paired_differences_equal_one_call_each():
