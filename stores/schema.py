@@ -82,9 +82,12 @@ MAX_ENCODED_NAME_BYTES = 200
 # fast (4k tokens x 30 layers x 3 heads is 1.5 MB). Longer contexts split along layers.
 TARGET_CHUNK_BYTES = 8 * 2**20
 
-# Scores are full-mantissa floats and barely compress (about 1.2x with byte shuffle);
-# token ids compress well. blosc-zstd level 3 costs little on write and reads fastest.
-COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),)
+# Scores are full-mantissa floats and barely compress (1.1-1.2x with byte shuffle):
+# blosc-lz4 decodes them 3-6x faster than zstd for about 6% more bytes, and analysis
+# decodes every score of thousands of examples. Token ids compress well: zstd level 3.
+# The codec is in each chunk's header: stores written with either read the same.
+FLOAT_COMPRESSORS = (BloscCodec(cname="lz4", clevel=5, shuffle=BloscShuffle.shuffle),)
+INTEGER_COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),)
 
 _SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
 _SAFE_FIRST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
@@ -240,7 +243,7 @@ def write_array(group: zarr.Group, name: str, data: np.ndarray, attributes: dict
         name,
         data=data,
         chunks=chunks_for(data.shape, data.dtype.itemsize),
-        compressors=COMPRESSORS,
+        compressors=FLOAT_COMPRESSORS if data.dtype.kind == "f" else INTEGER_COMPRESSORS,
         overwrite=True,
         attributes=attributes,
     )
