@@ -109,6 +109,28 @@ def test_round_trip_of_arrays_attrs_and_run_metadata(path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", store.meta["created"])
 
 
+def test_scores_take_lz4_and_stores_written_with_zstd_read_the_same(path, monkeypatch):
+    from rankkit.stores import schema
+
+    def codecs(example_id: str) -> dict[str, str]:
+        with zipfile.ZipFile(path / "examples" / example_id / "capture.zip") as archive:
+            arrays = [json.loads(archive.read(name)) | {"name": name.split("/")[-2]}
+                      for name in archive.namelist() if name.endswith("/zarr.json")]  # fmt: skip
+        return {
+            meta["name"]: meta["codecs"][1]["configuration"]["cname"] for meta in arrays if "codecs" in meta
+        }
+
+    writer = stores.create(path, RUN_META)
+    write(writer, "ex-0", 0)
+    assert codecs("ex-0")["fastkv"] == "lz4" and codecs("ex-0")["tokens"] == "zstd"
+    monkeypatch.setattr(
+        schema, "FLOAT_COMPRESSORS", schema.INTEGER_COMPRESSORS
+    )  # as stores were written before
+    write(writer, "ex-1", 1)
+    assert set(codecs("ex-1").values()) == {"zstd"}
+    assert_example_matches(stores.open(path), "ex-1", 1)
+
+
 def test_attrs_and_meta_are_stored_as_plain_json(path):
     meta = {**RUN_META, "dataset": {"lengths": (64, np.int64(128)), "seed": np.int32(3)}}
     writer = stores.create(path, meta)
