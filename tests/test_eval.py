@@ -131,11 +131,19 @@ def test_batched_kendall_equals_one_scipy_call_per_row(rows):
     assert same(kendall(scores, reference), expected)
 
 
-def test_batched_kendall_on_long_untied_rankings():
-    rng = np.random.default_rng(1)
-    scores, reference = rng.normal(size=(5, 3000)), rng.normal(size=3000)
+@pytest.mark.parametrize("length", [3000, 4096, 4097, 6000])
+@pytest.mark.parametrize("tied", [False, True])
+def test_batched_kendall_on_long_rankings(length, tied):
+    """Rows up to 4,096 tokens count their discordant pairs in blocks, longer ones in a tree."""
+    rng = np.random.default_rng(length)
+    if tied:
+        scores, reference = rng.integers(0, 40, size=(3, length)), rng.integers(0, 25, size=length)
+    else:
+        scores, reference = rng.normal(size=(3, length)), rng.normal(size=length)
     expected = [stats.kendalltau(row, reference).statistic for row in scores]
-    assert np.allclose(kendall(scores, reference), expected, rtol=0, atol=1e-9)
+    assert np.allclose(
+        kendall(scores.astype(np.float64), reference.astype(np.float64)), expected, rtol=0, atol=1e-9
+    )
 
 
 def test_rank_statistics_score_every_layer_and_head_at_once():

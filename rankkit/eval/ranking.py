@@ -260,7 +260,7 @@ def _score_rows(
     both_tied = np.zeros(num_rows, np.int64)
     buffers = sort_buffers(num_tokens)
     deviations, previous = np.empty(num_tokens, np.float64), np.empty(num_tokens, np.float64)
-    tree, tally = np.zeros(num_tokens + 1, np.int32), np.zeros(num_tokens, np.int32)
+    counted, tally = _counted_ranks(num_tokens), np.zeros(num_tokens, np.int32)
     has_reference = reference_deviations.shape[0] == num_tokens
     for row in range(num_rows):
         buffers = sort_row(values[row], False, buffers)
@@ -295,7 +295,7 @@ def _score_rows(
                     deviations[token] = average
             start = end
         if with_kendall:
-            discordant[row], both_tied[row] = _discordant_pairs(keys, order, reference_dense, tree, tally)
+            discordant[row], both_tied[row] = _discordant_pairs(keys, order, reference_dense, counted, tally)
         # the top k are the first k places (ties already broken toward the earlier token)
         for j in range(top_ks.shape[0]):
             top_hits[row, j] = _hits(tops[j], order, top_ks[j])
@@ -316,41 +316,94 @@ def _hits(targets, order, k):  # pragma: no cover - compiled
     return hits
 
 
+# Up to this many tokens the ranks seen so far are counted in blocks of 64, beyond it in a
+# Fenwick tree: on 2k-token rows the blocks count discordant pairs in 44 us to the tree's 54
+# (45 to 70 with ties), at 4k they tie, at 8k the tree is faster.
+_BLOCKED_COUNT_LIMIT = 4096
+_BLOCK = 64
+
+
 @numba.njit(cache=True, nogil=True)
-def _discordant_pairs(keys, order, reference_dense, tree, tally):  # pragma: no cover - compiled
+def _counted_ranks(num_tokens):  # pragma: no cover - compiled
+    """``_discordant_pairs``'s count of the ranks seen so far, for rows of ``num_tokens``: the
+    per-block and within-block counts of ``_blocked_below``, or a Fenwick tree [T + 1]."""
+    if num_tokens > _BLOCKED_COUNT_LIMIT:
+        return np.zeros(num_tokens + 1, np.int32)
+    blocks = -(-num_tokens // _BLOCK)
+    return np.zeros(blocks + blocks * _BLOCK, np.int32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _discordant_pairs(keys, order, reference_dense, counted, tally):  # pragma: no cover - compiled
     """Kendall's n_d and n_3 of one sorted row (``keys`` and ``order`` from ``sort_row``) against
     ``reference_dense`` (the reference's ascending dense ranks [T]). Walking the tokens from
-    the highest score down, a Fenwick tree over reference ranks counts, for each token, the
-    higher-scoring tokens ranked lower by the reference (discordant pairs). A run of tied
-    scores enters the tree only once all of it is counted, so score-tied pairs are never
-    discordant, and the strict comparison leaves reference-tied ones out; a per-rank tally
-    within each run counts the pairs tied in both. O(T log T); ``tree`` [T + 1] and ``tally``
-    [T] are scratch, ``tally`` left all zero.
+    the highest score down, a count of the reference ranks seen so far (``_counted_ranks``)
+    gives, for each token, the higher-scoring tokens ranked lower by the reference (discordant
+    pairs). A run of tied scores enters the count only once all of it is counted, so
+    score-tied pairs are never discordant, and the strict comparison leaves reference-tied
+    ones out; a per-rank tally within each run counts the pairs tied in both. ``counted`` and
+    ``tally`` [T] are scratch, ``tally`` left all zero.
     """
     num_tokens = keys.shape[0]
-    tree[:] = 0
+    blocked = num_tokens <= _BLOCKED_COUNT_LIMIT
+    blocks = -(-num_tokens // _BLOCK)
+    counted[:] = 0
     discordant, both_tied, start = 0, 0, 0
     while start < num_tokens:
         end = run_end(keys, start)
         for place in range(start, end):
-            rank, lower = reference_dense[order[place]], 0
-            node = rank  # tree slots 1..rank hold the ranks below this token's
-            while node > 0:
-                lower += tree[node]
-                node -= node & -node
-            discordant += lower
+            rank = reference_dense[order[place]]
+            discordant += _blocked_below(counted, blocks, rank) if blocked else _fenwick_below(counted, rank)
             if end - start > 1:
                 both_tied += tally[rank]
                 tally[rank] += 1
         for place in range(start, end):
             rank = reference_dense[order[place]]
             tally[rank] = 0
-            node = rank + 1
-            while node <= num_tokens:
-                tree[node] += 1
-                node += node & -node
+            if blocked:
+                _blocked_add(counted, blocks, rank)
+            else:
+                _fenwick_add(counted, rank)
         start = end
     return discordant, both_tied
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _blocked_below(counted, blocks, rank):  # pragma: no cover - compiled
+    """Ranks seen below ``rank``: those in the blocks before its block, then those below it in
+    its block. ``counted`` holds both per rank, so a count is two reads."""
+    return counted[rank // _BLOCK] + counted[blocks + rank]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _blocked_add(counted, blocks, rank):  # pragma: no cover - compiled
+    """Count ``rank`` as seen: every later rank of its block and every later block gain one. The
+    loops run their full length with a 0-or-1 step, so the compiler makes them vector adds."""
+    block, offset = rank // _BLOCK, rank % _BLOCK
+    within = counted[blocks + block * _BLOCK : blocks + (block + 1) * _BLOCK]
+    for later in range(_BLOCK):
+        within[later] += np.int32(later > offset)
+    before = counted[:blocks]
+    for later in range(blocks):
+        before[later] += np.int32(later > block)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fenwick_below(tree, rank):  # pragma: no cover - compiled
+    """Ranks seen below ``rank``: tree slots 1..rank hold them. O(log T)."""
+    lower, node = 0, rank
+    while node > 0:
+        lower += tree[node]
+        node -= node & -node
+    return lower
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fenwick_add(tree, rank):  # pragma: no cover - compiled
+    node = rank + 1
+    while node < tree.shape[0]:
+        tree[node] += 1
+        node += node & -node
 
 
 def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
