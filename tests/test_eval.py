@@ -36,8 +36,8 @@ from rankkit.eval.ranking import (
 )
 from rankkit.eval.variance import selection_layer, variance_store
 from rankkit.methods import Budget, Captured, make
-from rankkit.methods.asl import relative_variance_curve
-from rankkit.methods.selection import DRAFT_SCORES
+from rankkit.methods.asl import RankVariance, relative_variance_curve
+from rankkit.methods.selection import DRAFT_SCORES, head_sums, replay
 
 # Few distinct values, so most draws have ties.
 tied_rows = st.integers(2, 40).flatmap(
@@ -376,6 +376,20 @@ def test_asl_curve_matches_a_slow_loop_of_algorithm_2(k, min_layer, observed_lay
     np.testing.assert_allclose(
         windowed, slow_algorithm_2(layer_scores[..., :-5], k, min_layer, observed_layers), rtol=1e-6
     )
+
+
+@pytest.mark.parametrize("tau", [0.3, 0.8, float("-inf")])
+@pytest.mark.parametrize("min_layer, observed_layers", [(4, 3), (2, 8), (6, 2)])
+def test_asl_decides_at_once_as_its_walk_through_the_layers(tau, min_layer, observed_layers):
+    """The offline face ranks every layer in one sort; it must pick the layer and scores, and record
+    the variances, of the layer-by-layer walk a prefill takes, to the last bit."""
+    rng = np.random.default_rng(min_layer)
+    layer_scores = torch.from_numpy(rng.integers(0, 9, size=(12, 3, 60)).astype(np.float32))  # ties
+    walk = RankVariance(tau, min_layer, observed_layers, top_k=7, window=5, last_layer=11)
+    at_once = RankVariance(tau, min_layer, observed_layers, top_k=7, window=5, last_layer=11)
+    walked, decided = replay(walk, layer_scores), at_once.decide_at_once(head_sums(layer_scores))
+    assert walked[0] == decided[0] and torch.equal(walked[1], decided[1])
+    assert walk.relative_variance == at_once.relative_variance
 
 
 def test_asl_min_layer_defaults_to_a_third_of_the_depth():

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.methods.base import depth_field, make_probe, paper_count, register
-from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks, replay
+from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks, head_sums
 
 
 class RankVariance(LayerPolicy):
@@ -41,6 +41,7 @@ class RankVariance(LayerPolicy):
         self.top_k = top_k
         self.window = window
         self.last_layer = last_layer
+        self.observed_layers = observed_layers
         self.first_ranked_layer = max(0, min_layer - observed_layers + 1)
         self.rank_cache: deque[torch.Tensor] = deque(maxlen=observed_layers)
         self.initial_variance: float | None = None
@@ -53,22 +54,49 @@ class RankVariance(LayerPolicy):
         if scores is None:  # a layer before the first one L_obs looks back to
             return None
         summed = scores.sum(0)
-        past = summed[: summed.numel() - self.window]  # Algorithm 1 line 4: the window is not ranked
-        self.rank_cache.append(descending_ranks(past).float())
+        self.rank_cache.append(self._ranks(summed))
         if layer < self.min_layer:
             return None
-        ranks = torch.stack(list(self.rank_cache))  # [L_obs, T - W]
-        # each layer's ranks are a permutation, so its top-k are the tokens ranked below k
-        union = ranks.amin(dim=0) < self.top_k
-        observed = ranks[:, union]
-        # Each token's population variance across the layers, averaged over U; written out,
-        # as torch's var along dim 0 costs ten times more on CPU.
-        variance = float(((observed - observed.mean(dim=0)) ** 2).mean())
+        return summed if self._selects(layer, torch.stack(list(self.rank_cache))) else None
+
+    def decide_at_once(self, head_sums):
+        """``decide``'s walk over every layer's head sums [L, T], with every layer's ranks made in one
+        sort; the variances are exact, so each layer's is ``decide``'s to the last bit."""
+        ranks = self._ranks(head_sums[self.first_ranked_layer :])
+        for layer in range(self.min_layer, head_sums.shape[0]):
+            last = layer - self.first_ranked_layer + 1
+            if self._selects(layer, ranks[max(0, last - self.observed_layers) : last]):
+                return layer, head_sums[layer]
+        return None
+
+    def _ranks(self, summed: torch.Tensor) -> torch.Tensor:
+        """The ranks (0 = highest) of the scores [..., T] without the window (Algorithm 1 line 4: the
+        window is not ranked), as float64: integers, whose sums stay exact."""
+        return descending_ranks(summed[..., : summed.shape[-1] - self.window]).double()
+
+    def _selects(self, layer: int, ranks: torch.Tensor) -> bool:
+        """Whether the relative rank variance of the ranks [L_obs, T - W] ending at ``layer`` selects
+        there (below tau, or the last layer); it is recorded in ``relative_variance``."""
+        variance = float(union_rank_variance(ranks, self.top_k))
         if self.initial_variance is None:
             self.initial_variance = variance
         relative = variance / self.initial_variance if self.initial_variance > 0 else 0.0
         self.relative_variance[layer] = relative
-        return summed if relative < self.tau or layer == self.last_layer else None
+        return relative < self.tau or layer == self.last_layer
+
+
+def union_rank_variance(ranks: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Algorithm 2's mean over U of each token's population variance across the layers of ``ranks``
+    [layers, T] (float64 integers), U the tokens in any layer's top-k (each layer's ranks are a
+    permutation: its top-k are the tokens ranked below k); NaN for an empty U.
+
+    Worked in sums of integers, exact in float64 (up to some 30k tokens), so any order of
+    summing gives the same value: layers^2 x variance = layers x sum(r^2) - sum(r)^2.
+    """
+    layers = ranks.shape[0]
+    union = ranks.amin(dim=0) < top_k
+    spread = layers * (ranks * ranks).sum(dim=0) - ranks.sum(dim=0).square()
+    return (spread * union).sum() / (layers * layers * union.sum())
 
 
 def relative_variance_curve(
@@ -78,7 +106,7 @@ def relative_variance_curve(
     ``RankVariance`` itself run over every layer (a threshold nothing drops below)."""
     num_layers = layer_scores.shape[0]
     policy = RankVariance(float("-inf"), min_layer, observed_layers, top_k, window, last_layer=num_layers)
-    replay(policy, layer_scores)
+    policy.decide_at_once(head_sums(layer_scores))
     return [policy.relative_variance.get(layer, float("nan")) for layer in range(num_layers)]
 
 

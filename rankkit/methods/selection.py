@@ -402,10 +402,13 @@ class PolicyMethod(Method):
             [replace(bound, **{selection: layer}) for layer in range(num_layers)] if selection else [bound]
         )
         shared: dict[int | None, torch.Tensor] = {}
-        summed = head_sums(scores) if len(candidates) > 1 else None  # for every candidate's decide_at_once
+        summed = None  # every candidate's head sums, for the policies that decide at once
         for method in candidates:
             policy = method.policy(num_layers, keep)
-            selected = None if summed is None else policy.decide_at_once(summed)
+            selected = None
+            if type(policy).decide_at_once is not LayerPolicy.decide_at_once:
+                summed = head_sums(scores) if summed is None else summed
+                selected = policy.decide_at_once(summed)
             if selected is None:
                 selected = replay(policy, scores)
             if selected is None:
