@@ -185,8 +185,11 @@ class SageKV(Method):
         keep = self._keep(budget, length)
         split = sage_split(keep, attention.shape[2])
         rankings = {}
-        for layer, scores in enumerate(attention.flatten(1, 2).amax(dim=1)):
-            seen = split.seeing(int(scores.isneginf().sum()), length, keep)
+        maxima = attention.flatten(1, 2).amax(dim=1)
+        for layer, (scores, unseen) in enumerate(
+            zip(maxima, maxima.isneginf().sum(dim=1).tolist(), strict=True)
+        ):
+            seen = split.seeing(unseen, length, keep)
             scores[seen.first_seen : max(seen.sinks, seen.first_seen)] = float("inf")
             scores[max(0, length - seen.recent) :] = float("inf")
             rankings[layer] = scores
