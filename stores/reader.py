@@ -280,7 +280,8 @@ def _as_scores(values: np.ndarray) -> np.ndarray:
 class ReadOnce:
     """An example whose whole arrays are read from disk once, for a unit of analysis that asks for
     the same scores several times (compare ranks a probe and the methods built on it). Hold one
-    only while working on its example: it keeps what it read."""
+    only while working on its example: it keeps what it read. Every caller gets the same score
+    arrays, read-only: copy one to write into it."""
 
     def __init__(self, record: ExampleRecord):
         self.record = record
@@ -291,7 +292,9 @@ class ReadOnce:
             return self.record.scores(probe, layers)
         if not self._scores:  # every probe at once: analyses that read one read them all
             self._scores = self.record.all_scores()
-        return self._scores[probe].copy()  # a caller may write into its arrays (torch.from_numpy shares them)
+            for values in self._scores.values():
+                values.flags.writeable = False
+        return self._scores[probe]
 
     @cached_property
     def _oracle(self) -> np.ndarray | None:

@@ -126,7 +126,9 @@ def captured(record, method: Method, layout: Mapping[str, Any] | None = None) ->
             values = record.group(DRAFT_GROUP)[DRAFT_ARRAY]
         else:
             values = record.scores(key)
-        arrays[key] = torch.from_numpy(np.asarray(values, dtype=np.float32))
+        values = np.asarray(values, dtype=np.float32)
+        # a shared read-only array (``ReadOnce``'s) is copied: a method may write into its tensor
+        arrays[key] = torch.from_numpy(values if values.flags.writeable else values.copy())
     num_layers = record.score_shape(record.probes[0])[0]
     return Captured(arrays, num_layers, record.num_tokens, **(layout or {}))
 
