@@ -30,7 +30,7 @@ def dashboard(
         None,
         "--explore",
         help="Comma-separated example ids for the token explorer. (default: all, or an evenly spaced "
-        "sample of 100 in larger stores)",
+        "sample of at most 100 in larger stores, fewer when their score arrays would pass the page's budget)",
     ),
     workers: Workers = None,
 ) -> None:

@@ -504,6 +504,23 @@ def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_sa
     assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
 
 
+def test_the_explorer_sample_shrinks_to_what_fits_its_budget_at_the_coarsest_columns(
+    tmp_path, store, monkeypatch
+):
+    import rankkit.report
+
+    record = stores.open(store).example(stores.open(store).example_ids()[0])
+    rows = (
+        sum(record.score_shape(probe)[0] for probe in record.probes) + 1
+    )  # every probe's layers and the oracle
+    cell = 2 + 1 + 2 + len(rankkit.report.KEEP_RATES)
+    monkeypatch.setattr(rankkit.report, "EXPLORER_BUDGET_BYTES", 2 * rows * rankkit.report.MIN_BINS * cell)
+    ids = stores.open(store).example_ids()
+    assert len(ids) > 2
+    page = write_dashboard(store, tmp_path / "report.html").read_text()
+    assert f"2 of {len(ids)} examples" in page
+
+
 def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_path, store, monkeypatch):
     import rankkit.report
 

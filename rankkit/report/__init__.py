@@ -41,8 +41,9 @@ from .html import Control, Page, Panel, encode_array, render, render_index
 EXPLORER_BUDGET_BYTES = 7 * 2**20
 MAX_BINS = 1024  # about one column per screen pixel of a wide panel
 MIN_BINS = 64  # below this a 4k-token heatmap stops showing where anything is
-# Beyond this many examples the explorer shows a sample, so a 1,000-example page stays under
-# 20 MB and opens quickly; the aggregate panels always cover every example.
+# Beyond this many examples (or as many as fit the budget at MIN_BINS) the explorer shows a
+# sample, so a 1,000-example page stays under 20 MB and opens quickly; the aggregate panels
+# always cover every example.
 EXPLORER_EXAMPLES = 100
 RANKED_SPAN = "prompt"  # what compare ranks by default; the explorer shows the same tokens
 DEFAULT_PROBE = "window"
@@ -311,8 +312,9 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
 
 
 def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list:
-    """The examples the token explorer shows: ``explore``, or all up to ``EXPLORER_EXAMPLES``, or an
-    evenly spaced sample of that many."""
+    """The examples the token explorer shows: ``explore``, or all up to ``EXPLORER_EXAMPLES`` (fewer when
+    their arrays would pass ``EXPLORER_BUDGET_BYTES`` at ``MIN_BINS`` columns), or an evenly spaced
+    sample of that many."""
     if explore:
         by_id = {record.id: record for record in records}
         missing = [example_id for example_id in explore if example_id not in by_id]
@@ -322,9 +324,16 @@ def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list
                 f"list them with `rankkit store info {store_path}`"
             )
         return [by_id[example_id] for example_id in explore]
-    if len(records) <= EXPLORER_EXAMPLES:
+    # no more than fit the budget at the coarsest columns (examples of one store share their rows)
+    most = max(
+        1,
+        min(
+            EXPLORER_EXAMPLES, EXPLORER_BUDGET_BYTES // (_explorer_rows(records[0]) * MIN_BINS * _CELL_BYTES)
+        ),
+    )
+    if len(records) <= most:
         return records
-    return [records[index * len(records) // EXPLORER_EXAMPLES] for index in range(EXPLORER_EXAMPLES)]
+    return [records[index * len(records) // most] for index in range(most)]
 
 
 def _unexplored_note(records, explored, store_path) -> str:
@@ -434,12 +443,20 @@ def _ranked_slice(record) -> slice:
     return ranked_slice(record.attrs.get("spans"), RANKED_SPAN, record.num_tokens)
 
 
+_CELL_BYTES = (
+    2 + 1 + 2 + len(KEEP_RATES)
+)  # float16 score, uint8 top-token offset, uint16 rank, a kept flag per keep rate
+
+
+def _explorer_rows(record) -> int:
+    """The rows of one example's explorer arrays: every layer of every probe, and the oracle."""
+    return sum(record.score_shape(probe)[0] for probe in record.probes) + 1
+
+
 def _bins_for_budget(records) -> int:
     """The most bins per row that keep every example's explorer arrays within the budget."""
-    rows = sum(record.score_shape(probe)[0] for record in records for probe in record.probes) + len(records)
-    # float16 score, uint8 top-token offset, uint16 rank, a uint8 kept flag per keep rate
-    bytes_per_cell = 2 + 1 + 2 + len(KEEP_RATES)
-    return int(min(MAX_BINS, max(MIN_BINS, EXPLORER_BUDGET_BYTES // (rows * bytes_per_cell))))
+    rows = sum(_explorer_rows(record) for record in records)
+    return int(min(MAX_BINS, max(MIN_BINS, EXPLORER_BUDGET_BYTES // (rows * _CELL_BYTES))))
 
 
 def _probe_bins(record, probe: str, ranked: slice, max_bins: int) -> figures.TokenBins:
