@@ -324,13 +324,17 @@ _BLOCK = 64
 
 
 @numba.njit(cache=True, nogil=True)
+def _count_blocks(num_tokens):  # pragma: no cover - compiled
+    """How many blocks of ``_BLOCK`` ranks rows of ``num_tokens`` are counted in; 0: a Fenwick tree."""
+    return 0 if num_tokens > _BLOCKED_COUNT_LIMIT else -(-num_tokens // _BLOCK)
+
+
+@numba.njit(cache=True, nogil=True)
 def _counted_ranks(num_tokens):  # pragma: no cover - compiled
     """``_discordant_pairs``'s count of the ranks seen so far, for rows of ``num_tokens``: the
     per-block and within-block counts of ``_blocked_below``, or a Fenwick tree [T + 1]."""
-    if num_tokens > _BLOCKED_COUNT_LIMIT:
-        return np.zeros(num_tokens + 1, np.int32)
-    blocks = -(-num_tokens // _BLOCK)
-    return np.zeros(blocks + blocks * _BLOCK, np.int32)
+    blocks = _count_blocks(num_tokens)
+    return np.zeros(blocks + blocks * _BLOCK if blocks else num_tokens + 1, np.int32)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -345,22 +349,21 @@ def _discordant_pairs(keys, order, reference_dense, counted, tally):  # pragma: 
     ``tally`` [T] are scratch, ``tally`` left all zero.
     """
     num_tokens = keys.shape[0]
-    blocked = num_tokens <= _BLOCKED_COUNT_LIMIT
-    blocks = -(-num_tokens // _BLOCK)
+    blocks = _count_blocks(num_tokens)
     counted[:] = 0
     discordant, both_tied, start = 0, 0, 0
     while start < num_tokens:
         end = run_end(keys, start)
         for place in range(start, end):
             rank = reference_dense[order[place]]
-            discordant += _blocked_below(counted, blocks, rank) if blocked else _fenwick_below(counted, rank)
+            discordant += _blocked_below(counted, blocks, rank) if blocks else _fenwick_below(counted, rank)
             if end - start > 1:
                 both_tied += tally[rank]
                 tally[rank] += 1
         for place in range(start, end):
             rank = reference_dense[order[place]]
             tally[rank] = 0
-            if blocked:
+            if blocks:
                 _blocked_add(counted, blocks, rank)
             else:
                 _fenwick_add(counted, rank)

@@ -242,13 +242,13 @@ def wilcoxon_p_value(differences: np.ndarray) -> float:
         from scipy import stats  # imported when used, as in ``wilson_interval``
 
         return float(stats.wilcoxon(differences).pvalue)
+    from rankkit.eval.ranking import average_ranks
+
     nonzero = differences[differences != 0]
     count = nonzero.size
-    magnitudes = np.sort(np.abs(nonzero))
-    starts = np.flatnonzero(np.concatenate([[True], magnitudes[1:] != magnitudes[:-1]]))
-    ties = np.diff(np.append(starts, count)).astype(np.float64)
-    average_rank = np.repeat(starts + (ties + 1) / 2, ties.astype(np.int64))  # 1-based, ties averaged
-    positive_rank_sum = average_rank[np.searchsorted(magnitudes, np.abs(nonzero))][nonzero > 0].sum()
+    magnitudes = np.abs(nonzero)
+    positive_rank_sum = average_ranks(magnitudes)[nonzero > 0].sum()
+    ties = np.unique(magnitudes, return_counts=True)[1].astype(np.float64)
     mean = count * (count + 1) / 4
     variance = (count * (count + 1) * (2 * count + 1) - (ties**3 - ties).sum() / 2) / 24
     z = (positive_rank_sum - mean) / np.sqrt(variance)

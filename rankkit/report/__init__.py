@@ -324,13 +324,7 @@ def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list
                 f"list them with `rankkit store info {store_path}`"
             )
         return [by_id[example_id] for example_id in explore]
-    # no more than fit the budget at the coarsest columns (examples of one store share their rows)
-    most = max(
-        1,
-        min(
-            EXPLORER_EXAMPLES, EXPLORER_BUDGET_BYTES // (_explorer_rows(records[0]) * MIN_BINS * _CELL_BYTES)
-        ),
-    )
+    most = _explorer_capacity(records[0])  # examples of one store share their rows
     if len(records) <= most:
         return records
     return [records[index * len(records) // most] for index in range(most)]
@@ -443,14 +437,20 @@ def _ranked_slice(record) -> slice:
     return ranked_slice(record.attrs.get("spans"), RANKED_SPAN, record.num_tokens)
 
 
-_CELL_BYTES = (
-    2 + 1 + 2 + len(KEEP_RATES)
-)  # float16 score, uint8 top-token offset, uint16 rank, a kept flag per keep rate
+# float16 score, uint8 top-token offset, uint16 rank, a uint8 kept flag per keep rate
+_CELL_BYTES = 2 + 1 + 2 + len(KEEP_RATES)
 
 
 def _explorer_rows(record) -> int:
     """The rows of one example's explorer arrays: every layer of every probe, and the oracle."""
     return sum(record.score_shape(probe)[0] for probe in record.probes) + 1
+
+
+def _explorer_capacity(record) -> int:
+    """How many examples like ``record`` the explorer holds: ``EXPLORER_EXAMPLES``, fewer when their
+    arrays would pass ``EXPLORER_BUDGET_BYTES`` even at ``MIN_BINS`` columns (at least one)."""
+    fitting = EXPLORER_BUDGET_BYTES // (_explorer_rows(record) * MIN_BINS * _CELL_BYTES)
+    return max(1, min(EXPLORER_EXAMPLES, fitting))
 
 
 def _bins_for_budget(records) -> int:
