@@ -60,12 +60,12 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     }
 
     with console.status(f"capture: every probe at every layer + oracle, {DEMO_DATA}"):
-        summary = capture(
+        captured = capture(
             data=DEMO_DATA, out=written["store"], device=device, oracle=OracleOptions(max_new_tokens=16)
         )
     console.print(
-        f"captured {summary.examples} examples ({summary.tokens_per_second:,.0f} tok/s), "
-        f"oracle answers correct: {summary.accuracy}"
+        f"captured {captured.examples} examples ({captured.tokens_per_second:,.0f} tok/s), "
+        f"oracle answers correct: {captured.accuracy}"
     )
 
     with console.status("compare against the oracle, ASL variance curves"):
