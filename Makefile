@@ -1,6 +1,7 @@
 # Two entry points, each working from nothing but Python 3.11+:
 #   make demo   runs the main job on the embedded default model and prints where its output is
-#   make test   checks the import layers and the dashboard's JavaScript, then runs the test suite
+#   make test   lints (ruff, shadowed imports), checks the import layers and the dashboard's
+#               JavaScript, then runs the test suite (the demo end to end included)
 # Both create .venv and install everything once; a second run reinstalls nothing.
 
 PYTHON ?= python3
@@ -32,7 +33,7 @@ browser:
 demo: $(STAMP)
 	$(BIN)/rankkit demo
 
-test: $(STAMP) browser imports jscheck
+test: $(STAMP) browser lint imports jscheck
 	$(BIN)/python -m pytest
 
 # The import-linter contracts of pyproject.toml, on an installed copy: only there do cli/,
@@ -60,8 +61,10 @@ findings: $(STAMP)
 	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end
 	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end_20
 
+# ruff, and a local name hiding an import (tools/shadowing.py: no ruff rule sees it).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python tools/shadowing.py rankkit cli probes stores tests tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import polars as pl
 import torch
 
-from rankkit import defaults, models, outputs
+from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import Example, load_examples, read_spec, score
@@ -39,7 +39,6 @@ from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
 from rankkit.progress import Progress, ProgressCallback, ignore
-from rankkit.prompting import example_prompt, reference_answer
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 from rankkit.shards import share
 
@@ -206,9 +205,9 @@ def example_diffusion(
     layers: Sequence[int] | None = None,
 ) -> pl.DataFrame:
     """``diffusion_curve`` of a dataset example: its prompt, evidence spans, first answer and metric."""
-    prompt = example_prompt(tokenizer, example)
+    prompt = prompting.example_prompt(tokenizer, example)
     spans = [prompt.context_token_span(start, end) for start, end in example.evidence]
-    answer = reference_answer(example.answers, example.answer_prefix)
+    answer = prompting.reference_answer(example.answers, example.answer_prefix)
     return diffusion_curve(
         runner,
         tokenizer,

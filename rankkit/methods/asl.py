@@ -26,8 +26,9 @@ from typing import ClassVar
 
 import torch
 
+from rankkit.methods import selection
 from rankkit.methods.base import depth_field, make_probe, paper_count, register
-from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks, head_sums
+from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks
 
 
 class RankVariance(LayerPolicy):
@@ -106,7 +107,7 @@ def relative_variance_curve(
     ``RankVariance`` itself run over every layer (a threshold nothing drops below)."""
     num_layers = layer_scores.shape[0]
     policy = RankVariance(float("-inf"), min_layer, observed_layers, top_k, window, last_layer=num_layers)
-    policy.decide_at_once(head_sums(layer_scores))
+    policy.decide_at_once(selection.head_sums(layer_scores))
     return [policy.relative_variance.get(layer, float("nan")) for layer in range(num_layers)]
 
 

@@ -130,10 +130,11 @@ class Measured:
             run.peak_mem_bytes = self.warmup_peak_bytes
         return run
 
-    def ratio_to(self, reference: Measured, field: str) -> float | None:
-        """Median over rounds of this run's ``field`` over the reference's in the same round (paired, so noise cancels)."""
+    def ratio_to(self, reference: Measured, quantity: str) -> float | None:
+        """Median over rounds of this run's ``quantity`` over the reference's in the same round (paired, so noise cancels)."""
         pairs = [
-            (getattr(a, field), getattr(b, field)) for a, b in zip(self.runs, reference.runs, strict=True)
+            (getattr(a, quantity), getattr(b, quantity))
+            for a, b in zip(self.runs, reference.runs, strict=True)
         ]
         ratios = [mine / theirs for mine, theirs in pairs if mine is not None and theirs]
         return float(np.median(ratios)) if ratios else None

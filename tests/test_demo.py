@@ -1,0 +1,110 @@
+"""`rankkit demo`, the README's first command, run as a user runs it: the CLI entry point on the
+embedded default model into a fresh folder, then every file it says it wrote read back (integration,
+about two minutes on two cores: the price of never shipping a broken main job again)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import plotly
+import polars as pl
+import pytest
+
+from rankkit.stores.verify import verify
+
+pytestmark = pytest.mark.integration
+
+# What the demo runs (rankkit.demo): 4 examples captured, 2 of them benched with these methods.
+DEMO_EXAMPLES = 4
+BENCHED_EXAMPLES = 2
+BENCHED_METHODS = {"full", "gemfilter", "fastkv", "claa", "snapkv"}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    rankkit = Path(sys.executable).with_name("rankkit")
+    environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    finished = subprocess.run(
+        [str(rankkit), "demo", "--out", str(out), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=900,
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert "Traceback" not in finished.stderr
+    return out, finished.stdout
+
+
+def _written(stdout: str) -> dict[str, Path]:
+    """The files the demo lists after 'demo output:', by name."""
+    listing = stdout.split("demo output:", 1)[1].splitlines()[1:]
+    return {name: Path(path) for name, path in (line.split(maxsplit=1) for line in listing if line.strip())}
+
+
+def test_demo_lists_every_output_and_each_exists_inside_its_folder(demo_run):
+    out, stdout = demo_run
+    written = _written(stdout)
+    assert set(written) == {"store", "compare", "variance", "bench", "dashboard"}
+    for path in written.values():
+        assert path.exists() and path.parent == out
+
+
+def test_demo_store_verifies_whole_with_an_oracle_per_example(demo_run):
+    out, stdout = demo_run
+    report = verify(_written(stdout)["store"])
+    assert report.examples == DEMO_EXAMPLES
+    assert report.counts() == {
+        "good": DEMO_EXAMPLES,
+        "unchecked": 0,
+        "damaged": 0,
+        "incomplete": 0,
+        "unreadable": 0,
+    }
+
+
+def test_demo_parquets_read_back_with_their_columns_and_rows(demo_run):
+    _, stdout = demo_run
+    written = _written(stdout)
+
+    compare = pl.read_parquet(written["compare"])
+    assert {"example", "layer", "spearman"} <= set(compare.columns)
+    assert compare["example"].n_unique() == DEMO_EXAMPLES
+    assert (
+        compare["spearman"].drop_nulls().is_between(-1, 1).all()
+        and compare["spearman"].drop_nulls().len() > 0
+    )
+
+    variance = pl.read_parquet(written["variance"])
+    assert variance.height > 0 and variance["example"].n_unique() == DEMO_EXAMPLES
+
+    bench = pl.read_parquet(written["bench"])
+    assert set(bench["method"].unique()) == BENCHED_METHODS
+    assert bench.height == BENCHED_EXAMPLES * len(BENCHED_METHODS)
+    assert bench["ttft_s"].min() > 0
+    full = bench.filter(pl.col("method") == "full")
+    assert (full["ttft_ratio"] == 1.0).all() and (full["kv_ratio"] == 1.0).all()
+
+
+def test_demo_dashboard_is_one_self_contained_page(demo_run):
+    _, stdout = demo_run
+    page = _written(stdout)["dashboard"].read_text()
+    assert page.startswith("<!DOCTYPE html>") or page.lstrip().lower().startswith("<!doctype html>")
+    ours = page.replace(plotly.offline.get_plotlyjs(), "")
+    assert "<script src" not in ours and "http" not in ours  # nothing to fetch
+
+
+def test_demo_tables_carry_numbers(demo_run):
+    _, stdout = demo_run
+    assert re.search(rf"captured {DEMO_EXAMPLES} examples \([\d,]+ tok/s\)", stdout)
+    rankings, end_to_end = stdout.split("rankings vs the oracle", 1)[1].split("end to end at keep", 1)
+    interval = r"-?\d\.\d+ \[-?\d\.\d+, -?\d\.\d+\]"  # a mean with its 95% interval
+    assert len(re.findall(interval, rankings)) >= 5
+    for method in BENCHED_METHODS:
+        row = next(line for line in end_to_end.splitlines() if re.search(rf"\b{method}\b", line))
+        assert re.search(interval, row), row
