@@ -27,7 +27,14 @@ DRAFT_HELP = (
 )
 
 Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
-Model = Annotated[str, typer.Option("--model", help="'default', an HF folder, or a hub id.")]
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="'default', an HF folder, a hub id, or random:<shape> (a published architecture with random "
+        "weights, timing only: llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b).",
+    ),
+]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DeviceMap = Annotated[
     str | None,

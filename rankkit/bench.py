@@ -21,7 +21,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import polars as pl
 import torch
@@ -248,6 +248,13 @@ class Setup:
         return loaded, Runner(loaded.model)
 
 
+def _scored_examples(data: str, loaded: models.LoadedModel) -> list[Example]:
+    """The examples of ``data``; a timing-only model's without their answers, so its meaningless
+    answers get no score (missing, not wrong)."""
+    examples = load_examples(data, loaded.tokenizer)
+    return [replace(example, answers=()) for example in examples] if loaded.timing_only else examples
+
+
 def _checked_prompts(tokenizer, examples: list[Example], config, setup: Setup, budgets) -> list[Prompt]:
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
     for example, prompt in zip(examples, prompts, strict=True):
@@ -295,7 +302,7 @@ def prefill(
             )
     loaded, runner = setup.load()
     if data is not None:
-        examples = load_examples(data, loaded.tokenizer)
+        examples = _scored_examples(data, loaded)
         if example_index >= len(examples):
             raise RankkitError(f"--example {example_index} is past the {len(examples)} examples of {data}")
         example = examples[example_index]
@@ -400,7 +407,7 @@ def bench(
     if shard != (0, 1):  # a share is its own run; whole runs keep the identity they always had
         identity["shard"] = list(shard)
     loaded, runner = setup.load()
-    examples = load_examples(data, loaded.tokenizer)[:limit]
+    examples = _scored_examples(data, loaded)[:limit]
     if not examples:
         raise RankkitError(f"{data} has no examples")
     prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)
