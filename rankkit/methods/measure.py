@@ -59,9 +59,7 @@ def run_once(
     with torch.inference_mode():
         run = method.prefill(runner, input_ids, budget)
         kv_bytes = run.result.cache.nbytes()
-        kv_tokens = [
-            float(run.result.cache.kept_tokens(layer).float().mean()) for layer in range(runner.num_layers)
-        ]
+        kv_tokens = [sum(heads) / len(heads) for heads in run.result.cache.kept_tokens_per_layer()]
         tokens = greedy_continue(
             runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
         )
