@@ -78,6 +78,14 @@ Workers = Annotated[
         "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
     ),
 ]
+CudaGraphs = Annotated[
+    bool,
+    typer.Option(
+        "--cuda-graphs",
+        help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
+        "a method whose hooks act at every decode step (sage-kv, sliminfer) still decodes eagerly.",
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 
 

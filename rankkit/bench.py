@@ -226,16 +226,20 @@ class MethodOptions:
 @dataclass(frozen=True)
 class Setup:
     """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions,
-    ``device_map`` spreads the model over devices (``models.parse_device_map``)."""
+    ``device_map`` spreads the model over devices (``models.parse_device_map``), ``cuda_graphs``
+    decodes over a static cache (``Runner``)."""
 
     model: str = defaults.MODEL
     device: str = defaults.DEVICE
     threads: int | None = None
     allow_overlength: bool = False
     device_map: str | None = None
+    cuda_graphs: bool = False  # decode over a static cache, as CUDA graphs on CUDA (``Runner``)
 
     def __post_init__(self):
         models.parse_device_map(self.device_map)  # a bad map fails before anything loads
+        if self.cuda_graphs and self.device_map is not None:
+            raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
 
     def config(self):
         """The model's config, read without its weights."""
@@ -245,7 +249,7 @@ class Setup:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         loaded = models.load(self.model, device=self.device, device_map=self.device_map)
-        return loaded, Runner(loaded.model)
+        return loaded, Runner(loaded.model, cuda_graphs=self.cuda_graphs)
 
 
 def _scored_examples(data: str, loaded: models.LoadedModel) -> list[Example]:

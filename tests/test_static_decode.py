@@ -100,3 +100,11 @@ def test_greedy_decoding_past_eos_when_asked(random_ids):
     runner.model.generation_config.eos_token_id = tokens[2]
     assert greedy_continue(runner, runner.prefill(random_ids), NEW_TOKENS) == tokens[:3]
     assert greedy_continue(runner, runner.prefill(random_ids), NEW_TOKENS, stop_at_eos=False) == tokens
+
+
+def test_cuda_graphs_with_a_device_map_is_refused_before_anything_loads():
+    from rankkit.bench import Setup
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(RankkitError, match="--cuda-graphs decodes on one device"):
+        Setup(device_map="auto", cuda_graphs=True)
