@@ -140,6 +140,21 @@ class KVCache:
         self.heads_differ[layer] = True
         self._fresh[layer] = False
 
+    def compress_to_mask(self, layer: int, kept: torch.Tensor, width: int) -> None:
+        """Keep, per KV head, the entries where ``kept`` [kv_heads, S] is True, padded to ``width``.
+
+        ``width`` is a bound the caller knows (a budget) on how many any head keeps, so the
+        cache's shape needs nothing read from the device, where ragged index lists would.
+        """
+        width = min(width, kept.shape[1])
+        kept = kept.to(self.positions[layer].device)
+        # the kept entries first, each group in entry order; then back into entry order
+        first = torch.sort((~kept).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        index = torch.sort(first, dim=1).values
+        self.compress(layer, index)
+        self.positions[layer] = self.positions[layer].masked_fill(~kept.gather(1, index), PADDING)
+        self.padded[layer] = True
+
     def kept_tokens(self, layer: int) -> torch.Tensor:
         """Number of real (unpadded) entries per KV head [kv_heads]."""
         return (self.positions[layer] != PADDING).sum(dim=1)
