@@ -23,7 +23,6 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 from __future__ import annotations
 
 import inspect
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -432,13 +431,7 @@ class Runner:
         decode of the same shape) and replayed on CUDA, run eagerly elsewhere. Hooks read or
         steer every step in Python, which a graph would not replay: such a decode runs eagerly.
         """
-        if not self.cuda_graphs or not steps:
-            return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
-        if hooks:
-            warnings.warn(
-                "this decode has hooks that act at every step, which a CUDA graph cannot replay: it runs eagerly",
-                stacklevel=3,
-            )
+        if not self.cuda_graphs or not steps or hooks:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
         shape = StaticKVCache.shape_of(prefill.cache, steps)
         if self._static is not None and self._static[0] == shape:

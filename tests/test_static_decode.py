@@ -89,7 +89,7 @@ def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(random_ids):
     assert runs[1].tokens == runs[0].tokens
     assert runs[0].warnings == []
     assert runs[1].warnings == [
-        "this decode has hooks that act at every step, which a CUDA graph cannot replay: it runs eagerly"
+        "method 'sage-kv' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
     ]
 
 
