@@ -148,7 +148,7 @@ def _reads(name: str, layers: int, kv_heads: int) -> tuple[Counter, Counter]:
 PER_LAYER_READS = {
     "asl": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
     "asl-2pass": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
-    "lava": "LAVa's budgets (Alg. 2) are apportioned on the host, layer by layer",
+    "lava": "LAVa's budgets (Alg. 2) are apportioned on the host: one read per layer and recompression",
     "sliminfer": "SlimInfer's block pruning and its decode swap read block ids per layer",
 }
 
@@ -188,3 +188,10 @@ def test_capture_reads_the_device_once_per_prefill():
                 runner.prefill(PROMPT, hooks=[recorder])
                 recorder.scores()
         assert reads.counts == Counter({"__int__": 1}), shape  # the prompt length the scores are laid out by
+
+
+def test_lava_reads_each_layers_entropy_and_the_widths_it_recompresses_at_once():
+    counts = {shape: _reads("lava", *shape)[0] for shape in SHAPES}
+    assert counts[(2, 2)] == counts[(2, 4)]  # nothing per head
+    for (layers, _), prefill in counts.items():
+        assert set(prefill) == {"tolist"} and prefill["tolist"] <= 2 * layers
