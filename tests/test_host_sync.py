@@ -149,7 +149,7 @@ PER_LAYER_READS = {
     "asl": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
     "asl-2pass": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
     "lava": "LAVa's budgets (Alg. 2) are apportioned on the host: one read per layer and recompression",
-    "sliminfer": "SlimInfer's block pruning and its decode swap read block ids per layer",
+    "sliminfer": "SlimInfer picks blocks on the host at each pruning layer (Alg. 1): two reads each, in every step",
 }
 
 
