@@ -195,3 +195,17 @@ def test_lava_reads_each_layers_entropy_and_the_widths_it_recompresses_at_once()
     assert counts[(2, 2)] == counts[(2, 4)]  # nothing per head
     for (layers, _), prefill in counts.items():
         assert set(prefill) == {"tolist"} and prefill["tolist"] <= 2 * layers
+
+
+def test_a_static_cache_decode_step_reads_only_the_token():
+    for shape in SHAPES:
+        runner = _runner(*shape)
+        runner.cuda_graphs = True
+        with torch.inference_mode():
+            greedy_continue(runner, runner.prefill(PROMPT), 1 + DECODE_STEPS)  # builds the static buffers
+            first, steps = (runner.prefill(PROMPT) for _ in range(2))
+            with counting() as one:
+                greedy_continue(runner, first, 1)
+            with counting() as more:
+                greedy_continue(runner, steps, 1 + DECODE_STEPS)
+        assert more.counts - one.counts == Counter({"__int__": DECODE_STEPS}), shape
