@@ -428,8 +428,9 @@ class Runner:
 
         With ``cuda_graphs`` and no hooks, the steps run over a ``StaticKVCache`` copied from
         the prefill's cache: captured once as a CUDA graph (per cache shape, reused by the next
-        decode of the same shape) and replayed on CUDA, run eagerly elsewhere. Hooks read or
-        steer every step in Python, which a graph would not replay: such a decode runs eagerly.
+        decode of the same shape) and replayed on CUDA, run eagerly elsewhere; the prefill's
+        own cache is then left as the prefill made it. Hooks read or steer every step in
+        Python, which a graph would not replay: such a decode runs eagerly.
         """
         if not self.cuda_graphs or not steps or hooks:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
@@ -485,7 +486,7 @@ def greedy_continue(
     wait for the device, as in ``model.generate``.
     """
     eos = runner.eos_ids() if stop_at_eos else set()
-    step = runner.decoder(prefill, max_new_tokens, hooks)
+    step = None  # made at the first step: a static cache's copy counts in decoding, not in TTFT
     tokens: list[int] = []
     logits = prefill.logits
     position = prefill.prompt_length
@@ -497,6 +498,7 @@ def greedy_continue(
         last = token in eos or len(tokens) == max_new_tokens
         if last and (token in eos or not feed_last):
             return tokens
+        step = step or runner.decoder(prefill, max_new_tokens, hooks)
         logits = step(chosen, position)
         position += 1
         if last:
