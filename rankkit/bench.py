@@ -21,7 +21,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import polars as pl
 import torch
@@ -226,16 +226,20 @@ class MethodOptions:
 @dataclass(frozen=True)
 class Setup:
     """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions,
-    ``device_map`` spreads the model over devices (``models.parse_device_map``)."""
+    ``device_map`` spreads the model over devices (``models.parse_device_map``), ``cuda_graphs``
+    decodes over a static cache (``Runner``)."""
 
     model: str = defaults.MODEL
     device: str = defaults.DEVICE
     threads: int | None = None
     allow_overlength: bool = False
     device_map: str | None = None
+    cuda_graphs: bool = False  # decode over a static cache, as CUDA graphs on CUDA (``Runner``)
 
     def __post_init__(self):
         models.parse_device_map(self.device_map)  # a bad map fails before anything loads
+        if self.cuda_graphs and self.device_map is not None:
+            raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
 
     def config(self):
         """The model's config, read without its weights."""
@@ -245,7 +249,14 @@ class Setup:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         loaded = models.load(self.model, device=self.device, device_map=self.device_map)
-        return loaded, Runner(loaded.model)
+        return loaded, Runner(loaded.model, cuda_graphs=self.cuda_graphs)
+
+
+def _scored_examples(data: str, loaded: models.LoadedModel) -> list[Example]:
+    """The examples of ``data``; a timing-only model's without their answers, so its meaningless
+    answers get no score (missing, not wrong)."""
+    examples = load_examples(data, loaded.tokenizer)
+    return [replace(example, answers=()) for example in examples] if loaded.timing_only else examples
 
 
 def _checked_prompts(tokenizer, examples: list[Example], config, setup: Setup, budgets) -> list[Prompt]:
@@ -295,7 +306,7 @@ def prefill(
             )
     loaded, runner = setup.load()
     if data is not None:
-        examples = load_examples(data, loaded.tokenizer)
+        examples = _scored_examples(data, loaded)
         if example_index >= len(examples):
             raise RankkitError(f"--example {example_index} is past the {len(examples)} examples of {data}")
         example = examples[example_index]
@@ -400,7 +411,7 @@ def bench(
     if shard != (0, 1):  # a share is its own run; whole runs keep the identity they always had
         identity["shard"] = list(shard)
     loaded, runner = setup.load()
-    examples = load_examples(data, loaded.tokenizer)[:limit]
+    examples = _scored_examples(data, loaded)[:limit]
     if not examples:
         raise RankkitError(f"{data} has no examples")
     prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)

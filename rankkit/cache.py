@@ -14,8 +14,22 @@ It satisfies the one method transformers' attention modules call on a cache,
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 PADDING = -1
+
+
+def allowed_keys(
+    key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None, per_head: bool
+) -> torch.Tensor:
+    """Bool [1, kv_heads (``per_head``) or 1, n, S]: a query attends to a real key no later than
+    itself, and within ``sliding_window`` of it where the layer has one. The one masking rule."""
+    keys = key_positions[:, None, :] if per_head else key_positions[:1, None, :]
+    queries = query_positions[None, :, None]
+    allowed = (keys <= queries) & (keys != PADDING)
+    if sliding_window is not None:
+        allowed &= keys > queries - sliding_window
+    return allowed[None]
 
 
 class KVCache:
@@ -24,6 +38,7 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.positions: list[torch.Tensor | None] = [None] * num_layers
         self.padded = [False] * num_layers
+        self.heads_differ = [False] * num_layers  # compressed per head: positions differ between heads
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
@@ -80,6 +95,7 @@ class KVCache:
         twin = KVCache(self.num_layers)
         twin.keys, twin.values, twin.positions = list(self.keys), list(self.values), list(self.positions)
         twin.padded = list(self.padded)
+        twin.heads_differ = list(self.heads_differ)
         return twin
 
     def attention_mask(
@@ -88,23 +104,15 @@ class KVCache:
         """Boolean mask [1, kv_heads or 1, n, S] (True = attend), or None when plain causal suffices.
 
         None means: a fresh prefill (keys are exactly the queries, in order) or one query
-        over an unpadded cache of earlier tokens, with no sliding window cutting in.
+        over an unpadded cache of earlier tokens, on a global layer. A sliding-window layer
+        always gets its mask: whether the window cuts in would have to be read from the
+        device at every layer.
         """
-        key_positions = self.positions[layer]
         n = query_positions.shape[0]
-        window_cuts = sliding_window is not None and (
-            int(query_positions.max()) - int(key_positions[key_positions != PADDING].min()) >= sliding_window
-        )
-        if not self.padded[layer] and not window_cuts and (self._fresh[layer] or n == 1):
+        if not self.padded[layer] and sliding_window is None and (self._fresh[layer] or n == 1):
             return None
-        keys = key_positions[:, None, :]
-        queries = query_positions[None, :, None]
-        allowed = (keys <= queries) & (keys != PADDING)
-        if sliding_window is not None:
-            allowed &= keys > queries - sliding_window
-        if not self.padded[layer]:
-            allowed = allowed[:1]
-        return allowed[None]
+        per_head = self.padded[layer] or self.heads_differ[layer]
+        return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head)
 
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
@@ -115,40 +123,117 @@ class KVCache:
         keys, values, positions = self.keys[layer], self.values[layer], self.positions[layer]
         if isinstance(keep, torch.Tensor):
             index = torch.sort(keep.to(keys.device), dim=1).values
-            valid = None
+            lengths = None
         else:
             per_head = [torch.sort(k.to(keys.device).reshape(-1)).values for k in keep]
-            width = max(int(k.numel()) for k in per_head)
-            index = torch.zeros(len(per_head), width, dtype=torch.long, device=keys.device)
-            valid = torch.zeros_like(index, dtype=torch.bool)
-            for head, kept in enumerate(per_head):
-                index[head, : kept.numel()] = kept
-                valid[head, : kept.numel()] = True
+            index = pad_sequence(per_head, batch_first=True)  # padded with entry 0, marked as padding below
+            lengths = [k.numel() for k in per_head]
         gather = index[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
         self.keys[layer] = keys.gather(2, gather)
         self.values[layer] = values.gather(2, gather)
         new_positions = positions.gather(1, index)
-        if valid is not None and not bool(valid.all()):
-            new_positions = new_positions.masked_fill(~valid, PADDING)
+        if lengths is not None and min(lengths) < max(lengths):  # sizes the host knows: no device read
+            rows = [row[:length] for row, length in zip(new_positions, lengths, strict=True)]
+            new_positions = pad_sequence(rows, batch_first=True, padding_value=PADDING)
             self.padded[layer] = True
         self.positions[layer] = new_positions
+        self.heads_differ[layer] = True
         self._fresh[layer] = False
+
+    def compress_to_mask(self, layer: int, kept: torch.Tensor, width: int) -> None:
+        """Keep, per KV head, the entries where ``kept`` [kv_heads, S] is True, padded to ``width``.
+
+        ``width`` is a bound the caller knows (a budget) on how many any head keeps, so the
+        cache's shape needs nothing read from the device, where ragged index lists would.
+        """
+        width = min(width, kept.shape[1])
+        kept = kept.to(self.positions[layer].device)
+        # the kept entries first, each group in entry order; then back into entry order
+        first = torch.sort((~kept).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        index = torch.sort(first, dim=1).values
+        self.compress(layer, index)
+        self.positions[layer] = self.positions[layer].masked_fill(~kept.gather(1, index), PADDING)
+        self.padded[layer] = True
 
     def kept_tokens(self, layer: int) -> torch.Tensor:
         """Number of real (unpadded) entries per KV head [kv_heads]."""
         return (self.positions[layer] != PADDING).sum(dim=1)
 
+    def kept_tokens_per_layer(self) -> list[list[int]]:
+        """Real entries per KV head of every filled layer, read from the device at once."""
+        counts = [self.kept_tokens(layer) for layer, keys in enumerate(self.keys) if keys is not None]
+        return torch.stack(counts).tolist() if counts else []
+
     def nbytes(self, live_only: bool = True) -> int:
         """Bytes of keys and values; ``live_only`` counts real entries only, not padding."""
-        total = 0
-        for keys, positions in zip(self.keys, self.positions, strict=True):
-            if keys is None:
-                continue
-            per_entry = keys.shape[-1] * keys.element_size() * 2
-            entries = int((positions != PADDING).sum()) if live_only else positions.numel()
-            total += entries * per_entry
-        return total
+        filled = [layer for layer, keys in enumerate(self.keys) if keys is not None]
+        if live_only:
+            entries = [sum(kept) for kept in self.kept_tokens_per_layer()]
+        else:
+            entries = [self.positions[layer].numel() for layer in filled]
+        return sum(
+            count * self.keys[layer].shape[-1] * self.keys[layer].element_size() * 2
+            for layer, count in zip(filled, entries, strict=True)
+        )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         positions = self.positions[layer_idx]
         return 0 if positions is None else positions.shape[1]
+
+
+STATIC_BUCKET = 256  # static buffers grow in steps of this many entries, so nearby lengths share a shape
+
+
+class StaticKVCache(KVCache):
+    """Decoding over buffers of fixed size: what lets a decode step be captured once as a CUDA graph.
+
+    Each layer's entries are copied into a buffer with room for ``room`` more tokens (rounded
+    up to ``STATIC_BUCKET``); the unused tail has position -1, so the one masking rule
+    (``allowed_keys``) hides it, as it hides the padding of ragged heads. Each step writes its
+    token at the layer's next slot, an index kept on the device, so no shape and no host value
+    changes from step to step. ``load`` refills the same buffers from another cache of the same
+    shape (a cached graph replays over them).
+    """
+
+    def __init__(self, cache: KVCache, room: int):
+        super().__init__(cache.num_layers)
+        for layer in range(cache.num_layers):
+            keys, positions = cache.keys[layer], cache.positions[layer]
+            capacity = -(-(positions.shape[1] + room) // STATIC_BUCKET) * STATIC_BUCKET
+            self.keys[layer] = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
+            self.values[layer] = self.keys[layer].clone()
+            self.positions[layer] = positions.new_full((positions.shape[0], capacity), PADDING)
+        self.padded = [True] * cache.num_layers
+        self._next = torch.zeros(cache.num_layers, dtype=torch.long, device=cache.keys[0].device)
+        self.load(cache)
+
+    @staticmethod
+    def shape_of(cache: KVCache, room: int) -> tuple:
+        """What decides whether a static cache (and a graph captured over it) can take ``cache``."""
+        lengths = [-(-(positions.shape[1] + room) // STATIC_BUCKET) for positions in cache.positions]
+        return (tuple(lengths), tuple(cache.keys[0].shape[1::2]), cache.keys[0].dtype, cache.keys[0].device)
+
+    def load(self, cache: KVCache) -> None:
+        """Copy ``cache``'s entries into these buffers (every slot after them padding)."""
+        for layer in range(self.num_layers):
+            length = cache.positions[layer].shape[1]
+            self.keys[layer][:, :, :length].copy_(cache.keys[layer])
+            self.values[layer][:, :, :length].copy_(cache.values[layer])
+            self.positions[layer][:, :length].copy_(cache.positions[layer])
+            self.positions[layer][:, length:].fill_(PADDING)
+            self._next[layer].fill_(length)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        slot = self._next[layer_idx : layer_idx + 1]
+        self.keys[layer_idx].index_copy_(2, slot, key)
+        self.values[layer_idx].index_copy_(2, slot, value)
+        heads = self.positions[layer_idx].shape[0]
+        self.positions[layer_idx].index_copy_(1, slot, self._incoming.expand(heads, -1))
+        slot.add_(1)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def attention_mask(self, layer, query_positions, sliding_window=None):
+        return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
+
+    def compress(self, layer, keep):
+        raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

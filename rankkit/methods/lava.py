@@ -27,23 +27,25 @@ from typing import ClassVar
 
 import torch
 
+from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
 from rankkit.methods.selection import Captured, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
-def normalized_entropy(scores: torch.Tensor) -> float:
-    """Eq. 6-7 over the scored (non-window) entries [H, N] of one layer.
+def normalized_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Eq. 6-7 over the scored (non-window) entries [H, N] of one layer, as a 0-d tensor on their device.
 
     A NaN score is a key a local layer cannot see: not one of its entries. A layer with no
     entry left to score (its window covers all it sees) has nothing to budget: 0.
     """
-    scores = scores[~scores.isnan()].double().clamp_min(0)
-    if not scores.numel():
-        return 0.0
+    seen = ~scores.isnan()
+    scores = scores.double().clamp_min(0).masked_fill(~seen, 0.0)
     probabilities = scores / scores.sum()
-    return float(-torch.special.xlogy(probabilities, probabilities).sum() / scores.numel())
+    count = seen.sum()
+    entropy = -torch.special.xlogy(probabilities, probabilities).sum() / count.clamp_min(1)
+    return torch.where(count > 0, entropy, torch.zeros_like(entropy))
 
 
 def apportion(total: int, weights: list[float], floors: list[int], caps: list[int]) -> list[int]:
@@ -109,26 +111,39 @@ def layer_budgets(
     return apportion(keep_tokens * heads * num_layers, entropy, floors, sizes)
 
 
+def best_entries(order: torch.Tensor, budget: int, heads: int) -> torch.Tensor:
+    """Algorithm 1 ``EVICT`` as a mask [H, N]: the ``budget`` first of the flattened (head, token)
+    entries in ``order`` (``descending_order``: ties to the earlier entry, as every rankkit rank)."""
+    kept = torch.zeros(order.numel(), dtype=torch.bool, device=order.device)
+    return kept.index_fill_(0, order[:budget], True).view(heads, -1)
+
+
 def evict(scores: torch.Tensor, budget: int) -> list[torch.Tensor]:
     """Algorithm 1 ``EVICT``: per head, the sorted positions among the ``budget`` best entries of the
-    flattened (head, token) scores [H, N] (ties to the earlier entry, as every rankkit rank)."""
-    heads, width = scores.shape
-    chosen = descending_order(scores.flatten())[:budget]
-    return [torch.sort(chosen[chosen // width == head] % width).values for head in range(heads)]
+    flattened (head, token) scores [H, N]."""
+    kept = best_entries(descending_order(scores.flatten()), budget, scores.shape[0])
+    return [torch.nonzero(head).flatten() for head in kept]
 
 
 class LavaBudgets(LayerHook):
-    """Algorithm 2 during one prefill: score each layer, then recompress every layer so far."""
+    """Algorithm 2 during one prefill: score each layer, then recompress every layer so far.
+
+    Each layer's (head, token) entries are sorted once, when it is scored. A recompression
+    keeps the best B_l' of what the layer kept, which is the first B_l' of that order (a
+    subset keeps the order and the ties of the whole), so every earlier layer is cut from
+    its one order; the host reads, per layer, the layer's entropy and sizes, then the widest
+    head of every layer it recompresses, all at once.
+    """
 
     def __init__(self, probe, keep_tokens: int, window: int, num_layers: int):
         self.probe = probe
         self.keep_tokens = keep_tokens
         self.window = window
         self.num_layers = num_layers
-        self.scores: list[
-            torch.Tensor
-        ] = []  # per layer, aligned with its cache entries; window +inf, padding -inf
+        self.orders: list[torch.Tensor] = []  # per layer, its flattened (head, position) entries, best first
         self.entropy: list[float] = []
+        self.sizes: list[int] = []  # the entries each layer holds now (keys it cannot see are none)
+        self.floors: list[int] = []  # its window entries, never evicted
         self.budgets: list[int] = []
         self._current: torch.Tensor | None = None
 
@@ -140,25 +155,33 @@ class LavaBudgets(LayerHook):
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         scores, self._current = self._current.float(), None
-        self.entropy.append(normalized_entropy(windowless(scores, self.window)))
-        self.scores.append(with_window(scores, self.window))
-        self.budgets = layer_budgets(
-            self.scores, self.entropy, self.keep_tokens, self.window, self.num_layers
+        ranked = with_window(scores, self.window)
+        entropy = normalized_entropy(windowless(scores, self.window))
+        sizes = torch.stack([(ranked != float("-inf")).sum(), (ranked == float("inf")).sum()])
+        entropy, size, floor = torch.cat([entropy[None], sizes.to(entropy.dtype)]).tolist()
+        self.orders.append(descending_order(ranked.flatten()).to(ranked.device))
+        self.entropy.append(entropy)
+        self.sizes.append(int(size))
+        self.floors.append(int(floor))
+        heads = ranked.shape[0]
+        self.budgets = apportion(
+            self.keep_tokens * heads * self.num_layers, self.entropy, self.floors, self.sizes
         )
-        sizes = [int((s != float("-inf")).sum()) for s in self.scores]
-        for earlier, budget in enumerate(self.budgets):
-            if budget < sizes[earlier]:
-                self._evict(state, earlier, budget)
+        shrinking = [earlier for earlier, budget in enumerate(self.budgets) if budget < self.sizes[earlier]]
+        if shrinking:
+            self._evict(state, shrinking, heads)
 
-    def _evict(self, state: PrefillState, layer: int, budget: int) -> None:
-        scores = self.scores[layer]
-        heads = scores.shape[0]
-        keep = evict(scores, budget)
-        state.cache.compress(layer, keep)
-        kept = torch.full((heads, max(k.numel() for k in keep)), float("-inf"), device=scores.device)
-        for head, indices in enumerate(keep):
-            kept[head, : indices.numel()] = scores[head, indices]
-        self.scores[layer] = kept
+    def _evict(self, state: PrefillState, layers: list[int], heads: int) -> None:
+        cache = state.cache
+        kept = []
+        for layer in layers:
+            best = best_entries(self.orders[layer], self.budgets[layer], heads)
+            positions = cache.positions[layer]  # a full prefill's entry positions are its token indices
+            kept.append(best.gather(1, positions.clamp_min(0)) & (positions != PADDING))
+        widths = torch.stack([mask.sum(dim=1).amax() for mask in kept]).tolist()
+        for layer, mask, width in zip(layers, kept, widths, strict=True):
+            cache.compress_to_mask(layer, mask, width)
+            self.sizes[layer] = self.budgets[layer]
 
 
 @register
@@ -199,7 +222,7 @@ class Lava(Method):
             )
         stored = self._stored(captured)
         entropy = [
-            normalized_entropy(windowless(stored[index], self.window_size))
+            float(normalized_entropy(windowless(stored[index], self.window_size)))
             for index in range(captured.num_layers)
         ]
         keep = budget.resolve(captured.num_tokens, always_kept=self.window_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,9 +60,13 @@ def run_once(
     with torch.inference_mode():
         run = method.prefill(runner, input_ids, budget)
         kv_bytes = run.result.cache.nbytes()
-        kv_tokens = [
-            float(run.result.cache.kept_tokens(layer).float().mean()) for layer in range(runner.num_layers)
-        ]
+        kv_tokens = [sum(heads) / len(heads) for heads in run.result.cache.kept_tokens_per_layer()]
+        if runner.cuda_graphs and run.decode_hooks:
+            warnings.warn(
+                f"method '{method.name}' acts at every decode step, which a CUDA graph cannot replay: "
+                "it decodes eagerly",
+                stacklevel=2,
+            )
         tokens = greedy_continue(
             runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
         )

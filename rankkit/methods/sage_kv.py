@@ -64,15 +64,21 @@ def union_of_head_top_k(attention: torch.Tensor, split: SageSplit) -> list[torch
 
     ``attention`` is the last token's attention per query head, [kv_heads, group, S].
     """
+    return [torch.nonzero(head).flatten() for head in kept_union(attention, split)]
+
+
+def kept_union(attention: torch.Tensor, split: SageSplit) -> torch.Tensor:
+    """Steps 2-3 as a mask [kv_heads, S] (True = kept), made on the device without reading it back."""
     length = attention.shape[-1]
     start = max(split.sinks, split.first_seen)
     recent_start = max(start, length - split.recent)
     evicted = attention[..., start:recent_start]
     k = min(split.per_query_head, evicted.shape[-1])
     top = torch.topk(evicted, k, dim=-1).indices + start  # [kv_heads, group, k]
-    sinks = torch.arange(min(split.first_seen, split.sinks), split.sinks)
-    always = torch.cat([sinks, torch.arange(recent_start, length)]).to(attention.device)
-    return [torch.unique(torch.cat([always, head_top.flatten()])) for head_top in top]
+    kept = torch.zeros(attention.shape[0], length, dtype=torch.bool, device=attention.device)
+    kept[:, min(split.first_seen, split.sinks) : split.sinks] = True
+    kept[:, recent_start:] = True
+    return kept.scatter_(1, top.flatten(1), True)
 
 
 class SageKVHook(LayerHook):
@@ -94,11 +100,11 @@ class SageKVHook(LayerHook):
         first_seen = 0 if unseen is None else int(unseen[0].sum())
         split = self.split.seeing(first_seen, call.key.shape[2], self.budget)
         self.layer_splits[call.layer] = split
-        self.kept = union_of_head_top_k(window_attention(call, 1), split)
+        self.kept = kept_union(window_attention(call, 1), split)
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         kept, self.kept = self.kept, None
-        state.cache.compress(layer, kept)
+        state.cache.compress_to_mask(layer, kept, self.budget)  # no head keeps more than the budget
 
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         for layer in range(cache.num_layers):

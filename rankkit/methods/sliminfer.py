@@ -83,9 +83,10 @@ def block_scores(
     grouped = query.view(kv_heads, -1, query.shape[-1])  # query head h reads KV head h // group
     per_unit = torch.einsum("gqd,gud->u", grouped, means) / query.shape[0]
     blocks = unit_ids * unit_size // block_size
-    best = torch.full((int(blocks.max()) + 1,), float("-inf"), device=per_unit.device)
-    best = best.scatter_reduce(0, blocks, per_unit, reduce="amax")
-    return {int(block): float(best[block]) for block in torch.unique(blocks)}
+    present = blocks.tolist()  # ascending, as unit ids are: the host reads them once, not per block
+    best = torch.full((present[-1] + 1,), float("-inf"), device=per_unit.device)
+    best = best.scatter_reduce(0, blocks, per_unit, reduce="amax").tolist()
+    return {block: best[block] for block in present}
 
 
 def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:

@@ -1,0 +1,105 @@
+"""``--model random:<shape>``: published architectures with seeded random weights, for timing only."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rankkit import models
+from rankkit.errors import RankkitError
+
+# Parameter counts of the published checkpoints (the default tokenizer's 49,152 ids fit every
+# vocabulary but mistral-7b's, which grows by 16,384 rows in the embedding and in the LM head).
+PUBLISHED_PARAMETERS = {
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b": 7_248_023_552 + 2 * 16_384 * 4096,
+}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMETERS))
+def test_published_shape_has_the_checkpoints_parameter_count(shape):
+    from transformers import AutoModelForCausalLM
+
+    config = models.load_config(f"random:{shape}")
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(parameter.numel() for parameter in model.parameters()) == PUBLISHED_PARAMETERS[shape]
+    assert config.eos_token_id is None
+
+
+def test_llama_3_1_8b_config_is_the_published_one():
+    config = models.load_config("random:llama-3.1-8b")
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (32, 32, 8)
+    assert (config.hidden_size, config.head_dim, config.max_position_embeddings) == (4096, 128, 131072)
+    assert config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_parameters["factor"] == 8.0
+    assert config.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_unknown_shape_is_refused_with_the_known_ones():
+    with pytest.raises(RankkitError, match="llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b"):
+        models.load_config("random:llama-9")
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    shape = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    monkeypatch.setitem(models.PUBLISHED_SHAPES, "tiny", shape)
+    return "random:tiny"
+
+
+def test_random_model_is_seeded_timing_only_and_uses_the_default_tokenizer(tiny_shape, default_tokenizer):
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    with pytest.warns(UserWarning, match="random:tiny has random weights: timing only"):
+        first = models.load(tiny_shape, device="cpu")
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), before)  # the user's random stream is left as it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = models.load(tiny_shape, device="cpu")
+    weight = first.model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(weight, second.model.model.layers[1].mlp.down_proj.weight)
+    assert float(weight.detach().std()) == pytest.approx(0.02, rel=0.1)  # transformers' initializer_range
+    assert first.timing_only and first.model_id == "random:tiny" and first.weights_hash == second.weights_hash
+    assert first.model.config.vocab_size == len(default_tokenizer)  # grown to cover every token id
+    assert first.tokenizer.get_vocab() == default_tokenizer.get_vocab()
+    assert first.model.generation_config.eos_token_id is None
+    assert first.model.dtype == torch.float32
+
+
+def test_random_model_refuses_a_device_map(tiny_shape):
+    with pytest.raises(RankkitError, match="drop --device-map"):
+        models.load(tiny_shape, device="cpu", device_map="auto")
+
+
+def test_prefill_on_a_random_model_reports_no_score(tiny_shape):
+    from rankkit.bench import BenchSettings, Setup, prefill
+    from rankkit.methods import Budget
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        claa, full = prefill(
+            "claa",
+            Budget.from_keep(0.5),
+            data="niah:n=1,length=256",
+            compare="full",
+            settings=BenchSettings(max_new_tokens=4, repeats=1, warmup_runs=0),
+            setup=Setup(model=tiny_shape, device="cpu"),
+        )
+    assert claa["score"] is None and full["score"] is None
+    assert claa["new_tokens"] == 4 and full["new_tokens"] == 4  # no EOS: every run decodes as asked

@@ -1,0 +1,110 @@
+"""The opt-in static-cache decode (``Runner(model, cuda_graphs=True)``, ``--cuda-graphs``): on CPU
+the same static code runs eagerly, and must choose exactly the tokens the dynamic cache does."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from rankkit.cache import STATIC_BUCKET, StaticKVCache
+from rankkit.methods import REGISTRY, Budget, make
+from rankkit.methods.measure import run_once
+from rankkit.runner import Runner, greedy_continue
+
+NEW_TOKENS = 8
+
+
+def _both(family: str) -> tuple[Runner, Runner]:
+    model = tiny_model(family)
+    return Runner(model), Runner(model, cuda_graphs=True)
+
+
+def test_static_decode_gives_the_dynamic_caches_tokens_and_logits(family, random_ids):
+    eager, static = _both(family)
+    expected = eager.generate(random_ids, NEW_TOKENS).tokens
+    assert static.generate(random_ids, NEW_TOKENS).tokens == expected
+    prefill = eager.prefill(random_ids)
+    token = torch.argmax(prefill.logits)
+    dynamic_logits = eager.decode_step(token, 40, eager.prefill(random_ids).cache)
+    static_logits = static.decoder(static.prefill(random_ids), 4)(token, 40)
+    torch.testing.assert_close(static_logits, dynamic_logits, rtol=1e-5, atol=1e-5)
+
+
+class NoTextTokenizer:
+    def decode(self, tokens, **kwargs):
+        return ""
+
+
+KV_METHODS = sorted(name for name in REGISTRY if name not in ("sage-kv", "sliminfer"))  # no decode hooks
+
+
+@pytest.mark.parametrize("name", KV_METHODS)
+def test_every_method_without_decode_hooks_decodes_the_same_tokens_statically(name, random_ids):
+    eager, static = _both("llama")
+    runs = []
+    for runner in (eager, static):
+        method = make(name)
+        method.prepare(runner, random_ids, tokenizer=NoTextTokenizer())
+        runs.append(run_once(runner, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[1].kv_bytes == runs[0].kv_bytes
+
+
+def test_a_decode_of_the_same_shape_reuses_the_static_buffers(random_ids):
+    eager, static = _both("llama")
+    ids = [random_ids, random_ids.flip(0)]
+    expected = [eager.generate(each, NEW_TOKENS).tokens for each in ids]
+    first = static.generate(ids[0], NEW_TOKENS).tokens
+    buffers = static._static[1]
+    second = static.generate(ids[1], NEW_TOKENS).tokens
+    assert static._static[1] is buffers  # the same buffers (and on CUDA the same graph), refilled
+    assert [first, second] == expected
+
+
+def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids):
+    runner = Runner(tiny_model("llama"))
+    cache = runner.prefill(random_ids).cache
+    cache.compress(1, [torch.tensor([0, 5, 39]), torch.tensor([2, 39])])  # ragged heads
+    static = StaticKVCache(cache, room=4)
+    assert static.positions[0].shape == (2, STATIC_BUCKET)
+    assert static.positions[1][:, :4].tolist() == [[0, 5, 39, -1], [2, 39, -1, -1]]
+    assert (static.positions[1][:, 3:] == -1).all()
+    assert static.nbytes() == cache.nbytes()
+    mask = static.attention_mask(1, torch.tensor([40]))
+    assert mask[0, :, 0, :4].tolist() == [[True, True, True, False], [True, True, False, False]]
+    assert StaticKVCache.shape_of(cache, 4) == ((1, 1, 1), (2, 16), torch.float32, cache.keys[0].device)
+
+
+def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(random_ids):
+    eager, static = _both("llama")
+    runs = []
+    for runner in (eager, static):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(run_once(runner, make("sage-kv"), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+        runs[-1].warnings = [str(each.message) for each in caught if "graph" in str(each.message)]
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[0].warnings == []
+    assert runs[1].warnings == [
+        "method 'sage-kv' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
+    ]
+
+
+def test_greedy_decoding_past_eos_when_asked(random_ids):
+    runner = Runner(tiny_model("llama"))
+    prefill = runner.prefill(random_ids)
+    tokens = greedy_continue(runner, prefill, NEW_TOKENS)
+    runner.model.generation_config.eos_token_id = tokens[2]
+    assert greedy_continue(runner, runner.prefill(random_ids), NEW_TOKENS) == tokens[:3]
+    assert greedy_continue(runner, runner.prefill(random_ids), NEW_TOKENS, stop_at_eos=False) == tokens
+
+
+def test_cuda_graphs_with_a_device_map_is_refused_before_anything_loads():
+    from rankkit.bench import Setup
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(RankkitError, match="--cuda-graphs decodes on one device"):
+        Setup(device_map="auto", cuda_graphs=True)
