@@ -20,31 +20,36 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
+# The stage a command reports for a step a resumed run found finished: it took no time.
+SKIPPED = "skipped"
+
+
 class ProgressLines:
     """A callback for ``Progress`` events writing a line whenever a step finishes (``done`` grows), and one
-    at the start: "bench 3/12 25% 0:41 elapsed, ETA 2:03: timed ex1 claa keep=0.1". The ETA extrapolates
-    the steps done in this run, so steps a resumed run skipped do not shorten it."""
+    at the start: "bench 3/12 25% 0:41 elapsed, ETA 2:03: timed ex1 claa keep=0.1". Time counts from
+    the callback's creation; the ETA extrapolates the steps this run did, so the steps a resumed run
+    skipped do not shorten it."""
 
     def __init__(self, what: str, console: Console, *, with_stage: bool = True, clock=time.monotonic):
         self.what, self.console, self.clock, self.with_stage = what, console, clock, with_stage
-        self.started: tuple[float, int] | None = None  # (time, done) at the first event
+        self.started = clock()
+        self.rate_since = (self.started, 0)  # (time, done) the rate of the steps still to come counts from
         self.shown = -1
 
     def line(self, event, now: float) -> str:
-        start_time, start_done = self.started
-        elapsed = now - start_time
+        since_time, since_done = self.rate_since
         counts = f"{event.done}/{event.total} {100 * event.done // event.total}%" if event.total else str(event.done)
         eta = ""
-        if event.total and event.done > start_done:
-            rate = elapsed / (event.done - start_done)
+        if event.total and event.done > since_done:
+            rate = (now - since_time) / (event.done - since_done)
             eta = f", ETA {_duration(rate * (event.total - event.done))}"
         step = f"{event.stage} {event.detail}" if self.with_stage else event.detail
-        return f"{self.what} {counts} {_duration(elapsed)} elapsed{eta}: {step}".rstrip(": ")
+        return f"{self.what} {counts} {_duration(now - self.started)} elapsed{eta}: {step}".rstrip(": ")
 
     def __call__(self, event) -> None:
         now = self.clock()
-        if self.started is None:
-            self.started = (now, event.done)
+        if event.stage == SKIPPED:
+            self.rate_since = (now, event.done)
         if event.done > self.shown:
             self.shown = event.done
             self.console.print(self.line(event, now), markup=False, highlight=False, soft_wrap=True)

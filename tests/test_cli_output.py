@@ -24,7 +24,7 @@ def test_progress_off_a_terminal_is_one_line_per_finished_step_with_counts_and_e
     from rankkit.cli.progress import ProgressLines
 
     sink = io.StringIO()
-    times = iter([100.0, 100.0, 130.0, 160.0, 161.0])
+    times = iter([100.0, 100.0, 100.0, 130.0, 160.0, 161.0])
     show = ProgressLines("bench", Console(file=sink, width=40), clock=lambda: next(times))
     show(Progress("calibrating", 0, 4, "full prefills"))
     show(Progress("preparing", 0, 4, "ex0 full keep=1"))  # the same count again: no line
@@ -43,13 +43,13 @@ def test_a_resumed_run_extrapolates_only_the_steps_it_ran():
     from rankkit.cli.progress import ProgressLines
 
     sink = io.StringIO()
-    times = iter([0.0, 10.0])
+    times = iter([0.0, 2.0, 12.0])
     show = ProgressLines("capture", Console(file=sink), with_stage=False, clock=lambda: next(times))
     show(Progress("skipped", 6, 10, "ex5"))
     show(Progress("written", 7, 10, "ex6"))
     assert sink.getvalue().splitlines() == [
-        "capture 6/10 60% 0:00 elapsed: ex5",
-        "capture 7/10 70% 0:10 elapsed, ETA 0:30: ex6",
+        "capture 6/10 60% 0:02 elapsed: ex5",
+        "capture 7/10 70% 0:12 elapsed, ETA 0:30: ex6",
     ]
 
 

@@ -259,7 +259,8 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
         "averaged over the task's examples with a band for its 95% interval (bootstrap over examples; "
         "CLAA Fig. 2, Fig. 8). Stars mark layers where CLAA differs from a single-layer heuristic "
         "(Wilcoxon signed-rank p < 0.05 within the task; hover for the difference). The dotted line is the "
-        "layer control; dashed curves have no layer (SpecPrefill). Ranked span: every prompt token outside "
+        "layer control; dashed curves have no layer (SpecPrefill). Methods whose rankings agree at every example "
+        "and layer are one curve named together (fastkv = window). Ranked span: every prompt token outside "
         "CLAA's observation window (compare --span prompt); each method ranks with its own defaults."
     )
     if comparison is None:

@@ -20,7 +20,6 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
-from rankkit.eval.offline import single_layer_methods
 from rankkit.eval.ranking import descending_ranks, keep_count
 from rankkit.eval.stats import interval_columns, mean_intervals
 
@@ -178,12 +177,22 @@ def example_curves(
 # -- Spearman vs layer (CLAA Fig. 2 / Fig. 8) ------------------------------------------------------
 
 
-def displayed_methods(methods: Iterable[str]) -> list[str]:
-    """Methods worth a line: a probe that a single-layer method ranks by unchanged (window for fastkv,
-    last_token_raw for gemfilter) draws the same curve, so only the method's name is drawn."""
-    present = set(methods)
-    aliased = set(single_layer_methods(present).values())
-    return sorted(present - aliased)
+def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
+    """The methods worth a line, each with its legend label. Methods whose rankings are the same by
+    construction (fastkv and the window probe it ranks by, snapkv and window:w=32, asl and asl-2pass)
+    score the same Spearman at every example and layer: they are one line, drawn under the first
+    name and labelled with all of them, "asl = asl-2pass"."""
+    rows = per_layer.select(
+        pl.col("method").cast(pl.String),
+        pl.col("task").cast(pl.String),
+        pl.col("example").cast(pl.String),
+        "layer",
+        pl.col("spearman").fill_nan(None),
+    ).sort("method", "task", "example", "layer", nulls_last=True)
+    same: dict[tuple, list[str]] = {}
+    for (method,), curve in rows.group_by("method", maintain_order=True):
+        same.setdefault(tuple(curve.drop("method").iter_rows()), []).append(method)
+    return {names[0]: " = ".join(names) for names in same.values()}
 
 
 def spearman_figure(
@@ -206,7 +215,8 @@ def spearman_figure(
     frame = per_layer.with_columns(
         pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String)
     )
-    frame = frame.filter(pl.col("method").is_in(displayed_methods(frame["method"].unique())))
+    labels = curve_labels(frame)
+    frame = frame.filter(pl.col("method").is_in(list(labels)))
     layers = sorted(frame["layer"].drop_nulls().unique())
     tasks = sorted(frame["task"].unique())
     low, high = interval_columns("spearman")
@@ -244,11 +254,11 @@ def spearman_figure(
                 y=mean,
                 mode="lines",
                 line={"color": color, "width": 2, "dash": dash},
-                name=method,
+                name=labels[method],
                 legendgroup=method,
                 showlegend=method not in shown_in_legend,
                 customdata=np.column_stack([lows, highs, curve["n_examples"].to_numpy()]),
-                hovertemplate=f"<b>{method}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
+                hovertemplate=f"<b>{labels[method]}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
                 "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
             )
             shown_in_legend.add(method)
