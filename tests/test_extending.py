@@ -90,7 +90,7 @@ def test_a_package_cannot_take_a_name_rankkit_has(monkeypatch):
             return type("CLAA", (), {"name": "claa", "__module__": "impostor"})
 
     monkeypatch.setattr("rankkit.plugins.entry_points", lambda group: [Point()])
-    with pytest.raises(RankkitError, match=r"registers the name 'claa', which rankkit\.methods\.claa\.CLAA already has"):
+    with pytest.raises(RankkitError, match=r"registers the name 'claa', which rankkit\.methods\.claa\.Claa already has; rename it$"):
         register_entry_points("rankkit.methods", REGISTRY, register)
 
 

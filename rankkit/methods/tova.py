@@ -69,7 +69,7 @@ class TOVA(PolicyMethod):
     name: ClassVar[str] = "tova"
 
     def probe(self):
-        return AllHeads(make_probe("last_token_heads"))
+        return make_probe("last_token_heads")
 
     def forced(self, keep):
         return 1, 0  # the last prompt token
@@ -82,15 +82,12 @@ class TOVA(PolicyMethod):
         bound, keep, _, _ = self._plan(runner.num_layers, length, budget, runner.layer_types)
         if keep >= length:  # a budget that covers the prompt keeps everything, in decoding too
             return full_prefill(runner, input_ids)
-        hook = TovaHook(bound.probe(), keep)
+        hook = TovaHook(AllHeads(bound.probe()), keep)
         run = one_pass(runner, input_ids, hook)
         run.decode_hooks = [hook]
         return run
 
-    def captured_inputs(self):
-        return [self.probe().probe.key]
-
     def captured_scores(self, captured: Captured) -> torch.Tensor:
         """The stored per-query-head attention [L, q_heads, T] summed over the heads, one row per KV head."""
-        summed = captured.get(self.probe().probe.key, self.name).sum(1, keepdim=True)
+        summed = super().captured_scores(captured).sum(1, keepdim=True)
         return summed.expand(-1, captured.kv_heads or 1, -1)

@@ -180,8 +180,8 @@ def example_curves(
 def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
     """The methods worth a line, each with its legend label. Methods whose rankings are the same by
     construction (fastkv and the window probe it ranks by, snapkv and window:w=32, asl and asl-2pass)
-    score the same Spearman at every example and layer: they are one line, drawn under the first
-    name and labelled with all of them, "asl = asl-2pass"."""
+    score the same Spearman at every example and layer of ``per_layer`` (one task's rows): they are
+    one line, drawn under the first name and labelled with all of them, "asl = asl-2pass"."""
     rows = per_layer.select(
         pl.col("method").cast(pl.String),
         pl.col("task").cast(pl.String),
@@ -193,6 +193,43 @@ def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
     for (method,), curve in rows.group_by("method", maintain_order=True):
         same.setdefault(tuple(curve.drop("method").iter_rows()), []).append(method)
     return {names[0]: " = ".join(names) for names in same.values()}
+
+
+def _by_task(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """``CompareResult.per_layer`` with plain-text tasks and methods, rows without a task as task "all"."""
+    return per_layer.with_columns(pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String))
+
+
+def spearman_stats(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """Mean Spearman ρ per task, method and layer with its 95% interval and n, each task's resampled over
+    its own examples: the curves ``spearman_figure`` draws."""
+    frame = _by_task(per_layer)
+    return pl.concat(
+        [
+            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
+            for task in sorted(frame["task"].unique())
+        ]
+    ).sort("task", "method", "layer", nulls_last=True)
+
+
+def spearman_numbers(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """Every point ``spearman_figure`` draws, one row per task, curve and layer, the curve by its label."""
+    frame = _by_task(per_layer)
+    labels = pl.concat(
+        [
+            pl.DataFrame(
+                {"task": task, "method": list(names), "curve": list(names.values())},
+                schema={"task": pl.String, "method": pl.String, "curve": pl.String},
+            )
+            for task in sorted(frame["task"].unique())
+            for names in [curve_labels(frame.filter(pl.col("task") == task))]
+        ]
+    )
+    return (
+        spearman_stats(frame)
+        .join(labels, on=["task", "method"])
+        .select("task", pl.col("curve").alias("method"), "layer", "spearman", *interval_columns("spearman"), "n_examples")
+    )
 
 
 def spearman_figure(
@@ -212,20 +249,11 @@ def spearman_figure(
     """
     from rankkit.eval.compare import pairs_frame
 
-    frame = per_layer.with_columns(
-        pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String)
-    )
-    labels = curve_labels(frame)
-    frame = frame.filter(pl.col("method").is_in(list(labels)))
+    frame = _by_task(per_layer)
     layers = sorted(frame["layer"].drop_nulls().unique())
     tasks = sorted(frame["task"].unique())
     low, high = interval_columns("spearman")
-    stats = pl.concat(  # resampled within each task: a task's curve is over its own examples
-        [
-            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
-            for task in tasks
-        ]
-    ).sort("task", "method", "layer", nulls_last=True)
+    stats = spearman_stats(frame)
     rows, columns = _grid(len(tasks), 3)
     figure = make_subplots(
         rows=rows,
@@ -238,7 +266,8 @@ def spearman_figure(
     shown_in_legend: set[str] = set()
     for index, task in enumerate(tasks):
         row, column = divmod(index, columns)
-        for method in sorted(stats.filter(pl.col("task") == task)["method"].unique()):
+        labels = curve_labels(frame.filter(pl.col("task") == task))
+        for method in sorted(labels):
             curve = stats.filter((pl.col("task") == task) & (pl.col("method") == method))
             if curve["layer"].null_count() == curve.height:  # layer-less: one value for every layer
                 curve = pl.DataFrame({"layer": layers}).join(curve.drop("layer"), how="cross")
@@ -756,6 +785,14 @@ def pareto_front(points: pl.DataFrame, *, cost: str = "ttft_ratio", value: str =
         keep.append(row_value > best_value)
         best_value = max(best_value, row_value)
     return ordered.filter(pl.Series(keep))
+
+
+def tradeoff_numbers(bench: pl.DataFrame) -> pl.DataFrame:
+    """Every point ``tradeoff_figure`` draws, with its intervals and n."""
+    return tradeoff_frame(bench).select(
+        "method", "budget", "accuracy", *interval_columns("accuracy"), "ttft_ratio", *interval_columns("ttft_ratio"),
+        "ideal_ratio", "n_examples",
+    )  # fmt: skip
 
 
 def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Figure:
