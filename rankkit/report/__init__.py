@@ -293,6 +293,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             caption,
             missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store_path}')}.",
         )
+    stats = figures.spearman_stats(comparison.per_layer)  # the bootstrap, once for the plot and its numbers
     return Panel(
         "spearman",
         title,
@@ -302,8 +303,9 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             pruning_layer=layer,
             colors=colors,
             pairs=comparison.tested_pairs,
+            stats=stats,
         ),
-        numbers=figures.spearman_numbers(comparison.per_layer),
+        numbers=figures.spearman_numbers(comparison.per_layer, stats),
     )
 
 

@@ -212,8 +212,9 @@ def spearman_stats(per_layer: pl.DataFrame) -> pl.DataFrame:
     ).sort("task", "method", "layer", nulls_last=True)
 
 
-def spearman_numbers(per_layer: pl.DataFrame) -> pl.DataFrame:
-    """Every point ``spearman_figure`` draws, one row per task, curve and layer, the curve by its label."""
+def spearman_numbers(per_layer: pl.DataFrame, stats: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Every point ``spearman_figure`` draws, one row per task, curve and layer, the curve by its label
+    (``stats``: ``spearman_stats(per_layer)`` when the caller has it already)."""
     frame = _by_task(per_layer)
     labels = pl.concat(
         [
@@ -226,7 +227,7 @@ def spearman_numbers(per_layer: pl.DataFrame) -> pl.DataFrame:
         ]
     )
     return (
-        spearman_stats(frame)
+        (spearman_stats(frame) if stats is None else stats)
         .join(labels, on=["task", "method"])
         .select("task", pl.col("curve").alias("method"), "layer", "spearman", *interval_columns("spearman"), "n_examples")
     )
@@ -238,9 +239,11 @@ def spearman_figure(
     pruning_layer: int,
     colors: Mapping[str, str],
     pairs: Sequence[tuple[str, str]] = (),
+    stats: pl.DataFrame | None = None,
 ) -> go.Figure:
     """Mean Spearman rho vs layer per method with its 95% interval over examples as a band
-    (``rankkit.eval.stats``), one subplot per task.
+    (``rankkit.eval.stats``), one subplot per task (``stats``: ``spearman_stats(per_layer)`` when the
+    caller has it already).
 
     ``per_layer`` is ``CompareResult.per_layer``; layer-less methods (specprefill) are a flat
     dashed line at their one value. For each (method, baseline) of ``pairs`` a star marks the
@@ -253,7 +256,7 @@ def spearman_figure(
     layers = sorted(frame["layer"].drop_nulls().unique())
     tasks = sorted(frame["task"].unique())
     low, high = interval_columns("spearman")
-    stats = spearman_stats(frame)
+    stats = spearman_stats(frame) if stats is None else stats
     rows, columns = _grid(len(tasks), 3)
     figure = make_subplots(
         rows=rows,
