@@ -144,8 +144,9 @@ def test_method_colors_keep_the_papers_methods_fixed_and_the_rest_stable():
     assert len(set(colors.values())) == 4
 
 
-def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
-    per_layer = pl.DataFrame(
+def _two_tasks_per_layer() -> pl.DataFrame:
+    """Spearman per example and layer: fastkv and window alike in task t1, fastkv alone in t2."""
+    return pl.DataFrame(
         {
             "example": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
             "task": ["t1"] * 8 + ["t2"] * 2,
@@ -154,6 +155,10 @@ def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
             "spearman": [0.1, 0.5, 0.3, 0.9, 0.1, 0.5, 0.3, 0.9, 0.2, 0.4],
         }
     )
+
+
+def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
+    per_layer = _two_tasks_per_layer()
     figure = figures.spearman_figure(per_layer, pruning_layer=1, colors=figures.method_colors(["fastkv"]))
     lines = [trace for trace in figure.data if trace.mode == "lines"]
     # window ranks exactly like fastkv: drawn once, named with both (task t2 has fastkv alone)
@@ -168,15 +173,7 @@ def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
 
 
 def test_the_numbers_under_the_spearman_plot_are_its_points_with_intervals_and_n():
-    per_layer = pl.DataFrame(
-        {
-            "example": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
-            "task": ["t1"] * 8 + ["t2"] * 2,
-            "method": ["fastkv"] * 4 + ["window"] * 4 + ["fastkv"] * 2,
-            "layer": [0, 1, 0, 1] * 2 + [0, 1],
-            "spearman": [0.1, 0.5, 0.3, 0.9, 0.1, 0.5, 0.3, 0.9, 0.2, 0.4],
-        }
-    )
+    per_layer = _two_tasks_per_layer()
     numbers = figures.spearman_numbers(per_layer)
     assert numbers.columns == ["task", "method", "layer", "spearman", "spearman_ci_low", "spearman_ci_high",
                                "n_examples"]  # fmt: skip
