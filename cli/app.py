@@ -49,12 +49,12 @@ def command():
     root = typer.main.get_command(app)
     pending = [root]
     while pending:
-        command = pending.pop()
-        # click builds the help option once per command and keeps it, so it is tagged here too.
-        for param in [*command.params, command.get_help_option(command.context_class(command))]:
+        current = pending.pop()
+        # click builds a command's help option once and keeps it, so its tag is blanked here too
+        for param in [*current.params, current.get_help_option(current.context_class(current))]:
             if isinstance(param, typer.core.TyperOption):
                 param.metavar = ""
-        pending.extend(getattr(command, "commands", {}).values())
+        pending.extend(getattr(current, "commands", {}).values())
     return root
 
 
