@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,13 @@ DATA = "niah:n=2,length=200"
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """The plugin installed as any package is, into a folder of its own (put on PYTHONPATH)."""
-    target = tmp_path_factory.mktemp("site")
+    """The plugin installed as any package is, into a folder of its own (put on PYTHONPATH); built from a
+    copy, so the build leaves nothing in tests/plugin."""
+    source, target = tmp_path_factory.mktemp("plugin") / "source", tmp_path_factory.mktemp("site")
+    shutil.copytree(PLUGIN, source)
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(PLUGIN)],
+         "--target", str(target), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return target
