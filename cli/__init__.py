@@ -15,16 +15,25 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"rankkit: warning: {message}", file=sys.stderr)
 
 
+def route_warnings() -> None:
+    """Warnings as one ``rankkit: warning:`` line each, only those that concern the user."""
+    warnings.showwarning = _one_line_warning
+    # An interrupt during a store write abandons zarr's pending writes; the example stays
+    # unflagged (and is redone on resume), so Python's note about them says nothing useful.
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    # rankkit warns with UserWarning only; deprecation notices come from the libraries under it
+    # (transformers' about its own keyword arguments) and tell a user of rankkit nothing to do.
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
 def main() -> None:
     try:
         from rankkit.cli import commands  # noqa: F401  (registers every command)
-        from rankkit.cli.app import app
+        from rankkit.cli.app import command
 
-        warnings.showwarning = _one_line_warning
-        # An interrupt during a store write abandons zarr's pending writes; the example stays
-        # unflagged (and is redone on resume), so Python's note about them says nothing useful.
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-        app()
+        route_warnings()
+        command()(prog_name="rankkit")
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)

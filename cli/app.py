@@ -1,14 +1,61 @@
-"""The typer application every command module registers itself on."""
+"""The typer application every command module registers itself on, and the console results print on."""
+
+import sys
 
 import typer
+from rich.console import Console
+
+from rankkit import __version__
+
+# Where stdout is a log or a pipe, rich would fit tables to 80 columns (or to the terminal the
+# command was started from) by cutting cells ("meth…"); there no width limits a line instead.
+UNLIMITED_WIDTH = 100_000
+
+
+def output() -> Console:
+    """The console a command prints its results on: the terminal's width, or unlimited off a terminal,
+    so no cell of a table is ever wrapped or cut in a log."""
+    return Console() if sys.stdout.isatty() else Console(width=UNLIMITED_WIDTH)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rankkit {__version__}")
+        raise typer.Exit()
+
 
 app = typer.Typer(
     name="rankkit",
-    help="Rank tokens layer by layer, compare against the answer-informed oracle, and run the selection end to end.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print rankkit's version and exit."
+    ),
+) -> None:
+    """Rank tokens layer by layer, compare against the answer-informed oracle, and run the selection end to end."""
+
+
+def command():
+    """The click command ``rankkit`` runs: the app with no type tag ("<str>", "<bool>") in any option's
+    help line; each option's help says what it takes."""
+    import typer.main
+
+    root = typer.main.get_command(app)
+    pending = [root]
+    while pending:
+        current = pending.pop()
+        # click builds a command's help option once and keeps it, so its tag is blanked here too
+        for param in [*current.params, current.get_help_option(current.context_class(current))]:
+            if isinstance(param, typer.core.TyperOption):
+                param.metavar = ""
+        pending.extend(getattr(current, "commands", {}).values())
+    return root
 
 
 def use_threads(threads: int | None) -> None:

@@ -6,17 +6,16 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app, use_threads
+from rankkit.cli.app import app, output, use_threads
 from rankkit.cli.options import (
+    DRAFT_SPEC,
     AllowOverlength,
     AsJson,
     Device,
     DeviceMap,
-    Draft,
     MaxNewTokens,
     Model,
     Threads,
@@ -47,7 +46,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
     table = Table(title=title, show_header=False)
     for key, value in row.items():
         table.add_row(key, "-" if value is None else str(value))
-    Console().print(table)
+    output().print(table)
 
 
 @app.command()
@@ -79,7 +78,12 @@ def capture(
     softmax: bool = typer.Option(False, help="Oracle on post-softmax attention instead of raw logits."),
     kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="Oracle 1-D average-pooling kernel."),
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
-    draft: Draft = None,
+    draft: str = typer.Option(
+        None,
+        "--draft",
+        help=f"Also record a draft's lookahead scores, so SpecPrefill ranks from this store: {DRAFT_SPEC}. "
+        "Without it no draft is recorded.",
+    ),
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     score_dtype: str = typer.Option(

@@ -4,11 +4,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .app import app
+from .app import app, output
 from .options import Overwrite, Workers
 
 
@@ -99,7 +98,7 @@ def compare(
         f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}: "
         "means [95% interval] over n examples"
     )
-    console = Console()
+    console = output()
     console.print(frame_table(summary_table(result.summary), title))
     if result.stability.height:
         console.print(frame_table(result.stability, "Stability across layers (of the mean curve)"))
@@ -175,7 +174,7 @@ def variance(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    Console().print(_variance_table(rows, store))
+    output().print(_variance_table(rows, store))
 
 
 def _budget(text: str) -> int | float:

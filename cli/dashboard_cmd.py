@@ -11,10 +11,11 @@ from .options import Overwrite, Workers, comma_list
 @app.command("dashboard")
 def dashboard(
     store: Path = typer.Argument(..., help="Capture store, e.g. runs/capture.zarr."),
-    bench: Path | None = typer.Option(
+    bench: list[Path] | None = typer.Option(
         None,
         "--bench",
-        help="Rows written by `rankkit bench --out`, for the needle and accuracy-vs-TTFT panels.",
+        help="Rows written by `rankkit bench --out`, for the needle and accuracy-vs-TTFT panels; give it "
+        "once per run (or model) to draw several side by side, each method named after its file.",
     ),
     diffusion: Path | None = typer.Option(
         None, "--diffusion", help="Curves written by `rankkit diffusion --out`, for the diffusion panel."

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from rankkit import defaults
-from rankkit.cli.app import app
+from rankkit.cli.app import app, output
 from rankkit.cli.options import AllowOverlength, Device, MaxNewTokens, Model, Overwrite
 from rankkit.cli.progress import progress_bar
 
@@ -56,4 +55,4 @@ def diffusion(
     if as_json:
         typer.echo(json.dumps(summary.to_dicts(), indent=2))
         return
-    Console().print(frame_table(summary, f"Evidence removed from layer l on, {data}"))
+    output().print(frame_table(summary, f"Evidence removed from layer l on, {data}"))

@@ -4,11 +4,10 @@ import json
 from dataclasses import asdict
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rankkit.cli.app import app
+from rankkit.cli.app import app, output
 
 
 @app.command("models")
@@ -37,7 +36,7 @@ def models_list(
             f"{entry.size_bytes / 2**20:,.1f}",
             Text(entry.source or "-"),
         )
-    console = Console()
+    console = output()
     console.print(table)
     state = "converted" if default in [entry.folder for entry in found] else "converted on its first use"
     console.print(Text(f"default model: {default} ({state})"))

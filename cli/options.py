@@ -21,10 +21,10 @@ LAYER_HELP = (
     "checked against the model's depth. A layer given here is used as is, even a sliding-window one, "
     "which cannot see keys older than its window."
 )
-DRAFT_HELP = (
-    "SpecPrefill's draft: layers:N (the target's first N layers, norm and LM head) or a model "
-    "spec with the target's tokenizer. Default: layers:⌈L/4⌉."
+DRAFT_SPEC = (
+    "layers:N (the target's first N layers, norm and LM head) or a model spec with the target's tokenizer"
 )
+DRAFT_HELP = f"SpecPrefill's draft: {DRAFT_SPEC}. Default: layers:⌈L/4⌉."
 
 Overwrite = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
 Model = Annotated[
@@ -56,7 +56,10 @@ Mirror = Annotated[
 Warmup = Annotated[
     int,
     typer.Option(
-        "--warmup", min=0, help="Untimed runs before the timed ones (on CPU the first measures memory)."
+        "--warmup",
+        min=0,
+        help="Untimed runs before the timed ones: give 1 or more when the times matter. On CPU the first "
+        "measures peak memory; without one the peak memory column stays empty.",
     ),
 ]
 Repeats = Annotated[

@@ -7,15 +7,14 @@ import json
 
 import polars as pl
 import typer
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app
+from rankkit.cli.app import app, output
 from rankkit.cli.options import CudaGraphs, Device, Model
 
-console = Console()
+console = output()
 
 
 @app.command()

@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app
+from rankkit.cli.app import app, output
 from rankkit.cli.options import (
     AllowOverlength,
     AsJson,
@@ -32,7 +31,7 @@ from rankkit.cli.options import (
 from rankkit.cli.progress import progress_bar
 from rankkit.errors import RankkitError
 
-console = Console()
+console = output()
 
 
 def _library_options(given: dict) -> dict:
@@ -82,7 +81,7 @@ def prefill(
     compare: str = typer.Option(None, help="Run this method too (e.g. full) and print both and the ratios."),
     draft: Draft = None,
     mirror: Mirror = defaults.ORACLE_MIRROR,
-    warmup: Warmup = defaults.WARMUP_RUNS,
+    warmup: Warmup = defaults.WARMUP,
     repeats: Repeats = defaults.REPEATS,
     threads: Threads = None,
     device: Device = defaults.DEVICE,
@@ -179,7 +178,7 @@ def bench(
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     draft: Draft = None,
     mirror: Mirror = defaults.ORACLE_MIRROR,
-    warmup: Warmup = defaults.WARMUP_RUNS,
+    warmup: Warmup = defaults.WARMUP,
     repeats: Repeats = defaults.REPEATS,
     threads: Threads = None,
     device: Device = defaults.DEVICE,

@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from rankkit import defaults
-from rankkit.cli.app import app
+from rankkit.cli.app import app, output
 from rankkit.cli.options import AsJson, Device, MaxNewTokens, Model
 
-console = Console()
+console = output()
 
 
 @app.command()
@@ -31,9 +30,12 @@ def demo(
 
 @app.command()
 def generate(
-    question: str = typer.Option(..., "--question", help="The question after the context."),
+    question: str = typer.Option("", "--question", help="The question after the context."),
     context_file: Path = typer.Option(
         None, "--context-file", exists=True, dir_okay=False, help="Context text file."
+    ),
+    data: str = typer.Option(
+        None, "--data", help="Answer the first example of a data spec instead, e.g. niah:length=1024."
     ),
     model: Model = defaults.MODEL,
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
@@ -44,5 +46,5 @@ def generate(
     from rankkit.demo import answer
 
     context = context_file.read_text() if context_file else ""
-    result = answer(model, context, question, max_new_tokens=max_new_tokens, device=device)
+    result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
     console.print_json(json.dumps(result)) if as_json else console.print(result["answer"])

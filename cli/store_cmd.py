@@ -5,13 +5,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from rankkit import stores
 
-from .app import app
+from .app import app, output
 
 store_app = typer.Typer(name="store", help="Inspect capture stores.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
@@ -29,7 +28,7 @@ def info(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
-    console = Console()
+    console = output()
     console.print(_run_table(summary))
     console.print(_examples_table(summary))
     if summary["probes"]:
@@ -89,9 +88,9 @@ def _groups_table(groups: dict[str, int]) -> Table:
 
 
 def _compact(value: Any) -> str:
-    """One line per metadata value; long ones (model configs) are cut, --json has them whole."""
+    """One line per metadata value; long ones (model configs) are cut, saying that --json has them whole."""
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= _VALUE_WIDTH else text[: _VALUE_WIDTH - 1] + "…"
+    return text if len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH] + " … (whole with --json)"
 
 
 @store_app.command("verify")

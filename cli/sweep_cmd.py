@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from rankkit.cli.app import app, use_threads
+from rankkit.cli.app import app, output, use_threads
 from rankkit.cli.options import AsJson, Threads, Workers, comma_list
 from rankkit.cli.progress import stage_bars
 
@@ -81,4 +80,4 @@ def sweep(
         table.add_column(column)
     for row in rows:
         table.add_row(row["stage"], str(row["ran"]), str(row["skipped"]), "\n".join(row["outputs"]) or "-")
-    Console().print(table)
+    output().print(table)

@@ -1,7 +1,8 @@
 """Token-scoring probes, registered by name, and the hook that records them during a prefill.
 
 Every probe returns float32 [kv_heads, S] per layer from the post-RoPE Q/K/V the runner
-exposes, without an S x S matrix. Importing this package registers all of them.
+exposes, without an S x S matrix. Importing this package registers all of them, then the
+probes other packages declare under the entry point group ``rankkit.probes``.
 Like the oracle, the probes score the attention the model computes: capped logits, sinks
 in the softmax, and a local layer's sliding window in the mask (see ``attention.py``);
 ``ProbeRecorder`` stores NaN for keys a local layer cannot see.
@@ -10,6 +11,7 @@ in the softmax, and a local layer's sliding window in the mask (see ``attention.
 from __future__ import annotations
 
 from rankkit.errors import RankkitError
+from rankkit.plugins import register_entry_points
 
 from .base import REGISTRY, SHORT_NAMES, Probe, register
 from .last_token_heads import LastTokenHeadsProbe
@@ -98,3 +100,7 @@ def _add_parameter(params: dict, item: str) -> None:
         except ValueError:
             pass
     params[full] = text
+
+
+# Last, so a package's module finds everything above when its import registers its classes.
+register_entry_points("rankkit.probes", REGISTRY, register)

@@ -47,7 +47,7 @@ COST_MODEL = "cost_model"  # the journal note a resumed bench reuses
 @dataclass(frozen=True)
 class BenchSettings:
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
-    warmup_runs: int = defaults.WARMUP_RUNS
+    warmup: int = defaults.WARMUP  # on CPU the first warm-up measures peak memory; with none it stays empty
     repeats: int = defaults.REPEATS
 
 
@@ -111,7 +111,7 @@ def run_row(
 
 
 def steps_per_prompt(entries: list[tuple[Method, Budget]], settings: BenchSettings) -> int:
-    """Progress steps ``compare_on_prompt`` reports: per entry one warm-up (of ``warmup_runs``
+    """Progress steps ``compare_on_prompt`` reports: per entry one preparation (with ``warmup``
     untimed runs, as ``measure_interleaved`` does them) and ``repeats`` timed runs."""
     return len(entries) * (1 + settings.repeats)
 
@@ -129,13 +129,14 @@ def compare_on_prompt(
     """Every (method, budget) of ``entries`` on one prompt, interleaved; ratios are to the first entry.
 
     ``on_step(stage, detail)`` is called as each of the ``steps_per_prompt`` steps starts:
-    stage "warm-up" for the first one of each entry, then "timed".
+    stage "warm-up" (or "preparing" without warm-up runs) for the first one of each entry, then "timed".
     """
     name = example.id if example is not None else "prompt"
     started = itertools.count()
+    first_stage = "warm-up" if settings.warmup else "preparing"
 
     def on_run(method: Method, budget: Budget) -> None:
-        stage = "warm-up" if next(started) < len(entries) else "timed"
+        stage = first_stage if next(started) < len(entries) else "timed"
         on_step(stage, f"{name} {method.name} {budget.label}")
 
     measured = measure_interleaved(
@@ -144,7 +145,7 @@ def compare_on_prompt(
         prompt.input_ids,
         settings.max_new_tokens,
         tokenizer=tokenizer,
-        warmup_runs=settings.warmup_runs,
+        warmup_runs=settings.warmup,
         repeats=settings.repeats,
         on_run=on_run,
     )

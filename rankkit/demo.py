@@ -13,7 +13,8 @@ from pathlib import Path
 from rich.console import Console
 
 from rankkit import defaults, models
-from rankkit.prompting import build_prompt
+from rankkit.errors import RankkitError
+from rankkit.prompting import build_prompt, example_prompt
 from rankkit.runner import Runner
 
 DEMO_DATA = "niah:n=4,length=1024"
@@ -26,12 +27,23 @@ def answer(
     context: str,
     question: str,
     *,
+    data: str | None = None,
     max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     device: str = defaults.DEVICE,
 ) -> dict:
-    """Greedy answer to (context, question) through the runner, with the prompt's size."""
+    """Greedy answer through the runner, with the prompt's size: to (context, question), or, given a
+    data spec ``data``, to its first example (then ``context`` and ``question`` must be empty)."""
+    from rankkit.data import load_examples
+
+    if data is not None and (context or question):
+        raise RankkitError("give either a data spec (--data) or --context-file/--question, not both")
+    if data is None and not question:
+        raise RankkitError("give --question (with --context-file), or a data spec, e.g. --data niah:length=1024")
     loaded = models.load(model_spec, device=device)
-    prompt = build_prompt(loaded.tokenizer, context, question)
+    if data is None:
+        prompt = build_prompt(loaded.tokenizer, context, question)
+    else:
+        prompt = example_prompt(loaded.tokenizer, load_examples(data, loaded.tokenizer)[0])
     generation = Runner(loaded.model).generate(prompt.input_ids, max_new_tokens)
     text = loaded.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip()
     return {"model": loaded.model_id, "prompt_tokens": prompt.num_tokens, "answer": text}
@@ -40,7 +52,7 @@ def answer(
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
     from rankkit.bench import BenchSettings, run_bench, summary
-    from rankkit.capture import OracleOptions, capture, example_prompt
+    from rankkit.capture import OracleOptions, capture
     from rankkit.data import load_examples
     from rankkit.eval.compare import compare_store, summary_table
     from rankkit.eval.stats import interval_columns
@@ -83,7 +95,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
             examples,
             [make(name) for name in DEMO_METHODS],
             [Budget.from_keep(DEMO_KEEP)],
-            BenchSettings(max_new_tokens=16, warmup_runs=1, repeats=1),
+            BenchSettings(max_new_tokens=16, warmup=1, repeats=1),
             prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
         )
         frame.write_parquet(written["bench"])

@@ -300,8 +300,7 @@ def parse_experiment(text: str, *, source: str, default_name: str) -> Experiment
     compare = given["compare"]
     if "methods" not in compare and methods:
         compare["methods"] = ",".join(methods)
-    settings = {"warmup_runs": bench.pop("warmup")} if "warmup" in bench else {}
-    settings |= {name: bench.pop(name) for name in ("max_new_tokens", "repeats") if name in bench}
+    settings = {name: bench.pop(name) for name in ("warmup", "max_new_tokens", "repeats") if name in bench}
     with errors_in(source):
         if "probes" in top:
             capture_probes(top["probes"])  # a bad probe name or setting fails here

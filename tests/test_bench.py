@@ -53,7 +53,7 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
         list(examples),
         methods,
         [Budget.from_keep(0.25), Budget.from_keep(0.5)],
-        BenchSettings(max_new_tokens=3, warmup_runs=1),
+        BenchSettings(max_new_tokens=3, warmup=1),
         prompt_for=lambda example: by_id[example.id],
     )
     assert frame.height == 2 * (1 + 2 * 2)  # full once per example, then budget x method

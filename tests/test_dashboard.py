@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -143,8 +144,9 @@ def test_method_colors_keep_the_papers_methods_fixed_and_the_rest_stable():
     assert len(set(colors.values())) == 4
 
 
-def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
-    per_layer = pl.DataFrame(
+def _two_tasks_per_layer() -> pl.DataFrame:
+    """Spearman per example and layer: fastkv and window alike in task t1, fastkv alone in t2."""
+    return pl.DataFrame(
         {
             "example": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
             "task": ["t1"] * 8 + ["t2"] * 2,
@@ -153,10 +155,14 @@ def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
             "spearman": [0.1, 0.5, 0.3, 0.9, 0.1, 0.5, 0.3, 0.9, 0.2, 0.4],
         }
     )
+
+
+def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
+    per_layer = _two_tasks_per_layer()
     figure = figures.spearman_figure(per_layer, pruning_layer=1, colors=figures.method_colors(["fastkv"]))
     lines = [trace for trace in figure.data if trace.mode == "lines"]
-    # window ranks exactly like fastkv: drawn once, under the method's name
-    assert [trace.name for trace in lines] == ["fastkv", "fastkv"]
+    # window ranks exactly like fastkv: drawn once, named with both (task t2 has fastkv alone)
+    assert [trace.name for trace in lines] == ["fastkv = window", "fastkv"]
     np.testing.assert_allclose(lines[0].y, [0.2, 0.7])
     np.testing.assert_allclose(lines[1].y, [0.2, 0.4])
     band = next(trace for trace in figure.data if trace.fill == "toself")
@@ -164,6 +170,31 @@ def test_spearman_figure_draws_mean_and_sd_per_task_and_method():
     assert [annotation.text for annotation in figure.layout.annotations] == ["task: t1", "task: t2"]
     assert [shape.x0 for shape in figure.layout.shapes] == [1, 1]
     assert {shape.name for shape in figure.layout.shapes} == {"layer:x:0"}
+
+
+def test_the_numbers_under_the_spearman_plot_are_its_points_with_intervals_and_n():
+    per_layer = _two_tasks_per_layer()
+    numbers = figures.spearman_numbers(per_layer)
+    assert numbers.columns == ["task", "method", "layer", "spearman", "spearman_ci_low", "spearman_ci_high",
+                               "n_examples"]  # fmt: skip
+    assert numbers.select("task", "method", "layer", "n_examples").rows() == [
+        ("t1", "fastkv = window", 0, 2), ("t1", "fastkv = window", 1, 2), ("t2", "fastkv", 0, 1), ("t2", "fastkv", 1, 1),
+    ]  # fmt: skip
+    np.testing.assert_allclose(numbers["spearman"], [0.2, 0.7, 0.2, 0.4])
+    assert numbers["spearman_ci_low"][2] is None  # one example gives no interval
+
+
+def test_numbers_table_sorts_by_full_values_and_shows_missing_ones_as_a_dash():
+    from rankkit.report.html import _numbers_html
+
+    table = _numbers_html(pl.DataFrame({"method": ["claa<"], "rho": [0.123456], "low": [None], "n": [8]},
+                                       schema={"method": pl.String, "rho": pl.Float64, "low": pl.Float64, "n": pl.Int64}))  # fmt: skip
+    assert table == (
+        '<details class="numbers"><summary>The numbers: 1 rows (click a column to sort)</summary>'
+        '<table class="numbers sortable"><thead><tr><th>method</th><th>rho</th><th>low</th><th>n</th></tr></thead>'
+        '<tbody><tr><td>claa&lt;</td><td data-value="0.123456">0.123</td><td data-value="NaN">–</td>'
+        '<td data-value="8">8</td></tr></tbody></table></details>'
+    )
 
 
 def test_variance_figure_counts_selection_layers_per_tau_with_a_never_bar():
@@ -418,6 +449,36 @@ def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):
     assert out.stat().st_size > 4_000_000  # plotly.js inside
 
 
+def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+    from rankkit.report import _benches
+
+    (tmp_path / "8b").mkdir()
+    (tmp_path / "70b").mkdir()
+    paths = [tmp_path / "8b" / "bench.parquet", tmp_path / "70b" / "bench.parquet"]
+    for path in paths:
+        bench_frame().write_parquet(path)
+    methods = ["claa", "fastkv", "full", "gemfilter"]
+    named = _benches([paths[0], bench_frame()])  # a file by its name, a frame by its place
+    assert sorted(named["method"].unique()) == sorted(
+        [f"{method} (bench)" for method in methods] + [f"{method} (bench 2)" for method in methods]
+    )
+    assert named.height == 2 * bench_frame().height
+    same_names = _benches(paths)  # both files are bench.parquet: their paths tell them apart
+    assert sorted(same_names["method"].unique()) == sorted(f"{method} ({path})" for path in paths for method in methods)
+
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(
+        app, ["dashboard", str(store), "--bench", str(paths[0]), "--bench", str(paths[1]), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert f"claa ({paths[0]})" in page and f"claa ({paths[1]})" in page
+
+
 needs_chromium = pytest.mark.skipif(
     find_chromium() is None,
     reason="Chromium is not installed; `make browser` (or apt-get install chromium) adds it",
@@ -461,6 +522,13 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
         in hover
     )
     assert float(hover.rsplit("score", 1)[1]) == pytest.approx(layer_0[0], rel=1e-3)
+    # A click on the numbers' rho column (task, method, layer, spearman, ...) puts the lowest first,
+    # a second click the highest.
+    spearman_table = page.read_text().split('id="panel-spearman"')[1].split("</table>")[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", spearman_table.split("<tbody>")[1])
+    values = [float(re.findall(r'<td(?: data-value="([^"]*)")?>', row)[3]) for row in rows]
+    values = [value for value in values if not np.isnan(value)]
+    assert status["selftest_sorted"] == [min(values), max(values)]
     assert screenshot.stat().st_size > 50_000 and screenshot.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -529,6 +529,9 @@ OFFLINE_FACES = {
     "snapkv": {},
     "streamingllm": {},
     "sage-kv": {},
+    "pyramidkv": {"window_size": 4, "beta": 2},
+    "adakv": {"window_size": 4},
+    "tova": {},
     "sliminfer": {"pruning_layers": (1, 2), "block_size": 4, "unit_size": 2, "window_size": 2},
 }
 

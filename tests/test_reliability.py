@@ -190,7 +190,7 @@ def test_a_budget_larger_than_the_prompt_warns_that_it_keeps_everything(tmp_path
             ["full", "claa"],
             [Budget.from_tokens(5000)],
             "niah:n=1,length=200",
-            settings=BenchSettings(max_new_tokens=1, warmup_runs=0),
+            settings=BenchSettings(max_new_tokens=1, warmup=0),
             setup=Setup(model=str(tiny_folder), device="cpu"),
         )
     assert frame.filter(pl.col("method") == "claa")["kv_ratio"].to_list() == [1.0]
@@ -208,17 +208,19 @@ def test_bench_progress_counts_calibration_warmups_and_repeats_and_ends_at_its_t
         ["full", "claa", "fastkv"],
         [Budget.from_keep(0.5), Budget.from_keep(0.25)],
         "niah:n=2,length=200",
-        settings=BenchSettings(max_new_tokens=1, warmup_runs=warmup, repeats=repeats),
+        settings=BenchSettings(max_new_tokens=1, warmup=warmup, repeats=repeats),
         setup=Setup(model=str(tiny_folder), device="cpu"),
         progress=events.append,
     )
     entries = 1 + 2 * 2  # full once, then claa and fastkv at each budget
-    total = 1 + 2 * entries * (1 + repeats)  # calibration, then per example a warm-up and the repeats
+    total = 1 + 2 * entries * (1 + repeats)  # calibration, then per example a preparation and the repeats
     assert {event.total for event in events} == {total}
     assert [event.done for event in events] == sorted(event.done for event in events)
     assert events[-1].done == total and all(event.done <= total for event in events)
     stages = [event.stage for event in events]
-    assert stages.count("warm-up") == 2 * entries and stages.count("timed") == 2 * entries * repeats
+    first = "warm-up" if warmup else "preparing"  # without warm-up runs, progress does not claim one
+    assert stages.count(first) == 2 * entries and stages.count("timed") == 2 * entries * repeats
+    assert set(stages) == {"calibrating", first, "timed", "done"}
 
 
 # --- safe outputs ---
@@ -383,7 +385,7 @@ def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_pa
         [Budget.from_keep(float(BENCH["keep"]))],
         BENCH["data"],
         settings=BenchSettings(
-            max_new_tokens=BENCH["max_new_tokens"], warmup_runs=0, repeats=BENCH["repeats"]
+            max_new_tokens=BENCH["max_new_tokens"], warmup=0, repeats=BENCH["repeats"]
         ),
         setup=Setup(model=str(tiny_folder), device="cpu", threads=1),
     )

@@ -1,11 +1,13 @@
 """End-to-end methods: each heuristic's selection run for real, registered by name.
 
 ``make("claa", pruning_layer=15)`` builds one; ``REGISTRY`` lists them. Importing this
-package registers every method.
+package registers every method: rankkit's own, then those other packages declare under the
+entry point group ``rankkit.methods`` (docs/extending.md).
 """
 
 from rankkit.errors import RankkitError
 from rankkit.methods import (  # noqa: F401  (each module registers its method)
+    adakv,
     asl,
     claa,
     fastkv,
@@ -13,14 +15,27 @@ from rankkit.methods import (  # noqa: F401  (each module registers its method)
     gemfilter,
     lava,
     oracle,
+    pyramidkv,
     sage_kv,
     sliminfer,
     snapkv,
     specprefill,
     streamingllm,
+    tova,
 )
-from rankkit.methods.base import REGISTRY, Budget, Method, MethodPrefill, Pass, Selection, make, scale_layer
+from rankkit.methods.base import (
+    REGISTRY,
+    Budget,
+    Method,
+    MethodPrefill,
+    Pass,
+    Selection,
+    make,
+    register,
+    scale_layer,
+)
 from rankkit.methods.selection import Captured
+from rankkit.plugins import register_entry_points
 
 __all__ = [
     "REGISTRY",
@@ -32,6 +47,7 @@ __all__ = [
     "Selection",
     "make",
     "probes_methods_need",
+    "register",
     "scale_layer",
 ]
 
@@ -52,3 +68,7 @@ def probes_methods_need() -> list:
             if key.partition(":")[0] in probes.REGISTRY:
                 needed.setdefault(key, method.probe())
     return list(needed.values())
+
+
+# Last, so a package's module finds everything above when its import registers its classes.
+register_entry_points("rankkit.methods", REGISTRY, register)

@@ -58,13 +58,15 @@ BENCH_COMMAND = (
 )
 DIFFUSION_COMMAND = "rankkit diffusion --data niah:n=4,length=1024 --out diffusion.parquet"
 
+BenchSource = str | os.PathLike | pl.DataFrame  # a bench's rows, or the parquet file holding them
+
 __all__ = ["write_dashboard", "write_index"]
 
 
 def write_dashboard(
     store_path: str | os.PathLike,
     out_path: str | os.PathLike,
-    bench: str | os.PathLike | pl.DataFrame | None = None,
+    bench: BenchSource | Sequence[BenchSource] | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
     *,
     overwrite: bool = False,
@@ -73,7 +75,8 @@ def write_dashboard(
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
-    ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), ``diffusion`` the
+    ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), or several of them
+    (one per model or run), drawn side by side (``_benches``); ``diffusion`` the
     one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
@@ -84,7 +87,8 @@ def write_dashboard(
     """
     from rankkit import stores
 
-    sources = [each for each in (store_path, bench, diffusion) if not isinstance(each, pl.DataFrame)]
+    benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
+    sources = [each for each in (store_path, *benches, diffusion) if not isinstance(each, pl.DataFrame)]
     outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
     records = list(store.examples())
@@ -92,7 +96,7 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
     if not records[0].probes:
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
-    bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+    bench_frame = _benches(benches)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
@@ -111,6 +115,25 @@ def write_index(
     """A page linking several dashboards (one row each, ``link`` holding the dashboard's path
     relative to ``out_path``), written atomically over any page there."""
     return outputs.write_text(render_index(title, facts, rows, link), out_path)
+
+
+def _benches(benches: Sequence[BenchSource]) -> pl.DataFrame | None:
+    """The rows of one bench, or of several side by side: each method then named after its run,
+    "claa (8b)", the run being the file's name (its path where names repeat; "bench N" for a frame)."""
+    frames = [_frame(each, "bench", BENCH_COLUMNS, BENCH_COMMAND) for each in benches]
+    if len(frames) < 2:
+        return frames[0] if frames else None
+    names = [f"bench {index + 1}" if isinstance(each, pl.DataFrame) else Path(each).stem
+             for index, each in enumerate(benches)]  # fmt: skip
+    if len(set(names)) < len(names):
+        names = [name if isinstance(each, pl.DataFrame) else str(each) for name, each in zip(names, benches, strict=True)]
+    return pl.concat(
+        [
+            frame.with_columns(pl.format("{} ({})", pl.col("method").cast(pl.String), pl.lit(name)).alias("method"))
+            for frame, name in zip(frames, names, strict=True)
+        ],
+        how="diagonal_relaxed",
+    )
 
 
 def _frame(
@@ -259,7 +282,8 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
         "averaged over the task's examples with a band for its 95% interval (bootstrap over examples; "
         "CLAA Fig. 2, Fig. 8). Stars mark layers where CLAA differs from a single-layer heuristic "
         "(Wilcoxon signed-rank p < 0.05 within the task; hover for the difference). The dotted line is the "
-        "layer control; dashed curves have no layer (SpecPrefill). Ranked span: every prompt token outside "
+        "layer control; dashed curves have no layer (SpecPrefill). Methods whose rankings agree at every example "
+        "and layer are one curve named together (fastkv = window). Ranked span: every prompt token outside "
         "CLAA's observation window (compare --span prompt); each method ranks with its own defaults."
     )
     if comparison is None:
@@ -269,6 +293,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             caption,
             missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store_path}')}.",
         )
+    stats = figures.spearman_stats(comparison.per_layer)  # the bootstrap, once for the plot and its numbers
     return Panel(
         "spearman",
         title,
@@ -278,7 +303,9 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             pruning_layer=layer,
             colors=colors,
             pairs=comparison.tested_pairs,
+            stats=stats,
         ),
+        numbers=figures.spearman_numbers(comparison.per_layer, stats),
     )
 
 
@@ -406,7 +433,13 @@ def _tradeoff_panel(bench, colors) -> Panel:
             missing=f"No scored bench results. Run {_code(BENCH_COMMAND)} and pass "
             f"{_code('--bench bench.parquet')}.",
         )
-    return Panel("tradeoff", title, caption, figures.tradeoff_figure(bench, colors=colors))
+    return Panel(
+        "tradeoff",
+        title,
+        caption,
+        figures.tradeoff_figure(bench, colors=colors),
+        numbers=figures.tradeoff_numbers(bench),
+    )
 
 
 def _diffusion_panel(diffusion, metrics: list[str], layer: int) -> Panel:

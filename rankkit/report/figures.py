@@ -20,7 +20,6 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots
 
-from rankkit.eval.offline import single_layer_methods
 from rankkit.eval.ranking import descending_ranks, keep_count
 from rankkit.eval.stats import interval_columns, mean_intervals
 
@@ -178,12 +177,60 @@ def example_curves(
 # -- Spearman vs layer (CLAA Fig. 2 / Fig. 8) ------------------------------------------------------
 
 
-def displayed_methods(methods: Iterable[str]) -> list[str]:
-    """Methods worth a line: a probe that a single-layer method ranks by unchanged (window for fastkv,
-    last_token_raw for gemfilter) draws the same curve, so only the method's name is drawn."""
-    present = set(methods)
-    aliased = set(single_layer_methods(present).values())
-    return sorted(present - aliased)
+def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
+    """The methods worth a line, each with its legend label. Methods whose rankings are the same by
+    construction (fastkv and the window probe it ranks by, snapkv and window:w=32, asl and asl-2pass)
+    score the same Spearman at every example and layer of ``per_layer`` (one task's rows): they are
+    one line, drawn under the first name and labelled with all of them, "asl = asl-2pass"."""
+    rows = per_layer.select(
+        pl.col("method").cast(pl.String),
+        pl.col("task").cast(pl.String),
+        pl.col("example").cast(pl.String),
+        "layer",
+        pl.col("spearman").fill_nan(None),
+    ).sort("method", "task", "example", "layer", nulls_last=True)
+    same: dict[tuple, list[str]] = {}
+    for (method,), curve in rows.group_by("method", maintain_order=True):
+        same.setdefault(tuple(curve.drop("method").iter_rows()), []).append(method)
+    return {names[0]: " = ".join(names) for names in same.values()}
+
+
+def _by_task(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """``CompareResult.per_layer`` with plain-text tasks and methods, rows without a task as task "all"."""
+    return per_layer.with_columns(pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String))
+
+
+def spearman_stats(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """Mean Spearman ρ per task, method and layer with its 95% interval and n, each task's resampled over
+    its own examples: the curves ``spearman_figure`` draws."""
+    frame = _by_task(per_layer)
+    return pl.concat(
+        [
+            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
+            for task in sorted(frame["task"].unique())
+        ]
+    ).sort("task", "method", "layer", nulls_last=True)
+
+
+def spearman_numbers(per_layer: pl.DataFrame, stats: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Every point ``spearman_figure`` draws, one row per task, curve and layer, the curve by its label
+    (``stats``: ``spearman_stats(per_layer)`` when the caller has it already)."""
+    frame = _by_task(per_layer)
+    labels = pl.concat(
+        [
+            pl.DataFrame(
+                {"task": task, "method": list(names), "curve": list(names.values())},
+                schema={"task": pl.String, "method": pl.String, "curve": pl.String},
+            )
+            for task in sorted(frame["task"].unique())
+            for names in [curve_labels(frame.filter(pl.col("task") == task))]
+        ]
+    )
+    return (
+        (spearman_stats(frame) if stats is None else stats)
+        .join(labels, on=["task", "method"])
+        .select("task", pl.col("curve").alias("method"), "layer", "spearman", *interval_columns("spearman"), "n_examples")
+    )
 
 
 def spearman_figure(
@@ -192,9 +239,11 @@ def spearman_figure(
     pruning_layer: int,
     colors: Mapping[str, str],
     pairs: Sequence[tuple[str, str]] = (),
+    stats: pl.DataFrame | None = None,
 ) -> go.Figure:
     """Mean Spearman rho vs layer per method with its 95% interval over examples as a band
-    (``rankkit.eval.stats``), one subplot per task.
+    (``rankkit.eval.stats``), one subplot per task (``stats``: ``spearman_stats(per_layer)`` when the
+    caller has it already).
 
     ``per_layer`` is ``CompareResult.per_layer``; layer-less methods (specprefill) are a flat
     dashed line at their one value. For each (method, baseline) of ``pairs`` a star marks the
@@ -203,19 +252,11 @@ def spearman_figure(
     """
     from rankkit.eval.compare import pairs_frame
 
-    frame = per_layer.with_columns(
-        pl.col("task").fill_null("all").cast(pl.String), pl.col("method").cast(pl.String)
-    )
-    frame = frame.filter(pl.col("method").is_in(displayed_methods(frame["method"].unique())))
+    frame = _by_task(per_layer)
     layers = sorted(frame["layer"].drop_nulls().unique())
     tasks = sorted(frame["task"].unique())
     low, high = interval_columns("spearman")
-    stats = pl.concat(  # resampled within each task: a task's curve is over its own examples
-        [
-            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
-            for task in tasks
-        ]
-    ).sort("task", "method", "layer", nulls_last=True)
+    stats = spearman_stats(frame) if stats is None else stats
     rows, columns = _grid(len(tasks), 3)
     figure = make_subplots(
         rows=rows,
@@ -228,7 +269,8 @@ def spearman_figure(
     shown_in_legend: set[str] = set()
     for index, task in enumerate(tasks):
         row, column = divmod(index, columns)
-        for method in sorted(stats.filter(pl.col("task") == task)["method"].unique()):
+        labels = curve_labels(frame.filter(pl.col("task") == task))
+        for method in sorted(labels):
             curve = stats.filter((pl.col("task") == task) & (pl.col("method") == method))
             if curve["layer"].null_count() == curve.height:  # layer-less: one value for every layer
                 curve = pl.DataFrame({"layer": layers}).join(curve.drop("layer"), how="cross")
@@ -244,11 +286,11 @@ def spearman_figure(
                 y=mean,
                 mode="lines",
                 line={"color": color, "width": 2, "dash": dash},
-                name=method,
+                name=labels[method],
                 legendgroup=method,
                 showlegend=method not in shown_in_legend,
                 customdata=np.column_stack([lows, highs, curve["n_examples"].to_numpy()]),
-                hovertemplate=f"<b>{method}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
+                hovertemplate=f"<b>{labels[method]}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
                 "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
             )
             shown_in_legend.add(method)
@@ -746,6 +788,14 @@ def pareto_front(points: pl.DataFrame, *, cost: str = "ttft_ratio", value: str =
         keep.append(row_value > best_value)
         best_value = max(best_value, row_value)
     return ordered.filter(pl.Series(keep))
+
+
+def tradeoff_numbers(bench: pl.DataFrame) -> pl.DataFrame:
+    """Every point ``tradeoff_figure`` draws, with its intervals and n."""
+    return tradeoff_frame(bench).select(
+        "method", "budget", "accuracy", *interval_columns("accuracy"), "ttft_ratio", *interval_columns("ttft_ratio"),
+        "ideal_ratio", "n_examples",
+    )  # fmt: skip
 
 
 def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Figure:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -38,6 +39,7 @@ from typing import Any, Literal
 import numpy as np
 import plotly.graph_objects as go
 import plotly.offline
+import polars as pl
 
 ControlKind = Literal["filter", "explorer", "shape"]
 
@@ -59,6 +61,7 @@ class Panel:
     caption: str  # what the panel shows and where it comes from
     figure: go.Figure | None = None
     missing: str | None = None  # HTML naming the command that produces the data, when figure is None
+    numbers: pl.DataFrame | None = None  # every number the figure draws, as a sortable table below it
 
 
 @dataclass
@@ -110,9 +113,31 @@ def _panel_html(panel: Panel) -> str:
         if panel.figure is not None
         else f'<div class="missing" id="plot-{panel.id}">{panel.missing}</div>'
     )
+    numbers = "" if panel.numbers is None else _numbers_html(panel.numbers)
     return (
         f'<section class="panel" id="panel-{panel.id}"><h2>{html.escape(panel.title)}</h2>'
-        f'<p class="caption">{panel.caption}</p>{body}</section>'
+        f'<p class="caption">{panel.caption}</p>{body}{numbers}</section>'
+    )
+
+
+def _numbers_html(frame: pl.DataFrame) -> str:
+    """The frame as a table the runtime sorts by any column (a click on its header); numbers are shown
+    to three decimals and sorted by their full value (``data-value``), missing ones as "–", sorted last."""
+    head = "".join(f"<th>{html.escape(name)}</th>" for name in frame.columns)
+
+    def cell(value) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return '<td data-value="NaN">–</td>'
+        if isinstance(value, float):
+            return f'<td data-value="{value!r}">{value:.3f}</td>'
+        if isinstance(value, int):
+            return f'<td data-value="{value}">{value}</td>'
+        return f"<td>{html.escape(str(value))}</td>"
+
+    rows = "".join("<tr>" + "".join(map(cell, row)) + "</tr>" for row in frame.iter_rows())
+    return (
+        f'<details class="numbers"><summary>The numbers: {frame.height} rows (click a column to sort)</summary>'
+        f'<table class="numbers sortable"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></details>'
     )
 
 

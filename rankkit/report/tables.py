@@ -29,7 +29,7 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "n_examples": ("n", "examples averaged"),
     "difference": ("Δρ", "mean paired difference method - baseline"),
     "p_value": ("p", "Wilcoxon signed-rank p-value of the difference"),
-    "higher_layers": ("sig.↑", "layers where the method is higher with p < 0.05, of those both have"),
+    "higher_layers": ("sig.↑", "layers where the method is higher with p < 0.05 (of the layers both methods have)"),
     "lower_layers": ("sig.↓", "layers where the method is lower with p < 0.05"),
     "accuracy": ("acc", "share of answers with full marks"),
     "answer_logprob": ("log p", "log-probability of the reference answer, teacher-forced"),

@@ -222,4 +222,27 @@
       setControl(input, input.value).catch(caught).then(report);
     });
   });
+
+  // -- the numbers under a figure: a click on a column's header sorts by it, a second click reverses --
+  function sortBy(table, column) {
+    const body = table.tBodies[0], header = table.tHead.rows[0].cells[column];
+    const descending = header.dataset.sorted === 'ascending';
+    Array.from(table.tHead.rows[0].cells).forEach(cell => { delete cell.dataset.sorted; });
+    header.dataset.sorted = descending ? 'descending' : 'ascending';
+    function key(row) {
+      const cell = row.cells[column];
+      return 'value' in cell.dataset ? Number(cell.dataset.value) : cell.textContent;
+    }
+    function order(x, y) {  // a missing number (NaN) after every other
+      if (typeof x !== 'number' || typeof y !== 'number') return String(x).localeCompare(String(y));
+      return isNaN(x) || isNaN(y) ? Number(isNaN(x)) - Number(isNaN(y)) : x - y;
+    }
+    const rows = Array.from(body.rows).sort((a, b) => (descending ? -1 : 1) * order(key(a), key(b)));
+    rows.forEach(row => body.appendChild(row));
+  }
+  document.querySelectorAll('table.sortable').forEach(function (table) {
+    Array.from(table.tHead.rows[0].cells).forEach(function (header, column) {
+      header.addEventListener('click', () => sortBy(table, column));
+    });
+  });
 })();

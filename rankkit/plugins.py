@@ -1,0 +1,39 @@
+"""Methods and probes from other packages, found through their entry points.
+
+A package declares ``[project.entry-points."rankkit.methods"]`` (or ``"rankkit.probes"``)
+naming a class, ``name = "package.module:Class"``, or a module whose import registers its
+classes; rankkit loads them when it registers its own, so every command knows them
+(docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from rankkit.errors import RankkitError
+
+
+def register_entry_points(group: str, registry: dict[str, type], register: Callable[[type], type]) -> None:
+    """Register every class the installed packages declare under the entry point ``group``.
+
+    A class whose ``name`` another class already holds is refused (a package cannot replace
+    rankkit's methods); a point that fails to load stops with its package's error, in one line.
+    """
+    for point in entry_points(group=group):
+        try:
+            loaded = point.load()
+        except Exception as error:  # whatever the other package raises on import
+            raise RankkitError(
+                f"entry point {point.name!r} of group {group!r} ({point.value}) does not load: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+        if not isinstance(loaded, type):
+            continue  # a module: importing it registered its classes
+        taken = registry.get(loaded.name)
+        if taken is not None and taken is not loaded:
+            raise RankkitError(
+                f"entry point {point.name!r} of group {group!r} ({point.value}) registers the name "
+                f"{loaded.name!r}, which {taken.__module__}.{taken.__qualname__} already has; rename it"
+            )
+        register(loaded)

@@ -1,0 +1,126 @@
+"""What the command line prints where a person reads it later: logs, pipes, help, version, warnings."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import warnings
+
+import polars as pl
+import pytest
+from rich.console import Console
+
+from rankkit.progress import Progress
+
+RANKKIT = [sys.executable, "-c", "from rankkit.cli import main; main()"]
+
+
+def _rankkit(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RANKKIT, *arguments], capture_output=True, text=True, timeout=120)
+
+
+def test_progress_off_a_terminal_is_one_line_per_finished_step_with_counts_and_eta():
+    from rankkit.cli.progress import ProgressLines
+
+    sink = io.StringIO()
+    times = iter([100.0, 100.0, 100.0, 130.0, 160.0, 161.0])
+    show = ProgressLines("bench", Console(file=sink, width=40), clock=lambda: next(times))
+    show(Progress("calibrating", 0, 4, "full prefills"))
+    show(Progress("preparing", 0, 4, "ex0 full keep=1"))  # the same count again: no line
+    show(Progress("timed", 1, 4, "ex0 full keep=1"))
+    show(Progress("timed", 3, 4, "ex0 claa keep=0.1"))
+    show(Progress("done", 4, 4, "ex0"))
+    assert sink.getvalue().splitlines() == [
+        "bench 0/4 0% 0:00 elapsed: calibrating full prefills",
+        "bench 1/4 25% 0:30 elapsed, ETA 1:30: timed ex0 full keep=1",
+        "bench 3/4 75% 1:00 elapsed, ETA 0:20: timed ex0 claa keep=0.1",
+        "bench 4/4 100% 1:01 elapsed, ETA 0:00: done ex0",
+    ]
+
+
+def test_a_resumed_run_extrapolates_only_the_steps_it_ran():
+    from rankkit.cli.progress import ProgressLines
+
+    sink = io.StringIO()
+    times = iter([0.0, 2.0, 12.0])
+    show = ProgressLines("capture", Console(file=sink), with_stage=False, clock=lambda: next(times))
+    show(Progress("skipped", 6, 10, "ex5"))
+    show(Progress("written", 7, 10, "ex6"))
+    assert sink.getvalue().splitlines() == [
+        "capture 6/10 60% 0:02 elapsed: ex5",
+        "capture 7/10 70% 0:12 elapsed, ETA 0:30: ex6",
+    ]
+
+
+def test_a_table_printed_to_a_pipe_cuts_and_wraps_no_cell(monkeypatch):
+    from rankkit.cli.app import output
+    from rankkit.report.tables import frame_table
+
+    sink = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", sink)
+    frame = pl.DataFrame(
+        {
+            "method": ["claa:aggregation_window=8"],
+            "budget": ["keep=0.1"],
+            **{f"a_long_column_name_{index}": [index + 0.123456] for index in range(12)},
+        }
+    )
+    output().print(frame_table(frame, "wide"))
+    lines = sink.getvalue().splitlines()
+    assert "…" not in sink.getvalue()
+    row = next(line for line in lines if line.startswith("claa"))
+    assert row.split() == ["claa:aggregation_window=8", "keep=0.1", *(f"{index + 0.123456:.3f}" for index in range(12))]
+
+
+def test_route_warnings_silences_library_deprecations_and_keeps_rankkit_warnings(capsys):
+    from rankkit.cli import route_warnings
+
+    with warnings.catch_warnings():
+        route_warnings()
+        warnings.warn("`past_key_values` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn("old API", DeprecationWarning, stacklevel=1)
+        warnings.warn("budget 9000 keeps everything", UserWarning, stacklevel=1)
+    assert capsys.readouterr().err == "rankkit: warning: budget 9000 keeps everything\n"
+
+
+def test_version_and_help_without_type_tags():
+    from rankkit import __version__
+
+    version = _rankkit("--version")
+    assert (version.returncode, version.stdout) == (0, f"rankkit {__version__}\n")
+    for command in (["--help"], ["capture", "--help"], ["bench", "--help"], ["store", "info", "--help"]):
+        shown = _rankkit(*command)
+        assert shown.returncode == 0, shown.stderr
+        for tag in ("<str>", "<bool>", "<int>", "<float>", "<path>  Write"):
+            assert tag not in shown.stdout, (command, tag)
+
+
+def test_capture_help_says_no_draft_is_recorded_without_draft():
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import command
+
+    (draft,) = [param for param in command().commands["capture"].params if param.name == "draft"]
+    assert draft.help.endswith("Without it no draft is recorded.") and "Default" not in draft.help
+
+
+def test_store_info_says_where_a_cut_value_is_whole():
+    from rankkit.cli.store_cmd import _compact
+
+    config = {"hidden_size": 576, "name": "x" * 100}
+    assert _compact("short") == "short"
+    cut = _compact(config)
+    assert cut.endswith(" … (whole with --json)")
+    assert len(cut) == 80 + len(" … (whole with --json)")
+
+
+def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder):
+    from rankkit.demo import answer
+    from rankkit.errors import RankkitError
+
+    result = answer(str(tiny_folder), "", "", data="niah:length=256", max_new_tokens=2, device="cpu")
+    assert (result["model"], result["prompt_tokens"]) == (str(tiny_folder), 254)  # niah fits at most 256
+    with pytest.raises(RankkitError, match=r"^give either a data spec \(--data\) or --context-file/--question, not both$"):
+        answer(str(tiny_folder), "text", "question?", data="niah:length=256")
+    with pytest.raises(RankkitError, match=r"^give --question"):
+        answer(str(tiny_folder), "", "")
