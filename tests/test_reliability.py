@@ -7,7 +7,9 @@ tiny random Llama of ``tiny_folder`` (3 layers, 512 positions) unless the case n
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -247,10 +249,13 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path)
 
     def half_then_fail(partial: Path) -> None:
         partial.write_text("half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(RankkitError) as failed:
         outputs.write_atomic(target, half_then_fail)
+    assert str(failed.value) == (
+        f"cannot write {target} (No space left on device); the old file, if any, is unchanged"
+    )
     assert target.read_text() == "old" and sorted(tmp_path.iterdir()) == [target]
     outputs.write_text("new", target)
     assert target.read_text() == "new" and sorted(tmp_path.iterdir()) == [target]
