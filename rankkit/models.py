@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -315,11 +317,41 @@ def parse_device_map(spec: str | dict | None) -> str | dict | None:
     return layout
 
 
+_loaded_before: dict[str, LoadedModel] | None = None  # inside ``loaded_once``: each load by its arguments
+
+
+@contextmanager
+def loaded_once() -> Iterator[None]:
+    """Inside the block, ``load`` with the arguments of an earlier load returns that model instead
+    of loading it again: a sweep's stages and units share one load per (model, device)."""
+    global _loaded_before
+    outer, _loaded_before = _loaded_before, {} if _loaded_before is None else _loaded_before
+    try:
+        yield
+    finally:
+        _loaded_before = outer
+
+
 def load(
     spec: str = "default",
     device: str | torch.device = "auto",
     dtype: torch.dtype | None = None,
     device_map: str | dict | None = None,
+) -> LoadedModel:
+    """The model ``spec`` (``_load``), or inside ``loaded_once`` the one loaded before with these arguments."""
+    if _loaded_before is None:
+        return _load(spec, device, dtype, device_map)
+    key = json.dumps([spec, str(device), str(dtype), device_map], default=str)
+    if key not in _loaded_before:
+        _loaded_before[key] = _load(spec, device, dtype, device_map)
+    return _loaded_before[key]
+
+
+def _load(
+    spec: str,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: str | dict | None,
 ) -> LoadedModel:
     """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash.
 

@@ -240,7 +240,7 @@ def create(
     check_score_dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     if overwrite:
-        _remove_store(store_path)
+        remove(store_path)
     if not _is_populated(store_path):
         _create_atomically(store_path, run_meta_only)
     root, stored = open_root(store_path, read_only=False)
@@ -290,17 +290,23 @@ def _is_populated(path: Path) -> bool:
         return any(True for _ in entries)
 
 
-def _remove_store(path: Path) -> None:
-    """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
-    if not _is_populated(path):
-        return
-    refusal = "refusing to delete it; move it away or choose another store path"
+def is_rankkit_store(path: Path) -> bool:
+    """Whether ``path`` is a store rankkit wrote (its root attributes say so)."""
     try:
         _, stored = open_root(path, read_only=True)
     except RankkitError:
-        raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}") from None
-    if RANKKIT_VERSION_KEY not in stored:
-        raise RankkitError(f"{path} is a zarr store rankkit did not write; {refusal}")
+        return False
+    return RANKKIT_VERSION_KEY in stored
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
+    path = Path(path)
+    if not _is_populated(path):
+        return
+    refusal = "refusing to delete it; move it away or choose another store path"
+    if not is_rankkit_store(path):
+        raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
     foreign = sorted(
         entry.name for entry in path.iterdir() if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
     )

@@ -175,7 +175,7 @@ def test_an_interrupt_keeps_the_finished_units_and_the_rerun_finishes(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compare, "compare_store", ctrl_c_on_the_second)
-    with pytest.raises(Interrupted, match=f"kept every finished unit in {out}"):
+    with pytest.raises(Interrupted, match=rf"kept in {out} the finished units of each stage \(compare 1\)"):
         sweep(experiment, out, stages=["compare"], workers=1)
     assert [path.parent.name for path in (out / "parts/compare").rglob("*.done")] == ["niah-256"]
     assert not (out / "compare.parquet").exists()
@@ -229,7 +229,7 @@ def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment
     """Two ranks each had an example of the cell to bench; rank 1's part is missing, so merging
     rank 0's alone would drop its rows without a word."""
     from rankkit.experiment import read_experiment
-    from rankkit.sweep import Layout, Run, _merge, units
+    from rankkit.sweep import Layout, _merge, check, units
 
     out = tmp_path / "out"
     shutil.copytree(finished, out)
@@ -238,14 +238,15 @@ def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment
     unit = units(plan, "bench")[0]
     part = layout.part("bench", unit)
     part.rename(layout.rank_part("bench", unit, 0, 2))
+    layout.marker("bench", unit).unlink()
     (out / "bench.parquet").unlink()
-    run = Run(plan, layout, ("bench",), {cell.name: 2 for cell in plan.data})
+    run = check(plan, layout, ("bench",), experiment)
     with pytest.raises(RankkitError, match=r"rank1-of-2.parquet is missing: rank 1 of 2 did not finish"):
         _merge(run, "bench", 2)
     assert not part.exists() and not (out / "bench.parquet").exists()
 
 
-def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tmp_path):
+def test_another_experiment_runs_its_new_units_and_overwrite_starts_over(tiny_folder, tmp_path):
     small = (
         EXPERIMENT.format(model=tiny_folder)
         .split("[[data]]")[0]
@@ -269,10 +270,14 @@ def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tm
         ("variance", 1, 0),
     ]
     other = _write(tmp_path / "c.toml", first.read_text().replace("length=128", "length=160"))
-    with pytest.raises(RankkitError, match=r"another experiment \(it differs in data\); pass --overwrite"):
-        sweep(other, out)
-    assert (out / "stores" / "niah-128.zarr").is_dir()  # a refusal touches nothing
-    sweep(other, out, overwrite=True)
+    plans = []
+    moved = sweep(other, out, announce=plans.append)  # another cell: its units are new, it alone runs
+    assert [stage.line() for stage in plans[0].stages] == [
+        "capture: 1 new, 0 changed, 0 kept; 1 examples, 160 prompt tokens through the model"
+    ]
+    assert [(report.stage, report.ran, report.skipped) for report in moved.stages] == [("capture", 1, 0)]
+    assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-128.zarr", "niah-160.zarr"]
+    sweep(other, out, overwrite=True)  # discards what the sweeps wrote, and starts over
     assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-160.zarr"]
     assert "length=160" in (out / "experiment.toml").read_text()
 
