@@ -330,9 +330,10 @@ def parse_experiment(text: str, *, source: str, default_name: str, max_units: in
 # A library message names the command line's options; in a sweep they are the file's fields.
 _OPTION = re.compile(r"--([a-z][a-z-]*)")
 _OPTION_FIELDS = {
-    "no-oracle": "oracle = false",
-    "allow-overlength": "allow_overlength = true",
+    "no-oracle": "oracle = false in [compare]",
+    "allow-overlength": "allow_overlength = true in [model]",
     "layer": "layers",
+    **{option: f"--{option}" for option in ("max-units", "stages", "overwrite")},  # the sweep's own
 }
 
 

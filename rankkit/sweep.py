@@ -266,10 +266,14 @@ class Layout:
         return self.root / "parts" / stage / "merged.json"
 
     def paths(self, plan: Experiment) -> list[Path]:
-        """Every path the sweep of ``plan`` writes in its directory (folders whole where it owns them)."""
-        cells = [path for cell in plan.data for path in (self.store(cell), self.dashboard(cell))]
-        made = [path for stage in plan.stages for path in self.stage_outputs(stage)]
-        return [self.manifest, self.experiment, self.index, self.root / "parts", *cells, *made]
+        """Every path the sweep of ``plan`` writes in its directory (folders whole where it owns them);
+        stores only when it captures them (otherwise they are its inputs)."""
+        made = [self.manifest, self.experiment, self.root / "parts"]
+        if "capture" in plan.stages:
+            made += [self.store(cell) for cell in plan.data]
+        if "dashboard" in plan.stages:
+            made += [self.index, *(self.dashboard(cell) for cell in plan.data)]
+        return made + [path for stage in plan.stages for path in self.stage_outputs(stage)]
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ class StagePlan:
         units = f"{self.stage}: {self.new} new, {self.changed} changed, {self.kept} kept"
         if self.stage not in MODEL_STAGES or not self.new + self.changed:
             return units
-        return f"{units}; {self.examples} examples, {self.tokens:,} prompt tokens through the model"
+        return f"{units}; {self.examples:,} examples, {self.tokens:,} prompt tokens through the model"
 
 
 @dataclass

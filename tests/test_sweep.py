@@ -3,6 +3,7 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,9 @@ from rankkit import stores
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import compare_store
 from rankkit.eval.variance import variance_store
-from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS
+from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS, parse_experiment
 from rankkit.shards import interleave, share
-from rankkit.sweep import sweep, tag_columns
+from rankkit.sweep import sweep, tag_columns, units
 
 EXPERIMENT = """
 name = "tiny"
@@ -303,7 +304,42 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r'keep must be a number or a list of numbers, not "0.2"; e.g. keep = \[',
         ),
         (("depths = [25, 75]", "depths = [25, 175]"), r"\[\[data\]\] #2: depths must be percentages"),
-        (("n=2,length=256", "n=2,length=9999"), "more than the model's 512 positions"),
+        (
+            ("n=2,length=256", "n=2,length=9999"),
+            "more than the model's 512 positions; shorten it, or pass allow_overlength = true in "
+            r"\[model\] to run it anyway$",
+        ),
+        (
+            ('"capture", "oracle",', '"capture",'),
+            r'\[compare\]: oracle: compare ranks against the oracle, which no stage makes; add "oracle" to '
+            r"stages, or set oracle = false in \[compare\]",
+        ),
+        (
+            ("keep = [0.2]", 'keep = [0.2]\nprobes = "window"'),
+            r"\[variance\]: method 'asl' reads the probe window:w=32, which probes \(window\) does not "
+            'capture; add "window:w=32" to probes',
+        ),
+        (("[oracle]", '[capture]\ndraft = "layers:9"\n[oracle]'), r"draft: 'layers:9' needs a layer count in 1..3"),
+        (('device = "cpu"', 'device = "gpu"'), r"\[model\]: unknown device 'gpu': use auto, cpu, cuda"),
+        (("keep = [0.2]", "keep = [0.2, 0.2]"), "keep lists 0.2 twice; name each once"),
+        (("keep = [0.2]", "keep = [0.2]\nlayers = [1, 1]"), "layers lists 1 twice; name each once"),
+        (
+            ("keep = [0.2]", "keep = [0.2, 0.20000000000000001]"),
+            "keep lists 0.2 twice",  # the same float once read
+        ),
+        (
+            ('spec = "niah:n=2,length=256"', f'spec = "niah:n=2,length=256"\nname = "{"x" * 300}"'),
+            r"cell name 'x{40}\.\.\.' is not a file name; use at most 100 letters",
+        ),
+        (
+            ("depths = [25, 75]", "n = 9223372036854775807"),
+            "'niah:n=9223372036854775807,length=192' makes 9223372036854775807 examples, more than the "
+            "100000 units a sweep takes on; lower n, or raise the limit with --max-units",
+        ),
+        (
+            ('spec = "niah:n=2,length=256"', 'spec = "niah:length=192,depths=25;75"\nname = "again"'),
+            r"\[\[data\]\] #2: 'niah:length=192,depths=25;75' is a cell already; name each data spec once",
+        ),
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
         (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
@@ -351,3 +387,168 @@ def test_interleave_undoes_share():
     items = list(range(7))
     assert interleave([share(items, rank, 3) for rank in range(3)]) == items
     assert interleave([share(items, rank, 9) for rank in range(9)]) == items
+
+
+def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(RankkitError, match=rf"^{latin} is not UTF-8 \(byte 33\); save it as UTF-8$"):
+        sweep(latin, tmp_path / "out")
+    empty = _write(tmp_path / "empty.toml", 'stages = ["capture"]\ndata = []\n')
+    with pytest.raises(RankkitError, match="write each data entry as a \\[\\[data\\]\\] table"):
+        sweep(empty, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nearly_equal_keep_rates_are_units_of_their_own():
+    plan = parse_experiment(
+        'stages = ["compare"]\nkeep = [0.2, 0.2000001]\n[[data]]\nspec = "niah:n=1,length=128"\n',
+        source="grid.toml",
+        default_name="grid",
+    )
+    assert [unit.variant for unit in units(plan, "compare")] == [
+        "keep=0.2_layer=own",
+        "keep=0.2000001_layer=own",
+    ]
+    assert [unit.tags()["budget"] for unit in units(plan, "compare")] == ["keep=0.2", "keep=0.2000001"]
+
+
+def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_path, monkeypatch):
+    import rankkit.sweep
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an example was built to check the grid")
+
+    monkeypatch.setattr(rankkit.sweep, "load_examples", forbidden)
+    lengths = ", ".join(str(128 + step) for step in range(56))
+    grid = _write(
+        tmp_path / "grid.toml",
+        f'stages = ["capture", "oracle"]\n[model]\nname = "{tiny_folder}"\n'
+        f"[[data]]\nkind = \"niah\"\nlengths = [{lengths}]\nn = 500\n",
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(grid, tmp_path / "out", max_units=50_000)
+    assert str(refused.value) == (
+        f"{grid}: the grid holds 56,000 units of work (an example through a model stage, a unit of another "
+        "stage), more than 50,000; shrink it, or raise the limit with --max-units"
+    )
+    plans = []
+    summary = sweep(grid, tmp_path / "out", max_units=56_000, dry_run=True, announce=plans.append)
+    assert summary.stages == [] and not (tmp_path / "out").exists()
+    assert plans[0].lines()[1:] == [
+        "  capture: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
+        "  oracle: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
+        "  in all 8,708,000 prompt tokens through the model",
+    ]
+
+
+def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
+    out = tmp_path / "hazard"
+    precious = out / "stores" / "precious.zarr"
+    precious.mkdir(parents=True)
+    (precious / "zarr.json").write_text("{}")
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError, match=f"{out} is not empty and holds no sweep; choose another --out"):
+        sweep(small, out)
+    sweep(small, out, overwrite=True)  # writes beside what is there
+    assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-128.zarr", "precious.zarr"]
+    sweep(small, out, overwrite=True)  # removes its own store, keeps the other
+    assert (precious / "zarr.json").read_text() == "{}"
+    assert json.loads((out / "manifest.json").read_text()) == [
+        "experiment.toml",
+        "manifest.json",
+        "parts",
+        "stores/niah-128.zarr",
+    ]
+    foreign = tmp_path / "foreign"
+    (foreign / "parts").mkdir(parents=True)
+    with pytest.raises(RankkitError) as refused:
+        sweep(small, foreign, overwrite=True)
+    assert str(refused.value) == (
+        f"{foreign / 'parts'} is in the way: the sweep writes there but did not make it; move it away, or "
+        "choose another --out"
+    )
+    assert sorted(path.name for path in foreign.iterdir()) == ["parts"]
+
+
+def test_a_keep_rate_added_runs_at_that_rate_alone_and_reuses_the_stores(
+    finished, experiment, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    before = pl.read_parquet(out / "compare.summary.parquet")
+    grown = _write(tmp_path / "grown.toml", experiment.read_text().replace("keep = [0.2]", "keep = [0.2, 0.4]"))
+    plans = []
+    sweep(grown, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines() == [
+        f"plan for {out}:",
+        "  capture: 0 new, 0 changed, 2 kept",
+        "  oracle: 0 new, 0 changed, 2 kept",
+        "  bench: 0 new, 2 changed, 0 kept; 4 examples, 896 prompt tokens through the model",  # runs every rate
+        "  diffusion: 0 new, 0 changed, 2 kept",
+        "  compare: 2 new, 0 changed, 2 kept",
+        "  variance: 2 new, 0 changed, 2 kept",
+        "  dashboard: 0 new, 2 changed, 0 kept",  # it shows bench's rows
+        "  in all 896 prompt tokens through the model",
+    ]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a keep rate added to compare and variance loaded a model")
+
+    monkeypatch.setattr(models, "load", refuse)
+    summary = sweep(grown, out, stages=["compare", "variance"], workers=1)
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [
+        ("compare", 2, 2),
+        ("variance", 2, 2),
+    ]
+    after = pl.read_parquet(out / "compare.summary.parquet")
+    assert sorted(after["keep"].unique().to_list()) == [0.2, 0.4]
+    assert_frame_equal(after.filter(pl.col("keep") == 0.2), before)
+    marker = json.loads((out / "parts/compare/niah-256/keep=0.4_layer=own.done").read_text())
+    assert marker["rankkit_version"] == "0.1.0"
+    assert marker["settings"]["compare"]["keep"] == 0.4 and marker["settings"]["compare"]["span"] == "prompt"
+    assert marker["settings"]["capture"]["data"] == "niah:n=2,length=256"
+    assert marker["settings"]["oracle"]["max_new_tokens"] == 4
+
+
+def test_a_dashboard_is_redrawn_when_the_stages_it_shows_change(finished, experiment, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    fewer = _write(tmp_path / "fewer.toml", experiment.read_text().replace('"diffusion", ', ""))
+    plans = []
+    sweep(fewer, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines()[-2] == "  dashboard: 0 new, 2 changed, 0 kept"
+
+
+def test_a_store_at_a_cells_path_seeds_it_and_one_model_load_serves_every_unit(
+    finished, tiny_folder, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    loads = []
+    real = models._load
+    monkeypatch.setattr(models, "_load", lambda *args: loads.append(args) or real(*args))
+    out = tmp_path / "out"
+    (out / "stores").mkdir(parents=True)
+    shutil.copytree(finished / "stores" / "niah-256.zarr", out / "stores" / "niah-256.zarr")
+    seeded = {path: path.stat().st_mtime_ns for path in (out / "stores").rglob("*.zip")}
+    grid = _write(
+        tmp_path / "grid.toml",
+        EXPERIMENT.format(model=tiny_folder)
+        .replace('"bench", ', "")
+        .replace('"compare", "variance", "dashboard"', '"compare"'),
+    )
+    summary = sweep(grid, out, overwrite=True, workers=1)  # --overwrite: the folder holds no sweep yet
+    assert [(report.stage, report.ran) for report in summary.stages] == [
+        ("capture", 2),
+        ("oracle", 2),
+        ("diffusion", 2),
+        ("compare", 2),
+    ]
+    assert {path: path.stat().st_mtime_ns for path in seeded} == seeded  # the seed's examples were kept
+    assert len(loads) == 1  # capture of both cells and diffusion of both: one load
