@@ -173,7 +173,9 @@ def write_oracle(
         result, oracle_attrs = oracle_for(runner, tokenizer, ids, attrs, options, prefill)
     except EmptyAnswer as error:
         summary.without_answer.append(example_id)
-        hint = "; --answer reference ranks by the gold answer instead" if options.answer == "generated" else ""
+        hint = (
+            "; --answer reference ranks by the gold answer instead" if options.answer == "generated" else ""
+        )
         warnings.warn(f"example {example_id!r} has no oracle: {error}{hint}", stacklevel=2)
         return None
     writer.add_oracle(example_id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs)

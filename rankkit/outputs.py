@@ -62,7 +62,9 @@ def named_file(path: PathLike) -> Path:
     """``path`` as a Path, refused when it names no file (``--out ''`` reads as the current folder)."""
     target = Path(path)
     if not os.fspath(path).strip() or not target.name:
-        raise RankkitError(f"--out {os.fspath(path)!r} names no file; give a file path, e.g. --out runs/out.parquet")
+        raise RankkitError(
+            f"--out {os.fspath(path)!r} names no file; give a file path, e.g. --out runs/out.parquet"
+        )
     return target
 
 
@@ -73,7 +75,9 @@ def check_writable(folder: PathLike, needed_bytes: int = 0) -> None:
     folder = Path(folder)
     existing = next(path for path in (folder, *folder.parents) if path.exists() or path == Path(path.anchor))
     if not existing.is_dir():
-        raise RankkitError(f"cannot write into {folder}: {existing} is a file, not a folder; choose another --out")
+        raise RankkitError(
+            f"cannot write into {folder}: {existing} is a file, not a folder; choose another --out"
+        )
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass

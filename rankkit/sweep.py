@@ -589,7 +589,9 @@ def _examples_of(plan: Experiment, stage: str, size: CellSize) -> int:
     return size.examples if limit is None else min(size.examples, limit)
 
 
-def _check_units(plan: Experiment, running: tuple[str, ...], sizes: dict[str, CellSize], max_units: int) -> None:
+def _check_units(
+    plan: Experiment, running: tuple[str, ...], sizes: dict[str, CellSize], max_units: int
+) -> None:
     """Refuse a grid of more than ``max_units`` units of work, before any is done."""
     work = sum(
         _examples_of(plan, stage, sizes[unit.cell.name]) if stage in MODEL_STAGES else 1
@@ -661,9 +663,7 @@ def _owned(layout: Layout) -> set[Path]:
         try:
             return {layout.root / each for each in json.loads(layout.manifest.read_text(encoding="utf-8"))}
         except (ValueError, TypeError):
-            raise RankkitError(
-                f"{layout.manifest} is damaged; restore it, or choose another --out"
-            ) from None
+            raise RankkitError(f"{layout.manifest} is damaged; restore it, or choose another --out") from None
     if not layout.experiment.is_file():
         return set()
     try:
@@ -959,7 +959,8 @@ def _merge(run: Run, stage: str, world: int) -> list[Path]:
 def _merge_record(run: Run, stage: str) -> list:
     """What a stage's outputs are made of: each unit of its grid with its settings."""
     return [
-        [unit.cell.name, unit.variant, unit_settings(run.plan, stage, unit)] for unit in units(run.plan, stage)
+        [unit.cell.name, unit.variant, unit_settings(run.plan, stage, unit)]
+        for unit in units(run.plan, stage)
     ]
 
 

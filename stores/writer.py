@@ -308,7 +308,9 @@ def remove(path: str | os.PathLike) -> None:
     if not is_rankkit_store(path):
         raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
     foreign = sorted(
-        entry.name for entry in path.iterdir() if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
+        entry.name
+        for entry in path.iterdir()
+        if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
     )
     if foreign:
         raise RankkitError(f"{path} holds {path / foreign[0]}, which rankkit did not write; {refusal}")

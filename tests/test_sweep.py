@@ -319,7 +319,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r"\[variance\]: method 'asl' reads the probe window:w=32, which probes \(window\) does not "
             'capture; add "window:w=32" to probes',
         ),
-        (("[oracle]", '[capture]\ndraft = "layers:9"\n[oracle]'), r"draft: 'layers:9' needs a layer count in 1..3"),
+        (
+            ("[oracle]", '[capture]\ndraft = "layers:9"\n[oracle]'),
+            r"draft: 'layers:9' needs a layer count in 1..3",
+        ),
         (('device = "cpu"', 'device = "gpu"'), r"\[model\]: unknown device 'gpu': use auto, cpu, cuda"),
         (("keep = [0.2]", "keep = [0.2, 0.2]"), "keep lists 0.2 twice; name each once"),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [1, 1]"), "layers lists 1 twice; name each once"),
@@ -424,7 +427,7 @@ def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_pat
     grid = _write(
         tmp_path / "grid.toml",
         f'stages = ["capture", "oracle"]\n[model]\nname = "{tiny_folder}"\n'
-        f"[[data]]\nkind = \"niah\"\nlengths = [{lengths}]\nn = 500\n",
+        f'[[data]]\nkind = "niah"\nlengths = [{lengths}]\nn = 500\n',
     )
     with pytest.raises(RankkitError) as refused:
         sweep(grid, tmp_path / "out", max_units=50_000)
@@ -482,20 +485,25 @@ def test_a_keep_rate_added_runs_at_that_rate_alone_and_reuses_the_stores(
     out = tmp_path / "out"
     shutil.copytree(finished, out)
     before = pl.read_parquet(out / "compare.summary.parquet")
-    grown = _write(tmp_path / "grown.toml", experiment.read_text().replace("keep = [0.2]", "keep = [0.2, 0.4]"))
+    grown = _write(
+        tmp_path / "grown.toml", experiment.read_text().replace("keep = [0.2]", "keep = [0.2, 0.4]")
+    )
     plans = []
     sweep(grown, out, dry_run=True, announce=plans.append)
-    assert plans[0].lines() == [
-        f"plan for {out}:",
-        "  capture: 0 new, 0 changed, 2 kept",
-        "  oracle: 0 new, 0 changed, 2 kept",
-        "  bench: 0 new, 2 changed, 0 kept; 4 examples, 896 prompt tokens through the model",  # runs every rate
-        "  diffusion: 0 new, 0 changed, 2 kept",
-        "  compare: 2 new, 0 changed, 2 kept",
-        "  variance: 2 new, 0 changed, 2 kept",
-        "  dashboard: 0 new, 2 changed, 0 kept",  # it shows bench's rows
-        "  in all 896 prompt tokens through the model",
-    ]
+    assert (
+        plans[0].lines()
+        == [
+            f"plan for {out}:",
+            "  capture: 0 new, 0 changed, 2 kept",
+            "  oracle: 0 new, 0 changed, 2 kept",
+            "  bench: 0 new, 2 changed, 0 kept; 4 examples, 896 prompt tokens through the model",  # runs every rate
+            "  diffusion: 0 new, 0 changed, 2 kept",
+            "  compare: 2 new, 0 changed, 2 kept",
+            "  variance: 2 new, 0 changed, 2 kept",
+            "  dashboard: 0 new, 2 changed, 0 kept",  # it shows bench's rows
+            "  in all 896 prompt tokens through the model",
+        ]
+    )
 
     def refuse(*args, **kwargs):
         raise AssertionError("a keep rate added to compare and variance loaded a model")
