@@ -551,7 +551,9 @@ def test_a_context_file_is_read_like_jsonl(no_model_load, content, message):
 
 def test_compare_out_that_names_no_file_is_one_line(no_model_load):
     said = refused(["compare", "missing.zarr", "--out", ""], no_model_load)
-    assert said == "--out '.' names no file; give a file path, e.g. --out runs/out.parquet"  # typer's Path('')
+    assert (
+        said == "--out '.' names no file; give a file path, e.g. --out runs/out.parquet"
+    )  # typer's Path('')
 
 
 def test_an_example_without_answer_tokens_gets_no_oracle_and_the_others_do(
