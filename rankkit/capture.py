@@ -265,8 +265,11 @@ def capture(
     models.resolve_device(device)
     tokenizer = models.load_tokenizer(model)
     examples = storable_examples(load_examples(data, tokenizer)[:limit], data)
-    check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
-    outputs.check_writable(Path(out).parent)
+    prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
+    tokens = sum(prompt.num_tokens for prompt in prompts)
+    # a store being resumed holds some of it already: only a new one is held to the estimate
+    needed = 0 if Path(out).exists() else store_bytes(config, len(probe_list), tokens, score_dtype)
+    outputs.check_writable(Path(out).parent, needed)
     loaded = models.load(model, device=device, device_map=device_map)
     runner = Runner(loaded.model)
     drafter = None if draft is None else specprefill_for(draft, runner)
@@ -313,6 +316,13 @@ def capture(
     summary.seconds = time.perf_counter() - started
     wait_for_other_ranks(world)
     return summary
+
+
+def store_bytes(config, probe_count: int, tokens: int, score_dtype: str) -> int:
+    """About the bytes a store of ``tokens`` prompt tokens takes: each probe's scores, one value per
+    layer, KV head and token (they barely compress, docs/benchmarks.md)."""
+    per_token = config.num_hidden_layers * config.num_key_value_heads * probe_count
+    return tokens * per_token * np.dtype(score_dtype).itemsize
 
 
 def storable_examples(examples: list[Example], data: str) -> list[Example]:

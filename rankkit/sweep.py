@@ -61,7 +61,7 @@ import polars as pl
 from rankkit import __version__, models, outputs, stores
 from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
-from rankkit.capture import add_oracle, capture, capture_probes
+from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import load_examples
 from rankkit.errors import RankkitError
@@ -490,7 +490,20 @@ def check(
         }
         run = Run(plan, layout, running, sizes, statuses, workers)
         _check_inputs(run)
+    outputs.check_writable(layout.root, _store_bytes(run, config))
     return run
+
+
+def _store_bytes(run: Run, config) -> int:
+    """About the bytes the stores this call captures take (``capture.store_bytes``)."""
+    if "capture" not in run.running:
+        return 0
+    probes = len(capture_probes(run.plan.probes))
+    return sum(
+        store_bytes(config, probes, run.sizes[unit.cell.name].tokens, run.plan.capture.score_dtype)
+        for unit in units(run.plan, "capture")
+        if run.status("capture", unit) != KEPT
+    )
 
 
 def _check_draft(draft: str, config) -> None:
@@ -697,7 +710,6 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             f"{path} is in the way: the sweep writes there but did not make it; move it away, or choose "
             "another --out"
         )
-    outputs.check_writable(root)
 
 
 def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:

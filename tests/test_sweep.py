@@ -560,3 +560,23 @@ def test_a_store_at_a_cells_path_seeds_it_and_one_model_load_serves_every_unit(
     ]
     assert {path: path.stat().st_mtime_ns for path in seeded} == seeded  # the seed's examples were kept
     assert len(loads) == 1  # capture of both cells and diffusion of both: one load
+
+
+def test_a_disk_without_room_for_the_stores_is_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
+    import shutil as disk
+
+    from rankkit import outputs
+
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: disk._ntuple_diskusage(10**6, 10**6, 1000))
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(small, tmp_path / "out")
+    # 128 tokens x 3 layers x 2 KV heads x 6 probes x 4 bytes
+    assert str(refused.value) == (
+        f"{tmp_path / 'out'} needs about 18.0 KiB but {tmp_path} has 1000 bytes free; free some space or "
+        "choose another --out"
+    )
+    assert sorted(tmp_path.iterdir()) == [small]
