@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +102,16 @@ class CaptureSummary:
             f"interrupted: kept {self.captures} captures and {self.oracles} oracles written by this run "
             f"({self.skipped} examples were complete before) in {self.out}; rerun the same command to resume"
         )
+
+    @contextmanager
+    def kept_on_write_failure(self) -> Iterator[None]:
+        """A write into the store that fails (a full disk) is one line saying why and what was kept."""
+        try:
+            yield
+        except OSError as error:
+            raise RankkitError(
+                f"{outputs.write_failure(error.filename or self.out, error)}; {self.kept().removeprefix('interrupted: ')}"
+            ) from None
 
     @property
     def tokens_per_second(self) -> float:
@@ -281,7 +293,7 @@ def capture(
         check_oracle_settings(out, oracle)
     summary = CaptureSummary(out=str(Path(out)), total=share_size(len(examples), rank, world))
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept):
+    with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for example in share(examples, rank, world):
             summary.examples += 1
             if (
@@ -390,7 +402,7 @@ def add_oracle(
     records = share(list(store.examples()), rank, world)
     summary = CaptureSummary(out=str(store_path), total=len(records))
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept):
+    with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for record in records:
             summary.examples += 1
             if record.has_oracle and not redo:

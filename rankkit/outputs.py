@@ -205,11 +205,17 @@ class Journal:
         return [row for rows in units.values() for row in rows]
 
     def _append(self, entry: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as journal:
-            journal.write(json.dumps(entry) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as journal:
+                journal.write(json.dumps(entry) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
+        except OSError as error:
+            raise RankkitError(
+                f"{write_failure(self.path, error)}; the {len(self.units)} units finished before are kept "
+                "there: make room and rerun the same command to resume"
+            ) from None
 
     def note(self, name: str, value) -> None:
         """Keep a value the resumed run must reuse (e.g. a calibration), so its output matches."""
@@ -222,9 +228,9 @@ class Journal:
 
     def record(self, key: str, rows: list[dict]) -> None:
         rows = json.loads(json.dumps(rows))  # the same values a resumed run reads back
-        self.units[key] = rows
         if self.path is not None:
             self._append({"key": key, "rows": rows})
+        self.units[key] = rows
 
     @property
     def rows(self) -> list[dict]:

@@ -613,3 +613,28 @@ def test_the_interrupt_line_of_a_capture_counts_each_stage():
         "interrupted: kept 3 captures and 2 oracles written by this run (1 examples were complete before) "
         "in s.zarr; rerun the same command to resume"
     )
+
+
+def test_a_full_disk_during_a_capture_is_one_line_and_keeps_what_was_written(
+    tmp_path, tiny_folder, monkeypatch
+):
+    from rankkit import stores
+    from rankkit.capture import capture
+    from rankkit.stores.writer import StoreWriter
+
+    real = StoreWriter.write_example
+
+    def full_on_the_second(self, example_id, **kwargs):
+        if len(stores.open(self.path).example_ids()) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path / "examples" / example_id))
+        return real(self, example_id, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "write_example", full_on_the_second)
+    out = tmp_path / "s.zarr"
+    with pytest.raises(RankkitError) as failed:
+        capture(model=str(tiny_folder), data="niah:n=2,length=128", out=out, device="cpu")
+    assert str(failed.value) == (
+        f"cannot write {out / 'examples'}/niah-128-s0-001 (No space left on device); kept 1 captures and 0 oracles "
+        f"written by this run (0 examples were complete before) in {out}; rerun the same command to resume"
+    )
+    assert stores.open(out).example_ids() == ["niah-128-s0-000"]
