@@ -580,3 +580,21 @@ def test_a_disk_without_room_for_the_stores_is_refused_before_any_work(tiny_fold
         "choose another --out"
     )
     assert sorted(tmp_path.iterdir()) == [small]
+
+
+def test_a_changed_setting_reruns_exactly_the_units_it_decides(finished, experiment, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    changed = _write(tmp_path / "changed.toml", experiment.read_text() + '\n[compare]\nspan = "context"\n')
+    plans = []
+    summary = sweep(changed, out, stages=["compare"], workers=1, announce=plans.append)
+    assert plans[0].lines() == [
+        f"plan for {out}:",
+        "  compare: 0 new, 2 changed, 0 kept",
+        "  no model stage to run",
+    ]
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [("compare", 2, 0)]
+    expected = compare_store(out / "stores" / "niah-192.zarr", keep=0.2, span="context", workers=1).summary
+    rows = pl.read_parquet(out / "compare.summary.parquet").filter(pl.col("cell") == "niah-192")
+    assert_frame_equal(_untagged(rows, "compare"), expected, check_dtypes=False)
+    assert sweep(changed, out, stages=["compare"], workers=1).stages[0].skipped == 2
