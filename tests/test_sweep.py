@@ -598,3 +598,30 @@ def test_a_changed_setting_reruns_exactly_the_units_it_decides(finished, experim
     rows = pl.read_parquet(out / "compare.summary.parquet").filter(pl.col("cell") == "niah-192")
     assert_frame_equal(_untagged(rows, "compare"), expected, check_dtypes=False)
     assert sweep(changed, out, stages=["compare"], workers=1).stages[0].skipped == 2
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture", "variance"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=3,length=128"\n',
+    )
+    out = tmp_path / "out"
+    shown = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run"])
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.splitlines() == [
+        f"plan for {out}:",
+        "  capture: 1 new, 0 changed, 0 kept; 3 examples, 384 prompt tokens through the model",
+        "  variance: 1 new, 0 changed, 0 kept",
+        "  in all 384 prompt tokens through the model",
+    ]
+    as_json = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run", "--json"])
+    assert json.loads(as_json.stdout) == [
+        {"stage": "capture", "new": 1, "changed": 0, "kept": 0, "examples": 3, "tokens": 384},
+        {"stage": "variance", "new": 1, "changed": 0, "kept": 0, "examples": 0, "tokens": 0},
+    ]
+    assert not out.exists()
