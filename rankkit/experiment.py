@@ -333,7 +333,7 @@ _OPTION_FIELDS = {
     "no-oracle": "oracle = false in [compare]",
     "allow-overlength": "allow_overlength = true in [model]",
     "layer": "layers",
-    **{option: f"--{option}" for option in ("max-units", "stages", "overwrite")},  # the sweep's own
+    **{option: f"--{option}" for option in ("max-units", "stages", "overwrite", "out")},  # the sweep's own
 }
 
 

@@ -408,7 +408,13 @@ def sweep(
     if dry_run:
         return summary
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept), process_group(world), models.loaded_once():
+    # a stage's refusal names the file's fields, as the checks' do
+    with (
+        errors_in(str(experiment_path)),
+        keep_on_interrupt(summary.kept),
+        process_group(world),
+        models.loaded_once(),
+    ):
         if rank == 0:
             _prepare_directory(run, text, overwrite)
         wait_for_other_ranks(world)  # no rank writes before the directory is ready
@@ -416,7 +422,7 @@ def sweep(
             _MODEL_STAGES[stage](run, _Counter(progress, stage), summary)
         wait_for_other_ranks(world)
     if rank == 0:
-        with keep_on_interrupt(summary.kept):
+        with errors_in(str(experiment_path)), keep_on_interrupt(summary.kept):
             for report in list(summary.stages):
                 report.outputs += _merge(run, report.stage, world)
             for stage in (each for each in running if each not in MODEL_STAGES):

@@ -625,3 +625,21 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
         {"stage": "variance", "new": 1, "changed": 0, "kept": 0, "examples": 0, "tokens": 0},
     ]
     assert not out.exists()
+
+
+def test_a_stage_that_refuses_as_it_runs_names_the_files_fields(tiny_folder, tmp_path):
+    from rankkit.capture import capture
+
+    out = tmp_path / "out"
+    store = out / "stores" / "niah-128.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=128", out=store, device="cpu")  # no oracle
+    seeded = _write(
+        tmp_path / "seeded.toml",
+        f'stages = ["compare"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(seeded, out, overwrite=True, workers=1)  # --overwrite: the folder holds no sweep yet
+    assert str(refused.value) == (
+        f"{seeded}: store {store} has no oracle; run `rankkit oracle {store}` first (or pass oracle = false "
+        "in [compare])"
+    )
