@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -39,7 +38,10 @@ def sweep(
         "else), and start over.",
     ),
     dry_run: bool = typer.Option(
-        False, "--dry-run", help="Print the plan (new, changed and kept units, the work ahead) and stop."
+        False,
+        "--dry-run",
+        help="Print the plan (new, changed and kept units, the work ahead, seconds from a cached cost "
+        "model) and stop; no model loads.",
     ),
     max_units: int = typer.Option(
         None,
@@ -88,7 +90,7 @@ def sweep(
         return
     if dry_run:
         if as_json:
-            typer.echo(json.dumps([dataclasses.asdict(stage) for stage in summary.plan.stages]))
+            typer.echo(json.dumps(summary.plan.as_dict()))
         return
     rows = [
         {

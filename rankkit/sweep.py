@@ -30,7 +30,8 @@ settings; its old result is discarded first) or *kept*, and runs only when it is
 a keep rate added to the file runs compare and variance at that rate and reuses the stores.
 Capture, oracle, bench and diffusion also resume inside a unit, example by example. A stage's
 parquet is rewritten when the units behind it differ from those it was made of. ``plan``
-shows all this before anything loads (``--dry-run`` stops there).
+shows all this before anything loads (``--dry-run`` stops there), with the work ahead and, where
+a cost model is cached for the model (``Timing``), capture's estimate in seconds.
 
 What DIR holds that the sweep wrote is listed in ``manifest.json``; ``overwrite`` removes
 those paths and nothing else, and a path the sweep would write that it did not (a folder in
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import torch
 
 from rankkit import __version__, models, outputs, stores
 from rankkit.bench import Setup
@@ -81,6 +83,7 @@ from rankkit.experiment import (
 )
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget
+from rankkit.methods.measure import CostModel, cached_cost_model
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
 
@@ -282,6 +285,7 @@ class CellSize:
 
     examples: int
     tokens: int
+    squared_tokens: int  # the sum of each prompt's tokens squared: a prefill's attention grows with it
 
 
 @dataclass
@@ -294,24 +298,90 @@ class StagePlan:
     kept: int = 0
     examples: int = 0  # examples through the model in the units that run (model stages)
     tokens: int = 0  # their prompt tokens
+    seconds: float | None = None  # their estimated time, where the stage has an estimate (``ESTIMATED``)
+
+    @property
+    def runs_model(self) -> bool:
+        return self.stage in MODEL_STAGES and self.new + self.changed > 0
 
     def line(self) -> str:
         units = f"{self.stage}: {self.new} new, {self.changed} changed, {self.kept} kept"
-        if self.stage not in MODEL_STAGES or not self.new + self.changed:
+        if not self.runs_model:
             return units
-        return f"{units}; {self.examples:,} examples, {self.tokens:,} prompt tokens through the model"
+        work = f"{units}; {self.examples:,} examples, {self.tokens:,} prompt tokens through the model"
+        return (
+            work if self.seconds is None else f"{work}, about {self.seconds:,.1f} s ({ESTIMATED[self.stage]})"
+        )
+
+
+# What the plan's estimate in seconds counts in a stage: a full prefill of each example's prompt
+# is all the cost model prices before anything runs. The oracle's answers, bench's methods and
+# the diffusion probe's decoding are known only once they run, so those stages have no estimate.
+ESTIMATED = {"capture": "one full prefill per example"}
 
 
 @dataclass
 class SweepPlan:
     out: Path
     stages: list[StagePlan]
+    calibrate: str | None = None  # the command that caches a cost model, where none is cached
+
+    @property
+    def seconds(self) -> float | None:
+        """The estimate of the stages that have one, where a cost model is cached."""
+        if self.calibrate is not None:
+            return None
+        return sum(stage.seconds for stage in self.stages if stage.seconds is not None)
 
     def lines(self) -> list[str]:
         """The plan as ``rankkit sweep`` prints it before it starts (and alone with --dry-run)."""
         work = sum(stage.tokens for stage in self.stages)
         total = f"in all {work:,} prompt tokens through the model" if work else "no model stage to run"
-        return [f"plan for {self.out}:", *(f"  {stage.line()}" for stage in self.stages), f"  {total}"]
+        lines = [f"plan for {self.out}:", *(f"  {stage.line()}" for stage in self.stages), f"  {total}"]
+        if not work:
+            return lines
+        unpriced = [stage.stage for stage in self.stages if stage.runs_model and stage.stage not in ESTIMATED]
+        if len(unpriced) == sum(stage.runs_model for stage in self.stages):
+            return [*lines, f"  no estimate in seconds for {', '.join(unpriced)}"]
+        if self.calibrate is not None:
+            return [
+                *lines,
+                f"  no cost model cached for this model: run `{self.calibrate}` once to calibrate",
+            ]
+        left_out = f"; {', '.join(unpriced)} not estimated" if unpriced else ""
+        return [*lines, f"  about {self.seconds:,.1f} s estimated from the cached cost model{left_out}"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stages": [dataclasses.asdict(stage) for stage in self.stages],
+            "seconds": self.seconds,
+            "calibrate": self.calibrate,
+        }
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the plan prices its work with: the cost model cached for the experiment's model, device
+    and torch thread count (None where none is), and the command that caches one."""
+
+    num_layers: int
+    cost_model: CostModel | None
+    calibrate: str
+
+    @classmethod
+    def cached(cls, plan: Experiment, config, device) -> Timing:
+        """Read from the caches alone: no weight file is read and no model loads."""
+        weights_hash = models.recorded_weights_hash(models.resolve_folder(plan.model.name))
+        cost_model = None if weights_hash is None else cached_cost_model(weights_hash, device)
+        command = (
+            f"rankkit prefill --method full --model {plan.model.name} --device {device} "
+            f"--threads {torch.get_num_threads()} --data {plan.data[0].spec}"
+        )
+        return cls(config.num_hidden_layers, cost_model, command)
+
+    def prefills_seconds(self, size: CellSize) -> float:
+        """A full prefill of each of the cell's prompts (with a cost model cached)."""
+        return self.cost_model.prefills_seconds(self.num_layers, size.tokens, size.squared_tokens)
 
 
 @dataclass(frozen=True)
@@ -323,6 +393,7 @@ class Run:
     running: tuple[str, ...]  # the stages this call runs
     sizes: dict[str, CellSize]  # per cell
     statuses: dict[tuple[str, str, str], str]  # (stage, cell, variant) -> NEW, CHANGED or KEPT
+    timing: Timing
     workers: int | None = None
 
     def status(self, stage: str, unit: Unit) -> str:
@@ -463,7 +534,7 @@ def check(
     with errors_in(f"{path} [model]"):
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
-        models.resolve_device(rank_device(plan.model.device))
+        device = models.resolve_device(rank_device(plan.model.device))
     num_layers = config.num_hidden_layers
     with errors_in(str(path)):
         for layer in plan.layers:
@@ -494,7 +565,7 @@ def check(
             for stage in plan.stages
             for unit in units(plan, stage)
         }
-        run = Run(plan, layout, running, sizes, statuses, workers)
+        run = Run(plan, layout, running, sizes, statuses, Timing.cached(plan, config, device), workers)
         _check_inputs(run)
     outputs.check_writable(layout.root, _store_bytes(run, config))
     return run
@@ -591,14 +662,15 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                 spec = read_spec(cell.spec)
                 if spec.kind != "jsonl":
                     count = declared_examples(cell.spec)
-                    sizes[cell.name] = CellSize(count, count * spec.length)
+                    sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2)
                     continue
                 tokenizer = tokenizer or models.load_tokenizer(plan.model.name)
                 examples = storable_examples(load_examples(cell.spec, tokenizer), cell.spec)
                 prompts = check_prompt_lengths(
                     tokenizer, examples, config, allow_overlength=plan.model.allow_overlength
                 )
-                sizes[cell.name] = CellSize(len(examples), sum(prompt.num_tokens for prompt in prompts))
+                lengths = [prompt.num_tokens for prompt in prompts]
+                sizes[cell.name] = CellSize(len(examples), sum(lengths), sum(n * n for n in lengths))
     return sizes
 
 
@@ -649,8 +721,11 @@ def _plan(run: Run) -> SweepPlan:
                 count = _examples_of(run.plan, stage, size)
                 row.examples += count
                 row.tokens += size.tokens * count // max(size.examples, 1)
+                if stage in ESTIMATED and run.timing.cost_model is not None:
+                    row.seconds = (row.seconds or 0.0) + run.timing.prefills_seconds(size)
         stages.append(row)
-    return SweepPlan(run.layout.root, stages)
+    calibrate = None if run.timing.cost_model is not None else run.timing.calibrate
+    return SweepPlan(run.layout.root, stages, calibrate)
 
 
 def _check_inputs(run: Run) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from conftest import run_on_two_gloo_ranks
 from polars.testing import assert_frame_equal
 
@@ -247,7 +248,8 @@ def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment
     assert not part.exists() and not (out / "bench.parquet").exists()
 
 
-def test_another_experiment_runs_its_new_units_and_overwrite_starts_over(tiny_folder, tmp_path):
+def test_another_experiment_runs_its_new_units_and_overwrite_starts_over(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached: no seconds
     small = (
         EXPERIMENT.format(model=tiny_folder)
         .split("[[data]]")[0]
@@ -436,13 +438,15 @@ def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_pat
         "stage), more than 50,000; shrink it, or raise the limit with --max-units"
     )
     plans = []
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached
     summary = sweep(grid, tmp_path / "out", max_units=56_000, dry_run=True, announce=plans.append)
     assert summary.stages == [] and not (tmp_path / "out").exists()
-    assert plans[0].lines()[1:] == [
+    assert plans[0].lines()[1:-1] == [
         "  capture: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
         "  oracle: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
         "  in all 8,708,000 prompt tokens through the model",
     ]
+    assert plans[0].lines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
 
 
 def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
@@ -490,8 +494,9 @@ def test_a_keep_rate_added_runs_at_that_rate_alone_and_reuses_the_stores(
     )
     plans = []
     sweep(grown, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines()[-1] == "  no estimate in seconds for bench"  # cost model or not
     assert (
-        plans[0].lines()
+        plans[0].lines()[:-1]
         == [
             f"plan for {out}:",
             "  capture: 0 new, 0 changed, 2 kept",
@@ -600,12 +605,13 @@ def test_a_changed_setting_reruns_exactly_the_units_it_decides(finished, experim
     assert sweep(changed, out, stages=["compare"], workers=1).stages[0].skipped == 2
 
 
-def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from rankkit.cli import commands  # noqa: F401  (registers every command)
     from rankkit.cli.app import app
 
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached
     small = _write(
         tmp_path / "small.toml",
         f'stages = ["capture", "variance"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=3,length=128"\n',
@@ -613,17 +619,90 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path):
     out = tmp_path / "out"
     shown = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run"])
     assert shown.exit_code == 0, shown.output
+    calibrate = (
+        f"rankkit prefill --method full --model {tiny_folder} --device cpu --threads {torch.get_num_threads()} "
+        "--data niah:n=3,length=128"
+    )
     assert shown.stdout.splitlines() == [
         f"plan for {out}:",
         "  capture: 1 new, 0 changed, 0 kept; 3 examples, 384 prompt tokens through the model",
         "  variance: 1 new, 0 changed, 0 kept",
         "  in all 384 prompt tokens through the model",
+        f"  no cost model cached for this model: run `{calibrate}` once to calibrate",
     ]
     as_json = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run", "--json"])
-    assert json.loads(as_json.stdout) == [
-        {"stage": "capture", "new": 1, "changed": 0, "kept": 0, "examples": 3, "tokens": 384},
-        {"stage": "variance", "new": 1, "changed": 0, "kept": 0, "examples": 0, "tokens": 0},
+    assert json.loads(as_json.stdout) == {
+        "stages": [
+            {
+                "stage": "capture",
+                "new": 1,
+                "changed": 0,
+                "kept": 0,
+                "examples": 3,
+                "tokens": 384,
+                "seconds": None,
+            },
+            {
+                "stage": "variance",
+                "new": 1,
+                "changed": 0,
+                "kept": 0,
+                "examples": 0,
+                "tokens": 0,
+                "seconds": None,
+            },
+        ],
+        "seconds": None,
+        "calibrate": calibrate,
+    }
+    assert not out.exists()
+
+
+def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_model(
+    tiny_folder, tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from rankkit import models
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+    from rankkit.methods.measure import calibration_path
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    grown = _write(
+        tmp_path / "grown.toml",
+        f'stages = ["capture", "oracle", "variance"]\n[model]\nname = "{tiny_folder}"\n'
+        '[[data]]\nspec = "niah:n=3,length=128"\n[[data]]\nspec = "niah:n=1,length=64"\n',
+    )
+    weights_hash = models.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
+    monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("--dry-run loaded a model"))
+    out = tmp_path / "out"
+
+    def dry_run(*flags: str):
+        shown = CliRunner().invoke(app, ["sweep", str(grown), "--out", str(out), "--dry-run", *flags])
+        assert shown.exit_code == 0, shown.output
+        return shown.stdout
+
+    assert (
+        dry_run().splitlines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
+    )
+    # a = 1/128 s per token per layer, b = 1/16384 s per query-key pair per layer; the tiny model has
+    # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
+    path = calibration_path(weights_hash, torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[128, 1.0]]}))
+    assert dry_run().splitlines() == [
+        f"plan for {out}:",
+        "  capture: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model, "
+        "about 20.2 s (one full prefill per example)",
+        "  oracle: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model",
+        "  variance: 2 new, 0 changed, 0 kept",
+        "  in all 896 prompt tokens through the model",
+        "  about 20.2 s estimated from the cached cost model; oracle not estimated",
     ]
+    plan = json.loads(dry_run("--json"))
+    assert plan["seconds"] == 20.25 and plan["calibrate"] is None
+    assert [stage["seconds"] for stage in plan["stages"]] == [20.25, None, None]
     assert not out.exists()
 
 
