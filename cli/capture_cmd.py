@@ -39,6 +39,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "seconds": round(summary.seconds, 3),
         "tokens_per_second": round(summary.tokens_per_second, 1),
         "accuracy": summary.accuracy,
+        "without_answer": len(summary.without_answer),
     }
     if as_json:
         print(json.dumps(row))

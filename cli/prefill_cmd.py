@@ -100,6 +100,7 @@ def prefill(
     """
     from rankkit.bench import prefill as run_prefill
     from rankkit.bench import prefill_json
+    from rankkit.data import read_context_file
 
     (chosen_budget,) = budgets(keep, budget, required=False) or [None]
     rows = run_prefill(
@@ -107,7 +108,7 @@ def prefill(
         chosen_budget,
         data=data,
         example_index=example_index,
-        context=context_file.read_text(encoding="utf-8") if context_file else None,
+        context=read_context_file(context_file) if context_file else None,
         question=question,
         compare=compare,
         kept_layers=_layer_list(kept_layers, as_json),

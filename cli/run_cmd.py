@@ -43,8 +43,9 @@ def generate(
     as_json: AsJson = False,
 ) -> None:
     """Greedy answer through the layer-by-layer runner (full prefill)."""
+    from rankkit.data import read_context_file
     from rankkit.demo import answer
 
-    context = context_file.read_text() if context_file else ""
+    context = read_context_file(context_file) if context_file else ""
     result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
     console.print_json(json.dumps(result)) if as_json else console.print(result["answer"])

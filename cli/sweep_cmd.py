@@ -31,7 +31,23 @@ def sweep(
         "then compare,variance,dashboard); the stages they read must have run. (default: all of them)",
     ),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Discard what a previous sweep wrote into --out, and start over."
+        False,
+        "--overwrite",
+        help="Discard what a previous sweep wrote into --out (the paths its manifest.json lists, nothing "
+        "else), and start over.",
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print the plan (new, changed and kept units, the work ahead, seconds from a cached cost "
+        "model) and stop; no model loads.",
+    ),
+    max_units: int = typer.Option(
+        None,
+        "--max-units",
+        min=1,
+        help="Refuse a grid of more units of work than this (an example through a model stage, a unit "
+        "of another stage). (default: 100,000)",
     ),
     workers: Workers = None,
     threads: Threads = None,
@@ -39,8 +55,10 @@ def sweep(
 ) -> None:
     """Run an experiment file's grid (data cells x probes x methods x keep rates x layers), stage by stage.
 
-    Everything is checked before any model loads. Under torchrun every rank takes its share of
-    each cell's examples in the model stages (capture, oracle, bench, diffusion) and rank 0
+    Everything is checked before any model loads; then the plan is printed: each stage's new,
+    changed (other settings than its last run) and kept units. Only new and changed units run,
+    so a keep rate added to the file reuses the stores. Under torchrun every rank takes its share
+    of each cell's examples in the model stages (capture, oracle, bench, diffusion) and rank 0
     merges them and runs the others. Ctrl-C or SIGTERM keeps every finished unit and example
     and exits 130; the same command resumes.
     """
@@ -50,6 +68,11 @@ def sweep(
 
     use_threads(threads)
     rank, _ = shard()
+
+    def announce(plan) -> None:
+        if rank == 0 and not (dry_run and as_json):
+            typer.echo("\n".join(plan.lines()), err=not dry_run)
+
     with stage_bars("sweep") as show:
         summary = run_sweep(
             experiment,
@@ -58,8 +81,15 @@ def sweep(
             overwrite=overwrite,
             workers=workers,
             progress=show if rank == 0 else ignore,
+            dry_run=dry_run,
+            max_units=max_units,
+            announce=announce,
         )
     if rank != 0:
+        return
+    if dry_run:
+        if as_json:
+            typer.echo(json.dumps(summary.plan.as_dict()))
         return
     rows = [
         {

@@ -10,19 +10,22 @@ WORLD_SIZE-th example and writes into the same store (``rankkit.shards``).
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rankkit import defaults, models, stores
+from rankkit import defaults, models, outputs, stores
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import METRICS, Example, load_examples
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
-from rankkit.oracle import answer_informed_oracle, oracle_params
+from rankkit.oracle import EmptyAnswer, answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt, reference_answer
@@ -70,6 +73,9 @@ class CaptureSummary:
     seconds: float = 0.0
     correct: list[float] = field(default_factory=list)
     total: int | None = None  # the examples this run goes through
+    captures: int = 0  # captures this run wrote, each whole, as it wrote them
+    oracles: int = 0  # oracles this run wrote
+    without_answer: list[str] = field(default_factory=list)  # examples whose oracle had no answer to rank by
 
     def count(
         self,
@@ -90,11 +96,22 @@ class CaptureSummary:
         progress(Progress(stage, self.examples, self.total, example_id))
 
     def kept(self) -> str:
-        """What an interrupted run kept: every example written whole (the store never holds half of one)."""
+        """What an interrupted run kept, per stage: every capture and oracle written whole (the store
+        never holds half of one)."""
         return (
-            f"interrupted: kept {self.written} examples written by this run ({self.skipped} were there "
-            f"before) in {self.out}; rerun the same command to resume"
+            f"interrupted: kept {self.captures} captures and {self.oracles} oracles written by this run "
+            f"({self.skipped} examples were complete before) in {self.out}; rerun the same command to resume"
         )
+
+    @contextmanager
+    def kept_on_write_failure(self) -> Iterator[None]:
+        """A write into the store that fails (a full disk) is one line saying why and what was kept."""
+        try:
+            yield
+        except OSError as error:
+            raise RankkitError(
+                f"{outputs.write_failure(error.filename or self.out, error)}; {self.kept().removeprefix('interrupted: ')}"
+            ) from None
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,11 +175,23 @@ def example_attrs(tokenizer, example: Example, prompt: Prompt) -> dict:
 
 
 def write_oracle(
-    writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, prefill=None
-) -> dict:
-    """Compute one example's oracle and add it to the store; returns the attrs written with it."""
-    result, oracle_attrs = oracle_for(runner, tokenizer, ids, attrs, options, prefill)
+    writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, summary, prefill=None
+) -> dict | None:
+    """Compute one example's oracle and add it to the store; returns the attrs written with it.
+
+    An example without answer tokens to rank by gets no oracle, is warned of and noted in
+    ``summary.without_answer``, and the run goes on (rerunning retries it)."""
+    try:
+        result, oracle_attrs = oracle_for(runner, tokenizer, ids, attrs, options, prefill)
+    except EmptyAnswer as error:
+        summary.without_answer.append(example_id)
+        hint = (
+            "; --answer reference ranks by the gold answer instead" if options.answer == "generated" else ""
+        )
+        warnings.warn(f"example {example_id!r} has no oracle: {error}{hint}", stacklevel=2)
+        return None
     writer.add_oracle(example_id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs)
+    summary.oracles += 1
     return oracle_attrs
 
 
@@ -241,23 +270,30 @@ def capture(
     stores.check_score_dtype(score_dtype)
     # float32 stays implicit, so stores captured before the option existed still resume
     stored_as = {} if score_dtype == "float32" else {stores.SCORE_DTYPE_KEY: score_dtype}
-    config = models.load_config(model)  # a bad spec, length or device map fails before the weights load
+    # a bad spec, example, length, device, device map or output fails before the weights load
+    config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
     device_map = models.parse_device_map(device_map)
+    models.resolve_device(device)
+    tokenizer = models.load_tokenizer(model)
+    examples = storable_examples(load_examples(data, tokenizer)[:limit], data)
+    prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
+    tokens = sum(prompt.num_tokens for prompt in prompts)
+    # a store being resumed holds some of it already: only a new one is held to the estimate
+    needed = 0 if Path(out).exists() else store_bytes(config, len(probe_list), tokens, score_dtype)
+    outputs.check_writable(Path(out).parent, needed)
     loaded = models.load(model, device=device, device_map=device_map)
-    examples = load_examples(data, loaded.tokenizer)[:limit]
-    check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
     runner = Runner(loaded.model)
     drafter = None if draft is None else specprefill_for(draft, runner)
     meta = {**run_meta(loaded, probe_list, data), **stored_as}
     if drafter is not None:  # part of the run's identity: a resume with another draft refuses
         meta["draft"] = drafter.resolved(runner.num_layers)
-    writer = stores.create(out, meta, overwrite=overwrite and rank == 0)
+    writer = stores.create(out, meta, overwrite=overwrite and rank == 0, rank=rank)
     if oracle is not None:
         check_oracle_settings(out, oracle)
     summary = CaptureSummary(out=str(Path(out)), total=share_size(len(examples), rank, world))
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept):
+    with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for example in share(examples, rank, world):
             summary.examples += 1
             if (
@@ -281,9 +317,10 @@ def capture(
                     scores=recorder.scores(),
                     score_attrs={probe.key: probe.layout() for probe in probe_list},
                 )
+                summary.captures += 1
             if oracle is not None and not writer.has_oracle(example.id):
                 oracle_attrs = write_oracle(
-                    writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, prefill
+                    writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, summary, prefill
                 )
             if drafter is not None and not writer.has_group(example.id, DRAFT_GROUP):
                 write_draft_scores(writer, runner, drafter, example.id, ids)
@@ -291,6 +328,26 @@ def capture(
     summary.seconds = time.perf_counter() - started
     wait_for_other_ranks(world)
     return summary
+
+
+def store_bytes(config, probe_count: int, tokens: int, score_dtype: str) -> int:
+    """About the bytes a store of ``tokens`` prompt tokens takes: each probe's scores, one value per
+    layer, KV head and token (they barely compress, docs/benchmarks.md)."""
+    per_token = config.num_hidden_layers * config.num_key_value_heads * probe_count
+    return tokens * per_token * np.dtype(score_dtype).itemsize
+
+
+def storable_examples(examples: list[Example], data: str) -> list[Example]:
+    """``examples``, refused before anything is written when there is none or an id cannot name
+    an example in a store (empty, too long)."""
+    if not examples:
+        raise RankkitError(f"'{data}' holds no example; give a data spec or a file with at least one")
+    for number, example in enumerate(examples, start=1):
+        try:
+            stores.encode_name(example.id)
+        except RankkitError as error:
+            raise RankkitError(f"example {number} of '{data}' has an id no store can hold: {error}") from None
+    return examples
 
 
 def specprefill_for(draft: str, runner: Runner):
@@ -340,12 +397,12 @@ def add_oracle(
         )
     if not redo:
         check_oracle_settings(store_path, options)
-    writer = stores.create(store_path, meta)  # reopens: the store's own metadata always matches
+    writer = stores.create(store_path, meta, rank=rank)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
     records = share(list(store.examples()), rank, world)
     summary = CaptureSummary(out=str(store_path), total=len(records))
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept):
+    with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for record in records:
             summary.examples += 1
             if record.has_oracle and not redo:
@@ -353,7 +410,7 @@ def add_oracle(
                 continue
             ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
             oracle_attrs = write_oracle(
-                writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options
+                writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options, summary
             )
             summary.count(progress, record.id, record.num_tokens, oracle_attrs)
     summary.seconds = time.perf_counter() - started

@@ -12,7 +12,6 @@ Options left out keep the default of the library call (and the command) they mir
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import re
@@ -26,7 +25,7 @@ from typing import Any
 from rankkit import defaults
 from rankkit.bench import BenchSettings, MethodOptions
 from rankkit.capture import OracleOptions, capture_probes
-from rankkit.data import format_spec, read_spec
+from rankkit.data import format_spec, parse_spec, read_spec
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.stores import check_score_dtype
@@ -36,7 +35,10 @@ from rankkit.stores import check_score_dtype
 STAGES = ("capture", "oracle", "bench", "diffusion", "compare", "variance", "dashboard")
 MODEL_STAGES = ("capture", "oracle", "bench", "diffusion")
 DEFAULT_KEEP = 0.1  # compare's and variance's default keep rate
-_CELL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]*")
+# The most units of work a sweep takes on unless told (``--max-units``): an example through one
+# model stage, or one unit of a stage reading the stores. Past it a grid is a typo, not a plan.
+MAX_UNITS = 100_000
+_CELL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,99}")  # a file name with room for its suffixes
 
 
 @dataclass(frozen=True)
@@ -251,28 +253,21 @@ class Experiment:
     diffusion: DiffusionSettings = DiffusionSettings()
     description: str = ""
 
-    def identity(self) -> dict[str, Any]:
-        """What decides the outputs: everything but the name, the description and the stages (a
-        stage added to the file, or left out of it, changes no other stage's output)."""
-        fields = dataclasses.asdict(self)
-        return {key: value for key, value in fields.items() if key not in ("name", "description", "stages")}
 
-    def differences(self, other: Experiment) -> list[str]:
-        """The top-level fields and tables whose settings differ from ``other``'s."""
-        mine, theirs = self.identity(), other.identity()
-        return [key for key in mine if mine[key] != theirs[key]]
-
-
-def read_experiment(path: str | Path) -> tuple[Experiment, str]:
-    """The experiment in the TOML file ``path``, checked, and the file's text."""
+def read_experiment(path: str | Path, *, max_units: int = MAX_UNITS) -> tuple[Experiment, str]:
+    """The experiment in the TOML file ``path``, checked, and the file's text; a cell of more than
+    ``max_units`` examples is refused before any is built."""
     path = Path(path)
     if not path.is_file():
         raise RankkitError(f"no experiment file at {path}; give the path of a TOML file (docs/sweeps.md)")
-    text = path.read_text(encoding="utf-8")
-    return parse_experiment(text, source=str(path), default_name=path.stem), text
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise RankkitError(f"{path} is not UTF-8 (byte {error.start + 1}); save it as UTF-8") from None
+    return parse_experiment(text, source=str(path), default_name=path.stem, max_units=max_units), text
 
 
-def parse_experiment(text: str, *, source: str, default_name: str) -> Experiment:
+def parse_experiment(text: str, *, source: str, default_name: str, max_units: int = MAX_UNITS) -> Experiment:
     """The experiment in TOML ``text``; ``source`` names it in errors."""
     try:
         raw = tomllib.loads(text)
@@ -315,7 +310,7 @@ def parse_experiment(text: str, *, source: str, default_name: str) -> Experiment
         name=top.get("name", default_name),
         description=top.get("description", ""),
         stages=stages,
-        data=_data_cells(tables["data"], source),
+        data=_data_cells(tables["data"], source, max_units),
         model=ModelSettings(**given["model"]),
         probes=top.get("probes", "all"),
         budgets=_budgets(top, source),
@@ -331,13 +326,30 @@ def parse_experiment(text: str, *, source: str, default_name: str) -> Experiment
     )
 
 
+# A library message names the command line's options; in a sweep they are the file's fields.
+_OPTION = re.compile(r"--([a-z][a-z-]*)")
+_OPTION_FIELDS = {
+    "no-oracle": "oracle = false in [compare]",
+    "allow-overlength": "allow_overlength = true in [model]",
+    "layer": "layers",
+    **{option: f"--{option}" for option in ("max-units", "stages", "overwrite", "out")},  # the sweep's own
+}
+
+
+def in_field_names(message: str) -> str:
+    """``message`` with each command-line option (``--no-oracle``) named as the experiment field
+    that sets it (``oracle = false``)."""
+    return _OPTION.sub(lambda found: _OPTION_FIELDS.get(found[1], found[1].replace("-", "_")), message)
+
+
 @contextmanager
 def errors_in(where: str) -> Iterator[None]:
-    """Prefix a RankkitError raised inside the block with where in the file it comes from."""
+    """Prefix a RankkitError raised inside the block with where in the file it comes from, the
+    options it names written as the file's fields."""
     try:
         yield
     except RankkitError as error:
-        raise RankkitError(f"{where}: {error}") from None
+        raise RankkitError(f"{where}: {in_field_names(str(error))}") from None
 
 
 def _table(tables: dict[str, Any], name: str, source: str) -> dict[str, Any]:
@@ -365,12 +377,21 @@ def _read(table: dict[str, Any], fields: dict[str, Field], where: str) -> dict[s
             )
         if value == []:
             raise RankkitError(f"{where}: {key} is an empty list; name at least one, e.g. {field.example}")
+        if isinstance(value, list):
+            twice = _repeated(value)
+            if twice is not None:
+                raise RankkitError(f"{where}: {key} lists {_shown(twice)} twice; name each once")
         if field.minimum is not None and any(item < field.minimum for item in _as_tuple(value)):
             raise RankkitError(
                 f"{where}: {key} must be at least {field.minimum}, not {_shown(value)}; e.g. {field.example}"
             )
         values[key] = field.kind.convert(value)
     return values
+
+
+def _repeated(items: list) -> Any:
+    """The first item ``items`` holds twice, or None."""
+    return next((item for number, item in enumerate(items) if item in items[:number]), None)
 
 
 def _shown(value: Any) -> str:
@@ -398,12 +419,17 @@ def _budgets(top: dict[str, Any], source: str) -> tuple[Budget, ...]:
         )
     with errors_in(source):
         if "budget" in top:
-            return tuple(Budget.from_tokens(tokens) for tokens in top["budget"])
-        return tuple(Budget.from_keep(rate) for rate in top.get("keep", (DEFAULT_KEEP,)))
+            budgets = tuple(Budget.from_tokens(tokens) for tokens in top["budget"])
+        else:
+            budgets = tuple(Budget.from_keep(rate) for rate in top.get("keep", (DEFAULT_KEEP,)))
+    same = _repeated([budget.label for budget in budgets])
+    if same is not None:
+        raise RankkitError(f"{source}: two keep rates both read {same}; name each rate once")
+    return budgets
 
 
-def _data_cells(entries: Any, source: str) -> tuple[DataCell, ...]:
-    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+def _data_cells(entries: Any, source: str, max_units: int) -> tuple[DataCell, ...]:
+    if not isinstance(entries, list) or not entries or not all(isinstance(entry, dict) for entry in entries):
         raise RankkitError(
             f"{source}: write each data entry as a [[data]] table, e.g. {DATA_FIELDS['spec'].example}"
         )
@@ -416,9 +442,17 @@ def _data_cells(entries: Any, source: str) -> tuple[DataCell, ...]:
             if "name" in values and len(specs) > 1:
                 raise RankkitError(f"name names one cell but the entry makes {len(specs)}; leave name out")
             for spec in specs:
+                declared = declared_examples(spec)
+                if declared is not None and declared > max_units:
+                    raise RankkitError(
+                        f"'{spec}' makes {declared} examples, more than the {max_units} units a sweep takes "
+                        "on; lower n, or raise the limit with --max-units"
+                    )
                 cell = _cell(spec, values.get("name"))
                 if cell.name in cells:
                     raise RankkitError(f"a second cell is named '{cell.name}'; give the entry its own name")
+                if any(other.spec == spec for other in cells.values()):
+                    raise RankkitError(f"'{spec}' is a cell already; name each data spec once")
                 cells[cell.name] = cell
     return tuple(cells.values())
 
@@ -446,12 +480,24 @@ def _entry_specs(values: dict[str, Any]) -> list[str]:
     ]
 
 
+def declared_examples(spec: str) -> int | None:
+    """How many examples ``spec`` makes, read from its text alone (nothing built, no file read):
+    ``n``, or the depths listed; None for a jsonl file without ``n``."""
+    kind, params = parse_spec(spec)
+    if "n" in params and params["n"].isdigit():
+        return int(params["n"])
+    if "depths" in params:
+        return len(params["depths"].split(";"))
+    return None if kind == "jsonl" else 1
+
+
 def _cell(spec: str, name: str | None) -> DataCell:
     data = read_spec(spec)
     dataset = data.task or (Path(data.path).stem if data.kind == "jsonl" else data.kind)
     name = name or (dataset if data.length is None else f"{dataset}-{data.length}")
     if not _CELL_NAME.fullmatch(name):
         raise RankkitError(
-            f"cell name '{name}' is not a file name; use letters, digits, '_', '-', '.' and '='"
+            f"cell name '{name[:40]}{'...' if len(name) > 40 else ''}' is not a file name; use at most 100 "
+            "letters, digits, '_', '-', '.' and '='"
         )
     return DataCell(name=name, spec=spec, dataset=dataset, length=data.length)

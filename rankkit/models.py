@@ -16,6 +16,8 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,29 +182,49 @@ def folder_weights_hash(folder: Path) -> str:
     those files gives a new identity and a fresh hash. The default model's converted
     folder records its hash beside the weights instead.
     """
-    recorded = folder / WEIGHTS_HASH_FILE
-    if recorded.is_file():
-        return json.loads(recorded.read_text())["sha256"]
-    weight_files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    known = recorded_weights_hash(folder)
+    if known is not None:
+        return known
+    weight_files = _weight_files(folder)
     if not weight_files:
         raise RankkitError(
             f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder"
         )
-    identity = [str(folder.resolve())]
-    for path in weight_files:
-        stat = path.stat()
-        identity.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    remembered = (
-        cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
-    )
-    if remembered.is_file():
-        return json.loads(remembered.read_text())["sha256"]
     digest = hashlib.sha256()
     for path in weight_files:
         digest.update(path.name.encode())
         digest.update(file_sha256(path).encode())
-    write_atomically(remembered, json.dumps({"sha256": digest.hexdigest(), "folder": identity[0]}))
+    write_atomically(
+        _remembered_hash(folder, weight_files),
+        json.dumps({"sha256": digest.hexdigest(), "folder": str(folder.resolve())}),
+    )
     return digest.hexdigest()
+
+
+def recorded_weights_hash(folder: Path) -> str | None:
+    """The folder's weights hash where ``folder_weights_hash`` already knows it (recorded beside the
+    weights, or remembered for this version of the folder), else None; no weight file is read."""
+    recorded = folder / WEIGHTS_HASH_FILE
+    if recorded.is_file():
+        return json.loads(recorded.read_text())["sha256"]
+    remembered = _remembered_hash(folder, _weight_files(folder))
+    return json.loads(remembered.read_text())["sha256"] if remembered.is_file() else None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+
+
+def _remembered_hash(folder: Path, weight_files: list[Path]) -> Path:
+    """Where a folder's hash is remembered: under its resolved path and its weight files' names,
+    sizes and modification times."""
+    identity = [str(folder.resolve())]
+    for path in weight_files:
+        stat = path.stat()
+        identity.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return (
+        cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
+    )
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -435,11 +457,41 @@ def parse_device_map(spec: str | dict | None) -> str | dict | None:
     return layout
 
 
+_loaded_before: dict[str, LoadedModel] | None = None  # inside ``loaded_once``: each load by its arguments
+
+
+@contextmanager
+def loaded_once() -> Iterator[None]:
+    """Inside the block, ``load`` with the arguments of an earlier load returns that model instead
+    of loading it again: a sweep's stages and units share one load per (model, device)."""
+    global _loaded_before
+    outer, _loaded_before = _loaded_before, {} if _loaded_before is None else _loaded_before
+    try:
+        yield
+    finally:
+        _loaded_before = outer
+
+
 def load(
     spec: str = "default",
     device: str | torch.device = "auto",
     dtype: torch.dtype | None = None,
     device_map: str | dict | None = None,
+) -> LoadedModel:
+    """The model ``spec`` (``_load``), or inside ``loaded_once`` the one loaded before with these arguments."""
+    if _loaded_before is None:
+        return _load(spec, device, dtype, device_map)
+    key = json.dumps([spec, str(device), str(dtype), device_map], default=str)
+    if key not in _loaded_before:
+        _loaded_before[key] = _load(spec, device, dtype, device_map)
+    return _loaded_before[key]
+
+
+def _load(
+    spec: str,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    device_map: str | dict | None,
 ) -> LoadedModel:
     """Model (eval mode, on ``device``) and tokenizer for ``spec``, with its weights hash.
 

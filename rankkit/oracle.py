@@ -46,6 +46,10 @@ from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, gree
 ANSWER_MODES = ("generated", "reference")
 
 
+class EmptyAnswer(RankkitError):
+    """An example's answer has no token to rank the prompt by; other examples still have theirs."""
+
+
 @dataclass
 class OracleResult:
     scores: np.ndarray  # float32 [T], pooled
@@ -161,7 +165,7 @@ def tokenize_answer(tokenizer, answer: str) -> list[int]:
     """The answer's token ids as they continue a prompt: no BOS or other special tokens."""
     ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
     if not ids:
-        raise RankkitError("the reference answer is empty: nothing to rank the prompt by")
+        raise EmptyAnswer("the reference answer is empty: nothing to rank the prompt by")
     return ids
 
 
@@ -216,7 +220,7 @@ def answer_informed_oracle(
         ended_with_eos = generated[-1] in runner.eos_ids()
         answer_tokens = generated[:-1] if ended_with_eos else generated
         if not answer_tokens:
-            raise RankkitError("the model answered with EOS at once: there are no answer tokens to rank by")
+            raise EmptyAnswer("the model answered with EOS at once: there are no answer tokens to rank by")
 
     scores = pool_tokens(attention.mean, "avg", kernel)
     layer_scores = pool_tokens(attention.layer_mean, "avg", kernel)

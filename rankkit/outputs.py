@@ -1,16 +1,22 @@
 """Safe output files: every ``--out`` of rankkit is claimed, then written atomically, here.
 
 ``claim`` runs before any work, so a refused output costs nothing: a directory, an
-existing file (unless ``overwrite``) and a path that is, or lies inside, one of the
-command's own inputs (a store's ``zarr.json``, say) are refused with the fix named.
-``write_atomic`` writes beside the target and renames into place, so a reader (or an
-interrupted run) only ever sees the old file or the complete new one.
+existing file (unless ``overwrite``), a path that is, or lies inside, one of the
+command's own inputs (a store's ``zarr.json``, say) and a folder that cannot be written
+(read-only, not a folder, or without the space the command says it needs) are refused with
+the fix named. ``write_atomic`` writes beside the target and renames into place, so a
+reader (or an interrupted run) only ever sees the old file or the complete new one; a write
+that fails says why in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -22,11 +28,16 @@ PathLike = str | os.PathLike
 
 
 def claim(
-    outputs: Sequence[PathLike], *, overwrite: bool = False, inputs: Iterable[PathLike | None] = ()
+    outputs: Sequence[PathLike],
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[PathLike | None] = (),
+    needed_bytes: int = 0,
 ) -> list[Path]:
-    """Check that ``outputs`` may be written; returns them as paths. Raises RankkitError naming the fix."""
+    """Check that ``outputs`` may be written (``needed_bytes`` of them, where the command knows);
+    returns them as paths. Raises RankkitError naming the fix."""
     resolved_inputs = [Path(each).resolve() for each in inputs if each is not None]
-    paths = [Path(each) for each in outputs]
+    paths = [named_file(each) for each in outputs]
     for path in paths:
         target = path.resolve()
         for source in resolved_inputs:
@@ -42,19 +53,74 @@ def claim(
             raise RankkitError(
                 f"{path} already exists; pass --overwrite to replace it, or choose another --out"
             )
+    for folder in dict.fromkeys(path.parent for path in paths):
+        check_writable(folder, needed_bytes)
     return paths
+
+
+def named_file(path: PathLike) -> Path:
+    """``path`` as a Path, refused when it names no file (``--out ''`` reads as the current folder)."""
+    target = Path(path)
+    if not os.fspath(path).strip() or not target.name:
+        raise RankkitError(
+            f"--out {os.fspath(path)!r} names no file; give a file path, e.g. --out runs/out.parquet"
+        )
+    return target
+
+
+def check_writable(folder: PathLike, needed_bytes: int = 0) -> None:
+    """Refuse a folder rankkit could not write into, before any work: its nearest existing
+    ancestor must be a folder that takes a file (tried with a nameless temporary file, which
+    also tells a read-only disk from permissions, even for root) and has ``needed_bytes`` free."""
+    folder = Path(folder)
+    existing = next(path for path in (folder, *folder.parents) if path.exists() or path == Path(path.anchor))
+    if not existing.is_dir():
+        raise RankkitError(
+            f"cannot write into {folder}: {existing} is a file, not a folder; choose another --out"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise RankkitError(
+            f"cannot write into {folder}: {existing} is not writable ({error.strerror}); choose another --out"
+        ) from None
+    free = shutil.disk_usage(existing).free
+    if needed_bytes > free:
+        raise RankkitError(
+            f"{folder} needs about {_size(needed_bytes)} but {existing} has {_size(free)} free; "
+            "free some space or choose another --out"
+        )
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def write_failure(path: PathLike, error: OSError) -> str:
+    """Why writing ``path`` failed, in words (no Python exception text)."""
+    reason = error.strerror or os.strerror(error.errno or errno.EIO)
+    return f"cannot write {path} ({reason})"
 
 
 def write_atomic(path: PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(temporary)`` on a sibling file, then rename it to ``path``; returns ``path``."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write(partial)
         os.replace(partial, target)
+    except OSError as error:
+        raise RankkitError(f"{write_failure(target, error)}; the old file, if any, is unchanged") from None
     finally:
-        partial.unlink(missing_ok=True)
+        # A cleanup that fails too (the disk gone read-only) must not hide why the write failed.
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
     return target
 
 
@@ -139,11 +205,17 @@ class Journal:
         return [row for rows in units.values() for row in rows]
 
     def _append(self, entry: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as journal:
-            journal.write(json.dumps(entry) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as journal:
+                journal.write(json.dumps(entry) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
+        except OSError as error:
+            raise RankkitError(
+                f"{write_failure(self.path, error)}; the {len(self.units)} units finished before are kept "
+                "there: make room and rerun the same command to resume"
+            ) from None
 
     def note(self, name: str, value) -> None:
         """Keep a value the resumed run must reuse (e.g. a calibration), so its output matches."""
@@ -156,9 +228,9 @@ class Journal:
 
     def record(self, key: str, rows: list[dict]) -> None:
         rows = json.loads(json.dumps(rows))  # the same values a resumed run reads back
-        self.units[key] = rows
         if self.path is not None:
             self._append({"key": key, "rows": rows})
+        self.units[key] = rows
 
     @property
     def rows(self) -> list[dict]:
@@ -174,7 +246,14 @@ class Journal:
         )
 
     def finish(self, frame: pl.DataFrame) -> None:
+        """Write the output, then drop the journal; a failed write keeps the journal to resume from."""
         if self.out is None:
             return
-        write_parquet(frame, self.out)
+        try:
+            write_parquet(frame, self.out)
+        except RankkitError as error:
+            raise RankkitError(
+                f"{error}; the {len(self.units)} finished units are kept in {self.path}: make room and "
+                "rerun the same command to write it without recomputing them"
+            ) from None
         self.path.unlink(missing_ok=True)

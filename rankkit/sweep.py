@@ -22,12 +22,20 @@ unit: ``cell``, ``dataset``, ``data_length``, ``data`` (the spec), and where the
 varies them ``keep``/``budget`` and ``layer_setting`` (null: each method's own layer).
 compare's frames also carry ``pruning_layer``, the layer its probes are summarised at.
 
-Resume: each unit's result is kept under ``parts/<stage>/<cell>/`` as it finishes (the
-library's own files, written atomically, then a ``.done`` marker for multi-file results);
-capture, oracle, bench and diffusion also resume inside a unit, example by example. A rerun skips every
-finished unit and stage output, so an interrupted sweep loses at most the examples in
-flight. ``experiment.toml`` in DIR is the experiment that made it: another one is refused
-unless ``overwrite``, which discards the previous sweep's outputs.
+Resume and growth: each unit's result is kept under ``parts/<stage>/<cell>/`` as it finishes
+(the library's own files, written atomically), then a ``.done`` marker holding the unit's
+settings (``unit_settings``: its own, defaults filled in, and those of the units it reads) and
+the rankkit version. A rerun compares them: a unit is *new* (no marker), *changed* (other
+settings; its old result is discarded first) or *kept*, and runs only when it is not kept, so
+a keep rate added to the file runs compare and variance at that rate and reuses the stores.
+Capture, oracle, bench and diffusion also resume inside a unit, example by example. A stage's
+parquet is rewritten when the units behind it differ from those it was made of. ``plan``
+shows all this before anything loads (``--dry-run`` stops there), with the work ahead and, where
+a cost model is cached for the model (``Timing``), capture's estimate in seconds.
+
+What DIR holds that the sweep wrote is listed in ``manifest.json``; ``overwrite`` removes
+those paths and nothing else, and a path the sweep would write that it did not (a folder in
+the way) is refused, except a rankkit store at a cell's store path, which seeds the cell.
 
 Sharding: under ``torchrun`` every rank runs the model stages on its share of each cell's
 examples (``rankkit.shards``): capture and oracle write into the one store, bench and
@@ -37,22 +45,25 @@ order and runs the stages that read the stores; the other ranks return.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+import torch
 
-from rankkit import models, outputs, stores
+from rankkit import __version__, models, outputs, stores
 from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
-from rankkit.capture import add_oracle, capture, capture_probes
+from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import load_examples
 from rankkit.errors import RankkitError
@@ -60,20 +71,24 @@ from rankkit.eval import compare, variance
 from rankkit.eval.diffusion import diffusion_probe
 from rankkit.eval.offline import method_from_spec, split_names
 from rankkit.experiment import (
+    MAX_UNITS,
     MODEL_STAGES,
     STAGES,
     DataCell,
     Experiment,
+    declared_examples,
     errors_in,
     parse_experiment,
     read_experiment,
 )
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget
+from rankkit.methods.measure import CostModel, cached_cost_model
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
 
 EXPERIMENT_FILE = "experiment.toml"
+MANIFEST_FILE = "manifest.json"  # every path the sweep wrote in DIR: all that --overwrite removes
 STORE_STAGES = ("oracle", "compare", "variance", "dashboard")  # read what capture wrote
 NEEDS = {  # the stages whose output a stage reads, when the experiment has them
     "oracle": ("capture",),
@@ -150,6 +165,60 @@ def units(experiment: Experiment, stage: str) -> list[Unit]:
     ]
 
 
+def _keyword_defaults(function: Callable) -> dict[str, Any]:
+    """The keywords of ``function`` with their defaults (``workers`` left out: it changes no result)."""
+    parameters = inspect.signature(function).parameters.values()
+    return {
+        each.name: each.default
+        for each in parameters
+        if each.default is not inspect.Parameter.empty and each.name != "workers"
+    }
+
+
+# What compare and variance run with where the experiment leaves a setting out, read once.
+_LIBRARY_DEFAULTS = {
+    "compare": _keyword_defaults(compare.compare_store),
+    "variance": _keyword_defaults(variance.variance_store),
+}
+
+
+def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
+    """What a unit of ``stage`` itself is run with (the device is left out: it changes no result)."""
+    data = {"model": plan.model.name, "data": unit.cell.spec}
+    if stage == "capture":
+        return {**data, "probes": plan.probes, **dataclasses.asdict(plan.capture)}
+    if stage == "oracle":
+        return dataclasses.asdict(plan.oracle)
+    if stage == "bench":
+        bench = dataclasses.asdict(plan.bench)
+        return {**data, **bench, "budgets": [budget.label for budget in plan.budgets], "layer": unit.layer}
+    if stage == "diffusion":
+        return {**data, **dataclasses.asdict(plan.diffusion)}
+    if stage == "compare":
+        given = {"layer": unit.layer, "keep": unit.budget_value, **plan.compare.kwargs()}
+        return {**_LIBRARY_DEFAULTS["compare"], **given}
+    if stage == "variance":
+        return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget_value, **plan.variance.kwargs()}
+    return {"bench_layer": plan.layers[0]}  # the dashboard shows bench's rows at the first layer setting
+
+
+def unit_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
+    """Everything a unit's result depends on: its own settings and those of the units it reads (the
+    same cell's, at its layer setting, or the first for the dashboard), as JSON reads them back."""
+    settings = {stage: _own_settings(plan, stage, unit)}
+    for source in NEEDS.get(stage, ()):
+        if source in plan.stages:
+            layer = unit.layer if unit.layered else plan.layers[0]
+            read = next(
+                each for each in units(plan, source) if each.cell == unit.cell and each.layer in (None, layer)
+            )
+            settings |= unit_settings(plan, source, read)
+    return json.loads(json.dumps(settings, default=str))
+
+
+NEW, CHANGED, KEPT = "new", "changed", "kept"
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a sweep keeps everything inside its directory ``root``."""
@@ -191,14 +260,128 @@ class Layout:
             return variance.output_paths(target)
         return [target] if stage in ("bench", "diffusion") else []
 
-    def everything(self) -> list[Path]:
-        """Every path a sweep writes at the top of its directory, for ``overwrite`` to discard."""
-        paths = [
-            self.experiment,
-            self.index,
-            *(self.root / name for name in ("stores", "parts", "dashboards")),
-        ]
-        return paths + [path for stage in STAGES for path in self.stage_outputs(stage)]
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_FILE
+
+    def merged(self, stage: str) -> Path:
+        """What the stage's outputs were last made of (``_merge_record``)."""
+        return self.root / "parts" / stage / "merged.json"
+
+    def paths(self, plan: Experiment) -> list[Path]:
+        """Every path the sweep of ``plan`` writes in its directory (folders whole where it owns them);
+        stores only when it captures them (otherwise they are its inputs)."""
+        made = [self.manifest, self.experiment, self.root / "parts"]
+        if "capture" in plan.stages:
+            made += [self.store(cell) for cell in plan.data]
+        if "dashboard" in plan.stages:
+            made += [self.index, *(self.dashboard(cell) for cell in plan.data)]
+        return made + [path for stage in plan.stages for path in self.stage_outputs(stage)]
+
+
+@dataclass(frozen=True)
+class CellSize:
+    """A cell's examples and their prompt tokens, known before any model loads."""
+
+    examples: int
+    tokens: int
+    squared_tokens: int  # the sum of each prompt's tokens squared: a prefill's attention grows with it
+
+
+@dataclass
+class StagePlan:
+    """What a sweep call will do in one stage: its units by status, and the work of those that run."""
+
+    stage: str
+    new: int = 0
+    changed: int = 0
+    kept: int = 0
+    examples: int = 0  # examples through the model in the units that run (model stages)
+    tokens: int = 0  # their prompt tokens
+    seconds: float | None = None  # their estimated time, where the stage has an estimate (``ESTIMATED``)
+
+    @property
+    def runs_model(self) -> bool:
+        return self.stage in MODEL_STAGES and self.new + self.changed > 0
+
+    def line(self) -> str:
+        units = f"{self.stage}: {self.new} new, {self.changed} changed, {self.kept} kept"
+        if not self.runs_model:
+            return units
+        work = f"{units}; {self.examples:,} examples, {self.tokens:,} prompt tokens through the model"
+        return (
+            work if self.seconds is None else f"{work}, about {self.seconds:,.1f} s ({ESTIMATED[self.stage]})"
+        )
+
+
+# What the plan's estimate in seconds counts in a stage: a full prefill of each example's prompt
+# is all the cost model prices before anything runs. The oracle's answers, bench's methods and
+# the diffusion probe's decoding are known only once they run, so those stages have no estimate.
+ESTIMATED = {"capture": "one full prefill per example"}
+
+
+@dataclass
+class SweepPlan:
+    out: Path
+    stages: list[StagePlan]
+    calibrate: str | None = None  # the command that caches a cost model, where none is cached
+
+    @property
+    def seconds(self) -> float | None:
+        """The estimate of the stages that have one, where a cost model is cached."""
+        if self.calibrate is not None:
+            return None
+        return sum(stage.seconds for stage in self.stages if stage.seconds is not None)
+
+    def lines(self) -> list[str]:
+        """The plan as ``rankkit sweep`` prints it before it starts (and alone with --dry-run)."""
+        work = sum(stage.tokens for stage in self.stages)
+        total = f"in all {work:,} prompt tokens through the model" if work else "no model stage to run"
+        lines = [f"plan for {self.out}:", *(f"  {stage.line()}" for stage in self.stages), f"  {total}"]
+        if not work:
+            return lines
+        unpriced = [stage.stage for stage in self.stages if stage.runs_model and stage.stage not in ESTIMATED]
+        if len(unpriced) == sum(stage.runs_model for stage in self.stages):
+            return [*lines, f"  no estimate in seconds for {', '.join(unpriced)}"]
+        if self.calibrate is not None:
+            return [
+                *lines,
+                f"  no cost model cached for this model: run `{self.calibrate}` once to calibrate",
+            ]
+        left_out = f"; {', '.join(unpriced)} not estimated" if unpriced else ""
+        return [*lines, f"  about {self.seconds:,.1f} s estimated from the cached cost model{left_out}"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stages": [dataclasses.asdict(stage) for stage in self.stages],
+            "seconds": self.seconds,
+            "calibrate": self.calibrate,
+        }
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the plan prices its work with: the cost model cached for the experiment's model, device
+    and torch thread count (None where none is), and the command that caches one."""
+
+    num_layers: int
+    cost_model: CostModel | None
+    calibrate: str
+
+    @classmethod
+    def cached(cls, plan: Experiment, config, device) -> Timing:
+        """Read from the caches alone: no weight file is read and no model loads."""
+        weights_hash = models.recorded_weights_hash(models.resolve_folder(plan.model.name))
+        cost_model = None if weights_hash is None else cached_cost_model(weights_hash, device)
+        command = (
+            f"rankkit prefill --method full --model {plan.model.name} --device {device} "
+            f"--threads {torch.get_num_threads()} --data {plan.data[0].spec}"
+        )
+        return cls(config.num_hidden_layers, cost_model, command)
+
+    def prefills_seconds(self, size: CellSize) -> float:
+        """A full prefill of each of the cell's prompts (with a cost model cached)."""
+        return self.cost_model.prefills_seconds(self.num_layers, size.tokens, size.squared_tokens)
 
 
 @dataclass(frozen=True)
@@ -208,13 +391,18 @@ class Run:
     plan: Experiment
     layout: Layout
     running: tuple[str, ...]  # the stages this call runs
-    examples: dict[str, int]  # per cell, its examples (known when a model stage runs)
+    sizes: dict[str, CellSize]  # per cell
+    statuses: dict[tuple[str, str, str], str]  # (stage, cell, variant) -> NEW, CHANGED or KEPT
+    timing: Timing
     workers: int | None = None
+
+    def status(self, stage: str, unit: Unit) -> str:
+        return self.statuses[(stage, unit.cell.name, unit.variant)]
 
     def share(self, cell: DataCell, limit: int | None = None, of: tuple[int, int] | None = None) -> int:
         """This rank's share of the cell's examples (of the first ``limit``), or the share of
         ``of``, another (rank, world size)."""
-        count = self.examples[cell.name]
+        count = self.sizes[cell.name].examples
         return share_size(count if limit is None else min(count, limit), *(of or shard()))
 
 
@@ -232,15 +420,26 @@ class SweepSummary:
     experiment: str
     rank: int
     world: int
+    plan: SweepPlan | None = None
     stages: list[StageReport] = field(default_factory=list)
     seconds: float = 0.0
+
+    def report(self, stage: str) -> StageReport:
+        """A stage's report, listed as the stage starts so that an interrupt counts what it kept."""
+        report = StageReport(stage)
+        self.stages.append(report)
+        return report
 
     def kept(self) -> str:
         done = ", ".join(f"{report.stage} {report.ran + report.skipped}" for report in self.stages)
         return (
-            f"interrupted: kept every finished unit in {self.out} ({done or 'none finished'}) and every "
-            "example written whole; rerun the same command to resume"
+            f"interrupted: kept in {self.out} the finished units of each stage ({done or 'none finished'}) "
+            "and every example written whole; rerun the same command to resume"
         )
+
+
+def _ignore_plan(plan: SweepPlan) -> None:
+    """The default ``announce``: a library caller reads the plan from the summary."""
 
 
 def sweep(
@@ -251,39 +450,54 @@ def sweep(
     overwrite: bool = False,
     workers: int | None = None,
     progress: ProgressCallback = ignore,
+    dry_run: bool = False,
+    max_units: int | None = None,
+    announce: Callable[[SweepPlan], None] = _ignore_plan,
 ) -> SweepSummary:
     """Run the experiment file ``experiment`` into the directory ``out`` (see the module docstring).
 
     ``stages`` runs only those of the experiment's stages (default: all of them); a stage
     whose inputs another stage makes must find them finished in ``out`` or run with it.
-    Everything is checked before any model loads. ``progress`` gets ``Progress`` events whose
-    ``stage`` is the sweep stage, counting this rank's examples (model stages) or units.
-    ``workers`` processes share the store-level analyses (their results do not depend on it).
+    Everything is checked before any model loads, then ``announce`` gets the plan (each stage's
+    new, changed and kept units and the work ahead); ``dry_run`` returns there, having written
+    nothing. A grid of more than ``max_units`` units of work (an example through a model stage,
+    a unit of another stage; default ``MAX_UNITS``) is refused. ``progress`` gets ``Progress`` events whose ``stage`` is
+    the sweep stage, counting this rank's examples (model stages) or units. ``workers`` processes
+    share the store-level analyses (their results do not depend on it).
     """
     experiment_path = Path(experiment)
-    plan, text = read_experiment(experiment_path)
+    max_units = MAX_UNITS if max_units is None else max_units
+    plan, text = read_experiment(experiment_path, max_units=max_units)
     running = _running(plan, stages, experiment_path)
     layout = Layout(Path(out))
     rank, world = shard()
     # Every rank checks before the process group forms, so before rank 0 writes anything.
     _check_directory(layout, plan, overwrite)
-    examples = check(plan, layout, running, experiment_path)
-    run = Run(plan, layout, running, examples, workers)
-    summary = SweepSummary(layout.root, plan.name, rank, world)
+    run = check(plan, layout, running, experiment_path, fresh=overwrite, max_units=max_units, workers=workers)
+    summary = SweepSummary(layout.root, plan.name, rank, world, plan=_plan(run))
+    announce(summary.plan)
+    if dry_run:
+        return summary
     started = time.perf_counter()
-    with keep_on_interrupt(summary.kept), process_group(world):
+    # a stage's refusal names the file's fields, as the checks' do
+    with (
+        errors_in(str(experiment_path)),
+        keep_on_interrupt(summary.kept),
+        process_group(world),
+        models.loaded_once(),
+    ):
         if rank == 0:
-            _prepare_directory(layout, text, overwrite)
+            _prepare_directory(run, text, overwrite)
         wait_for_other_ranks(world)  # no rank writes before the directory is ready
         for stage in (each for each in running if each in MODEL_STAGES):
-            summary.stages += _MODEL_STAGES[stage](run, _Counter(progress, stage))
+            _MODEL_STAGES[stage](run, _Counter(progress, stage), summary)
         wait_for_other_ranks(world)
     if rank == 0:
-        with keep_on_interrupt(summary.kept):
-            for report in summary.stages:
+        with errors_in(str(experiment_path)), keep_on_interrupt(summary.kept):
+            for report in list(summary.stages):
                 report.outputs += _merge(run, report.stage, world)
             for stage in (each for each in running if each not in MODEL_STAGES):
-                summary.stages.append(_STORE_STAGES[stage](run, _Counter(progress, stage)))
+                _STORE_STAGES[stage](run, _Counter(progress, stage), summary.report(stage))
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -300,23 +514,40 @@ def _running(plan: Experiment, stages: list[str] | None, path: Path) -> tuple[st
     return tuple(stage for stage in STAGES if stage in stages)
 
 
-def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path) -> dict[str, int]:
-    """Everything the stages would refuse, checked against the model's config and tokenizer (no
-    weights load) and the directory: every cell's examples and prompt lengths, layers, methods and
-    pairs, ASL's layers, and that the inputs of each running stage are in ``layout`` or made by a
-    stage running with it. Returns each cell's number of examples when a model stage runs."""
+def check(
+    plan: Experiment,
+    layout: Layout,
+    running: tuple[str, ...],
+    path: Path,
+    *,
+    fresh: bool = False,
+    max_units: int = MAX_UNITS,
+    workers: int | None = None,
+) -> Run:
+    """Everything the stages would refuse, checked against the model's config (and its tokenizer
+    for jsonl cells; no weights load) and the directory: the device, drafts, every cell's size and
+    prompt lengths (a synthetic cell's from its spec, nothing built), layers, methods and pairs,
+    what compare and variance read from capture, ASL's layers, the grid's size against
+    ``max_units``, and that the inputs of each running stage are in ``layout`` or made by a stage
+    running with it. Returns the run: each cell's size and each unit's status (all new when
+    ``fresh``: the directory is to be emptied)."""
     with errors_in(f"{path} [model]"):
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
+        device = models.resolve_device(rank_device(plan.model.device))
     num_layers = config.num_hidden_layers
     with errors_in(str(path)):
         for layer in plan.layers:
             if layer is not None and not 0 <= layer < num_layers:
                 raise RankkitError(f"layers: {layer} is not a layer of this model (0..{num_layers - 1})")
-        _check_inputs(plan, layout, running)
+    if "capture" in plan.stages and plan.capture.draft is not None:
+        with errors_in(f"{path} [capture]"):
+            _check_draft(plan.capture.draft, config)
     if "bench" in plan.stages:
         with errors_in(f"{path} [bench]"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the bench stage itself warns of layer-less methods
+            if plan.bench.draft is not None:
+                _check_draft(plan.bench.draft, config)
             for layer in plan.layers:
                 plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
     if "compare" in plan.stages:
@@ -324,41 +555,85 @@ def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path
             _check_compare(plan, layout)
     if "variance" in plan.stages:
         with errors_in(f"{path} [variance]"):
-            variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
+            asl = variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
+            _check_captured(plan, asl.captured_inputs(), f"method {asl.name!r}")
     with errors_in(str(path)):
-        if any(stage in MODEL_STAGES for stage in running):
-            return _cell_examples(plan, config)  # last: it builds every example
-    return {}
+        sizes = _cell_sizes(plan, config)
+        _check_units(plan, running, sizes, max_units)
+        statuses = {
+            (stage, unit.cell.name, unit.variant): NEW if fresh else _status(layout, plan, stage, unit)
+            for stage in plan.stages
+            for unit in units(plan, stage)
+        }
+        run = Run(plan, layout, running, sizes, statuses, Timing.cached(plan, config, device), workers)
+        _check_inputs(run)
+    outputs.check_writable(layout.root, _store_bytes(run, config))
+    return run
 
 
-def _cell_examples(plan: Experiment, config) -> dict[str, int]:
-    """Each cell's examples built with the model's tokenizer, their prompts checked against its positions."""
-    tokenizer = models.load_tokenizer(plan.model.name)
-    counts = {}
-    with warnings.catch_warnings():  # an allowed overlength prompt is warned of when it runs
-        warnings.simplefilter("ignore")
-        for cell in plan.data:
-            with errors_in(f"cell {cell.name}"):
-                check_spec_length(cell.spec, config, allow_overlength=plan.model.allow_overlength)
-                examples = load_examples(cell.spec, tokenizer)
-                check_prompt_lengths(
-                    tokenizer, examples, config, allow_overlength=plan.model.allow_overlength
-                )
-            counts[cell.name] = len(examples)
-    return counts
+def _store_bytes(run: Run, config) -> int:
+    """About the bytes the stores this call captures take (``capture.store_bytes``)."""
+    if "capture" not in run.running:
+        return 0
+    probes = len(capture_probes(run.plan.probes))
+    return sum(
+        store_bytes(config, probes, run.sizes[unit.cell.name].tokens, run.plan.capture.score_dtype)
+        for unit in units(run.plan, "capture")
+        if run.status("capture", unit) != KEPT
+    )
+
+
+def _check_draft(draft: str, config) -> None:
+    """A draft spec (``layers:N`` or a model) checked against the target's config; no weights load."""
+    if draft.startswith("layers:"):
+        count = draft.removeprefix("layers:")
+        if not count.isdigit() or not 1 <= int(count) <= config.num_hidden_layers:
+            raise RankkitError(f"draft: '{draft}' needs a layer count in 1..{config.num_hidden_layers}")
+        return
+    drafted = models.load_config(draft)
+    if drafted.vocab_size != config.vocab_size:
+        raise RankkitError(
+            f"draft: '{draft}' has a vocabulary of {drafted.vocab_size} tokens, the model {config.vocab_size}; "
+            'name a draft with the model\'s tokenizer, or e.g. draft = "layers:8"'
+        )
+
+
+def _captured_probes(plan: Experiment, layout: Layout) -> tuple[list[str], bool] | None:
+    """(probe keys, has draft scores) of the stores compare and variance will read: what capture
+    records, or what the first existing store holds; None when neither is known yet."""
+    if "capture" in plan.stages:
+        return [probe.key for probe in capture_probes(plan.probes)], plan.capture.draft is not None
+    if not layout.store(plan.data[0]).is_dir():
+        return None  # running a stage that reads it needs the store (``_check_inputs``)
+    meta = stores.open(layout.store(plan.data[0])).meta
+    return list(meta["probes"]), "draft" in meta
+
+
+def _check_captured(plan: Experiment, needed: list[str], what: str) -> None:
+    """The probes a method reads must be among those capture records (the top-level ``probes``)."""
+    if "capture" not in plan.stages:
+        return
+    probes = [probe.key for probe in capture_probes(plan.probes)]
+    missing = [key for key in needed if key not in probes]
+    if missing:
+        raise RankkitError(
+            f"{what} reads the probe {missing[0]}, which probes ({plan.probes}) does not capture; add "
+            f'"{missing[0]}" to probes'
+        )
 
 
 def _check_compare(plan: Experiment, layout: Layout) -> None:
-    """compare's methods and pairs against the probes the stores will hold."""
-    if "capture" in plan.stages:
-        probes = [probe.key for probe in capture_probes(plan.probes)]
-        has_draft = plan.capture.draft is not None
-    elif not layout.store(plan.data[0]).is_dir():
-        return  # nothing to check against yet; running compare needs the store (``_check_inputs``)
-    else:
-        meta = stores.open(layout.store(plan.data[0])).meta
-        probes, has_draft = list(meta["probes"]), "draft" in meta
+    """compare's methods and pairs against the probes the stores will hold, and its oracle."""
     options = plan.compare.kwargs()
+    if options.get("use_oracle", True) and "capture" in plan.stages and "oracle" not in plan.stages:
+        raise RankkitError(
+            'oracle: compare ranks against the oracle, which no stage makes; add "oracle" to stages, '
+            "or set oracle = false in [compare] for the reference-free metrics alone"
+        )
+    captured = _captured_probes(plan, layout)
+    if captured is None:
+        return
+    probes, has_draft = captured
     labels = (
         split_names(options["methods"])
         if "methods" in options
@@ -371,18 +646,102 @@ def _check_compare(plan: Experiment, layout: Layout) -> None:
         compare.parse_pairs(options["pairs"], labels)
 
 
-def _check_inputs(plan: Experiment, layout: Layout, running: tuple[str, ...]) -> None:
-    """Each running stage's inputs: finished in ``layout``, or made by a stage running with it."""
-    for stage in running:
-        for source in NEEDS.get(stage, ()):
-            if source not in plan.stages or source in running:
-                continue
-            if not _finished(plan, layout, source):
-                raise RankkitError(
-                    f"stage {stage} needs the {source} stage's output, which {layout.root} does not hold "
-                    f"yet; run --stages {source} first, or with it"
+def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
+    """Each cell's examples and prompt tokens, its prompts checked against the model's positions:
+    a synthetic cell's from its spec (its prompts are fitted to its length, nothing is built), a
+    jsonl file's by reading it with the model's tokenizer."""
+    from rankkit.capture import storable_examples
+    from rankkit.data import read_spec
+
+    sizes, tokenizer = {}, None
+    with warnings.catch_warnings():  # an allowed overlength prompt is warned of when it runs
+        warnings.simplefilter("ignore")
+        for cell in plan.data:
+            with errors_in(f"cell {cell.name}"):
+                check_spec_length(cell.spec, config, allow_overlength=plan.model.allow_overlength)
+                spec = read_spec(cell.spec)
+                if spec.kind != "jsonl":
+                    count = declared_examples(cell.spec)
+                    sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2)
+                    continue
+                tokenizer = tokenizer or models.load_tokenizer(plan.model.name)
+                examples = storable_examples(load_examples(cell.spec, tokenizer), cell.spec)
+                prompts = check_prompt_lengths(
+                    tokenizer, examples, config, allow_overlength=plan.model.allow_overlength
                 )
-    if "capture" not in plan.stages and any(stage in STORE_STAGES for stage in running):
+                lengths = [prompt.num_tokens for prompt in prompts]
+                sizes[cell.name] = CellSize(len(examples), sum(lengths), sum(n * n for n in lengths))
+    return sizes
+
+
+def _examples_of(plan: Experiment, stage: str, size: CellSize) -> int:
+    """How many of a cell's examples one unit of a model stage runs."""
+    limit = _LIMITS.get(stage, lambda plan: None)(plan)
+    return size.examples if limit is None else min(size.examples, limit)
+
+
+def _check_units(
+    plan: Experiment, running: tuple[str, ...], sizes: dict[str, CellSize], max_units: int
+) -> None:
+    """Refuse a grid of more than ``max_units`` units of work, before any is done."""
+    work = sum(
+        _examples_of(plan, stage, sizes[unit.cell.name]) if stage in MODEL_STAGES else 1
+        for stage in running
+        for unit in units(plan, stage)
+    )
+    if work > max_units:
+        raise RankkitError(
+            f"the grid holds {work:,} units of work (an example through a model stage, a unit of another "
+            f"stage), more than {max_units:,}; shrink it, or raise the limit with --max-units"
+        )
+
+
+def _status(layout: Layout, plan: Experiment, stage: str, unit: Unit) -> str:
+    """NEW without a marker, KEPT when the marker holds the unit's settings, else CHANGED."""
+    marker = layout.marker(stage, unit)
+    if not marker.is_file():
+        return NEW
+    try:
+        recorded = json.loads(marker.read_text(encoding="utf-8")).get("settings")
+    except (ValueError, AttributeError):  # a marker of an older rankkit, or damaged
+        return CHANGED
+    return KEPT if recorded == unit_settings(plan, stage, unit) else CHANGED
+
+
+def _plan(run: Run) -> SweepPlan:
+    """Each running stage's units by status, and the examples and tokens of those that run."""
+    stages = []
+    for stage in run.running:
+        row = StagePlan(stage)
+        for unit in units(run.plan, stage):
+            status = run.status(stage, unit)
+            setattr(row, status, getattr(row, status) + 1)
+            if status != KEPT and stage in MODEL_STAGES:
+                size = run.sizes[unit.cell.name]
+                count = _examples_of(run.plan, stage, size)
+                row.examples += count
+                row.tokens += size.tokens * count // max(size.examples, 1)
+                if stage in ESTIMATED and run.timing.cost_model is not None:
+                    row.seconds = (row.seconds or 0.0) + run.timing.prefills_seconds(size)
+        stages.append(row)
+    calibrate = None if run.timing.cost_model is not None else run.timing.calibrate
+    return SweepPlan(run.layout.root, stages, calibrate)
+
+
+def _check_inputs(run: Run) -> None:
+    """Each running stage's inputs: finished in ``layout`` with the current settings, or made by a
+    stage running with it."""
+    plan, layout = run.plan, run.layout
+    for stage in run.running:
+        for source in NEEDS.get(stage, ()):
+            if source not in plan.stages or source in run.running:
+                continue
+            if any(run.status(source, unit) != KEPT for unit in units(plan, source)):
+                raise RankkitError(
+                    f"stage {stage} needs the {source} stage's output with these settings, which "
+                    f"{layout.root} does not hold yet; run --stages {source} first, or with it"
+                )
+    if "capture" not in plan.stages and any(stage in STORE_STAGES for stage in run.running):
         for cell in plan.data:
             if not layout.store(cell).is_dir():
                 raise RankkitError(
@@ -391,49 +750,96 @@ def _check_inputs(plan: Experiment, layout: Layout, running: tuple[str, ...]) ->
                 )
 
 
-def _finished(plan: Experiment, layout: Layout, stage: str) -> bool:
-    if stage in ("capture", "oracle"):
-        return all(layout.marker(stage, unit).exists() for unit in units(plan, stage))
-    return all(path.exists() for path in layout.stage_outputs(stage))
+def _owned(layout: Layout) -> set[Path]:
+    """The paths a sweep wrote in ``layout`` (its manifest; for a sweep from before the manifest,
+    what its experiment writes)."""
+    if layout.manifest.is_file():
+        try:
+            return {layout.root / each for each in json.loads(layout.manifest.read_text(encoding="utf-8"))}
+        except (ValueError, TypeError):
+            raise RankkitError(f"{layout.manifest} is damaged; restore it, or choose another --out") from None
+    if not layout.experiment.is_file():
+        return set()
+    try:
+        before = parse_experiment(
+            layout.experiment.read_text(encoding="utf-8"), source=str(layout.experiment), default_name=""
+        )
+    except (RankkitError, UnicodeDecodeError):
+        return {layout.experiment}
+    return set(layout.paths(before))
 
 
 def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
-    """Refuse a directory made by another experiment, or holding other files, unless ``overwrite``."""
+    """Refuse a directory holding files no sweep wrote (unless ``overwrite``, which writes beside
+    them), and any path the sweep would write that it did not make, but a cell's rankkit store."""
     root = layout.root
     if root.exists() and not root.is_dir():
         raise RankkitError(f"--out {root} is a file; give a directory for the sweep's outputs")
-    if overwrite:
-        return
-    if layout.experiment.is_file():
-        try:
-            before = parse_experiment(
-                layout.experiment.read_text(encoding="utf-8"), source=str(layout.experiment), default_name=""
-            )
-            differences = plan.differences(before)
-        except RankkitError as error:
-            differences = [f"an experiment this rankkit cannot read ({error})"]
-        if differences:
-            raise RankkitError(
-                f"{root} holds the outputs of another experiment (it differs in {', '.join(differences)}); "
-                "pass --overwrite to discard them and start over, or choose another --out"
-            )
-    elif root.is_dir() and any(root.iterdir()):
+    owned = _owned(layout)
+    if not owned and root.is_dir() and any(root.iterdir()) and not overwrite:
         raise RankkitError(
-            f"{root} is not empty and holds no {EXPERIMENT_FILE}; choose another --out, or pass --overwrite "
-            "to write the sweep into it"
+            f"{root} is not empty and holds no sweep; choose another --out, or pass --overwrite to write "
+            "the sweep beside what it holds (nothing of it is removed)"
+        )
+    stores_folder = root / "stores"
+    for path in layout.paths(plan):
+        if path in owned or not path.exists():
+            continue
+        if path.parent == stores_folder and stores.is_rankkit_store(path):
+            continue  # an existing store seeds its cell: capture resumes it if it holds the same run
+        raise RankkitError(
+            f"{path} is in the way: the sweep writes there but did not make it; move it away, or choose "
+            "another --out"
         )
 
 
-def _prepare_directory(layout: Layout, text: str, overwrite: bool) -> None:
-    """Discard a previous sweep's outputs (``overwrite``) and keep a copy of the experiment."""
+def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
+    """Remove what an earlier sweep wrote (``overwrite``) or the results of changed units, list
+    what this one writes in the manifest first, and keep a copy of the experiment."""
+    layout = run.layout
+    owned = _owned(layout)
     if overwrite:
-        for path in layout.everything():
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        for path in owned - {layout.manifest}:
+            _remove(path)
+        for folder in (layout.root / "stores", layout.root / "dashboards"):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        owned = set()
+    listed = sorted(path.relative_to(layout.root).as_posix() for path in owned | set(layout.paths(run.plan)))
+    if _read_json(layout.manifest) != listed:
+        outputs.write_text(json.dumps(listed, indent=1), layout.manifest)
     if not layout.experiment.is_file() or layout.experiment.read_text(encoding="utf-8") != text:
         outputs.write_text(text, layout.experiment)
+    for stage in run.running:
+        for unit in units(run.plan, stage):
+            if run.status(stage, unit) == CHANGED:
+                _discard(layout, stage, unit)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _discard(layout: Layout, stage: str, unit: Unit) -> None:
+    """The result of a unit whose settings changed: the store and its markers for capture, the
+    unit's files and marker for the others (an oracle is recomputed in place, ``redo``)."""
+    if stage == "oracle":
+        return
+    if stage == "capture":
+        stores.remove(layout.store(unit.cell))
+        for marker in (layout.marker("capture", unit), layout.marker("oracle", unit)):
+            marker.unlink(missing_ok=True)
+        return
+    part = layout.part(stage, unit)
+    layout.marker(stage, unit).unlink(missing_ok=True)
+    for pattern in (f"{unit.variant}.*", f".{unit.variant}.*"):  # its files, rank parts and journals
+        for leftover in part.parent.glob(pattern):
+            leftover.unlink()
+    if stage == "dashboard":
+        layout.dashboard(unit.cell).unlink(missing_ok=True)
 
 
 class _Counter:
@@ -462,25 +868,30 @@ class _Counter:
         return report
 
 
-def _write_markers(paths: list[Path]) -> None:
-    """Mark units finished; rank 0 alone writes, after every rank has done its share."""
+def _write_marker(run: Run, stage: str, unit: Unit, kept: dict[str, Any] | None = None) -> None:
+    """Mark a unit finished, with its settings, the rankkit version and what the merge needs
+    besides its frames (``kept``); rank 0 alone writes, after every rank has done its share."""
     if shard()[0] == 0:
-        for path in paths:
-            outputs.write_text("{}", path)
+        marker = {"settings": unit_settings(run.plan, stage, unit), "rankkit_version": __version__}
+        outputs.write_text(json.dumps({**marker, "kept": kept or {}}), run.layout.marker(stage, unit))
 
 
-def _capture_stage(run: Run, step: _Counter) -> list[StageReport]:
+def _capture_stage(run: Run, step: _Counter, summary: SweepSummary) -> None:
     """Every cell's store; with the oracle stage running too, its oracles in the same pass (and
     the oracle stage's report beside capture's)."""
     plan, layout = run.plan, run.layout
-    report = StageReport("capture")
     oracle = plan.oracle if "oracle" in run.running else None
+    reports = [summary.report("capture")] + ([summary.report("oracle")] if oracle else [])
     step.start(sum(run.share(cell) for cell in plan.data))
     for unit in units(plan, "capture"):
-        markers = [layout.marker("capture", unit)] + ([layout.marker("oracle", unit)] if oracle else [])
         count = run.share(unit.cell)
-        if all(marker.exists() for marker in markers):
-            report.skipped += 1
+        if run.status("capture", unit) == KEPT:
+            if oracle and run.status("oracle", unit) != KEPT:
+                _add_oracle(run, unit, step.within(count, unit.cell.name))
+                reports[1].ran += 1
+            elif oracle:
+                reports[1].skipped += 1
+            reports[0].skipped += 1
             step.advance(count, f"{unit.cell.name} finished before")
             continue
         capture(
@@ -496,45 +907,51 @@ def _capture_stage(run: Run, step: _Counter) -> list[StageReport]:
             score_dtype=plan.capture.score_dtype,
             device_map=plan.model.device_map,
         )  # returns once every rank has written its share
-        _write_markers(markers)
-        report.ran += 1
+        _write_marker(run, "capture", unit)
+        if oracle:
+            _write_marker(run, "oracle", unit)
+        for report in reports:
+            report.ran += 1
         step.advance(count, unit.cell.name)
-    return [report] + ([replace(report, stage="oracle")] if oracle else [])
 
 
-def _oracle_stage(run: Run, step: _Counter) -> list[StageReport]:
+def _add_oracle(run: Run, unit: Unit, progress: ProgressCallback) -> None:
+    """The oracles of a cell's store, recomputed in place when their settings changed."""
+    add_oracle(
+        run.layout.store(unit.cell),
+        options=run.plan.oracle,
+        model=run.plan.model.name,
+        device=run.plan.model.device,
+        redo=run.status("oracle", unit) == CHANGED,
+        progress=progress,
+        device_map=run.plan.model.device_map,
+    )  # returns once every rank has added its share
+    _write_marker(run, "oracle", unit)
+
+
+def _oracle_stage(run: Run, step: _Counter, summary: SweepSummary) -> None:
     """The oracles of stores captured without them (capture running too adds them itself)."""
-    plan, layout = run.plan, run.layout
-    report = StageReport("oracle")
     if "capture" in run.running:
-        return []
-    step.start(sum(run.share(cell) for cell in plan.data))
-    for unit in units(plan, "oracle"):
+        return
+    report = summary.report("oracle")
+    step.start(sum(run.share(cell) for cell in run.plan.data))
+    for unit in units(run.plan, "oracle"):
         count = run.share(unit.cell)
-        if layout.marker("oracle", unit).exists():
+        if run.status("oracle", unit) == KEPT:
             report.skipped += 1
             step.advance(count, f"{unit.cell.name} finished before")
             continue
-        add_oracle(
-            layout.store(unit.cell),
-            options=plan.oracle,
-            model=plan.model.name,
-            device=plan.model.device,
-            progress=step.within(count, unit.cell.name),
-            device_map=plan.model.device_map,
-        )  # returns once every rank has added its share
-        _write_markers([layout.marker("oracle", unit)])
+        _add_oracle(run, unit, step.within(count, unit.cell.name))
         report.ran += 1
         step.advance(count, unit.cell.name)
-    return [report]
 
 
 def _sharded_stage(stage: str, run_unit: Callable[..., None]):
     """A model stage whose every rank writes its share of a unit's rows to a part of its own
     (``Layout.rank_part``), merged by rank 0 into the unit's part after the barrier."""
 
-    def run_stage(run: Run, step: _Counter) -> list[StageReport]:
-        report = StageReport(stage)
+    def run_stage(run: Run, step: _Counter, summary: SweepSummary) -> None:
+        report = summary.report(stage)
         rank, world = shard()
         grid = units(run.plan, stage)
         limit = _LIMITS[stage](run.plan)
@@ -542,15 +959,15 @@ def _sharded_stage(stage: str, run_unit: Callable[..., None]):
         for unit in grid:
             count = run.share(unit.cell, limit)
             own = run.layout.rank_part(stage, unit, rank, world)
-            if run.layout.part(stage, unit).exists() or own.exists():
+            if run.status(stage, unit) == KEPT:
                 report.skipped += 1
                 step.advance(count, f"{unit.cell.name} {unit.variant} finished before")
                 continue
-            if count:  # a rank with no example of a small cell has nothing to write
+            # a part merged (or this rank's share written) before an interrupt is this unit's result
+            if count and not run.layout.part(stage, unit).exists() and not own.exists():
                 run_unit(run.plan, unit, own, step.within(count, f"{unit.cell.name} {unit.variant}"))
             report.ran += 1
             step.advance(count, f"{unit.cell.name} {unit.variant}")
-        return [report]
 
     return run_stage
 
@@ -609,7 +1026,10 @@ def _merge(run: Run, stage: str, world: int) -> list[Path]:
         return []
     for unit in units(run.plan, stage):
         part = run.layout.part(stage, unit)
-        if part.exists():
+        if run.status(stage, unit) == KEPT:
+            continue
+        if part.exists():  # merged before an interrupt
+            _write_marker(run, stage, unit)
             continue
         shares = [run.layout.rank_part(stage, unit, rank, world) for rank in range(world)]
         limit = _LIMITS[stage](run.plan)
@@ -625,13 +1045,24 @@ def _merge(run: Run, stage: str, world: int) -> list[Path]:
         for pattern in (f"{unit.variant}.rank*", f".{unit.variant}.rank*"):  # journals, other world sizes
             for leftover in part.parent.glob(pattern):
                 leftover.unlink()
+        _write_marker(run, stage, unit)
     return _write_stage_outputs(run, stage)
 
 
+def _merge_record(run: Run, stage: str) -> list:
+    """What a stage's outputs are made of: each unit of its grid with its settings."""
+    return [
+        [unit.cell.name, unit.variant, unit_settings(run.plan, stage, unit)]
+        for unit in units(run.plan, stage)
+    ]
+
+
 def _write_stage_outputs(run: Run, stage: str) -> list[Path]:
-    """The stage's parquet files: every unit's frames, tagged with the unit, one after another."""
+    """The stage's parquet files: every unit's frames, tagged with the unit, one after another;
+    rewritten when the units behind them differ from those they were made of."""
     targets = run.layout.stage_outputs(stage)
-    if all(target.exists() for target in targets):
+    record, merged = _merge_record(run, stage), run.layout.merged(stage)
+    if all(target.exists() for target in targets) and _read_json(merged) == record:
         return []
     grid = units(run.plan, stage)
     for index, target in enumerate(targets):
@@ -639,11 +1070,16 @@ def _write_stage_outputs(run: Run, stage: str) -> list[Path]:
         for unit in grid:
             part = run.layout.part(stage, unit)
             files = [part] if len(targets) == 1 else _library_paths(stage, part)
-            marker = run.layout.marker(stage, unit)
-            kept = json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else {}
+            kept = _read_json(run.layout.marker(stage, unit))["kept"]
             frames.append(_tagged(pl.read_parquet(files[index]), unit.tags() | kept))
         outputs.write_parquet(pl.concat(frames, how="diagonal_relaxed"), target)
+    outputs.write_text(json.dumps(record), merged)
     return targets
+
+
+def _read_json(path: Path) -> Any:
+    """A file rankkit wrote as JSON, or None when it is not there."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _library_paths(stage: str, part: Path) -> list[Path]:
@@ -661,22 +1097,18 @@ def _store_stage(stage: str, run_unit: Callable[[Run, Unit], dict[str, Any]]):
     """A stage reading the stores, unit by unit; ``run_unit`` writes a unit's files and returns what
     its marker keeps for the merge."""
 
-    def run_stage(run: Run, step: _Counter) -> StageReport:
-        report = StageReport(stage)
+    def run_stage(run: Run, step: _Counter, report: StageReport) -> None:
         grid = units(run.plan, stage)
         step.start(len(grid))
         for unit in grid:
-            marker = run.layout.marker(stage, unit)
-            if marker.exists():
+            if run.status(stage, unit) == KEPT:
                 report.skipped += 1
                 step.advance(1, f"{unit.cell.name} {unit.variant} finished before")
                 continue
-            kept = run_unit(run, unit)
-            outputs.write_text(json.dumps(kept), marker)
+            _write_marker(run, stage, unit, run_unit(run, unit))
             report.ran += 1
             step.advance(1, f"{unit.cell.name} {unit.variant}")
         report.outputs += _write_stage_outputs(run, stage)
-        return report
 
     return run_stage
 
@@ -704,35 +1136,34 @@ def _variance_unit(run: Run, unit: Unit) -> dict[str, Any]:
     return {}
 
 
-def _dashboard_stage(run: Run, step: _Counter) -> StageReport:
+def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
     """One dashboard per cell, with its bench and diffusion rows; an index page linking them."""
     from rankkit.report import write_dashboard, write_index
 
     plan, layout = run.plan, run.layout
-    report = StageReport("dashboard")
-    step.start(len(plan.data))
-    if all(layout.dashboard(cell).exists() for cell in plan.data) and layout.index.exists():
-        report.skipped = len(plan.data)
-        step.advance(len(plan.data), "finished before")
-        return report
-    bench, diffusion = (_stage_frame(run, stage) for stage in ("bench", "diffusion"))
-    for cell in plan.data:
-        target = layout.dashboard(cell)
-        if target.exists():
+    grid = units(plan, "dashboard")
+    step.start(len(grid))
+    frames = None  # read once, when a dashboard is to be drawn
+    for unit in grid:
+        if run.status("dashboard", unit) == KEPT:
             report.skipped += 1
-            step.advance(1, f"{cell.name} finished before")
+            step.advance(1, f"{unit.cell.name} finished before")
             continue
+        frames = frames or [_stage_frame(run, stage) for stage in ("bench", "diffusion")]
+        bench, diffusion = frames
         report.outputs.append(
             write_dashboard(
-                layout.store(cell),
-                target,
-                bench=_cell_rows(bench, cell, first_layer=plan.layers[0]),
-                diffusion=_cell_rows(diffusion, cell),
+                layout.store(unit.cell),
+                layout.dashboard(unit.cell),
+                bench=_cell_rows(bench, unit.cell, first_layer=plan.layers[0]),
+                diffusion=_cell_rows(diffusion, unit.cell),
+                overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
             )
         )
+        _write_marker(run, "dashboard", unit)
         report.ran += 1
-        step.advance(1, cell.name)
+        step.advance(1, unit.cell.name)
     rows = [
         {
             "cell": cell.name,
@@ -745,8 +1176,10 @@ def _dashboard_stage(run: Run, step: _Counter) -> StageReport:
     facts = [("model", plan.model.name), ("stages", ", ".join(plan.stages)), ("cells", str(len(plan.data)))]
     if plan.description:
         facts.insert(0, ("about", plan.description))
-    report.outputs.append(write_index(layout.index, f"rankkit sweep: {plan.name}", facts, rows))
-    return report
+    record = json.loads(json.dumps([plan.name, facts, rows]))
+    if report.ran or not layout.index.exists() or _read_json(layout.merged("dashboard")) != record:
+        report.outputs.append(write_index(layout.index, f"rankkit sweep: {plan.name}", facts, rows))
+        outputs.write_text(json.dumps(record), layout.merged("dashboard"))
 
 
 def _stage_frame(run: Run, stage: str) -> pl.DataFrame | None:

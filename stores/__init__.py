@@ -13,7 +13,7 @@ read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole
 from .reader import ArrayGroup, ExampleRecord, ReadOnce, Store, describe, open
 from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
 from .verify import VerifyReport, verify
-from .writer import StoreWriter, create
+from .writer import StoreWriter, create, is_rankkit_store, remove
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -30,6 +30,8 @@ __all__ = [
     "decode_name",
     "describe",
     "encode_name",
+    "is_rankkit_store",
     "open",
+    "remove",
     "verify",
 ]

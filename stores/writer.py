@@ -4,12 +4,16 @@ Every write puts the arrays down first and flips a flag in the group's attribute
 last; zarr replaces ``zarr.json`` atomically, so a reader sees either the old flag or
 the new one. Processes may write different examples of one store at the same time:
 each example is its own directory and nothing shared is updated per example.
-Two processes must not write the same example at once.
+Two processes must not write the same example at once: each writer holds a lock file in
+the store (one per torchrun rank, ``.writer-<rank>.lock``), and a second writer of the same
+store is refused with one line while the first runs. ``overwrite`` deletes only a store
+rankkit wrote (its root attributes and nothing inside it but its own files).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import uuid
@@ -114,8 +118,8 @@ class StoreWriter:
         }
         if self.is_complete(example_id):
             raise RankkitError(
-                f"example {example_id!r} is already complete in {self.path}; skip it "
-                "(is_complete) or recreate the store with --overwrite"
+                f"example {example_id!r} is already complete in {self.path}; skip it, "
+                "or recreate the store with --overwrite"
             )
         _remove_directory(self.path / EXAMPLES / encoded)
 
@@ -215,7 +219,9 @@ def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
     group.attrs.update(flags)
 
 
-def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool = False) -> StoreWriter:
+def create(
+    path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool = False, rank: int = 0
+) -> StoreWriter:
     """Create a store, or reopen one to resume it after checking it holds the same run.
 
     ``run_meta`` is any JSON-like dict; capture writes
@@ -223,7 +229,8 @@ def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool
     "dataset": ...}``. The store adds ``schema_version``, ``rankkit_version`` and
     ``created`` itself. Resuming requires every other key to equal what the store holds
     (so put only what defines the run there, nothing per invocation); ``overwrite=True``
-    deletes an existing store first.
+    deletes an existing store first, if rankkit wrote it. The process holds the store's lock of
+    torchrun rank ``rank`` from then until it ends; another process holding it is refused.
     """
     store_path = Path(path)
     meta = to_json(run_meta, "run_meta")
@@ -233,16 +240,45 @@ def create(path: str | os.PathLike, run_meta: dict[str, Any], *, overwrite: bool
     check_score_dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
     if overwrite:
-        _remove_store(store_path)
+        remove(store_path)
     if not _is_populated(store_path):
         _create_atomically(store_path, run_meta_only)
     root, stored = open_root(store_path, read_only=False)
     _check_same_run(store_path, stored, run_meta_only)
+    _take_lock(store_path, rank)
     if stored[SCHEMA_VERSION_KEY] < SCHEMA_VERSION:
         # Resuming an older store adds examples in the current layout; readers of the old
         # version must then refuse the store rather than miss those examples.
         root.attrs.update({SCHEMA_VERSION_KEY: SCHEMA_VERSION})
     return StoreWriter(store_path, stored)
+
+
+def lock_file(path: Path, rank: int) -> Path:
+    return path / f".writer-{rank}.lock"
+
+
+_HELD_LOCKS: dict[Path, int] = {}  # lock file -> the descriptor this process locked it through
+
+
+def _take_lock(path: Path, rank: int) -> None:
+    """Lock ``path`` for ``rank`` until the process ends, unless this process holds that lock
+    already (a capture, then its oracles); a lock held elsewhere is refused in one line."""
+    file = lock_file(path, rank).resolve()
+    held = _HELD_LOCKS.get(file)
+    if held is not None and file.exists() and os.fstat(held).st_ino == file.stat().st_ino:
+        return
+    handle = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        raise RankkitError(
+            f"another process is writing {path} ({file.name} is locked); wait for it to finish, "
+            "then rerun to resume, or write to another store path"
+        ) from None
+    if held is not None:  # the lock of a store deleted and made again since
+        os.close(held)
+    _HELD_LOCKS[file] = handle
 
 
 def _is_populated(path: Path) -> bool:
@@ -254,15 +290,36 @@ def _is_populated(path: Path) -> bool:
         return any(True for _ in entries)
 
 
-def _remove_store(path: Path) -> None:
-    """Delete an existing store, refusing anything that does not look like a zarr store."""
+def is_rankkit_store(path: Path) -> bool:
+    """Whether ``path`` is a store rankkit wrote (its root attributes say so)."""
+    try:
+        _, stored = open_root(path, read_only=True)
+    except RankkitError:
+        return False
+    return RANKKIT_VERSION_KEY in stored
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
+    path = Path(path)
     if not _is_populated(path):
         return
-    if not (path / "zarr.json").is_file():
-        raise RankkitError(
-            f"{path} exists and is not a zarr store; refusing to delete it, choose another store path"
-        )
+    refusal = "refusing to delete it; move it away or choose another store path"
+    if not is_rankkit_store(path):
+        raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
+    foreign = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
+    )
+    if foreign:
+        raise RankkitError(f"{path} holds {path / foreign[0]}, which rankkit did not write; {refusal}")
+    _take_lock(path, 0)  # no writer may be at work in a store being deleted
     shutil.rmtree(path)
+
+
+def _is_lock(entry: Path) -> bool:
+    return entry.name.startswith(".writer-") and entry.name.endswith(".lock")
 
 
 def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:
@@ -300,8 +357,8 @@ def _check_same_run(path: Path, stored: dict[str, Any], run_meta: dict[str, Any]
     if more > 0:
         shown += f"; and {more} more"
     raise RankkitError(
-        f"store {path} holds a different run ({shown}); rerun with --overwrite (overwrite=True) "
-        "to replace it, or choose another store path"
+        f"store {path} holds a different run ({shown}); rerun with --overwrite to replace it, "
+        "or choose another store path"
     )
 
 

@@ -213,7 +213,8 @@ def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(t
     assert victim.returncode == 130, stderr
     kept = len(stores.open(out).example_ids())
     said = re.fullmatch(
-        rf"rankkit: interrupted: kept (\d+) examples written by this run \(0 were there before\) in {out}; "
+        rf"rankkit: interrupted: kept (\d+) captures and 0 oracles written by this run \(0 examples were "
+        rf"complete before\) in {out}; "
         "rerun the same command to resume",
         stderr.strip().splitlines()[-1],
     )

@@ -7,7 +7,9 @@ tiny random Llama of ``tiny_folder`` (3 layers, 512 positions) unless the case n
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -249,10 +251,13 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path)
 
     def half_then_fail(partial: Path) -> None:
         partial.write_text("half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(RankkitError) as failed:
         outputs.write_atomic(target, half_then_fail)
+    assert str(failed.value) == (
+        f"cannot write {target} (No space left on device); the old file, if any, is unchanged"
+    )
     assert target.read_text() == "old" and sorted(tmp_path.iterdir()) == [target]
     outputs.write_text("new", target)
     assert target.read_text() == "new" and sorted(tmp_path.iterdir()) == [target]
@@ -415,3 +420,223 @@ def test_a_journal_line_cut_short_by_a_kill_is_redone_and_later_lines_survive(tm
     assert second.done("e0") and not second.done("e1")
     second.record("e1", [{"score": 0.5}])
     assert outputs.Journal(out, {"methods": ["full"]}).rows == [{"score": 1.0}, {"score": 0.5}]
+
+
+# --- outputs that survive a bad disk, stores with one writer -----------------------------------
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RankkitError) as refused:
+        outputs.claim([blocker / "sub" / "out.parquet"])
+    assert str(refused.value) == (
+        f"cannot write into {blocker / 'sub'}: {blocker} is a file, not a folder; choose another --out"
+    )
+    with pytest.raises(RankkitError, match=rf"^{tmp_path} needs about 4096.0 GiB but {tmp_path} has "):
+        outputs.claim([tmp_path / "out.parquet"], needed_bytes=2**42)
+    with pytest.raises(
+        RankkitError, match="^--out '' names no file; give a file path, e.g. --out runs/out.parquet$"
+    ):
+        outputs.claim([""])
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(RankkitError) as refused:
+        outputs.claim([tmp_path / "new" / "out.parquet"])
+    assert str(refused.value) == (
+        f"cannot write into {tmp_path / 'new'}: {tmp_path} is not writable (Read-only file system); "
+        "choose another --out"
+    )
+    assert sorted(tmp_path.iterdir()) == [blocker]
+
+
+def test_a_failed_write_keeps_the_finished_rows_in_the_journal_to_resume(tmp_path):
+    out = tmp_path / "bench.parquet"
+    journal = outputs.Journal(out, {"methods": ["full"]})
+    journal.record("ex-1", [{"example": "ex-1", "accuracy": 1.0}])
+    out.mkdir()  # the rename into place fails, as on a full or read-only disk
+    with pytest.raises(RankkitError) as failed:
+        journal.finish(pl.DataFrame(journal.rows))
+    assert str(failed.value) == (
+        f"cannot write {out} (Is a directory); the old file, if any, is unchanged; the 1 finished units are "
+        f"kept in {outputs.journal_path(out)}: make room and rerun the same command to write it without "
+        "recomputing them"
+    )
+    out.rmdir()
+    resumed = outputs.Journal(out, {"methods": ["full"]})
+    assert resumed.done("ex-1") and resumed.rows == [{"example": "ex-1", "accuracy": 1.0}]
+
+
+def test_a_second_writer_of_a_store_is_refused_in_one_line(tmp_path):
+    from rankkit import stores
+
+    path = tmp_path / "run.zarr"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         f"from rankkit import stores; stores.create({str(path)!r}, {{'model': 'm'}}); print('ready', flush=True); "
+         "import time; time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(RankkitError) as refused:
+            stores.create(path, {"model": "m"})
+        assert str(refused.value) == (
+            f"another process is writing {path} (.writer-0.lock is locked); wait for it to finish, then "
+            "rerun to resume, or write to another store path"
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    stores.create(path, {"model": "m"})  # the lock ends with its process
+
+
+def test_store_messages_speak_of_options_not_python(tmp_path):
+    from rankkit import stores
+
+    path = tmp_path / "run.zarr"
+    stores.create(path, {"model": "a"})
+    with pytest.raises(RankkitError) as refused:
+        stores.create(path, {"model": "b"})
+    assert str(refused.value) == (
+        f"store {path} holds a different run (model: 'a' in the store, 'b' now); rerun with --overwrite to "
+        "replace it, or choose another store path"
+    )
+    foreign = tmp_path / "foreign.zarr"
+    foreign.mkdir()
+    (foreign / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    with pytest.raises(
+        RankkitError, match="foreign.zarr exists and is not a rankkit store; refusing to delete it"
+    ):
+        stores.create(foreign, {"model": "a"}, overwrite=True)
+    assert (foreign / "zarr.json").is_file()
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "'data.jsonl' holds no example; give a data spec or a file with at least one"),
+        (
+            [{"id": "", "context": "a b c", "question": "q?", "answers": ["x"]}],
+            "example 1 of 'data.jsonl' has an id no store can hold: names in a store must be non-empty strings",
+        ),
+        (
+            [{"id": "x" * 300, "context": "a b c", "question": "q?", "answers": ["x"]}],
+            "example 1 of 'data.jsonl' has an id no store can hold: name 'xxxx",
+        ),
+    ],
+)
+def test_a_refused_capture_writes_nothing(no_model_load, tiny_folder, rows, message):
+    _jsonl(no_model_load / "data.jsonl", rows)
+    said = refused(
+        ["capture", "--model", str(tiny_folder), "--data", "data.jsonl", "--out", "s.zarr"], no_model_load
+    )
+    assert said.startswith(message)
+
+
+@pytest.mark.parametrize(("content", "message"), [(b"caf\xe9\n", "not UTF-8 (byte 4)"), (b" \n", "is empty")])
+def test_a_context_file_is_read_like_jsonl(no_model_load, content, message):
+    (no_model_load / "essay.txt").write_bytes(content)
+    said = refused(["generate", "--context-file", "essay.txt", "--question", "q?"], no_model_load)
+    assert message in said and said.startswith(
+        ("essay.txt:1: not UTF-8", "--context-file essay.txt is empty")
+    )
+
+
+def test_compare_out_that_names_no_file_is_one_line(no_model_load):
+    said = refused(["compare", "missing.zarr", "--out", ""], no_model_load)
+    assert (
+        said == "--out '.' names no file; give a file path, e.g. --out runs/out.parquet"
+    )  # typer's Path('')
+
+
+def test_an_example_without_answer_tokens_gets_no_oracle_and_the_others_do(
+    tmp_path, tiny_folder, monkeypatch
+):
+    import rankkit.capture
+    from rankkit import stores
+    from rankkit.capture import OracleOptions, capture
+    from rankkit.oracle import EmptyAnswer
+
+    data = _jsonl(
+        tmp_path / "data.jsonl",
+        [
+            {"id": "blank", "context": "the sky is blue", "question": "colour?", "answers": [""]},
+            {"id": "sky", "context": "the sky is blue", "question": "colour?", "answers": ["blue"]},
+        ],
+    )
+    out = tmp_path / "s.zarr"
+    with pytest.warns(UserWarning) as warned:
+        summary = capture(
+            model=str(tiny_folder), data=str(data), out=out, device="cpu",
+            oracle=OracleOptions(answer="reference", max_new_tokens=2),
+        )  # fmt: skip
+    assert [str(each.message) for each in warned if each.category is UserWarning] == [
+        "example 'blank' has no oracle: the reference answer is empty: nothing to rank the prompt by"
+    ]
+    assert summary.without_answer == ["blank"] and (summary.captures, summary.oracles) == (2, 1)
+    assert [record.has_oracle for record in stores.open(out).examples()] == [False, True]
+
+    real = rankkit.capture.answer_informed_oracle
+
+    def eos_for_the_first(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise EmptyAnswer("the model answered with EOS at once: there are no answer tokens to rank by")
+        return real(*args, **kwargs)
+
+    calls: list[int] = []
+    monkeypatch.setattr(rankkit.capture, "answer_informed_oracle", eos_for_the_first)
+    with pytest.warns(
+        UserWarning,
+        match="example 'blank' has no oracle: the model answered with EOS at once: "
+        "there are no answer tokens to rank by; --answer reference ranks by the gold answer instead",
+    ):
+        generated = capture(
+            model=str(tiny_folder), data=str(data), out=tmp_path / "g.zarr", device="cpu",
+            oracle=OracleOptions(max_new_tokens=2),
+        )  # fmt: skip
+    assert generated.without_answer == ["blank"] and generated.oracles == 1
+
+
+def test_the_interrupt_line_of_a_capture_counts_each_stage():
+    from rankkit.capture import CaptureSummary
+
+    summary = CaptureSummary(out="s.zarr", skipped=1, captures=3, oracles=2)
+    assert summary.kept() == (
+        "interrupted: kept 3 captures and 2 oracles written by this run (1 examples were complete before) "
+        "in s.zarr; rerun the same command to resume"
+    )
+
+
+def test_a_full_disk_during_a_capture_is_one_line_and_keeps_what_was_written(
+    tmp_path, tiny_folder, monkeypatch
+):
+    from rankkit import stores
+    from rankkit.capture import capture
+    from rankkit.stores.writer import StoreWriter
+
+    real = StoreWriter.write_example
+
+    def full_on_the_second(self, example_id, **kwargs):
+        if len(stores.open(self.path).example_ids()) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path / "examples" / example_id))
+        return real(self, example_id, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "write_example", full_on_the_second)
+    out = tmp_path / "s.zarr"
+    with pytest.raises(RankkitError) as failed:
+        capture(model=str(tiny_folder), data="niah:n=2,length=128", out=out, device="cpu")
+    assert str(failed.value) == (
+        f"cannot write {out / 'examples'}/niah-128-s0-001 (No space left on device); kept 1 captures and 0 oracles "
+        f"written by this run (0 examples were complete before) in {out}; rerun the same command to resume"
+    )
+    assert stores.open(out).example_ids() == ["niah-128-s0-000"]

@@ -342,7 +342,7 @@ def test_overwrite_replaces_the_store_and_its_run_metadata(path):
 
 def test_overwrite_refuses_to_delete_a_directory_that_is_not_a_store(tmp_path):
     (tmp_path / "notes.txt").write_text("precious")
-    with pytest.raises(RankkitError, match="not a zarr store; refusing to delete"):
+    with pytest.raises(RankkitError, match="is not a rankkit store; refusing to delete it"):
         stores.create(tmp_path, RUN_META, overwrite=True)
     assert (tmp_path / "notes.txt").read_text() == "precious"
 
@@ -453,9 +453,9 @@ def test_unknown_examples_and_probes_are_named(path):
 # --- concurrent writers -----------------------------------------------------------------------
 
 
-def _write_examples(path: str, indices: list[int], start) -> None:
+def _write_examples(path: str, indices: list[int], start, rank: int) -> None:
     start.wait()  # both processes create (or find) the store and write at the same moment
-    writer = stores.create(path, RUN_META)
+    writer = stores.create(path, RUN_META, rank=rank)  # two ranks of one launch
     for index in indices:
         write(writer, f"ex:{index}", index, num_tokens=2000)
 
@@ -465,7 +465,10 @@ def test_two_processes_writing_one_store_at_once_lose_nothing(tmp_path):
     context = multiprocessing.get_context("spawn")  # zarr runs an event-loop thread; forking it is unsafe
     start = context.Barrier(2)
     shares = [list(range(0, 24, 2)), list(range(1, 24, 2))]
-    processes = [context.Process(target=_write_examples, args=(str(path), share, start)) for share in shares]
+    processes = [
+        context.Process(target=_write_examples, args=(str(path), share, start, rank))
+        for rank, share in enumerate(shares)
+    ]
     for process in processes:
         process.start()
     for process in processes:

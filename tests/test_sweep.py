@@ -3,6 +3,7 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from conftest import run_on_two_gloo_ranks
 from polars.testing import assert_frame_equal
 
@@ -18,9 +20,9 @@ from rankkit import stores
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import compare_store
 from rankkit.eval.variance import variance_store
-from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS
+from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS, parse_experiment
 from rankkit.shards import interleave, share
-from rankkit.sweep import sweep, tag_columns
+from rankkit.sweep import sweep, tag_columns, units
 
 EXPERIMENT = """
 name = "tiny"
@@ -175,7 +177,7 @@ def test_an_interrupt_keeps_the_finished_units_and_the_rerun_finishes(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compare, "compare_store", ctrl_c_on_the_second)
-    with pytest.raises(Interrupted, match=f"kept every finished unit in {out}"):
+    with pytest.raises(Interrupted, match=rf"kept in {out} the finished units of each stage \(compare 1\)"):
         sweep(experiment, out, stages=["compare"], workers=1)
     assert [path.parent.name for path in (out / "parts/compare").rglob("*.done")] == ["niah-256"]
     assert not (out / "compare.parquet").exists()
@@ -229,7 +231,7 @@ def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment
     """Two ranks each had an example of the cell to bench; rank 1's part is missing, so merging
     rank 0's alone would drop its rows without a word."""
     from rankkit.experiment import read_experiment
-    from rankkit.sweep import Layout, Run, _merge, units
+    from rankkit.sweep import Layout, _merge, check, units
 
     out = tmp_path / "out"
     shutil.copytree(finished, out)
@@ -238,14 +240,16 @@ def test_a_rank_that_left_no_part_stops_the_merge_naming_it(finished, experiment
     unit = units(plan, "bench")[0]
     part = layout.part("bench", unit)
     part.rename(layout.rank_part("bench", unit, 0, 2))
+    layout.marker("bench", unit).unlink()
     (out / "bench.parquet").unlink()
-    run = Run(plan, layout, ("bench",), {cell.name: 2 for cell in plan.data})
+    run = check(plan, layout, ("bench",), experiment)
     with pytest.raises(RankkitError, match=r"rank1-of-2.parquet is missing: rank 1 of 2 did not finish"):
         _merge(run, "bench", 2)
     assert not part.exists() and not (out / "bench.parquet").exists()
 
 
-def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tmp_path):
+def test_another_experiment_runs_its_new_units_and_overwrite_starts_over(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached: no seconds
     small = (
         EXPERIMENT.format(model=tiny_folder)
         .split("[[data]]")[0]
@@ -269,10 +273,14 @@ def test_another_experiment_is_refused_and_overwrite_starts_over(tiny_folder, tm
         ("variance", 1, 0),
     ]
     other = _write(tmp_path / "c.toml", first.read_text().replace("length=128", "length=160"))
-    with pytest.raises(RankkitError, match=r"another experiment \(it differs in data\); pass --overwrite"):
-        sweep(other, out)
-    assert (out / "stores" / "niah-128.zarr").is_dir()  # a refusal touches nothing
-    sweep(other, out, overwrite=True)
+    plans = []
+    moved = sweep(other, out, announce=plans.append)  # another cell: its units are new, it alone runs
+    assert [stage.line() for stage in plans[0].stages] == [
+        "capture: 1 new, 0 changed, 0 kept; 1 examples, 160 prompt tokens through the model"
+    ]
+    assert [(report.stage, report.ran, report.skipped) for report in moved.stages] == [("capture", 1, 0)]
+    assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-128.zarr", "niah-160.zarr"]
+    sweep(other, out, overwrite=True)  # discards what the sweeps wrote, and starts over
     assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-160.zarr"]
     assert "length=160" in (out / "experiment.toml").read_text()
 
@@ -298,7 +306,45 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r'keep must be a number or a list of numbers, not "0.2"; e.g. keep = \[',
         ),
         (("depths = [25, 75]", "depths = [25, 175]"), r"\[\[data\]\] #2: depths must be percentages"),
-        (("n=2,length=256", "n=2,length=9999"), "more than the model's 512 positions"),
+        (
+            ("n=2,length=256", "n=2,length=9999"),
+            "more than the model's 512 positions; shorten it, or pass allow_overlength = true in "
+            r"\[model\] to run it anyway$",
+        ),
+        (
+            ('"capture", "oracle",', '"capture",'),
+            r'\[compare\]: oracle: compare ranks against the oracle, which no stage makes; add "oracle" to '
+            r"stages, or set oracle = false in \[compare\]",
+        ),
+        (
+            ("keep = [0.2]", 'keep = [0.2]\nprobes = "window"'),
+            r"\[variance\]: method 'asl' reads the probe window:w=32, which probes \(window\) does not "
+            'capture; add "window:w=32" to probes',
+        ),
+        (
+            ("[oracle]", '[capture]\ndraft = "layers:9"\n[oracle]'),
+            r"draft: 'layers:9' needs a layer count in 1..3",
+        ),
+        (('device = "cpu"', 'device = "gpu"'), r"\[model\]: unknown device 'gpu': use auto, cpu, cuda"),
+        (("keep = [0.2]", "keep = [0.2, 0.2]"), "keep lists 0.2 twice; name each once"),
+        (("keep = [0.2]", "keep = [0.2]\nlayers = [1, 1]"), "layers lists 1 twice; name each once"),
+        (
+            ("keep = [0.2]", "keep = [0.2, 0.20000000000000001]"),
+            "keep lists 0.2 twice",  # the same float once read
+        ),
+        (
+            ('spec = "niah:n=2,length=256"', f'spec = "niah:n=2,length=256"\nname = "{"x" * 300}"'),
+            r"cell name 'x{40}\.\.\.' is not a file name; use at most 100 letters",
+        ),
+        (
+            ("depths = [25, 75]", "n = 9223372036854775807"),
+            "'niah:n=9223372036854775807,length=192' makes 9223372036854775807 examples, more than the "
+            "100000 units a sweep takes on; lower n, or raise the limit with --max-units",
+        ),
+        (
+            ('spec = "niah:n=2,length=256"', 'spec = "niah:length=192,depths=25;75"\nname = "again"'),
+            r"\[\[data\]\] #2: 'niah:length=192,depths=25;75' is a cell already; name each data spec once",
+        ),
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
         (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
@@ -346,3 +392,333 @@ def test_interleave_undoes_share():
     items = list(range(7))
     assert interleave([share(items, rank, 3) for rank in range(3)]) == items
     assert interleave([share(items, rank, 9) for rank in range(9)]) == items
+
+
+def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(RankkitError, match=rf"^{latin} is not UTF-8 \(byte 33\); save it as UTF-8$"):
+        sweep(latin, tmp_path / "out")
+    empty = _write(tmp_path / "empty.toml", 'stages = ["capture"]\ndata = []\n')
+    with pytest.raises(RankkitError, match="write each data entry as a \\[\\[data\\]\\] table"):
+        sweep(empty, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nearly_equal_keep_rates_are_units_of_their_own():
+    plan = parse_experiment(
+        'stages = ["compare"]\nkeep = [0.2, 0.2000001]\n[[data]]\nspec = "niah:n=1,length=128"\n',
+        source="grid.toml",
+        default_name="grid",
+    )
+    assert [unit.variant for unit in units(plan, "compare")] == [
+        "keep=0.2_layer=own",
+        "keep=0.2000001_layer=own",
+    ]
+    assert [unit.tags()["budget"] for unit in units(plan, "compare")] == ["keep=0.2", "keep=0.2000001"]
+
+
+def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_path, monkeypatch):
+    import rankkit.sweep
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an example was built to check the grid")
+
+    monkeypatch.setattr(rankkit.sweep, "load_examples", forbidden)
+    lengths = ", ".join(str(128 + step) for step in range(56))
+    grid = _write(
+        tmp_path / "grid.toml",
+        f'stages = ["capture", "oracle"]\n[model]\nname = "{tiny_folder}"\n'
+        f'[[data]]\nkind = "niah"\nlengths = [{lengths}]\nn = 500\n',
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(grid, tmp_path / "out", max_units=50_000)
+    assert str(refused.value) == (
+        f"{grid}: the grid holds 56,000 units of work (an example through a model stage, a unit of another "
+        "stage), more than 50,000; shrink it, or raise the limit with --max-units"
+    )
+    plans = []
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached
+    summary = sweep(grid, tmp_path / "out", max_units=56_000, dry_run=True, announce=plans.append)
+    assert summary.stages == [] and not (tmp_path / "out").exists()
+    assert plans[0].lines()[1:-1] == [
+        "  capture: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
+        "  oracle: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
+        "  in all 8,708,000 prompt tokens through the model",
+    ]
+    assert plans[0].lines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
+
+
+def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
+    out = tmp_path / "hazard"
+    precious = out / "stores" / "precious.zarr"
+    precious.mkdir(parents=True)
+    (precious / "zarr.json").write_text("{}")
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError, match=f"{out} is not empty and holds no sweep; choose another --out"):
+        sweep(small, out)
+    sweep(small, out, overwrite=True)  # writes beside what is there
+    assert sorted(path.name for path in (out / "stores").iterdir()) == ["niah-128.zarr", "precious.zarr"]
+    sweep(small, out, overwrite=True)  # removes its own store, keeps the other
+    assert (precious / "zarr.json").read_text() == "{}"
+    assert json.loads((out / "manifest.json").read_text()) == [
+        "experiment.toml",
+        "manifest.json",
+        "parts",
+        "stores/niah-128.zarr",
+    ]
+    foreign = tmp_path / "foreign"
+    (foreign / "parts").mkdir(parents=True)
+    with pytest.raises(RankkitError) as refused:
+        sweep(small, foreign, overwrite=True)
+    assert str(refused.value) == (
+        f"{foreign / 'parts'} is in the way: the sweep writes there but did not make it; move it away, or "
+        "choose another --out"
+    )
+    assert sorted(path.name for path in foreign.iterdir()) == ["parts"]
+
+
+def test_a_keep_rate_added_runs_at_that_rate_alone_and_reuses_the_stores(
+    finished, experiment, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    before = pl.read_parquet(out / "compare.summary.parquet")
+    grown = _write(
+        tmp_path / "grown.toml", experiment.read_text().replace("keep = [0.2]", "keep = [0.2, 0.4]")
+    )
+    plans = []
+    sweep(grown, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines()[-1] == "  no estimate in seconds for bench"  # cost model or not
+    assert (
+        plans[0].lines()[:-1]
+        == [
+            f"plan for {out}:",
+            "  capture: 0 new, 0 changed, 2 kept",
+            "  oracle: 0 new, 0 changed, 2 kept",
+            "  bench: 0 new, 2 changed, 0 kept; 4 examples, 896 prompt tokens through the model",  # runs every rate
+            "  diffusion: 0 new, 0 changed, 2 kept",
+            "  compare: 2 new, 0 changed, 2 kept",
+            "  variance: 2 new, 0 changed, 2 kept",
+            "  dashboard: 0 new, 2 changed, 0 kept",  # it shows bench's rows
+            "  in all 896 prompt tokens through the model",
+        ]
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a keep rate added to compare and variance loaded a model")
+
+    monkeypatch.setattr(models, "load", refuse)
+    summary = sweep(grown, out, stages=["compare", "variance"], workers=1)
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [
+        ("compare", 2, 2),
+        ("variance", 2, 2),
+    ]
+    after = pl.read_parquet(out / "compare.summary.parquet")
+    assert sorted(after["keep"].unique().to_list()) == [0.2, 0.4]
+    assert_frame_equal(after.filter(pl.col("keep") == 0.2), before)
+    marker = json.loads((out / "parts/compare/niah-256/keep=0.4_layer=own.done").read_text())
+    assert marker["rankkit_version"] == "0.1.0"
+    assert marker["settings"]["compare"]["keep"] == 0.4 and marker["settings"]["compare"]["span"] == "prompt"
+    assert marker["settings"]["capture"]["data"] == "niah:n=2,length=256"
+    assert marker["settings"]["oracle"]["max_new_tokens"] == 4
+
+
+def test_a_dashboard_is_redrawn_when_the_stages_it_shows_change(finished, experiment, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    fewer = _write(tmp_path / "fewer.toml", experiment.read_text().replace('"diffusion", ', ""))
+    plans = []
+    sweep(fewer, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines()[-2] == "  dashboard: 0 new, 2 changed, 0 kept"
+
+
+def test_a_store_at_a_cells_path_seeds_it_and_one_model_load_serves_every_unit(
+    finished, tiny_folder, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    loads = []
+    real = models._load
+    monkeypatch.setattr(models, "_load", lambda *args: loads.append(args) or real(*args))
+    out = tmp_path / "out"
+    (out / "stores").mkdir(parents=True)
+    shutil.copytree(finished / "stores" / "niah-256.zarr", out / "stores" / "niah-256.zarr")
+    seeded = {path: path.stat().st_mtime_ns for path in (out / "stores").rglob("*.zip")}
+    grid = _write(
+        tmp_path / "grid.toml",
+        EXPERIMENT.format(model=tiny_folder)
+        .replace('"bench", ', "")
+        .replace('"compare", "variance", "dashboard"', '"compare"'),
+    )
+    summary = sweep(grid, out, overwrite=True, workers=1)  # --overwrite: the folder holds no sweep yet
+    assert [(report.stage, report.ran) for report in summary.stages] == [
+        ("capture", 2),
+        ("oracle", 2),
+        ("diffusion", 2),
+        ("compare", 2),
+    ]
+    assert {path: path.stat().st_mtime_ns for path in seeded} == seeded  # the seed's examples were kept
+    assert len(loads) == 1  # capture of both cells and diffusion of both: one load
+
+
+def test_a_disk_without_room_for_the_stores_is_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
+    import shutil as disk
+
+    from rankkit import outputs
+
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: disk._ntuple_diskusage(10**6, 10**6, 1000))
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(small, tmp_path / "out")
+    # 128 tokens x 3 layers x 2 KV heads x 6 probes x 4 bytes
+    assert str(refused.value) == (
+        f"{tmp_path / 'out'} needs about 18.0 KiB but {tmp_path} has 1000 bytes free; free some space or "
+        "choose another --out"
+    )
+    assert sorted(tmp_path.iterdir()) == [small]
+
+
+def test_a_changed_setting_reruns_exactly_the_units_it_decides(finished, experiment, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    changed = _write(tmp_path / "changed.toml", experiment.read_text() + '\n[compare]\nspan = "context"\n')
+    plans = []
+    summary = sweep(changed, out, stages=["compare"], workers=1, announce=plans.append)
+    assert plans[0].lines() == [
+        f"plan for {out}:",
+        "  compare: 0 new, 2 changed, 0 kept",
+        "  no model stage to run",
+    ]
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [("compare", 2, 0)]
+    expected = compare_store(out / "stores" / "niah-192.zarr", keep=0.2, span="context", workers=1).summary
+    rows = pl.read_parquet(out / "compare.summary.parquet").filter(pl.col("cell") == "niah-192")
+    assert_frame_equal(_untagged(rows, "compare"), expected, check_dtypes=False)
+    assert sweep(changed, out, stages=["compare"], workers=1).stages[0].skipped == 2
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture", "variance"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=3,length=128"\n',
+    )
+    out = tmp_path / "out"
+    shown = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run"])
+    assert shown.exit_code == 0, shown.output
+    calibrate = (
+        f"rankkit prefill --method full --model {tiny_folder} --device cpu --threads {torch.get_num_threads()} "
+        "--data niah:n=3,length=128"
+    )
+    assert shown.stdout.splitlines() == [
+        f"plan for {out}:",
+        "  capture: 1 new, 0 changed, 0 kept; 3 examples, 384 prompt tokens through the model",
+        "  variance: 1 new, 0 changed, 0 kept",
+        "  in all 384 prompt tokens through the model",
+        f"  no cost model cached for this model: run `{calibrate}` once to calibrate",
+    ]
+    as_json = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run", "--json"])
+    assert json.loads(as_json.stdout) == {
+        "stages": [
+            {
+                "stage": "capture",
+                "new": 1,
+                "changed": 0,
+                "kept": 0,
+                "examples": 3,
+                "tokens": 384,
+                "seconds": None,
+            },
+            {
+                "stage": "variance",
+                "new": 1,
+                "changed": 0,
+                "kept": 0,
+                "examples": 0,
+                "tokens": 0,
+                "seconds": None,
+            },
+        ],
+        "seconds": None,
+        "calibrate": calibrate,
+    }
+    assert not out.exists()
+
+
+def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_model(
+    tiny_folder, tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from rankkit import models
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+    from rankkit.methods.measure import calibration_path
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    grown = _write(
+        tmp_path / "grown.toml",
+        f'stages = ["capture", "oracle", "variance"]\n[model]\nname = "{tiny_folder}"\n'
+        '[[data]]\nspec = "niah:n=3,length=128"\n[[data]]\nspec = "niah:n=1,length=64"\n',
+    )
+    weights_hash = models.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
+    monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("--dry-run loaded a model"))
+    out = tmp_path / "out"
+
+    def dry_run(*flags: str):
+        shown = CliRunner().invoke(app, ["sweep", str(grown), "--out", str(out), "--dry-run", *flags])
+        assert shown.exit_code == 0, shown.output
+        return shown.stdout
+
+    assert (
+        dry_run().splitlines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
+    )
+    # a = 1/128 s per token per layer, b = 1/16384 s per query-key pair per layer; the tiny model has
+    # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
+    path = calibration_path(weights_hash, torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[128, 1.0]]}))
+    assert dry_run().splitlines() == [
+        f"plan for {out}:",
+        "  capture: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model, "
+        "about 20.2 s (one full prefill per example)",
+        "  oracle: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model",
+        "  variance: 2 new, 0 changed, 0 kept",
+        "  in all 896 prompt tokens through the model",
+        "  about 20.2 s estimated from the cached cost model; oracle not estimated",
+    ]
+    plan = json.loads(dry_run("--json"))
+    assert plan["seconds"] == 20.25 and plan["calibrate"] is None
+    assert [stage["seconds"] for stage in plan["stages"]] == [20.25, None, None]
+    assert not out.exists()
+
+
+def test_a_stage_that_refuses_as_it_runs_names_the_files_fields(tiny_folder, tmp_path):
+    from rankkit.capture import capture
+
+    out = tmp_path / "out"
+    store = out / "stores" / "niah-128.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=128", out=store, device="cpu")  # no oracle
+    seeded = _write(
+        tmp_path / "seeded.toml",
+        f'stages = ["compare"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    with pytest.raises(RankkitError) as refused:
+        sweep(seeded, out, overwrite=True, workers=1)  # --overwrite: the folder holds no sweep yet
+    assert str(refused.value) == (
+        f"{seeded}: store {store} has no oracle; run `rankkit oracle {store}` first (or pass oracle = false "
+        "in [compare])"
+    )

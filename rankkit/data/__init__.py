@@ -6,7 +6,7 @@ metric that scores it.
 """
 
 from rankkit.data.example import Example
-from rankkit.data.jsonl import export_jsonl, load_jsonl
+from rankkit.data.jsonl import export_jsonl, load_jsonl, read_context_file
 from rankkit.data.metrics import METRICS, score
 from rankkit.data.spec import (
     DataSpec,
@@ -18,6 +18,7 @@ from rankkit.data.spec import (
 )
 
 __all__ = [
+    "read_context_file",
     "METRICS",
     "Example",
     "export_jsonl",

@@ -63,6 +63,15 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     return examples
 
 
+def read_context_file(path: str | Path) -> str:
+    """A ``--context-file``'s text, read as a JSONL file is: UTF-8 checked by line, an empty one refused."""
+    path = Path(path)
+    text = "".join(line for _, line in _numbered_lines(path))
+    if not text.strip():
+        raise RankkitError(f"--context-file {path} is empty; give a file holding the context")
+    return text
+
+
 def _numbered_lines(path: Path):
     """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are named by line."""
     with path.open("rb") as lines:

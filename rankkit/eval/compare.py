@@ -493,7 +493,7 @@ SIBLING_FRAMES = ("per_head", "sweep", "curve", "stability", "summary", "pairs")
 
 def output_paths(path: str | os.PathLike) -> list[Path]:
     """The files ``CompareResult.write(path)`` writes: ``path`` and its siblings, in frame order."""
-    target = Path(path)
+    target = outputs.named_file(path)
     return [target] + [target.with_name(f"{target.stem}.{name}.parquet") for name in SIBLING_FRAMES]
 
 

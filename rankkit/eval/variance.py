@@ -50,7 +50,7 @@ def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
 def output_paths(path: str | os.PathLike) -> list[Path]:
     """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections and
     the mean curves beside it."""
-    target = Path(path)
+    target = outputs.named_file(path)
     return [target, *(target.with_name(f"{target.stem}.{name}.parquet") for name in ("selections", "means"))]
 
 

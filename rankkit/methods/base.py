@@ -123,7 +123,8 @@ class Budget:
 
     @property
     def label(self) -> str:
-        return f"keep={self.keep:g}" if self.tokens is None else f"budget={self.tokens}"
+        # 15 significant digits: exact for any rate written by hand, so no two rates share a label
+        return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
 
 
 @dataclass

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -215,6 +216,11 @@ class CostModel:
             self.layer_cost(q, k) for run in passes for q, k in zip(run.queries, run.keys, strict=True)
         )
 
+    def prefills_seconds(self, num_layers: int, tokens: int, squared_tokens: int) -> float:
+        """Full prefills whose lengths n sum to ``tokens`` and their squares to ``squared_tokens``:
+        L·(a·Σn + b·Σn²)."""
+        return num_layers * (self.linear * tokens + self.quadratic * squared_tokens)
+
     def ideal_ratio(self, passes: list[Pass], prompt_length: int, num_layers: int) -> float:
         return self.cost(passes) / (num_layers * self.layer_cost(prompt_length, prompt_length))
 
@@ -259,14 +265,26 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
     The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later
     prompt: a and b describe the model on the machine, not the prompt they were timed on.
     """
-    device = runner.device
-    key = f"{weights_hash[:16]}-{device.type}{device.index if device.index is not None else ''}"
-    path = cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads.json"
-    if path.is_file():
-        recorded = json.loads(path.read_text())
-        return CostModel(
-            recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]]
+    cost_model = cached_cost_model(weights_hash, runner.device)
+    if cost_model is None:
+        cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
+        write_atomically(
+            calibration_path(weights_hash, runner.device), json.dumps(dataclasses.asdict(cost_model))
         )
-    cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
-    write_atomically(path, json.dumps(dataclasses.asdict(cost_model)))
     return cost_model
+
+
+def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | None:
+    """The fit ``cached_calibration`` remembered for these weights, this device and the current torch
+    thread count, or None where none was made; nothing loads or runs."""
+    path = calibration_path(weights_hash, device)
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text())
+    return CostModel(recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]])
+
+
+def calibration_path(weights_hash: str, device: torch.device) -> Path:
+    """Where the fit for these weights, this device and the current torch thread count is remembered."""
+    key = f"{weights_hash[:16]}-{device.type}{device.index if device.index is not None else ''}"
+    return cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads.json"
