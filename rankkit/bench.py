@@ -33,7 +33,7 @@ from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
-from rankkit.methods import Budget, Method, make
+from rankkit.methods import Budget, Method, check_parameters, make
 from rankkit.methods.measure import CostModel, Measured, cached_calibration, calibrate, measure_interleaved
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
@@ -203,6 +203,8 @@ class MethodOptions:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
         params = {"specprefill": {"draft_model": self.draft}, "oracle": {"mirror": self.mirror}}
         methods = [make(name, **params.get(name, {})) for name in names]
+        for method in methods:
+            check_parameters(method, num_layers)
         if self.layer is None:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]

@@ -69,7 +69,7 @@ from rankkit.experiment import (
     read_experiment,
 )
 from rankkit.interrupts import keep_on_interrupt
-from rankkit.methods import Budget
+from rankkit.methods import Budget, check_parameters
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
 
@@ -321,7 +321,7 @@ def check(plan: Experiment, layout: Layout, running: tuple[str, ...], path: Path
                 plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
     if "compare" in plan.stages:
         with errors_in(f"{path} [compare]"):
-            _check_compare(plan, layout)
+            _check_compare(plan, layout, num_layers)
     if "variance" in plan.stages:
         with errors_in(f"{path} [variance]"):
             variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
@@ -348,8 +348,9 @@ def _cell_examples(plan: Experiment, config) -> dict[str, int]:
     return counts
 
 
-def _check_compare(plan: Experiment, layout: Layout) -> None:
-    """compare's methods and pairs against the probes the stores will hold."""
+def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
+    """compare's methods (their parameters against the model's depth) and pairs against the probes
+    the stores will hold."""
     if "capture" in plan.stages:
         probes = [probe.key for probe in capture_probes(plan.probes)]
         has_draft = plan.capture.draft is not None
@@ -366,7 +367,9 @@ def _check_compare(plan: Experiment, layout: Layout) -> None:
     )
     for name in labels:
         if name not in probes:
-            method_from_spec(name).captured_inputs()  # a method without an offline face says so
+            method = method_from_spec(name)
+            check_parameters(method, num_layers)
+            method.captured_inputs()  # a method without an offline face says so
     if "pairs" in options:
         compare.parse_pairs(options["pairs"], labels)
 

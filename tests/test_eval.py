@@ -212,7 +212,7 @@ def test_a_ranking_scored_before_is_not_scored_again():
     """Methods that rank by a probe's own scores (fastkv by window's) reuse its metrics, in any
     dtype; a ranking scored without Kendall is scored again when Kendall is asked for."""
     rng = np.random.default_rng(4)
-    reference = Reference(rng.random(300), np.zeros(300, bool))
+    reference = Reference(rng.random(300), np.zeros(300, bool), 0.1)
     scores = rng.random((4, 300)).astype(np.float32)
     quick = reference.metrics(scores, with_kendall=False)
     assert np.isnan(quick["kendall"]).all()
@@ -723,6 +723,31 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["compare", "--methods", "claa:aggregation_window=0"],
+            "method 'claa': aggregation_window=0 is outside",
+        ),
+        (
+            ["compare", "--methods", "claa:aggregation_window=abc"],
+            "aggregation_window='abc' is not an integer",
+        ),
+        (
+            ["select", "--method", "claa:deferred_layers=50", "--keep", "0.1"],
+            "method 'claa': deferred_layers=50 is outside [0, 6]",
+        ),
+        (["variance", "--method", "asl:tau=nan"], "method 'asl': tau=nan is not a number"),
+    ],
+)
+def test_cli_refuses_a_method_parameter_out_of_range_in_one_line(cli, store_path, args, message):
+    """The command's ``main`` prints a RankkitError as one line with exit status 2."""
+    result = cli(args[0], store_path, *args[1:])
+    assert isinstance(result.exception, RankkitError), result.output
+    assert message in str(result.exception) and "\n" not in str(result.exception)
 
 
 def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):

@@ -302,6 +302,14 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
         (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
+        (
+            ("[diffusion]", '[compare]\nmethods = ["claa:deferred_layers=50"]\n[diffusion]'),
+            r"\[compare\]: method 'claa': deferred_layers=50 is outside \[0, 3\]",
+        ),
+        (
+            ("[diffusion]", '[compare]\nmethods = ["sliminfer:gamma=5"]\n[diffusion]'),
+            r"method 'sliminfer': gamma=5 is outside \[0, 1\]",
+        ),
     ],
 )
 def test_a_bad_experiment_is_one_line_naming_the_fix(experiment, tmp_path, edit, message):

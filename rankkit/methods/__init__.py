@@ -19,7 +19,17 @@ from rankkit.methods import (  # noqa: F401  (each module registers its method)
     specprefill,
     streamingllm,
 )
-from rankkit.methods.base import REGISTRY, Budget, Method, MethodPrefill, Pass, Selection, make, scale_layer
+from rankkit.methods.base import (
+    REGISTRY,
+    Budget,
+    Method,
+    MethodPrefill,
+    Pass,
+    Selection,
+    check_parameters,
+    make,
+    scale_layer,
+)
 from rankkit.methods.selection import Captured
 
 __all__ = [
@@ -30,6 +40,7 @@ __all__ = [
     "MethodPrefill",
     "Pass",
     "Selection",
+    "check_parameters",
     "make",
     "probes_methods_need",
     "scale_layer",
