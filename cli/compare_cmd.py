@@ -44,6 +44,11 @@ def compare(
     keep: float = typer.Option(
         0.1, "--keep", help="Keep rate the methods rank under (ASL's k, forced-token counts)."
     ),
+    needle_keep: float | None = typer.Option(
+        None,
+        "--needle-keep",
+        help="Keep rate needle recall counts the evidence tokens in. (default: the --keep given)",
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",
@@ -85,6 +90,7 @@ def compare(
             use_oracle=oracle,
             span=span,
             keep=keep,
+            needle_keep=needle_keep,
             workers=workers,
             pairs=pairs,
         )
@@ -96,7 +102,8 @@ def compare(
         typer.echo(json.dumps(rows, indent=2))
         return
     title = (
-        f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}: "
+        f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}, "
+        f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
         "means [95% interval] over n examples"
     )
     console = Console()

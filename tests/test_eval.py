@@ -562,6 +562,37 @@ def test_compare_prompt_span_leaves_out_the_observation_window(store_path, resul
     assert same(rows["spearman"].to_numpy(), spearman(lava, record.oracle[prompt]))
 
 
+def test_needle_recall_counts_the_evidence_in_the_keep_asked_and_says_which(store_path):
+    """Needle recall at ``needle_keep``, by default the ``keep`` given (it was fixed at 0.1)."""
+    from rankkit import stores
+
+    record = stores.open(store_path).example("ex0")
+    prompt = slice(0, TOKENS - 8)
+    lava = record.scores("lava")[:, :, prompt].sum(axis=1)
+    evidence = spans_mask(EVIDENCE, TOKENS - 8)
+    assert not same(needle_recall(lava, evidence, 0.1), needle_recall(lava, evidence, 0.2))
+    for keep, needle_keep, counted in [(0.2, None, 0.2), (0.1, None, 0.1), (0.1, 0.4, 0.4)]:
+        result = compare_store(
+            store_path, methods=["lava"], keep=keep, needle_keep=needle_keep, detailed=False
+        )
+        rows = result.per_layer.filter(pl.col("example") == "ex0").sort("layer")
+        assert same(rows["needle_recall"].to_numpy(), needle_recall(lava, evidence, counted))
+        for frame in (result.summary, result.curve):
+            assert frame.select("keep", "needle_keep").unique().rows() == [(keep, counted)]
+
+
+def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
+    result = cli("compare", store_path, "--methods", "lava", "--keep", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    assert {(row["keep"], row["needle_keep"]) for row in json.loads(result.stdout)} == {(0.2, 0.2)}
+    out = tmp_path / "c.parquet"
+    table = cli("compare", store_path, "--methods", "lava", "--needle-keep", "0.4", "--out", out)
+    assert "ranked at keep 0.1, needle recall in the top 0.4" in " ".join(table.stdout.split())
+    assert pl.read_parquet(out).select("keep", "needle_keep").unique().rows() == [(0.1, 0.4)]
+    refused = cli("compare", store_path, "--needle-keep", "1.5")
+    assert str(refused.exception) == "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1"
+
+
 def test_compare_layer_and_methods_choose_the_rows(store_path):
     chosen = compare_store(store_path, layer=1, methods=["lava", "claa"])
     assert chosen.summary["method"].to_list() == ["lava", "claa"]

@@ -307,6 +307,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r"\[compare\]: method 'claa': deferred_layers=50 is outside \[0, 3\]",
         ),
         (
+            ("[diffusion]", "[compare]\nneedle_keep = 1.5\n[diffusion]"),
+            r"keep rate 1.5 is outside \(0, 1\]",
+        ),
+        (
             ("[diffusion]", '[compare]\nmethods = ["sliminfer:gamma=5"]\n[diffusion]'),
             r"method 'sliminfer': gamma=5 is outside \[0, 1\]",
         ),

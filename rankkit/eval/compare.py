@@ -39,8 +39,9 @@ Intervals are 95%, over examples (``rankkit.eval.stats``: percentile bootstrap r
 examples, Wilson for 0/1 values); p-values are Wilcoxon signed-rank, two-sided.
 
 recall_at_X: share of the oracle's top X% that the method's top X% keeps. needle_recall: share
-of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep``, null
-without evidence. adjacent_spearman: Spearman between the method's rankings at this layer and
+of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep`` (default:
+the ``keep`` the methods rank under), null without evidence. ``per_layer``, ``curve`` and
+``summary`` name both in their ``keep`` and ``needle_keep`` columns. adjacent_spearman: Spearman between the method's rankings at this layer and
 the one before (null at layer 0 and without layers).
 """
 
@@ -85,7 +86,6 @@ from .ranking import Ranked, keep_count, row_metrics, spans_mask
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
-NEEDLE_KEEP = 0.1
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall")
 
 CLAA = "claa"
@@ -128,9 +128,7 @@ class Reference:
     are defined; the others come out NaN.
     """
 
-    def __init__(
-        self, oracle: np.ndarray | None, evidence: np.ndarray, needle_keep: float | int = NEEDLE_KEEP
-    ):
+    def __init__(self, oracle: np.ndarray | None, evidence: np.ndarray, needle_keep: float | int):
         num_tokens = evidence.shape[0]
         self.oracle = oracle
         self.evidence = evidence
@@ -464,10 +462,16 @@ class CompareResult:
     sweep: pl.DataFrame
     summary_layers: Mapping[str, int | None]  # each method's layer in ``summary`` (summary_frame)
     tested_pairs: Sequence[tuple[str, str]]  # the (method, baseline) pairs ``pairs`` tests
+    keep: float | int  # the budget the methods ranked under
+    needle_keep: float | int  # the budget needle recall counts the evidence in
+
+    def with_keeps(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """``frame`` with the keep and the needle keep its rows were made under, as columns."""
+        return frame.with_columns(keep=pl.lit(self.keep), needle_keep=pl.lit(self.needle_keep))
 
     @cached_property
     def curve(self) -> pl.DataFrame:
-        return curve_frame(self.per_layer)
+        return self.with_keeps(curve_frame(self.per_layer))
 
     @cached_property
     def stability(self) -> pl.DataFrame:
@@ -475,7 +479,7 @@ class CompareResult:
 
     @cached_property
     def summary(self) -> pl.DataFrame:
-        return summary_frame(self.per_layer, self.summary_layers)
+        return self.with_keeps(summary_frame(self.per_layer, self.summary_layers))
 
     @cached_property
     def pairs(self) -> pl.DataFrame:
@@ -484,7 +488,7 @@ class CompareResult:
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
         paths = output_paths(path)
-        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
+        frames = [self.with_keeps(self.per_layer), *(getattr(self, name) for name in SIBLING_FRAMES)]
         return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
 
 
@@ -522,7 +526,7 @@ def compare_store(
     use_oracle: bool = True,
     span: str = "prompt",
     keep: float | int = KEEP_RATES[0],
-    needle_keep: float | int = NEEDLE_KEEP,
+    needle_keep: float | int | None = None,
     workers: int | None = None,
     pairs: str | Sequence[tuple[str, str]] | None = None,
     detailed: bool = True,
@@ -533,7 +537,8 @@ def compare_store(
     them in the ``--probes`` syntax (``split_names``); ``layer`` is the
     selection layer of every method that has one and the layer probes and KV-only methods are
     summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
-    are made under (it sets ASL's k and the size of forced sets). With ``use_oracle`` only examples
+    are made under (it sets ASL's k and the size of forced sets); ``needle_keep`` the budget needle
+recall counts the evidence in (default: ``keep``). With ``use_oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
@@ -545,6 +550,8 @@ def compare_store(
     from rankkit import stores
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
+    needle_keep = keep if needle_keep is None else needle_keep
+    budget, _ = Budget.parse(keep), Budget.parse(needle_keep)  # a bad keep fails before any reading too
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
     store.warn_skipped()
@@ -601,7 +608,7 @@ def compare_store(
         compare_example,
         probes=tuple(probes),
         methods=ranked_methods,
-        budget=Budget.parse(keep),
+        budget=budget,
         span=span,
         use_oracle=use_oracle,
         needle_keep=needle_keep,
@@ -633,6 +640,8 @@ def compare_store(
         sweep=sweep,
         summary_layers=summary_layers,
         tested_pairs=list(pairs),
+        keep=keep,
+        needle_keep=needle_keep,
     )
 
 
@@ -644,7 +653,7 @@ def compare_example(
     budget: Budget,
     span: str = "prompt",
     use_oracle: bool = True,
-    needle_keep: float | int = NEEDLE_KEEP,
+    needle_keep: float | int,
     layout: Mapping[str, Any] | None = None,
     detailed: bool = True,
 ) -> tuple[str, str | None, tuple[_Rows, _Rows, _Rows]]:
