@@ -10,7 +10,8 @@ Methods, each ranking the tokens of one example:
   by (``rankkit.methods.selection``). A method with a selection layer is shown at every layer
   it could pick (like CLAA's Fig. 2); an adaptive one (ASL) at the layer it picks; KV-only
   ones at every layer; a draft's ranking (specprefill) has no layer. The tokens a method
-  always keeps rank first. ``sweep`` holds CLAA at n = 1, 2, 4, 8 ("claa-n1"...).
+  always keeps rank first. ``sweep`` holds CLAA at n = 1, 2, 4, 8 ("claa-n1"...), those up to
+  the model's depth.
 
 Which tokens are ranked (``span``): "prompt", every prompt token outside the observation
 window (CLAA Sec. 3.1 ranks the prompt; the window is kept by every method, so ranking it
@@ -240,7 +241,7 @@ def evaluate_example(
         layers, columns = scored(method, detailed)
         per_layer.add(label, layer=layers, **columns)
         if method.name == CLAA and detailed:
-            for n in CLAA_SWEEP:
+            for n in (n for n in CLAA_SWEEP if n <= num_layers):  # n past the depth is refused
                 layers, columns = scored(replace(method, aggregation_window=n), False)
                 without_kendall = {name: values for name, values in columns.items() if name != "kendall"}
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
@@ -538,7 +539,7 @@ def compare_store(
     selection layer of every method that has one and the layer probes and KV-only methods are
     summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
     are made under (it sets ASL's k and the size of forced sets); ``needle_keep`` the budget needle
-recall counts the evidence in (default: ``keep``). With ``use_oracle`` only examples
+    recall counts the evidence in (default: ``keep``). With ``use_oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
