@@ -155,6 +155,39 @@ def compare_on_prompt(
     ]
 
 
+MODEL_COLUMNS = ("model", "weights_hash")  # which model measured a bench's rows
+
+
+def with_model(frame: pl.DataFrame, loaded: models.LoadedModel) -> pl.DataFrame:
+    """``frame``'s rows with the model that measured them, so no reader can take them for another's."""
+    return frame.with_columns(model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash))
+
+
+def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) -> None:
+    """Refuse a bench ``frame`` measured with other weights than ``model`` (a store's ``meta["model"]``).
+
+    A bench written before it recorded its model (no ``weights_hash`` column) cannot be
+    checked and passes with a warning; so does any bench beside a store without a hash.
+    """
+    expected = model.get("weights_hash")
+    if not expected:
+        return
+    if "weights_hash" not in frame.columns:
+        warnings.warn(
+            f"{what} does not say which model measured it (written before benches did); "
+            f"it is shown as {against}'s",
+            stacklevel=2,
+        )
+        return
+    others = sorted(set(frame["weights_hash"].drop_nulls()) - {expected})
+    if others:
+        name = frame.filter(pl.col("weights_hash") == others[0])["model"][0]
+        raise RankkitError(
+            f"{what} was measured with model {name} (weights {others[0][:12]}), {against} with "
+            f"{model.get('id')} (weights {expected[:12]}); pass a bench of {against}'s model"
+        )
+
+
 def kept_positions_by_layer(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, layers: list[int]
 ) -> dict[int, list[list[int]]]:
@@ -423,6 +456,7 @@ def bench(
             journal=journal,
             progress=progress,
         )
+    frame = with_model(frame, loaded)
     journal.finish(frame)
     return frame
 

@@ -121,6 +121,8 @@ def test_bench_diffusion_and_dashboards_cover_every_cell(finished, experiment):
         rows = bench.filter(pl.col("cell") == cell)
         assert rows["example_id"].unique(maintain_order=True).to_list() == ids
         assert rows["method"].to_list() == ["full", "claa"] * len(ids)
+        model = stores.open(finished / "stores" / f"{cell}.zarr").meta["model"]  # the bench's own model
+        assert rows.select("model", "weights_hash").unique().rows() == [(model["id"], model["weights_hash"])]
         probed = diffusion.filter(pl.col("cell") == cell)
         assert probed["example"].unique().to_list() == ids[:1]  # limit = 1
         assert probed["layer"].to_list() == [0, 1, 2, 3]  # evidence removed from each layer on, and never

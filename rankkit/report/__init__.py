@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.bench import SUMMARY_INPUTS
+from rankkit.bench import SUMMARY_INPUTS, check_same_model
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -92,7 +92,7 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
     if not records[0].probes:
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
-    bench_frame = _frame(bench, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+    bench_frame = _bench_frame(bench, store)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
@@ -134,6 +134,15 @@ def _frame(
             raise RankkitError(
                 f"the {what} frame lacks column(s) {', '.join(missing)}; pass the file `{command}` writes"
             )
+    return frame
+
+
+def _bench_frame(source: str | os.PathLike | pl.DataFrame | None, store) -> pl.DataFrame | None:
+    """The bench frame ``source`` of ``store``'s model: a bench of another model is refused."""
+    frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+    if frame is not None:
+        what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
     return frame
 
 
