@@ -239,7 +239,7 @@ class BenchStage:
 
 @dataclass(frozen=True)
 class DiffusionSettings:
-    max_new_tokens: int = defaults.DIFFUSION_MAX_NEW_TOKENS
+    max_new_tokens: int | None = None  # None: each example's answer length (``diffusion_probe``)
     limit: int | None = None
 
 

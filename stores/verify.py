@@ -84,8 +84,8 @@ class VerifyReport:
             refused = " and ".join(f"{counts[state]} {state}" for state in _REFUSED if counts[state])
             if refused:
                 raise RankkitError(
-                    f"{refused} example(s) in {self.path}, listed above; every reader refuses them: "
-                    "move them back where they belong or recapture them"
+                    f"{refused} example(s) in {self.path}, listed above; recapture them "
+                    "(or move a mismatched one back to its own folder or store)"
                 )
             return
         redo = f"rerun the capture (or `rankkit oracle {self.path}`)"

@@ -921,7 +921,7 @@ def _refused_by_every_reader(path: Path, message: str) -> None:
         assert message in str(refused.value) and "\n" not in str(refused.value)
     report = stores.verify(path)
     assert report.counts()["mismatched"] >= 1 and message in report.problems[0].detail
-    with pytest.raises(RankkitError, match="mismatched example\\(s\\) in .*every reader refuses them"):
+    with pytest.raises(RankkitError, match="mismatched example\\(s\\) in .*listed above; recapture them"):
         report.raise_if_damaged()
 
 
@@ -980,6 +980,22 @@ def test_an_example_written_before_ids_and_hashes_were_recorded_still_reads(orac
     assert [record.id for record in stores.open(oracled).examples()] == ["a", "b"]
     assert stores.verify(oracled).counts()["good"] == 2
     assert_example_matches(stores.open(oracled), "a", 0)
+
+
+def test_cli_store_verify_exits_2_on_an_example_whose_metadata_no_longer_parses(oracled):
+    metadata = oracled / "examples" / "a" / "zarr.json"
+    metadata.write_text(metadata.read_text()[:40])  # truncated
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "verify", str(oracled)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stdout.splitlines()[-1] == (
+        f"2 examples in {oracled}: 1 good, 0 unchecked, 0 damaged, 0 incomplete, 1 unreadable, 0 mismatched"
+    )
+    assert result.stderr == (
+        f"rankkit: error: 1 unreadable example(s) in {oracled}, listed above; recapture them "
+        "(or move a mismatched one back to its own folder or store)\n"
+    )
 
 
 def test_zip_arrays_decode_as_zarr_reads_them_in_every_chunk_layout(tmp_path, monkeypatch):
