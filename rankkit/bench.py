@@ -83,6 +83,7 @@ def run_row(
         "task": example.task if example is not None else "prompt",
         "length": run.prompt_length,
         "depth_percent": meta.get("depth_percent"),
+        "cluster": meta.get("cluster"),  # examples sharing a haystack or a needle (rankkit.data.niah)
         "method": run.method,
         "keep": budget.keep,
         "budget": budget.label,
@@ -529,14 +530,18 @@ SUMMARY_INPUTS = (  # the grid's columns ``summary`` reads
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
     """Per method and budget: mean score (``accuracy``) and TTFT/TPOT/KV ratios to full, each with its
     95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
-    otherwise; ``rankkit.eval.stats``) and ``n_examples``; then the mean keep rate, ideal ratio,
-    times and bytes, and measured over ideal.
+    otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``) and
+    ``n_examples`` (and ``n_clusters`` where the rows name clusters); then the mean keep rate,
+    ideal ratio, times and bytes, and measured over ideal.
 
     Ratios are means over examples of each example's paired median ratio.
     """
     from rankkit.eval.stats import mean_intervals
 
     scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
+    if clustered:  # an example without a cluster is its own
+        scored = scored.with_columns(pl.col("cluster").fill_null(pl.col("example_id")))
     means = scored.group_by("method", "budget", maintain_order=True).agg(
         pl.col("keep").mean(),
         pl.col("ideal_ratio").mean(),
@@ -546,7 +551,12 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("peak_mem_bytes").mean(),
     )
     intervals = mean_intervals(
-        scored, ["method", "budget"], SUMMARY_METRICS, example="example_id", scores=["accuracy"]
+        scored,
+        ["method", "budget"],
+        SUMMARY_METRICS,
+        example="example_id",
+        cluster="cluster" if clustered else None,
+        scores=["accuracy"],
     )
     return intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")

@@ -271,7 +271,7 @@ def slow_claa(layer_scores: np.ndarray, pruning_layer: int, n: int, deferred: in
     return np.max(summed[layers or [pruning_layer]], axis=0)
 
 
-@pytest.mark.parametrize("n, deferred", [(1, 0), (2, 0), (4, 1), (8, 3), (12, 0)])
+@pytest.mark.parametrize("n, deferred", [(1, 0), (2, 0), (4, 1), (8, 3), (10, 0)])  # n up to the depth
 def test_claa_ranks_by_the_max_over_the_n_layers_ending_at_the_pruning_layer(n, deferred):
     layer_scores = np.random.default_rng(1).random((10, 2, 50)).astype(np.float32)
     captured = Captured({"window": torch.from_numpy(layer_scores)}, 10, 50)
@@ -412,7 +412,7 @@ CONTEXT = (5, 50)
 EVIDENCE = [[20, 24]]
 
 
-def write_store(path, *, oracle=True, draft=True, examples=3):
+def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None):
     """Probes with known answers: ``window`` ranks exactly like the oracle, ``last_token_raw``
     exactly against it, ``lava`` at random; the oracle peaks on the evidence."""
     from rankkit import stores
@@ -431,6 +431,8 @@ def write_store(path, *, oracle=True, draft=True, examples=3):
         }
         spans = {"context_tokens": list(CONTEXT), "evidence_tokens": EVIDENCE}
         attrs = {"task": "niah", "spans": spans}
+        if clusters is not None:
+            attrs["meta"] = {"cluster": clusters[index]}
         writer.write_example(example_id, attrs=attrs, tokens=np.arange(TOKENS), scores=scores)
         if oracle:
             writer.add_oracle(example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={})
@@ -460,7 +462,16 @@ def test_compare_without_detail_is_the_same_per_layer_rows_without_kendall(store
 
 def test_compare_frames_have_the_documented_columns(result):
     metrics = ["spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall"]
-    assert result.per_layer.columns == ["example", "task", "method", "layer", *metrics, "adjacent_spearman"]
+    keeps = ["keep", "needle_keep"]
+    assert result.per_layer.columns == [
+        "example",
+        "task",
+        "method",
+        "layer",
+        *metrics,
+        "adjacent_spearman",
+        *keeps,
+    ]
     assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman"]
     assert result.sweep.columns == [
         "example", "task", "method", "claa_layers", "layer",
@@ -471,11 +482,11 @@ def test_compare_frames_have_the_documented_columns(result):
     with_intervals = [
         name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
     ]
-    assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples"]
-    assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability]
+    assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples", *keeps]
+    assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability, *keeps]
     assert result.pairs.columns == [
         "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high", "p_value",
-        "n_examples",
+        "n_examples", "n_clusters",
     ]  # fmt: skip
     assert result.per_layer["example"].dtype == pl.Categorical
 
@@ -591,6 +602,37 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     assert pl.read_parquet(out).select("keep", "needle_keep").unique().rows() == [(0.1, 0.4)]
     refused = cli("compare", store_path, "--needle-keep", "1.5")
     assert str(refused.exception) == "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1"
+
+
+def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
+    """Examples of one haystack or needle (meta["cluster"]) are one sample: intervals resample
+    clusters, pairs test cluster means, and n_clusters says how many there are."""
+    from rankkit.eval.stats import bootstrap_means, paired_difference
+
+    path = write_store(tmp_path / "clustered.zarr", examples=4, clusters=["sweep", "sweep", "sweep", "other"])
+    result = compare_store(path, methods=["lava", "last_token_raw"], pairs="lava:last_token_raw", layer=2)
+    assert result.per_layer.filter(pl.col("method") == "lava")["cluster"].unique(
+        maintain_order=True
+    ).to_list() == [
+        "sweep",
+        "other",
+    ]
+    lava = result.summary.row(by_predicate=pl.col("method") == "lava", named=True)
+    assert (lava["n_examples"], lava["n_clusters"]) == (4, 2)
+    at_layer = result.per_layer.filter((pl.col("method") == "lava") & (pl.col("layer") == 2)).sort("example")
+    _, low, high, _ = bootstrap_means(at_layer["spearman"].to_numpy()[:, None], np.array([0, 0, 0, 1]))
+    assert (lava["spearman_ci_low"], lava["spearman_ci_high"]) == pytest.approx((low[0], high[0]))
+    baseline = result.per_layer.filter((pl.col("method") == "last_token_raw") & (pl.col("layer") == 2)).sort(
+        "example"
+    )
+    pair = result.pairs.row(by_predicate=pl.col("layer") == 2, named=True)
+    expected = paired_difference(
+        at_layer["spearman"].to_numpy(), baseline["spearman"].to_numpy(), ["s"] * 3 + ["o"]
+    )
+    assert (pair["n_examples"], pair["n_clusters"], pair["p_value"]) == (4, 2, expected["p_value"])
+    swept = compare_store(write_store(tmp_path / "sweep.zarr", clusters=["sweep"] * 3), methods=["lava"])
+    one = swept.summary.row(0, named=True)  # one haystack and needle at three depths: one sample
+    assert (one["n_examples"], one["n_clusters"], one["spearman_ci_low"]) == (3, 1, None)
 
 
 def test_compare_layer_and_methods_choose_the_rows(store_path):

@@ -96,7 +96,7 @@ def test_compare_and_variance_parquets_are_the_library_calls_on_each_store(finis
         direct = compare_store(store, keep=0.2, workers=1)
         mine = {name: frame.filter(pl.col("cell") == cell) for name, frame in compared.items()}
         # the unit's keep tag stands for compare's own keep column
-        assert_frame_equal(_untagged(mine[""], "compare"), direct.with_keeps(direct.per_layer).drop("keep"))
+        assert_frame_equal(_untagged(mine[""], "compare"), direct.per_layer.drop("keep"))
         assert_frame_equal(_untagged(mine[".summary"], "compare"), direct.summary.drop("keep"))
         assert mine[".summary"]["needle_keep"].unique().to_list() == [0.2]
         assert_frame_equal(_untagged(mine[".pairs"], "compare"), direct.pairs)

@@ -21,23 +21,26 @@ has one. The window is CLAA's (W = 8).
 Frames (tidy; ``example`` is Categorical like the store's frames; NaN-free, undefined = null):
 
 per_layer  example, task, method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40,
-           needle_recall, adjacent_spearman
+           needle_recall, adjacent_spearman, keep, needle_keep, and cluster where the store's
+           examples name one (``with_clusters``)
 per_head   example, task, method, layer, head, spearman                       (probes only)
 sweep      example, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
 curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall) its mean
-           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples
+           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples (and
+           n_clusters, the independent samples, where per_layer has clusters)
 stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
 summary    method, layer, each metric with its interval as in ``curve``, n_examples, then the
            stability columns; each method at its own selection layer (``--layer`` sets it),
            probes and KV-only methods at CLAA's l_p (or ``--layer``), adaptive ones at the
            layer each example picks (``layer`` null when they differ)
 pairs      method, baseline, layer, difference, difference_ci_low, difference_ci_high, p_value,
-           n_examples: the paired Spearman difference method - baseline over the examples both
+           n_examples, n_clusters: the paired Spearman difference method - baseline over the examples both
            have at that layer (``pairs``; default CLAA against each single-layer heuristic)
 
 Intervals are 95%, over examples (``rankkit.eval.stats``: percentile bootstrap resampling
-examples, Wilson for 0/1 values); p-values are Wilcoxon signed-rank, two-sided.
+examples, or clusters of examples that share a haystack or a needle, Wilson for 0/1 values);
+p-values are Wilcoxon signed-rank, two-sided, over examples or each cluster's mean.
 
 recall_at_X: share of the oracle's top X% that the method's top X% keeps. needle_recall: share
 of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep`` (default:
@@ -338,7 +341,9 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
         pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer")
     )
     means = layers.join(
-        mean_intervals(at_layer, ["method"], METRIC_COLUMNS), on="method", maintain_order="left"
+        mean_intervals(at_layer, ["method"], METRIC_COLUMNS, cluster=cluster_column(at_layer)),
+        on="method",
+        maintain_order="left",
     )
     return means.join(stability_frame(per_layer), on="method", how="left", maintain_order="left")
 
@@ -347,7 +352,30 @@ def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     """Per method and layer: each metric's mean over examples with its 95% interval, and n."""
     if not per_layer.height:
         return pl.DataFrame()
-    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS)
+    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS, cluster=cluster_column(per_layer))
+
+
+def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int) -> pl.DataFrame:
+    """``frame`` with the keep its rankings were made under and the one needle recall counted in."""
+    return frame.with_columns(keep=pl.lit(keep), needle_keep=pl.lit(needle_keep))
+
+
+CLUSTER = "cluster"  # per_layer's column naming each example's cluster, where the store records them
+
+
+def cluster_column(frame: pl.DataFrame) -> str | None:
+    """``CLUSTER`` when ``frame`` has it: intervals then resample clusters (``stats.mean_intervals``)."""
+    return CLUSTER if CLUSTER in frame.columns else None
+
+
+def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any]) -> pl.DataFrame:
+    """``per_layer`` with each example's cluster (``meta["cluster"]``: examples sharing a haystack or
+    a needle, ``rankkit.data.niah``) when any example records one; an example without is its own."""
+    named = {record.id: (record.attrs.get("meta") or {}).get(CLUSTER) for record in records}
+    if not per_layer.height or not any(named.values()):
+        return per_layer
+    clusters = {example: cluster or example for example, cluster in named.items()}
+    return per_layer.with_columns(pl.col("example").cast(pl.String).replace_strict(clusters).alias(CLUSTER))
 
 
 def default_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
@@ -381,12 +409,14 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl.DataFrame:
-    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``)."""
-    keys, columns = [], []
+    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``),
+    resampling clusters where ``per_layer`` names them."""
+    keys, columns, clusters = [], [], []
+    cluster = cluster_column(per_layer)
     for method, baseline in pairs:
         both = (
             per_layer.filter(pl.col("method") == method)
-            .select("example", "layer", pl.col("spearman").alias("first"))
+            .select("example", "layer", *([cluster] if cluster else []), pl.col("spearman").alias("first"))
             .join(
                 per_layer.filter(pl.col("method") == baseline).select(
                     "example", "layer", pl.col("spearman").alias("second")
@@ -403,7 +433,9 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
                     values[name].cast(pl.Float64).fill_null(np.nan).to_numpy() for name in ("first", "second")
                 )
             )
-    rows = [{**key, **found} for key, found in zip(keys, paired_differences(columns), strict=True)]
+            clusters.append(values[cluster].to_list() if cluster else None)
+    found = paired_differences(columns, clusters)
+    rows = [{**key, **each} for key, each in zip(keys, found, strict=True)]
     schema = {
         "method": pl.String,
         "baseline": pl.String,
@@ -413,6 +445,7 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
         "difference_ci_high": pl.Float64,
         "p_value": pl.Float64,
         "n_examples": pl.Int32,
+        "n_clusters": pl.Int32,
     }
     return pl.DataFrame(rows, schema=schema)
 
@@ -426,7 +459,8 @@ def summary_table(summary: pl.DataFrame) -> pl.DataFrame:
     if not summary.height:
         return summary
     metrics = [column for name in TABLE_METRICS for column in (name, *interval_columns(name))]
-    return summary.select("method", "layer", *metrics, "n_examples")
+    counts = [name for name in ("n_examples", "n_clusters") if name in summary.columns]
+    return summary.select("method", "layer", *metrics, *counts)
 
 
 def pairs_at_layer(pairs: pl.DataFrame, layer: int) -> pl.DataFrame:
@@ -468,7 +502,7 @@ class CompareResult:
 
     def with_keeps(self, frame: pl.DataFrame) -> pl.DataFrame:
         """``frame`` with the keep and the needle keep its rows were made under, as columns."""
-        return frame.with_columns(keep=pl.lit(self.keep), needle_keep=pl.lit(self.needle_keep))
+        return with_keeps(frame, self.keep, self.needle_keep)
 
     @cached_property
     def curve(self) -> pl.DataFrame:
@@ -489,7 +523,7 @@ class CompareResult:
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
         paths = output_paths(path)
-        frames = [self.with_keeps(self.per_layer), *(getattr(self, name) for name in SIBLING_FRAMES)]
+        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
         return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
 
 
@@ -625,6 +659,7 @@ def compare_store(
             for name, example_rows in zip(rows, found, strict=True):
                 rows[name].extend(example_rows, example_id, task)
     per_layer, per_head, sweep = (rows[name].frame() for name in ("per_layer", "per_head", "sweep"))
+    per_layer = with_keeps(with_clusters(per_layer, records), keep, needle_keep)
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
     for name, method in ranked_methods.items():
         selection = method.selection_parameter
