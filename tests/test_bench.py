@@ -233,3 +233,31 @@ def test_prefill_cli_lists_a_kv_only_methods_kept_positions_per_layer_and_head(t
             # SnapKV keeps a budget of its best tokens per head, the observation window among them.
             assert positions == sorted(set(positions)) and length - 1 in positions
             assert len(positions) == -(-length // 2)  # Budget.resolve: ceil(keep * T)
+
+
+def test_summary_resamples_the_clusters_of_examples_that_share_a_haystack_or_needle():
+    import numpy as np
+    import polars as pl
+
+    from rankkit.eval.stats import bootstrap_means
+
+    scores = [0.5, 0.0, 0.5, 1.0]
+    frame = pl.DataFrame(
+        {
+            "example_id": ["e0", "e1", "e2", "e3"],
+            "cluster": ["niah-needle0", "niah-needle0", "niah-needle1", None],  # None: its own
+            "method": ["claa"] * 4,
+            "budget": ["keep=0.1"] * 4,
+            "keep": [0.1] * 4,
+            "score": scores,
+            **{
+                name: [0.5, 0.6, 0.7, 0.8] for name in ("ttft_ratio", "tpot_ratio", "kv_ratio", "ideal_ratio")
+            },
+            **{name: [1.0] * 4 for name in ("ttft_s", "tpot_s", "kv_bytes", "peak_mem_bytes")},
+        }
+    )
+    (row,) = summary(frame).to_dicts()
+    assert (row["n_examples"], row["n_clusters"]) == (4, 3)
+    _, low, high, _ = bootstrap_means(np.array(scores)[:, None], np.array([0, 0, 1, 2]))
+    assert (row["accuracy_ci_low"], row["accuracy_ci_high"]) == pytest.approx((low[0], high[0]))
+    assert "n_clusters" not in summary(frame.drop("cluster")).columns
