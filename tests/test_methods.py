@@ -580,7 +580,7 @@ def test_layer_parameters_bind_to_the_model_depth():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("claa:aggregation_window=0", "method 'claa': aggregation_window=0 is outside [1, inf)"),
+        ("claa:aggregation_window=0", "method 'claa': aggregation_window=0 is outside [1, L]"),
         ("claa:aggregation_window=abc", "method 'claa': aggregation_window='abc' is not an integer"),
         ("claa:window_size=2.5", "method 'claa': window_size=2.5 is not an integer"),
         ("asl:tau=nan", "method 'asl': tau=nan is not a number"),
@@ -591,7 +591,7 @@ def test_layer_parameters_bind_to_the_model_depth():
         ("snapkv:window_size=0", "method 'snapkv': window_size=0 is outside [1, inf)"),
         ("specprefill:lookahead=0", "method 'specprefill': lookahead=0 is outside [1, inf)"),
         ("oracle:max_new_tokens=0", "method 'oracle': max_new_tokens=0 is outside [1, inf)"),
-        ("asl:observed_layers=1", "method 'asl': observed_layers=1 is outside [2, inf)"),
+        ("asl:observed_layers=1", "method 'asl': observed_layers=1 is outside [2, L]"),
     ],
 )
 def test_a_parameter_outside_its_declared_range_is_refused_on_construction(spec, message):

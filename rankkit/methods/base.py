@@ -102,8 +102,13 @@ class Bounds:
         above = value > high or (self.open_high and value == high)
         if not (below or above):
             return None
-        left, right = "(" if self.open_low else "[", ")" if self.open_high or math.isinf(high) else "]"
-        high_text = "inf" if math.isinf(high) else f"{high:g}"
+        if self.depth_high is not None and num_layers is None:  # the model's depth L is not known yet
+            high_text, right = ("L" if self.depth_high == 0 else f"L{self.depth_high:+d}"), "]"
+        elif math.isinf(high):
+            high_text, right = "inf", ")"
+        else:
+            high_text, right = f"{high:g}", ")" if self.open_high else "]"
+        left = "(" if self.open_low else "["
         where = f" ({self.reference})" if self.reference else ""
         return f"is outside {left}{self.low:g}, {high_text}{right}{where}"
 
