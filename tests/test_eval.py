@@ -630,6 +630,9 @@ def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
         at_layer["spearman"].to_numpy(), baseline["spearman"].to_numpy(), ["s"] * 3 + ["o"]
     )
     assert (pair["n_examples"], pair["n_clusters"], pair["p_value"]) == (4, 2, expected["p_value"])
+    variance = variance_store(path, method="asl:window_size=8", budget=13, min_layer=1, observed_layers=2)
+    assert variance.curves["cluster"].to_list()[::LAYERS] == ["sweep", "sweep", "sweep", "other"]
+    assert set(variance.means["n_examples"]) == {4} and set(variance.means["n_clusters"]) == {2}
     swept = compare_store(write_store(tmp_path / "sweep.zarr", clusters=["sweep"] * 3), methods=["lava"])
     one = swept.summary.row(0, named=True)  # one haystack and needle at three depths: one sample
     assert (one["n_examples"], one["n_clusters"], one["spearman_ci_low"]) == (3, 1, None)
