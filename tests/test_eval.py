@@ -472,13 +472,13 @@ def test_compare_frames_have_the_documented_columns(result):
         "adjacent_spearman",
         *keeps,
     ]
-    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman"]
+    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman", *keeps]
     assert result.sweep.columns == [
         "example", "task", "method", "claa_layers", "layer",
-        "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman",
+        "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman", *keeps,
     ]  # fmt: skip
     stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
-    assert result.stability.columns == ["method", *stability]
+    assert result.stability.columns == ["method", *stability, *keeps]
     with_intervals = [
         name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
     ]
@@ -486,7 +486,7 @@ def test_compare_frames_have_the_documented_columns(result):
     assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability, *keeps]
     assert result.pairs.columns == [
         "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high", "p_value",
-        "n_examples", "n_clusters",
+        "n_examples", "n_clusters", *keeps,
     ]  # fmt: skip
     assert result.per_layer["example"].dtype == pl.Categorical
 
@@ -600,6 +600,14 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     table = cli("compare", store_path, "--methods", "lava", "--needle-keep", "0.4", "--out", out)
     assert "ranked at keep 0.1, needle recall in the top 0.4" in " ".join(table.stdout.split())
     assert pl.read_parquet(out).select("keep", "needle_keep").unique().rows() == [(0.1, 0.4)]
+    both = tmp_path / "both.parquet"
+    two = cli("compare", store_path, "--methods", "lava", "--keep", "0.1,0.2", "--out", both, "--json")
+    rows = json.loads(two.stdout)
+    assert [(row["keep"], row["needle_keep"]) for row in rows] == [(0.1, 0.1), (0.2, 0.2)]
+    alone = compare_store(store_path, methods=["lava"], keep=0.2)  # each keep's frames as compare_store's
+    written = pl.read_parquet(both.with_name("both.summary.parquet"))
+    assert written.filter(pl.col("keep") == 0.2).equals(alone.summary)
+    assert pl.read_parquet(both).filter(pl.col("keep") == 0.2).equals(alone.per_layer)
     refused = cli("compare", store_path, "--needle-keep", "1.5")
     assert str(refused.exception) == "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1"
 

@@ -510,7 +510,7 @@ class CompareResult:
 
     @cached_property
     def stability(self) -> pl.DataFrame:
-        return stability_frame(self.per_layer)
+        return self.with_keeps(stability_frame(self.per_layer))
 
     @cached_property
     def summary(self) -> pl.DataFrame:
@@ -518,13 +518,36 @@ class CompareResult:
 
     @cached_property
     def pairs(self) -> pl.DataFrame:
-        return pairs_frame(self.per_layer, self.tested_pairs)
+        return self.with_keeps(pairs_frame(self.per_layer, self.tested_pairs))
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
-        paths = output_paths(path)
-        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
-        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
+        return write_results([self], path)
+
+
+def write_results(results: Sequence[CompareResult], path: str | os.PathLike) -> list[Path]:
+    """The frames of ``results`` (one per keep), each concatenated over them, written as
+    ``CompareResult.write`` writes one: their ``keep`` and ``needle_keep`` columns tell them apart."""
+    frames = [
+        pl.concat([getattr(result, name) for result in results], how="diagonal_relaxed")
+        for name in ("per_layer", *SIBLING_FRAMES)
+    ]
+    return [
+        outputs.write_parquet(frame, file) for frame, file in zip(frames, output_paths(path), strict=True)
+    ]
+
+
+def compare_keeps(
+    path: str | os.PathLike | Store, keeps: Sequence[float | int], **options: Any
+) -> list[CompareResult]:
+    """``compare_store`` of one store at each of ``keeps`` (``--keep 0.1,0.2``), with the same
+    ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep."""
+    from rankkit import stores
+
+    if not keeps:
+        raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    store = stores.open(path)
+    return [compare_store(store, keep=keep, **options) for keep in keeps]
 
 
 SIBLING_FRAMES = ("per_head", "sweep", "curve", "stability", "summary", "pairs")
@@ -660,6 +683,7 @@ def compare_store(
                 rows[name].extend(example_rows, example_id, task)
     per_layer, per_head, sweep = (rows[name].frame() for name in ("per_layer", "per_head", "sweep"))
     per_layer = with_keeps(with_clusters(per_layer, records), keep, needle_keep)
+    per_head, sweep = (with_keeps(frame, keep, needle_keep) for frame in (per_head, sweep))
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
     for name, method in ranked_methods.items():
         selection = method.selection_parameter
