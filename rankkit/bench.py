@@ -34,7 +34,14 @@ from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, Method, check_parameters, make
-from rankkit.methods.measure import CostModel, Measured, cached_calibration, calibrate, measure_interleaved
+from rankkit.methods.measure import (
+    CostModel,
+    Measured,
+    MethodRun,
+    cached_calibration,
+    calibrate,
+    measure_interleaved,
+)
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
@@ -59,6 +66,20 @@ def evidence_token_positions(prompt: Prompt, example: Example) -> set[int]:
     return positions
 
 
+def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
+    """The share of the ``evidence`` token positions a run kept: of its shared selection (prompt
+    pruning), else of each KV head's cache when decoding starts, averaged over heads and layers
+    (KV-only methods; full keeps all of it)."""
+    if run.kept_positions is not None:
+        return len(evidence & set(run.kept_positions)) / len(evidence)
+    wanted = torch.tensor(sorted(evidence))
+    shares = [
+        torch.isin(positions, wanted.to(positions.device)).sum(dim=1).double().mean() / len(evidence)
+        for positions in run.cache_positions
+    ]
+    return float(torch.stack(shares).mean())
+
+
 def run_row(
     measured: Measured,
     *,
@@ -74,9 +95,7 @@ def run_row(
     run = measured.run
     answer = tokenizer.decode(run.tokens, skip_special_tokens=True)
     evidence = evidence_token_positions(prompt, example) if example is not None else set()
-    kept_evidence = None
-    if evidence and run.kept_positions is not None:
-        kept_evidence = len(evidence & set(run.kept_positions)) / len(evidence)
+    kept_evidence = evidence_kept(run, evidence) if evidence else None
     meta = example.meta if example is not None else {}
     return {
         "example_id": example.id if example is not None else "prompt",
