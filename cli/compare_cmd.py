@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app, output
-from .options import Overwrite, Workers
+from .options import Overwrite, Workers, budgets
 
 
 @app.command("compare")
@@ -40,8 +40,16 @@ def compare(
         "--span",
         help="Tokens ranked: prompt (all outside the observation window, CLAA Sec. 3.1) or context.",
     ),
-    keep: float = typer.Option(
-        0.1, "--keep", help="Keep rate the methods rank under (ASL's k, forced-token counts)."
+    keep: str = typer.Option(
+        "0.1",
+        "--keep",
+        help="Comma-separated keep rates the methods rank under (ASL's k, forced-token counts), "
+        "e.g. 0.1,0.2: one comparison each, every output row naming its keep.",
+    ),
+    needle_keep: float | None = typer.Option(
+        None,
+        "--needle-keep",
+        help="Keep rate needle recall counts the evidence tokens in. (default: the --keep given)",
     ),
     out: Path | None = typer.Option(
         None,
@@ -72,41 +80,52 @@ def compare(
     ):
         with deferred_interrupts():
             from rankkit import outputs
-            from rankkit.eval.compare import compare_store, output_paths, pairs_at_layer, summary_table
+            from rankkit.eval.compare import (
+                compare_keeps,
+                output_paths,
+                pairs_at_layer,
+                summary_table,
+                write_results,
+            )
             from rankkit.report.tables import frame_table
 
         if out is not None:
             outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
-        result = compare_store(
+        results = compare_keeps(
             store,
+            [each.keep for each in budgets(keep, None)],
             layer=layer,
             methods=methods,
             use_oracle=oracle,
             span=span,
-            keep=keep,
+            needle_keep=needle_keep,
             workers=workers,
             pairs=pairs,
         )
     if out is not None:
-        written = result.write(out)
+        written = write_results(results, out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
-    rows = [{**row, "span": result.span} for row in result.summary.to_dicts()]
     if as_json:
+        rows = [{**row, "span": result.span} for result in results for row in result.summary.to_dicts()]
         typer.echo(json.dumps(rows, indent=2))
         return
-    title = (
-        f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}: "
-        "means [95% interval] over n examples"
-    )
     console = output()
-    console.print(frame_table(summary_table(result.summary), title))
-    if result.stability.height:
-        console.print(frame_table(result.stability, "Stability across layers (of the mean curve)"))
-    paired = pairs_at_layer(result.pairs, result.pruning_layer)
-    if paired.height:
-        console.print(
-            frame_table(paired, f"Paired Spearman differences at l_p = {result.pruning_layer} (Wilcoxon p)")
+    for result in results:
+        title = (
+            f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}, "
+            f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
+            "means [95% interval] over n examples"
         )
+        console.print(frame_table(summary_table(result.summary), title))
+        if result.stability.height:
+            console.print(frame_table(result.stability, "Stability across layers (of the mean curve)"))
+        paired = pairs_at_layer(result.pairs, result.pruning_layer)
+        if paired.height:
+            console.print(
+                frame_table(
+                    paired, f"Paired Spearman differences at l_p = {result.pruning_layer} (Wilcoxon p)"
+                )
+            )
 
 
 def _cell(value: object) -> Text:

@@ -15,7 +15,7 @@ def dashboard(
         None,
         "--bench",
         help="Rows written by `rankkit bench --out`, for the needle and accuracy-vs-TTFT panels; give it "
-        "once per run (or model) to draw several side by side, each method named after its file.",
+        "once per run of the store's model to draw several side by side, each method named after its file.",
     ),
     diffusion: Path | None = typer.Option(
         None, "--diffusion", help="Curves written by `rankkit diffusion --out`, for the diffusion panel."

@@ -9,7 +9,7 @@ import typer
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AllowOverlength, Device, MaxNewTokens, Model, Overwrite
+from rankkit.cli.options import AllowOverlength, Device, Model, Overwrite
 from rankkit.cli.progress import progress_bar
 
 
@@ -18,7 +18,13 @@ def diffusion(
     data: str = typer.Option(..., "--data", help="Data spec with evidence spans, e.g. niah:n=4,length=1024."),
     model: Model = defaults.MODEL,
     limit: int = typer.Option(None, min=1, help="Probe at most this many examples."),
-    max_new_tokens: MaxNewTokens = defaults.DIFFUSION_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = typer.Option(
+        None,
+        "--max-new-tokens",
+        min=1,
+        help="Greedy answer length limit. (default: each example's reference answer in tokens "
+        f"plus {defaults.MAX_NEW_TOKENS}; an unpruned answer cut off by the limit is refused)",
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",

@@ -33,8 +33,15 @@ from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
-from rankkit.methods import Budget, Method, make
-from rankkit.methods.measure import CostModel, Measured, cached_calibration, calibrate, measure_interleaved
+from rankkit.methods import Budget, Method, check_parameters, make
+from rankkit.methods.measure import (
+    CostModel,
+    Measured,
+    MethodRun,
+    cached_calibration,
+    calibrate,
+    measure_interleaved,
+)
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
@@ -59,6 +66,20 @@ def evidence_token_positions(prompt: Prompt, example: Example) -> set[int]:
     return positions
 
 
+def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
+    """The share of the ``evidence`` token positions a run kept: of its shared selection (prompt
+    pruning), else of each KV head's cache when decoding starts, averaged over heads and layers
+    (KV-only methods; full keeps all of it)."""
+    if run.kept_positions is not None:
+        return len(evidence & set(run.kept_positions)) / len(evidence)
+    wanted = torch.tensor(sorted(evidence))
+    shares = [
+        torch.isin(positions, wanted.to(positions.device)).sum(dim=1).double().mean() / len(evidence)
+        for positions in run.cache_positions
+    ]
+    return float(torch.stack(shares).mean())
+
+
 def run_row(
     measured: Measured,
     *,
@@ -74,15 +95,14 @@ def run_row(
     run = measured.run
     answer = tokenizer.decode(run.tokens, skip_special_tokens=True)
     evidence = evidence_token_positions(prompt, example) if example is not None else set()
-    kept_evidence = None
-    if evidence and run.kept_positions is not None:
-        kept_evidence = len(evidence & set(run.kept_positions)) / len(evidence)
+    kept_evidence = evidence_kept(run, evidence) if evidence else None
     meta = example.meta if example is not None else {}
     return {
         "example_id": example.id if example is not None else "prompt",
         "task": example.task if example is not None else "prompt",
         "length": run.prompt_length,
         "depth_percent": meta.get("depth_percent"),
+        "cluster": meta.get("cluster"),  # examples sharing a haystack or a needle (rankkit.data.niah)
         "method": run.method,
         "keep": budget.keep,
         "budget": budget.label,
@@ -156,6 +176,39 @@ def compare_on_prompt(
     ]
 
 
+MODEL_COLUMNS = ("model", "weights_hash")  # which model measured a bench's rows
+
+
+def with_model(frame: pl.DataFrame, loaded: models.LoadedModel) -> pl.DataFrame:
+    """``frame``'s rows with the model that measured them, so no reader can take them for another's."""
+    return frame.with_columns(model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash))
+
+
+def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) -> None:
+    """Refuse a bench ``frame`` measured with other weights than ``model`` (a store's ``meta["model"]``).
+
+    A bench written before it recorded its model (no ``weights_hash`` column) cannot be
+    checked and passes with a warning; so does any bench beside a store without a hash.
+    """
+    expected = model.get("weights_hash")
+    if not expected:
+        return
+    if "weights_hash" not in frame.columns:
+        warnings.warn(
+            f"{what} does not say which model measured it (written before benches did); "
+            f"it is shown as {against}'s",
+            stacklevel=2,
+        )
+        return
+    others = sorted(set(frame["weights_hash"].drop_nulls()) - {expected})
+    if others:
+        name = frame.filter(pl.col("weights_hash") == others[0])["model"][0]
+        raise RankkitError(
+            f"{what} was measured with model {name} (weights {others[0][:12]}), {against} with "
+            f"{model.get('id')} (weights {expected[:12]}); pass a bench of {against}'s model"
+        )
+
+
 def kept_positions_by_layer(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, layers: list[int]
 ) -> dict[int, list[list[int]]]:
@@ -204,6 +257,8 @@ class MethodOptions:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
         params = {"specprefill": {"draft_model": self.draft}, "oracle": {"mirror": self.mirror}}
         methods = [make(name, **params.get(name, {})) for name in names]
+        for method in methods:
+            check_parameters(method, num_layers)
         if self.layer is None:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]
@@ -433,6 +488,7 @@ def bench(
             journal=journal,
             progress=progress,
         )
+    frame = with_model(frame, loaded)
     journal.finish(frame)
     return frame
 
@@ -505,14 +561,18 @@ SUMMARY_INPUTS = (  # the grid's columns ``summary`` reads
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
     """Per method and budget: mean score (``accuracy``) and TTFT/TPOT/KV ratios to full, each with its
     95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
-    otherwise; ``rankkit.eval.stats``) and ``n_examples``; then the mean keep rate, ideal ratio,
-    times and bytes, and measured over ideal.
+    otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``) and
+    ``n_examples`` (and ``n_clusters`` where the rows name clusters); then the mean keep rate,
+    ideal ratio, times and bytes, and measured over ideal.
 
     Ratios are means over examples of each example's paired median ratio.
     """
     from rankkit.eval.stats import mean_intervals
 
     scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
+    if clustered:  # an example without a cluster is its own
+        scored = scored.with_columns(pl.col("cluster").fill_null(pl.col("example_id")))
     means = scored.group_by("method", "budget", maintain_order=True).agg(
         pl.col("keep").mean(),
         pl.col("ideal_ratio").mean(),
@@ -522,7 +582,12 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("peak_mem_bytes").mean(),
     )
     intervals = mean_intervals(
-        scored, ["method", "budget"], SUMMARY_METRICS, example="example_id", scores=["accuracy"]
+        scored,
+        ["method", "budget"],
+        SUMMARY_METRICS,
+        example="example_id",
+        cluster="cluster" if clustered else None,
+        scores=["accuracy"],
     )
     return intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")

@@ -6,7 +6,6 @@ The module imports nothing heavy, so ``rankkit --help`` shows them without loadi
 MODEL = "default"  # the embedded SmolLM2-135M-Instruct
 DEVICE = "auto"
 MAX_NEW_TOKENS = 32  # greedy answer length limit of prefill, bench and the oracle
-DIFFUSION_MAX_NEW_TOKENS = 16
 ORACLE_ANSWER = "generated"
 ORACLE_KERNEL = 7  # CLAA Alg. 1's 1-D average pooling
 WARMUP = 0  # untimed runs before the timed ones: accuracy-only runs need none; timing runs ask for them

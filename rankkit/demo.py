@@ -51,7 +51,7 @@ def answer(
 
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
-    from rankkit.bench import BenchSettings, run_bench, summary
+    from rankkit.bench import BenchSettings, run_bench, summary, with_model
     from rankkit.capture import OracleOptions, capture
     from rankkit.data import load_examples
     from rankkit.eval.compare import compare_store, summary_table
@@ -98,6 +98,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
             BenchSettings(max_new_tokens=16, warmup=1, repeats=1),
             prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
         )
+        frame = with_model(frame, loaded)
         frame.write_parquet(written["bench"])
     per_method = summary(frame).select(
         "method",

@@ -77,6 +77,7 @@ def _as_tuple(value: Any) -> tuple:
 STRING = Kind("a string", _is_string)
 INTEGER = Kind("an integer", _is_integer)
 BOOLEAN = Kind("true or false", lambda value: isinstance(value, bool))
+NUMBER = Kind("a number", _is_number)
 STRINGS = Kind("a list of strings", _list_of(_is_string), tuple)
 # a comma-separated string as the command line takes it, or its parts as a list
 NAMES = Kind(
@@ -141,6 +142,7 @@ TABLE_FIELDS = {
         "span": Field(STRING, 'span = "context"'),
         "oracle": Field(BOOLEAN, "oracle = false"),
         "pairs": Field(STRINGS, 'pairs = ["claa:fastkv", "claa:gemfilter"]'),
+        "needle_keep": Field(NUMBER, "needle_keep = 0.1"),
     },
     "variance": {
         "method": Field(STRING, 'method = "asl:window_size=32"'),
@@ -199,9 +201,16 @@ class CompareSettings:
     span: str | None = None
     oracle: bool | None = None
     pairs: str | None = None
+    needle_keep: float | None = None  # None: each unit's keep
 
     def kwargs(self) -> dict[str, Any]:
-        given = {"methods": self.methods, "span": self.span, "use_oracle": self.oracle, "pairs": self.pairs}
+        given = {
+            "methods": self.methods,
+            "span": self.span,
+            "use_oracle": self.oracle,
+            "pairs": self.pairs,
+            "needle_keep": self.needle_keep,
+        }
         return {name: value for name, value in given.items() if value is not None}
 
 
@@ -232,7 +241,7 @@ class BenchStage:
 
 @dataclass(frozen=True)
 class DiffusionSettings:
-    max_new_tokens: int = defaults.DIFFUSION_MAX_NEW_TOKENS
+    max_new_tokens: int | None = None  # None: each example's answer length (``diffusion_probe``)
     limit: int | None = None
 
 
@@ -306,6 +315,8 @@ def parse_experiment(text: str, *, source: str, default_name: str, max_units: in
             from rankkit.eval.compare import ranked_slice
 
             ranked_slice(None, compare["span"], 1)
+        if "needle_keep" in compare:
+            Budget.parse(compare["needle_keep"])
     return Experiment(
         name=top.get("name", default_name),
         description=top.get("description", ""),

@@ -82,7 +82,7 @@ from rankkit.experiment import (
     read_experiment,
 )
 from rankkit.interrupts import keep_on_interrupt
-from rankkit.methods import Budget
+from rankkit.methods import Budget, check_parameters
 from rankkit.methods.measure import CostModel, cached_cost_model
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
@@ -552,7 +552,7 @@ def check(
                 plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
     if "compare" in plan.stages:
         with errors_in(f"{path} [compare]"):
-            _check_compare(plan, layout)
+            _check_compare(plan, layout, num_layers)
     if "variance" in plan.stages:
         with errors_in(f"{path} [variance]"):
             asl = variance.bound_curve_method(variance.curve_method(**plan.variance.kwargs()), num_layers)
@@ -622,8 +622,9 @@ def _check_captured(plan: Experiment, needed: list[str], what: str) -> None:
         )
 
 
-def _check_compare(plan: Experiment, layout: Layout) -> None:
-    """compare's methods and pairs against the probes the stores will hold, and its oracle."""
+def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
+    """compare's methods (their parameters against the model's depth) and pairs against the probes
+    the stores will hold, and its oracle."""
     options = plan.compare.kwargs()
     if options.get("use_oracle", True) and "capture" in plan.stages and "oracle" not in plan.stages:
         raise RankkitError(
@@ -641,7 +642,9 @@ def _check_compare(plan: Experiment, layout: Layout) -> None:
     )
     for name in labels:
         if name not in probes:
-            method_from_spec(name).captured_inputs()  # a method without an offline face says so
+            method = method_from_spec(name)
+            check_parameters(method, num_layers)
+            method.captured_inputs()  # a method without an offline face says so
     if "pairs" in options:
         compare.parse_pairs(options["pairs"], labels)
 

@@ -11,6 +11,12 @@ Every read compares the file's size (a deleted or truncated file) and relies on 
 own per-member CRC-32 for altered bytes, which zip readers check as they decompress;
 ``rankkit store verify`` also recomputes the whole file's checksum. Schema version 1
 examples carry no manifest and read as before, unchecked.
+
+The capture's manifest also names the example and the model it was captured with
+(``identity``): ``"example_id"`` and ``"weights_hash"``; its score shapes give the model's
+layers and heads. ``mismatch`` tells an example that does not belong where it lies (a
+folder renamed or swapped, an example copied in from another model's store, spans past
+its tokens); examples written before these fields existed are checked on what they have.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import numpy as np
 
 MANIFEST = "manifest"
 ORACLE_MANIFEST = "oracle_manifest"
+EXAMPLE_ID = "example_id"
+WEIGHTS_HASH = "weights_hash"
 
 _READ_BYTES = 4 * 2**20
 
@@ -59,3 +67,51 @@ def _crc32(file: Path) -> int:
         while block := handle.read(_READ_BYTES):
             checksum = zlib.crc32(block, checksum)
     return checksum
+
+
+def identity(example_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """What the capture's manifest records of where the example belongs: its id and, when the
+    run metadata has one, the model's weights hash."""
+    weights_hash = (meta.get("model") or {}).get(WEIGHTS_HASH)
+    return {EXAMPLE_ID: example_id, **({WEIGHTS_HASH: weights_hash} if weights_hash else {})}
+
+
+def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    """Why the complete example ``example_id`` (its attributes ``attrs``) does not belong to the
+    store whose run metadata is ``meta``, or None: another id in its manifest, another model's
+    weights, layer or head count, or a token span outside its tokens."""
+    recorded = attrs.get(MANIFEST)
+    if not recorded:
+        return None  # schema version 1: nothing recorded to compare
+    named = recorded.get(EXAMPLE_ID, example_id)
+    if named != example_id:
+        return f"the folder of example {example_id!r} holds example {named!r} (folders renamed or swapped)"
+    weights = recorded.get(WEIGHTS_HASH)
+    store_weights = (meta.get("model") or {}).get(WEIGHTS_HASH)
+    if weights and store_weights and weights != store_weights:
+        return (
+            f"example {example_id!r} was captured with model weights {weights[:12]}, "
+            f"the store with {store_weights[:12]} (copied in from another model's store?)"
+        )
+    arrays = recorded.get("arrays", {})
+    heads = {meta.get("kv_heads"), meta.get("num_attention_heads")} - {None}
+    for name, array in arrays.items():
+        if not name.startswith("scores/"):
+            continue
+        layers, rows = array["shape"][0], array["shape"][1]
+        if meta.get("num_layers") is not None and layers != meta["num_layers"]:
+            return f"example {example_id!r} has scores of {layers} layers, the store's model {meta['num_layers']}"
+        if heads and rows not in heads:
+            return f"example {example_id!r} has scores of {rows} heads, the store's model {sorted(heads)}"
+    num_tokens = arrays.get("tokens", {}).get("shape", [None])[0]
+    return None if num_tokens is None else _span_outside(example_id, attrs.get("spans") or {}, num_tokens)
+
+
+def _span_outside(example_id: str, spans: dict[str, Any], num_tokens: int) -> str | None:
+    for name, value in spans.items():
+        if not name.endswith("_tokens") or not value:
+            continue
+        for start, end in value if isinstance(value[0], list) else [value]:
+            if not 0 <= start <= end <= num_tokens:
+                return f"example {example_id!r} has {name} [{start}, {end}) outside its {num_tokens} tokens"
+    return None

@@ -528,6 +528,13 @@ class Store:
                 yield self.example(example_id)
 
     def _record(self, example_id: str, attrs: dict[str, Any]) -> ExampleRecord:
+        """The example, refused when it does not belong here (``manifest.mismatch``): its numbers
+        would be mixed into the store's as if the same model had made them."""
+        problem = manifest.mismatch(example_id, attrs, self.meta)
+        if problem is not None:
+            raise RankkitError(
+                f"store {self.path}: {problem}; `rankkit store verify {self.path}` lists every such example"
+            )
         return ExampleRecord(example_id, self._store, attrs, self.path)
 
 

@@ -3,7 +3,9 @@
 An example is *good* when every file its manifests list (``rankkit.stores.manifest``) is
 there, byte for byte (size and CRC-32); *damaged* when one is missing, truncated or
 altered; *incomplete* when its capture never finished; *unreadable* when its own
-``zarr.json`` no longer parses. Schema version 1 examples carry no manifest and are read
+``zarr.json`` no longer parses; *mismatched* when it does not belong to the store
+(``manifest.mismatch``: another id in its manifest, another model's weights, layers or heads,
+a span past its tokens). Damaged, unreadable and mismatched examples exit 2. Schema version 1 examples carry no manifest and are read
 in full instead, which catches undecodable chunks and metadata but not a deleted chunk
 (zarr reads it back as its fill value); they are counted as *unchecked*.
 
@@ -50,7 +52,7 @@ ORACLE_PART = "oracle"
 @dataclass(frozen=True)
 class Problem:
     example: str
-    state: str  # "damaged", "incomplete" or "unreadable"
+    state: str  # "damaged", "incomplete", "unreadable" or "mismatched"
     detail: str
     part: str = CAPTURE  # what rewrites it: the capture, the oracle, or the named added group
 
@@ -75,9 +77,16 @@ class VerifyReport:
         return f"{self.examples} examples in {self.path}: {counts}"
 
     def raise_if_damaged(self) -> None:
-        """RankkitError (exit 2) naming the fix when any example is damaged."""
-        damaged = self.counts()["damaged"]
+        """RankkitError (exit 2) naming the fix when any example is damaged, unreadable or mismatched."""
+        counts = self.counts()
+        damaged = counts["damaged"]
         if not damaged:
+            refused = " and ".join(f"{counts[state]} {state}" for state in _REFUSED if counts[state])
+            if refused:
+                raise RankkitError(
+                    f"{refused} example(s) in {self.path}, listed above; recapture them "
+                    "(or move a mismatched one back to its own folder or store)"
+                )
             return
         redo = f"rerun the capture (or `rankkit oracle {self.path}`)"
         fix = (
@@ -88,13 +97,14 @@ class VerifyReport:
         raise RankkitError(f"{damaged} damaged example(s) in {self.path}; {fix}")
 
 
-_STATES = ("damaged", "incomplete", "unreadable")
+_STATES = ("damaged", "incomplete", "unreadable", "mismatched")
+_REFUSED = ("unreadable", "mismatched")
 
 
 def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
     """Check every example of the store at ``path``; with ``reset``, unflag each damaged part."""
     store_path = Path(path)
-    open_root(store_path, read_only=not reset)
+    _, meta = open_root(store_path, read_only=not reset)
     local = LocalStore(store_path, read_only=not reset)
     report = VerifyReport(store_path, reset=reset)
     for encoded in list_example_dirs(store_path):
@@ -107,6 +117,10 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
                 "its metadata (zarr.json) does not parse" if state == "unreadable" else "capture unfinished"
             )
             report.problems.append(Problem(example_id, state, detail))
+            continue
+        mismatch = manifest.mismatch(example_id, attrs, meta)
+        if mismatch is not None:
+            report.problems.append(Problem(example_id, "mismatched", mismatch))
             continue
         found = _damaged_parts(directory, attrs)
         if found is None:

@@ -133,7 +133,10 @@ class StoreWriter:
         example_dir = self.path / EXAMPLES / encoded
         layouts = {f"{SCORES}/{probe}": layout for probe, layout in score_layouts.items()}
         write_zip(example_dir / CAPTURE_FILE, arrays, array_attrs=layouts)
-        _mark_complete(group, {COMPLETE: True, MANIFEST: manifest.record(example_dir, CAPTURE_FILE, arrays)})
+        recorded = manifest.record(example_dir, CAPTURE_FILE, arrays) | manifest.identity(
+            example_id, self.meta
+        )
+        _mark_complete(group, {COMPLETE: True, MANIFEST: recorded})
 
     def add_oracle(
         self,

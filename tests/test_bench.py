@@ -233,3 +233,56 @@ def test_prefill_cli_lists_a_kv_only_methods_kept_positions_per_layer_and_head(t
             # SnapKV keeps a budget of its best tokens per head, the observation window among them.
             assert positions == sorted(set(positions)) and length - 1 in positions
             assert len(positions) == -(-length // 2)  # Budget.resolve: ceil(keep * T)
+
+
+def test_summary_resamples_the_clusters_of_examples_that_share_a_haystack_or_needle():
+    import numpy as np
+    import polars as pl
+
+    from rankkit.eval.stats import bootstrap_means
+
+    scores = [0.5, 0.0, 0.5, 1.0]
+    frame = pl.DataFrame(
+        {
+            "example_id": ["e0", "e1", "e2", "e3"],
+            "cluster": ["niah-needle0", "niah-needle0", "niah-needle1", None],  # None: its own
+            "method": ["claa"] * 4,
+            "budget": ["keep=0.1"] * 4,
+            "keep": [0.1] * 4,
+            "score": scores,
+            **{
+                name: [0.5, 0.6, 0.7, 0.8] for name in ("ttft_ratio", "tpot_ratio", "kv_ratio", "ideal_ratio")
+            },
+            **{name: [1.0] * 4 for name in ("ttft_s", "tpot_s", "kv_bytes", "peak_mem_bytes")},
+        }
+    )
+    (row,) = summary(frame).to_dicts()
+    assert (row["n_examples"], row["n_clusters"]) == (4, 3)
+    _, low, high, _ = bootstrap_means(np.array(scores)[:, None], np.array([0, 0, 1, 2]))
+    assert (row["accuracy_ci_low"], row["accuracy_ci_high"]) == pytest.approx((low[0], high[0]))
+    assert "n_clusters" not in summary(frame.drop("cluster")).columns
+
+
+def test_every_method_fills_evidence_kept_kv_only_ones_from_the_cache_decoding_starts_with():
+    """KV-only methods: the share of the evidence each KV head's cache holds after prefill, averaged
+    over heads and layers (what ``kept_positions_by_layer`` reads off one more prefill); full: all."""
+    from rankkit.bench import kept_positions_by_layer
+
+    runner = Runner(tiny_model("llama"))
+    example, prompt = _example(0)
+    budget = Budget.from_keep(0.25)
+    methods = [make("full"), make("snapkv", window_size=4), make("streamingllm")]
+    frame = run_bench(
+        runner, DigitTokenizer(), [example], methods, [budget], BenchSettings(max_new_tokens=2, warmup_runs=0),
+        prompt_for=lambda _: prompt,
+    )  # fmt: skip
+    kept = dict(zip(frame["method"], frame["evidence_kept"], strict=True))
+    assert kept["full"] == 1.0
+    evidence = {10, 11, 12, 13}
+    for method in methods[1:]:
+        layers = kept_positions_by_layer(
+            runner, method, prompt.input_ids, budget, list(range(runner.num_layers))
+        )
+        shares = [len(evidence & set(head)) / 4 for heads in layers.values() for head in heads]
+        assert kept[method.name] == pytest.approx(sum(shares) / len(shares)), method.name
+    assert kept["streamingllm"] == 0.0  # sinks and the recent window, none of the evidence

@@ -4,6 +4,7 @@ errors, the CLI, and the rendered page in headless Chromium (JavaScript errors, 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 from pathlib import Path
@@ -432,6 +433,23 @@ def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
         write_dashboard(store, tmp_path / "report.html", bench=tmp_path / "none.parquet")
     with pytest.raises(RankkitError, match="lacks column.*ttft_ratio"):
         write_dashboard(store, tmp_path / "report.html", bench=bench_frame().drop("ttft_ratio"))
+
+
+def test_a_bench_of_another_model_is_refused_and_an_unlabelled_one_warned_of(tmp_path):
+    path = write_synthetic_store(tmp_path / "hashed.zarr", examples=2)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"]["model"] = {"id": "SmolLM2-135M-Instruct", "weights_hash": "sha256:aaaa"}
+    (path / "zarr.json").write_text(json.dumps(root))
+    other = bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("sha256:bbbb"))
+    with pytest.raises(RankkitError) as refused:
+        write_dashboard(path, tmp_path / "report.html", bench=other)
+    assert str(refused.value) == (
+        "the bench was measured with model tiny/llama (weights sha256:bbbb), "
+        f"store {path} with SmolLM2-135M-Instruct (weights sha256:aaaa); pass a bench of store {path}'s model"
+    )
+    assert not (tmp_path / "report.html").exists()
+    with pytest.warns(UserWarning, match="the bench does not say which model measured it"):
+        write_dashboard(path, tmp_path / "report.html", bench=bench_frame())
 
 
 def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):

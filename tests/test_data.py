@@ -16,7 +16,7 @@ import yaml
 
 from rankkit.data import Example, export_jsonl, load_examples, parse_spec, score
 from rankkit.data.fitting import TokenizedText, prompt_tokens
-from rankkit.data.niah import NEEDLE, QUESTION
+from rankkit.data.niah import NEEDLE, NEEDLES, QUESTION
 from rankkit.data.ruler import NIAH_DEPTHS, TASKS, TEMPLATES
 from rankkit.data.sources import package_file
 from rankkit.errors import RankkitError
@@ -48,8 +48,36 @@ def within_length(example: Example, length: int, tokenizer=WORDS, slack: float =
 # --- niah ---
 
 
+def test_niah_n_gives_independent_examples_a_haystack_and_a_needle_each():
+    """niah:n=N varies the haystack and the needle (Kamradt's first) and spreads the depths; the
+    examples share nothing, so each is its own cluster (a needle used twice joins its examples)."""
+    examples = load_examples("niah:n=10,length=600,seed=3", WORDS)
+    assert [example.meta["seed"] for example in examples] == list(range(3, 13))
+    assert [example.meta["needle"] for example in examples] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert [example.meta["cluster"] for example in examples] == [
+        f"niah-needle{k}" for k in (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
+    ]
+    assert [example.meta["depth_percent"] for example in examples][:3] == [0.0, 11.11, 22.22]
+    for example in examples:
+        needle = NEEDLES[example.meta["needle"]]
+        (start, end), *others = example.evidence
+        assert (
+            not others and example.context[start:end] == needle.text and example.question == needle.question
+        )
+        assert example.answers == needle.answers and all(answer in needle.text for answer in needle.answers)
+    contexts = {example.context[:200] for example in examples}
+    assert len(contexts) == 10  # no two haystacks begin alike
+
+
+def test_a_niah_depth_sweep_is_one_needle_in_one_haystack_in_one_cluster():
+    examples = load_examples("niah:length=600,depths=10;50;90", WORDS)
+    assert {
+        (example.meta["seed"], example.meta["needle"], example.meta["cluster"]) for example in examples
+    } == {(0, 0, "niah-s0-needle0")}
+
+
 def test_niah_puts_the_needle_at_each_requested_depth():
-    examples = load_examples("niah:n=5,length=3000", WORDS)
+    examples = load_examples("niah:length=3000,depths=0;25;50;75;100", WORDS)
     assert [example.meta["depth_percent"] for example in examples] == [0, 25, 50, 75, 100]
     for example in examples:
         (start, end), *others = example.evidence

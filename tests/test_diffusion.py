@@ -75,7 +75,15 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
     tokenizer = CharTokenizer()
     answer = tokenizer(ANSWER)["input_ids"]
     model = tiny_model(family_name)
-    frame = diffusion_curve(Runner(model), tokenizer, random_ids, EVIDENCE, ANSWER, max_new_tokens=5)
+    frame = diffusion_curve(
+        Runner(model),
+        tokenizer,
+        random_ids,
+        EVIDENCE,
+        ANSWER,
+        score_fn=lambda prediction: 1.0,
+        max_new_tokens=5,
+    )
     assert frame.columns == [
         "example",
         "layer",
@@ -134,6 +142,24 @@ def test_bad_evidence_and_layers_are_refused(random_ids):
         diffusion_curve(runner, tokenizer, random_ids, [(30, 40)], ANSWER)
     with pytest.raises(RankkitError, match="layers"):
         diffusion_curve(runner, tokenizer, random_ids, EVIDENCE, ANSWER, layers=[4])
+
+
+def test_an_unpruned_answer_cut_short_by_the_limit_is_refused(random_ids):
+    """A random model never says "ab!c": with the answer cut at the limit, every layer would score 0;
+    refused at the default limit, warned of at one given."""
+    runner = Runner(tiny_model("llama"))
+    tokenizer = CharTokenizer()
+    unpruned = tokenizer.decode(greedy_continue(runner, runner.prefill(random_ids), 36))
+    with pytest.raises(RankkitError) as refused:  # default: the answer's 4 tokens + 32
+        diffusion_curve(runner, tokenizer, random_ids, EVIDENCE, ANSWER, example_id="probe")
+    assert str(refused.value) == (
+        f"example probe: the answer on the whole prompt was cut at 36 new tokens short of full marks "
+        f"({unpruned!r}); give a larger --max-new-tokens"
+    )
+    with pytest.warns(
+        UserWarning, match="cut at 7 new tokens short of full marks .*; every layer scores it as wrong"
+    ):
+        diffusion_curve(runner, tokenizer, random_ids, EVIDENCE, ANSWER, max_new_tokens=7, layers=[3])
 
 
 def test_layer_summary_averages_over_examples():
@@ -210,7 +236,7 @@ def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
                 "model": "default",
                 "limit": 1,
                 "device": "auto",
-                "max_new_tokens": 16,
+                "max_new_tokens": None,
                 "out": out,
                 "overwrite": False,
                 "allow_overlength": False,
@@ -248,6 +274,17 @@ def test_default_model_needle_survives_late_removal_only(default_model):
     assert rows[0]["first_token_kl"] > 1.0
     read = {layer: row["evidence_attention"] for layer, row in rows.items() if layer < 30}
     assert max(read, key=read.get) == 17 and read[17] > 0.2
+
+
+@pytest.mark.integration
+def test_default_model_niah_is_right_unpruned_at_the_default_answer_limit(default_model):
+    """16 new tokens cut niah's answer (accuracy 0 at every layer); the default is its length + 32."""
+    from rankkit.data import load_examples
+
+    model, tokenizer = default_model
+    (example,) = load_examples("niah:n=1,length=512", tokenizer)
+    frame = example_diffusion(Runner(model), tokenizer, example, layers=[30])
+    assert frame["correct"].to_list() == [True]
 
 
 @pytest.mark.integration

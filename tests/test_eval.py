@@ -212,7 +212,7 @@ def test_a_ranking_scored_before_is_not_scored_again():
     """Methods that rank by a probe's own scores (fastkv by window's) reuse its metrics, in any
     dtype; a ranking scored without Kendall is scored again when Kendall is asked for."""
     rng = np.random.default_rng(4)
-    reference = Reference(rng.random(300), np.zeros(300, bool))
+    reference = Reference(rng.random(300), np.zeros(300, bool), 0.1)
     scores = rng.random((4, 300)).astype(np.float32)
     quick = reference.metrics(scores, with_kendall=False)
     assert np.isnan(quick["kendall"]).all()
@@ -271,7 +271,7 @@ def slow_claa(layer_scores: np.ndarray, pruning_layer: int, n: int, deferred: in
     return np.max(summed[layers or [pruning_layer]], axis=0)
 
 
-@pytest.mark.parametrize("n, deferred", [(1, 0), (2, 0), (4, 1), (8, 3), (12, 0)])
+@pytest.mark.parametrize("n, deferred", [(1, 0), (2, 0), (4, 1), (8, 3), (10, 0)])  # n up to the depth
 def test_claa_ranks_by_the_max_over_the_n_layers_ending_at_the_pruning_layer(n, deferred):
     layer_scores = np.random.default_rng(1).random((10, 2, 50)).astype(np.float32)
     captured = Captured({"window": torch.from_numpy(layer_scores)}, 10, 50)
@@ -412,7 +412,7 @@ CONTEXT = (5, 50)
 EVIDENCE = [[20, 24]]
 
 
-def write_store(path, *, oracle=True, draft=True, examples=3):
+def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None):
     """Probes with known answers: ``window`` ranks exactly like the oracle, ``last_token_raw``
     exactly against it, ``lava`` at random; the oracle peaks on the evidence."""
     from rankkit import stores
@@ -431,6 +431,8 @@ def write_store(path, *, oracle=True, draft=True, examples=3):
         }
         spans = {"context_tokens": list(CONTEXT), "evidence_tokens": EVIDENCE}
         attrs = {"task": "niah", "spans": spans}
+        if clusters is not None:
+            attrs["meta"] = {"cluster": clusters[index]}
         writer.write_example(example_id, attrs=attrs, tokens=np.arange(TOKENS), scores=scores)
         if oracle:
             writer.add_oracle(example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={})
@@ -460,22 +462,31 @@ def test_compare_without_detail_is_the_same_per_layer_rows_without_kendall(store
 
 def test_compare_frames_have_the_documented_columns(result):
     metrics = ["spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall"]
-    assert result.per_layer.columns == ["example", "task", "method", "layer", *metrics, "adjacent_spearman"]
-    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman"]
+    keeps = ["keep", "needle_keep"]
+    assert result.per_layer.columns == [
+        "example",
+        "task",
+        "method",
+        "layer",
+        *metrics,
+        "adjacent_spearman",
+        *keeps,
+    ]
+    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman", *keeps]
     assert result.sweep.columns == [
         "example", "task", "method", "claa_layers", "layer",
-        "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman",
+        "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman", *keeps,
     ]  # fmt: skip
     stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
-    assert result.stability.columns == ["method", *stability]
+    assert result.stability.columns == ["method", *stability, *keeps]
     with_intervals = [
         name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
     ]
-    assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples"]
-    assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability]
+    assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples", *keeps]
+    assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability, *keeps]
     assert result.pairs.columns == [
         "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high", "p_value",
-        "n_examples",
+        "n_examples", "n_clusters", *keeps,
     ]  # fmt: skip
     assert result.per_layer["example"].dtype == pl.Categorical
 
@@ -501,7 +512,7 @@ def test_compare_known_answers(result):
         .drop("method")
         .equals(per_layer.filter(pl.col("method") == "last_token_raw").drop("method"))
     )
-    assert set(result.sweep["method"]) == {f"claa-n{n}" for n in CLAA_SWEEP}
+    assert set(result.sweep["method"]) == {f"claa-n{n}" for n in CLAA_SWEEP if n <= LAYERS}
 
 
 def test_compare_ranks_every_method_by_its_offline_face(store_path):
@@ -560,6 +571,79 @@ def test_compare_prompt_span_leaves_out_the_observation_window(store_path, resul
     lava = record.scores("lava")[:, :, prompt].sum(axis=1)
     rows = result.per_layer.filter((pl.col("example") == "ex0") & (pl.col("method") == "lava")).sort("layer")
     assert same(rows["spearman"].to_numpy(), spearman(lava, record.oracle[prompt]))
+
+
+def test_needle_recall_counts_the_evidence_in_the_keep_asked_and_says_which(store_path):
+    """Needle recall at ``needle_keep``, by default the ``keep`` given (it was fixed at 0.1)."""
+    from rankkit import stores
+
+    record = stores.open(store_path).example("ex0")
+    prompt = slice(0, TOKENS - 8)
+    lava = record.scores("lava")[:, :, prompt].sum(axis=1)
+    evidence = spans_mask(EVIDENCE, TOKENS - 8)
+    assert not same(needle_recall(lava, evidence, 0.1), needle_recall(lava, evidence, 0.2))
+    for keep, needle_keep, counted in [(0.2, None, 0.2), (0.1, None, 0.1), (0.1, 0.4, 0.4)]:
+        result = compare_store(
+            store_path, methods=["lava"], keep=keep, needle_keep=needle_keep, detailed=False
+        )
+        rows = result.per_layer.filter(pl.col("example") == "ex0").sort("layer")
+        assert same(rows["needle_recall"].to_numpy(), needle_recall(lava, evidence, counted))
+        for frame in (result.summary, result.curve):
+            assert frame.select("keep", "needle_keep").unique().rows() == [(keep, counted)]
+
+
+def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
+    result = cli("compare", store_path, "--methods", "lava", "--keep", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    assert {(row["keep"], row["needle_keep"]) for row in json.loads(result.stdout)} == {(0.2, 0.2)}
+    out = tmp_path / "c.parquet"
+    table = cli("compare", store_path, "--methods", "lava", "--needle-keep", "0.4", "--out", out)
+    assert "ranked at keep 0.1, needle recall in the top 0.4" in " ".join(table.stdout.split())
+    assert pl.read_parquet(out).select("keep", "needle_keep").unique().rows() == [(0.1, 0.4)]
+    both = tmp_path / "both.parquet"
+    two = cli("compare", store_path, "--methods", "lava", "--keep", "0.1,0.2", "--out", both, "--json")
+    rows = json.loads(two.stdout)
+    assert [(row["keep"], row["needle_keep"]) for row in rows] == [(0.1, 0.1), (0.2, 0.2)]
+    alone = compare_store(store_path, methods=["lava"], keep=0.2)  # each keep's frames as compare_store's
+    written = pl.read_parquet(both.with_name("both.summary.parquet"))
+    assert written.filter(pl.col("keep") == 0.2).equals(alone.summary)
+    assert pl.read_parquet(both).filter(pl.col("keep") == 0.2).equals(alone.per_layer)
+    refused = cli("compare", store_path, "--needle-keep", "1.5")
+    assert str(refused.exception) == "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1"
+
+
+def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
+    """Examples of one haystack or needle (meta["cluster"]) are one sample: intervals resample
+    clusters, pairs test cluster means, and n_clusters says how many there are."""
+    from rankkit.eval.stats import bootstrap_means, paired_difference
+
+    path = write_store(tmp_path / "clustered.zarr", examples=4, clusters=["sweep", "sweep", "sweep", "other"])
+    result = compare_store(path, methods=["lava", "last_token_raw"], pairs="lava:last_token_raw", layer=2)
+    assert result.per_layer.filter(pl.col("method") == "lava")["cluster"].unique(
+        maintain_order=True
+    ).to_list() == [
+        "sweep",
+        "other",
+    ]
+    lava = result.summary.row(by_predicate=pl.col("method") == "lava", named=True)
+    assert (lava["n_examples"], lava["n_clusters"]) == (4, 2)
+    at_layer = result.per_layer.filter((pl.col("method") == "lava") & (pl.col("layer") == 2)).sort("example")
+    _, low, high, _ = bootstrap_means(at_layer["spearman"].to_numpy()[:, None], np.array([0, 0, 0, 1]))
+    assert (lava["spearman_ci_low"], lava["spearman_ci_high"]) == pytest.approx((low[0], high[0]))
+    baseline = result.per_layer.filter((pl.col("method") == "last_token_raw") & (pl.col("layer") == 2)).sort(
+        "example"
+    )
+    pair = result.pairs.row(by_predicate=pl.col("layer") == 2, named=True)
+    expected = paired_difference(
+        at_layer["spearman"].to_numpy(), baseline["spearman"].to_numpy(), ["s"] * 3 + ["o"]
+    )
+    assert (pair["n_examples"], pair["n_clusters"], pair["p_value"]) == (4, 2, expected["p_value"])
+    variance = variance_store(path, method="asl:window_size=8", budget=13, min_layer=1, observed_layers=2)
+    assert variance.curves["cluster"].to_list()[::LAYERS] == ["sweep", "sweep", "sweep", "other"]
+    assert set(variance.means["n_examples"]) == {4} and set(variance.means["n_clusters"]) == {2}
+    swept = compare_store(write_store(tmp_path / "sweep.zarr", clusters=["sweep"] * 3), methods=["lava"])
+    one = swept.summary.row(0, named=True)  # one haystack and needle at three depths: one sample
+    assert (one["n_examples"], one["n_clusters"], one["spearman_ci_low"]) == (3, 1, None)
 
 
 def test_compare_layer_and_methods_choose_the_rows(store_path):
@@ -723,6 +807,31 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["compare", "--methods", "claa:aggregation_window=0"],
+            "method 'claa': aggregation_window=0 is outside",
+        ),
+        (
+            ["compare", "--methods", "claa:aggregation_window=abc"],
+            "aggregation_window='abc' is not an integer",
+        ),
+        (
+            ["select", "--method", "claa:deferred_layers=50", "--keep", "0.1"],
+            "method 'claa': deferred_layers=50 is outside [0, 6]",
+        ),
+        (["variance", "--method", "asl:tau=nan"], "method 'asl': tau=nan is not a number"),
+    ],
+)
+def test_cli_refuses_a_method_parameter_out_of_range_in_one_line(cli, store_path, args, message):
+    """The command's ``main`` prints a RankkitError as one line with exit status 2."""
+    result = cli(args[0], store_path, *args[1:])
+    assert isinstance(result.exception, RankkitError), result.output
+    assert message in str(result.exception) and "\n" not in str(result.exception)
 
 
 def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):

@@ -580,6 +580,64 @@ def test_layer_parameters_bind_to_the_model_depth():
     assert make("snapkv").selection_parameter is None
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("claa:aggregation_window=0", "method 'claa': aggregation_window=0 is outside [1, L]"),
+        ("claa:aggregation_window=abc", "method 'claa': aggregation_window='abc' is not an integer"),
+        ("claa:window_size=2.5", "method 'claa': window_size=2.5 is not an integer"),
+        ("asl:tau=nan", "method 'asl': tau=nan is not a number"),
+        ("asl:tau=0", "method 'asl': tau=0 is outside (0, inf) (τ, ASL Alg. 2)"),
+        ("streamingllm:sink_tokens=-4", "method 'streamingllm': sink_tokens=-4 is outside [0, inf)"),
+        ("sliminfer:gamma=5", "method 'sliminfer': gamma=5 is outside [0, 1] (γ, SlimInfer Alg. 1)"),
+        ("sliminfer:pruning_layers=3", "method 'sliminfer': pruning_layers=3 is not a list of layers"),
+        ("snapkv:window_size=0", "method 'snapkv': window_size=0 is outside [1, inf)"),
+        ("specprefill:lookahead=0", "method 'specprefill': lookahead=0 is outside [1, inf)"),
+        ("oracle:max_new_tokens=0", "method 'oracle': max_new_tokens=0 is outside [1, inf)"),
+        ("asl:observed_layers=1", "method 'asl': observed_layers=1 is outside [2, L]"),
+    ],
+)
+def test_a_parameter_outside_its_declared_range_is_refused_on_construction(spec, message):
+    """What compare and select parse (``method_from_spec``) and the Python API (``make``) refuse alike."""
+    from rankkit.eval.offline import method_from_spec
+    from rankkit.probes import parse_named
+
+    ((name, params),) = parse_named(spec, "method")
+    for build in (lambda: method_from_spec(spec), lambda: make(name, **params)):
+        with pytest.raises(RankkitError) as refused:
+            build()
+        assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        (make("claa", deferred_layers=50), "method 'claa': deferred_layers=50 is outside [0, 30]"),
+        (make("claa", aggregation_window=31), "method 'claa': aggregation_window=31 is outside [1, 30]"),
+        (make("asl", min_layer=30), "method 'asl': min_layer=30 is outside [0, 29]"),
+        (
+            make("sliminfer", pruning_layers=(3, 30)),
+            "method 'sliminfer': pruning_layers=(3, 30) is outside [0, 29]",
+        ),
+        (
+            make("fastkv", tsp_layer=30),
+            "method 'fastkv': tsp_layer=30 is outside [0, 29]; pick a layer with --layer",
+        ),
+    ],
+)
+def test_a_layer_parameter_past_the_models_depth_is_refused_when_bound(method, message):
+    with pytest.raises(RankkitError) as refused:
+        method.bind(30)
+    assert str(refused.value) == message
+
+
+def test_a_method_built_directly_is_refused_when_bound():
+    from rankkit.methods.streamingllm import StreamingLLM
+
+    with pytest.raises(RankkitError, match="sink_tokens=-4 is outside"):
+        StreamingLLM(sink_tokens=-4).bind(30)
+
+
 def test_ranks_break_ties_toward_the_earlier_token():
     from rankkit.methods.selection import descending_ranks, top_k_with_forced
 

@@ -67,7 +67,9 @@ def test_identical_values_have_a_zero_width_interval():
     assert low[0] == high[0] == 0.25
 
 
-@pytest.mark.parametrize(("successes", "trials"), [(0, 4), (3, 4), (4, 4), (17, 50)])
+@pytest.mark.parametrize(
+    ("successes", "trials"), [(0, 4), (3, 4), (4, 4), (17, 50), (1.5, 4)]
+)  # 1.5: partial credit
 def test_wilson_interval_is_the_formula(successes, trials):
     z = scipy_stats.norm.ppf(0.975)
     share = successes / trials
@@ -251,3 +253,59 @@ def test_variance_means_carry_intervals(tmp_path):
     )
     joined = means.join(slow, on="layer", suffix="_slow")
     np.testing.assert_allclose(joined["relative_variance"], joined["relative_variance_slow"])
+
+
+def test_wilson_interval_is_scipys_for_whole_counts():
+    for successes, trials in [(0, 4), (3, 4), (10, 10), (17, 50)]:
+        expected = scipy_stats.binomtest(successes, trials).proportion_ci(0.95, method="wilson")
+        assert wilson_interval(successes, trials) == pytest.approx((expected.low, expected.high), abs=1e-12)
+
+
+def test_the_cluster_bootstrap_draws_whole_clusters_and_needs_two_of_them():
+    """Examples of one cluster enter a resample together, as often as their cluster is drawn."""
+    from rankkit.eval.stats import _resample_counts
+
+    values = np.array([[0.1], [0.3], [0.9], [0.5], [0.6]])
+    clusters = np.array([0, 0, 1, 2, 2])
+    means, low, high, counts = bootstrap_means(values, clusters)
+    weights = _resample_counts(3)[:, clusters].astype(np.float64)
+    resampled = (weights @ values[:, 0]) / weights.sum(axis=1)
+    assert (means[0], counts[0]) == (pytest.approx(0.48), 5)
+    assert (low[0], high[0]) == pytest.approx(tuple(np.percentile(resampled, [2.5, 97.5])), abs=1e-6)
+    assert high[0] - low[0] > bootstrap_means(values)[2][0] - bootstrap_means(values)[1][0]  # wider
+    _, low, high, _ = bootstrap_means(values, np.zeros(5, dtype=int))  # one cluster: one sample
+    assert np.isnan(low[0]) and np.isnan(high[0])
+
+
+def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_collapse():
+    frame = pl.DataFrame(
+        {
+            "example": ["a", "b", "c", "d"],
+            "cluster": ["sweep", "sweep", "sweep", "other"],
+            "score": [0.0, 0.0, 0.0, 0.0],  # partial credit (0, 0.5, 1) that came out 0 everywhere
+            "credit": [0.5, 0.0, 0.5, 1.0],
+        }
+    ).with_columns(method=pl.lit("claa"))
+    (row,) = mean_intervals(
+        frame, ["method"], ["score", "credit"], cluster="cluster", scores=["score", "credit"]
+    ).to_dicts()
+    assert (row["n_examples"], row["n_clusters"]) == (4, 2)
+    assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(wilson_interval(0, 2))  # not [0, 0]
+    assert row["score_ci_high"] > 0.6
+    assert row["credit"] == 0.5 and row["credit_ci_low"] < row["credit_ci_high"]
+    (alone,) = mean_intervals(frame.drop("cluster"), ["method"], ["score"], scores=["score"]).to_dicts()
+    assert "n_clusters" not in alone and (alone["score_ci_low"], alone["score_ci_high"]) == pytest.approx(
+        wilson_interval(0, 4)
+    )
+
+
+def test_paired_differences_over_clusters_test_each_clusters_mean():
+    first = np.array([0.5, 0.6, 0.7, 0.2, 0.9, 0.4, 0.8])
+    second = np.array([0.4, 0.4, 0.6, 0.3, 0.5, 0.3, 0.5])
+    clusters = ["a", "a", "b", "c", "d", "e", "e"]
+    found = paired_difference(first, second, clusters)
+    means = np.array([0.15, 0.1, -0.1, 0.4, 0.2])  # each cluster's mean difference
+    assert (found["n_examples"], found["n_clusters"]) == (7, 5)
+    assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(means).pvalue)
+    assert found["difference"] == pytest.approx((first - second).mean())
+    assert paired_difference(first, second)["n_clusters"] == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -823,7 +824,14 @@ def test_verify_counts_every_state_and_reset_lets_the_writers_redo_the_damage(or
     (oracled / "examples" / "e").mkdir()  # a capture killed before its metadata landed
 
     report = stores.verify(oracled)
-    assert report.counts() == {"good": 0, "unchecked": 0, "damaged": 3, "incomplete": 1, "unreadable": 1}
+    assert report.counts() == {
+        "good": 0,
+        "unchecked": 0,
+        "damaged": 3,
+        "incomplete": 1,
+        "unreadable": 1,
+        "mismatched": 0,
+    }
     assert [(problem.example, problem.part, problem.detail) for problem in report.problems][:2] == [
         ("a", "capture", "capture.zip was altered (checksum differs)"),
         ("b", "oracle", f"oracle.zip has 0 bytes, {oracle_size} were written"),
@@ -878,6 +886,7 @@ def test_a_schema_1_store_still_reads_verifies_by_decoding_and_resumes(path):
         "damaged": 0,
         "incomplete": 0,
         "unreadable": 0,
+        "mismatched": 0,
     }
 
     (path / "examples" / "a" / "scores" / "fastkv" / "c" / "0" / "0" / "0").write_bytes(b"not blosc")
@@ -899,9 +908,97 @@ def test_cli_store_verify_lists_problems_and_exits_2(oracled):
     assert result.returncode == 2
     assert result.stdout.splitlines() == [
         "a\tdamaged\tcapture\tcapture.zip is missing",
-        f"2 examples in {oracled}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable",
+        f"2 examples in {oracled}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable, 0 mismatched",
     ]
     assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1
+
+
+# --- examples that do not belong where they lie ------------------------------------------------
+
+
+def _refused_by_every_reader(path: Path, message: str) -> None:
+    """``examples()``, ``example()`` and ``store verify`` refuse the store in one line naming the example."""
+    for read in (lambda store: list(store.examples()), lambda store: store.scores_frame()):
+        with pytest.raises(RankkitError) as refused:
+            read(stores.open(path))
+        assert message in str(refused.value) and "\n" not in str(refused.value)
+    report = stores.verify(path)
+    assert report.counts()["mismatched"] >= 1 and message in report.problems[0].detail
+    with pytest.raises(RankkitError, match="mismatched example\\(s\\) in .*listed above; recapture them"):
+        report.raise_if_damaged()
+
+
+def test_swapped_example_folders_are_refused_by_the_id_inside_the_manifest(oracled):
+    examples = oracled / "examples"
+    (examples / "a").rename(examples / "swap")
+    (examples / "b").rename(examples / "a")
+    (examples / "swap").rename(examples / "b")
+    _refused_by_every_reader(
+        oracled, "the folder of example 'a' holds example 'b' (folders renamed or swapped)"
+    )
+
+
+def test_an_example_copied_in_from_another_models_store_is_refused(tmp_path, oracled):
+    other = stores.create(
+        tmp_path / "other.zarr", {**RUN_META, "model": {**RUN_META["model"], "weights_hash": "sha256:bbbb"}}
+    )
+    write(other, "c", 2)
+    shutil.copytree(tmp_path / "other.zarr" / "examples" / "c", oracled / "examples" / "c")
+    _refused_by_every_reader(
+        oracled, "example 'c' was captured with model weights sha256:bbbb, the store with sha256:aaaa"
+    )
+
+
+def test_an_example_of_another_depth_or_head_count_is_refused(tmp_path):
+    meta = {**RUN_META, "num_layers": LAYERS, "kv_heads": HEADS, "num_attention_heads": 2 * HEADS}
+    deeper = tmp_path / "deeper.zarr"
+    writer = stores.create(deeper, meta)
+    write(writer, "a", 0)
+    attrs, tokens, _ = example_data(1)
+    writer.write_example("b", attrs=attrs, tokens=tokens, scores={"fastkv": np.ones((LAYERS + 1, HEADS, 48))})
+    _refused_by_every_reader(
+        deeper, f"example 'b' has scores of {LAYERS + 1} layers, the store's model {LAYERS}"
+    )
+    wider = tmp_path / "wider.zarr"
+    writer = stores.create(wider, meta)
+    writer.write_example("a", attrs=attrs, tokens=tokens, scores={"fastkv": np.ones((LAYERS, 3 * HEADS, 48))})
+    _refused_by_every_reader(wider, f"example 'a' has scores of {3 * HEADS} heads, the store's model [2, 4]")
+
+
+def test_an_evidence_span_past_the_prompt_is_refused(path):
+    writer = stores.create(path, RUN_META)
+    attrs, tokens, scores = example_data(0)
+    attrs["spans"] = {"context_tokens": [0, 40], "evidence_tokens": [[17, 21], [45, 52]]}
+    writer.write_example("a", attrs=attrs, tokens=tokens, scores=scores)
+    _refused_by_every_reader(path, "example 'a' has evidence_tokens [45, 52) outside its 48 tokens")
+
+
+def test_an_example_written_before_ids_and_hashes_were_recorded_still_reads(oracled):
+    """Stores written before the manifest named the example and the model: nothing to compare, read as before."""
+    metadata = oracled / "examples" / "a" / "zarr.json"
+    written = json.loads(metadata.read_text())
+    for key in ("example_id", "weights_hash"):
+        del written["attributes"]["manifest"][key]
+    metadata.write_text(json.dumps(written))
+    assert [record.id for record in stores.open(oracled).examples()] == ["a", "b"]
+    assert stores.verify(oracled).counts()["good"] == 2
+    assert_example_matches(stores.open(oracled), "a", 0)
+
+
+def test_cli_store_verify_exits_2_on_an_example_whose_metadata_no_longer_parses(oracled):
+    metadata = oracled / "examples" / "a" / "zarr.json"
+    metadata.write_text(metadata.read_text()[:40])  # truncated
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "verify", str(oracled)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stdout.splitlines()[-1] == (
+        f"2 examples in {oracled}: 1 good, 0 unchecked, 0 damaged, 0 incomplete, 1 unreadable, 0 mismatched"
+    )
+    assert result.stderr == (
+        f"rankkit: error: 1 unreadable example(s) in {oracled}, listed above; recapture them "
+        "(or move a mismatched one back to its own folder or store)\n"
+    )
 
 
 def test_zip_arrays_decode_as_zarr_reads_them_in_every_chunk_layout(tmp_path, monkeypatch):

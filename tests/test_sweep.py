@@ -97,9 +97,11 @@ def test_compare_and_variance_parquets_are_the_library_calls_on_each_store(finis
         store = finished / "stores" / f"{cell}.zarr"
         direct = compare_store(store, keep=0.2, workers=1)
         mine = {name: frame.filter(pl.col("cell") == cell) for name, frame in compared.items()}
-        assert_frame_equal(_untagged(mine[""], "compare"), direct.per_layer)
-        assert_frame_equal(_untagged(mine[".summary"], "compare"), direct.summary)
-        assert_frame_equal(_untagged(mine[".pairs"], "compare"), direct.pairs)
+        # the unit's keep tag stands for compare's own keep column
+        assert_frame_equal(_untagged(mine[""], "compare"), direct.per_layer.drop("keep"))
+        assert_frame_equal(_untagged(mine[".summary"], "compare"), direct.summary.drop("keep"))
+        assert mine[".summary"]["needle_keep"].unique().to_list() == [0.2]
+        assert_frame_equal(_untagged(mine[".pairs"], "compare"), direct.pairs.drop("keep"))
         assert mine[""]["pruning_layer"].unique().to_list() == [direct.pruning_layer]
         assert mine[""]["budget"].unique().to_list() == ["keep=0.2"]
         assert mine[""]["layer_setting"].is_null().all()
@@ -123,6 +125,8 @@ def test_bench_diffusion_and_dashboards_cover_every_cell(finished, experiment):
         rows = bench.filter(pl.col("cell") == cell)
         assert rows["example_id"].unique(maintain_order=True).to_list() == ids
         assert rows["method"].to_list() == ["full", "claa"] * len(ids)
+        model = stores.open(finished / "stores" / f"{cell}.zarr").meta["model"]  # the bench's own model
+        assert rows.select("model", "weights_hash").unique().rows() == [(model["id"], model["weights_hash"])]
         probed = diffusion.filter(pl.col("cell") == cell)
         assert probed["example"].unique().to_list() == ids[:1]  # limit = 1
         assert probed["layer"].to_list() == [0, 1, 2, 3]  # evidence removed from each layer on, and never
@@ -348,6 +352,18 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
         (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
+        (
+            ("[diffusion]", '[compare]\nmethods = ["claa:deferred_layers=50"]\n[diffusion]'),
+            r"\[compare\]: method 'claa': deferred_layers=50 is outside \[0, 3\]",
+        ),
+        (
+            ("[diffusion]", "[compare]\nneedle_keep = 1.5\n[diffusion]"),
+            r"keep rate 1.5 is outside \(0, 1\]",
+        ),
+        (
+            ("[diffusion]", '[compare]\nmethods = ["sliminfer:gamma=5"]\n[diffusion]'),
+            r"method 'sliminfer': gamma=5 is outside \[0, 1\]",
+        ),
     ],
 )
 def test_a_bad_experiment_is_one_line_naming_the_fix(experiment, tmp_path, edit, message):

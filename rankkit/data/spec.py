@@ -4,9 +4,10 @@
     ruler:task=NAME,length=N[,n=K][,seed=S]
     PATH.jsonl[:n=K]
 
-``length`` is the whole prompt's size in tokens of the given tokenizer. niah
-spreads ``n`` depths over 0..100% unless ``depths`` lists them (then ``n`` may be
-left out). ``seed`` defaults to 0; the same spec and tokenizer give the same examples.
+``length`` is the whole prompt's size in tokens of the given tokenizer. niah makes
+``n`` independent examples (a haystack and a needle each, depths spread over 0..100%),
+or with ``depths`` one needle in one haystack at every depth listed (then ``n`` may be
+left out; ``rankkit.data.niah``). ``seed`` defaults to 0; the same spec and tokenizer give the same examples.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from rankkit import outputs
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
-from rankkit.data.niah import niah_examples, spread_depths
+from rankkit.data.niah import niah_examples
 from rankkit.data.ruler import TASKS, ruler_examples
 from rankkit.errors import RankkitError
 
@@ -119,7 +120,7 @@ class DataSpec:
     path: str | None = None  # jsonl
     n: int | None = None  # the first n lines of a jsonl; the examples of ruler
     length: int | None = None  # prompt tokens of niah and ruler
-    depths: tuple[float, ...] = ()  # niah
+    depths: tuple[float, ...] | None = None  # niah's depth sweep
     task: str | None = None  # ruler
     seed: int = 0
 
@@ -135,8 +136,8 @@ def read_spec(spec: str) -> DataSpec:
     if kind == "niah":
         depths = _depths(params, spec)
         if depths is None:
-            depths = spread_depths(_integer(params, "n", spec, default=1))
-        elif "n" in params and _integer(params, "n", spec) != len(depths):
+            return DataSpec(kind, spec, n=_integer(params, "n", spec, default=1), length=length, seed=seed)
+        if "n" in params and _integer(params, "n", spec) != len(depths):
             raise RankkitError(
                 f"n={params['n']} but {len(depths)} depths are listed in '{spec}'; give one of them"
             )
@@ -159,7 +160,8 @@ def load_examples(spec: str, tokenizer) -> list[Example]:
             f"'{spec}' is fitted to a length in tokens: pass a tokenizer (e.g. --model default)"
         )
     if data.kind == "niah":
-        return niah_examples(tokenizer, length=data.length, depths=list(data.depths), seed=data.seed)
+        depths = None if data.depths is None else list(data.depths)
+        return niah_examples(tokenizer, length=data.length, n=data.n, depths=depths, seed=data.seed)
     return ruler_examples(tokenizer, task=data.task, n=data.n, length=data.length, seed=data.seed)
 
 

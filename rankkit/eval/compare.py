@@ -10,7 +10,8 @@ Methods, each ranking the tokens of one example:
   by (``rankkit.methods.selection``). A method with a selection layer is shown at every layer
   it could pick (like CLAA's Fig. 2); an adaptive one (ASL) at the layer it picks; KV-only
   ones at every layer; a draft's ranking (specprefill) has no layer. The tokens a method
-  always keeps rank first. ``sweep`` holds CLAA at n = 1, 2, 4, 8 ("claa-n1"...).
+  always keeps rank first. ``sweep`` holds CLAA at n = 1, 2, 4, 8 ("claa-n1"...), those up to
+  the model's depth.
 
 Which tokens are ranked (``span``): "prompt", every prompt token outside the observation
 window (CLAA Sec. 3.1 ranks the prompt; the window is kept by every method, so ranking it
@@ -20,27 +21,31 @@ has one. The window is CLAA's (W = 8).
 Frames (tidy; ``example`` is Categorical like the store's frames; NaN-free, undefined = null):
 
 per_layer  example, task, method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40,
-           needle_recall, adjacent_spearman
+           needle_recall, adjacent_spearman, keep, needle_keep, and cluster where the store's
+           examples name one (``with_clusters``)
 per_head   example, task, method, layer, head, spearman                       (probes only)
 sweep      example, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
 curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall) its mean
-           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples
+           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples (and
+           n_clusters, the independent samples, where per_layer has clusters)
 stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
 summary    method, layer, each metric with its interval as in ``curve``, n_examples, then the
            stability columns; each method at its own selection layer (``--layer`` sets it),
            probes and KV-only methods at CLAA's l_p (or ``--layer``), adaptive ones at the
            layer each example picks (``layer`` null when they differ)
 pairs      method, baseline, layer, difference, difference_ci_low, difference_ci_high, p_value,
-           n_examples: the paired Spearman difference method - baseline over the examples both
+           n_examples, n_clusters: the paired Spearman difference method - baseline over the examples both
            have at that layer (``pairs``; default CLAA against each single-layer heuristic)
 
 Intervals are 95%, over examples (``rankkit.eval.stats``: percentile bootstrap resampling
-examples, Wilson for 0/1 values); p-values are Wilcoxon signed-rank, two-sided.
+examples, or clusters of examples that share a haystack or a needle, Wilson for 0/1 values);
+p-values are Wilcoxon signed-rank, two-sided, over examples or each cluster's mean.
 
 recall_at_X: share of the oracle's top X% that the method's top X% keeps. needle_recall: share
-of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep``, null
-without evidence. adjacent_spearman: Spearman between the method's rankings at this layer and
+of the evidence tokens (``spans.evidence_tokens``) in the method's top ``needle_keep`` (default:
+the ``keep`` the methods rank under), null without evidence. ``per_layer``, ``curve`` and
+``summary`` name both in their ``keep`` and ``needle_keep`` columns. adjacent_spearman: Spearman between the method's rankings at this layer and
 the one before (null at layer 0 and without layers).
 """
 
@@ -85,7 +90,6 @@ from .ranking import Ranked, keep_count, row_metrics, spans_mask
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
-NEEDLE_KEEP = 0.1
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall")
 
 CLAA = "claa"
@@ -128,9 +132,7 @@ class Reference:
     are defined; the others come out NaN.
     """
 
-    def __init__(
-        self, oracle: np.ndarray | None, evidence: np.ndarray, needle_keep: float | int = NEEDLE_KEEP
-    ):
+    def __init__(self, oracle: np.ndarray | None, evidence: np.ndarray, needle_keep: float | int):
         num_tokens = evidence.shape[0]
         self.oracle = oracle
         self.evidence = evidence
@@ -242,7 +244,7 @@ def evaluate_example(
         layers, columns = scored(method, detailed)
         per_layer.add(label, layer=layers, **columns)
         if method.name == CLAA and detailed:
-            for n in CLAA_SWEEP:
+            for n in (n for n in CLAA_SWEEP if n <= num_layers):  # n past the depth is refused
                 layers, columns = scored(replace(method, aggregation_window=n), False)
                 without_kendall = {name: values for name, values in columns.items() if name != "kendall"}
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
@@ -339,7 +341,9 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
         pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer")
     )
     means = layers.join(
-        mean_intervals(at_layer, ["method"], METRIC_COLUMNS), on="method", maintain_order="left"
+        mean_intervals(at_layer, ["method"], METRIC_COLUMNS, cluster=cluster_column(at_layer)),
+        on="method",
+        maintain_order="left",
     )
     return means.join(stability_frame(per_layer), on="method", how="left", maintain_order="left")
 
@@ -348,7 +352,30 @@ def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     """Per method and layer: each metric's mean over examples with its 95% interval, and n."""
     if not per_layer.height:
         return pl.DataFrame()
-    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS)
+    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS, cluster=cluster_column(per_layer))
+
+
+def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int) -> pl.DataFrame:
+    """``frame`` with the keep its rankings were made under and the one needle recall counted in."""
+    return frame.with_columns(keep=pl.lit(keep), needle_keep=pl.lit(needle_keep))
+
+
+CLUSTER = "cluster"  # per_layer's column naming each example's cluster, where the store records them
+
+
+def cluster_column(frame: pl.DataFrame) -> str | None:
+    """``CLUSTER`` when ``frame`` has it: intervals then resample clusters (``stats.mean_intervals``)."""
+    return CLUSTER if CLUSTER in frame.columns else None
+
+
+def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any]) -> pl.DataFrame:
+    """``per_layer`` with each example's cluster (``meta["cluster"]``: examples sharing a haystack or
+    a needle, ``rankkit.data.niah``) when any example records one; an example without is its own."""
+    named = {record.id: (record.attrs.get("meta") or {}).get(CLUSTER) for record in records}
+    if not per_layer.height or not any(named.values()):
+        return per_layer
+    clusters = {example: cluster or example for example, cluster in named.items()}
+    return per_layer.with_columns(pl.col("example").cast(pl.String).replace_strict(clusters).alias(CLUSTER))
 
 
 def default_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
@@ -382,12 +409,14 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl.DataFrame:
-    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``)."""
-    keys, columns = [], []
+    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``),
+    resampling clusters where ``per_layer`` names them."""
+    keys, columns, clusters = [], [], []
+    cluster = cluster_column(per_layer)
     for method, baseline in pairs:
         both = (
             per_layer.filter(pl.col("method") == method)
-            .select("example", "layer", pl.col("spearman").alias("first"))
+            .select("example", "layer", *([cluster] if cluster else []), pl.col("spearman").alias("first"))
             .join(
                 per_layer.filter(pl.col("method") == baseline).select(
                     "example", "layer", pl.col("spearman").alias("second")
@@ -404,7 +433,9 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
                     values[name].cast(pl.Float64).fill_null(np.nan).to_numpy() for name in ("first", "second")
                 )
             )
-    rows = [{**key, **found} for key, found in zip(keys, paired_differences(columns), strict=True)]
+            clusters.append(values[cluster].to_list() if cluster else None)
+    found = paired_differences(columns, clusters)
+    rows = [{**key, **each} for key, each in zip(keys, found, strict=True)]
     schema = {
         "method": pl.String,
         "baseline": pl.String,
@@ -414,6 +445,7 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
         "difference_ci_high": pl.Float64,
         "p_value": pl.Float64,
         "n_examples": pl.Int32,
+        "n_clusters": pl.Int32,
     }
     return pl.DataFrame(rows, schema=schema)
 
@@ -427,7 +459,8 @@ def summary_table(summary: pl.DataFrame) -> pl.DataFrame:
     if not summary.height:
         return summary
     metrics = [column for name in TABLE_METRICS for column in (name, *interval_columns(name))]
-    return summary.select("method", "layer", *metrics, "n_examples")
+    counts = [name for name in ("n_examples", "n_clusters") if name in summary.columns]
+    return summary.select("method", "layer", *metrics, *counts)
 
 
 def pairs_at_layer(pairs: pl.DataFrame, layer: int) -> pl.DataFrame:
@@ -464,28 +497,57 @@ class CompareResult:
     sweep: pl.DataFrame
     summary_layers: Mapping[str, int | None]  # each method's layer in ``summary`` (summary_frame)
     tested_pairs: Sequence[tuple[str, str]]  # the (method, baseline) pairs ``pairs`` tests
+    keep: float | int  # the budget the methods ranked under
+    needle_keep: float | int  # the budget needle recall counts the evidence in
+
+    def with_keeps(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """``frame`` with the keep and the needle keep its rows were made under, as columns."""
+        return with_keeps(frame, self.keep, self.needle_keep)
 
     @cached_property
     def curve(self) -> pl.DataFrame:
-        return curve_frame(self.per_layer)
+        return self.with_keeps(curve_frame(self.per_layer))
 
     @cached_property
     def stability(self) -> pl.DataFrame:
-        return stability_frame(self.per_layer)
+        return self.with_keeps(stability_frame(self.per_layer))
 
     @cached_property
     def summary(self) -> pl.DataFrame:
-        return summary_frame(self.per_layer, self.summary_layers)
+        return self.with_keeps(summary_frame(self.per_layer, self.summary_layers))
 
     @cached_property
     def pairs(self) -> pl.DataFrame:
-        return pairs_frame(self.per_layer, self.tested_pairs)
+        return self.with_keeps(pairs_frame(self.per_layer, self.tested_pairs))
 
     def write(self, path: str | os.PathLike) -> list[Path]:
         """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
-        paths = output_paths(path)
-        frames = [getattr(self, name) for name in ("per_layer", *SIBLING_FRAMES)]
-        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
+        return write_results([self], path)
+
+
+def write_results(results: Sequence[CompareResult], path: str | os.PathLike) -> list[Path]:
+    """The frames of ``results`` (one per keep), each concatenated over them, written as
+    ``CompareResult.write`` writes one: their ``keep`` and ``needle_keep`` columns tell them apart."""
+    frames = [
+        pl.concat([getattr(result, name) for result in results], how="diagonal_relaxed")
+        for name in ("per_layer", *SIBLING_FRAMES)
+    ]
+    return [
+        outputs.write_parquet(frame, file) for frame, file in zip(frames, output_paths(path), strict=True)
+    ]
+
+
+def compare_keeps(
+    path: str | os.PathLike | Store, keeps: Sequence[float | int], **options: Any
+) -> list[CompareResult]:
+    """``compare_store`` of one store at each of ``keeps`` (``--keep 0.1,0.2``), with the same
+    ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep."""
+    from rankkit import stores
+
+    if not keeps:
+        raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    store = stores.open(path)
+    return [compare_store(store, keep=keep, **options) for keep in keeps]
 
 
 SIBLING_FRAMES = ("per_head", "sweep", "curve", "stability", "summary", "pairs")
@@ -522,7 +584,7 @@ def compare_store(
     use_oracle: bool = True,
     span: str = "prompt",
     keep: float | int = KEEP_RATES[0],
-    needle_keep: float | int = NEEDLE_KEEP,
+    needle_keep: float | int | None = None,
     workers: int | None = None,
     pairs: str | Sequence[tuple[str, str]] | None = None,
     detailed: bool = True,
@@ -533,7 +595,8 @@ def compare_store(
     them in the ``--probes`` syntax (``split_names``); ``layer`` is the
     selection layer of every method that has one and the layer probes and KV-only methods are
     summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
-    are made under (it sets ASL's k and the size of forced sets). With ``use_oracle`` only examples
+    are made under (it sets ASL's k and the size of forced sets); ``needle_keep`` the budget needle
+    recall counts the evidence in (default: ``keep``). With ``use_oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
@@ -545,6 +608,8 @@ def compare_store(
     from rankkit import stores
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
+    needle_keep = keep if needle_keep is None else needle_keep
+    budget, _ = Budget.parse(keep), Budget.parse(needle_keep)  # a bad keep fails before any reading too
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
     store.warn_skipped()
@@ -601,7 +666,7 @@ def compare_store(
         compare_example,
         probes=tuple(probes),
         methods=ranked_methods,
-        budget=Budget.parse(keep),
+        budget=budget,
         span=span,
         use_oracle=use_oracle,
         needle_keep=needle_keep,
@@ -617,6 +682,8 @@ def compare_store(
             for name, example_rows in zip(rows, found, strict=True):
                 rows[name].extend(example_rows, example_id, task)
     per_layer, per_head, sweep = (rows[name].frame() for name in ("per_layer", "per_head", "sweep"))
+    per_layer = with_keeps(with_clusters(per_layer, records), keep, needle_keep)
+    per_head, sweep = (with_keeps(frame, keep, needle_keep) for frame in (per_head, sweep))
     summary_layers: dict[str, int | None] = dict.fromkeys(probes, default_layer)
     for name, method in ranked_methods.items():
         selection = method.selection_parameter
@@ -633,6 +700,8 @@ def compare_store(
         sweep=sweep,
         summary_layers=summary_layers,
         tested_pairs=list(pairs),
+        keep=keep,
+        needle_keep=needle_keep,
     )
 
 
@@ -644,7 +713,7 @@ def compare_example(
     budget: Budget,
     span: str = "prompt",
     use_oracle: bool = True,
-    needle_keep: float | int = NEEDLE_KEEP,
+    needle_keep: float | int,
     layout: Mapping[str, Any] | None = None,
     detailed: bool = True,
 ) -> tuple[str, str | None, tuple[_Rows, _Rows, _Rows]]:

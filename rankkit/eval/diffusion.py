@@ -25,6 +25,7 @@ the response attends to that token. This module measures both, per layer l = 0..
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import polars as pl
@@ -123,6 +124,13 @@ def _prefill_without_evidence(
     return runner.prefill(ids, hooks=[RemoveAfter(layer - 1, keep)])
 
 
+def answer_limit(answer: Sequence[int]) -> int:
+    """Diffusion's default greedy limit for a reference answer of these tokens: bench's limit
+    (``defaults.MAX_NEW_TOKENS``) more than the answer, as a model often restates the question
+    first (niah's answer of 3 tokens comes after 9 of restatement, its second fact after 6 more)."""
+    return len(answer) + defaults.MAX_NEW_TOKENS
+
+
 def diffusion_curve(
     runner: Runner,
     tokenizer,
@@ -131,7 +139,7 @@ def diffusion_curve(
     reference_answer: str,
     *,
     score_fn: Callable[[str], float] | None = None,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | None = None,
     layers: Sequence[int] | None = None,
     example_id: str = "example",
 ) -> pl.DataFrame:
@@ -141,7 +149,10 @@ def diffusion_curve(
     ``reference_answer`` is tokenized as it continues the prompt (see
     ``rankkit.oracle.tokenize_answer``). ``score_fn(prediction)`` scores the greedy
     answer in [0, 1] (default: the reference answer found in it, case-insensitive);
-    ``correct`` means full marks.
+    ``correct`` means full marks. ``max_new_tokens`` limits the greedy answers (default:
+    ``answer_limit``). An unpruned answer that the limit cut short of full marks would make
+    every layer's answer score as wrong: at the default limit it is refused, at a limit given
+    it is warned of (the caller chose it, e.g. for a model that never answers right).
     """
     ids = prompt_ids.reshape(-1).to(runner.device)
     length = int(ids.numel())
@@ -158,6 +169,7 @@ def diffusion_curve(
         )
     keep = torch.nonzero(~evidence).reshape(-1)
     answer = tokenize_answer(tokenizer, reference_answer)
+    limit = max_new_tokens or answer_limit(answer)
     score_fn = score_fn or (lambda prediction: string_match_all(prediction, (reference_answer,)))
     layers = range(runner.num_layers + 1) if layers is None else layers
     if any(not 0 <= layer <= runner.num_layers for layer in layers):
@@ -169,17 +181,29 @@ def diffusion_curve(
     attention = EvidenceAttention(runner, forced.cache, torch.nonzero(evidence).reshape(-1))
     unpruned_forced_logits = teacher_force(runner, forced, answer, [attention])
     evidence_shares = attention.shares.tolist()
+    unpruned_answer = greedy_continue(runner, fork_prefill(unpruned), limit)
+    unpruned_prediction = tokenizer.decode(unpruned_answer, skip_special_tokens=True)
+    cut = len(unpruned_answer) == limit and unpruned_answer[-1] not in runner.eos_ids()
+    if cut and float(score_fn(unpruned_prediction)) < 1.0:
+        message = (
+            f"example {example_id}: the answer on the whole prompt was cut at {limit} new tokens "
+            f"short of full marks ({unpruned_prediction!r})"
+        )
+        if max_new_tokens is None:
+            raise RankkitError(f"{message}; give a larger --max-new-tokens")
+        warnings.warn(f"{message}; every layer scores it as wrong", stacklevel=2)
 
     rows = []
     for layer in layers:
         if layer == runner.num_layers:
             run, forced_logits = unpruned, unpruned_forced_logits
+            prediction = unpruned_prediction
         else:
             run = _prefill_without_evidence(runner, ids, keep, layer)
             # the logits after the last answer token predict nothing the log-prob needs
             forced_logits = teacher_force(runner, fork_prefill(run), answer[:-1])
-        generated = greedy_continue(runner, fork_prefill(run), max_new_tokens)
-        prediction = tokenizer.decode(generated, skip_special_tokens=True)
+            generated = greedy_continue(runner, fork_prefill(run), limit)
+            prediction = tokenizer.decode(generated, skip_special_tokens=True)
         prediction_score = float(score_fn(prediction))
         rows.append(
             {
@@ -201,7 +225,7 @@ def example_diffusion(
     tokenizer,
     example: Example,
     *,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | None = None,
     layers: Sequence[int] | None = None,
 ) -> pl.DataFrame:
     """``diffusion_curve`` of a dataset example: its prompt, evidence spans, first answer and metric."""
@@ -227,7 +251,7 @@ def diffusion_probe(
     model: str = defaults.MODEL,
     limit: int | None = None,
     device: str = defaults.DEVICE,
-    max_new_tokens: int = defaults.DIFFUSION_MAX_NEW_TOKENS,
+    max_new_tokens: int | None = None,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     allow_overlength: bool = False,

@@ -3,11 +3,15 @@
 Every mean rankkit reports over examples comes with a 95% interval and its n:
 
 - ``bootstrap_means``: the percentile bootstrap, resampling examples (the unit that varies),
-  for many quantities at once. All quantities share the same resamples, so intervals of
+  or whole clusters of examples where examples share a haystack or a needle (the cluster
+  bootstrap: a cluster is one sample however many examples it holds), for many quantities
+  at once. All quantities share the same resamples, so intervals of
   rankings measured on the same examples move together, as they should. A quantity an
   example lacks (NaN) leaves that example out of its mean; n counts the examples it has.
 - ``wilson_interval``: the Wilson score interval for a 0/1 score (accuracy), which stays
-  inside [0, 1] and is not degenerate at 0 or 1 as a bootstrap of n identical scores is.
+  inside [0, 1] and is not degenerate at 0 or 1 as a bootstrap of n identical scores is; a
+  score in [0, 1] whose bootstrap interval collapses (every value the same, e.g. a partial
+  credit of 0 everywhere) gets it too, over its independent samples.
 - ``paired_difference``: the mean difference of two rankings over the same examples, its
   bootstrap interval and the Wilcoxon signed-rank p-value.
 
@@ -55,25 +59,30 @@ def _resample_batches(num_examples: int):
         yield counts[start : start + _RESAMPLES_PER_BATCH].astype(np.float32)
 
 
-def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def bootstrap_means(
+    values: np.ndarray, clusters: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean, interval low, interval high and n of every column of ``values`` [examples, quantities].
 
     NaN marks a value an example lacks. A resample's mean of a column is the weighted mean of
     the examples it drew that have the value; the interval is the 2.5th and 97.5th percentile
     of those means over ``RESAMPLES`` resamples (resamples without any such example are
-    skipped). Columns with fewer than two values get a NaN interval.
+    skipped). ``clusters`` [examples] numbers each example's cluster 0..C-1: a resample then
+    draws C clusters with replacement and takes every example of a drawn cluster as often as
+    it is drawn. Columns with values in fewer than two examples (clusters) get a NaN interval.
     """
     values = np.asarray(values, dtype=np.float64)
     if values.ndim != 2:
         raise ValueError(f"values must be [examples, quantities], got shape {values.shape}")
     present = ~np.isnan(values)
     counts = present.sum(axis=0)
+    units = counts if clusters is None else cluster_counts(present, clusters)
     filled = np.where(present, values, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = filled.sum(axis=0) / counts
     low = np.full(values.shape[1], np.nan)
     high = np.full(values.shape[1], np.nan)
-    spread = counts >= 2
+    spread = units >= 2
     if spread.any():
         has = present[:, spread]
         # Resample the deviations from each mean in float32, at twice float64's speed: their
@@ -81,7 +90,9 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         deviations = np.where(has, filled[:, spread] - means[spread], 0.0).astype(np.float32)
         gaps = ~has.all(axis=0)  # only columns with a missing value need their own denominators
         batches = []
-        for weights in _resample_batches(values.shape[0]):
+        for weights in _resample_batches(values.shape[0] if clusters is None else int(clusters.max()) + 1):
+            if clusters is not None:
+                weights = weights[:, clusters]  # each example drawn as often as its cluster
             denominators = np.broadcast_to(
                 weights.sum(axis=1, keepdims=True), (weights.shape[0], deviations.shape[1])
             ).copy()
@@ -103,6 +114,21 @@ def bootstrap_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return means, low, high, counts
 
 
+def cluster_numbers(names: Sequence[Any]) -> np.ndarray | None:
+    """Each example's cluster as a number 0..C-1 (in first-seen order), from its cluster's name;
+    None when every example is its own cluster (nothing to resample together)."""
+    names = [str(name) for name in names]
+    numbers = {name: number for number, name in enumerate(dict.fromkeys(names))}
+    return np.array([numbers[name] for name in names]) if len(numbers) < len(names) else None
+
+
+def cluster_counts(present: np.ndarray, clusters: np.ndarray) -> np.ndarray:
+    """Per column of ``present`` [examples, quantities], how many clusters have a value."""
+    by_cluster = np.zeros((int(clusters.max()) + 1, present.shape[1]), dtype=bool)
+    np.logical_or.at(by_cluster, clusters, present)
+    return by_cluster.sum(axis=0)
+
+
 @contextmanager
 def made_ahead(num_examples: int) -> Iterator[None]:
     """Inside, a thread makes the resample counts intervals over ``num_examples`` examples will
@@ -121,14 +147,18 @@ def made_ahead(num_examples: int) -> Iterator[None]:
         thread.join()
 
 
-def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (``scipy.stats.binomtest``); NaN without trials."""
-    from scipy import stats  # imported when used: it takes a second, longer than most analyses
+_Z = 1.959963984540054  # the standard normal's 97.5th percentile: a 95% interval
 
+
+def wilson_interval(successes: float, trials: float) -> tuple[float, float]:
+    """The Wilson score interval of a proportion, as ``scipy.stats.binomtest(...).proportion_ci(method="wilson")``
+    gives it for whole counts; ``successes`` may be a sum of partial credits. NaN without trials."""
     if trials == 0:
         return np.nan, np.nan
-    interval = stats.binomtest(int(successes), int(trials)).proportion_ci(CONFIDENCE, method="wilson")
-    return float(interval.low), float(interval.high)
+    share = successes / trials
+    center = (share + _Z**2 / (2 * trials)) / (1 + _Z**2 / trials)
+    half = _Z / (1 + _Z**2 / trials) * math.sqrt(share * (1 - share) / trials + _Z**2 / (4 * trials**2))
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def is_binary(values: np.ndarray) -> bool:
@@ -148,14 +178,19 @@ def mean_intervals(
     metrics: Sequence[str],
     *,
     example: str = "example",
+    cluster: str | None = None,
     scores: Sequence[str] = (),
 ) -> pl.DataFrame:
     """Per group of ``by`` (in first-seen order): each metric's mean over the group's rows, its
     interval (``interval_columns``) and ``n_examples`` (rows with any metric). Rows are
-    examples; a group has at most one row per ``example``.
+    examples; a group has at most one row per ``example``. ``cluster`` names the column holding
+    each example's cluster (examples sharing a haystack or a needle): the bootstrap then
+    resamples clusters, and ``n_clusters`` counts the independent samples beside ``n_examples``.
 
-    A right/wrong score (one of ``scores``) whose values are all 0 or 1 gets the Wilson
-    interval; every other metric the bootstrap (``bootstrap_means``, resampling the frame's
+    A score (one of ``scores``) gets the Wilson interval over its independent samples when its
+    values are all 0 or 1 and no two examples share a cluster (a right/wrong count), or when
+    its bootstrap interval collapses (a constant, e.g. a partial credit of 0 everywhere, or
+    one sample); every other metric the bootstrap (``bootstrap_means``, resampling the frame's
     examples, the same resamples for every group), even when its values happen to be 0 or 1
     (full prefill's TTFT ratio is 1 on every example: a constant, not a proportion).
     """
@@ -167,63 +202,95 @@ def mean_intervals(
         examples, on=example, how="left", nulls_equal=True
     )
     rows, columns = indexed["_example"].to_numpy(), indexed["_group"].to_numpy()
+    clusters = None
+    if cluster is not None:
+        clusters = cluster_numbers(indexed.unique("_example", keep="first").sort("_example")[cluster])
     result = groups.drop("_group")
     grids = np.full((examples.height, len(metrics), groups.height), np.nan)
     for index, metric in enumerate(metrics):
         grids[rows, index, columns] = indexed[metric].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    present = ~np.isnan(grids)
     # every metric in one bootstrap: one pass over the shared resamples
-    found = bootstrap_means(grids.reshape(examples.height, -1))
+    found = bootstrap_means(grids.reshape(examples.height, -1), clusters)
     means, low, high, counts = (values.reshape(len(metrics), groups.height) for values in found)
+    units = counts if clusters is None else cluster_counts(present.reshape(examples.height, -1), clusters)
+    units = units.reshape(len(metrics), groups.height)
     for index, metric in enumerate(metrics):
-        grid = grids[:, index]
-        for group in range(groups.height) if metric in scores and is_binary(grid) else ():
-            low[index, group], high[index, group] = wilson_interval(
-                np.nansum(grid[:, group]), counts[index, group]
-            )
+        counted = clusters is None and is_binary(grids[:, index])
+        for group in range(groups.height) if metric in scores else ():
+            collapsed = not low[index, group] < high[index, group]  # equal, or NaN: one sample
+            if units[index, group] and (counted or collapsed):
+                samples = units[index, group]
+                low[index, group], high[index, group] = wilson_interval(
+                    means[index, group] * samples, samples
+                )
         low_name, high_name = interval_columns(metric)
         result = result.with_columns(
             pl.Series(metric, means[index]).fill_nan(None),
             pl.Series(low_name, low[index]).fill_nan(None),
             pl.Series(high_name, high[index]).fill_nan(None),
         )
-    has_any = (~np.isnan(grids)).any(axis=1)
-    return result.with_columns(pl.Series("n_examples", has_any.sum(axis=0), dtype=pl.Int32))
+    has_any = present.any(axis=1)
+    result = result.with_columns(pl.Series("n_examples", has_any.sum(axis=0), dtype=pl.Int32))
+    if cluster is None:
+        return result
+    samples = has_any.sum(axis=0) if clusters is None else cluster_counts(has_any, clusters)
+    return result.with_columns(pl.Series("n_clusters", samples, dtype=pl.Int32))
 
 
-def paired_difference(first: np.ndarray, second: np.ndarray) -> dict[str, Any]:
+def paired_difference(
+    first: np.ndarray, second: np.ndarray, clusters: Sequence[Any] | None = None
+) -> dict[str, Any]:
     """``first - second`` over the examples that have both (NaN elsewhere): the mean difference, its
     bootstrap interval, the Wilcoxon signed-rank p-value (two-sided; None below two
-    differences or when every difference is zero) and n."""
-    return paired_differences([(first, second)])[0]
+    differences or when every difference is zero) and n. With ``clusters`` (each example's
+    cluster name) the bootstrap resamples clusters and the test ranks each cluster's mean
+    difference: examples of one cluster are one sample (``n_clusters``; ``n_examples`` without)."""
+    return paired_differences([(first, second)], None if clusters is None else [clusters])[0]
 
 
-def paired_differences(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
-    """``paired_difference`` of every (first, second) pair. Pairs with as many shared examples share
-    one bootstrap call (the resamples depend only on that number), which costs as much as one."""
-    differences = []
-    for first, second in pairs:
+def paired_differences(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], clusters: Sequence[Sequence[Any] | None] | None = None
+) -> list[dict[str, Any]]:
+    """``paired_difference`` of every (first, second) pair, ``clusters[i]`` naming the clusters of
+    pair i's examples. Unclustered pairs with as many shared examples share one bootstrap call
+    (the resamples depend only on that number), which costs as much as one."""
+    differences, numbers = [], []
+    for index, (first, second) in enumerate(pairs):
         difference = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
-        differences.append(difference[~np.isnan(difference)])
+        shared = ~np.isnan(difference)
+        differences.append(difference[shared])
+        names = None if clusters is None or clusters[index] is None else np.asarray(clusters[index])[shared]
+        numbers.append(None if names is None or not names.size else cluster_numbers(names))
     by_count: dict[int, list[int]] = {}
     for index, difference in enumerate(differences):
-        by_count.setdefault(difference.size, []).append(index)
+        if numbers[index] is None:
+            by_count.setdefault(difference.size, []).append(index)
+    batches = [(indices, None) for indices in by_count.values()]
+    batches += [([index], numbers[index]) for index in range(len(differences)) if numbers[index] is not None]
     rows: list[dict[str, Any]] = [{} for _ in differences]
-    finite = lambda value: None if np.isnan(value) else float(value)  # noqa: E731
-    for count, indices in by_count.items():
+    for indices, grouped in batches:
+        count = differences[indices[0]].size
         stacked = np.stack([differences[index] for index in indices], axis=1).reshape(count, len(indices))
-        for column, (mean, low, high) in enumerate(zip(*bootstrap_means(stacked)[:3], strict=True)):
-            difference = differences[indices[column]]
-            p_value = None
-            if difference.size >= 2 and np.any(difference != 0):
-                p_value = wilcoxon_p_value(difference)
-            rows[indices[column]] = {
-                "difference": finite(mean),
-                "difference_ci_low": finite(low),
-                "difference_ci_high": finite(high),
-                "p_value": p_value,
-                "n_examples": count,
-            }
+        for column, (mean, low, high) in enumerate(zip(*bootstrap_means(stacked, grouped)[:3], strict=True)):
+            rows[indices[column]] = _paired_row(differences[indices[column]], mean, low, high, grouped)
     return rows
+
+
+def _paired_row(difference: np.ndarray, mean, low, high, clusters: np.ndarray | None) -> dict[str, Any]:
+    finite = lambda value: None if np.isnan(value) else float(value)  # noqa: E731
+    samples = difference
+    if clusters is not None:  # one difference per cluster: its mean
+        samples = np.bincount(clusters, weights=difference) / np.bincount(clusters)
+    p_value = wilcoxon_p_value(samples) if samples.size >= 2 and np.any(samples != 0) else None
+    return {
+        "difference": finite(mean),
+        "difference_ci_low": finite(low),
+        "difference_ci_high": finite(high),
+        "p_value": p_value,
+        "n_examples": difference.size,
+        "n_clusters": samples.size,
+    }
 
 
 EXACT_WILCOXON_LIMIT = 50  # scipy.stats.wilcoxon's "auto": its exact or permutation test up to here

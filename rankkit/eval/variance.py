@@ -3,11 +3,12 @@
 
 Frames:
 
-curves      example, task, probe, layer, relative_variance   (null before L_min)
+curves      example, task, probe, layer, relative_variance   (null before L_min), and cluster where the
+            store's examples name one (``compare.with_clusters``)
 selections  example, task, probe, tau, selection_layer        (null when the curve never drops below tau)
 means       task, probe, layer, relative_variance, relative_variance_ci_low, relative_variance_ci_high,
-            n_examples: the mean curve per task with its 95% interval over the task's examples
-            (``rankkit.eval.stats``), from L_min on
+            n_examples (and n_clusters): the mean curve per task with its 95% interval over the task's
+            examples, resampling clusters where they share one (``rankkit.eval.stats``), from L_min on
 """
 
 from __future__ import annotations
@@ -56,12 +57,19 @@ def output_paths(path: str | os.PathLike) -> list[Path]:
 
 def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
     """The ``means`` frame of ``curves`` (see the module docstring)."""
+    from .compare import cluster_column
+
     defined = curves.filter(pl.col("relative_variance").is_not_null())
     if not defined.height:
         return pl.DataFrame()
     by_task = defined.partition_by("task", maintain_order=True)  # resampled within each task
     return pl.concat(
-        [mean_intervals(task, ["task", "probe", "layer"], ["relative_variance"]) for task in by_task]
+        [
+            mean_intervals(
+                task, ["task", "probe", "layer"], ["relative_variance"], cluster=cluster_column(task)
+            )
+            for task in by_task
+        ]
     )
 
 
@@ -143,7 +151,7 @@ def variance_store(
     """
     from rankkit import stores
 
-    from .compare import scored_layers
+    from .compare import scored_layers, with_clusters
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
     asl = curve_method(method, min_layer, observed_layers)
@@ -167,9 +175,8 @@ def variance_store(
         "tau": pl.Float64,
         "selection_layer": pl.Int32,
     }
-    return VarianceResult(
-        bound.min_layer, pl.concat(curve_frames), pl.DataFrame(selection_rows, schema=selection_schema)
-    )
+    curves = with_clusters(pl.concat(curve_frames), records)  # the means resample shared haystacks together
+    return VarianceResult(bound.min_layer, curves, pl.DataFrame(selection_rows, schema=selection_schema))
 
 
 def variance_example(

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.methods import selection
-from rankkit.methods.base import depth_field, make_probe, paper_count, register
+from rankkit.methods.base import LAYER, bounded, depth_field, make_probe, paper_count, register
 from rankkit.methods.selection import Captured, LayerPolicy, PolicyMethod, descending_ranks
 
 
@@ -116,13 +116,13 @@ class Asl(PolicyMethod):
     """One-pass ASL with SnapKV before the selection layer."""
 
     name: ClassVar[str] = "asl"
-    tau: float = 0.3
+    tau: float = bounded(0.3, 0, open_low=True, reference="τ, ASL Alg. 2")
     min_layer: int | None = depth_field(
-        lambda num_layers: num_layers // 3
+        lambda num_layers: num_layers // 3, bounds=LAYER
     )  # L_min = floor(L/3), Appendix D.2
     observed_layers: int | None = paper_count(8, minimum=2)  # L_obs, of 32 layers
-    window_size: int = 32  # W
-    kernel_size: int = 7
+    window_size: int = bounded(32, 1)  # W
+    kernel_size: int = bounded(7, 1)
 
     def probe(self):
         return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)

@@ -60,25 +60,114 @@ SELECTION = "selection_layer"  # field metadata: the parameter ``--layer`` sets
 SELECTS = "selects"  # field metadata: layers the method selects tokens at (defaults on global layers)
 
 
-def depth_field(at_depth: Callable[[int], int], *, selection: bool = False, selects: bool = False):
+BOUNDS = "bounds"  # field metadata: the values the parameter accepts (``Bounds``)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric method parameter accepts, declared once on its field.
+
+    ``low <= value <= high`` (strictly where ``open_low`` / ``open_high``), an integer when
+    ``integer``; NaN and text never pass. ``depth_high`` makes the upper end the model's
+    depth plus it (a layer index: -1, a number of layers: 0), checked once the depth is
+    known. ``each``: the value is a sequence of such numbers (a list of layers).
+    ``reference`` names where the paper states the parameter, for the refusal.
+    """
+
+    low: float
+    high: float = math.inf
+    integer: bool = True
+    open_low: bool = False
+    open_high: bool = False
+    depth_high: int | None = None
+    each: bool = False
+    reference: str = ""
+
+    def problem(self, value, num_layers: int | None) -> str | None:
+        """Why ``value`` is refused, or None; without ``num_layers`` a depth-bound end is not checked."""
+        if self.each:
+            if not isinstance(value, tuple | list) or not value:
+                return "is not a list of layers"
+            problems = (self.problem_of_one(each, num_layers) for each in value)
+            return next((problem for problem in problems if problem is not None), None)
+        return self.problem_of_one(value, num_layers)
+
+    def problem_of_one(self, value, num_layers: int | None) -> str | None:
+        kind = "an integer" if self.integer else "a number"
+        allowed = int if self.integer else int | float
+        if isinstance(value, bool) or not isinstance(value, allowed) or math.isnan(value):
+            return f"is not {kind}"
+        high = self.high if self.depth_high is None or num_layers is None else num_layers + self.depth_high
+        below = value < self.low or (self.open_low and value == self.low)
+        above = value > high or (self.open_high and value == high)
+        if not (below or above):
+            return None
+        if self.depth_high is not None and num_layers is None:  # the model's depth L is not known yet
+            high_text, right = ("L" if self.depth_high == 0 else f"L{self.depth_high:+d}"), "]"
+        elif math.isinf(high):
+            high_text, right = "inf", ")"
+        else:
+            high_text, right = f"{high:g}", ")" if self.open_high else "]"
+        left = "(" if self.open_low else "["
+        where = f" ({self.reference})" if self.reference else ""
+        return f"is outside {left}{self.low:g}, {high_text}{right}{where}"
+
+
+def bounded(default: float, low: float, high: float = math.inf, **bounds):
+    """A numeric parameter with its default and the values it accepts (``Bounds``; integer when
+    ``default`` is an int)."""
+    integer = isinstance(default, int)
+    return field(default=default, metadata={BOUNDS: Bounds(low, high, integer=integer, **bounds)})
+
+
+LAYER = Bounds(0, depth_high=-1)  # a layer index of the model
+LAYERS = Bounds(0, depth_high=-1, each=True)  # a list of layer indices
+
+
+def depth_field(
+    at_depth: Callable[[int], int],
+    *,
+    selection: bool = False,
+    selects: bool = False,
+    bounds: Bounds | None = None,
+):
     """A layer parameter whose default depends on the model's depth: ``at_depth(num_layers)``.
 
     ``selection`` marks the layer a method selects at, the one ``--layer`` sets; it and
     ``selects`` (other layers the method selects tokens at) default to global layers.
+    ``bounds``: the values it accepts (``LAYER``, ``LAYERS``; None for a non-number).
     """
-    return field(
-        default=None, metadata={AT_DEPTH: at_depth, SELECTION: selection, SELECTS: selection or selects}
-    )
+    metadata = {AT_DEPTH: at_depth, SELECTION: selection, SELECTS: selection or selects}
+    return field(default=None, metadata=metadata | ({} if bounds is None else {BOUNDS: bounds}))
 
 
 def paper_layer(reference_index: int, *, selection: bool = False):
     """A layer index the paper gives for 32 layers, scaled to the model's depth (``scale_layer``)."""
-    return depth_field(functools.partial(scale_layer, reference_index), selection=selection)
+    return depth_field(functools.partial(scale_layer, reference_index), selection=selection, bounds=LAYER)
 
 
 def paper_count(reference_count: int, minimum: int = 1):
-    """A number of layers the paper gives for 32 layers, scaled to the model's depth (``scale_count``)."""
-    return depth_field(functools.partial(scale_count, reference_count, minimum=minimum))
+    """A number of layers the paper gives for 32 layers, scaled to the model's depth (``scale_count``):
+    from ``minimum`` to the model's depth."""
+    return depth_field(
+        functools.partial(scale_count, reference_count, minimum=minimum), bounds=Bounds(minimum, depth_high=0)
+    )
+
+
+def check_parameters(method: Method, num_layers: int | None = None) -> None:
+    """Refuse a parameter outside its declared ``Bounds`` (the depth-bound ones once ``num_layers`` is known).
+
+    The one check of every method's values: ``make`` runs it on construction, ``Method.bind``
+    once the depth is known, so the CLI, the Python API and sweeps refuse alike.
+    """
+    for spec in fields(method):
+        value = getattr(method, spec.name)
+        if BOUNDS not in spec.metadata or value is None:
+            continue
+        problem = spec.metadata[BOUNDS].problem(value, num_layers)
+        if problem is not None:
+            hint = "; pick a layer with --layer" if spec.metadata.get(SELECTION) else ""
+            raise RankkitError(f"method '{method.name}': {spec.name}={value!r} {problem}{hint}")
 
 
 @dataclass(frozen=True)
@@ -222,12 +311,7 @@ class Method:
                 value = spec.metadata[AT_DEPTH](num_layers)
                 filled[spec.name] = on_global_layers(value, layer_types) if spec.metadata[SELECTS] else value
         bound = replace(self, **filled)
-        selection = bound.selection_parameter
-        if selection is not None and not 0 <= getattr(bound, selection) < num_layers:
-            raise RankkitError(
-                f"{selection}={getattr(bound, selection)} of method '{self.name}' is outside "
-                f"the model's layers 0..{num_layers - 1}; pick one of them with --layer"
-            )
+        check_parameters(bound, num_layers)
         return bound
 
     def resolved(self, num_layers: int, layer_types: Sequence[str] | None = None) -> dict:
@@ -274,9 +358,11 @@ def make(name: str, **params) -> Method:
     if name not in REGISTRY:
         raise RankkitError(f"unknown method '{name}'; known: {', '.join(sorted(REGISTRY))}")
     try:
-        return REGISTRY[name](**params)
+        method = REGISTRY[name](**params)
     except TypeError as error:
         raise RankkitError(f"method '{name}': {error}") from None
+    check_parameters(method)
+    return method
 
 
 def make_probe(name: str, **params):

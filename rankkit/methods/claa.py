@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import make_probe, paper_count, paper_layer, register
+from rankkit.methods.base import bounded, make_probe, paper_count, paper_layer, register
 from rankkit.methods.selection import LayerPolicy, PolicyMethod
 
 
@@ -55,8 +55,8 @@ class Claa(PolicyMethod):
     pruning_layer: int | None = paper_layer(15, selection=True)  # l_p, CLAA Table 4, of 32 layers
     aggregation_window: int | None = paper_count(4)  # n, of 32 layers
     deferred_layers: int | None = paper_count(4, minimum=0)  # m, of 32 layers
-    window_size: int = 8  # W
-    kernel_size: int = 7
+    window_size: int = bounded(8, 1)  # W
+    kernel_size: int = bounded(7, 1)
 
     def probe(self):
         return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)

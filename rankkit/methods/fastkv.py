@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import make_probe, paper_layer, register
+from rankkit.methods.base import bounded, make_probe, paper_layer, register
 from rankkit.methods.selection import FixedLayer, PolicyMethod
 
 
@@ -22,8 +22,8 @@ from rankkit.methods.selection import FixedLayer, PolicyMethod
 class FastKV(PolicyMethod):
     name: ClassVar[str] = "fastkv"
     tsp_layer: int | None = paper_layer(15, selection=True)  # FastKV and CLAA Table 4, of 32 layers
-    window_size: int = 8  # W
-    kernel_size: int = 7
+    window_size: int = bounded(8, 1)  # W
+    kernel_size: int = bounded(7, 1)
 
     def probe(self):
         return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)

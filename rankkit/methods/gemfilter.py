@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import make_probe, paper_layer, register
+from rankkit.methods.base import bounded, make_probe, paper_layer, register
 from rankkit.methods.selection import FixedLayer, PolicyMethod
 
 
@@ -22,7 +22,7 @@ class GemFilter(PolicyMethod):
     two_pass: ClassVar[bool] = True
     # r: layer 15 of 32, CLAA Table 4 (GemFilter's own paper uses 13-15 for Llama-3.1-8B)
     routing_layer: int | None = paper_layer(15, selection=True)
-    kernel_size: int = 1  # GemFilter does not pool; CLAA's comparison pools with 7
+    kernel_size: int = bounded(1, 1)  # GemFilter does not pool; CLAA's comparison pools with 7
 
     def probe(self):
         return make_probe("last_token_raw", kernel_size=self.kernel_size)

@@ -29,7 +29,7 @@ import torch
 
 from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
+from rankkit.methods.base import Budget, Method, Selection, bounded, full_prefill, make_probe, register
 from rankkit.methods.selection import Captured, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
@@ -188,8 +188,8 @@ class LavaBudgets(LayerHook):
 @dataclass
 class Lava(Method):
     name: ClassVar[str] = "lava"
-    window_size: int = 32  # w (the paper does not state it; SnapKV's, whose window LAVa adopts)
-    kernel_size: int = 7
+    window_size: int = bounded(32, 1)  # w (the paper does not state it; SnapKV's, whose window LAVa adopts)
+    kernel_size: int = bounded(7, 1)
 
     def probe(self):
         return make_probe("lava", window_size=self.window_size, kernel_size=self.kernel_size)

@@ -49,6 +49,8 @@ class MethodRun:
     selection_layer: int | None
     peak_mem_bytes: int | None = None
     kept_positions: list[int] | None = None
+    # the original positions each layer's KV heads hold when decoding starts ([kv_heads, S], PADDING for none)
+    cache_positions: list[torch.Tensor] = field(default_factory=list, repr=False)
 
 
 def run_once(
@@ -68,6 +70,7 @@ def run_once(
                 "it decodes eagerly",
                 stacklevel=2,
             )
+        cache_positions = list(run.result.cache.positions)  # decoding replaces the tensors, never edits them
         tokens = greedy_continue(
             runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
         )
@@ -91,6 +94,7 @@ def run_once(
         selection_layer=run.selection_layer,
         peak_mem_bytes=peak.bytes(),
         kept_positions=None if run.kept_positions is None else run.kept_positions.tolist(),
+        cache_positions=cache_positions,
     )
 
 

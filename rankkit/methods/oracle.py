@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import paper_count, paper_layer, register, reprefill_selected
+from rankkit.methods.base import bounded, paper_count, paper_layer, register, reprefill_selected
 from rankkit.methods.selection import (
     ORACLE_SCORES,
     Captured,
@@ -52,9 +52,9 @@ class Oracle(PolicyMethod):
     mirror: str = "fastkv"
     pruning_layer: int | None = paper_layer(15, selection=True)  # l_p / TSP of the one-pass mirrors
     deferred_layers: int | None = paper_count(4, minimum=0)  # m of the claa mirror
-    window_size: int = 8  # kept by the one-pass mirrors, as FastKV and CLAA keep theirs
-    max_new_tokens: int = 32  # N_gen: the oracle answer's length limit
-    kernel_size: int = 7  # the oracle's POOL1D
+    window_size: int = bounded(8, 1)  # kept by the one-pass mirrors, as FastKV and CLAA keep theirs
+    max_new_tokens: int = bounded(32, 1)  # N_gen: the oracle answer's length limit
+    kernel_size: int = bounded(7, 1)  # the oracle's POOL1D
     ranking: torch.Tensor | None = field(default=None, repr=False, compare=False)  # set by ``prepare``
 
     def __post_init__(self):

@@ -38,9 +38,11 @@ from typing import ClassVar
 import torch
 
 from rankkit.methods.base import (
+    LAYERS,
     Budget,
     Method,
     Selection,
+    bounded,
     depth_field,
     full_prefill,
     make_probe,
@@ -225,11 +227,11 @@ def paper_pruning_layers(num_layers: int) -> tuple[int, ...]:
 @dataclass
 class SlimInfer(Method):
     name: ClassVar[str] = "sliminfer"
-    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers, selects=True)
-    block_size: int = 64
-    unit_size: int = 8
-    window_size: int = 4  # w, the query window
-    gamma: float = 0.9  # γ, Alg. 1's swap threshold
+    pruning_layers: tuple[int, ...] | None = depth_field(paper_pruning_layers, selects=True, bounds=LAYERS)
+    block_size: int = bounded(64, 1)
+    unit_size: int = bounded(8, 1)
+    window_size: int = bounded(4, 1)  # w, the query window
+    gamma: float = bounded(0.9, 0, 1, reference="γ, SlimInfer Alg. 1")  # an overlap ratio
 
     def _schedule(self, num_layers: int, length: int, budget: Budget, layer_types=None) -> list[PruningLayer]:
         """Each pruning layer with the tokens it keeps (the budget at the last, 2x and 4x before

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.methods.base import make_probe, register
+from rankkit.methods.base import bounded, make_probe, register
 from rankkit.methods.selection import PolicyMethod
 
 
@@ -19,8 +19,8 @@ from rankkit.methods.selection import PolicyMethod
 @dataclass
 class SnapKV(PolicyMethod):
     name: ClassVar[str] = "snapkv"
-    window_size: int = 32
-    kernel_size: int = 7
+    window_size: int = bounded(32, 1)
+    kernel_size: int = bounded(7, 1)
 
     def probe(self):
         return make_probe("window", window_size=self.window_size, kernel_size=self.kernel_size)

@@ -26,7 +26,16 @@ from typing import ClassVar
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Budget, Method, Pass, Selection, depth_field, register, reprefill_selected
+from rankkit.methods.base import (
+    Budget,
+    Method,
+    Pass,
+    Selection,
+    bounded,
+    depth_field,
+    register,
+    reprefill_selected,
+)
 from rankkit.methods.selection import DRAFT_SCORES, Captured, forced_mask, top_k_with_forced, with_forced
 from rankkit.oracle import AnswerAttention
 from rankkit.pooling import pool_tokens
@@ -121,8 +130,8 @@ def eq3(lookahead: torch.Tensor) -> torch.Tensor:
 class SpecPrefill(Method):
     name: ClassVar[str] = "specprefill"
     draft_model: str | None = depth_field(self_draft_spec)  # default layers:⌈L/4⌉
-    lookahead: int = 8  # k
-    kernel_size: int = 1  # CLAA Table 4 lists no pooling for SpecPrefill
+    lookahead: int = bounded(8, 1)  # k
+    kernel_size: int = bounded(1, 1)  # CLAA Table 4 lists no pooling for SpecPrefill
 
     def draft_scores(self, runner: Runner, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[Pass]]:
         """The draft's lookahead scores [k, T] (what a capture stores) and the draft's passes."""

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.methods.base import register
+from rankkit.methods.base import bounded, register
 from rankkit.methods.selection import Captured, PolicyMethod
 from rankkit.runner import AttentionCall
 
@@ -29,7 +29,7 @@ class Recency:
 @dataclass
 class StreamingLLM(PolicyMethod):
     name: ClassVar[str] = "streamingllm"
-    sink_tokens: int = 4  # StreamingLLM's four initial tokens
+    sink_tokens: int = bounded(4, 0)  # StreamingLLM's four initial tokens
 
     def probe(self):
         return Recency()

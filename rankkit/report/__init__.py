@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.bench import SUMMARY_INPUTS
+from rankkit.bench import SUMMARY_INPUTS, check_same_model
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -76,7 +76,7 @@ def write_dashboard(
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), or several of them
-    (one per model or run), drawn side by side (``_benches``); ``diffusion`` the
+    (one per run of the store's model), drawn side by side (``_benches``); ``diffusion`` the
     one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
@@ -96,7 +96,7 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
     if not records[0].probes:
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
-    bench_frame = _benches(benches)
+    bench_frame = _benches(benches, store)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
@@ -117,10 +117,11 @@ def write_index(
     return outputs.write_text(render_index(title, facts, rows, link), out_path)
 
 
-def _benches(benches: Sequence[BenchSource]) -> pl.DataFrame | None:
-    """The rows of one bench, or of several side by side: each method then named after its run,
-    "claa (8b)", the run being the file's name (its path where names repeat; "bench N" for a frame)."""
-    frames = [_frame(each, "bench", BENCH_COLUMNS, BENCH_COMMAND) for each in benches]
+def _benches(benches: Sequence[BenchSource], store) -> pl.DataFrame | None:
+    """The rows of one bench, or of several runs side by side, each of the store's model (another
+    model's bench is refused): each method then named after its run, "claa (8k)", the run being
+    the file's name (its path where names repeat; "bench N" for a frame)."""
+    frames = [_bench_frame(each, store) for each in benches]
     if len(frames) < 2:
         return frames[0] if frames else None
     names = [f"bench {index + 1}" if isinstance(each, pl.DataFrame) else Path(each).stem
@@ -157,6 +158,15 @@ def _frame(
             raise RankkitError(
                 f"the {what} frame lacks column(s) {', '.join(missing)}; pass the file `{command}` writes"
             )
+    return frame
+
+
+def _bench_frame(source: str | os.PathLike | pl.DataFrame | None, store) -> pl.DataFrame | None:
+    """The bench frame ``source`` of ``store``'s model: a bench of another model is refused."""
+    frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+    if frame is not None:
+        what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
     return frame
 
 

@@ -27,6 +27,7 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "recall_at_40": ("rec40", "same at 40%"),
     "needle_recall": ("needle", "share of the evidence tokens the method keeps"),
     "n_examples": ("n", "examples averaged"),
+    "n_clusters": ("ind.", "independent samples: examples sharing a haystack or needle count once"),
     "difference": ("Δρ", "mean paired difference method - baseline"),
     "p_value": ("p", "Wilcoxon signed-rank p-value of the difference"),
     "higher_layers": ("sig.↑", "layers where the method is higher with p < 0.05 (of the layers both methods have)"),
