@@ -379,6 +379,8 @@ def test_streamingllm_keeps_sinks_and_a_window_that_rolls_in_decoding(setup, kee
     run = method.prefill(runner, ids, Budget.from_keep(keep))
     assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
     assert offline(runner, ids, method, keep, layer=1).as_lists() == [expected]  # one set for every head
+    tiny = method.prefill(runner, ids, Budget.from_tokens(2))  # raised to the sinks and the last token
+    assert all(cache_sets(tiny, layer) == [[0, 1, 2, 3, LENGTH - 1]] * 2 for layer in range(3))
     greedy_continue(runner, run.result, 5, run.decode_hooks)  # the 4 tokens fed back: positions 48..51
     rolled = [0, 1, 2, 3, *range(LENGTH + 4 - (k - 4), LENGTH + 4)]
     assert all(sorted(head) == rolled for layer in range(3) for head in cache_sets(run, layer))

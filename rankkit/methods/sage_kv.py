@@ -33,7 +33,7 @@ import torch
 from rankkit.cache import KVCache
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
-from rankkit.methods.selection import Captured
+from rankkit.methods.selection import Captured, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -69,7 +69,7 @@ def union_of_head_top_k(attention: torch.Tensor, split: SageSplit) -> list[torch
     recent_start = max(start, length - split.recent)
     evicted = attention[..., start:recent_start]
     k = min(split.per_query_head, evicted.shape[-1])
-    top = torch.topk(evicted, k, dim=-1).indices + start  # [kv_heads, group, k]
+    top = descending_order(evicted)[..., :k] + start  # [kv_heads, group, k], ties to the earlier token
     sinks = torch.arange(min(split.first_seen, split.sinks), split.sinks)
     always = torch.cat([sinks, torch.arange(recent_start, length)]).to(attention.device)
     return [torch.unique(torch.cat([always, head_top.flatten()])) for head_top in top]
