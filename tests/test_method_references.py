@@ -497,3 +497,24 @@ def test_lava_keeps_each_layers_entropy_budget_of_its_best_entries_outside_the_w
         expected = [sorted([i for h, i in best if h == head] + list(window_of(window))) for head in range(2)]
         assert [sorted(head) for head in cache_sets(run, layer)] == expected
         assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected
+
+
+def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_only_past_capacity():
+    from rankkit.cache import KVCache
+    from rankkit.methods.streamingllm import RollingWindow
+
+    cache = KVCache(2)
+    kept = [torch.tensor([0, 1, 2, 5, 6, 9]), torch.tensor([0, 1, 2, 9])]  # layer 1 holds fewer
+    for layer, positions in enumerate(kept):
+        cache.begin_step(positions)
+        values = positions.float()[None, None, :, None].expand(1, 2, -1, 3).clone()
+        cache.update(values, -values, layer)
+    RollingWindow(capacity=5, sink_tokens=2).after_decode_step(cache, 9)
+    assert cache.positions[0].tolist() == [[0, 1, 9, 5, 6]] * 2  # 2 is no sink: the oldest after them
+    assert cache.keys[0][0, :, 2, 0].tolist() == [9.0, 9.0] and cache.values[0][0, :, 2, 0].tolist() == [
+        -9.0,
+        -9.0,
+    ]
+    assert cache.positions[1].tolist() == [[0, 1, 2, 9]] * 2  # below capacity: untouched
+    RollingWindow(capacity=4, sink_tokens=2).after_decode_step(cache, 10)
+    assert cache.positions[1].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
