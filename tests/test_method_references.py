@@ -152,6 +152,14 @@ def offline(runner, ids, method, keep, layer=None):
     return method.select_offline(captured(runner, ids, method), Budget.from_keep(keep), layer=layer)
 
 
+def prefill_keeping(runner, ids, method, keep, expected: list[int]):
+    """The method's prefill, after checking that it and ``select`` keep ``expected`` at the selection."""
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    assert run.kept_positions.tolist() == expected
+    assert offline(runner, ids, method, keep).positions.tolist() == expected
+    return run
+
+
 class NoTextTokenizer:
     """Tiny models have no tokenizer; the oracle only decodes its answer for display."""
 
@@ -170,11 +178,8 @@ def test_gemfilter_keeps_the_top_of_the_head_summed_last_query_logits_avg_pooled
         sum(dot(query[h, -1], key[h // 2, j]) * scaling for h in range(query.shape[0])) for j in range(LENGTH)
     ]
     expected = top(pool(logits, 5, "avg_padded"), keep_of(keep), [LENGTH - 1])
-    method = make("gemfilter", routing_layer=1)
-    run = method.prefill(runner, ids, Budget.from_keep(keep))
-    assert run.kept_positions.tolist() == expected
+    run = prefill_keeping(runner, ids, make("gemfilter", routing_layer=1), keep, expected)
     assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
-    assert offline(runner, ids, method, keep).positions.tolist() == expected
 
 
 @pytest.mark.parametrize("keep", KEEPS)
@@ -183,13 +188,10 @@ def test_fastkv_prunes_by_the_head_sum_and_every_layer_to_tsp_caches_its_own_per
     k = keep_of(keep, 8)
     scores = {layer: window_scores(layers[layer], 8) for layer in (0, 1)}
     expected = top(head_sum(scores[1]), k, window_of(8))
-    method = make("fastkv", tsp_layer=1)
-    run = method.prefill(runner, ids, Budget.from_keep(keep))
-    assert run.kept_positions.tolist() == expected
+    run = prefill_keeping(runner, ids, make("fastkv", tsp_layer=1), keep, expected)
     for layer in (0, 1):  # Listing 2: kv_cache[l] = top_k_indices of layer l's own scores
         assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
     assert cache_sets(run, 2) == [expected, expected]
-    assert offline(runner, ids, method, keep).positions.tolist() == expected
 
 
 @pytest.mark.parametrize("keep", KEEPS)
@@ -200,12 +202,11 @@ def test_claa_prunes_by_the_max_over_its_window_of_layers_and_defers_compression
     sums = [head_sum(scores[layer]) for layer in (1, 2)]
     expected = top([max(a, b) for a, b in zip(*sums, strict=True)], k, window_of(8))
     method = make("claa", pruning_layer=2, aggregation_window=2, deferred_layers=1)
-    run = method.prefill(runner, ids, Budget.from_keep(keep))
-    assert run.kept_positions.tolist() == expected and run.selection_layer == 2
+    run = prefill_keeping(runner, ids, method, keep, expected)
+    assert run.selection_layer == 2
     assert cache_sets(run, 0) == [list(range(LENGTH))] * 2  # deferred: m = 1
     for layer in (1, 2):  # Listing 5: compression_indices of the layer's own scores
         assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
-    assert offline(runner, ids, method, keep).positions.tolist() == expected
 
 
 def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, top_k, window, tau, last):
@@ -293,8 +294,7 @@ def test_sliminfer_keeps_the_first_block_and_the_best_blocks_by_eq_1_2(setup, ke
     others = sorted((b for b in block_score if b), key=lambda b: (-block_score[b], b))[: blocks - 1]
     expected = [p for p in range(LENGTH) if p // 8 in {0, *others}]
     method = make("sliminfer", pruning_layers=(1, 2), block_size=8, unit_size=2, window_size=2)
-    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected
-    assert offline(runner, ids, method, keep).positions.tolist() == expected
+    prefill_keeping(runner, ids, method, keep, expected)
 
 
 @pytest.mark.parametrize("keep", KEEPS)
