@@ -178,6 +178,7 @@ def test_gemfilter_keeps_the_top_of_the_head_summed_last_query_logits_avg_pooled
         sum(dot(query[h, -1], key[h // 2, j]) * scaling for h in range(query.shape[0])) for j in range(LENGTH)
     ]
     expected = top(pool(logits, 5, "avg_padded"), keep_of(keep), [LENGTH - 1])
+    assert (make("gemfilter").bind(32).routing_layer, make("gemfilter").bind(30).routing_layer) == (15, 14)
     run = prefill_keeping(runner, ids, make("gemfilter", routing_layer=1), keep, expected)
     assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
 
