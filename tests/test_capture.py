@@ -239,5 +239,6 @@ def test_score_arrays_record_where_their_scores_are_pooled(reference_store):
     assert (window["pooling"], window["kernel_size"], window["unpooled_last"]) == ("avg", 7, 8)
     lava = record.score_layout("lava")
     assert (lava["pooling"], lava["kernel_size"], lava["unpooled_last"]) == ("max", 7, 32)
-    assert record.score_layout("last_token_raw")["unpooled_last"] == 1
+    raw = record.score_layout("last_token_raw")  # GemFilter pools its whole row, the last token too
+    assert (raw["pooling"], raw["kernel_size"], raw["unpooled_last"]) == ("avg_padded", 5, 0)
     assert record.score_layout("last_token_heads") == {} and record.score_layout("token_units") == {}

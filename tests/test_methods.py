@@ -80,11 +80,13 @@ def test_fastkv_cache_holds_the_snapkv_budget_before_tsp_and_the_selection_from_
     run = make("fastkv", tsp_layer=1, window_size=4).prefill(runner, random_ids, Budget.from_tokens(10))
     cache = run.result.cache
     assert run.live_tokens == [40, 40, 10]
-    assert cache.kept_tokens(0).tolist() == [10, 10]  # per head, SnapKV-style
-    for layer in (1, 2):
-        assert cache.positions[layer][0].tolist() == run.kept_positions.tolist()
-        assert cache.positions[layer][1].tolist() == run.kept_positions.tolist()
-    assert cache.positions[0][:, -4:].tolist() == [list(range(36, 40))] * 2  # the window is always kept
+    for layer in (0, 1):  # per head, SnapKV-style, TSP included (Listing 2): heads choose differently
+        assert cache.kept_tokens(layer).tolist() == [10, 10]
+        assert cache.positions[layer][0].tolist() != cache.positions[layer][1].tolist()
+        assert (
+            cache.positions[layer][:, -4:].tolist() == [list(range(36, 40))] * 2
+        )  # the window is always kept
+    assert cache.positions[2].tolist() == [run.kept_positions.tolist()] * 2
 
 
 def test_gemfilter_every_layer_holds_the_selected_tokens(random_ids):
@@ -105,7 +107,8 @@ def test_claa_defers_compression_and_aggregates_the_max_over_layers(random_ids):
     cache = run.result.cache
     assert cache.kept_tokens(0).tolist() == [40, 40]  # layer < m: uncompressed
     assert cache.kept_tokens(1).tolist() == [10, 10]
-    assert cache.positions[2][0].tolist() == run.kept_positions.tolist()
+    assert cache.kept_tokens(2).tolist() == [10, 10]  # l_p caches its own per-head top-k (Listing 5)
+    assert cache.positions[2].tolist() != [run.kept_positions.tolist()] * 2
     assert run.selection_layer == 2
 
 
@@ -501,8 +504,9 @@ def test_pruned_methods_keep_original_positions_on_the_default_model(name, defau
         and kept[-1] == length - 1
         and len(kept) == Budget.from_keep(0.3).resolve(length, 32)
     )
-    last = default_runner.num_layers - 1
-    assert run.result.cache.positions[last][0].tolist() == kept and run.result.prompt_length == length
+    after = range(run.selection_layer + 1, default_runner.num_layers)  # the selection layer caches per head
+    assert all(run.result.cache.positions[layer][0].tolist() == kept for layer in after)
+    assert run.result.prompt_length == length
 
 
 # ---- the offline face: the kept set from captured scores is the one the prefill keeps
@@ -758,3 +762,19 @@ def test_lava_offline_kept_entries_are_its_prefill_cache(random_ids):
                 [p for p in head if p != PADDING] for head in online.result.cache.positions[layer].tolist()
             ]
             assert method.select_offline(captured, budget, layer=layer).as_lists() == cached
+
+
+def test_the_oracle_methods_offline_face_refuses_an_oracle_made_with_other_settings():
+    from types import SimpleNamespace
+
+    from rankkit.eval.offline import missing_inputs
+
+    method = make("oracle", max_new_tokens=16)
+    made = {"answer": "generated", "softmax": False, "kernel": 7, "max_new_tokens": 16}
+    record = SimpleNamespace(id="a", has_oracle=True, attrs={"oracle_params": made})
+    assert missing_inputs(method, record, {}) is None
+    for other in ({"kernel": 5}, {"max_new_tokens": 32}, {"softmax": True}, {"answer": "reference"}):
+        record.attrs = {"oracle_params": {**made, **other}}
+        problem = missing_inputs(method, record, {})
+        assert problem.startswith("example 'a' holds an oracle made with") and "\n" not in problem
+        assert "rankkit oracle STORE --redo --max-new-tokens 16 --kernel 7" in problem

@@ -79,12 +79,16 @@ def full_attention(call: AttentionCall) -> torch.Tensor:
 
 
 def reference_pool(row: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
-    """Average or max over the in-range neighbours (padding left out, as the oracle pools), one token at a time."""
+    """Average or max over the in-range neighbours (padding left out, as the oracle pools), one token at a
+    time; ``avg_padded`` divides by the whole kernel, the zero padding counted (GemFilter's reference)."""
     pooled = torch.empty_like(row)
     half = kernel // 2
     for i in range(row.shape[0]):
         neighbours = row[max(0, i - half) : i + half + 1]
-        pooled[i] = neighbours.mean() if pooling == "avg" else neighbours.max()
+        if pooling == "avg_padded":
+            pooled[i] = neighbours.sum() / kernel
+        else:
+            pooled[i] = neighbours.mean() if pooling == "avg" else neighbours.max()
     return pooled
 
 
@@ -113,12 +117,14 @@ def reference_window(call, window_size=8, kernel_size=7, pooling="avg"):
     return scores
 
 
-def reference_last_token_raw(call, kernel_size=1, pooling="avg"):
+def reference_last_token_raw(call, kernel_size=5, pooling="avg_padded"):
     logits = full_logits(call)
     scores = []
     for g in range(kv_heads_of(call)):
         summed = sum(logits[h, -1] for h in group_heads(call, g))
-        scores.append(pool_past(summed, 1, pooling, kernel_size))
+        scores.append(
+            reference_pool(summed, pooling, kernel_size)
+        )  # the whole row, the last token's own logit too
     return torch.stack(scores)
 
 
@@ -197,7 +203,8 @@ PROBES = [
     WindowProbe(window_size=4, kernel_size=5, pooling="max"),
     WindowProbe(kernel_size=1),
     LastTokenRawProbe(),
-    LastTokenRawProbe(kernel_size=7),
+    LastTokenRawProbe(kernel_size=7, pooling="avg"),
+    LastTokenRawProbe(kernel_size=1),
     LastTokenRawProbe(kernel_size=3, pooling="max"),
     LavaProbe(),
     LavaProbe(window_size=8, pooling="avg", kernel_size=3),

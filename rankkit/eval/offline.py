@@ -75,6 +75,14 @@ def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str
         if key == ORACLE_SCORES:
             if not record.has_oracle:
                 return f"method '{method.name}' ranks by the oracle: run `rankkit oracle STORE` first"
+            made, wanted = record.attrs.get("oracle_params"), method.oracle_settings()
+            if made != wanted:
+                return (
+                    f"example {record.id!r} holds an oracle made with {made}, but method '{method.name}' "
+                    f"ranks by one made with {wanted}; remake it with `rankkit oracle STORE --redo "
+                    f"--max-new-tokens {wanted['max_new_tokens']} --kernel {wanted['kernel']}` "
+                    "(generated answer, raw logits)"
+                )
         elif key == DRAFT_SCORES:
             if DRAFT_GROUP not in record.groups:
                 return (

@@ -4,19 +4,19 @@ Probe ``lava`` (Eq. 5: window attention scaled by the largest value norm, max-po
 with kernel 7, maximised over the query heads of each KV group, Sec. 4.3) x no
 selection layer x KV-only mode with budgets decided by the scores themselves:
 
-- dynamic head budget (Algorithm 1): a layer's scores of all KV heads are flattened and
-  its B_l best (head, token) entries kept, so heads keep different numbers of tokens;
-  the recent window is never evicted (it counts inside B_l);
+- dynamic head budget (Algorithm 1): a layer's scores of all KV heads outside the recent
+  window are flattened and its B_l best (head, token) entries kept, so heads keep
+  different numbers of tokens; the recent window is kept on top of B_l, never evicted;
 - dynamic layer budget (Eq. 6-7, Algorithm 2): each layer's scores are normalised over
   heads and tokens, ŝ = s / Σ s, and its normalised entropy e_l = -Σ ŝ log ŝ / (H·N)
   measures how unsure the layer is; after prefilling layer l every layer l' <= l is
   (re)compressed to B_l' = e_l' / Σ_{j<=l} e_j · 𝔹 of the total budget 𝔹 (CAKE-style, so
   the cache never holds more than 𝔹 entries beyond the layer being prefilled).
 
-𝔹 = budget tokens x KV heads x layers, i.e. the same number of entries the uniform
-methods keep. Budgets are whole entries apportioned by largest remainder, each layer
-between its window (H·w) and its size (H·N), so they sum exactly to 𝔹 (or to every
-entry there is, when 𝔹 exceeds that).
+𝔹 = (budget tokens - w) x KV heads x layers, so that with the windows the cache holds as
+many entries as the uniform methods keep. Budgets are whole entries apportioned by largest
+remainder, each layer's between 0 and its entries outside the window, so they sum exactly
+to 𝔹 (or to every such entry there is, when 𝔹 exceeds that).
 """
 
 from __future__ import annotations
@@ -104,11 +104,18 @@ def with_window(scores: torch.Tensor, window: int) -> torch.Tensor:
 def layer_budgets(
     scores: list[torch.Tensor], entropy: list[float], keep_tokens: int, window: int, num_layers: int
 ):
-    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps, of 𝔹 = keep x heads x layers."""
+    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps.
+
+    LAVa Alg. 1 ranks only the entries outside the recent window and keeps the window on top:
+    𝔹 = (keep - w) x heads x layers entries outside the windows are shared by entropy, and each
+    layer keeps the window entries it sees besides its share B_l.
+    """
     heads = scores[0].shape[0]
-    sizes = [int((s != float("-inf")).sum()) for s in scores]
-    floors = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
-    return apportion(keep_tokens * heads * num_layers, entropy, floors, sizes)
+    windows = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
+    outside = [int((s != float("-inf")).sum()) - seen for s, seen in zip(scores, windows, strict=True)]
+    total = max(0, keep_tokens - window) * heads * num_layers
+    shares = apportion(total, entropy, [0] * len(scores), outside)
+    return [seen + share for seen, share in zip(windows, shares, strict=True)]
 
 
 def best_entries(order: torch.Tensor, budget: int, heads: int) -> torch.Tensor:

@@ -61,6 +61,13 @@ class Oracle(PolicyMethod):
         if self.mirror not in MIRRORS:
             raise RankkitError(f"oracle mirror must be one of {', '.join(MIRRORS)}, not '{self.mirror}'")
 
+    def oracle_settings(self) -> dict:
+        """The identity of the oracle this method ranks by (``rankkit.oracle.oracle_params``): the greedy
+        answer's raw logits, N_gen and the POOL1D kernel; a store's oracle must match it."""
+        from rankkit.oracle import oracle_params
+
+        return oracle_params("generated", False, self.kernel_size, self.max_new_tokens)
+
     def prepare(self, runner, input_ids, *, tokenizer):
         from rankkit.oracle import answer_informed_oracle
 

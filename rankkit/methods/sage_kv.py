@@ -33,7 +33,7 @@ import torch
 from rankkit.cache import KVCache
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
-from rankkit.methods.selection import Captured
+from rankkit.methods.selection import Captured, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -74,7 +74,7 @@ def kept_union(attention: torch.Tensor, split: SageSplit) -> torch.Tensor:
     recent_start = max(start, length - split.recent)
     evicted = attention[..., start:recent_start]
     k = min(split.per_query_head, evicted.shape[-1])
-    top = torch.topk(evicted, k, dim=-1).indices + start  # [kv_heads, group, k]
+    top = descending_order(evicted)[..., :k] + start  # [kv_heads, group, k], ties to the earlier token
     kept = torch.zeros(attention.shape[0], length, dtype=torch.bool, device=attention.device)
     kept[:, min(split.first_seen, split.sinks) : split.sinks] = True
     kept[:, recent_start:] = True
@@ -111,7 +111,7 @@ class SageKVHook(LayerHook):
             roll_recent_window(cache, layer, position - self.layer_splits[layer].recent)
 
 
-def roll_recent_window(cache: KVCache, layer: int, evicted_position: int) -> None:
+def roll_recent_window(cache: KVCache, layer: int, evicted_position: int | torch.Tensor) -> None:
     """Step 4 on one layer: the newest entry (the last) takes the slot of ``evicted_position``.
 
     Every KV head holds the recent window, so every head has that entry.

@@ -51,6 +51,7 @@ from rankkit.methods.base import (
 )
 from rankkit.methods.selection import Captured
 from rankkit.methods.swap import BlockSwap, SwapDecision
+from rankkit.probes.token_units import block_maxima, unit_keys, unit_similarity
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 REFERENCE_PRUNING_LAYERS = (10, 20, 30)  # Llama-3.1-8B
@@ -61,34 +62,13 @@ def budget_multiples(count: int) -> list[int]:
     return [2 ** (count - 1 - index) for index in range(count)]
 
 
-def unit_keys(
-    keys: torch.Tensor, positions: torch.Tensor, unit_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 1: the mean key of every token unit present, [kv_heads, units, d], and each unit's id [units].
-
-    Units are runs of ``unit_size`` original positions, so they stay whole after pruning.
-    """
-    ids, unit_of_key = torch.unique(positions // unit_size, return_inverse=True)
-    sums = keys.new_zeros(keys.shape[0], ids.numel(), keys.shape[-1]).index_add_(1, unit_of_key, keys)
-    counts = torch.bincount(unit_of_key, minlength=ids.numel()).to(keys.dtype)
-    return sums / counts[None, :, None], ids
-
-
 def block_scores(
     query: torch.Tensor, means: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
 ) -> dict[int, float]:
-    """Eq. 2 for every block with a unit: max over its units of the head-mean dot product.
-
-    ``query`` is q_l, the mean of the window queries per query head [q_heads, d].
-    """
-    kv_heads = means.shape[0]
-    grouped = query.view(kv_heads, -1, query.shape[-1])  # query head h reads KV head h // group
-    per_unit = torch.einsum("gqd,gud->u", grouped, means) / query.shape[0]
-    blocks = unit_ids * unit_size // block_size
-    present = blocks.tolist()  # ascending, as unit ids are: the host reads them once, not per block
-    best = torch.full((present[-1] + 1,), float("-inf"), device=per_unit.device)
-    best = best.scatter_reduce(0, blocks, per_unit, reduce="amax").tolist()
-    return {block: best[block] for block in present}
+    """Eq. 2 for every block with a unit, by the ``token_units`` probe's own rule (one rule for both
+    faces): max over its units of the dot product with ``query`` (q_l [q_heads, d]) averaged over heads."""
+    blocks, best = block_maxima(unit_similarity(query, means), unit_ids, unit_size, block_size)
+    return dict(zip(blocks.tolist(), best[0].tolist(), strict=True))
 
 
 def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:

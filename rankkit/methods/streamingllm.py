@@ -1,9 +1,12 @@
-"""StreamingLLM (Xiao et al. 2024), KV-only: attention sinks plus the most recent tokens.
+"""StreamingLLM (Xiao et al. 2024), KV-only: attention sinks plus a rolling window of recent tokens.
 
 A recency score (the key's original position) x no selection layer x KV-only mode:
 after each layer's attention its cache keeps the first ``sink_tokens`` tokens and fills
-the rest of the budget with the most recent ones. No attention is looked at, so its
-offline face needs nothing captured but the prompt's length.
+the rest of the budget with the most recent ones. During decoding the window rolls: once
+a layer's cache holds more than the budget, each new token evicts the oldest entry after
+the sinks, so the cache stays at sinks + window, as the paper's cache does (a budget that
+covers the prompt keeps everything, in decoding too). No attention
+is looked at, so its offline face needs nothing captured but the prompt's length.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from typing import ClassVar
 
 import torch
 
+from rankkit.cache import KVCache
 from rankkit.methods.base import bounded, register
+from rankkit.methods.sage_kv import roll_recent_window
 from rankkit.methods.selection import Captured, PolicyMethod
-from rankkit.runner import AttentionCall
+from rankkit.runner import AttentionCall, LayerHook
 
 
 class Recency:
@@ -23,6 +28,24 @@ class Recency:
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         return call.key_positions.float()
+
+
+class RollingWindow(LayerHook):
+    """Decoding: every layer's cache keeps its sinks and ``capacity`` entries at most; the newest entry
+    takes the slot of the oldest one after the sinks (``roll_recent_window``, no cache copy)."""
+
+    def __init__(self, capacity: int, sink_tokens: int):
+        self.capacity = capacity
+        self.sink_tokens = sink_tokens
+
+    def after_decode_step(self, cache: KVCache, position: int) -> None:
+        for layer in range(cache.num_layers):
+            positions = cache.positions[layer][0]  # recency keeps the same entries in every head
+            if positions.numel() <= self.capacity:
+                continue
+            # the oldest entry after the sinks, found on the device: no read of it per layer and step
+            after_sinks = positions.masked_fill(positions < self.sink_tokens, torch.iinfo(positions.dtype).max)
+            roll_recent_window(cache, layer, after_sinks.min())
 
 
 @register
@@ -42,6 +65,14 @@ class StreamingLLM(PolicyMethod):
 
     def minimum_keep(self):
         return self.sink_tokens + 1  # the last token produces the logits
+
+    def prefill(self, runner, input_ids, budget):
+        run = super().prefill(runner, input_ids, budget)
+        length = int(input_ids.numel())
+        _, keep, _, sinks = self._plan(runner.num_layers, length, budget, runner.layer_types)
+        if keep < length:  # a budget that covers the prompt is full prefill, in decoding too (as SAGE-KV's)
+            run.decode_hooks = [RollingWindow(keep, sinks)]
+        return run
 
     def captured_inputs(self):
         return []

@@ -1,0 +1,521 @@
+"""Every method against a slow reference written from its paper in plain loops.
+
+Each reference reads only the post-RoPE queries, keys and values a full prefill of a tiny
+random model computes, and shares no code with rankkit: its own softmax, pooling and top-k
+(by sorting). Ties go to the earlier token (docs/methods.md). The exact positions each
+method keeps, from ``prefill`` (what ``rankkit prefill --json`` prints) and from
+``select_offline`` (``rankkit select``), per KV head where the method keeps a set per head,
+must equal the reference's at keep 0.1, 0.3 and 0.5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from rankkit.cache import PADDING
+from rankkit.errors import RankkitError
+from rankkit.methods import Budget, Captured, make
+from rankkit.methods.selection import DRAFT_SCORES, ORACLE_SCORES
+from rankkit.runner import LayerHook, Runner, greedy_continue
+
+LENGTH = 48
+KEEPS = [0.1, 0.3, 0.5]
+
+
+class Recorder(LayerHook):
+    """Every layer's prefill Q [q_heads, T, d], K and V [kv_heads, T, d] in float64, and its scaling."""
+
+    def __init__(self):
+        self.layers = {}
+
+    def on_attention(self, call):
+        if call.phase == "prefill":
+            self.layers[call.layer] = (
+                call.query[0].double().clone(),
+                call.key[0].double().clone(),
+                call.value[0].double().clone(),
+                call.scaling,
+            )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    runner = Runner(tiny_model("llama"))
+    ids = torch.randint(0, 97, (LENGTH,), generator=torch.Generator().manual_seed(7))
+    recorder = Recorder()
+    runner.prefill(ids, hooks=[recorder])
+    return runner, ids, recorder.layers
+
+
+# ---- the reference's own arithmetic ---------------------------------------------------------
+
+
+def softmax(values: list[float]) -> list[float]:
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def dot(a, b) -> float:
+    return sum(float(x) * float(y) for x, y in zip(a.tolist(), b.tolist(), strict=True))
+
+
+def pool(row: list[float], kernel: int, how: str) -> list[float]:
+    """Stride 1, padding kernel // 2: ``avg`` over the neighbours that exist, ``avg_padded`` over the
+    whole kernel (zeros counted), ``max`` over the neighbours that exist."""
+    half, out = kernel // 2, []
+    for i in range(len(row)):
+        neighbours = row[max(0, i - half) : i + half + 1]
+        if how == "avg":
+            out.append(sum(neighbours) / len(neighbours))
+        elif how == "avg_padded":
+            out.append(sum(neighbours) / kernel)
+        else:
+            out.append(max(neighbours))
+    return out
+
+
+def ranked(scores: list[float], forced=()) -> list[int]:
+    """Positions from the best down: forced first, then descending score, ties to the earlier token."""
+    return sorted(range(len(scores)), key=lambda i: (i not in forced, -scores[i], i))
+
+
+def top(scores: list[float], k: int, forced=()) -> list[int]:
+    return sorted(ranked(scores, set(forced))[:k])
+
+
+def keep_of(keep: float, floor: int = 1) -> int:
+    return min(LENGTH, max(math.ceil(keep * LENGTH), floor))
+
+
+def heads_of(group: int, q_heads: int, kv_heads: int) -> range:
+    size = q_heads // kv_heads
+    return range(group * size, (group + 1) * size)
+
+
+def window_scores(layer, window: int, kernel: int = 7) -> list[list[float]]:
+    """CLAA Eq. 2/4/5, ASL Alg. 1: per KV head, the window queries' softmax attention summed over the
+    window and the group's query heads, the positions before the window avg-pooled on their own."""
+    query, key, _, scaling = layer
+    q_heads, kv_heads = query.shape[0], key.shape[0]
+    per_head = []
+    for g in range(kv_heads):
+        summed = [0.0] * LENGTH
+        for h in heads_of(g, q_heads, kv_heads):
+            for t in range(LENGTH - window, LENGTH):
+                probabilities = softmax([dot(query[h, t], key[g, j]) * scaling for j in range(t + 1)])
+                for j, p in enumerate(probabilities):
+                    summed[j] += p
+        past = LENGTH - window
+        per_head.append(pool(summed[:past], kernel, "avg") + summed[past:])
+    return per_head
+
+
+def head_sum(per_head: list[list[float]]) -> list[float]:
+    return [sum(row[i] for row in per_head) for i in range(LENGTH)]
+
+
+def window_of(size: int) -> range:
+    return range(LENGTH - size, LENGTH)
+
+
+# ---- what a method gives, through both faces ----------------------------------------------
+
+
+def cache_sets(run, layer) -> list[list[int]]:
+    return [[p for p in head if p != PADDING] for head in run.result.cache.positions[layer].tolist()]
+
+
+def captured(runner, ids, method) -> Captured:
+    from rankkit.probes import ProbeRecorder
+
+    probes = [method.probe()] if method.captured_inputs() else []
+    recorder = ProbeRecorder(probes)
+    runner.prefill(ids, hooks=[recorder])
+    arrays = {key: torch.from_numpy(scores) for key, scores in recorder.scores().items()}
+    config = runner.config
+    return Captured(
+        arrays,
+        runner.num_layers,
+        LENGTH,
+        kv_heads=config.num_key_value_heads,
+        query_heads=config.num_attention_heads,
+    )
+
+
+def offline(runner, ids, method, keep, layer=None):
+    return method.select_offline(captured(runner, ids, method), Budget.from_keep(keep), layer=layer)
+
+
+def prefill_keeping(runner, ids, method, keep, expected: list[int]):
+    """The method's prefill, after checking that it and ``select`` keep ``expected`` at the selection."""
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    assert run.kept_positions.tolist() == expected
+    assert offline(runner, ids, method, keep).positions.tolist() == expected
+    return run
+
+
+class NoTextTokenizer:
+    """Tiny models have no tokenizer; the oracle only decodes its answer for display."""
+
+    def decode(self, tokens, **kwargs):
+        return ""
+
+
+# ---- shared selections ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_gemfilter_keeps_the_top_of_the_head_summed_last_query_logits_avg_pooled_with_kernel_5(setup, keep):
+    runner, ids, layers = setup
+    query, key, _, scaling = layers[1]
+    logits = [
+        sum(dot(query[h, -1], key[h // 2, j]) * scaling for h in range(query.shape[0])) for j in range(LENGTH)
+    ]
+    expected = top(pool(logits, 5, "avg_padded"), keep_of(keep), [LENGTH - 1])
+    assert (make("gemfilter").bind(32).routing_layer, make("gemfilter").bind(30).routing_layer) == (15, 14)
+    run = prefill_keeping(runner, ids, make("gemfilter", routing_layer=1), keep, expected)
+    assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_fastkv_prunes_by_the_head_sum_and_every_layer_to_tsp_caches_its_own_per_head_top_k(setup, keep):
+    runner, ids, layers = setup
+    k = keep_of(keep, 8)
+    scores = {layer: window_scores(layers[layer], 8) for layer in (0, 1)}
+    expected = top(head_sum(scores[1]), k, window_of(8))
+    run = prefill_keeping(runner, ids, make("fastkv", tsp_layer=1), keep, expected)
+    for layer in (0, 1):  # Listing 2: kv_cache[l] = top_k_indices of layer l's own scores
+        assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
+    assert cache_sets(run, 2) == [expected, expected]
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_claa_prunes_by_the_max_over_its_window_of_layers_and_defers_compression(setup, keep):
+    runner, ids, layers = setup
+    k = keep_of(keep, 8)
+    scores = {layer: window_scores(layers[layer], 8) for layer in (1, 2)}
+    sums = [head_sum(scores[layer]) for layer in (1, 2)]
+    expected = top([max(a, b) for a, b in zip(*sums, strict=True)], k, window_of(8))
+    method = make("claa", pruning_layer=2, aggregation_window=2, deferred_layers=1)
+    run = prefill_keeping(runner, ids, method, keep, expected)
+    assert run.selection_layer == 2
+    assert cache_sets(run, 0) == [list(range(LENGTH))] * 2  # deferred: m = 1
+    for layer in (1, 2):  # Listing 5: compression_indices of the layer's own scores
+        assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
+
+
+def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, top_k, window, tau, last):
+    """ASL Alg. 2: the first layer from L_min whose mean rank variance over U, relative to L_min's, is
+    below tau (the last layer otherwise), and the relative variance of every layer from L_min."""
+    ranks = {}
+    for layer, scores in sums.items():
+        order = ranked(scores[: len(scores) - window])
+        ranks[layer] = {token: place for place, token in enumerate(order)}
+    initial, relative, selected = None, {}, None
+    for layer in range(min_layer, last + 1):
+        rows = [ranks[index] for index in range(max(0, layer - observed + 1), layer + 1)]
+        union = [t for t in rows[0] if any(row[t] < top_k for row in rows)]
+        variances = []
+        for token in union:
+            values = [row[token] for row in rows]
+            mean = sum(values) / len(values)
+            variances.append(sum((v - mean) ** 2 for v in values) / len(values))
+        variance = sum(variances) / len(variances)
+        initial = variance if initial is None else initial
+        relative[layer] = variance / initial if initial > 0 else 0.0
+        if selected is None and (relative[layer] < tau or layer == last):
+            selected = layer
+    return selected, relative
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("tau", [0.3, 1e-9])
+def test_asl_selects_at_alg_2s_layer_and_keeps_its_top_k_plus_the_window(setup, keep, tau):
+    runner, ids, layers = setup
+    k = keep_of(keep, 4)
+    scores = {layer: window_scores(layers[layer], 4) for layer in range(3)}
+    sums = {layer: head_sum(scores[layer]) for layer in range(3)}
+    layer, relative = reference_rank_variance(sums, 1, 2, k - 4, 4, tau, 2)
+    expected = top(sums[layer], k, window_of(4))
+    for name in ("asl", "asl-2pass"):
+        method = make(name, window_size=4, min_layer=1, observed_layers=2, tau=tau)
+        run = method.prefill(runner, ids, Budget.from_keep(keep))
+        assert (run.selection_layer, run.kept_positions.tolist()) == (layer, expected)
+        selection = offline(runner, ids, method, keep)
+        assert (selection.layer, selection.positions.tolist()) == (layer, expected)
+        if name == "asl":  # Alg. 1 compresses every layer to its selection, per head
+            for index in range(layer + 1):
+                assert cache_sets(run, index) == [top(row, k, window_of(4)) for row in scores[index]]
+    curve = make("asl", window_size=4, min_layer=1, observed_layers=2).variance_curve(
+        captured(runner, ids, make("asl", window_size=4)), Budget.from_keep(keep)
+    )
+    assert math.isnan(curve[0]) and curve[1:] == pytest.approx([relative[1], relative[2]], rel=1e-12)
+
+
+def test_asl_alg_2_reads_zero_variance_at_l_min_as_settled_and_ranks_ties_by_token_order():
+    from rankkit.methods.asl import RankVariance
+
+    # tokens 1 and 2 tie: token 1 ranks first; identical rankings at L_min: variance 0, relative 0
+    tied = torch.tensor([[3.0, 5.0, 5.0, 1.0, 9.0]])
+    policy = RankVariance(tau=0.3, min_layer=1, observed_layers=2, top_k=2, window=1, last_layer=4)
+    assert policy.decide(0, tied) is None
+    assert policy._ranks(tied.sum(0)).tolist() == [2.0, 0.0, 1.0, 3.0]
+    assert policy.decide(1, tied) is not None and policy.relative_variance == {1: 0.0}
+    # hand-computed: ranks [0,1,2,3] then [3,2,1,0]; U = every token; variances 2.25, 0.25, 0.25, 2.25
+    first, second = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]), torch.tensor([[1.0, 2.0, 3.0, 4.0, 0.0]])
+    policy = RankVariance(tau=0.3, min_layer=1, observed_layers=2, top_k=2, window=1, last_layer=4)
+    policy.decide(0, first)
+    assert policy.decide(1, second) is None and policy.initial_variance == 1.25
+    assert policy.decide(2, second) is not None and policy.relative_variance == {1: 1.0, 2: 0.0}
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_sliminfer_keeps_the_first_block_and_the_best_blocks_by_eq_1_2(setup, keep):
+    runner, ids, layers = setup
+    query, key, _, _ = layers[1]
+    q_heads, kv_heads = query.shape[0], key.shape[0]
+    mean_query = [query[h, -2:].mean(dim=0) for h in range(q_heads)]  # q_l, window w = 2
+    block_score = {}
+    for block in range(LENGTH // 8):
+        unit_scores = []
+        for unit in range(block * 8, block * 8 + 8, 2):
+            per_head = [
+                dot(mean_query[h], key[h * kv_heads // q_heads, unit : unit + 2].mean(dim=0))
+                for h in range(q_heads)
+            ]
+            unit_scores.append(sum(per_head) / q_heads)  # Eq. 1: the unit's mean key; Eq. 2: head mean
+        block_score[block] = max(unit_scores)
+    blocks = math.ceil(min(LENGTH, keep_of(keep, 8) * 2) / 8)  # the first of two pruning layers: 2x
+    others = sorted((b for b in block_score if b), key=lambda b: (-block_score[b], b))[: blocks - 1]
+    expected = [p for p in range(LENGTH) if p // 8 in {0, *others}]
+    method = make("sliminfer", pruning_layers=(1, 2), block_size=8, unit_size=2, window_size=2)
+    prefill_keeping(runner, ids, method, keep, expected)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_oracle_keeps_the_top_of_its_ranking_with_the_mirrors_window(setup, keep):
+    runner, ids, _ = setup
+    method = make("oracle", pruning_layer=1, max_new_tokens=4)
+    method.prepare(runner, ids, tokenizer=NoTextTokenizer())
+    ranking = method.ranking.tolist()
+    expected = top(ranking, keep_of(keep, 8), window_of(8))
+    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected
+    stored = Captured({ORACLE_SCORES: method.ranking}, 3, LENGTH)
+    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_specprefill_keeps_the_top_of_eq_3_over_the_drafts_lookahead_queries(setup, keep):
+    runner, ids, _ = setup
+    method = make("specprefill", lookahead=3)
+    draft_calls = []
+
+    class DraftRecorder(LayerHook):
+        def on_attention(self, call):
+            if call.phase == "decode":
+                draft_calls.append(
+                    (call.query[0, :, -1].double(), call.key[0, :, :LENGTH].double(), call.scaling)
+                )
+
+    from rankkit.methods.specprefill import draft_runner
+
+    draft = draft_runner(method.bind(3).draft_model, runner)
+    greedy_continue(draft, draft.prefill(ids), 3, [DraftRecorder()], feed_last=True)
+    per_query = []
+    for step in range(3):  # Eq. 3: max over the draft's layers and heads, mean over the k queries
+        calls = draft_calls[step * draft.num_layers : (step + 1) * draft.num_layers]
+        per_query.append(
+            [
+                max(dot(q[h], k[h // 2, j]) * s for q, k, s in calls for h in range(q.shape[0]))
+                for j in range(LENGTH)
+            ]
+        )
+    scores = [sum(row[j] for row in per_query) / 3 for j in range(LENGTH)]
+    expected = top(scores, keep_of(keep), [LENGTH - 1])
+    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected
+    lookahead, _ = method.draft_scores(runner, ids)
+    stored = Captured({DRAFT_SCORES: lookahead}, 3, LENGTH)
+    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected
+
+
+def test_specprefill_refuses_a_draft_with_another_tokenizer_in_one_line(tiny_folder):
+    from rankkit.methods.specprefill import draft_runner
+
+    target = Runner(tiny_model("llama"))  # 97 tokens; the draft has the default model's tokenizer
+    with pytest.raises(
+        RankkitError, match=r"vocabulary of \d+ tokens, the target 97.*--draft layers:N"
+    ) as error:
+        draft_runner(str(tiny_folder), target)
+    assert "\n" not in str(error.value)
+
+
+# ---- KV-only methods: a set per layer and KV head --------------------------------------------
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_snapkv_every_layer_keeps_each_heads_top_k_and_the_window(setup, keep):
+    runner, ids, layers = setup
+    k = keep_of(keep, 8)
+    method = make("snapkv", window_size=8)
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    stored = captured(runner, ids, method)
+    for layer in range(3):
+        expected = [top(row, k, window_of(8)) for row in window_scores(layers[layer], 8)]
+        assert cache_sets(run, layer) == expected
+        assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_streamingllm_keeps_sinks_and_a_window_that_rolls_in_decoding(setup, keep):
+    runner, ids, _ = setup
+    k = keep_of(keep, 5)
+    expected = [0, 1, 2, 3, *range(LENGTH - (k - 4), LENGTH)]
+    method = make("streamingllm")
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
+    assert offline(runner, ids, method, keep, layer=1).as_lists() == [expected]  # one set for every head
+    tiny = method.prefill(runner, ids, Budget.from_tokens(2))  # raised to the sinks and the last token
+    assert all(cache_sets(tiny, layer) == [[0, 1, 2, 3, LENGTH - 1]] * 2 for layer in range(3))
+    greedy_continue(runner, run.result, 5, run.decode_hooks)  # the 4 tokens fed back: positions 48..51
+    rolled = [0, 1, 2, 3, *range(LENGTH + 4 - (k - 4), LENGTH + 4)]
+    assert all(sorted(head) == rolled for layer in range(3) for head in cache_sets(run, layer))
+
+
+def sage_reference(layer, budget: int) -> list[list[int]]:
+    """SAGE-KV Steps 1-3, Appendix A.2's split: per query head the top-k of E by the last token's softmax."""
+    query, key, _, scaling = layer
+    q_heads, kv_heads = query.shape[0], key.shape[0]
+    group = q_heads // kv_heads
+    sinks, per_head = budget // 4, budget // (2 * group)
+    recent = max(1, budget - sinks - group * per_head)
+    evicted = list(range(sinks, LENGTH - recent))
+    kept = []
+    for g in range(kv_heads):
+        chosen = set(range(sinks)) | set(range(LENGTH - recent, LENGTH))
+        for h in heads_of(g, q_heads, kv_heads):
+            attention = softmax([dot(query[h, -1], key[g, j]) * scaling for j in range(LENGTH)])
+            chosen |= set(sorted(evicted, key=lambda i: (-attention[i], i))[:per_head])
+        kept.append(sorted(chosen))
+    return kept
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_sage_kv_keeps_the_union_of_its_query_heads_top_k_and_rolls_the_recent_window(setup, keep):
+    runner, ids, layers = setup
+    budget = keep_of(keep, 2)
+    method = make("sage-kv")
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    stored = captured(runner, ids, method)
+    expected = {layer: sage_reference(layers[layer], budget) for layer in range(3)}
+    for layer in range(3):
+        assert [sorted(head) for head in cache_sets(run, layer)] == expected[layer]
+        assert (
+            method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected[layer]
+        )
+    greedy_continue(runner, run.result, 5, run.decode_hooks)  # Step 4: positions 48..51 roll the window on
+    recent = max(1, budget - budget // 4 - 2 * (budget // 4))
+    for layer in range(3):
+        rolled = [
+            [p for p in head if p < LENGTH - recent] + list(range(LENGTH + 4 - recent, LENGTH + 4))
+            for head in expected[layer]
+        ]
+        assert [sorted(head) for head in cache_sets(run, layer)] == rolled
+
+
+def lava_scores(layer, window: int) -> list[list[float]]:
+    """LAVa Eq. 5 per KV head: the largest value L1 norm / w x the window's softmax attention, max-pooled
+    with kernel 7 before the window, max over the group's query heads (Sec. 4.3)."""
+    query, key, value, scaling = layer
+    q_heads, kv_heads = query.shape[0], key.shape[0]
+    rows = []
+    for g in range(kv_heads):
+        norm = max(sum(abs(float(x)) for x in value[g, j].tolist()) for j in range(LENGTH))
+        per_head = []
+        for h in heads_of(g, q_heads, kv_heads):
+            summed = [0.0] * LENGTH
+            for t in range(LENGTH - window, LENGTH):
+                for j, p in enumerate(softmax([dot(query[h, t], key[g, j]) * scaling for j in range(t + 1)])):
+                    summed[j] += p
+            scaled = [norm / window * s for s in summed]
+            past = LENGTH - window
+            per_head.append(pool(scaled[:past], 7, "max") + scaled[past:])
+        rows.append([max(row[i] for row in per_head) for i in range(LENGTH)])
+    return rows
+
+
+def lava_entropy(rows: list[list[float]], window: int) -> float:
+    """Eq. 6-7: the normalised entropy of the layer's scores outside the window."""
+    entries = [s for row in rows for s in row[: LENGTH - window]]
+    total = sum(entries)
+    return -sum(s / total * math.log(s / total) for s in entries if s > 0) / len(entries)
+
+
+def test_lava_eq_6_7_budgets_on_a_hand_computed_three_layer_example():
+    from rankkit.methods.lava import layer_budgets, normalized_entropy
+
+    assert normalized_entropy(torch.ones(2, 2)) == pytest.approx(math.log(4) / 4)
+    assert normalized_entropy(torch.tensor([[1.0, 0.0], [0.0, 0.0]])) == 0.0
+    inf = float("inf")
+    # 3 layers, 2 heads, 6 tokens, window 2: each layer has 8 entries outside the window
+    layer = torch.tensor([[1.0, 2, 3, 4, inf, inf], [4.0, 3, 2, 1, inf, inf]])
+    # 𝔹 = (keep 4 - w 2) x 2 heads x 3 layers = 12, by entropy 0.5 : 0.3 : 0.2 = 6 : 3.6 : 2.4;
+    # whole entries 6, 3, 2 and the last one to the largest remainder (0.6): 6, 4, 2; plus 4 window entries
+    assert layer_budgets([layer] * 3, [0.5, 0.3, 0.2], 4, 2, 3) == [10, 8, 6]
+    # 𝔹 = 18: 16.2 for the first layer passes its 8 entries outside the window; the other 10 are shared
+    assert layer_budgets([layer] * 3, [0.9, 0.05, 0.05], 5, 2, 3) == [12, 9, 9]
+
+
+def largest_remainder(total: int, weights: list[float]) -> list[int]:
+    exact = [total * w / sum(weights) for w in weights]
+    whole = [math.floor(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: -(exact[i] - whole[i]))[: total - sum(whole)]:
+        whole[i] += 1
+    return whole
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_lava_keeps_each_layers_entropy_budget_of_its_best_entries_outside_the_window(setup, keep):
+    runner, ids, layers = setup
+    window = 8
+    k = keep_of(keep, window)
+    scores = [lava_scores(layers[layer], window) for layer in range(3)]
+    entropy = [lava_entropy(rows, window) for rows in scores]
+    shares = largest_remainder((k - window) * 2 * 3, entropy)  # no layer reaches its 80 entries here
+    method = make("lava", window_size=window)
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    stored = captured(runner, ids, method)
+    for layer in range(3):
+        entries = [(h, i) for h in range(2) for i in range(LENGTH - window)]  # flattened head-major
+        best = sorted(entries, key=lambda e: (-scores[layer][e[0]][e[1]], e[0] * LENGTH + e[1]))[
+            : shares[layer]
+        ]
+        expected = [sorted([i for h, i in best if h == head] + list(window_of(window))) for head in range(2)]
+        assert [sorted(head) for head in cache_sets(run, layer)] == expected
+        assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected
+
+
+def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_only_past_capacity():
+    from rankkit.cache import KVCache
+    from rankkit.methods.streamingllm import RollingWindow
+
+    cache = KVCache(2)
+    kept = [torch.tensor([0, 1, 2, 9]), torch.tensor([0, 1, 2, 5, 6, 9])]  # layer 0 holds fewer
+    for layer, positions in enumerate(kept):
+        cache.begin_step(positions)
+        values = positions.float()[None, None, :, None].expand(1, 2, -1, 3).clone()
+        cache.update(values, -values, layer)
+    RollingWindow(capacity=5, sink_tokens=2).after_decode_step(cache, 9)
+    assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # below capacity: untouched
+    assert cache.positions[1].tolist() == [[0, 1, 9, 5, 6]] * 2  # 2 is no sink: the oldest after them
+    assert cache.keys[1][0, :, 2, 0].tolist() == [9.0, 9.0] and cache.values[1][0, :, 2, 0].tolist() == [
+        -9.0,
+        -9.0,
+    ]
+    RollingWindow(capacity=4, sink_tokens=2).after_decode_step(cache, 10)
+    assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
