@@ -54,7 +54,7 @@ class ProbeRecorder(LayerHook):
 
     def scores(self) -> dict[str, np.ndarray]:
         """Float32 [layers, heads, T] (KV heads, or query heads for a per-query-head probe) per probe key (``Probe.key``), for the layers the last prefill ran."""
-        if not self._layers:
+        if not self._layers or not self.probes:
             return {}
         positions = torch.stack([key_positions.max() for _, key_positions, _ in self._layers])
         length = int(positions.max()) + 1

@@ -57,24 +57,39 @@ class TokenUnitsProbe(Probe):
         means, unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
         window = window_length(call, self.window_size)
         mean_query = call.query[0, :, -window:].float().mean(dim=1)
-        blocks, best = block_maxima(
+        _, best = block_maxima(
             unit_similarity(mean_query, means, self.head_mean), unit_ids, self.unit_size, self.block_size
         )
-        return best[:, torch.searchsorted(blocks, positions // self.block_size)]
+        return best[:, run_index(positions // self.block_size)]
+
+
+def run_index(values: torch.Tensor) -> torch.Tensor:
+    """Each entry's run of equal values in ascending ``values`` [S], numbered from 0: a compact
+    index made on the device, where ``torch.unique`` would read its size back (keys stay in
+    position order, so units and blocks are runs)."""
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[1:] = values[1:] != values[:-1]
+    return torch.cumsum(starts, 0) - 1
 
 
 def unit_keys(
     keys: torch.Tensor, positions: torch.Tensor, unit_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SlimInfer Eq. 1: the mean key of every token unit present, [kv_heads, units, d], and each unit's id [units].
+    """SlimInfer Eq. 1: the mean key of every token unit present, [kv_heads, S, d], and each unit's
+    id [S], the units first in position order and the spare slots after them marked -1 (as many
+    slots as keys, so no size is read from the device).
 
-    Units are runs of ``unit_size`` original positions (``positions`` [S] of the keys [kv_heads, S, d]),
-    so they stay whole after pruning; a unit cut short (the last, or a pruned run) averages what it has.
+    Units are runs of ``unit_size`` original positions (``positions`` [S] of the keys [kv_heads, S, d],
+    ascending), so they stay whole after pruning; a unit cut short (the last, or a pruned run)
+    averages what it has.
     """
-    ids, unit_of_key = torch.unique(positions // unit_size, return_inverse=True)
-    sums = keys.new_zeros(keys.shape[0], ids.numel(), keys.shape[-1]).index_add_(1, unit_of_key, keys)
-    counts = torch.bincount(unit_of_key, minlength=ids.numel()).to(keys.dtype)
-    return sums / counts[None, :, None], ids
+    units = positions // unit_size
+    unit_of_key = run_index(units)
+    slots = units.numel()
+    sums = keys.new_zeros(keys.shape[0], slots, keys.shape[-1]).index_add_(1, unit_of_key, keys)
+    counts = keys.new_zeros(slots).index_add_(0, unit_of_key, keys.new_ones(slots))
+    ids = torch.full_like(units, -1).scatter_(0, unit_of_key, units)
+    return sums / counts.clamp(min=1)[None, :, None], ids
 
 
 def unit_similarity(query: torch.Tensor, means: torch.Tensor, head_mean: str = "all") -> torch.Tensor:
@@ -97,9 +112,16 @@ def block_maxima(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SlimInfer Eq. 2: each block's score, the max over its units' ``similarity`` [kv_heads, units].
 
-    Returns the blocks that hold a unit, ascending [blocks], and their scores [kv_heads, blocks].
+    ``unit_ids`` are ``unit_keys``' (spare slots -1). Returns the blocks that hold a unit,
+    ascending, then -1 for spare slots [units], and their scores [kv_heads, units] (-inf at spares).
     """
-    blocks, block_of_unit = torch.unique(unit_ids * unit_size // block_size, return_inverse=True)
-    best = similarity.new_full((similarity.shape[0], blocks.numel()), float("-inf"))
+    spare = unit_ids < 0
+    block_ids = torch.where(spare, -1, unit_ids * unit_size // block_size)
+    # the spare slots trail the units, so they form the last run, which no key reads
+    block_of_unit = run_index(torch.where(spare, block_ids.max() + 1, block_ids))
+    slots = unit_ids.numel()
+    best = similarity.new_full((similarity.shape[0], slots), float("-inf"))
     index = block_of_unit.expand(similarity.shape[0], -1)
-    return blocks, best.scatter_reduce(1, index, similarity, reduce="amax")
+    best = best.scatter_reduce(1, index, similarity.masked_fill(spare, float("-inf")), reduce="amax")
+    blocks = torch.full_like(unit_ids, -1).scatter_(0, block_of_unit, block_ids)
+    return blocks, best

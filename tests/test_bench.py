@@ -273,7 +273,7 @@ def test_every_method_fills_evidence_kept_kv_only_ones_from_the_cache_decoding_s
     budget = Budget.from_keep(0.25)
     methods = [make("full"), make("snapkv", window_size=4), make("streamingllm")]
     frame = run_bench(
-        runner, DigitTokenizer(), [example], methods, [budget], BenchSettings(max_new_tokens=2, warmup_runs=0),
+        runner, DigitTokenizer(), [example], methods, [budget], BenchSettings(max_new_tokens=2, warmup=0),
         prompt_for=lambda _: prompt,
     )  # fmt: skip
     kept = dict(zip(frame["method"], frame["evidence_kept"], strict=True))

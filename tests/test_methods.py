@@ -599,6 +599,8 @@ def test_layer_parameters_bind_to_the_model_depth():
         ("specprefill:lookahead=0", "method 'specprefill': lookahead=0 is outside [1, inf)"),
         ("oracle:max_new_tokens=0", "method 'oracle': max_new_tokens=0 is outside [1, inf)"),
         ("asl:observed_layers=1", "method 'asl': observed_layers=1 is outside [2, L]"),
+        ("pyramidkv:beta=0.5", "method 'pyramidkv': beta=0.5 is outside [1, inf) (β, PyramidKV)"),
+        ("adakv:safeguard=2", "method 'adakv': safeguard=2 is outside [0, 1] (α, AdaKV)"),
     ],
 )
 def test_a_parameter_outside_its_declared_range_is_refused_on_construction(spec, message):

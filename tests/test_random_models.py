@@ -98,7 +98,7 @@ def test_prefill_on_a_random_model_reports_no_score(tiny_shape):
             Budget.from_keep(0.5),
             data="niah:n=1,length=256",
             compare="full",
-            settings=BenchSettings(max_new_tokens=4, repeats=1, warmup_runs=0),
+            settings=BenchSettings(max_new_tokens=4, repeats=1, warmup=0),
             setup=Setup(model=tiny_shape, device="cpu"),
         )
     assert claa["score"] is None and full["score"] is None

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.errors import RankkitError
-from rankkit.methods.base import Budget, Selection, register
+from rankkit.methods.base import Budget, Selection, bounded, register
 from rankkit.methods.selection import (
     Captured,
     NeverSelect,
@@ -29,22 +29,30 @@ from rankkit.methods.selection import (
 from rankkit.methods.snapkv import SnapKV
 
 
-def adaptive_head_selection(
+def adaptive_head_mask(
     scores: torch.Tensor, keep: int, forced: torch.Tensor, safeguard: float
-) -> list[torch.Tensor]:
-    """Each head's kept entries (sorted indices) from scores [heads, S]: the ``heads`` x ``keep`` best
-    entries over all heads, after the ``forced`` tokens and each head's best ``int(safeguard x (keep -
-    forced))`` others are put first. Ties go to the earlier head, then the earlier token."""
+) -> torch.Tensor:
+    """Each head's kept entries as a mask [heads, S] from scores [heads, S]: the ``heads`` x ``keep``
+    best entries over all heads, after the ``forced`` tokens and each head's best ``int(safeguard x
+    (keep - forced))`` others are put first. Ties go to the earlier head, then the earlier token.
+    Made on the device: ``forced`` is a host mask, so the guaranteed share needs no read."""
     heads, length = scores.shape
-    ranked = with_forced(scores, forced)
+    ranked = with_forced(scores, forced.to(scores.device))
     forced_count = int(forced.sum())
     guaranteed = int(safeguard * (keep - forced_count))
     if guaranteed:
         first = descending_order(ranked)[:, : forced_count + guaranteed]  # the forced tokens lead the order
-        ranked = ranked.scatter(-1, first, float("inf"))
-    chosen = descending_order(ranked.reshape(-1))[: heads * keep]
-    owner = chosen // length
-    return [torch.sort(chosen[owner == head] % length).values for head in range(heads)]
+        ranked = ranked.scatter(-1, first.to(scores.device), float("inf"))
+    chosen = descending_order(ranked.reshape(-1))[: heads * keep].to(scores.device)
+    kept = torch.zeros(heads * length, dtype=torch.bool, device=scores.device)
+    return kept.scatter_(0, chosen, True).view(heads, length)
+
+
+def adaptive_head_selection(
+    scores: torch.Tensor, keep: int, forced: torch.Tensor, safeguard: float
+) -> list[torch.Tensor]:
+    """``adaptive_head_mask``'s kept entries per head, as sorted index tensors."""
+    return [torch.nonzero(head).flatten() for head in adaptive_head_mask(scores, keep, forced, safeguard)]
 
 
 class AdaptiveHeadsHook(SelectionHook):
@@ -58,19 +66,17 @@ class AdaptiveHeadsHook(SelectionHook):
         scores, self.scores = self.scores, None
         live = state.positions.shape[0]
         if self.keep < live:
-            forced = forced_mask(live, self.window, 0, scores.device)
-            state.cache.compress(layer, adaptive_head_selection(scores, self.keep, forced, self.safeguard))
+            kept = adaptive_head_mask(scores, self.keep, forced_mask(live, self.window, 0), self.safeguard)
+            # the widest head sizes the cache: one read per layer, none per head
+            state.cache.compress_to_mask(layer, kept, int(kept.sum(dim=1).max()))
 
 
 @register
 @dataclass
 class AdaKV(SnapKV):
     name: ClassVar[str] = "adakv"
-    safeguard: float = 0.2  # AdaKV's alpha: the share of the budget every head keeps by its own ranking
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.safeguard <= 1:
-            raise RankkitError(f"adakv: safeguard={self.safeguard} is outside [0, 1]")
+    # AdaKV's alpha: the share of the budget every head keeps by its own ranking
+    safeguard: float = bounded(0.2, 0, 1, reference="α, AdaKV")
 
     def prefill(self, runner, input_ids, budget):
         keep = budget.resolve(int(input_ids.numel()), self.minimum_keep())

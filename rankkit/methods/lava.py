@@ -104,17 +104,31 @@ def with_window(scores: torch.Tensor, window: int) -> torch.Tensor:
 def layer_budgets(
     scores: list[torch.Tensor], entropy: list[float], keep_tokens: int, window: int, num_layers: int
 ):
-    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps.
+    """``entropy_budgets`` of the layers whose scores [H, N] (window +inf, unseen -inf) are given."""
+    windows = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
+    sizes = [int((s != float("-inf")).sum()) for s in scores]
+    return entropy_budgets(entropy, windows, sizes, keep_tokens, window, scores[0].shape[0], num_layers)
+
+
+def entropy_budgets(
+    entropy: list[float],
+    windows: list[int],
+    sizes: list[int],
+    keep_tokens: int,
+    window: int,
+    heads: int,
+    num_layers: int,
+) -> list[int]:
+    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps, given each layer's window entries
+    and the entries it holds (``sizes``: what it can still lose).
 
     LAVa Alg. 1 ranks only the entries outside the recent window and keeps the window on top:
     𝔹 = (keep - w) x heads x layers entries outside the windows are shared by entropy, and each
     layer keeps the window entries it sees besides its share B_l.
     """
-    heads = scores[0].shape[0]
-    windows = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
-    outside = [int((s != float("-inf")).sum()) - seen for s, seen in zip(scores, windows, strict=True)]
     total = max(0, keep_tokens - window) * heads * num_layers
-    shares = apportion(total, entropy, [0] * len(scores), outside)
+    outside = [size - seen for size, seen in zip(sizes, windows, strict=True)]
+    shares = apportion(total, entropy, [0] * len(entropy), outside)
     return [seen + share for seen, share in zip(windows, shares, strict=True)]
 
 
@@ -171,8 +185,8 @@ class LavaBudgets(LayerHook):
         self.sizes.append(int(size))
         self.floors.append(int(floor))
         heads = ranked.shape[0]
-        self.budgets = apportion(
-            self.keep_tokens * heads * self.num_layers, self.entropy, self.floors, self.sizes
+        self.budgets = entropy_budgets(
+            self.entropy, self.floors, self.sizes, self.keep_tokens, self.window, heads, self.num_layers
         )
         shrinking = [earlier for earlier, budget in enumerate(self.budgets) if budget < self.sizes[earlier]]
         if shrinking:

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rankkit.errors import RankkitError
-from rankkit.methods.base import Budget, register
+from rankkit.methods.base import Budget, bounded, register
 from rankkit.methods.selection import Captured, NeverSelect, SelectionHook, one_pass
 from rankkit.methods.snapkv import SnapKV
 
@@ -54,11 +53,8 @@ class LayerBudgetHook(SelectionHook):
 @dataclass
 class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
-    beta: float = 20  # PyramidKV's default: the last layer keeps 1/20 of the mean share
-
-    def __post_init__(self) -> None:
-        if self.beta < 1:
-            raise RankkitError(f"pyramidkv: beta={self.beta} must be at least 1 (1 keeps the same count per layer)")
+    # PyramidKV's default: the last layer keeps 1/20 of the mean share (1 keeps the same count per layer)
+    beta: float = bounded(20.0, 1, reference="β, PyramidKV")
 
     def budgets(self, num_layers: int, length: int, budget: Budget) -> list[int]:
         keep = budget.resolve(length, self.minimum_keep())

@@ -68,7 +68,7 @@ def block_scores(
     """Eq. 2 for every block with a unit, by the ``token_units`` probe's own rule (one rule for both
     faces): max over its units of the dot product with ``query`` (q_l [q_heads, d]) averaged over heads."""
     blocks, best = block_maxima(unit_similarity(query, means), unit_ids, unit_size, block_size)
-    return dict(zip(blocks.tolist(), best[0].tolist(), strict=True))
+    return {block: score for block, score in zip(blocks.tolist(), best[0].tolist(), strict=True) if block >= 0}
 
 
 def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:

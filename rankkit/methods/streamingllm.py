@@ -44,7 +44,9 @@ class RollingWindow(LayerHook):
             if positions.numel() <= self.capacity:
                 continue
             # the oldest entry after the sinks, found on the device: no read of it per layer and step
-            after_sinks = positions.masked_fill(positions < self.sink_tokens, torch.iinfo(positions.dtype).max)
+            after_sinks = positions.masked_fill(
+                positions < self.sink_tokens, torch.iinfo(positions.dtype).max
+            )
             roll_recent_window(cache, layer, after_sinks.min())
 
 

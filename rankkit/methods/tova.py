@@ -57,8 +57,10 @@ class TovaHook(SelectionHook):
         for layer, scores in self.step_scores.items():
             length = scores.shape[0]
             if length > self.keep:
-                evicted = int(descending_order(scores)[-1])  # the lowest; among ties the latest
-                kept = torch.cat([torch.arange(evicted), torch.arange(evicted + 1, length)])
+                evicted = descending_order(scores)[-1].to(scores.device)  # the lowest; among ties the latest
+                # every entry but the evicted one, worked out on the device (no read per layer and step)
+                entries = torch.arange(length - 1, device=scores.device)
+                kept = entries + (entries >= evicted)
                 cache.compress(layer, kept.expand(cache.keys[layer].shape[1], -1))
         self.step_scores.clear()
 
