@@ -472,20 +472,22 @@ def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(
 
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import app
+    from rankkit import stores
     from rankkit.report import _benches
 
-    (tmp_path / "8b").mkdir()
-    (tmp_path / "70b").mkdir()
-    paths = [tmp_path / "8b" / "bench.parquet", tmp_path / "70b" / "bench.parquet"]
+    (tmp_path / "8k").mkdir()
+    (tmp_path / "32k").mkdir()
+    paths = [tmp_path / "8k" / "bench.parquet", tmp_path / "32k" / "bench.parquet"]
     for path in paths:
         bench_frame().write_parquet(path)
     methods = ["claa", "fastkv", "full", "gemfilter"]
-    named = _benches([paths[0], bench_frame()])  # a file by its name, a frame by its place
+    opened = stores.open(store)
+    named = _benches([paths[0], bench_frame()], opened)  # a file by its name, a frame by its place
     assert sorted(named["method"].unique()) == sorted(
         [f"{method} (bench)" for method in methods] + [f"{method} (bench 2)" for method in methods]
     )
     assert named.height == 2 * bench_frame().height
-    same_names = _benches(paths)  # both files are bench.parquet: their paths tell them apart
+    same_names = _benches(paths, opened)  # both files are bench.parquet: their paths tell them apart
     assert sorted(same_names["method"].unique()) == sorted(f"{method} ({path})" for path in paths for method in methods)
 
     out = tmp_path / "report.html"

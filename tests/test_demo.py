@@ -59,13 +59,9 @@ def test_demo_store_verifies_whole_with_an_oracle_per_example(demo_run):
     out, stdout = demo_run
     report = verify(_written(stdout)["store"])
     assert report.examples == DEMO_EXAMPLES
-    assert report.counts() == {
-        "good": DEMO_EXAMPLES,
-        "unchecked": 0,
-        "damaged": 0,
-        "incomplete": 0,
-        "unreadable": 0,
-    }
+    counts = report.counts()
+    assert counts.pop("good") == DEMO_EXAMPLES
+    assert counts and not any(counts.values()), counts  # unchecked, damaged, incomplete, ...: none
 
 
 def test_demo_parquets_read_back_with_their_columns_and_rows(demo_run):
