@@ -886,6 +886,28 @@ def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
     )
 
 
+def test_cli_compare_and_select_as_csv_are_the_json_rows_whole(cli, store_path):
+    import csv
+    import io
+
+    as_json = json.loads(cli("compare", store_path, "--methods", "window:w=8", "--format", "json").stdout)
+    assert as_json == json.loads(cli("compare", store_path, "--methods", "window:w=8", "--json").stdout)
+    table = cli("compare", store_path, "--methods", "window:w=8", "--format", "csv")
+    assert table.exit_code == 0, table.output
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    assert list(rows[0]) == list(as_json[0])
+    assert len(rows) == len(as_json)
+    for line, row in zip(rows, as_json, strict=True):
+        assert line == {key: "" if value is None else str(value) for key, value in row.items()}
+    chosen = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--format", "csv")
+    lines = chosen.stdout.splitlines()
+    assert lines[0] == "example_id,method,layer,budget_tokens,selected_positions"
+    selected = json.loads(cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json").stdout)
+    assert lines[1] == "ex0,fastkv,2,12,\"" + json.dumps(selected[0]["selected_positions"], separators=(",", ":")) + "\""
+    both = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--json", "--format", "csv")
+    assert isinstance(both.exception, RankkitError) and "--json is --format json" in str(both.exception)
+
+
 def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
     result = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json")
     assert result.exit_code == 0, result.output
