@@ -180,3 +180,24 @@ def test_every_table_command_takes_format():
     tables.append(root.commands["store"].commands["info"])
     for table_command in tables:
         assert "--format" in [option for param in table_command.params for option in param.opts], table_command.name
+
+
+def test_prefill_compare_as_csv_is_one_line_per_method_with_its_json_numbers(tiny_folder):
+    import csv
+
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    run = ["prefill", "--method", "claa", "--keep", "0.5", "--compare", "full", "--data", "niah:n=1,length=200",
+           "--model", str(tiny_folder), "--device", "cpu", "--max-new-tokens", "3", "--repeats", "1", "--warmup", "0"]  # fmt: skip
+    as_json = json.loads(CliRunner().invoke(app, [*run, "--json"]).stdout)
+    as_csv = CliRunner().invoke(app, [*run, "--format", "csv"])
+    assert as_csv.exit_code == 0, as_csv.output
+    claa, full = csv.DictReader(io.StringIO(as_csv.stdout))
+    assert (claa["method"], full["method"]) == ("claa", "full")
+    assert claa["answer"] == as_json["answer"] and full["answer"] == as_json["compare"]["answer"]
+    assert int(claa["kv_bytes"]) == as_json["kv_bytes"] and int(full["kv_bytes"]) == as_json["compare"]["kv_bytes"]
+    assert json.loads(claa["selected_positions"]) == as_json["selected_positions"]
+    assert float(claa["kv_ratio"]) == as_json["kv_ratio"]
