@@ -1,6 +1,5 @@
 """`rankkit compare STORE` and `rankkit variance STORE`: rankings against the oracle, and ASL's rank-variance curves."""
 
-import json
 from pathlib import Path
 
 import typer
@@ -8,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app, output
-from .options import Overwrite, Workers, budgets
+from .options import Format, Overwrite, Workers, budgets, output_format
 
 
 @app.command("compare")
@@ -65,11 +64,15 @@ def compare(
         "over the same examples, its 95% interval and Wilcoxon p. (default: claa against each "
         "single-layer heuristic compared)",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary's rows as a JSON list instead."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the summary's rows as a JSON list instead (--format json)."
+    ),
+    table_format: Format = "table",
     workers: Workers = None,
 ) -> None:
     """Spearman, Kendall, top-k and needle recall of every method against the oracle, layer by layer,
     as means over examples with 95% intervals; paired differences between methods."""
+    shown_as = output_format(table_format, as_json)
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts, keep_on_interrupt
 
@@ -87,7 +90,7 @@ def compare(
                 summary_table,
                 write_results,
             )
-            from rankkit.report.tables import frame_table
+            from rankkit.report.tables import frame_table, rows_text
 
         if out is not None:
             outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
@@ -105,9 +108,9 @@ def compare(
     if out is not None:
         written = write_results(results, out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
-    if as_json:
+    if shown_as != "table":
         rows = [{**row, "span": result.span} for result in results for row in result.summary.to_dicts()]
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(rows_text(rows, shown_as))
         return
     console = output()
     for result in results:
@@ -163,11 +166,15 @@ def variance(
     ),
     overwrite: Overwrite = False,
     as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON object per example instead of a table."
+        False, "--json", help="Print one JSON object per example instead of a table (--format json)."
     ),
+    table_format: Format = "table",
     workers: Workers = None,
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
+    from rankkit.report.tables import rows_text
+
+    shown_as = output_format(table_format, as_json)
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts
 
@@ -190,8 +197,8 @@ def variance(
         written = result.write(out)
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
     rows = result.by_example()
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+    if shown_as != "table":
+        typer.echo(rows_text(rows, shown_as))
         return
     output().print(_variance_table(rows, store))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .options import Overwrite, Workers, comma_list
+from .options import Overwrite, Workers, budgets, comma_list
 
 
 @app.command("dashboard")
@@ -33,12 +33,19 @@ def dashboard(
         help="Comma-separated example ids for the token explorer. (default: all, or an evenly spaced "
         "sample of at most 100 in larger stores, fewer when their score arrays would pass the page's budget)",
     ),
+    keep: str = typer.Option(
+        "0.1",
+        "--keep",
+        help="Comma-separated keep rates the store is compared at, as compare --keep: the Spearman panel "
+        "shows the first, the needle recall panel one heatmap each.",
+    ),
     workers: Workers = None,
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts
 
+    keeps = [each.keep for each in budgets(keep, None)]
     with shared_workers(store, workers, now=True):  # the workers import while this process does
         with deferred_interrupts():
             from rankkit.report import write_dashboard
@@ -51,5 +58,6 @@ def dashboard(
             overwrite=overwrite,
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
+            keeps=keeps,
         )
     typer.echo(written)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AllowOverlength, Device, Model, Overwrite
+from rankkit.cli.options import AllowOverlength, Device, Format, Model, Overwrite, output_format
 from rankkit.cli.progress import progress_bar
 
 
@@ -33,7 +32,10 @@ def diffusion(
     ),
     overwrite: Overwrite = False,
     allow_overlength: AllowOverlength = False,
-    as_json: bool = typer.Option(False, "--json", help="Print the table's rows as a JSON list instead."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the table's rows as a JSON list instead (--format json)."
+    ),
+    table_format: Format = "table",
     device: Device = defaults.DEVICE,
 ) -> None:
     """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?
@@ -41,7 +43,9 @@ def diffusion(
     Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
     """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
-    from rankkit.report.tables import frame_table
+    from rankkit.report.tables import frame_table, rows_text
+
+    shown_as = output_format(table_format, as_json)
 
     with progress_bar("diffusion") as show:
         frame = diffusion_probe(
@@ -58,7 +62,7 @@ def diffusion(
     if out is not None:
         typer.echo(f"wrote {out}", err=True)
     summary = layer_summary(frame)
-    if as_json:
-        typer.echo(json.dumps(summary.to_dicts(), indent=2))
+    if shown_as != "table":
+        typer.echo(rows_text(summary.to_dicts(), shown_as))
         return
     output().print(frame_table(summary, f"Evidence removed from layer l on, {data}"))

@@ -1,6 +1,5 @@
 """`rankkit models`: the converted models in the cache, and where the default model lives."""
 
-import json
 from dataclasses import asdict
 
 import typer
@@ -8,23 +7,27 @@ from rich.table import Table
 from rich.text import Text
 
 from rankkit.cli.app import app, output
+from rankkit.cli.options import Format, output_format
 
 
 @app.command("models")
 def models_list(
-    as_json: bool = typer.Option(False, "--json", help="Print the folders as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the folders as JSON (--format json)."),
+    table_format: Format = "table",
 ) -> None:
     """List the converted model folders in $RANKKIT_CACHE with their weights hash and size."""
     from rankkit import models
+    from rankkit.report.tables import rows_text
 
+    shown_as = output_format(table_format, as_json)
     default = models.default_model_target()
     found = models.cached_models()
-    if as_json:
+    if shown_as != "table":
         rows = [
             asdict(entry) | {"folder": str(entry.folder), "default": entry.folder == default}
             for entry in found
         ]
-        typer.echo(json.dumps({"default_model": str(default), "models": rows}, indent=2))
+        typer.echo(rows_text(rows, shown_as, whole={"default_model": str(default), "models": rows}))
         return
     table = Table(title=Text(f"Converted models in {models.cache_root() / 'models'}"))
     for header in ("folder", "weights sha256", "MiB", "source"):

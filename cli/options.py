@@ -89,7 +89,27 @@ CudaGraphs = Annotated[
         "a method whose hooks act at every decode step (sage-kv, sliminfer) still decodes eagerly.",
     ),
 ]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON (--format json).")]
+Format = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="table, csv or json. table (the default) is plain text that wraps no cell when stdout is "
+        "not a terminal; csv is a header and one line per row with every value whole; json is what "
+        "--json prints.",
+    ),
+]
+
+
+def output_format(table_format: str, as_json: bool = False) -> str:
+    """The format a command prints in: ``--format``, or json for ``--json`` (kept as its alias)."""
+    from rankkit.report.tables import FORMATS
+
+    if table_format not in FORMATS:
+        raise RankkitError(f"--format {table_format!r}: give one of {', '.join(FORMATS)}")
+    if as_json and table_format not in ("table", "json"):
+        raise RankkitError(f"--json is --format json: give it or --format {table_format}, not both")
+    return "json" if as_json else table_format
 
 
 def comma_list(text: str | None, option: str) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -17,6 +16,7 @@ from rankkit.cli.options import (
     Device,
     DeviceMap,
     Draft,
+    Format,
     Layer,
     MaxNewTokens,
     Mirror,
@@ -27,6 +27,7 @@ from rankkit.cli.options import (
     Warmup,
     budgets,
     comma_list,
+    output_format,
 )
 from rankkit.cli.progress import progress_bar
 from rankkit.errors import RankkitError
@@ -89,6 +90,7 @@ def prefill(
     cuda_graphs: CudaGraphs = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
+    table_format: Format = "table",
     kept_layers: str = typer.Option(
         None,
         help="With --json: comma-separated layers (e.g. 0,15,29) whose kept positions per KV head it lists.",
@@ -96,11 +98,14 @@ def prefill(
 ) -> None:
     """Run one method's selection end to end on one prompt and print the answer and its measurements.
 
-    Every option is checked before the model loads.
+    Every option is checked before the model loads. --format csv prints one line per method run.
     """
     from rankkit.bench import prefill as run_prefill
     from rankkit.bench import prefill_json
     from rankkit.data import read_context_file
+    from rankkit.report.tables import rows_text
+
+    shown_as = output_format(table_format, as_json)
 
     (chosen_budget,) = budgets(keep, budget, required=False) or [None]
     rows = run_prefill(
@@ -111,11 +116,11 @@ def prefill(
         context=read_context_file(context_file) if context_file else None,
         question=question,
         compare=compare,
-        kept_layers=_layer_list(kept_layers, as_json),
+        kept_layers=_layer_list(kept_layers, shown_as == "json"),
         **_library_options(locals()),
     )
-    if as_json:
-        console.print_json(json.dumps(prefill_json(rows)))
+    if shown_as != "table":
+        typer.echo(rows_text(rows, shown_as, whole=prefill_json(rows)))
         return
     _print_runs(rows, compare is not None)
 
@@ -187,6 +192,7 @@ def bench(
     cuda_graphs: CudaGraphs = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
+    table_format: Format = "table",
 ) -> None:
     """Run the methods x budgets grid over a dataset; print accuracy and TTFT ratio per method and budget.
 
@@ -195,7 +201,9 @@ def bench(
     """
     from rankkit.bench import bench as run_bench
     from rankkit.bench import summary
+    from rankkit.report.tables import rows_text
 
+    shown_as = output_format(table_format, as_json)
     with progress_bar("bench") as show:
         frame = run_bench(
             comma_list(methods, "--methods"),
@@ -208,8 +216,9 @@ def bench(
             **_library_options(locals()),
         )
     table = summary(frame)
-    if as_json:
-        console.print_json(json.dumps({"out": str(out) if out else None, "summary": table.to_dicts()}))
+    if shown_as != "table":
+        rows = table.to_dicts()
+        typer.echo(rows_text(rows, shown_as, whole={"out": str(out) if out else None, "summary": rows}))
         return
     _print_summary(table, out)
 

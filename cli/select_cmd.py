@@ -1,11 +1,11 @@
 """`rankkit select STORE --method M`: the tokens a method keeps, computed from a capture store alone."""
 
-import json
 from pathlib import Path
 
 import typer
 
 from .app import app
+from .options import Format, output_format
 
 
 @app.command("select")
@@ -28,19 +28,22 @@ def select(
         "nearest full-attention layer, ties to the earlier; a layer given here is used as is), or for "
         "per-head KV-only methods the layer whose kept sets are printed (required for them).",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per example)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object per example; --format json)."),
+    table_format: Format = "table",
 ) -> None:
     """Per example: the method's selection layer and the original positions it keeps there."""
     from rankkit.errors import RankkitError
     from rankkit.eval.offline import select_store
     from rankkit.methods import Budget
+    from rankkit.report.tables import rows_text
 
     if (keep is None) == (budget is None):
         raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    shown_as = output_format(table_format, as_json)
     chosen = Budget.from_keep(keep) if keep is not None else Budget.from_tokens(budget)
     rows = select_store(store, method, chosen, layer=layer)
-    if as_json:
-        typer.echo(json.dumps(rows))
+    if shown_as != "table":
+        typer.echo(rows_text(rows, shown_as))
         return
     for row in rows:
         typer.echo(

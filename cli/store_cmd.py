@@ -11,6 +11,7 @@ from rich.text import Text
 from rankkit import stores
 
 from .app import app, output
+from .options import Format, output_format
 
 store_app = typer.Typer(name="store", help="Inspect capture stores.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
@@ -21,12 +22,20 @@ _VALUE_WIDTH = 80
 @store_app.command("info")
 def info(
     path: Path = typer.Argument(..., help="Store directory, e.g. runs/capture.zarr."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the summary as JSON instead of tables (--format json)."
+    ),
+    table_format: Format = "table",
 ) -> None:
-    """Run metadata, example counts, tasks, probes with their shapes, oracles and added groups."""
+    """Run metadata, example counts, tasks, probes with their shapes, oracles and added groups.
+
+    --format csv prints one key,value line per entry, nested keys joined by dots (examples.complete)."""
+    from rankkit.report.tables import flat_rows, rows_text
+
+    shown_as = output_format(table_format, as_json)
     summary = stores.describe(path)
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+    if shown_as != "table":
+        typer.echo(rows_text(flat_rows(summary), shown_as, whole=summary))
         return
     console = output()
     console.print(_run_table(summary))

@@ -199,7 +199,15 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
         return {**_LIBRARY_DEFAULTS["compare"], **given}
     if stage == "variance":
         return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget_value, **plan.variance.kwargs()}
-    return {"bench_layer": plan.layers[0]}  # the dashboard shows bench's rows at the first layer setting
+    # the dashboard shows bench's rows at the first layer setting, and compares at every keep rate
+    return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan)}
+
+
+def _dashboard_keeps(plan: Experiment) -> list[float]:
+    """The keep rates of the experiment's ``keep`` list (token budgets name none), or compare's default."""
+    from rankkit.eval.compare import KEEP_RATES
+
+    return [budget.keep for budget in plan.budgets if budget.tokens is None] or [KEEP_RATES[0]]
 
 
 def unit_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
@@ -1162,6 +1170,7 @@ def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
                 diffusion=_cell_rows(diffusion, unit.cell),
                 overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
+                keeps=_dashboard_keeps(plan),
             )
         )
         _write_marker(run, "dashboard", unit)

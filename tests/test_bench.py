@@ -126,6 +126,33 @@ def _prefill_json(tmp_path, *options: str) -> dict:
     return json.loads(result.stdout)
 
 
+def test_bench_cli_prints_the_summary_rows_as_csv_or_as_its_json(monkeypatch):
+    import polars as pl
+    from typer.testing import CliRunner
+
+    import rankkit.bench
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    rows = [
+        {"method": "claa", "budget": "keep=0.1", "n_examples": 2, "accuracy": 0.5, "ttft_ratio": 0.123456789},
+        {"method": "full", "budget": "keep=1", "n_examples": 2, "accuracy": 1.0, "ttft_ratio": None},
+    ]
+    monkeypatch.setattr(rankkit.bench, "bench", lambda *args, **options: None)
+    monkeypatch.setattr(rankkit.bench, "summary", lambda frame: pl.DataFrame(rows))
+    grid = ["bench", "--methods", "claa,full", "--keep", "0.1", "--data", "niah:n=2,length=256"]
+    as_csv = CliRunner().invoke(app, [*grid, "--format", "csv"])
+    assert as_csv.exit_code == 0, as_csv.output
+    assert as_csv.stdout.splitlines() == [
+        "method,budget,n_examples,accuracy,ttft_ratio",
+        "claa,keep=0.1,2,0.5,0.123456789",
+        "full,keep=1,2,1.0,",
+    ]
+    as_json = CliRunner().invoke(app, [*grid, "--json"]).stdout
+    assert json.loads(as_json) == {"out": None, "summary": rows}
+    assert CliRunner().invoke(app, [*grid, "--format", "json"]).stdout == as_json
+
+
 @pytest.mark.integration
 def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
     payload = _prefill_json(tmp_path, "--method", "claa", "--keep", "0.5", "--compare", "full")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import warnings
@@ -124,3 +125,79 @@ def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder):
         answer(str(tiny_folder), "text", "question?", data="niah:length=256")
     with pytest.raises(RankkitError, match=r"^give --question"):
         answer(str(tiny_folder), "", "")
+
+
+def test_rows_as_csv_keep_every_value_whole_and_json_what_the_command_prints():
+    from rankkit.report.tables import rows_text
+
+    rows = [
+        {"method": "window:w=32", "spearman": 0.123456789, "positions": [0, 1, 5]},
+        {"method": "claa, pooled", "spearman": None, "n": 3, "meta": {"k": 1}},
+    ]
+    assert rows_text(rows, "csv") == (
+        "method,spearman,positions,n,meta\n"
+        "window:w=32,0.123456789,\"[0,1,5]\",,\n"
+        "\"claa, pooled\",,,3,\"{\"\"k\"\":1}\""
+    )
+    assert rows_text([], "csv") == ""
+    assert json.loads(rows_text(rows, "json")) == rows
+    assert json.loads(rows_text(rows, "json", whole={"summary": rows})) == {"summary": rows}
+    with pytest.raises(ValueError, match="not 'table'"):
+        rows_text(rows, "table")
+
+
+def test_nested_keys_flatten_to_dotted_key_value_rows():
+    from rankkit.report.tables import flat_rows
+
+    summary = {"path": "a.zarr", "examples": {"complete": 3, "incomplete": 0}, "groups": {}, "p": {"w": {"n": 2}}}
+    assert flat_rows(summary) == [
+        {"key": "path", "value": "a.zarr"},
+        {"key": "examples.complete", "value": 3},
+        {"key": "examples.incomplete", "value": 0},
+        {"key": "groups", "value": {}},
+        {"key": "p.w.n", "value": 2},
+    ]
+
+
+def test_format_is_one_of_three_and_json_is_its_alias():
+    from rankkit.cli.options import output_format
+    from rankkit.errors import RankkitError
+
+    assert [output_format(name) for name in ("table", "csv", "json")] == ["table", "csv", "json"]
+    assert output_format("table", as_json=True) == output_format("json", as_json=True) == "json"
+    with pytest.raises(RankkitError, match=r"^--json is --format json: give it or --format csv, not both$"):
+        output_format("csv", as_json=True)
+    with pytest.raises(RankkitError, match=r"^--format 'xml': give one of table, csv, json$"):
+        output_format("xml")
+
+
+def test_every_table_command_takes_format():
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import command
+
+    root = command()
+    tables = [root.commands[name] for name in ("compare", "variance", "bench", "prefill", "select", "diffusion", "models")]
+    tables.append(root.commands["store"].commands["info"])
+    for table_command in tables:
+        assert "--format" in [option for param in table_command.params for option in param.opts], table_command.name
+
+
+def test_prefill_compare_as_csv_is_one_line_per_method_with_its_json_numbers(tiny_folder):
+    import csv
+
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    run = ["prefill", "--method", "claa", "--keep", "0.5", "--compare", "full", "--data", "niah:n=1,length=200",
+           "--model", str(tiny_folder), "--device", "cpu", "--max-new-tokens", "3", "--repeats", "1", "--warmup", "0"]  # fmt: skip
+    as_json = json.loads(CliRunner().invoke(app, [*run, "--json"]).stdout)
+    as_csv = CliRunner().invoke(app, [*run, "--format", "csv"])
+    assert as_csv.exit_code == 0, as_csv.output
+    claa, full = csv.DictReader(io.StringIO(as_csv.stdout))
+    assert (claa["method"], full["method"]) == ("claa", "full")
+    assert claa["answer"] == as_json["answer"] and full["answer"] == as_json["compare"]["answer"]
+    assert int(claa["kv_bytes"]) == as_json["kv_bytes"] and int(full["kv_bytes"]) == as_json["compare"]["kv_bytes"]
+    assert json.loads(claa["selected_positions"]) == as_json["selected_positions"]
+    assert float(claa["kv_ratio"]) == as_json["kv_ratio"]

@@ -302,6 +302,34 @@ def test_kept_columns_holds_a_column_iff_one_of_its_tokens_is_in_the_top_k():
     np.testing.assert_array_equal(figures.kept_columns(pooled, 0, 2 / 6), [1, 0, 1])
 
 
+def test_needle_recall_heatmaps_are_means_over_examples_with_evidence_one_per_needle_keep():
+    per_layer = pl.DataFrame(
+        {
+            "example": ["a", "b", "c", "a", "b", "a", "b", "a"],
+            "method": ["claa", "claa", "claa", "claa", "claa", "fastkv", "fastkv", "claa"],
+            "layer": [0, 0, 0, 1, 1, 0, 0, 0],
+            "needle_recall": [0.5, 1.0, None, 0.25, 0.75, 0.0, 0.5, 1.0],
+            "keep": [0.1] * 7 + [0.2],
+            "needle_keep": [0.1] * 7 + [0.2],
+        }
+    )
+    cells = figures.needle_recall_frame(per_layer)
+    assert cells.rows() == [
+        (0.1, "claa", 0, 0.75, 2),  # example c has no evidence: left out, not counted as 0
+        (0.1, "claa", 1, 0.5, 2),
+        (0.1, "fastkv", 0, 0.25, 2),
+        (0.2, "claa", 0, 1.0, 1),
+    ]
+    figure = figures.needle_recall_figure(cells)
+    titles = [annotation.text for annotation in figure.layout.annotations]
+    assert titles == ["needle recall in each method's top 10%", "needle recall in each method's top 20%"]
+    first, second = figure.data
+    assert (list(first.x), list(first.y)) == ([0, 1], ["claa", "fastkv"])
+    np.testing.assert_array_equal(first.z, [[0.75, 0.5], [0.25, np.nan]])
+    assert (list(second.y), second.meta) == (["claa"], {"needle_keep": 0.2})
+    np.testing.assert_array_equal(second.z, [[1.0]])
+
+
 def test_display_token_shows_whitespace_and_no_markup():
     assert figures.display_token("<br>\n") == "&lt;br&gt;⏎"
 
@@ -467,6 +495,27 @@ def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):
     assert out.stat().st_size > 4_000_000  # plotly.js inside
 
 
+def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_panel(tmp_path, store, monkeypatch):
+    from typer.testing import CliRunner
+
+    import rankkit.report
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+    from rankkit.eval.compare import compare_store
+
+    handed = []
+    monkeypatch.setattr(rankkit.report, "_needle_recall_panel", lambda comparisons, path: handed.append(comparisons) or rankkit.report.Panel("needle_recall", "", "", missing="-"))
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "0.1,0.2", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    ((low, high),) = handed
+    assert (low.keep, low.needle_keep, high.keep, high.needle_keep) == (0.1, 0.1, 0.2, 0.2)
+    direct = compare_store(store, keep=0.2, workers=1, detailed=False)
+    assert high.per_layer.equals(direct.per_layer)
+    refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "1.5", "--overwrite"])
+    assert isinstance(refused.exception, RankkitError) and not handed[1:]  # refused before any comparison
+
+
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):
     from typer.testing import CliRunner
 
@@ -509,17 +558,28 @@ needs_chromium = pytest.mark.skipif(
 def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_path, store):
     from rankkit import stores
 
-    page = write_dashboard(store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame())
+    page = write_dashboard(
+        store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame(), keeps=[0.1, 0.2]
+    )
     screenshot = tmp_path / "report.png"
     report = open_in_chromium(
         page, screenshot=screenshot, fragment="example=ex2&probe=lava&colour=score&layer=4&selftest"
     )
     status = report.status
     assert status["done"] and status["errors"] == []
-    assert set(status["panels"]) == {"spearman", "variance", "explorer", "needle", "tradeoff", "diffusion"}
+    assert set(status["panels"]) == {
+        "spearman",
+        "variance",
+        "explorer",
+        "needle_recall",
+        "needle",
+        "tradeoff",
+        "diffusion",
+    }
     for name, panel in status["panels"].items():
         assert not panel.get("missing"), name
         assert panel["visible_traces"] > 0 and panel["points"] > 0 and panel["svg_traces"] > 0, (name, panel)
+    assert status["panels"]["needle_recall"]["visible_traces"] == 2  # one heatmap per keep given
     # The explorer shows the picked example and probe: every layer's largest score, as float16.
     record = stores.open(store).example("ex2")
     start, end = 0, record.num_tokens - 8  # the prompt outside CLAA's observation window, as compare ranks
@@ -587,7 +647,7 @@ def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_sa
     status = open_in_chromium(write_dashboard(store, tmp_path / "report.html"), fragment="selftest").status
     assert status["done"] and status["errors"] == []
     missing = {name for name, panel in status["panels"].items() if panel.get("missing")}
-    assert missing == {"spearman", "variance", "needle", "tradeoff", "diffusion"}
+    assert missing == {"spearman", "variance", "needle_recall", "needle", "tradeoff", "diffusion"}
     assert "rankkit oracle" in status["panels"]["spearman"]["text"]
     assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
 

@@ -244,6 +244,12 @@ def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
         )
     ]
     assert json.loads(result.stdout)[0] == layer_summary(frame).to_dicts()[0]
+    as_csv = CliRunner().invoke(app, ["diffusion", "--data", "niah:n=1,length=512", "--format", "csv"])
+    rows = layer_summary(frame).to_dicts()
+    assert as_csv.stdout.splitlines() == [
+        ",".join(rows[0]),
+        *(",".join("" if value is None else str(value) for value in row.values()) for row in rows),
+    ]
     table = CliRunner().invoke(app, ["diffusion", "--data", "niah:n=1,length=512"])
     assert table.exit_code == 0 and "Evidence removed from layer l on" in table.stdout
     assert "KL 1st token" in table.stdout

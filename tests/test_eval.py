@@ -3,6 +3,8 @@ against slow loops of the papers' pseudo-code, and `rankkit compare` / `variance
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import signal
@@ -807,6 +809,15 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+    as_csv = cli(
+        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--l-min", 1, "--l-obs", 2, "--format", "csv"
+    )
+    lines = list(csv.DictReader(io.StringIO(as_csv.stdout)))
+    assert [line["example"] for line in lines] == ["ex0", "ex1", "ex2"]
+    for line, row in zip(lines, rows, strict=True):  # lists and mappings whole, as compact JSON
+        assert json.loads(line["relative_variance"]) == row["relative_variance"]
+        assert json.loads(line["selection_layer"]) == row["selection_layer"]
+        assert line["min_layer"] == str(row["min_layer"])
 
 
 @pytest.mark.parametrize(
@@ -884,6 +895,25 @@ def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
     assert result.stderr == (
         f"rankkit: error: store {path} has no oracle; run `rankkit oracle {path}` first (or pass --no-oracle)\n"
     )
+
+
+def test_cli_compare_and_select_as_csv_are_the_json_rows_whole(cli, store_path):
+    as_json = json.loads(cli("compare", store_path, "--methods", "window:w=8", "--format", "json").stdout)
+    assert as_json == json.loads(cli("compare", store_path, "--methods", "window:w=8", "--json").stdout)
+    table = cli("compare", store_path, "--methods", "window:w=8", "--format", "csv")
+    assert table.exit_code == 0, table.output
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    assert list(rows[0]) == list(as_json[0])
+    assert len(rows) == len(as_json)
+    for line, row in zip(rows, as_json, strict=True):
+        assert line == {key: "" if value is None else str(value) for key, value in row.items()}
+    chosen = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--format", "csv")
+    lines = chosen.stdout.splitlines()
+    assert lines[0] == "example_id,method,layer,budget_tokens,selected_positions"
+    selected = json.loads(cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json").stdout)
+    assert lines[1] == "ex0,fastkv,2,12,\"" + json.dumps(selected[0]["selected_positions"], separators=(",", ":")) + "\""
+    both = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--json", "--format", "csv")
+    assert isinstance(both.exception, RankkitError) and "--json is --format json" in str(both.exception)
 
 
 def test_cli_select_prints_each_examples_kept_positions(cli, store_path):

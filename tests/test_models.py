@@ -158,3 +158,8 @@ def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_nam
     assert payload["default_model"].startswith(str(tmp_path / "models" / models.DEFAULT_MODEL_NAME))
     assert [row["folder"] for row in payload["models"]] == [str(done)]
     assert payload["models"][0]["default"] is False
+    as_csv = CliRunner().invoke(app, ["models", "--format", "csv"])
+    assert as_csv.stdout.splitlines() == [
+        "folder,weights_hash,source,size_bytes,default",
+        f"{done},{'ab' * 32},tiny.gguf,{1000 + len(record)},False",
+    ]

@@ -704,6 +704,14 @@ def test_cli_store_info(filled):
     as_json = runner.invoke(app, ["store", "info", str(filled.path), "--json"])
     assert as_json.exit_code == 0, as_json.output
     assert json.loads(as_json.output) == stores.describe(filled.path)
+    assert runner.invoke(app, ["store", "info", str(filled.path), "--format", "json"]).output == as_json.output
+    as_csv = runner.invoke(app, ["store", "info", str(filled.path), "--format", "csv"])
+    assert as_csv.exit_code == 0, as_csv.output
+    lines = as_csv.output.splitlines()
+    assert lines[0] == "key,value"
+    assert {"examples.complete,3", "examples.with_oracle,2", "probes.fastkv.tokens_min,12", "groups,{}"} <= set(lines)
+    assert f"run_meta.model.config.num_hidden_layers,{LAYERS}" in lines
+    assert 'run_meta.dataset.tasks,"[""niah_single_1""]"' in lines
 
     tables = runner.invoke(app, ["store", "info", str(filled.path)], env={"COLUMNS": "160"})
     assert tables.exit_code == 0, tables.output

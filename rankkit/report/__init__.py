@@ -72,12 +72,14 @@ def write_dashboard(
     overwrite: bool = False,
     workers: int | None = None,
     explore: Sequence[str] | None = None,
+    keeps: Sequence[float] = (KEEP_RATES[0],),
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), or several of them
     (one per run of the store's model), drawn side by side (``_benches``); ``diffusion`` the
-    one ``rankkit diffusion --out`` writes; ``workers`` processes compute the rankings (see
+    one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates the store is compared at (the
+    Spearman panel shows the first, the needle recall panel one heatmap each); ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
     evenly spaced sample of that many beyond, so a large store's page stays small and quick.
@@ -100,7 +102,7 @@ def write_dashboard(
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
-        page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers)
+        page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers, keeps)
     return outputs.write_text(render(page), out_path)
 
 
@@ -178,8 +180,9 @@ def _page(
     bench: pl.DataFrame | None,
     diffusion: pl.DataFrame | None,
     workers: int | None,
+    compared_keeps: Sequence[float],
 ) -> Page:
-    from rankkit.eval.compare import compare_store
+    from rankkit.eval.compare import compare_keeps
     from rankkit.eval.offline import recorded_model
     from rankkit.eval.variance import variance_store
     from rankkit.methods import make
@@ -190,7 +193,11 @@ def _page(
     probes = sorted({probe for record in records for probe in record.probes})
     has_oracle = any(record.has_oracle for record in records)
     # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
-    comparison = compare_store(store, workers=workers, detailed=False) if has_oracle else None
+    # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
+    comparisons = (
+        compare_keeps(store, compared_keeps, workers=workers, detailed=False) if has_oracle else []
+    )
+    comparison = comparisons[0] if comparisons else None
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
     variance = variance_store(store, workers=workers) if ASL_PROBE in probes else None
@@ -217,6 +224,7 @@ def _page(
         _explorer_panel(
             explored, probe, layer, keep, max_bins, _unexplored_note(records, explored, store_path)
         ),
+        _needle_recall_panel(comparisons, store_path),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
         _diffusion_panel(diffusion, diffusion_metrics, layer),
@@ -404,6 +412,26 @@ def _explorer_panel(records, probe: str, layer: int, keep: float, max_bins: int,
     # The page draws the explorer from the compact per-example arrays; the figure ships its look only.
     figure.update_traces(z=[], customdata=None, text=None)
     return Panel("explorer", "Token-score explorer", caption, figure)
+
+
+def _needle_recall_panel(comparisons, store_path) -> Panel:
+    title = "Needle recall per layer"
+    caption = (
+        "Share of each example's evidence tokens in the method's top tokens at every layer, averaged over "
+        "the examples with evidence; one heatmap per keep rate the store was compared at "
+        "(dashboard --keep 0.1,0.2; compare's needle_keep)."
+    )
+    if not comparisons:
+        return Panel(
+            "needle_recall",
+            title,
+            caption,
+            missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store_path}')}.",
+        )
+    cells = figures.needle_recall_frame(pl.concat([each.per_layer for each in comparisons], how="diagonal"))
+    if cells.is_empty():
+        return Panel("needle_recall", title, caption, missing="No example of the store has evidence spans.")
+    return Panel("needle_recall", title, caption, figures.needle_recall_figure(cells), numbers=cells)
 
 
 def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:

@@ -749,6 +749,62 @@ def needle_figure(
     return _style(figure, "Needle in a haystack: depth x length per method (CLAA Fig. 3)", 300 * rows + 110)
 
 
+def needle_recall_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
+    """Mean needle recall over the examples that have evidence, per needle keep, method and layer,
+    from ``CompareResult.per_layer`` frames of one or more keeps (``compare_keeps``)."""
+    return (
+        per_layer.filter(pl.col("needle_recall").is_not_null())
+        .group_by("needle_keep", "method", "layer")
+        .agg(pl.col("needle_recall").mean(), pl.len().alias("n_examples"))
+        .sort("needle_keep", "method", "layer")
+    )
+
+
+def needle_recall_figure(cells: pl.DataFrame) -> go.Figure:
+    """Method x layer heatmap of ``needle_recall_frame``'s mean needle recall, one per needle keep,
+    each titled with the share of top tokens the evidence is counted in."""
+    needle_keeps = sorted(cells["needle_keep"].unique())
+    methods = sorted(cells["method"].unique())
+    figure = make_subplots(
+        rows=len(needle_keeps),
+        cols=1,
+        subplot_titles=[f"needle recall in each method's top {keep:.0%}" for keep in needle_keeps],
+        vertical_spacing=0.12 if len(needle_keeps) > 1 else 0.1,
+    )
+    for index, needle_keep in enumerate(needle_keeps):
+        grid = (
+            cells.filter(pl.col("needle_keep") == needle_keep)
+            .pivot(on="layer", index="method", values="needle_recall", sort_columns=True)
+            .sort("method")
+        )
+        layers = [int(name) for name in grid.columns if name != "method"]
+        figure.add_trace(
+            go.Heatmap(
+                x=layers,
+                y=grid["method"].to_list(),
+                z=grid.drop("method").to_numpy().astype(np.float64),
+                zmin=0,
+                zmax=1,
+                colorscale="RdYlGn",
+                showscale=index == 0,
+                colorbar={"title": {"text": "mean over examples"}, "thickness": 12},
+                name=f"needle keep {needle_keep:g}",
+                meta={"needle_keep": needle_keep},
+                xgap=1,
+                ygap=1,
+                hovertemplate=f"<b>%{{y}}</b>, top {needle_keep:.0%}<br>layer %{{x}}"
+                "<br>needle recall %{z:.2f}<extra></extra>",
+            ),
+            row=index + 1,
+            col=1,
+        )
+    figure.update_xaxes(title_text="layer")
+    figure.update_yaxes(type="category", categoryorder="array", categoryarray=methods[::-1])
+    return _style(
+        figure, "Needle recall per layer at each keep rate", (24 * len(methods) + 90) * len(needle_keeps) + 80
+    )
+
+
 # -- accuracy vs TTFT (CLAA Fig. 4) ---------------------------------------------------------------
 
 

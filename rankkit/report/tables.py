@@ -1,4 +1,5 @@
-"""Polars frames as rich tables for the terminal, readable at 80 columns.
+"""Polars frames as rich tables for the terminal, readable at 80 columns, and a command's rows as
+CSV or JSON (``--format``) for scripts.
 
 Metric columns get short headers, and the table's caption is the legend of the ones it
 shows. No cell or header is ever cut with an ellipsis.
@@ -6,7 +7,11 @@ shows. No cell or header is ever cut with an ellipsis.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import csv
+import io
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import polars as pl
 from rich.table import Table
@@ -30,7 +35,10 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "n_clusters": ("ind.", "independent samples: examples sharing a haystack or needle count once"),
     "difference": ("Δρ", "mean paired difference method - baseline"),
     "p_value": ("p", "Wilcoxon signed-rank p-value of the difference"),
-    "higher_layers": ("sig.↑", "layers where the method is higher with p < 0.05 (of the layers both methods have)"),
+    "higher_layers": (
+        "sig.↑",
+        "layers where the method is higher with p < 0.05 (of the layers both methods have)",
+    ),
     "lower_layers": ("sig.↓", "layers where the method is lower with p < 0.05"),
     "accuracy": ("acc", "share of answers with full marks"),
     "answer_logprob": ("log p", "log-probability of the reference answer, teacher-forced"),
@@ -110,3 +118,44 @@ def _cell(value, digits: int) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+FORMATS = ("table", "csv", "json")
+
+
+def rows_text(rows: Sequence[Mapping[str, Any]], table_format: str, whole: Any = None) -> str:
+    """A command's rows as ``table_format`` (csv or json), every value whole.
+
+    csv: a header of every key in the order the rows first name it, then one line per row;
+    a missing or null value is an empty field, a list or mapping its compact JSON. json: ``whole``
+    (what the command's ``--json`` prints, when that is more than its rows), else the rows.
+    """
+    if table_format == "json":
+        return json.dumps(rows if whole is None else whole, indent=2)
+    if table_format != "csv":
+        raise ValueError(f"rows are written as csv or json, not {table_format!r}")
+    header = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow(_field(row.get(key)) for key in header)
+    return buffer.getvalue().rstrip("\n")
+
+
+def flat_rows(mapping: Mapping[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    """A nested mapping as key/value rows, nested keys joined by dots (``examples.complete``)."""
+    rows = []
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            rows += flat_rows(value, f"{name}.")
+        else:
+            rows.append({"key": name, "value": value})
+    return rows
+
+
+def _field(value: Any) -> Any:
+    if isinstance(value, Mapping | list | tuple):
+        return json.dumps(value, separators=(",", ":"))
+    return "" if value is None else value
