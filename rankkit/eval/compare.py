@@ -253,7 +253,9 @@ def evaluate_example(
             for n in (n for n in CLAA_SWEEP if n <= num_layers):  # n past the depth is refused
                 layers, columns = scored(replace(method, aggregation_window=n), False)
                 without_kendall = {
-                    name: values for name, values in columns.items() if name not in ("kendall", "evidence_kept")
+                    name: values
+                    for name, values in columns.items()
+                    if name not in ("kendall", "evidence_kept")
                 }
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
     return per_layer, per_head, sweep
@@ -279,7 +281,9 @@ def with_evidence_kept(
     if not reference.evidence.any():
         return columns
     try:
-        selection = method.select_offline(captured(record, method, layout), Budget.parse(reference.needle_keep))
+        selection = method.select_offline(
+            captured(record, method, layout), Budget.parse(reference.needle_keep)
+        )
     except RankkitError:  # a per-head (KV-only) method keeps no one set without a layer named
         return columns
     if not isinstance(selection.positions, torch.Tensor) or selection.positions.ndim != 1:
