@@ -949,3 +949,11 @@ def test_evidence_kept_counts_the_selection_and_needle_recall_the_ranking(result
     assert kept == {("claa", 3): 0.0, ("fastkv", 3): 0.0, ("gemfilter", 3): 0.0, ("specprefill", None): 1.0}
     fastkv = rows.filter((pl.col("method") == "fastkv") & (pl.col("layer") == 3)).row(0, named=True)
     assert fastkv["needle_recall"] == 1.0
+
+
+def test_a_compare_frame_written_before_example_id_reads_with_it(result):
+    from rankkit.eval.compare import with_example_id
+
+    older = result.per_layer.rename({"example_id": "example"})
+    assert with_example_id(older).equals(result.per_layer)
+    assert with_example_id(result.per_layer).equals(result.per_layer)

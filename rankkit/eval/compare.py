@@ -407,6 +407,12 @@ def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int)
     return frame.with_columns(keep=pl.lit(keep), needle_keep=pl.lit(needle_keep))
 
 
+def with_example_id(frame: pl.DataFrame) -> pl.DataFrame:
+    """A compare frame read back from a parquet, with the example column named ``example_id`` even
+    when it was written before compare named it so (``example``)."""
+    return frame.rename({"example": EXAMPLE_ID}) if "example" in frame.columns else frame
+
+
 CLUSTER = "cluster"  # per_layer's column naming each example's cluster, where the store records them
 
 
