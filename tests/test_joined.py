@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 import torch
 from conftest import tiny_model
+from test_bench import DigitTokenizer
 
 from rankkit import stores
 from rankkit.bench import BenchSettings, run_bench
@@ -23,11 +24,6 @@ TOKENS = 320
 EVIDENCE = (200, 208)  # in a block SlimInfer's first pruning layer may keep, far from the window
 WEIGHTS = "a" * 64
 PROMPT_PRUNING = ["gemfilter", "fastkv", "claa", "asl", "sliminfer"]
-
-
-class DigitTokenizer:
-    def decode(self, tokens, **kwargs):
-        return " ".join(str(token) for token in tokens)
 
 
 def _example(index: int) -> tuple[Example, Prompt]:
