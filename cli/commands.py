@@ -9,6 +9,7 @@ from rankkit.cli import (
     models_cmd,  # noqa: F401
     overhead_cmd,  # noqa: F401
     prefill_cmd,  # noqa: F401
+    report_cmd,  # noqa: F401
     run_cmd,  # noqa: F401
     select_cmd,  # noqa: F401
     store_cmd,  # noqa: F401

@@ -149,7 +149,7 @@ def _two_tasks_per_layer() -> pl.DataFrame:
     """Spearman per example and layer: fastkv and window alike in task t1, fastkv alone in t2."""
     return pl.DataFrame(
         {
-            "example": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
+            "example_id": ["a", "a", "b", "b", "a", "a", "b", "b", "c", "c"],
             "task": ["t1"] * 8 + ["t2"] * 2,
             "method": ["fastkv"] * 4 + ["window"] * 4 + ["fastkv"] * 2,
             "layer": [0, 1, 0, 1] * 2 + [0, 1],

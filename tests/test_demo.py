@@ -69,8 +69,8 @@ def test_demo_parquets_read_back_with_their_columns_and_rows(demo_run):
     written = _written(stdout)
 
     compare = pl.read_parquet(written["compare"])
-    assert {"example", "layer", "spearman"} <= set(compare.columns)
-    assert compare["example"].n_unique() == DEMO_EXAMPLES
+    assert {"example_id", "layer", "spearman"} <= set(compare.columns)
+    assert compare["example_id"].n_unique() == DEMO_EXAMPLES
     assert (
         compare["spearman"].drop_nulls().is_between(-1, 1).all()
         and compare["spearman"].drop_nulls().len() > 0

@@ -463,10 +463,12 @@ def test_compare_without_detail_is_the_same_per_layer_rows_without_kendall(store
 
 
 def test_compare_frames_have_the_documented_columns(result):
-    metrics = ["spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall"]
+    metrics = [
+        "spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "evidence_kept"
+    ]  # fmt: skip
     keeps = ["keep", "needle_keep"]
     assert result.per_layer.columns == [
-        "example",
+        "example_id",
         "task",
         "method",
         "layer",
@@ -474,9 +476,9 @@ def test_compare_frames_have_the_documented_columns(result):
         "adjacent_spearman",
         *keeps,
     ]
-    assert result.per_head.columns == ["example", "task", "method", "layer", "head", "spearman", *keeps]
+    assert result.per_head.columns == ["example_id", "task", "method", "layer", "head", "spearman", *keeps]
     assert result.sweep.columns == [
-        "example", "task", "method", "claa_layers", "layer",
+        "example_id", "task", "method", "claa_layers", "layer",
         "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman", *keeps,
     ]  # fmt: skip
     stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
@@ -490,7 +492,7 @@ def test_compare_frames_have_the_documented_columns(result):
         "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high", "p_value",
         "n_examples", "n_clusters", *keeps,
     ]  # fmt: skip
-    assert result.per_layer["example"].dtype == pl.Categorical
+    assert result.per_layer["example_id"].dtype == pl.Categorical
 
 
 def test_compare_known_answers(result):
@@ -511,8 +513,8 @@ def test_compare_known_answers(result):
     # the prompt span leaves the window out, so GemFilter's forced last token does not show
     assert (
         per_layer.filter(pl.col("method") == "gemfilter")
-        .drop("method")
-        .equals(per_layer.filter(pl.col("method") == "last_token_raw").drop("method"))
+        .drop("method", "evidence_kept")  # a probe keeps nothing; gemfilter's selection does
+        .equals(per_layer.filter(pl.col("method") == "last_token_raw").drop("method", "evidence_kept"))
     )
     assert set(result.sweep["method"]) == {f"claa-n{n}" for n in CLAA_SWEEP if n <= LAYERS}
 
@@ -531,11 +533,11 @@ def test_compare_ranks_every_method_by_its_offline_face(store_path):
     captured = Captured({"window": torch.from_numpy(record.scores("window"))}, LAYERS, TOKENS)
     rankings = make("claa", aggregation_window=2).layer_rankings(captured, Budget.from_keep(0.1))
     rows = chosen.per_layer.filter(
-        (pl.col("example") == "ex1") & (pl.col("method") == "claa:aggregation_window=2")
+        (pl.col("example_id") == "ex1") & (pl.col("method") == "claa:aggregation_window=2")
     ).sort("layer")
     expected = [spearman(rankings[layer].numpy()[context], oracle) for layer in range(LAYERS)]
     assert same(rows["spearman"].to_numpy(), expected)
-    recency = chosen.per_layer.filter((pl.col("example") == "ex1") & (pl.col("method") == "streamingllm"))
+    recency = chosen.per_layer.filter((pl.col("example_id") == "ex1") & (pl.col("method") == "streamingllm"))
     assert recency.height == LAYERS  # KV-only: one ranking per layer
 
 
@@ -549,16 +551,16 @@ def test_compare_ranks_only_the_context(store_path):
     lava = record.scores("lava")[:, :, context]
     layer_scores, oracle = lava.sum(axis=1), record.oracle[context]
     evidence = spans_mask([[start - CONTEXT[0], end - CONTEXT[0]] for start, end in EVIDENCE], 45)
-    rows = result.per_layer.filter((pl.col("example") == "ex1") & (pl.col("method") == "lava")).sort("layer")
+    rows = result.per_layer.filter((pl.col("example_id") == "ex1") & (pl.col("method") == "lava")).sort("layer")
     assert same(rows["spearman"].to_numpy(), spearman(layer_scores, oracle))
     assert same(rows["kendall"].to_numpy(), kendall(layer_scores, oracle))
     assert same(rows["recall_at_20"].to_numpy(), topk_recall(layer_scores, oracle, 0.2))
     assert same(rows["needle_recall"].to_numpy(), needle_recall(layer_scores, evidence, 0.1))
     adjacent = [spearman(layer_scores[layer], layer_scores[layer - 1]) for layer in range(1, LAYERS)]
     assert rows["adjacent_spearman"][0] is None and same(rows["adjacent_spearman"][1:].to_numpy(), adjacent)
-    heads = result.per_head.filter((pl.col("example") == "ex1") & (pl.col("method") == "lava"))
+    heads = result.per_head.filter((pl.col("example_id") == "ex1") & (pl.col("method") == "lava"))
     assert same(heads.sort("layer", "head")["spearman"].to_numpy(), spearman(lava, oracle).reshape(-1))
-    claa = result.sweep.filter((pl.col("example") == "ex1") & (pl.col("method") == "claa-n2")).sort("layer")
+    claa = result.sweep.filter((pl.col("example_id") == "ex1") & (pl.col("method") == "claa-n2")).sort("layer")
     window = record.scores("window")
     deferred = make("claa").bind(LAYERS).deferred_layers
     expected = [spearman(slow_claa(window, layer, 2, deferred)[context], oracle) for layer in range(LAYERS)]
@@ -571,7 +573,7 @@ def test_compare_prompt_span_leaves_out_the_observation_window(store_path, resul
     record = stores.open(store_path).example("ex0")
     prompt = slice(0, TOKENS - 8)
     lava = record.scores("lava")[:, :, prompt].sum(axis=1)
-    rows = result.per_layer.filter((pl.col("example") == "ex0") & (pl.col("method") == "lava")).sort("layer")
+    rows = result.per_layer.filter((pl.col("example_id") == "ex0") & (pl.col("method") == "lava")).sort("layer")
     assert same(rows["spearman"].to_numpy(), spearman(lava, record.oracle[prompt]))
 
 
@@ -588,7 +590,7 @@ def test_needle_recall_counts_the_evidence_in_the_keep_asked_and_says_which(stor
         result = compare_store(
             store_path, methods=["lava"], keep=keep, needle_keep=needle_keep, detailed=False
         )
-        rows = result.per_layer.filter(pl.col("example") == "ex0").sort("layer")
+        rows = result.per_layer.filter(pl.col("example_id") == "ex0").sort("layer")
         assert same(rows["needle_recall"].to_numpy(), needle_recall(lava, evidence, counted))
         for frame in (result.summary, result.curve):
             assert frame.select("keep", "needle_keep").unique().rows() == [(keep, counted)]
@@ -629,11 +631,11 @@ def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
     ]
     lava = result.summary.row(by_predicate=pl.col("method") == "lava", named=True)
     assert (lava["n_examples"], lava["n_clusters"]) == (4, 2)
-    at_layer = result.per_layer.filter((pl.col("method") == "lava") & (pl.col("layer") == 2)).sort("example")
+    at_layer = result.per_layer.filter((pl.col("method") == "lava") & (pl.col("layer") == 2)).sort("example_id")
     _, low, high, _ = bootstrap_means(at_layer["spearman"].to_numpy()[:, None], np.array([0, 0, 0, 1]))
     assert (lava["spearman_ci_low"], lava["spearman_ci_high"]) == pytest.approx((low[0], high[0]))
     baseline = result.per_layer.filter((pl.col("method") == "last_token_raw") & (pl.col("layer") == 2)).sort(
-        "example"
+        "example_id"
     )
     pair = result.pairs.row(by_predicate=pl.col("layer") == 2, named=True)
     expected = paired_difference(
@@ -962,3 +964,26 @@ def test_unscored_tokens_rank_last_and_tied():
     assert descending_ranks(scores).tolist() == descending_ranks(same).tolist() == [[1, 3, 2, 4, 0]]
     reference = np.array([1.0, 0.0, 2.0, 3.0, 4.0])
     assert kendall(scores, reference)[0] == pytest.approx(stats.kendalltau(same[0], reference).statistic)
+
+
+def test_evidence_kept_counts_the_selection_and_needle_recall_the_ranking(result):
+    """At keep 0.1 of 60 tokens fastkv and claa keep only their 8-token window: the evidence (20-24),
+    the ranking's top 6 tokens (needle_recall 1), is outside what they keep (evidence_kept 0);
+    SpecPrefill keeps its draft's top 6, the evidence among them."""
+    rows = result.per_layer.filter(pl.col("example_id") == "ex0")
+    kept = {
+        (row["method"], row["layer"]): row["evidence_kept"]
+        for row in rows.to_dicts()
+        if row["evidence_kept"] is not None
+    }
+    assert kept == {("claa", 3): 0.0, ("fastkv", 3): 0.0, ("gemfilter", 3): 0.0, ("specprefill", None): 1.0}
+    fastkv = rows.filter((pl.col("method") == "fastkv") & (pl.col("layer") == 3)).row(0, named=True)
+    assert fastkv["needle_recall"] == 1.0
+
+
+def test_a_compare_frame_written_before_example_id_reads_with_it(result):
+    from rankkit.eval.compare import with_example_id
+
+    older = result.per_layer.rename({"example_id": "example"})
+    assert with_example_id(older).equals(result.per_layer)
+    assert with_example_id(result.per_layer).equals(result.per_layer)

@@ -19,7 +19,7 @@ def test_the_tour_is_small_enough_for_five_minutes_and_writes_only_under_runs_to
     assert [line[:2] for line in commands] == [
         ["rankkit", "generate"], ["rankkit", "capture"], ["rankkit", "store"], ["rankkit", "store"],
         ["rankkit", "compare"], ["rankkit", "select"], ["rankkit", "variance"], ["rankkit", "prefill"],
-        ["rankkit", "bench"], ["rankkit", "diffusion"], ["rankkit", "dashboard"],
+        ["rankkit", "bench"], ["rankkit", "report"], ["rankkit", "diffusion"], ["rankkit", "dashboard"],
     ]  # fmt: skip
     for line in commands:
         for option, value in zip(line, line[1:], strict=False):

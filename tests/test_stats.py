@@ -83,7 +83,7 @@ def test_wilson_interval_is_the_formula(successes, trials):
 def test_mean_intervals_per_group_wilson_for_right_or_wrong_scores():
     frame = pl.DataFrame(
         {
-            "example": ["a", "b", "c", "d"] * 2,
+            "example_id": ["a", "b", "c", "d"] * 2,
             "method": ["x"] * 4 + ["y"] * 4,
             "score": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, None],
             "ratio": [0.5, 0.6, 0.55, 0.7, 0.2, 0.25, 0.3, 0.35],
@@ -192,7 +192,7 @@ def test_compare_pairs_claa_with_each_single_layer_heuristic_by_wilcoxon(compari
     row = pairs.filter((pl.col("baseline") == "gemfilter") & (pl.col("layer") == 3)).row(0, named=True)
     per_layer = comparison.per_layer.filter(pl.col("layer") == 3)
     claa, gemfilter = (
-        per_layer.filter(pl.col("method") == name).sort("example")["spearman"]
+        per_layer.filter(pl.col("method") == name).sort("example_id")["spearman"]
         for name in ("claa", "gemfilter")
     )
     differences = (claa - gemfilter).to_numpy()
@@ -280,7 +280,7 @@ def test_the_cluster_bootstrap_draws_whole_clusters_and_needs_two_of_them():
 def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_collapse():
     frame = pl.DataFrame(
         {
-            "example": ["a", "b", "c", "d"],
+            "example_id": ["a", "b", "c", "d"],
             "cluster": ["sweep", "sweep", "sweep", "other"],
             "score": [0.0, 0.0, 0.0, 0.0],  # partial credit (0, 0.5, 1) that came out 0 everywhere
             "credit": [0.5, 0.0, 0.5, 1.0],

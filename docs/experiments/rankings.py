@@ -23,7 +23,7 @@ from pathlib import Path
 import polars as pl
 from findings import FINDINGS, cell_frame, rewrite_section, run_experiment
 
-from rankkit.eval.compare import pairs_at_layer
+from rankkit.eval.compare import pairs_at_layer, with_example_id
 from rankkit.eval.stats import interval_columns, with_interval
 from rankkit.experiment import DataCell
 
@@ -37,9 +37,9 @@ def cell(row: dict, metric: str) -> str:
 
 def task_section(out: Path, data: DataCell) -> str:
     """One task's tables from the sweep's compare and variance parquets."""
-    per_layer = pl.read_parquet(out / "compare.parquet").filter(pl.col("cell") == data.name)
+    per_layer = with_example_id(pl.read_parquet(out / "compare.parquet")).filter(pl.col("cell") == data.name)
     pruning_layer = per_layer["pruning_layer"][0]
-    n = per_layer["example"].n_unique()
+    n = per_layer["example_id"].n_unique()
     lines = [f"### {data.dataset} (n = {n}, {data.length:,} tokens)", ""]
     lines += [
         f"At each method's own layer (probes and KV-only methods at l_p = {pruning_layer}); "

@@ -18,15 +18,18 @@ window (CLAA Sec. 3.1 ranks the prompt; the window is kept by every method, so r
 says nothing), or "context", the context span (``spans.context_tokens``) when the example
 has one. The window is CLAA's (W = 8).
 
-Frames (tidy; ``example`` is Categorical like the store's frames; NaN-free, undefined = null):
+Frames (tidy; ``example_id``, the key bench's rows share, is Categorical like the store's frames;
+NaN-free, undefined = null):
 
-per_layer  example, task, method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40,
-           needle_recall, adjacent_spearman, keep, needle_keep, and cluster where the store's
+per_layer  example_id, task, method, layer, spearman, kendall, recall_at_10, recall_at_20, recall_at_40,
+           needle_recall (the evidence in the ranking's top needle_keep), evidence_kept (at a
+           prompt-pruning method's selection layer: the evidence its selection keeps at needle_keep,
+           as bench's evidence_kept counts online), adjacent_spearman, keep, needle_keep, and cluster where the store's
            examples name one (``with_clusters``)
-per_head   example, task, method, layer, head, spearman                       (probes only)
-sweep      example, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
+per_head   example_id, task, method, layer, head, spearman                       (probes only)
+sweep      example_id, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
-curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall) its mean
+curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall, evidence_kept) its mean
            over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples (and
            n_clusters, the independent samples, where per_layer has clusters)
 stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
@@ -81,16 +84,16 @@ from .offline import (
     split_names,
 )
 from .parallel import checked_workers, map_examples
-from .stats import interval_columns, made_ahead, mean_intervals, paired_differences
+from .stats import EXAMPLE_ID, interval_columns, made_ahead, mean_intervals, paired_differences
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
 
-from .ranking import Ranked, keep_count, row_metrics, spans_mask
+from .ranking import Ranked, keep_count, overlap_share, row_metrics, spans_mask
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
-METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall")
+METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall", "evidence_kept")
 
 CLAA = "claa"
 CLAA_SWEEP = (1, 2, 4, 8)  # CLAA Table 4 explores n up to 12; 8 already spans a quarter of a 32-layer model
@@ -136,6 +139,7 @@ class Reference:
         num_tokens = evidence.shape[0]
         self.oracle = oracle
         self.evidence = evidence
+        self.needle_keep = needle_keep
         self.needle_k = keep_count(needle_keep, num_tokens)
         self.recall_ks = [keep_count(rate, num_tokens) for rate in KEEP_RATES]
         self.oracle_ranked = None if oracle is None else Ranked(oracle)
@@ -185,6 +189,7 @@ class Reference:
                 for index, name in enumerate(RECALL_COLUMNS)
             },
             "needle_recall": found["evidence"],
+            "evidence_kept": np.full(len(overlap), np.nan),  # a selection's, not a ranking's: see below
             "adjacent_spearman": found["chained"],
         }
 
@@ -242,19 +247,61 @@ def evaluate_example(
 
     for label, method in methods.items():
         layers, columns = scored(method, detailed)
+        columns = with_evidence_kept(method, record, reference, ranked, layout, layers, columns)
         per_layer.add(label, layer=layers, **columns)
         if method.name == CLAA and detailed:
             for n in (n for n in CLAA_SWEEP if n <= num_layers):  # n past the depth is refused
                 layers, columns = scored(replace(method, aggregation_window=n), False)
-                without_kendall = {name: values for name, values in columns.items() if name != "kendall"}
+                without_kendall = {
+                    name: values
+                    for name, values in columns.items()
+                    if name not in ("kendall", "evidence_kept")
+                }
                 sweep.add(f"{CLAA}-n{n}", claa_layers=[n] * len(layers), layer=layers, **without_kendall)
     return per_layer, per_head, sweep
+
+
+def with_evidence_kept(
+    method: Method,
+    record,
+    reference: Reference,
+    ranked: slice,
+    layout: Mapping[str, Any] | None,
+    layers: list[int | None],
+    columns: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """``columns`` with ``evidence_kept`` at the layer a prompt-pruning method selects at: the share
+    of the evidence in the tokens its selection keeps at the needle keep (``select_offline``, what
+    its prefill keeps), the rule ``rankkit.bench.evidence_kept`` applies online, so the two faces
+    agree exactly. ``needle_recall`` counts the top needle-keep tokens of the ranking instead, a
+    ranking's measure at every layer: SlimInfer keeps whole blocks, its first block and a multiple
+    of the budget at its first pruning layer, so a needle in its fifth block is kept (evidence_kept
+    1) yet outside the ranking's top-k (needle_recall 0). KV-only methods keep a set per head and
+    have no one value here."""
+    if not reference.evidence.any():
+        return columns
+    try:
+        selection = method.select_offline(
+            captured(record, method, layout), Budget.parse(reference.needle_keep)
+        )
+    except RankkitError:  # a per-head (KV-only) method keeps no one set without a layer named
+        return columns
+    if not isinstance(selection.positions, torch.Tensor) or selection.positions.ndim != 1:
+        return columns
+    if selection.layer not in layers:
+        return columns
+    kept = np.zeros(ranked.stop - ranked.start, dtype=bool)
+    inside = selection.positions.numpy() - ranked.start
+    kept[inside[(inside >= 0) & (inside < kept.size)]] = True
+    evidence_kept = columns["evidence_kept"].copy()  # ``Reference.metrics`` shares its columns
+    evidence_kept[layers.index(selection.layer)] = overlap_share(kept, reference.evidence)
+    return {**columns, "evidence_kept": evidence_kept}
 
 
 class _Rows:
     """The rows of a frame, gathered method by method and example by example and built into one
     frame at the end: a frame per method, or per example, costs more than the metrics in it.
-    Columns: example and task (when examples were added, ``extend``), method, then the keyword
+    Columns: example_id and task (when examples were added, ``extend``), method, then the keyword
     columns in the order of the first ``add`` (integer ``layer``, ``head`` and ``claa_layers``,
     float metrics with NaN as null)."""
 
@@ -284,7 +331,7 @@ class _Rows:
         if self.examples:
             ids, tasks, counts = zip(*self.examples, strict=True)
             each_row = np.repeat(np.arange(len(ids)), counts)
-            series.append(pl.Series("example", ids, dtype=pl.String).gather(each_row).cast(pl.Categorical))
+            series.append(pl.Series(EXAMPLE_ID, ids, dtype=pl.String).gather(each_row).cast(pl.Categorical))
             series.append(pl.Series("task", tasks, dtype=pl.String).gather(each_row))
         for name, parts in self.columns.items():
             if name == "method":
@@ -360,6 +407,12 @@ def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int)
     return frame.with_columns(keep=pl.lit(keep), needle_keep=pl.lit(needle_keep))
 
 
+def with_example_id(frame: pl.DataFrame) -> pl.DataFrame:
+    """A compare frame read back from a parquet, with the example column named ``example_id`` even
+    when it was written before compare named it so (``example``)."""
+    return frame.rename({"example": EXAMPLE_ID}) if "example" in frame.columns else frame
+
+
 CLUSTER = "cluster"  # per_layer's column naming each example's cluster, where the store records them
 
 
@@ -368,14 +421,15 @@ def cluster_column(frame: pl.DataFrame) -> str | None:
     return CLUSTER if CLUSTER in frame.columns else None
 
 
-def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any]) -> pl.DataFrame:
+def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any], example: str = EXAMPLE_ID) -> pl.DataFrame:
     """``per_layer`` with each example's cluster (``meta["cluster"]``: examples sharing a haystack or
-    a needle, ``rankkit.data.niah``) when any example records one; an example without is its own."""
+    a needle, ``rankkit.data.niah``) when any example records one; an example without is its own.
+    ``example`` names the column holding the example ids."""
     named = {record.id: (record.attrs.get("meta") or {}).get(CLUSTER) for record in records}
     if not per_layer.height or not any(named.values()):
         return per_layer
-    clusters = {example: cluster or example for example, cluster in named.items()}
-    return per_layer.with_columns(pl.col("example").cast(pl.String).replace_strict(clusters).alias(CLUSTER))
+    clusters = {name: cluster or name for name, cluster in named.items()}
+    return per_layer.with_columns(pl.col(example).cast(pl.String).replace_strict(clusters).alias(CLUSTER))
 
 
 def default_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
@@ -416,12 +470,12 @@ def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl
     for method, baseline in pairs:
         both = (
             per_layer.filter(pl.col("method") == method)
-            .select("example", "layer", *([cluster] if cluster else []), pl.col("spearman").alias("first"))
+            .select(EXAMPLE_ID, "layer", *([cluster] if cluster else []), pl.col("spearman").alias("first"))
             .join(
                 per_layer.filter(pl.col("method") == baseline).select(
-                    "example", "layer", pl.col("spearman").alias("second")
+                    EXAMPLE_ID, "layer", pl.col("spearman").alias("second")
                 ),
-                on=["example", "layer"],
+                on=[EXAMPLE_ID, "layer"],
                 nulls_equal=True,
             )
             .sort("layer", nulls_last=True, maintain_order=True)
@@ -691,7 +745,7 @@ def compare_store(
             summary_layers[name] = getattr(method.bind(num_layers, layer_types), selection)
         else:  # every layer (KV-only): the probes' layer; one row per example (adaptive, draft): that row
             rows = per_layer.filter(pl.col("method") == name)
-            summary_layers[name] = default_layer if rows.height > rows["example"].n_unique() else None
+            summary_layers[name] = default_layer if rows.height > rows[EXAMPLE_ID].n_unique() else None
     return CompareResult(
         pruning_layer=default_layer,
         span=span,

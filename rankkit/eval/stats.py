@@ -172,12 +172,15 @@ def interval_columns(metric: str) -> tuple[str, str]:
     return f"{metric}_ci_low", f"{metric}_ci_high"
 
 
+EXAMPLE_ID = "example_id"  # the column naming each example in every per-example frame a user joins
+
+
 def mean_intervals(
     frame: pl.DataFrame,
     by: Sequence[str],
     metrics: Sequence[str],
     *,
-    example: str = "example",
+    example: str = EXAMPLE_ID,
     cluster: str | None = None,
     scores: Sequence[str] = (),
 ) -> pl.DataFrame:

@@ -66,7 +66,11 @@ def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
     return pl.concat(
         [
             mean_intervals(
-                task, ["task", "probe", "layer"], ["relative_variance"], cluster=cluster_column(task)
+                task,
+                ["task", "probe", "layer"],
+                ["relative_variance"],
+                example="example",
+                cluster=cluster_column(task),
             )
             for task in by_task
         ]
@@ -175,7 +179,7 @@ def variance_store(
         "tau": pl.Float64,
         "selection_layer": pl.Int32,
     }
-    curves = with_clusters(pl.concat(curve_frames), records)  # the means resample shared haystacks together
+    curves = with_clusters(pl.concat(curve_frames), records, example="example")  # the means resample shared haystacks together
     return VarianceResult(bound.min_layer, curves, pl.DataFrame(selection_rows, schema=selection_schema))
 
 

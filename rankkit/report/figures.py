@@ -21,7 +21,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from rankkit.eval.ranking import descending_ranks, keep_count
-from rankkit.eval.stats import interval_columns, mean_intervals
+from rankkit.eval.stats import EXAMPLE_ID, interval_columns, mean_intervals
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
 KNOWN_METHOD_COLORS = {
@@ -185,10 +185,10 @@ def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
     rows = per_layer.select(
         pl.col("method").cast(pl.String),
         pl.col("task").cast(pl.String),
-        pl.col("example").cast(pl.String),
+        pl.col(EXAMPLE_ID).cast(pl.String),
         "layer",
         pl.col("spearman").fill_nan(None),
-    ).sort("method", "task", "example", "layer", nulls_last=True)
+    ).sort("method", "task", EXAMPLE_ID, "layer", nulls_last=True)
     same: dict[tuple, list[str]] = {}
     for (method,), curve in rows.group_by("method", maintain_order=True):
         same.setdefault(tuple(curve.drop("method").iter_rows()), []).append(method)

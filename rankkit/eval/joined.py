@@ -1,0 +1,105 @@
+"""``rankkit report STORE --bench B.parquet``: the offline and end-to-end faces of each method in one
+table, joined per example on ``example_id``.
+
+Per method and keep rate (the bench's): Spearman with the oracle and needle recall at the method's
+own layer (``compare_store``'s ``summary_layers``), the evidence its offline selection keeps
+(``evidence_kept_offline``), and from the bench the evidence kept online (``evidence_kept``) and
+the accuracy; each with its 95% interval, ``n_examples`` and, where examples share a haystack or a
+needle, ``n_clusters`` (``rankkit.eval.stats.mean_intervals``). Offline and online evidence kept
+follow one rule (``compare.with_evidence_kept``, ``rankkit.bench.evidence_kept``) and agree exactly
+for every prompt-pruning method.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import polars as pl
+
+from rankkit.errors import RankkitError
+
+from .compare import CLUSTER, available_methods, compare_keeps
+from .stats import EXAMPLE_ID, mean_intervals
+
+OFFLINE_METRICS = ("spearman", "needle_recall", "evidence_kept_offline")
+ONLINE_METRICS = ("evidence_kept", "accuracy")
+KEYS = ("method", "keep")
+
+
+@dataclass(frozen=True)
+class Joined:
+    per_example: pl.DataFrame  # one row per (example_id, method, keep): both faces' values
+    summary: pl.DataFrame  # per method and keep: every metric's mean with its interval and n
+
+
+def join_store_and_bench(store_path: str | os.PathLike, bench_path: str | os.PathLike) -> Joined:
+    """The store's offline comparison at each keep rate of the bench ``bench_path``, joined with the
+    bench's rows of the same examples. A bench of another model, or without rows for the store's
+    examples or a keep rate, is refused."""
+    from rankkit import stores
+    from rankkit.report import _bench_frame
+
+    store = stores.open(store_path)
+    bench = _bench_frame(bench_path, store)
+    records = list(store.examples())
+    ids = {record.id for record in records}
+    online = bench.filter(pl.col(EXAMPLE_ID).is_in(ids) & pl.col("keep").is_not_null())
+    if not online.height:
+        raise RankkitError(
+            f"bench {bench_path} has no rows at a keep rate for the examples of store {store.path}; "
+            "bench the store's data with --keep"
+        )
+    probes = sorted({probe for record in records for probe in record.probes})
+    offline_faces = set(available_methods(probes, has_draft=False)) - set(probes)
+    methods = [name for name in online["method"].unique(maintain_order=True) if name in offline_faces]
+    keeps = sorted(online["keep"].unique())
+    offline = pl.DataFrame()
+    if methods:
+        results = compare_keeps(store, keeps, methods=methods, detailed=False)
+        offline = pl.concat([at_method_layers(result) for result in results], how="diagonal_relaxed")
+    per_example = online.select(
+        EXAMPLE_ID,
+        "task",
+        "method",
+        "keep",
+        *([CLUSTER] if CLUSTER in online.columns else []),
+        "evidence_kept",
+        pl.col("score").cast(pl.Float64).alias("accuracy"),
+    )
+    if offline.height:
+        per_example = per_example.join(offline, on=[EXAMPLE_ID, "method", "keep"], how="left")
+    else:
+        per_example = per_example.with_columns(
+            pl.lit(None, pl.Float64).alias(name) for name in OFFLINE_METRICS
+        )
+    clustered = CLUSTER in per_example.columns and per_example[CLUSTER].null_count() < per_example.height
+    if clustered:  # an example without a cluster is its own
+        per_example = per_example.with_columns(pl.col(CLUSTER).fill_null(pl.col(EXAMPLE_ID)))
+    summary = mean_intervals(
+        per_example,
+        list(KEYS),
+        [*OFFLINE_METRICS, *ONLINE_METRICS],
+        cluster=CLUSTER if clustered else None,
+        scores=["accuracy"],
+    )
+    return Joined(per_example, summary)
+
+
+def at_method_layers(result) -> pl.DataFrame:
+    """A ``CompareResult``'s per-example rows at each method's own layer (``summary_layers``)."""
+    rows = []
+    for method, layer in result.summary_layers.items():
+        chosen = result.per_layer.filter(pl.col("method") == method)
+        if layer is not None:
+            chosen = chosen.filter(pl.col("layer") == layer)
+        rows.append(chosen)
+    return pl.concat(rows).select(
+        pl.col(EXAMPLE_ID).cast(pl.String),
+        "method",
+        pl.col("keep").cast(pl.Float64),
+        pl.col("layer").alias("offline_layer"),
+        "spearman",
+        "needle_recall",
+        pl.col("evidence_kept").alias("evidence_kept_offline"),
+    )
