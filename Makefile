@@ -50,7 +50,8 @@ test: $(STAMP) browser lint imports jscheck
 # partial rankkit/ is not the one found.
 IMPORT_GRAPH := build/import-graph
 imports: $(STAMP)
-	rm -rf $(IMPORT_GRAPH)
+	# setuptools builds in build/lib and never removes a file deleted since: a stale copy would be linted
+	rm -rf $(IMPORT_GRAPH) build/lib build/bdist.*
 	$(BIN)/python -m pip install --quiet --no-deps --target $(IMPORT_GRAPH) .
 	cd $(IMPORT_GRAPH) && $(CURDIR)/$(BIN)/lint-imports --no-cache --config $(CURDIR)/pyproject.toml
 

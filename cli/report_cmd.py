@@ -20,7 +20,7 @@ def report(
     """Per method and keep rate: Spearman and needle recall at the method's layer, evidence kept offline
     and online, and accuracy, each with its 95% interval and n."""
     from rankkit import outputs
-    from rankkit.eval.joined import join_store_and_bench
+    from rankkit.report.joined import join_store_and_bench
 
     joined = join_store_and_bench(store, bench)
     if out is not None:

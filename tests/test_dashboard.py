@@ -519,9 +519,9 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):
     from typer.testing import CliRunner
 
+    from rankkit import stores
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import app
-    from rankkit import stores
     from rankkit.report import _benches
 
     (tmp_path / "8k").mkdir()

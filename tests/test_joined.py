@@ -14,10 +14,10 @@ from test_bench import DigitTokenizer
 from rankkit import stores
 from rankkit.bench import BenchSettings, run_bench
 from rankkit.data import Example
-from rankkit.eval.joined import join_store_and_bench
 from rankkit.methods import Budget, make
 from rankkit.probes import ProbeRecorder
 from rankkit.prompting import Prompt
+from rankkit.report.joined import join_store_and_bench
 from rankkit.runner import Runner
 
 TOKENS = 320

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import polars as pl
 
 from rankkit.errors import RankkitError
-
-from .compare import CLUSTER, available_methods, compare_keeps
-from .stats import EXAMPLE_ID, mean_intervals
+from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps
+from rankkit.eval.stats import EXAMPLE_ID, mean_intervals
 
 OFFLINE_METRICS = ("spearman", "needle_recall", "evidence_kept_offline")
 ONLINE_METRICS = ("evidence_kept", "accuracy")
