@@ -61,15 +61,14 @@ jscheck:
 	@command -v node >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs >/dev/null)
 	for script in rankkit/report/assets/*.js tests/assets/*.js; do node --check $$script || exit 1; done
 
-# Reruns (resuming, with `rankkit sweep`) the experiments of docs/experiments/*.toml and rewrites
-# docs/findings.md's tables from their parquets: the rankings (5 tasks x 50 examples of 2,048
-# tokens, about an hour on two cores) and the end-to-end grids (13 methods x 3 keep rates on one
-# example per task, and on 20 examples of two tasks at 1,024 tokens: about two hours more).
-# Not part of `make test`.
+# Reruns (resuming, with `rankkit sweep`) the experiments behind docs/findings.md, collects the
+# small tables the page is read from into docs/experiments/results/, and writes the whole page from
+# them (docs/experiments/findings.py): the rankings (5 tasks x 24 examples of 2,048 tokens) and the
+# end-to-end grid (13 methods x 3 keep rates on 20 examples of two tasks at 1,024 tokens). About
+# 75 minutes on two idle cores. Not part of `make test`; tests/test_findings.py checks the page
+# is what the committed tables render to.
 findings: $(STAMP)
-	$(BIN)/python docs/experiments/rankings.py --out runs/findings/rankings
-	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end
-	$(BIN)/python docs/experiments/end_to_end.py --experiment end_to_end_20
+	$(BIN)/python docs/experiments/findings.py --out runs/findings
 
 # The GPU table of docs/benchmarks.md, on a CUDA machine with a CUDA build of torch: Llama-3.1-8B's
 # published shape with random weights (timing only) and the default model, rankkit beside plain

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,6 +164,15 @@ def default_gguf_path() -> Path:
     if not files:
         raise RankkitError(f"no .gguf file inside {folder}; reinstall it: {DEFAULT_MODEL_INSTALL}")
     return files[0]
+
+
+def weights_quantization(path: Path | None = None) -> dict[str, int]:
+    """How many tensors of the GGUF file (the default model's unless ``path``) each quantization
+    type holds, most first: what "the default model" means for every figure rankkit prints."""
+    from gguf import GGUFReader
+
+    kinds = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(path or default_gguf_path())).tensors)
+    return dict(kinds.most_common())
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:

@@ -462,18 +462,20 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def pairs_frame(per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]]) -> pl.DataFrame:
-    """Per pair and shared layer: the paired Spearman difference over examples (``stats.paired_differences``),
-    resampling clusters where ``per_layer`` names them."""
+def pairs_frame(
+    per_layer: pl.DataFrame, pairs: Sequence[tuple[str, str]], metric: str = "spearman"
+) -> pl.DataFrame:
+    """Per pair and shared layer: the paired difference of ``metric`` (Spearman unless named) over
+    examples (``stats.paired_differences``), resampling clusters where ``per_layer`` names them."""
     keys, columns, clusters = [], [], []
     cluster = cluster_column(per_layer)
     for method, baseline in pairs:
         both = (
             per_layer.filter(pl.col("method") == method)
-            .select(EXAMPLE_ID, "layer", *([cluster] if cluster else []), pl.col("spearman").alias("first"))
+            .select(EXAMPLE_ID, "layer", *([cluster] if cluster else []), pl.col(metric).alias("first"))
             .join(
                 per_layer.filter(pl.col("method") == baseline).select(
-                    EXAMPLE_ID, "layer", pl.col("spearman").alias("second")
+                    EXAMPLE_ID, "layer", pl.col(metric).alias("second")
                 ),
                 on=[EXAMPLE_ID, "layer"],
                 nulls_equal=True,

@@ -325,6 +325,19 @@ def wilcoxon_p_value(differences: np.ndarray) -> float:
     return float(math.erfc(abs(z) / math.sqrt(2)))
 
 
+def relation(low: float | None, high: float | None) -> str | None:
+    """"higher" or "lower" when a paired difference's 95% interval [low, high] lies wholly above or
+    below zero, else None: the one rule by which rankkit's written findings call one method higher
+    or lower than another (an interval touching zero, or none, claims nothing)."""
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return None
+    if low > 0:
+        return "higher"
+    if high < 0:
+        return "lower"
+    return None
+
+
 def with_interval(value: float | None, low: float | None, high: float | None, digits: int = 2) -> str:
     """ "0.62 [0.55, 0.69]": a mean and its interval as tables show them; "–" when undefined."""
     if value is None:
