@@ -101,7 +101,11 @@ def collect_rankings(out: Path, rankings: Experiment) -> dict[str, pl.DataFrame]
                 schema_overrides={"length": pl.Int64, "n_examples": pl.Int64, "n_clusters": pl.Int64},
             )
         )
-        parts["model"].append(pl.DataFrame([{key: store.meta[key] for key in MODEL_FIELDS}]))
+        recorded = store.meta["model"]
+        layout = {key: store.meta[key] for key in ("num_layers", "num_attention_heads", "kv_heads")}
+        parts["model"].append(
+            pl.DataFrame([{"model": recorded["id"], "weights_hash": recorded["weights_hash"], **layout}])
+        )
         parts["summary"].append(
             tagged(cell_frame(out, "compare.summary", cell).select(SUMMARY_COLUMNS), cell.dataset)
         )
@@ -138,7 +142,6 @@ def collect_rankings(out: Path, rankings: Experiment) -> dict[str, pl.DataFrame]
     return tables
 
 
-MODEL_FIELDS = ("model", "num_layers", "num_attention_heads", "kv_heads")
 SUMMARY_COLUMNS = (
     "method", "layer",
     *(name for metric in SUMMARY_METRICS for name in (metric, *interval_columns(metric))),
@@ -303,7 +306,7 @@ def rankings_section(tables: dict[str, pl.DataFrame]) -> list[str]:
     layers = sorted({row["pruning_layer"] for row in tasks})
     pruning = f"l_p = {listing([str(layer) for layer in layers])}"
     needle_keep = listing(sorted({f"{row['needle_keep']:g}" for row in tasks}))
-    answers = listing([f"{row['answers_right']:g}/{row['n_examples']} on {row['task']}" for row in tasks])
+    answers = listing([f"{row['answers_right']:g} of {row['n_examples']} on {row['task']}" for row in tasks])
     sizes = listing([f"{length:,}" for length in lengths])
     lines = [
         "## Rankings vs the Answer-Informed Oracle, layer by layer (CLAA Fig. 2 analogue)",
@@ -314,7 +317,7 @@ def rankings_section(tables: dict[str, pl.DataFrame]) -> list[str]:
         f"tokens: every prompt token outside CLAA's observation window (W = {observation_window()}); "
         f"probes and KV-only methods are read at CLAA's {pruning}, each prompt-pruning method at its own "
         f"selection layer, ASL at the layer it picks. Needle recall counts the evidence tokens among a "
-        f"ranking's top {needle_keep} of the prompt. The model's full-prompt answers were right on "
+        f"ranking's top tokens at keep {needle_keep}. The model's full-prompt answers scored "
         f"{answers}; the oracle ranks by the answer the model gave, right or wrong.",
         "",
         "```bash",
