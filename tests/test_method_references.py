@@ -12,6 +12,7 @@ on the same model saved as a folder and the same tokens given as text, for every
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from conftest import tiny_model
 
 from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
-from rankkit.methods import Budget, Captured, make
+from rankkit.methods import REGISTRY, Budget, Captured, make
 from rankkit.methods.selection import DRAFT_SCORES, ORACLE_SCORES
 from rankkit.runner import LayerHook, Runner, greedy_continue
 
@@ -709,3 +710,149 @@ def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_on
     ]
     RollingWindow(capacity=4, sink_tokens=2).after_decode_step(cache, 10)
     assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
+
+
+# ---- the same references through the command line --------------------------------------------
+
+
+def expected_full(setup, keep) -> Expected:
+    return Expected("full", {}, caches=every_layer(list(range(LENGTH))))
+
+
+REFERENCES = {
+    "full": expected_full,
+    "gemfilter": expected_gemfilter,
+    "fastkv": expected_fastkv,
+    "claa": expected_claa,
+    "asl": expected_asl,
+    "asl-2pass": lambda setup, keep: expected_asl(setup, keep, name="asl-2pass"),
+    "sliminfer": expected_sliminfer,
+    "oracle": expected_oracle,
+    "specprefill": expected_specprefill,
+    "snapkv": expected_snapkv,
+    "pyramidkv": expected_pyramidkv,
+    "adakv": expected_adakv,
+    "tova": expected_tova,
+    "streamingllm": expected_streamingllm,
+    "sage-kv": expected_sage_kv,
+    "lava": expected_lava,
+}
+_computed: dict[tuple[str, float], Expected] = {}
+
+
+def reference(setup, name: str, keep: float) -> Expected:
+    """``REFERENCES[name]`` at ``keep``, computed once per module (the references are slow)."""
+    if (name, keep) not in _computed:
+        _computed[name, keep] = REFERENCES[name](setup, keep)
+    return _computed[name, keep]
+
+
+def rankkit(*args) -> tuple[int, str, str]:
+    """``rankkit ARGS`` in this process through the CLI's entry point: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+    import sys
+    import warnings
+
+    from rankkit.cli import main
+
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    argv = sys.argv
+    sys.argv = ["rankkit", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            main()
+    except SystemExit as exit_status:
+        status = exit_status.code or 0
+    finally:
+        sys.argv = argv
+    return status, out.getvalue(), err.getvalue()
+
+
+def word_tokenizer(words: list[str]):
+    """A whitespace tokenizer whose token ``words[i]`` is id i, without special tokens or chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({word: index for index, word in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+WORDS = [f"w{index}" for index in range(97)]  # one word per id of the tiny models' vocabulary
+
+
+@pytest.fixture(scope="module")
+def command_line(setup, tmp_path_factory):
+    """The references' model saved as a folder with a word tokenizer, the references' tokens as a JSONL
+    example (so the prompt is those 48 tokens), and a store of it captured by ``rankkit capture`` with
+    every probe the references' methods rank by, the oracle and the draft's lookahead scores."""
+    runner, ids, _ = setup
+    root = tmp_path_factory.mktemp("references-cli")
+    folder = root / "model"
+    runner.model.save_pretrained(folder)
+    word_tokenizer(WORDS).save_pretrained(folder)
+    words = [WORDS[token] for token in ids.tolist()]
+    data = root / "prompt.jsonl"
+    record = {"id": "ex0", "context": " ".join(words[:40]), "question": " ".join(words[40:]), "answers": ["w1"]}
+    data.write_text(json.dumps(record) + "\n")
+    probes = set()
+    for name in REFERENCES:
+        method = reference(setup, name, KEEPS[0]).method()
+        if name != "full":
+            probes |= {key for key in method.captured_inputs() if key not in (ORACLE_SCORES, DRAFT_SCORES)}
+    store = root / "store.zarr"
+    status, _, error = rankkit(
+        "capture", "--model", folder, "--data", data, "--out", store, "--probes", ",".join(sorted(probes)),
+        "--oracle", "--max-new-tokens", 4, "--draft", "layers:1", "--device", "cpu", "--json",
+    )  # fmt: skip
+    assert status == 0, error
+    return folder, data, store
+
+
+def prefill_json(command_line, spec: str, keep: float) -> dict:
+    folder, data, _ = command_line
+    status, out, error = rankkit(
+        "prefill", "--model", folder, "--data", data, "--method", spec, "--keep", keep, "--json",
+        "--kept-layers", "0,1,2", "--max-new-tokens", 1, "--warmup", 0, "--repeats", 1, "--device", "cpu",
+    )  # fmt: skip
+    assert status == 0, error
+    return json.loads(out)
+
+
+def select_json(command_line, spec: str, keep: float, *layer) -> dict:
+    status, out, error = rankkit("select", command_line[2], "--method", spec, "--keep", keep, *layer, "--json")
+    assert status == 0, error
+    (row,) = json.loads(out)
+    return row
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_rankkit_select_and_prefill_json_keep_the_references_positions(setup, command_line, name, keep):
+    assert name in REFERENCES, f"method {name!r} has no reference: add one to REFERENCES"
+    expected = reference(setup, name, keep)
+    from rankkit import stores
+
+    assert stores.open(command_line[2]).example("ex0").tokens[:].tolist() == setup[1].tolist()
+    payload = prefill_json(command_line, expected.spec, keep)
+    assert (payload["length"], payload["selected_positions"]) == (LENGTH, expected.selected)
+    if expected.selected is not None:
+        assert payload["selection_layer"] == expected.layer
+    kept = payload["kept_positions_by_layer"]
+    for layer, heads in expected.caches.items():
+        assert [sorted(head) for head in kept[str(layer)]] == heads, layer
+    if name == "full":  # it keeps everything: nothing a store holds ranks it
+        status, out, error = rankkit("select", command_line[2], "--method", "full", "--keep", keep)
+        assert (status, out) == (2, "") and error.count("\n") == 1 and "no offline face" in error
+    elif expected.selected is not None:
+        row = select_json(command_line, expected.spec, keep)
+        assert (row["layer"], row["selected_positions"]) == (expected.layer, expected.selected)
+        assert row["budget_tokens"] == len(expected.selected)
+    else:
+        for layer, heads in expected.caches.items():
+            chosen = select_json(command_line, expected.spec, keep, "--layer", layer)["selected_positions"]
+            # a method that keeps the same set in every head (StreamingLLM) prints it once
+            assert (chosen * len(heads) if len(chosen) == 1 else chosen) == heads, layer
