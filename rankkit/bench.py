@@ -43,6 +43,7 @@ from rankkit.methods.measure import (
     calibrate,
     measure_interleaved,
 )
+from rankkit.methods.specprefill import check_drafts
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
@@ -361,6 +362,7 @@ def prefill(
         check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     names = [method] if compare is None else [compare, method]  # the reference goes first
     chosen = options.build(names, config.num_hidden_layers, strict=True)
+    check_drafts(chosen, setup.model, config)
     for layer in kept_layers:
         if not 0 <= layer < config.num_hidden_layers:
             raise RankkitError(
@@ -456,6 +458,7 @@ def bench(
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     chosen = options.build(methods, config.num_hidden_layers, strict=False)
+    check_drafts(chosen, setup.model, config)
     if not budgets:
         raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
     if out is not None:

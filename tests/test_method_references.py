@@ -856,3 +856,52 @@ def test_rankkit_select_and_prefill_json_keep_the_references_positions(setup, co
             chosen = select_json(command_line, expected.spec, keep, "--layer", layer)["selected_positions"]
             # a method that keeps the same set in every head (StreamingLLM) prints it once
             assert (chosen * len(heads) if len(chosen) == 1 else chosen) == heads, layer
+
+
+def model_folder(setup, path, words: list[str]):
+    """The references' model saved at ``path`` with the word tokenizer of ``words``."""
+    setup[0].model.save_pretrained(path)
+    word_tokenizer(words).save_pretrained(path)
+    return path
+
+
+def test_a_draft_whose_tokenizer_reads_an_id_otherwise_is_refused_in_one_line_before_any_work(
+    setup, command_line, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    swapped = [*WORDS]
+    swapped[3], swapped[5] = swapped[5], swapped[3]  # the same 97 tokens, two of them at each other's id
+    draft = model_folder(setup, tmp_path / "swapped", swapped)
+    target, data, _ = command_line
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the draft was checked")
+
+    monkeypatch.setattr(models, "load", no_weights)
+    line = (
+        f"rankkit: error: draft model '{draft}' reads token id 3 as 'w5', the target as 'w3': "
+        "name a draft with the target's tokenizer, or --draft layers:N\n"
+    )
+    common = ("--model", target, "--data", data, "--draft", draft, "--device", "cpu")
+    out = tmp_path / "store.zarr"
+    for command in (
+        ("prefill", "--method", "specprefill", "--keep", 0.3, "--json", *common),
+        ("bench", "--methods", "specprefill", "--keep", 0.3, "--out", tmp_path / "bench.parquet", *common),
+        ("capture", "--out", out, "--probes", "window", *common),
+    ):
+        assert rankkit(*command) == (2, "", line), command[0]
+    assert not out.exists() and not (tmp_path / "bench.parquet").exists()
+    with_eos = word_tokenizer(WORDS)
+    with_eos.add_special_tokens({"eos_token": "w96"})
+    assert models.tokenizer_difference(with_eos, word_tokenizer(WORDS)) == "has eos_token 'w96', the target None"
+
+
+def test_a_draft_with_the_targets_tokenizer_in_another_folder_drafts_as_the_targets_own_layers(
+    setup, command_line, tmp_path
+):
+    draft = model_folder(setup, tmp_path / "copy", WORDS)  # the same weights and tokenizer, elsewhere
+    own = prefill_json(command_line, "specprefill:draft_model=layers:3", 0.3)
+    copied = prefill_json(command_line, f"specprefill:draft_model={draft}", 0.3)
+    assert copied["selected_positions"] == own["selected_positions"]
+    assert len(own["selected_positions"]) == keep_of(0.3)
