@@ -64,7 +64,9 @@ def _number(value, digits: int = 3) -> str:
 @app.command()
 def prefill(
     method: str = typer.Option(
-        ..., help="A method name: full, gemfilter, fastkv, claa, asl, ... (see docs/methods.md)."
+        ...,
+        help="A method, optionally with its parameters: full, gemfilter, fastkv, claa, asl, ... or e.g. "
+        "claa:aggregation_window=8 (see docs/methods.md).",
     ),
     keep: str = typer.Option(None, help="Keep rate in (0, 1], e.g. 0.1 (full needs none)."),
     budget: str = typer.Option(None, help="Tokens to keep, e.g. 2048 (instead of --keep)."),

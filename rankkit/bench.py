@@ -32,6 +32,7 @@ from rankkit.checks import check_layer, check_length, check_prompt_lengths, chec
 from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
+from rankkit.eval.offline import parse_method_spec
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, Method, check_parameters, make
 from rankkit.methods.measure import (
@@ -42,6 +43,7 @@ from rankkit.methods.measure import (
     calibrate,
     measure_interleaved,
 )
+from rankkit.methods.specprefill import check_drafts
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner
@@ -247,7 +249,8 @@ class MethodOptions:
     mirror: str = defaults.ORACLE_MIRROR
 
     def build(self, names: list[str], num_layers: int, *, strict: bool) -> list[Method]:
-        """The methods ``names`` with these options, ``layer`` checked against the model's depth.
+        """The methods ``names`` (``NAME`` or ``NAME:PARAM=VALUE,...``) with these options, ``layer``
+        checked against the model's depth.
 
         ``strict`` (one method, prefill) refuses ``layer`` for a method that has no selection
         layer; a grid (bench) sets it on those that have one and warns about the rest. ``full``
@@ -256,7 +259,11 @@ class MethodOptions:
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
         params = {"specprefill": {"draft_model": self.draft}, "oracle": {"mirror": self.mirror}}
-        methods = [make(name, **params.get(name, {})) for name in names]
+        # a spec's own parameters (``claa:aggregation_window=8``) win over the run's options
+        methods = [
+            make(name, **{**params.get(name, {}), **given})
+            for name, given in map(parse_method_spec, names)
+        ]
         for method in methods:
             check_parameters(method, num_layers)
         if self.layer is None:
@@ -347,7 +354,7 @@ def prefill(
         raise RankkitError("give either --data SPEC or --context-file FILE with --question")
     if context is not None and not question:
         raise RankkitError("--context-file needs --question")
-    if budget is None and method != FULL:
+    if budget is None and method.partition(":")[0] != FULL:
         raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
     budget = budget or Budget.from_keep(1.0)
     config = setup.config()
@@ -355,6 +362,7 @@ def prefill(
         check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     names = [method] if compare is None else [compare, method]  # the reference goes first
     chosen = options.build(names, config.num_hidden_layers, strict=True)
+    check_drafts(chosen, setup.model, config)
     for layer in kept_layers:
         if not 0 <= layer < config.num_hidden_layers:
             raise RankkitError(
@@ -450,6 +458,7 @@ def bench(
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     chosen = options.build(methods, config.num_hidden_layers, strict=False)
+    check_drafts(chosen, setup.model, config)
     if not budgets:
         raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
     if out is not None:

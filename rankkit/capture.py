@@ -273,6 +273,11 @@ def capture(
     # a bad spec, example, length, device, device map or output fails before the weights load
     config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
+    if draft is not None:
+        from rankkit.methods import make
+        from rankkit.methods.specprefill import check_drafts
+
+        check_drafts([make("specprefill", draft_model=draft)], model, config)
     device_map = models.parse_device_map(device_map)
     models.resolve_device(device)
     tokenizer = models.load_tokenizer(model)

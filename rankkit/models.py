@@ -394,6 +394,26 @@ def load_tokenizer(spec: str = "default"):
     return AutoTokenizer.from_pretrained(str(resolve_folder("default" if timing_only(spec) else spec)))
 
 
+def tokenizer_difference(tokenizer, target) -> str | None:
+    """How ``tokenizer`` reads token ids otherwise than ``target``, or None where it reads every id as
+    the same token: the same vocabulary (token -> id, added tokens included) and the same special
+    tokens. Two models that pass share ids, whatever their tokenizer files say besides."""
+    vocabulary, wanted = tokenizer.get_vocab(), target.get_vocab()
+    if len(vocabulary) != len(wanted):
+        return f"has a vocabulary of {len(vocabulary)} tokens, the target {len(wanted)}"
+    if vocabulary != wanted:
+        tokens = {index: token for token, index in vocabulary.items()}
+        expected = {index: token for token, index in wanted.items()}
+        index = min(i for i in tokens.keys() | expected.keys() if tokens.get(i) != expected.get(i))
+        return f"reads token id {index} as {tokens.get(index)!r}, the target as {expected.get(index)!r}"
+    specials, expected_specials = tokenizer.special_tokens_map, target.special_tokens_map
+    if specials != expected_specials:
+        names = specials.keys() | expected_specials.keys()
+        name = min(key for key in names if specials.get(key) != expected_specials.get(key))
+        return f"has {name} {specials.get(name)!r}, the target {expected_specials.get(name)!r}"
+    return None
+
+
 def timing_only(spec: str) -> bool:
     """Whether ``spec`` names random weights (``random:<shape>``): its answers mean nothing."""
     return spec.startswith(RANDOM_PREFIX)

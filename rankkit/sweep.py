@@ -84,6 +84,7 @@ from rankkit.experiment import (
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods import Budget, check_parameters
 from rankkit.methods.measure import CostModel, cached_cost_model
+from rankkit.methods.specprefill import draft_problem
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
 
@@ -550,12 +551,12 @@ def check(
                 raise RankkitError(f"layers: {layer} is not a layer of this model (0..{num_layers - 1})")
     if "capture" in plan.stages and plan.capture.draft is not None:
         with errors_in(f"{path} [capture]"):
-            _check_draft(plan.capture.draft, config)
+            _check_draft(plan.capture.draft, plan.model.name, config)
     if "bench" in plan.stages:
         with errors_in(f"{path} [bench]"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the bench stage itself warns of layer-less methods
             if plan.bench.draft is not None:
-                _check_draft(plan.bench.draft, config)
+                _check_draft(plan.bench.draft, plan.model.name, config)
             for layer in plan.layers:
                 plan.bench.options(layer).build(list(plan.bench.methods), num_layers, strict=False)
     if "compare" in plan.stages:
@@ -591,18 +592,18 @@ def _store_bytes(run: Run, config) -> int:
     )
 
 
-def _check_draft(draft: str, config) -> None:
-    """A draft spec (``layers:N`` or a model) checked against the target's config; no weights load."""
+def _check_draft(draft: str, model: str, config) -> None:
+    """A draft spec (``layers:N`` or a model) checked against the target ``model`` (its ``config``); no
+    weights load."""
     if draft.startswith("layers:"):
         count = draft.removeprefix("layers:")
         if not count.isdigit() or not 1 <= int(count) <= config.num_hidden_layers:
             raise RankkitError(f"draft: '{draft}' needs a layer count in 1..{config.num_hidden_layers}")
         return
-    drafted = models.load_config(draft)
-    if drafted.vocab_size != config.vocab_size:
+    problem = draft_problem(draft, model, config.vocab_size)
+    if problem:
         raise RankkitError(
-            f"draft: '{draft}' has a vocabulary of {drafted.vocab_size} tokens, the model {config.vocab_size}; "
-            'name a draft with the model\'s tokenizer, or e.g. draft = "layers:8"'
+            f'draft: {problem}; name a draft with the model\'s tokenizer, or e.g. draft = "layers:8"'
         )
 
 

@@ -5,12 +5,16 @@ random model computes, and shares no code with rankkit: its own softmax, pooling
 (by sorting). Ties go to the earlier token (docs/methods.md). The exact positions each
 method keeps, from ``prefill`` (what ``rankkit prefill --json`` prints) and from
 ``select_offline`` (``rankkit select``), per KV head where the method keeps a set per head,
-must equal the reference's at keep 0.1, 0.3 and 0.5.
+must equal the reference's at keep 0.1, 0.3 and 0.5. The same references are then checked
+through the command line: ``rankkit capture`` + ``rankkit select`` and ``rankkit prefill --json``
+on the same model saved as a folder and the same tokens given as text, for every registered method.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from conftest import tiny_model
 
 from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
-from rankkit.methods import Budget, Captured, make
+from rankkit.methods import REGISTRY, Budget, Captured, make
 from rankkit.methods.selection import DRAFT_SCORES, ORACLE_SCORES
 from rankkit.runner import LayerHook, Runner, greedy_continue
 
@@ -127,6 +131,32 @@ def window_of(size: int) -> range:
 # ---- what a method gives, through both faces ----------------------------------------------
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What the reference says a method keeps: ``selected``, its shared selection at ``layer`` (None for
+    KV-only methods, which keep a set per layer and head), and ``caches``, each KV head's cache per
+    layer after the prefill (the layers the reference follows)."""
+
+    name: str
+    params: dict
+    selected: list[int] | None = None
+    layer: int | None = None
+    caches: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def method(self):
+        return make(self.name, **self.params)
+
+    @property
+    def spec(self) -> str:
+        """The method as ``--method`` takes it: ``NAME:PARAM=VALUE,...``."""
+        given = ",".join(f"{key}={value}" for key, value in self.params.items())
+        return f"{self.name}:{given}" if given else self.name
+
+
+def every_layer(positions: list[int], heads: int = 2) -> dict[int, list[list[int]]]:
+    return {layer: [positions] * heads for layer in range(3)}
+
+
 def cache_sets(run, layer) -> list[list[int]]:
     return [[p for p in head if p != PADDING] for head in run.result.cache.positions[layer].tolist()]
 
@@ -170,44 +200,62 @@ class NoTextTokenizer:
 # ---- shared selections ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_gemfilter_keeps_the_top_of_the_head_summed_last_query_logits_avg_pooled_with_kernel_5(setup, keep):
-    runner, ids, layers = setup
-    query, key, _, scaling = layers[1]
+def expected_gemfilter(setup, keep) -> Expected:
+    query, key, _, scaling = setup[2][1]
     logits = [
         sum(dot(query[h, -1], key[h // 2, j]) * scaling for h in range(query.shape[0])) for j in range(LENGTH)
     ]
     expected = top(pool(logits, 5, "avg_padded"), keep_of(keep), [LENGTH - 1])
+    return Expected("gemfilter", {"routing_layer": 1}, expected, 1, every_layer(expected))
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_gemfilter_keeps_the_top_of_the_head_summed_last_query_logits_avg_pooled_with_kernel_5(setup, keep):
+    runner, ids, _ = setup
+    expected = expected_gemfilter(setup, keep)
     assert (make("gemfilter").bind(32).routing_layer, make("gemfilter").bind(30).routing_layer) == (15, 14)
-    run = prefill_keeping(runner, ids, make("gemfilter", routing_layer=1), keep, expected)
-    assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
+    run = prefill_keeping(runner, ids, expected.method(), keep, expected.selected)
+    assert all(cache_sets(run, layer) == expected.caches[layer] for layer in range(3))
+
+
+def expected_fastkv(setup, keep) -> Expected:
+    layers = setup[2]
+    k = keep_of(keep, 8)
+    scores = {layer: window_scores(layers[layer], 8) for layer in (0, 1)}
+    expected = top(head_sum(scores[1]), k, window_of(8))
+    # Listing 2: kv_cache[l] = top_k_indices of layer l's own scores up to the TSP layer
+    caches = {layer: [top(row, k, window_of(8)) for row in scores[layer]] for layer in (0, 1)}
+    return Expected("fastkv", {"tsp_layer": 1}, expected, 1, {**caches, 2: [expected, expected]})
 
 
 @pytest.mark.parametrize("keep", KEEPS)
 def test_fastkv_prunes_by_the_head_sum_and_every_layer_to_tsp_caches_its_own_per_head_top_k(setup, keep):
-    runner, ids, layers = setup
-    k = keep_of(keep, 8)
-    scores = {layer: window_scores(layers[layer], 8) for layer in (0, 1)}
-    expected = top(head_sum(scores[1]), k, window_of(8))
-    run = prefill_keeping(runner, ids, make("fastkv", tsp_layer=1), keep, expected)
-    for layer in (0, 1):  # Listing 2: kv_cache[l] = top_k_indices of layer l's own scores
-        assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
-    assert cache_sets(run, 2) == [expected, expected]
+    runner, ids, _ = setup
+    expected = expected_fastkv(setup, keep)
+    run = prefill_keeping(runner, ids, expected.method(), keep, expected.selected)
+    assert {layer: cache_sets(run, layer) for layer in range(3)} == expected.caches
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_claa_prunes_by_the_max_over_its_window_of_layers_and_defers_compression(setup, keep):
-    runner, ids, layers = setup
+def expected_claa(setup, keep) -> Expected:
+    layers = setup[2]
     k = keep_of(keep, 8)
     scores = {layer: window_scores(layers[layer], 8) for layer in (1, 2)}
     sums = [head_sum(scores[layer]) for layer in (1, 2)]
     expected = top([max(a, b) for a, b in zip(*sums, strict=True)], k, window_of(8))
-    method = make("claa", pruning_layer=2, aggregation_window=2, deferred_layers=1)
-    run = prefill_keeping(runner, ids, method, keep, expected)
-    assert run.selection_layer == 2
-    assert cache_sets(run, 0) == [list(range(LENGTH))] * 2  # deferred: m = 1
+    caches = {0: [list(range(LENGTH))] * 2}  # deferred: m = 1
     for layer in (1, 2):  # Listing 5: compression_indices of the layer's own scores
-        assert cache_sets(run, layer) == [top(row, k, window_of(8)) for row in scores[layer]]
+        caches[layer] = [top(row, k, window_of(8)) for row in scores[layer]]
+    params = {"pruning_layer": 2, "aggregation_window": 2, "deferred_layers": 1}
+    return Expected("claa", params, expected, 2, caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_claa_prunes_by_the_max_over_its_window_of_layers_and_defers_compression(setup, keep):
+    runner, ids, _ = setup
+    expected = expected_claa(setup, keep)
+    run = prefill_keeping(runner, ids, expected.method(), keep, expected.selected)
+    assert run.selection_layer == expected.layer
+    assert {layer: cache_sets(run, layer) for layer in range(3)} == expected.caches
 
 
 def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, top_k, window, tau, last):
@@ -234,24 +282,40 @@ def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, t
     return selected, relative
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-@pytest.mark.parametrize("tau", [0.3, 1e-9])
-def test_asl_selects_at_alg_2s_layer_and_keeps_its_top_k_plus_the_window(setup, keep, tau):
-    runner, ids, layers = setup
+def asl_reference(setup, keep, tau):
+    """ASL's selection layer, its kept positions, the relative variance per layer and the per-head
+    top-k of every layer (Alg. 1 compresses each layer up to the selection to its own)."""
+    layers = setup[2]
     k = keep_of(keep, 4)
     scores = {layer: window_scores(layers[layer], 4) for layer in range(3)}
     sums = {layer: head_sum(scores[layer]) for layer in range(3)}
     layer, relative = reference_rank_variance(sums, 1, 2, k - 4, 4, tau, 2)
-    expected = top(sums[layer], k, window_of(4))
+    own = {index: [top(row, k, window_of(4)) for row in scores[index]] for index in range(3)}
+    return layer, top(sums[layer], k, window_of(4)), relative, own
+
+
+def expected_asl(setup, keep, tau=0.3, name="asl") -> Expected:
+    layer, expected, _, own = asl_reference(setup, keep, tau)
+    params = {"window_size": 4, "min_layer": 1, "observed_layers": 2, "tau": tau}
+    # one pass: each layer up to the selection keeps its own top-k, the later ones the selection;
+    # two passes: only the selection goes through every layer
+    caches = {index: own[index] if index <= layer else [expected] * 2 for index in range(3)}
+    return Expected(name, params, expected, layer, caches if name == "asl" else every_layer(expected))
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("tau", [0.3, 1e-9])
+def test_asl_selects_at_alg_2s_layer_and_keeps_its_top_k_plus_the_window(setup, keep, tau):
+    runner, ids, _ = setup
     for name in ("asl", "asl-2pass"):
-        method = make(name, window_size=4, min_layer=1, observed_layers=2, tau=tau)
+        expected = expected_asl(setup, keep, tau, name)
+        method = expected.method()
         run = method.prefill(runner, ids, Budget.from_keep(keep))
-        assert (run.selection_layer, run.kept_positions.tolist()) == (layer, expected)
+        assert (run.selection_layer, run.kept_positions.tolist()) == (expected.layer, expected.selected)
         selection = offline(runner, ids, method, keep)
-        assert (selection.layer, selection.positions.tolist()) == (layer, expected)
-        if name == "asl":  # Alg. 1 compresses every layer to its selection, per head
-            for index in range(layer + 1):
-                assert cache_sets(run, index) == [top(row, k, window_of(4)) for row in scores[index]]
+        assert (selection.layer, selection.positions.tolist()) == (expected.layer, expected.selected)
+        assert {layer: cache_sets(run, layer) for layer in range(3)} == expected.caches
+    _, _, relative, _ = asl_reference(setup, keep, tau)
     curve = make("asl", window_size=4, min_layer=1, observed_layers=2).variance_curve(
         captured(runner, ids, make("asl", window_size=4)), Budget.from_keep(keep)
     )
@@ -275,10 +339,8 @@ def test_asl_alg_2_reads_zero_variance_at_l_min_as_settled_and_ranks_ties_by_tok
     assert policy.decide(2, second) is not None and policy.relative_variance == {1: 1.0, 2: 0.0}
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_sliminfer_keeps_the_first_block_and_the_best_blocks_by_eq_1_2(setup, keep):
-    runner, ids, layers = setup
-    query, key, _, _ = layers[1]
+def expected_sliminfer(setup, keep) -> Expected:
+    query, key, _, _ = setup[2][1]
     q_heads, kv_heads = query.shape[0], key.shape[0]
     mean_query = [query[h, -2:].mean(dim=0) for h in range(q_heads)]  # q_l, window w = 2
     block_score = {}
@@ -294,26 +356,49 @@ def test_sliminfer_keeps_the_first_block_and_the_best_blocks_by_eq_1_2(setup, ke
     blocks = math.ceil(min(LENGTH, keep_of(keep, 8) * 2) / 8)  # the first of two pruning layers: 2x
     others = sorted((b for b in block_score if b), key=lambda b: (-block_score[b], b))[: blocks - 1]
     expected = [p for p in range(LENGTH) if p // 8 in {0, *others}]
-    method = make("sliminfer", pruning_layers=(1, 2), block_size=8, unit_size=2, window_size=2)
-    prefill_keeping(runner, ids, method, keep, expected)
+    # the pruning layers default to (1, 2) on three layers
+    return Expected("sliminfer", {"block_size": 8, "unit_size": 2, "window_size": 2}, expected, 1)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_sliminfer_keeps_the_first_block_and_the_best_blocks_by_eq_1_2(setup, keep):
+    runner, ids, _ = setup
+    expected = expected_sliminfer(setup, keep)
+    assert expected.method().bind(3).pruning_layers == (1, 2)
+    run = prefill_keeping(runner, ids, expected.method(), keep, expected.selected)
+    assert run.selection_layer == expected.layer
+
+
+def oracle_ranking(setup) -> torch.Tensor:
+    """The oracle's per-token ranking (its answer's attention; tested against its own reference in
+    tests/test_oracle.py), the one input of its selection."""
+    runner, ids, _ = setup
+    method = make("oracle", pruning_layer=1, max_new_tokens=4)
+    method.prepare(runner, ids, tokenizer=NoTextTokenizer())
+    return method.ranking
+
+
+def expected_oracle(setup, keep) -> Expected:
+    expected = top(oracle_ranking(setup).tolist(), keep_of(keep, 8), window_of(8))
+    return Expected("oracle", {"pruning_layer": 1, "max_new_tokens": 4}, expected, 1)
 
 
 @pytest.mark.parametrize("keep", KEEPS)
 def test_oracle_keeps_the_top_of_its_ranking_with_the_mirrors_window(setup, keep):
     runner, ids, _ = setup
-    method = make("oracle", pruning_layer=1, max_new_tokens=4)
+    expected = expected_oracle(setup, keep)
+    method = expected.method()
     method.prepare(runner, ids, tokenizer=NoTextTokenizer())
-    ranking = method.ranking.tolist()
-    expected = top(ranking, keep_of(keep, 8), window_of(8))
-    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected
+    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected.selected
     stored = Captured({ORACLE_SCORES: method.ranking}, 3, LENGTH)
-    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected
+    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected.selected
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_specprefill_keeps_the_top_of_eq_3_over_the_drafts_lookahead_queries(setup, keep):
+LOOKAHEAD = 8  # SpecPrefill's default k, the one a capture's draft scores hold
+
+
+def expected_specprefill(setup, keep) -> Expected:
     runner, ids, _ = setup
-    method = make("specprefill", lookahead=3)
     draft_calls = []
 
     class DraftRecorder(LayerHook):
@@ -325,10 +410,10 @@ def test_specprefill_keeps_the_top_of_eq_3_over_the_drafts_lookahead_queries(set
 
     from rankkit.methods.specprefill import draft_runner
 
-    draft = draft_runner(method.bind(3).draft_model, runner)
-    greedy_continue(draft, draft.prefill(ids), 3, [DraftRecorder()], feed_last=True)
+    draft = draft_runner(make("specprefill").bind(3).draft_model, runner)
+    greedy_continue(draft, draft.prefill(ids), LOOKAHEAD, [DraftRecorder()], feed_last=True)
     per_query = []
-    for step in range(3):  # Eq. 3: max over the draft's layers and heads, mean over the k queries
+    for step in range(LOOKAHEAD):  # Eq. 3: max over the draft's layers and heads, mean over the k queries
         calls = draft_calls[step * draft.num_layers : (step + 1) * draft.num_layers]
         per_query.append(
             [
@@ -336,12 +421,24 @@ def test_specprefill_keeps_the_top_of_eq_3_over_the_drafts_lookahead_queries(set
                 for j in range(LENGTH)
             ]
         )
-    scores = [sum(row[j] for row in per_query) / 3 for j in range(LENGTH)]
+    scores = [sum(row[j] for row in per_query) / LOOKAHEAD for j in range(LENGTH)]
     expected = top(scores, keep_of(keep), [LENGTH - 1])
-    assert method.prefill(runner, ids, Budget.from_keep(keep)).kept_positions.tolist() == expected
+    # two passes: only the selection goes through every layer; the draft selects before any layer
+    return Expected("specprefill", {}, expected, None, every_layer(expected))
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_specprefill_keeps_the_top_of_eq_3_over_the_drafts_lookahead_queries(setup, keep):
+    runner, ids, _ = setup
+    expected = expected_specprefill(setup, keep)
+    method = expected.method()
+    assert method.lookahead == LOOKAHEAD
+    run = method.prefill(runner, ids, Budget.from_keep(keep))
+    assert run.kept_positions.tolist() == expected.selected
+    assert {layer: cache_sets(run, layer) for layer in range(3)} == expected.caches
     lookahead, _ = method.draft_scores(runner, ids)
     stored = Captured({DRAFT_SCORES: lookahead}, 3, LENGTH)
-    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected
+    assert method.select_offline(stored, Budget.from_keep(keep)).positions.tolist() == expected.selected
 
 
 def test_specprefill_refuses_a_draft_with_another_tokenizer_in_one_line(tiny_folder):
@@ -358,24 +455,117 @@ def test_specprefill_refuses_a_draft_with_another_tokenizer_in_one_line(tiny_fol
 # ---- KV-only methods: a set per layer and KV head --------------------------------------------
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_snapkv_every_layer_keeps_each_heads_top_k_and_the_window(setup, keep):
-    runner, ids, layers = setup
-    k = keep_of(keep, 8)
-    method = make("snapkv", window_size=8)
+def check_kv_only(setup, keep, expected: Expected):
+    """A KV-only method's prefill caches and its offline per-layer sets are the reference's."""
+    runner, ids, _ = setup
+    method = expected.method()
     run = method.prefill(runner, ids, Budget.from_keep(keep))
     stored = captured(runner, ids, method)
+    for layer, heads in expected.caches.items():
+        assert [sorted(head) for head in cache_sets(run, layer)] == heads
+        assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == heads
+    return run
+
+
+def expected_snapkv(setup, keep) -> Expected:
+    k = keep_of(keep, 8)
+    caches = {
+        layer: [top(row, k, window_of(8)) for row in window_scores(setup[2][layer], 8)] for layer in range(3)
+    }
+    return Expected("snapkv", {"window_size": 8}, caches=caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_snapkv_every_layer_keeps_each_heads_top_k_and_the_window(setup, keep):
+    check_kv_only(setup, keep, expected_snapkv(setup, keep))
+
+
+def pyramid_counts(k: int, window: int, beta: float, layers: int) -> list[int]:
+    """PyramidKV: beyond the window, layer counts fall in an arithmetic sequence from the first layer to
+    the last, whose count is 1/beta of their mean (the first capped at the tokens there are)."""
+    mean = k - window
+    last = mean / beta
+    first = 2 * mean - last
+    if first > LENGTH - window:
+        first = LENGTH - window
+        last = 2 * mean - first
+    return [round(first - (first - last) * layer / (layers - 1)) + window for layer in range(layers)]
+
+
+def expected_pyramidkv(setup, keep) -> Expected:
+    counts = pyramid_counts(keep_of(keep, 8), 8, 20.0, 3)
+    caches = {
+        layer: [top(row, counts[layer], window_of(8)) for row in window_scores(setup[2][layer], 8)]
+        for layer in range(3)
+    }
+    return Expected("pyramidkv", {"window_size": 8}, caches=caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_pyramidkv_every_layer_keeps_each_heads_top_of_its_own_shrinking_count(setup, keep):
+    # by hand at keep 0.3 (15 of 48, 7 beyond the window): 13.65, 7.0, 0.35 -> 14, 7, 0 beyond the window
+    assert pyramid_counts(15, 8, 20.0, 3) == [22, 15, 8]
+    check_kv_only(setup, keep, expected_pyramidkv(setup, keep))
+
+
+def expected_adakv(setup, keep, safeguard=0.2) -> Expected:
+    """AdaKV: the window and each head's best int(safeguard x (k - window)) others, then the best of the
+    layer's entries over all heads up to heads x k, ties to the earlier head, then the earlier token."""
+    k = keep_of(keep, 8)
+    caches = {}
     for layer in range(3):
-        expected = [top(row, k, window_of(8)) for row in window_scores(layers[layer], 8)]
-        assert cache_sets(run, layer) == expected
-        assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected
+        rows = window_scores(setup[2][layer], 8)
+        guaranteed = int(safeguard * (k - 8))
+        chosen = set()
+        for head, row in enumerate(rows):
+            chosen |= {(head, i) for i in window_of(8)}
+            chosen |= {(head, i) for i in ranked(row[: LENGTH - 8])[:guaranteed]}
+        rest = sorted(
+            ((head, i) for head in range(len(rows)) for i in range(LENGTH) if (head, i) not in chosen),
+            key=lambda entry: (-rows[entry[0]][entry[1]], entry[0], entry[1]),
+        )
+        chosen |= set(rest[: len(rows) * k - len(chosen)])
+        caches[layer] = [sorted(i for h, i in chosen if h == head) for head in range(len(rows))]
+    return Expected("adakv", {"window_size": 8}, caches=caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_adakv_every_layer_shares_its_heads_budget_by_the_best_entries_after_each_heads_safeguard(setup, keep):
+    expected = expected_adakv(setup, keep)
+    if keep_of(keep, 8) > 8:  # beyond the window the heads' shares really differ
+        assert any(len(heads[0]) != len(heads[1]) for heads in expected.caches.values())
+    check_kv_only(setup, keep, expected)
+
+
+def expected_tova(setup, keep) -> Expected:
+    """TOVA: the last query's softmax attention summed over every head of the layer, its top-k with the
+    last token kept, the same set in every KV head."""
+    caches = {}
+    for layer in range(3):
+        query, key, _, scaling = setup[2][layer]
+        summed = [0.0] * LENGTH
+        for h in range(query.shape[0]):
+            attention = softmax([dot(query[h, -1], key[h // 2, j]) * scaling for j in range(LENGTH)])
+            summed = [a + b for a, b in zip(summed, attention, strict=True)]
+        caches[layer] = [top(summed, keep_of(keep), [LENGTH - 1])] * 2
+    return Expected("tova", {}, caches=caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_tova_every_layer_keeps_the_top_of_the_last_querys_attention_over_all_heads(setup, keep):
+    check_kv_only(setup, keep, expected_tova(setup, keep))
+
+
+def expected_streamingllm(setup, keep) -> Expected:
+    k = keep_of(keep, 5)
+    return Expected("streamingllm", {}, caches=every_layer([0, 1, 2, 3, *range(LENGTH - (k - 4), LENGTH)]))
 
 
 @pytest.mark.parametrize("keep", KEEPS)
 def test_streamingllm_keeps_sinks_and_a_window_that_rolls_in_decoding(setup, keep):
     runner, ids, _ = setup
     k = keep_of(keep, 5)
-    expected = [0, 1, 2, 3, *range(LENGTH - (k - 4), LENGTH)]
+    expected = expected_streamingllm(setup, keep).caches[0][0]
     method = make("streamingllm")
     run = method.prefill(runner, ids, Budget.from_keep(keep))
     assert all(cache_sets(run, layer) == [expected, expected] for layer in range(3))
@@ -405,25 +595,23 @@ def sage_reference(layer, budget: int) -> list[list[int]]:
     return kept
 
 
+def expected_sage_kv(setup, keep) -> Expected:
+    budget = keep_of(keep, 2)
+    return Expected("sage-kv", {}, caches={layer: sage_reference(setup[2][layer], budget) for layer in range(3)})
+
+
 @pytest.mark.parametrize("keep", KEEPS)
 def test_sage_kv_keeps_the_union_of_its_query_heads_top_k_and_rolls_the_recent_window(setup, keep):
-    runner, ids, layers = setup
+    runner, _, _ = setup
     budget = keep_of(keep, 2)
-    method = make("sage-kv")
-    run = method.prefill(runner, ids, Budget.from_keep(keep))
-    stored = captured(runner, ids, method)
-    expected = {layer: sage_reference(layers[layer], budget) for layer in range(3)}
-    for layer in range(3):
-        assert [sorted(head) for head in cache_sets(run, layer)] == expected[layer]
-        assert (
-            method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected[layer]
-        )
+    expected = expected_sage_kv(setup, keep)
+    run = check_kv_only(setup, keep, expected)
     greedy_continue(runner, run.result, 5, run.decode_hooks)  # Step 4: positions 48..51 roll the window on
     recent = max(1, budget - budget // 4 - 2 * (budget // 4))
     for layer in range(3):
         rolled = [
             [p for p in head if p < LENGTH - recent] + list(range(LENGTH + 4 - recent, LENGTH + 4))
-            for head in expected[layer]
+            for head in expected.caches[layer]
         ]
         assert [sorted(head) for head in cache_sets(run, layer)] == rolled
 
@@ -479,25 +667,28 @@ def largest_remainder(total: int, weights: list[float]) -> list[int]:
     return whole
 
 
-@pytest.mark.parametrize("keep", KEEPS)
-def test_lava_keeps_each_layers_entropy_budget_of_its_best_entries_outside_the_window(setup, keep):
-    runner, ids, layers = setup
+def expected_lava(setup, keep) -> Expected:
+    layers = setup[2]
     window = 8
     k = keep_of(keep, window)
     scores = [lava_scores(layers[layer], window) for layer in range(3)]
     entropy = [lava_entropy(rows, window) for rows in scores]
     shares = largest_remainder((k - window) * 2 * 3, entropy)  # no layer reaches its 80 entries here
-    method = make("lava", window_size=window)
-    run = method.prefill(runner, ids, Budget.from_keep(keep))
-    stored = captured(runner, ids, method)
+    caches = {}
     for layer in range(3):
         entries = [(h, i) for h in range(2) for i in range(LENGTH - window)]  # flattened head-major
         best = sorted(entries, key=lambda e: (-scores[layer][e[0]][e[1]], e[0] * LENGTH + e[1]))[
             : shares[layer]
         ]
-        expected = [sorted([i for h, i in best if h == head] + list(window_of(window))) for head in range(2)]
-        assert [sorted(head) for head in cache_sets(run, layer)] == expected
-        assert method.select_offline(stored, Budget.from_keep(keep), layer=layer).as_lists() == expected
+        caches[layer] = [
+            sorted([i for h, i in best if h == head] + list(window_of(window))) for head in range(2)
+        ]
+    return Expected("lava", {"window_size": window}, caches=caches)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_lava_keeps_each_layers_entropy_budget_of_its_best_entries_outside_the_window(setup, keep):
+    check_kv_only(setup, keep, expected_lava(setup, keep))
 
 
 def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_only_past_capacity():
@@ -519,3 +710,198 @@ def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_on
     ]
     RollingWindow(capacity=4, sink_tokens=2).after_decode_step(cache, 10)
     assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
+
+
+# ---- the same references through the command line --------------------------------------------
+
+
+def expected_full(setup, keep) -> Expected:
+    return Expected("full", {}, caches=every_layer(list(range(LENGTH))))
+
+
+REFERENCES = {
+    "full": expected_full,
+    "gemfilter": expected_gemfilter,
+    "fastkv": expected_fastkv,
+    "claa": expected_claa,
+    "asl": expected_asl,
+    "asl-2pass": lambda setup, keep: expected_asl(setup, keep, name="asl-2pass"),
+    "sliminfer": expected_sliminfer,
+    "oracle": expected_oracle,
+    "specprefill": expected_specprefill,
+    "snapkv": expected_snapkv,
+    "pyramidkv": expected_pyramidkv,
+    "adakv": expected_adakv,
+    "tova": expected_tova,
+    "streamingllm": expected_streamingllm,
+    "sage-kv": expected_sage_kv,
+    "lava": expected_lava,
+}
+_computed: dict[tuple[str, float], Expected] = {}
+
+
+def reference(setup, name: str, keep: float) -> Expected:
+    """``REFERENCES[name]`` at ``keep``, computed once per module (the references are slow)."""
+    if (name, keep) not in _computed:
+        _computed[name, keep] = REFERENCES[name](setup, keep)
+    return _computed[name, keep]
+
+
+def rankkit(*args) -> tuple[int, str, str]:
+    """``rankkit ARGS`` in this process through the CLI's entry point: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+    import sys
+    import warnings
+
+    from rankkit.cli import main
+
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    argv = sys.argv
+    sys.argv = ["rankkit", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            main()
+    except SystemExit as exit_status:
+        status = exit_status.code or 0
+    finally:
+        sys.argv = argv
+    return status, out.getvalue(), err.getvalue()
+
+
+def word_tokenizer(words: list[str]):
+    """A whitespace tokenizer whose token ``words[i]`` is id i, without special tokens or chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({word: index for index, word in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+WORDS = [f"w{index}" for index in range(97)]  # one word per id of the tiny models' vocabulary
+
+
+@pytest.fixture(scope="module")
+def command_line(setup, tmp_path_factory):
+    """The references' model saved as a folder with a word tokenizer, the references' tokens as a JSONL
+    example (so the prompt is those 48 tokens), and a store of it captured by ``rankkit capture`` with
+    every probe the references' methods rank by, the oracle and the draft's lookahead scores."""
+    runner, ids, _ = setup
+    root = tmp_path_factory.mktemp("references-cli")
+    folder = root / "model"
+    runner.model.save_pretrained(folder)
+    word_tokenizer(WORDS).save_pretrained(folder)
+    words = [WORDS[token] for token in ids.tolist()]
+    data = root / "prompt.jsonl"
+    record = {"id": "ex0", "context": " ".join(words[:40]), "question": " ".join(words[40:]), "answers": ["w1"]}
+    data.write_text(json.dumps(record) + "\n")
+    probes = set()
+    for name in REFERENCES:
+        method = reference(setup, name, KEEPS[0]).method()
+        if name != "full":
+            probes |= {key for key in method.captured_inputs() if key not in (ORACLE_SCORES, DRAFT_SCORES)}
+    store = root / "store.zarr"
+    status, _, error = rankkit(
+        "capture", "--model", folder, "--data", data, "--out", store, "--probes", ",".join(sorted(probes)),
+        "--oracle", "--max-new-tokens", 4, "--draft", "layers:1", "--device", "cpu", "--json",
+    )  # fmt: skip
+    assert status == 0, error
+    return folder, data, store
+
+
+def prefill_json(command_line, spec: str, keep: float) -> dict:
+    folder, data, _ = command_line
+    status, out, error = rankkit(
+        "prefill", "--model", folder, "--data", data, "--method", spec, "--keep", keep, "--json",
+        "--kept-layers", "0,1,2", "--max-new-tokens", 1, "--warmup", 0, "--repeats", 1, "--device", "cpu",
+    )  # fmt: skip
+    assert status == 0, error
+    return json.loads(out)
+
+
+def select_json(command_line, spec: str, keep: float, *layer) -> dict:
+    status, out, error = rankkit("select", command_line[2], "--method", spec, "--keep", keep, *layer, "--json")
+    assert status == 0, error
+    (row,) = json.loads(out)
+    return row
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_rankkit_select_and_prefill_json_keep_the_references_positions(setup, command_line, name, keep):
+    assert name in REFERENCES, f"method {name!r} has no reference: add one to REFERENCES"
+    expected = reference(setup, name, keep)
+    from rankkit import stores
+
+    assert stores.open(command_line[2]).example("ex0").tokens[:].tolist() == setup[1].tolist()
+    payload = prefill_json(command_line, expected.spec, keep)
+    assert (payload["length"], payload["selected_positions"]) == (LENGTH, expected.selected)
+    if expected.selected is not None:
+        assert payload["selection_layer"] == expected.layer
+    kept = payload["kept_positions_by_layer"]
+    for layer, heads in expected.caches.items():
+        assert [sorted(head) for head in kept[str(layer)]] == heads, layer
+    if name == "full":  # it keeps everything: nothing a store holds ranks it
+        status, out, error = rankkit("select", command_line[2], "--method", "full", "--keep", keep)
+        assert (status, out) == (2, "") and error.count("\n") == 1 and "no offline face" in error
+    elif expected.selected is not None:
+        row = select_json(command_line, expected.spec, keep)
+        assert (row["layer"], row["selected_positions"]) == (expected.layer, expected.selected)
+        assert row["budget_tokens"] == len(expected.selected)
+    else:
+        for layer, heads in expected.caches.items():
+            chosen = select_json(command_line, expected.spec, keep, "--layer", layer)["selected_positions"]
+            # a method that keeps the same set in every head (StreamingLLM) prints it once
+            assert (chosen * len(heads) if len(chosen) == 1 else chosen) == heads, layer
+
+
+def model_folder(setup, path, words: list[str]):
+    """The references' model saved at ``path`` with the word tokenizer of ``words``."""
+    setup[0].model.save_pretrained(path)
+    word_tokenizer(words).save_pretrained(path)
+    return path
+
+
+def test_a_draft_whose_tokenizer_reads_an_id_otherwise_is_refused_in_one_line_before_any_work(
+    setup, command_line, tmp_path, monkeypatch
+):
+    from rankkit import models
+
+    swapped = [*WORDS]
+    swapped[3], swapped[5] = swapped[5], swapped[3]  # the same 97 tokens, two of them at each other's id
+    draft = model_folder(setup, tmp_path / "swapped", swapped)
+    target, data, _ = command_line
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the draft was checked")
+
+    monkeypatch.setattr(models, "load", no_weights)
+    line = (
+        f"rankkit: error: draft model '{draft}' reads token id 3 as 'w5', the target as 'w3': "
+        "name a draft with the target's tokenizer, or --draft layers:N\n"
+    )
+    common = ("--model", target, "--data", data, "--draft", draft, "--device", "cpu")
+    out = tmp_path / "store.zarr"
+    for command in (
+        ("prefill", "--method", "specprefill", "--keep", 0.3, "--json", *common),
+        ("bench", "--methods", "specprefill", "--keep", 0.3, "--out", tmp_path / "bench.parquet", *common),
+        ("capture", "--out", out, "--probes", "window", *common),
+    ):
+        assert rankkit(*command) == (2, "", line), command[0]
+    assert not out.exists() and not (tmp_path / "bench.parquet").exists()
+    with_eos = word_tokenizer(WORDS)
+    with_eos.add_special_tokens({"eos_token": "w96"})
+    assert models.tokenizer_difference(with_eos, word_tokenizer(WORDS)) == "has eos_token 'w96', the target None"
+
+
+def test_a_draft_with_the_targets_tokenizer_in_another_folder_drafts_as_the_targets_own_layers(
+    setup, command_line, tmp_path
+):
+    draft = model_folder(setup, tmp_path / "copy", WORDS)  # the same weights and tokenizer, elsewhere
+    own = prefill_json(command_line, "specprefill:draft_model=layers:3", 0.3)
+    copied = prefill_json(command_line, f"specprefill:draft_model={draft}", 0.3)
+    assert copied["selected_positions"] == own["selected_positions"]
+    assert len(own["selected_positions"]) == keep_of(0.3)

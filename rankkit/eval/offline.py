@@ -20,14 +20,19 @@ from rankkit.methods import REGISTRY, Budget, Captured, Method, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
 
 
-def method_from_spec(spec: str, layer: int | None = None) -> Method:
-    """The method ``NAME`` or ``NAME:PARAM=VALUE,...`` with ``layer`` as its selection layer (``--layer``)."""
+def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:PARAM=VALUE,...`` as (name, parameters): one method, as ``--method`` takes it."""
     from rankkit.probes import parse_named
 
     named = parse_named(spec, "method")
     if len(named) != 1:
         raise RankkitError(f"name one method, not {spec!r}; e.g. --method claa:aggregation_window=8")
-    name, params = named[0]
+    return named[0]
+
+
+def method_from_spec(spec: str, layer: int | None = None) -> Method:
+    """The method ``NAME`` or ``NAME:PARAM=VALUE,...`` with ``layer`` as its selection layer (``--layer``)."""
+    name, params = parse_method_spec(spec)
     method = make(name, **params)
     return method if layer is None else method.with_layer(layer)
 

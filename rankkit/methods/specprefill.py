@@ -64,18 +64,51 @@ def draft_runner(spec: str, runner: Runner) -> Runner:
     from rankkit import models
 
     folder = _model_folder(spec)
-    if str(getattr(runner.config, "_name_or_path", "")) == folder:
+    target = str(getattr(runner.config, "_name_or_path", ""))
+    if target == folder:
         return runner
     key = (folder, str(runner.device))
     if key not in _DRAFTS:
-        draft = Runner(models.load(spec, device=runner.device).model)
-        if draft.config.vocab_size != runner.config.vocab_size:
-            raise RankkitError(
-                f"draft model '{spec}' has a vocabulary of {draft.config.vocab_size} tokens, the target "
-                f"{runner.config.vocab_size}: name a draft with the target's tokenizer, or --draft layers:N"
-            )
-        _DRAFTS[key] = draft
+        # a model built in memory has no folder: only its vocabulary size can be compared
+        check_draft(spec, target or None, runner.config.vocab_size)
+        _DRAFTS[key] = Runner(models.load(spec, device=runner.device).model)
     return _DRAFTS[key]
+
+
+def draft_problem(spec: str, target: str | None, vocab_size: int) -> str | None:
+    """Why the draft model ``spec`` cannot draft for the model ``target`` (a spec or folder; None
+    where it has none) of ``vocab_size`` ids, or None: the one check of a draft against its target.
+
+    The draft reads the target's token ids, so it needs as many embeddings and, where the
+    target's tokenizer is known, the same tokenizer (``models.tokenizer_difference``: every id
+    read as the same token). Only configs and tokenizers load, no weights.
+    """
+    from rankkit import models
+
+    drafted = models.load_config(spec).vocab_size
+    if drafted != vocab_size:
+        return f"draft model '{spec}' has a vocabulary of {drafted} tokens, the target {vocab_size}"
+    if target is None:
+        return None
+    difference = models.tokenizer_difference(models.load_tokenizer(spec), models.load_tokenizer(target))
+    return None if difference is None else f"draft model '{spec}' {difference}"
+
+
+def check_draft(spec: str, target: str | None, vocab_size: int) -> None:
+    """Refuse, in one line naming the fix, a draft model ``draft_problem`` finds fault with."""
+    problem = draft_problem(spec, target, vocab_size)
+    if problem:
+        raise RankkitError(f"{problem}: name a draft with the target's tokenizer, or --draft layers:N")
+
+
+def check_drafts(methods, target: str, config) -> None:
+    """Before any weights load: refuse a SpecPrefill among ``methods`` whose draft model cannot draft for
+    the model ``target`` (its ``config``); a self-draft (``layers:N``) is the target's own layers."""
+    for method in methods:
+        if isinstance(method, SpecPrefill):
+            spec = method.bind(config.num_hidden_layers).draft_model
+            if not spec.startswith(SELF_DRAFT):
+                check_draft(spec, target, config.vocab_size)
 
 
 def _first_layers(runner: Runner, spec: str) -> Runner:
