@@ -45,7 +45,6 @@ TABLES = (
 
 CLAA, FASTKV, GEMFILTER, ORACLE = "claa", "fastkv", "gemfilter", "oracle"
 BASELINES = (FASTKV, GEMFILTER)  # what CLAA is compared with, pair by pair (CLAA Sec. 4)
-SHOWN_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29)
 SUMMARY_METRICS = ("spearman", "recall_at_10", "needle_recall")
 
 
@@ -337,9 +336,10 @@ def rankings_section(tables: dict[str, pl.DataFrame]) -> list[str]:
     for baseline in BASELINES:
         counts = [layer_counts(pairs, row["task"], baseline) for row in tasks]
         lines.append(
-            f"- Read at every layer, CLAA − {baseline} in ρ is higher at / lower at / of the layers: "
+            f"- Read at every layer, CLAA − {baseline} in ρ is higher / lower / neither at this many layers: "
             + "; ".join(
-                f"{row['task']} {h} / {lo} / {n}" for row, (h, lo, n) in zip(tasks, counts, strict=True)
+                f"{row['task']} {h} / {lo} / {n - h - lo}"
+                for row, (h, lo, n) in zip(tasks, counts, strict=True)
             )
             + "."
         )
@@ -468,7 +468,13 @@ def end_to_end_section(tables: dict[str, pl.DataFrame]) -> list[str]:
     return lines + [""]
 
 
+def shown_layers(num_layers: int) -> list[int]:
+    """The layers the per-layer tables show: every third, and the last."""
+    return sorted({*range(0, num_layers, 3), num_layers - 1})
+
+
 def task_tables(tables: dict[str, pl.DataFrame]) -> list[str]:
+    shown = shown_layers(tables["model"]["num_layers"][0])
     lines = ["## Per-task tables", ""]
     for task in tables["tasks"].to_dicts():
         name = task["task"]
@@ -488,22 +494,22 @@ def task_tables(tables: dict[str, pl.DataFrame]) -> list[str]:
             mean = "–" if row["mean_spearman"] is None else number(row["mean_spearman"])
             metrics = " | ".join(cell(row, metric) for metric in SUMMARY_METRICS)
             lines.append(f"| {row['method']} | {layer} | {metrics} | {mean} | {trough} |")
-        curve = tables["curve"].filter((pl.col("task") == name) & pl.col("layer").is_in(SHOWN_LAYERS))
+        curve = tables["curve"].filter((pl.col("task") == name) & pl.col("layer").is_in(shown))
         lines += [
             "",
             "Mean ρ per layer:",
             "",
-            "| method | " + " | ".join(f"l{layer}" for layer in SHOWN_LAYERS) + " |",
+            "| method | " + " | ".join(f"l{layer}" for layer in shown) + " |",
         ]
-        lines.append("|---|" + "---:|" * len(SHOWN_LAYERS))
+        lines.append("|---|" + "---:|" * len(shown))
         for (method,), rows in curve.group_by("method", maintain_order=True):
             by_layer = dict(zip(rows["layer"].to_list(), rows["spearman"].to_list(), strict=True))
             if len(by_layer) > 1:  # adaptive and layer-less methods have no curve
-                cells = [
-                    "" if by_layer.get(layer) is None else number(by_layer[layer]) for layer in SHOWN_LAYERS
-                ]
+                cells = ["" if by_layer.get(layer) is None else number(by_layer[layer]) for layer in shown]
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        means = tables["variance"].filter((pl.col("task") == name) & (pl.col("layer") % 3 == 0)).sort("layer")
+        means = (
+            tables["variance"].filter((pl.col("task") == name) & pl.col("layer").is_in(shown)).sort("layer")
+        )
         means = means.drop_nulls("relative_variance")
         curve_text = ", ".join(
             f"l{row['layer']} {cell(row, 'relative_variance')}" for row in means.to_dicts()
