@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 from test_kv_methods import _kept
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rankkit.methods import Budget, make
 from rankkit.methods.base import make_probe
@@ -26,9 +27,15 @@ from rankkit.methods.pyramidkv import LayerBudgetHook, layer_budgets
 from rankkit.methods.selection import forced_mask, one_pass, top_k_with_forced
 from rankkit.runner import LayerHook, Runner
 
+# Importing kvpress wraps every attention function transformers knows (for AdaKV's masking in
+# decoding, which these prefill-only tests do not need): each is put back, so no other test runs
+# through kvpress's code.
+_UNPATCHED = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ALL_ATTENTION_FUNCTIONS}
 kvpress = pytest.importorskip(
     "kvpress", reason="kvpress is not importable: `make install` installs it (pinned, --no-deps)"
 )
+for _name, _function in _UNPATCHED.items():
+    ALL_ATTENTION_FUNCTIONS[_name] = _function
 from kvpress.utils import compute_n_kept  # noqa: E402  (after the skip)
 
 LENGTH, WINDOW, LAYERS, KV_HEADS = 64, 4, 3, 2
@@ -102,8 +109,10 @@ def rankkit_kept(spec: str, budget: Budget, **params) -> list[list[list[int]]]:
     return [_kept(cache, layer) for layer in range(LAYERS)]
 
 
-def test_the_matched_ratio_keeps_rankkits_count():
+def test_the_matched_ratio_keeps_rankkits_count_and_no_attention_function_stays_wrapped():
     assert compute_n_kept(LENGTH, RATIO) == KEPT == Budget.from_keep(KEPT / LENGTH).resolve(LENGTH)
+    assert all(ALL_ATTENTION_FUNCTIONS[name] is function for name, function in _UNPATCHED.items())
+    assert "kvpress" not in ALL_ATTENTION_FUNCTIONS["sdpa"].__module__
 
 
 @pytest.mark.parametrize(
