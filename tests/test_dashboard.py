@@ -330,6 +330,42 @@ def test_needle_recall_heatmaps_are_means_over_examples_with_evidence_one_per_ne
     np.testing.assert_array_equal(second.z, [[1.0]])
 
 
+def test_methods_of_one_ranking_are_one_needle_recall_row_named_as_in_the_spearman_plot():
+    # fastkv ranks by the window probe: the same Spearman and needle recall everywhere; claa differs
+    examples, layers, keeps = ["a", "b"], [0, 1], [0.1, 0.2]
+    cells = list(itertools.product(examples, layers, keeps))
+    per_layer = pl.DataFrame(
+        {
+            "task": ["niah"] * 3 * len(cells),
+            "example_id": [example for _ in range(3) for example, _, _ in cells],
+            "method": [method for method in ("window", "fastkv", "claa") for _ in cells],
+            "layer": [layer for _ in range(3) for _, layer, _ in cells],
+            "keep": [keep for _ in range(3) for _, _, keep in cells],
+            "needle_keep": [keep for _ in range(3) for _, _, keep in cells],
+            "spearman": [0.1 * layer + (0.3 if method == "claa" else 0.0)
+                         for method in ("window", "fastkv", "claa") for _, layer, _ in cells],
+            "needle_recall": [keep * 2 + 0.25 * layer + (0.1 if method == "claa" and example == "b" else 0.0)
+                              for method in ("window", "fastkv", "claa") for example, layer, keep in cells],
+        }
+    )  # fmt: skip
+    assert figures.curve_labels(per_layer) == {"claa": "claa", "fastkv": "fastkv = window"}
+    frame = figures.needle_recall_frame(per_layer)
+    assert frame.filter(pl.col("needle_keep") == 0.2).rows() == [
+        (0.2, "claa", 0, pytest.approx(0.45), 2),
+        (0.2, "claa", 1, pytest.approx(0.70), 2),
+        (0.2, "fastkv = window", 0, pytest.approx(0.40), 2),
+        (0.2, "fastkv = window", 1, pytest.approx(0.65), 2),
+    ]
+    first = figures.needle_recall_figure(frame).data[0]
+    assert list(first.y) == ["claa", "fastkv = window"]  # drawn once, named together
+    # the same Spearman but another needle recall (a keep-dependent ranking) is not one ranking
+    apart = per_layer.with_columns(
+        pl.when((pl.col("method") == "window") & (pl.col("keep") == 0.2))
+        .then(pl.col("needle_recall") + 0.05).otherwise(pl.col("needle_recall")).alias("needle_recall")
+    )  # fmt: skip
+    assert sorted(figures.needle_recall_frame(apart)["method"].unique()) == ["claa", "fastkv", "window"]
+
+
 def test_display_token_shows_whitespace_and_no_markup():
     assert figures.display_token("<br>\n") == "&lt;br&gt;⏎"
 
@@ -463,21 +499,73 @@ def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
         write_dashboard(store, tmp_path / "report.html", bench=bench_frame().drop("ttft_ratio"))
 
 
-def test_a_bench_of_another_model_is_refused_and_an_unlabelled_one_warned_of(tmp_path):
-    path = write_synthetic_store(tmp_path / "hashed.zarr", examples=2)
+def _with_model(path: Path, model: dict) -> Path:
     root = json.loads((path / "zarr.json").read_text())
-    root["attributes"]["model"] = {"id": "SmolLM2-135M-Instruct", "weights_hash": "sha256:aaaa"}
+    root["attributes"]["model"] = model
     (path / "zarr.json").write_text(json.dumps(root))
-    other = bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("sha256:bbbb"))
+    return path
+
+
+def test_benches_of_other_models_are_drawn_apart_under_their_own_labels_and_never_joined(tmp_path):
+    from rankkit.report import _bench_rows, _benches
+
+    store_model = {"id": "SmolLM2-135M-Instruct", "weights_hash": "a" * 64}
+    path = _with_model(write_synthetic_store(tmp_path / "hashed.zarr", examples=2), store_model)
+    own = bench_frame().with_columns(model=pl.lit("SmolLM2-135M-Instruct"), weights_hash=pl.lit("a" * 64))
+    other = bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("b" * 64), score=pl.lit(0.0))
+    # the same model's name with other weights (a fine-tune, another quantization): a model of its own
+    renamed = bench_frame().with_columns(
+        model=pl.lit("SmolLM2-135M-Instruct"), weights_hash=pl.lit("c" * 64), score=pl.lit(1.0)
+    )
+    runs = _benches([own, other, renamed], stores.open(path))
+    assert [(run.label, run.of_store_model) for run in runs] == [
+        ("bench 1, SmolLM2-135M-Instruct aaaaaaaaaaaa", True),
+        ("bench 2, tiny/llama bbbbbbbbbbbb", False),
+        ("bench 3, SmolLM2-135M-Instruct cccccccccccc", False),
+    ]
+    rows = _bench_rows(runs)
+    accuracy = dict(figures.tradeoff_numbers(rows).select("method", "accuracy").filter(
+        pl.col("method").str.starts_with("claa") & (pl.col("accuracy").is_not_null())
+    ).group_by("method").agg(pl.col("accuracy").mean()).iter_rows())  # fmt: skip
+    own_claa = figures.tradeoff_numbers(own).filter(pl.col("method") == "claa")["accuracy"].mean()
+    assert accuracy == {
+        "claa (bench 1, SmolLM2-135M-Instruct aaaaaaaaaaaa)": own_claa,
+        "claa (bench 2, tiny/llama bbbbbbbbbbbb)": 0.0,
+        "claa (bench 3, SmolLM2-135M-Instruct cccccccccccc)": 1.0,
+    }
+    assert "claa" not in set(rows["method"])  # no run under the bare name, as the store's own
+    page = write_dashboard(path, tmp_path / "report.html", bench=[other, renamed]).read_text()
+    assert "claa (bench 1, tiny/llama bbbbbbbbbbbb)" in page and "claa (bench 2, SmolLM2-135M-Instruct cccccccccccc)" in page
+    facts = dict(re.findall(r"<dt>(.*?)</dt><dd>(.*?)</dd>", page))
+    assert facts["bench bench 1"] == f"{other.height} rows of tiny/llama (weights bbbbbbbbbbbb), another model than SmolLM2-135M-Instruct: never joined"
+    report = page.split('id="panel-report"')[1].split("</section>")[0]
+    assert (
+        "No bench of the store's model: bench 1, tiny/llama bbbbbbbbbbbb; bench 2, SmolLM2-135M-Instruct "
+        "cccccccccccc measured another model, whose numbers are never joined with this store's." in report
+    )
+    assert "<table" not in report
+    alone = write_dashboard(path, tmp_path / "alone.html", bench=other).read_text()
+    assert "claa (bench 1, tiny/llama bbbbbbbbbbbb)" in alone  # even alone, never under the bare name
+
+
+def test_a_bench_of_several_models_is_refused_and_an_unlabelled_one_shown_as_the_stores_with_a_warning(tmp_path):
+    path = _with_model(
+        write_synthetic_store(tmp_path / "hashed.zarr", examples=2),
+        {"id": "SmolLM2-135M-Instruct", "weights_hash": "a" * 64},
+    )
+    mixed = pl.concat([
+        bench_frame().with_columns(model=pl.lit("SmolLM2-135M-Instruct"), weights_hash=pl.lit("a" * 64)),
+        bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("b" * 64)),
+    ])  # fmt: skip
     with pytest.raises(RankkitError) as refused:
-        write_dashboard(path, tmp_path / "report.html", bench=other)
+        write_dashboard(path, tmp_path / "report.html", bench=mixed)
     assert str(refused.value) == (
-        "the bench was measured with model tiny/llama (weights sha256:bbbb), "
-        f"store {path} with SmolLM2-135M-Instruct (weights sha256:aaaa); pass a bench of store {path}'s model"
+        "the bench holds rows of 2 models (weights aaaaaaaaaaaa, bbbbbbbbbbbb); pass one bench per model"
     )
     assert not (tmp_path / "report.html").exists()
     with pytest.warns(UserWarning, match="the bench does not say which model measured it"):
-        write_dashboard(path, tmp_path / "report.html", bench=bench_frame())
+        page = write_dashboard(path, tmp_path / "report.html", bench=bench_frame()).read_text()
+    assert "claa (" not in page
 
 
 def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):
@@ -522,7 +610,7 @@ def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(
     from rankkit import stores
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import app
-    from rankkit.report import _benches
+    from rankkit.report import _bench_rows, _benches
 
     (tmp_path / "8k").mkdir()
     (tmp_path / "32k").mkdir()
@@ -531,12 +619,12 @@ def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(
         bench_frame().write_parquet(path)
     methods = ["claa", "fastkv", "full", "gemfilter"]
     opened = stores.open(store)
-    named = _benches([paths[0], bench_frame()], opened)  # a file by its name, a frame by its place
+    named = _bench_rows(_benches([paths[0], bench_frame()], opened))  # a file by its name, a frame by its place
     assert sorted(named["method"].unique()) == sorted(
         [f"{method} (bench)" for method in methods] + [f"{method} (bench 2)" for method in methods]
     )
     assert named.height == 2 * bench_frame().height
-    same_names = _benches(paths, opened)  # both files are bench.parquet: their paths tell them apart
+    same_names = _bench_rows(_benches(paths, opened))  # both files are bench.parquet: their paths tell them apart
     assert sorted(same_names["method"].unique()) == sorted(f"{method} ({path})" for path in paths for method in methods)
 
     out = tmp_path / "report.html"
@@ -574,8 +662,12 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
         "needle_recall",
         "needle",
         "tradeoff",
+        "report",
         "diffusion",
     }
+    # the bench's examples are not the store's: the report panel says so, as `rankkit report` refuses
+    report = status["panels"].pop("report")
+    assert report["missing"] and "has no rows at a keep rate for the examples of store" in report["text"]
     for name, panel in status["panels"].items():
         assert not panel.get("missing"), name
         assert panel["visible_traces"] > 0 and panel["points"] > 0 and panel["svg_traces"] > 0, (name, panel)
@@ -647,7 +739,7 @@ def test_a_store_without_oracle_bench_or_window_scores_draws_its_explorer_and_sa
     status = open_in_chromium(write_dashboard(store, tmp_path / "report.html"), fragment="selftest").status
     assert status["done"] and status["errors"] == []
     missing = {name for name, panel in status["panels"].items() if panel.get("missing")}
-    assert missing == {"spearman", "variance", "needle_recall", "needle", "tradeoff", "diffusion"}
+    assert missing == {"spearman", "variance", "needle_recall", "needle", "tradeoff", "report", "diffusion"}
     assert "rankkit oracle" in status["panels"]["spearman"]["text"]
     assert status["panels"]["explorer"]["points"] > 0 and status["explorer"]["probe"] == "lava"
 

@@ -149,3 +149,42 @@ def cli():
 
     runner = CliRunner()
     return lambda *args: runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": "200"})
+
+
+def _table_values(page: str, panel: str) -> list[dict]:
+    """The rows of a dashboard panel's table, each cell as its full value (``data-value``; NaN as None)."""
+    import re
+
+    section = page.split(f'id="panel-{panel}"')[1].split("</section>")[0]
+    head = re.findall(r"<th>(.*?)</th>", section)
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", section.split("<tbody>")[1]):
+        cells = re.findall(r'<td(?: data-value="([^"]*)")?>(.*?)</td>', row)
+        values = [(None if value == "NaN" else json.loads(value)) if value else text for value, text in cells]
+        rows.append(dict(zip(head, values, strict=True)))
+    return rows
+
+
+def test_the_dashboards_report_panel_holds_the_report_commands_numbers(store_and_bench, cli, tmp_path):
+    from rankkit.report import write_dashboard
+
+    store, bench, _ = store_and_bench
+    result = cli("report", store, "--bench", bench, "--json")
+    assert result.exit_code == 0, result.output
+    expected = json.loads(result.stdout)
+    page = write_dashboard(store, tmp_path / "report.html", bench=bench, workers=1).read_text()
+    assert _table_values(page, "report") == expected
+    assert {row["method"] for row in expected} >= set(PROMPT_PRUNING) and len(expected) > 10
+    from browser import find_chromium, open_in_chromium
+
+    if find_chromium() is not None:  # the page reports the panel as a table of those rows
+        status = open_in_chromium(tmp_path / "report.html").status
+        assert status["errors"] == [] and status["panels"]["report"] == {"table_rows": len(expected)}
+    # beside a second run of the same model the panel names each row's run, numbers unchanged
+    again = tmp_path / "again.parquet"
+    pl.read_parquet(bench).write_parquet(again)
+    page = write_dashboard(store, tmp_path / "two.html", bench=[bench, again], workers=1).read_text()
+    labelled = _table_values(page, "report")
+    for run in ("bench", "again"):
+        mine = [row for row in labelled if row["method"].endswith(f" ({run}, tiny {WEIGHTS[:12]})")]
+        assert [{**row, "method": row["method"].split(" (")[0]} for row in mine] == expected

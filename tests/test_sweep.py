@@ -134,6 +134,8 @@ def test_bench_diffusion_and_dashboards_cover_every_cell(finished, experiment):
         assert len(page) > 100_000
         assert "needle recall in each method's top 20%" in page  # compared at the file's keep = [0.2]
         assert "top 10%" not in page
+        report = page.split('id="panel-report"')[1].split("</section>")[0]
+        assert "<table" in report and "<td>claa</td>" in report  # the cell's bench joined with its store
     index = (finished / "dashboard.html").read_text(encoding="utf-8")
     assert all(f'href="dashboards/{cell}.html"' in index for cell in CELLS)
     assert (finished / "experiment.toml").read_text(encoding="utf-8") == experiment.read_text(

@@ -4,9 +4,10 @@
     write_dashboard("runs/niah.zarr", "report.html", bench="bench.parquet", diffusion="diffusion.parquet")
 
 Panels: Spearman vs layer (CLAA Fig. 2/8), ASL rank variance and selection layers (ASL Fig. 6/9),
-the token-score explorer, the needle heatmap (CLAA Fig. 3), accuracy vs TTFT with its Pareto
-front (CLAA Fig. 4) and information diffusion (SlimInfer Fig. 2). A panel whose data is
-missing names the command that produces it.
+the token-score explorer, needle recall per layer, the needle heatmap (CLAA Fig. 3), accuracy vs
+TTFT with its Pareto front (CLAA Fig. 4), the offline and end-to-end figures joined (``rankkit
+report``'s table) and information diffusion (SlimInfer Fig. 2). A panel whose data is missing
+names the command that produces it.
 
 Size: the explorer keeps every example, probe and layer, but pools the token axis into
 contiguous bins (max score per bin, with the top token's position and exact rank) so its
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from html import escape
 from pathlib import Path
@@ -28,7 +30,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.bench import SUMMARY_INPUTS, check_same_model
+from rankkit.bench import SUMMARY_INPUTS, check_same_model, is_model_of, measured_by, short_hash
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -77,7 +79,9 @@ def write_dashboard(
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), or several of them
-    (one per run of the store's model), drawn side by side (``_benches``); ``diffusion`` the
+    (one per run, of any model), drawn side by side, each labelled with its run, model and weights
+    (``_benches``); only a bench of the store's model is joined with the store's offline figures,
+    in the report panel (``rankkit report``'s table); ``diffusion`` the
     one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates the store is compared at (the
     Spearman panel shows the first, the needle recall panel one heatmap each); ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
@@ -98,11 +102,11 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
     if not records[0].probes:
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
-    bench_frame = _benches(benches, store)
+    runs = _benches(benches, store)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
-        page = _page(store, records, explored, store_path, bench_frame, diffusion_frame, workers, keeps)
+        page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps)
     return outputs.write_text(render(page), out_path)
 
 
@@ -119,24 +123,61 @@ def write_index(
     return outputs.write_text(render_index(title, facts, rows, link), out_path)
 
 
-def _benches(benches: Sequence[BenchSource], store) -> pl.DataFrame | None:
-    """The rows of one bench, or of several runs side by side, each of the store's model (another
-    model's bench is refused): each method then named after its run, "claa (8k)", the run being
-    the file's name (its path where names repeat; "bench N" for a frame)."""
-    frames = [_bench_frame(each, store) for each in benches]
-    if len(frames) < 2:
-        return frames[0] if frames else None
+@dataclass(frozen=True)
+class BenchRun:
+    """One ``--bench``: its rows as written, the run it names and the model that measured it."""
+
+    rows: pl.DataFrame
+    run: str  # the file's name (its path where names repeat; "bench N" for a frame)
+    model: str | None  # None: a bench written before benches named their model
+    weights_hash: str | None
+    of_store_model: bool  # measured with the store's weights: the only kind joined with its figures
+
+    @property
+    def label(self) -> str:
+        """What names the run's methods on the page: the run, and the model with its short hash."""
+        if self.weights_hash is None:
+            return self.run
+        return f"{self.run}, {self.model} {short_hash(self.weights_hash)}"
+
+    def named(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """``frame`` (this run's rows, or a table of them per method) with each method named after the run."""
+        method = pl.format("{} ({})", pl.col("method").cast(pl.String), pl.lit(self.label))
+        return frame.with_columns(method.alias("method"))
+
+
+def _labelled(runs: Sequence[BenchRun]) -> bool:
+    """Whether the page names each run's methods after it: always, but for a lone run of the store's model."""
+    return not (len(runs) == 1 and runs[0].of_store_model)
+
+
+def _benches(benches: Sequence[BenchSource], store) -> list[BenchRun]:
+    """Each bench with its run and model. A bench of another model is kept, to be shown apart under
+    its own label, never under the store's model's name nor joined with the store's figures."""
     names = [f"bench {index + 1}" if isinstance(each, pl.DataFrame) else Path(each).stem
              for index, each in enumerate(benches)]  # fmt: skip
     if len(set(names)) < len(names):
         names = [name if isinstance(each, pl.DataFrame) else str(each) for name, each in zip(names, benches, strict=True)]
-    return pl.concat(
-        [
-            frame.with_columns(pl.format("{} ({})", pl.col("method").cast(pl.String), pl.lit(name)).alias("method"))
-            for frame, name in zip(frames, names, strict=True)
-        ],
-        how="diagonal_relaxed",
-    )
+    runs = []
+    model = store.meta.get("model") or {}
+    for source, name in zip(benches, names, strict=True):
+        frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+        what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        measured, weights_hash = measured_by(frame, what)
+        own = is_model_of(frame, model, what, f"store {store.path}")
+        runs.append(BenchRun(frame, name, measured, weights_hash, own))
+    return runs
+
+
+def _bench_rows(runs: Sequence[BenchRun]) -> pl.DataFrame | None:
+    """Every run's rows for the bench panels: a lone run of the store's model with its methods as
+    named; otherwise each method named after its run's label, "claa (8k, SmolLM2 1a2b3c4d5e6f)", so no
+    run's numbers show under another's name or another model's under the store's."""
+    if not runs:
+        return None
+    if not _labelled(runs):
+        return runs[0].rows
+    return pl.concat([run.named(run.rows) for run in runs], how="diagonal_relaxed")
 
 
 def _frame(
@@ -177,7 +218,7 @@ def _page(
     records,
     explored,
     store_path,
-    bench: pl.DataFrame | None,
+    runs: Sequence[BenchRun],
     diffusion: pl.DataFrame | None,
     workers: int | None,
     compared_keeps: Sequence[float],
@@ -201,6 +242,7 @@ def _page(
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
     variance = variance_store(store, workers=workers) if ASL_PROBE in probes else None
+    bench = _bench_rows(runs)
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
     colors = figures.method_colors(methods)
@@ -227,6 +269,7 @@ def _page(
         _needle_recall_panel(comparisons, store_path),
         _needle_panel(bench, has_needles, colors, keep),
         _tradeoff_panel(bench, colors),
+        _report_panel(store, runs, has_oracle, workers),
         _diffusion_panel(diffusion, diffusion_metrics, layer),
     ]
     controls = [
@@ -278,6 +321,7 @@ def _page(
         ("explorer", f"{len(explored)} of {len(records)} examples"),
         ("layers", str(num_layers)),
         ("bench rows", str(bench.height) if bench is not None else "none"),
+        *((f"bench {run.run}", _bench_fact(run, model)) for run in runs),
     ]
     return Page(
         title="rankkit dashboard",
@@ -419,7 +463,8 @@ def _needle_recall_panel(comparisons, store_path) -> Panel:
     caption = (
         "Share of each example's evidence tokens in the method's top tokens at every layer, averaged over "
         "the examples with evidence; one heatmap per keep rate the store was compared at "
-        "(dashboard --keep 0.1,0.2; compare's needle_keep)."
+        "(dashboard --keep 0.1,0.2; compare's needle_keep). Methods whose rankings are one, as in the "
+        "Spearman plot, are one row named together (fastkv = window)."
     )
     if not comparisons:
         return Panel(
@@ -478,6 +523,51 @@ def _tradeoff_panel(bench, colors) -> Panel:
         figures.tradeoff_figure(bench, colors=colors),
         numbers=figures.tradeoff_numbers(bench),
     )
+
+
+def _bench_fact(run: BenchRun, store_model: str) -> str:
+    measured = "an unnamed model" if run.weights_hash is None else f"{run.model} (weights {short_hash(run.weights_hash)})"
+    joined = "joined with the store's figures" if run.of_store_model else f"another model than {store_model}: never joined"
+    return f"{run.rows.height} rows of {measured}, {joined}"
+
+
+def _report_panel(store, runs: Sequence[BenchRun], has_oracle: bool, workers: int | None) -> Panel:
+    """``rankkit report STORE --bench B``'s table for each bench of the store's model (``join_bench_rows``):
+    the same rows and numbers, its methods named as the other bench panels name them."""
+    from rankkit.report.joined import join_bench_rows
+
+    title = "Offline and end to end, joined"
+    caption = (
+        "Per method and keep rate, as <code>rankkit report STORE --bench B</code> prints it: Spearman ρ with the "
+        "oracle and needle recall at the method's own layer, the evidence its offline selection keeps, the "
+        "evidence kept online and the accuracy, each a mean over the examples both hold (key example_id) "
+        "with its 95% interval and n. Only a bench of the store's model is joined; another model's is shown "
+        "in the panels above under its own label."
+    )
+    own = [run for run in runs if run.of_store_model]
+    if not own:
+        missing = (
+            f"No bench results. Run {_code(BENCH_COMMAND)} on the store's examples and pass "
+            f"{_code('--bench bench.parquet')}."
+            if not runs
+            else "No bench of the store's model: "
+            + escape("; ".join(run.label for run in runs))
+            + " measured another model, whose numbers are never joined with this store's."
+        )
+        return Panel("report", title, caption, missing=missing)
+    if not has_oracle:
+        return Panel(
+            "report", title, caption,
+            missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store.path}')}.",
+        )  # fmt: skip
+    tables = []
+    for run in own:
+        try:
+            summary = join_bench_rows(store, run.rows, f"bench {run.run}", workers=workers).summary
+        except RankkitError as refused:
+            return Panel("report", title, caption, missing=escape(str(refused)))
+        tables.append(run.named(summary) if _labelled(runs) else summary)
+    return Panel("report", title, caption, numbers=pl.concat(tables, how="diagonal_relaxed"))
 
 
 def _diffusion_panel(diffusion, metrics: list[str], layer: int) -> Panel:

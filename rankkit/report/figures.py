@@ -177,18 +177,22 @@ def example_curves(
 # -- Spearman vs layer (CLAA Fig. 2 / Fig. 8) ------------------------------------------------------
 
 
+SAME_RANKING_KEYS = ("task", EXAMPLE_ID, "example", "keep", "needle_keep", "layer")  # where rows are compared
+SAME_RANKING_VALUES = ("spearman", "needle_recall")  # what two rankings that are one must agree on
+
+
 def curve_labels(per_layer: pl.DataFrame) -> dict[str, str]:
-    """The methods worth a line, each with its legend label. Methods whose rankings are the same by
-    construction (fastkv and the window probe it ranks by, snapkv and window:w=32, asl and asl-2pass)
-    score the same Spearman at every example and layer of ``per_layer`` (one task's rows): they are
-    one line, drawn under the first name and labelled with all of them, "asl = asl-2pass"."""
+    """The methods worth a line (or a heatmap row), each with its label. Methods whose rankings are
+    the same by construction (fastkv and the window probe it ranks by, snapkv and window:w=32, asl and
+    asl-2pass) score the same Spearman and needle recall at every example, layer and keep of
+    ``per_layer`` (the Spearman plot asks per task): they are drawn once, under the first name,
+    and labelled with all of them, "asl = asl-2pass"."""
+    keys = [name for name in SAME_RANKING_KEYS if name in per_layer.columns]
     rows = per_layer.select(
         pl.col("method").cast(pl.String),
-        pl.col("task").cast(pl.String),
-        pl.col(EXAMPLE_ID).cast(pl.String),
-        "layer",
-        pl.col("spearman").fill_nan(None),
-    ).sort("method", "task", EXAMPLE_ID, "layer", nulls_last=True)
+        *(pl.col(name).cast(pl.String) if name in ("task", EXAMPLE_ID, "example") else pl.col(name) for name in keys),
+        *(pl.col(name).fill_nan(None) for name in SAME_RANKING_VALUES if name in per_layer.columns),
+    ).sort("method", *keys, nulls_last=True)
     same: dict[tuple, list[str]] = {}
     for (method,), curve in rows.group_by("method", maintain_order=True):
         same.setdefault(tuple(curve.drop("method").iter_rows()), []).append(method)
@@ -751,9 +755,13 @@ def needle_figure(
 
 def needle_recall_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     """Mean needle recall over the examples that have evidence, per needle keep, method and layer,
-    from ``CompareResult.per_layer`` frames of one or more keeps (``compare_keeps``)."""
+    from ``CompareResult.per_layer`` frames of one or more keeps (``compare_keeps``); methods whose
+    rankings are one (``curve_labels``, the Spearman plot's rule) are one row, named together."""
+    labels = curve_labels(per_layer)
     return (
-        per_layer.filter(pl.col("needle_recall").is_not_null())
+        per_layer.with_columns(pl.col("method").cast(pl.String))
+        .filter(pl.col("needle_recall").is_not_null() & pl.col("method").is_in(list(labels)))
+        .with_columns(pl.col("method").replace_strict(labels))
         .group_by("needle_keep", "method", "layer")
         .agg(pl.col("needle_recall").mean(), pl.len().alias("n_examples"))
         .sort("needle_keep", "method", "layer")

@@ -61,7 +61,8 @@ class Panel:
     caption: str  # what the panel shows and where it comes from
     figure: go.Figure | None = None
     missing: str | None = None  # HTML naming the command that produces the data, when figure is None
-    numbers: pl.DataFrame | None = None  # every number the figure draws, as a sortable table below it
+    # every number the figure draws, as a sortable table below it; without a figure, the panel's table, open
+    numbers: pl.DataFrame | None = None
 
 
 @dataclass
@@ -108,19 +109,20 @@ def _control_html(control: Control) -> str:
 
 
 def _panel_html(panel: Panel) -> str:
-    body = (
-        f'<div class="plot" id="plot-{panel.id}"></div>'
-        if panel.figure is not None
-        else f'<div class="missing" id="plot-{panel.id}">{panel.missing}</div>'
-    )
-    numbers = "" if panel.numbers is None else _numbers_html(panel.numbers)
+    if panel.figure is not None:
+        body = f'<div class="plot" id="plot-{panel.id}"></div>'
+    elif panel.missing is not None or panel.numbers is None:
+        body = f'<div class="missing" id="plot-{panel.id}">{panel.missing}</div>'
+    else:  # a table-only panel
+        body = f'<div class="table" id="plot-{panel.id}"></div>'
+    numbers = "" if panel.numbers is None else _numbers_html(panel.numbers, shown=panel.figure is None)
     return (
         f'<section class="panel" id="panel-{panel.id}"><h2>{html.escape(panel.title)}</h2>'
         f'<p class="caption">{panel.caption}</p>{body}{numbers}</section>'
     )
 
 
-def _numbers_html(frame: pl.DataFrame) -> str:
+def _numbers_html(frame: pl.DataFrame, *, shown: bool = False) -> str:
     """The frame as a table the runtime sorts by any column (a click on its header); numbers are shown
     to three decimals and sorted by their full value (``data-value``), missing ones as "–", sorted last."""
     head = "".join(f"<th>{html.escape(name)}</th>" for name in frame.columns)
@@ -136,7 +138,7 @@ def _numbers_html(frame: pl.DataFrame) -> str:
 
     rows = "".join("<tr>" + "".join(map(cell, row)) + "</tr>" for row in frame.iter_rows())
     return (
-        f'<details class="numbers"><summary>The numbers: {frame.height} rows (click a column to sort)</summary>'
+        f'<details class="numbers"{" open" if shown else ""}><summary>The numbers: {frame.height} rows (click a column to sort)</summary>'
         f'<table class="numbers sortable"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></details>'
     )
 

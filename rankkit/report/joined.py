@@ -40,13 +40,18 @@ def join_store_and_bench(store_path: str | os.PathLike, bench_path: str | os.Pat
     from rankkit.report import _bench_frame
 
     store = stores.open(store_path)
-    bench = _bench_frame(bench_path, store)
+    return join_bench_rows(store, _bench_frame(bench_path, store), f"bench {bench_path}")
+
+
+def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | None = None) -> Joined:
+    """``join_store_and_bench`` for an opened store and the rows of a bench of its model (``what``
+    names the bench in a refusal; ``workers`` as ``compare_keeps``)."""
     records = list(store.examples())
     ids = {record.id for record in records}
     online = bench.filter(pl.col(EXAMPLE_ID).is_in(ids) & pl.col("keep").is_not_null())
     if not online.height:
         raise RankkitError(
-            f"bench {bench_path} has no rows at a keep rate for the examples of store {store.path}; "
+            f"{what} has no rows at a keep rate for the examples of store {store.path}; "
             "bench the store's data with --keep"
         )
     probes = sorted({probe for record in records for probe in record.probes})
@@ -55,7 +60,7 @@ def join_store_and_bench(store_path: str | os.PathLike, bench_path: str | os.Pat
     keeps = sorted(online["keep"].unique())
     offline = pl.DataFrame()
     if methods:
-        results = compare_keeps(store, keeps, methods=methods, detailed=False)
+        results = compare_keeps(store, keeps, methods=methods, detailed=False, workers=workers)
         offline = pl.concat([at_method_layers(result) for result in results], how="diagonal_relaxed")
     per_example = online.select(
         EXAMPLE_ID,

@@ -177,7 +177,11 @@
                     panel_ms: timings, state: state};
     config.panels.forEach(function (id) {
       const div = document.getElementById('plot-' + id);
-      if (!(id in figures)) { status.panels[id] = {missing: true, text: div.textContent}; return; }
+      if (!(id in figures)) {  // a missing panel, or one that is a table only
+        status.panels[id] = div.classList.contains('missing') ? {missing: true, text: div.textContent}
+          : {table_rows: document.querySelectorAll('#panel-' + id + ' table.numbers tbody tr').length};
+        return;
+      }
       if (!div.data) { status.panels[id] = {failed: true}; return; }
       const full = div._fullData || [];
       status.panels[id] = {
