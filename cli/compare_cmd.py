@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app, output
-from .options import Format, Overwrite, Workers, budgets, output_format
+from .options import Format, NeedleKeep, Overwrite, Workers, budgets, output_format
 
 
 @app.command("compare")
@@ -45,11 +45,7 @@ def compare(
         help="Comma-separated keep rates the methods rank under (ASL's k, forced-token counts), "
         "e.g. 0.1,0.2: one comparison each, every output row naming its keep.",
     ),
-    needle_keep: float | None = typer.Option(
-        None,
-        "--needle-keep",
-        help="Keep rate needle recall counts the evidence tokens in. (default: the --keep given)",
-    ),
+    needle_keep: NeedleKeep = None,
     out: Path | None = typer.Option(
         None,
         "--out",

@@ -5,7 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .options import Overwrite, Workers, budgets, comma_list
+from .options import NeedleKeep, Overwrite, Workers, budgets, comma_list
 
 
 @app.command("dashboard")
@@ -40,6 +40,7 @@ def dashboard(
         help="Comma-separated keep rates the store is compared at, as compare --keep: the Spearman panel "
         "shows the first, the needle recall panel one heatmap each.",
     ),
+    needle_keep: NeedleKeep = None,
     workers: Workers = None,
 ) -> None:
     """One self-contained HTML report: rankings per layer, ASL curves, token explorer, needles, accuracy vs TTFT,
@@ -61,5 +62,6 @@ def dashboard(
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
             keeps=keeps,
+            needle_keep=needle_keep,
         )
     typer.echo(written)

@@ -50,6 +50,12 @@ Threads = Annotated[
 Layer = Annotated[int | None, typer.Option("--layer", help=LAYER_HELP)]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy answer length limit.")]
 Draft = Annotated[str | None, typer.Option("--draft", help=DRAFT_HELP)]
+NeedleKeep = Annotated[
+    float | None,
+    typer.Option(
+        "--needle-keep", help="Keep rate needle recall counts the evidence tokens in. (default: each --keep given)"
+    ),
+]
 Mirror = Annotated[
     str, typer.Option("--mirror", help="The architecture the oracle mirrors: gemfilter, fastkv or claa.")
 ]

@@ -201,7 +201,7 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
     if stage == "variance":
         return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget_value, **plan.variance.kwargs()}
     # the dashboard shows bench's rows at the first layer setting, and compares at every keep rate
-    return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan)}
+    return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan), "needle_keep": plan.compare.needle_keep}
 
 
 def _dashboard_keeps(plan: Experiment) -> list[float]:
@@ -1172,6 +1172,7 @@ def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
                 overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
                 keeps=_dashboard_keeps(plan),
+                needle_keep=plan.compare.needle_keep,
             )
         )
         _write_marker(run, "dashboard", unit)

@@ -600,8 +600,15 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
     assert (low.keep, low.needle_keep, high.keep, high.needle_keep) == (0.1, 0.1, 0.2, 0.2)
     direct = compare_store(store, keep=0.2, workers=1, detailed=False)
     assert high.per_layer.equals(direct.per_layer)
+    arguments = ["dashboard", str(store), "--out", str(out), "--keep", "0.1,0.2", "--needle-keep", "0.3"]
+    result = CliRunner().invoke(app, [*arguments, "--workers", "1", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    low, high = handed[1]
+    assert (low.keep, low.needle_keep, high.keep, high.needle_keep) == (0.1, 0.3, 0.2, 0.3)
+    direct = compare_store(store, keep=0.2, needle_keep=0.3, workers=1, detailed=False)
+    assert high.per_layer.equals(direct.per_layer)
     refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "1.5", "--overwrite"])
-    assert isinstance(refused.exception, RankkitError) and not handed[1:]  # refused before any comparison
+    assert isinstance(refused.exception, RankkitError) and not handed[2:]  # refused before any comparison
 
 
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):

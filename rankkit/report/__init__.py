@@ -75,6 +75,7 @@ def write_dashboard(
     workers: int | None = None,
     explore: Sequence[str] | None = None,
     keeps: Sequence[float] = (KEEP_RATES[0],),
+    needle_keep: float | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
@@ -83,7 +84,8 @@ def write_dashboard(
     (``_benches``); only a bench of the store's model is joined with the store's offline figures,
     in the report panel (``rankkit report``'s table); ``diffusion`` the
     one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates the store is compared at (the
-    Spearman panel shows the first, the needle recall panel one heatmap each); ``workers`` processes compute the rankings (see
+    Spearman panel shows the first, the needle recall panel one heatmap each, counting at its keep
+    unless ``needle_keep`` names one for all); ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
     evenly spaced sample of that many beyond, so a large store's page stays small and quick.
@@ -106,7 +108,7 @@ def write_dashboard(
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
-        page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps)
+        page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps, needle_keep)
     return outputs.write_text(render(page), out_path)
 
 
@@ -222,6 +224,7 @@ def _page(
     diffusion: pl.DataFrame | None,
     workers: int | None,
     compared_keeps: Sequence[float],
+    needle_keep: float | None,
 ) -> Page:
     from rankkit.eval.compare import compare_keeps
     from rankkit.eval.offline import recorded_model
@@ -236,7 +239,9 @@ def _page(
     # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
     # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
     comparisons = (
-        compare_keeps(store, compared_keeps, workers=workers, detailed=False) if has_oracle else []
+        compare_keeps(store, compared_keeps, workers=workers, detailed=False, needle_keep=needle_keep)
+        if has_oracle
+        else []
     )
     comparison = comparisons[0] if comparisons else None
     if comparison is None:  # compare_store warns of what it leaves out itself
