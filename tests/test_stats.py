@@ -12,6 +12,7 @@ from scipy import stats as scipy_stats
 
 from rankkit.eval.stats import (
     bootstrap_means,
+    cluster_numbers,
     mean_intervals,
     paired_difference,
     paired_differences,
@@ -309,3 +310,15 @@ def test_paired_differences_over_clusters_test_each_clusters_mean():
     assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(means).pvalue)
     assert found["difference"] == pytest.approx((first - second).mean())
     assert paired_difference(first, second)["n_clusters"] == 7
+
+
+def test_an_example_without_a_cluster_is_its_own():
+    """Stores of which only some record clusters (niah beside RULER in one sweep's frame): the
+    examples without one are single samples, not one cluster named None."""
+    first = np.array([0.5, 0.6, 0.7, 0.2, 0.9])
+    second = np.array([0.4, 0.4, 0.6, 0.3, 0.5])
+    alone = paired_difference(first, second, [None] * 5)
+    assert alone == paired_difference(first, second)
+    mixed = paired_difference(first, second, ["a", "a", None, None, None])
+    assert (mixed["n_examples"], mixed["n_clusters"]) == (5, 4)
+    assert cluster_numbers(["a", None, "a", None]).tolist() == [0, 1, 0, 2]

@@ -85,6 +85,8 @@ def collect_rankings(out: Path, rankings: Experiment) -> dict[str, pl.DataFrame]
         store = stores.open(out / "stores" / f"{cell.name}.zarr")
         examples = store.examples_frame()
         pruning_layer = rows["pruning_layer"][0]
+        if "cluster" in rows.columns:  # an example without a cluster is its own
+            rows = rows.with_columns(pl.col("cluster").fill_null(pl.col(EXAMPLE_ID).cast(pl.String)))
         clusters = rows["cluster"].n_unique() if "cluster" in rows.columns else rows[EXAMPLE_ID].n_unique()
         parts["tasks"].append(
             pl.DataFrame(
@@ -270,7 +272,8 @@ def layer_counts(pairs: pl.DataFrame, task: str, baseline: str) -> tuple[int, in
 
 
 def task_size(row: dict) -> str:
-    return f"{row['task']} (n = {row['n_examples']}, {row['n_clusters']} clusters)"
+    clusters = "1 cluster" if row["n_clusters"] == 1 else f"{row['n_clusters']} clusters"
+    return f"{row['task']} (n = {row['n_examples']}, {clusters})"
 
 
 def intro(tables: dict[str, pl.DataFrame]) -> list[str]:
@@ -479,7 +482,7 @@ def task_tables(tables: dict[str, pl.DataFrame]) -> list[str]:
     for task in tables["tasks"].to_dicts():
         name = task["task"]
         lines += [
-            f"### {name} (n = {task['n_examples']}, {task['n_clusters']} clusters, {task['length']:,} tokens)",
+            f"### {task_size(task)}, {task['length']:,} tokens",
             "",
             f"At each method's own layer (probes and KV-only methods at l_p = {task['pruning_layer']}); "
             "mean [95% interval]:",

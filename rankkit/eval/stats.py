@@ -116,8 +116,9 @@ def bootstrap_means(
 
 def cluster_numbers(names: Sequence[Any]) -> np.ndarray | None:
     """Each example's cluster as a number 0..C-1 (in first-seen order), from its cluster's name;
-    None when every example is its own cluster (nothing to resample together)."""
-    names = [str(name) for name in names]
+    None when every example is its own cluster (nothing to resample together). An example without a
+    cluster (None: a frame joining stores of which only some record clusters) is its own."""
+    names = [(index,) if name is None else str(name) for index, name in enumerate(names)]
     numbers = {name: number for number, name in enumerate(dict.fromkeys(names))}
     return np.array([numbers[name] for name in names]) if len(numbers) < len(names) else None
 
