@@ -108,6 +108,7 @@ clean:
 # forked from that process at the lowest priority, one per core. kill_rate.py prints the kill rate
 # (at least 90%), the survivors and, apart, the equivalent mutants. A rerun continues where it
 # stopped; `make mutants MUTANTS='rankkit.methods.lava.*'` checks (again) only the mutants named.
+# Cost and status: docs/methods.md (the whole set has not yet run to its end on two busy cores).
 MUTMUT := mutmut==3.8.1
 MUTANTS ?=
 mutants: $(STAMP)
