@@ -107,13 +107,15 @@ clean:
 
 # Mutation testing of the method code (docs/methods.md, "Mutation testing"); not part of `make test`.
 # First the flip-top-k mutant (every ranking keeps the lowest scores): the method tests must fail.
-# Then mutmut changes MUTATE in place, one mutant at a time, runs MUTANT_TESTS against each, and
-# prints the kill rate (at least 90%) and the survivors. Any failing exit counts as a kill (mutmut 2
-# counts only exit status 1). All of MUTATE takes many hours on two cores: narrow it, e.g.
-# `make mutants MUTATE=rankkit/methods/lava.py`; rerunning resumes from .mutmut-cache.
-MUTMUT := mutmut==2.5.1
-MUTATE ?= rankkit/methods,probes,rankkit/oracle.py,rankkit/eval/ranking.py
-MUTANT_TESTS ?= tests/test_methods.py tests/test_method_references.py
+# Then mutmut 3 (pyproject's [tool.mutmut] says what it mutates and with which tests) copies the
+# sources into mutants/, runs the tests once to learn which tests reach each function, and checks
+# each mutant against those tests only (fastest first, stopping at the first failure), in children
+# forked from that process at the lowest priority, one per core. kill_rate.py prints the kill rate
+# (at least 90%), the survivors and, apart, the equivalent mutants. A rerun continues where it
+# stopped; `make mutants MUTANTS='rankkit.methods.lava.*'` checks (again) only the mutants named.
+# Cost and status: docs/methods.md (the whole set has not yet run to its end on two busy cores).
+MUTMUT := mutmut==3.8.1
+MUTANTS ?=
 mutants: $(STAMP)
 	$(BIN)/python -m pip install --quiet $(MUTMUT)
 	mkdir -p build
@@ -121,6 +123,5 @@ mutants: $(STAMP)
 		-k "not keep_all" tests/test_methods.py > build/flip-top-k.log 2>&1 \
 		|| (echo "the flip-top-k mutant passed tests/test_methods.py" && false)
 	@grep -E "[0-9]+ failed" build/flip-top-k.log | sed 's/^/flip-top-k mutant: /'
-	-$(BIN)/mutmut run --paths-to-mutate $(MUTATE) --no-progress --simple-output \
-		--runner "sh tests/mutants/any_failure.sh $(BIN)/python -m pytest -x -q -p no:cacheprovider -m 'not integration' $(MUTANT_TESTS)"
-	$(BIN)/mutmut junitxml | $(BIN)/python tests/mutants/kill_rate.py 0.9
+	PYTHONPATH=$(CURDIR)/tests/mutants nice -n 19 $(BIN)/mutmut run $(MUTANTS)
+	$(BIN)/python tests/mutants/kill_rate.py 0.9 $(MUTANTS)
