@@ -148,7 +148,6 @@ def _reads(name: str, layers: int, kv_heads: int) -> tuple[Counter, Counter]:
 PER_LAYER_READS = {
     "asl": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
     "asl-2pass": "ASL Alg. 1 decides at each observed layer whether to prune there: one read per layer",
-    "adakv": "AdaKV's head budgets differ per layer: the widest head sizes the cache, one read per layer",
     "lava": "LAVa's budgets (Alg. 2) are apportioned on the host: one read per layer and recompression",
     "sliminfer": "SlimInfer picks blocks on the host at each pruning layer (Alg. 1): two reads each, in every step",
 }
