@@ -57,7 +57,9 @@ def widest_head(heads: int, keep: int, window: int, length: int, safeguard: floa
     return min(length, heads * keep - (heads - 1) * guaranteed)
 
 
-def adaptive_head_selection(scores: torch.Tensor, keep: int, window: int, safeguard: float) -> list[torch.Tensor]:
+def adaptive_head_selection(
+    scores: torch.Tensor, keep: int, window: int, safeguard: float
+) -> list[torch.Tensor]:
     """``adaptive_head_mask``'s kept entries per head, as sorted index tensors."""
     return [torch.nonzero(head).flatten() for head in adaptive_head_mask(scores, keep, window, safeguard)]
 

@@ -217,7 +217,9 @@ class LavaBudgets(LayerHook):
         if self.sizes is None:
             return
         shrunk = self.sizes < self.entries
-        kept = [place.view(self.heads, -1) < size for place, size in zip(self.places, self.sizes, strict=True)]
+        kept = [
+            place.view(self.heads, -1) < size for place, size in zip(self.places, self.sizes, strict=True)
+        ]
         widths = torch.stack([mask.sum(dim=1).amax() for mask in kept])
         shrunk, widths = torch.stack([shrunk.long(), widths]).tolist()
         for layer, (cut, mask, width) in enumerate(zip(shrunk, kept, widths, strict=True)):
