@@ -28,7 +28,8 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.bench import SUMMARY_INPUTS, check_same_model
+from rankkit.bench import SUMMARY_INPUTS, check_same_model, refuse_timing_only_bench
+from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -93,6 +94,7 @@ def write_dashboard(
     sources = [each for each in (store_path, *benches, diffusion) if not isinstance(each, pl.DataFrame)]
     outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
+    refuse_timing_only_store(store.meta, store_path, "show its rankings against the oracle in a dashboard")
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
@@ -168,6 +170,7 @@ def _bench_frame(source: str | os.PathLike | pl.DataFrame | None, store) -> pl.D
     frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     if frame is not None:
         what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        refuse_timing_only_bench(frame, what)
         check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
     return frame
 
