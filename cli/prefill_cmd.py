@@ -226,10 +226,10 @@ def bench(
     table = summary(frame)
     if shown_as != "table":
         rows = table.to_dicts()
-        whole = {"out": str(out) if out else None, "timing_only": is_timing_only(frame), "summary": rows}
+        whole = {"out": str(out) if out else None, "timing_only": is_timing_only(table), "summary": rows}
         typer.echo(rows_text(rows, shown_as, whole=whole))
         return
-    _print_summary(table, out, is_timing_only(frame))
+    _print_summary(table, out, is_timing_only(table))
 
 
 def _print_summary(table, out: Path | None, timing_only: bool = False) -> None:

@@ -215,8 +215,8 @@ def with_model(frame: pl.DataFrame, loaded: models.LoadedModel) -> pl.DataFrame:
 
 
 def is_timing_only(frame: pl.DataFrame) -> bool:
-    """Whether a bench's rows were measured with random weights (a bench written before the column
-    was kept is not)."""
+    """Whether a bench's rows (or their ``summary``) were measured with random weights (a bench
+    written before the column was kept is not)."""
     return "timing_only" in frame.columns and bool(frame["timing_only"].any())
 
 
