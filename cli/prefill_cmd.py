@@ -165,6 +165,14 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
     console.print(table)
     for row in rows:
         console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
+    _say_if_timing_only(rows[0].get("timing_only", False))
+
+
+def _say_if_timing_only(timing_only: bool) -> None:
+    from rankkit.checks import TIMING_ONLY
+
+    if timing_only:
+        console.print(f"[bold]{TIMING_ONLY}[/bold]")
 
 
 @app.command()
@@ -202,7 +210,7 @@ def bench(
     example (with --out), says so and exits 130; rerunning the same command resumes.
     """
     from rankkit.bench import bench as run_bench
-    from rankkit.bench import summary
+    from rankkit.bench import is_timing_only, summary
     from rankkit.report.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
@@ -220,12 +228,13 @@ def bench(
     table = summary(frame)
     if shown_as != "table":
         rows = table.to_dicts()
-        typer.echo(rows_text(rows, shown_as, whole={"out": str(out) if out else None, "summary": rows}))
+        whole = {"out": str(out) if out else None, "timing_only": is_timing_only(table), "summary": rows}
+        typer.echo(rows_text(rows, shown_as, whole=whole))
         return
-    _print_summary(table, out)
+    _print_summary(table, out, is_timing_only(table))
 
 
-def _print_summary(table, out: Path | None) -> None:
+def _print_summary(table, out: Path | None, timing_only: bool = False) -> None:
     from rankkit.eval.stats import interval_columns, with_interval
 
     def interval(metric: str):
@@ -235,7 +244,8 @@ def _print_summary(table, out: Path | None) -> None:
     def plain(key: str, render=_number):
         return lambda row: render(row[key])
 
-    view = Table(title="methods vs full: means [95% interval] over n examples")
+    title = "methods vs full: means [95% interval] over n examples"
+    view = Table(title=f"{title}, timing only" if timing_only else title)
     columns = [
         ("method", plain("method", str)),
         ("budget", plain("budget", str)),
@@ -254,5 +264,6 @@ def _print_summary(table, out: Path | None) -> None:
     for row in table.to_dicts():
         view.add_row(*(render(row) for _, render in columns))
     console.print(view)
+    _say_if_timing_only(timing_only)
     if out is not None:
         console.print(f"rows: {out}")

@@ -28,7 +28,14 @@ import torch
 
 from rankkit import defaults, models, outputs
 from rankkit.cache import PADDING
-from rankkit.checks import check_layer, check_length, check_prompt_lengths, check_spec_length, warn_clamped
+from rankkit.checks import (
+    TIMING_ONLY,
+    check_layer,
+    check_length,
+    check_prompt_lengths,
+    check_spec_length,
+    warn_clamped,
+)
 from rankkit.data import Example, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
@@ -82,6 +89,13 @@ def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
     return float(torch.stack(shares).mean())
 
 
+def decode_layer_seconds(reference: Measured | None, num_layers: int) -> float | None:
+    """One layer of one of full's decode steps (its TPOT / L): what a draft's lookahead layer is charged."""
+    if reference is None or reference.run.tpot_s is None:
+        return None
+    return reference.run.tpot_s / num_layers
+
+
 def run_row(
     measured: Measured,
     *,
@@ -115,7 +129,12 @@ def run_row(
         "e2e_s": run.e2e_s,
         "kv_bytes": run.kv_bytes,
         "peak_mem_bytes": run.peak_mem_bytes,
-        "ideal_ratio": cost_model.ideal_ratio(run.passes, run.prompt_length, num_layers),
+        "ideal_ratio": cost_model.ideal_ratio(
+            run.passes,
+            run.prompt_length,
+            num_layers,
+            decode_layer_s=decode_layer_seconds(reference, num_layers),
+        ),
         "ttft_ratio": measured.ratio_to(reference, "ttft_s") if reference else None,
         "tpot_ratio": measured.ratio_to(reference, "tpot_s") if reference else None,
         "kv_ratio": run.kv_bytes / reference.run.kv_bytes if reference else None,
@@ -181,9 +200,34 @@ def compare_on_prompt(
 MODEL_COLUMNS = ("model", "weights_hash")  # which model measured a bench's rows
 
 
+SCORES = ("score", "evidence_kept")  # what a timing-only run leaves missing: they need real weights
+
+
 def with_model(frame: pl.DataFrame, loaded: models.LoadedModel) -> pl.DataFrame:
-    """``frame``'s rows with the model that measured them, so no reader can take them for another's."""
-    return frame.with_columns(model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash))
+    """``frame``'s rows with the model that measured them, so no reader can take them for another's,
+    and whether it was timing only (``random:<shape>``: its scores are then missing, not wrong)."""
+    frame = frame.with_columns(
+        model=pl.lit(loaded.model_id),
+        weights_hash=pl.lit(loaded.weights_hash),
+        timing_only=pl.lit(loaded.timing_only),
+    )
+    if loaded.timing_only:
+        frame = frame.with_columns(pl.lit(None, dtype=pl.Float64).alias(column) for column in SCORES)
+    return frame
+
+
+def is_timing_only(frame: pl.DataFrame) -> bool:
+    """Whether a bench's rows (or their ``summary``) were measured with random weights (a bench
+    written before the column was kept is not)."""
+    return "timing_only" in frame.columns and bool(frame["timing_only"].any())
+
+
+def refuse_timing_only_bench(frame: pl.DataFrame, what: str) -> None:
+    """Refuse to show a timing-only bench's accuracy or evidence as if they meant something."""
+    if is_timing_only(frame):
+        raise RankkitError(
+            f"{what} was measured with {frame['model'][0]}, {TIMING_ONLY}: bench a real model to report them"
+        )
 
 
 def short_hash(weights_hash: str) -> str:
@@ -411,6 +455,10 @@ def prefill(
     with torch.inference_mode():
         cost_model = cached_calibration(runner, prompt.input_ids, loaded.weights_hash)
     rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
+    for row in rows:
+        row["timing_only"] = loaded.timing_only
+        if loaded.timing_only:
+            row |= dict.fromkeys(SCORES)
     if compare is None:
         rows[0] |= dict.fromkeys(RATIOS)
     if kept_layers:
@@ -447,6 +495,7 @@ def prefill_json(rows: list[dict]) -> dict:
     result = {key: method[key] for key in PREFILL_JSON_KEYS} | {
         "budget": method["budget"],
         "length": method["length"],
+        "timing_only": method.get("timing_only", False),
     }
     if len(rows) > 1:
         result |= {key: method[key] for key in RATIOS}
@@ -625,6 +674,7 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         cluster="cluster" if clustered else None,
         scores=["accuracy"],
     )
-    return intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
+    table = intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")
     )
+    return table.with_columns(pl.lit(True).alias("timing_only")) if is_timing_only(frame) else table

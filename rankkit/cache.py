@@ -155,6 +155,21 @@ class KVCache:
         self.positions[layer] = self.positions[layer].masked_fill(~kept.gather(1, index), PADDING)
         self.padded[layer] = True
 
+    def trim_padding(self, layers: list[int]) -> None:
+        """Shrink each of ``layers`` to its widest head's real entries, with one read of all widths.
+
+        A method that compresses to a bound it knows without reading (``compress_to_mask``
+        with a budget) calls this once its prefill is over, so decoding reads no padding
+        beyond the widest head; the entries kept, their order and the padding that stays
+        are those one ``compress_to_mask`` at the exact width would leave.
+        """
+        if not layers:
+            return
+        widths = torch.stack([self.kept_tokens(layer).amax() for layer in layers]).tolist()
+        for layer, width in zip(layers, widths, strict=True):
+            if width < self.positions[layer].shape[1]:
+                self.compress_to_mask(layer, self.positions[layer] != PADDING, width)
+
     def kept_tokens(self, layer: int) -> torch.Tensor:
         """Number of real (unpadded) entries per KV head [kv_heads]."""
         return (self.positions[layer] != PADDING).sum(dim=1)

@@ -140,8 +140,10 @@ def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
     if kinds is not None:
         model["layer_types"] = list(kinds)
         model["sliding_window"] = getattr(config.get_text_config(), "sliding_window", None)
+    timing = {"timing_only": True} if loaded.timing_only else {}  # absent: real weights (and older stores)
     return {
         "model": model,
+        **timing,
         "num_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
@@ -369,7 +371,7 @@ def write_draft_scores(writer, runner: Runner, method, example_id: str, ids: tor
     """Add one example's lookahead scores [k, T] (``draft_scores/lookahead``), with the draft's settings."""
     lookahead, _ = method.draft_scores(runner, ids)
     writer.add_arrays(
-        example_id, DRAFT_GROUP, {DRAFT_ARRAY: lookahead.numpy()}, method.resolved(runner.num_layers)
+        example_id, DRAFT_GROUP, {DRAFT_ARRAY: lookahead.cpu().numpy()}, method.resolved(runner.num_layers)
     )
 
 

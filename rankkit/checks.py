@@ -54,3 +54,17 @@ def warn_clamped(budget, prompt_length: int, what: str) -> None:
             f"--budget {budget.tokens} is larger than {what} ({prompt_length} tokens); it keeps all of it",
             stacklevel=2,
         )
+
+
+# what every output of a ``random:<shape>`` run says of itself
+TIMING_ONLY = "timing only: random weights (random:<shape>), so answers, accuracy and rankings mean nothing"
+
+
+def refuse_timing_only_store(meta: dict, path, what: str) -> None:
+    """Refuse ``what`` (a comparison with the oracle, a report, a dashboard) on a store captured with
+    random weights (``random:<shape>``, its meta's ``timing_only``): its rankings and oracle mean nothing."""
+    if meta.get("timing_only"):
+        raise RankkitError(
+            f"store {path} was captured with {meta['model']['id']}, {TIMING_ONLY}: "
+            f"capture a real model to {what}"
+        )

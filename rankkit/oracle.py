@@ -65,7 +65,9 @@ class AnswerAttention(LayerHook):
 
     Per layer: max over query heads -> running sum over answer tokens (``layer_sums``) and
     running max over layers; after the last layer that max joins ``sums`` (MAXAGG over
-    layers and heads, summed for MEANAGG).
+    layers and heads, summed for MEANAGG). Every sum stays on the device of the keys (all
+    heads of a layer in one product), so an answer token's layers read nothing back; the
+    caller copies the result to the host once.
     """
 
     def __init__(
@@ -87,6 +89,11 @@ class AnswerAttention(LayerHook):
         if call.phase != "decode":
             return
         head_max = self.head_max(call)  # NaN where this layer cannot see the key
+        if self.sums.device != head_max.device:  # the first query: the sums move to the keys' device
+            self.layer_sums, self.layer_counts, self.sums, self.counts = (
+                each.to(head_max.device)
+                for each in (self.layer_sums, self.layer_counts, self.sums, self.counts)
+            )
         seen = ~head_max.isnan()
         self.layer_sums[call.layer] += head_max.nan_to_num(0.0)
         self.layer_counts[call.layer] += seen
@@ -129,7 +136,7 @@ class AnswerAttention(LayerHook):
         head_max = logits.reshape(kv_heads * groups, -1).amax(dim=0)
         if unseen is not None:
             head_max = head_max.masked_fill(unseen, float("nan"))
-        return head_max.cpu()
+        return head_max
 
 
 def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) -> dict:
@@ -225,8 +232,8 @@ def answer_informed_oracle(
     scores = pool_tokens(attention.mean, "avg", kernel)
     layer_scores = pool_tokens(attention.layer_mean, "avg", kernel)
     return OracleResult(
-        scores=scores.numpy().astype(np.float32),
-        layer_scores=layer_scores.numpy().astype(np.float32),
+        scores=scores.cpu().numpy().astype(np.float32),
+        layer_scores=layer_scores.cpu().numpy().astype(np.float32),
         answer_tokens=answer_tokens,
         answer_text=tokenizer.decode(answer_tokens, skip_special_tokens=True),
         params=params,

@@ -171,3 +171,28 @@ def test_tova_keeps_the_last_tokens_favourites_and_evicts_one_entry_per_decode_s
             lowest = min(range(17), key=lambda i: (scores[i], -i))  # ties: the latest goes
             survivors = sorted(p for i, p in enumerate(positions[0].tolist()) if i != lowest)
             assert snapshot.after_steps[step][layer] == [survivors, survivors]
+
+
+def test_trimming_a_cache_cut_to_a_bound_leaves_what_one_cut_to_the_widest_head_leaves():
+    from rankkit.cache import KVCache
+
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 3, 40, 4, generator=generator)
+    kept = torch.rand(3, 40, generator=generator) < torch.tensor([[0.2], [0.5], [0.35]])
+    widest = int(kept.sum(dim=1).max())
+
+    def cache_of_keys() -> KVCache:
+        cache = KVCache(1)
+        cache.begin_step(torch.arange(40))
+        cache.update(keys, keys + 1, 0)
+        return cache
+
+    exact, bounded = cache_of_keys(), cache_of_keys()
+    exact.compress_to_mask(0, kept, widest)
+    bounded.compress_to_mask(0, kept, widest + 9)
+    assert bounded.positions[0].shape[1] == widest + 9
+    bounded.trim_padding([0])
+    assert torch.equal(bounded.positions[0], exact.positions[0])
+    assert torch.equal(bounded.keys[0], exact.keys[0]) and torch.equal(bounded.values[0], exact.values[0])
+    real = [sorted(torch.nonzero(head).flatten().tolist()) for head in kept]
+    assert [[p for p in row.tolist() if p >= 0] for row in bounded.positions[0]] == real

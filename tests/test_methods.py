@@ -3,6 +3,9 @@ and each method's cache holds what its paper says, layer by layer."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +192,28 @@ def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids):
     assert run.kept_positions[-1] == 39 and run.live_tokens == [10, 10, 10]
 
 
+def test_specprefills_ideal_ratio_counts_the_drafts_prefill_and_lookahead_steps(random_ids):
+    from rankkit.methods.measure import CostModel
+
+    runner, model = _tiny(), CostModel(linear=1.0, quadratic=0.01)
+
+    def layer(queries, keys):
+        return queries + 0.01 * queries * keys
+
+    full = 3 * layer(40, 40)
+    ideal = {}
+    for draft_layers in (1, 2):
+        method = make("specprefill", lookahead=3, draft_model=f"layers:{draft_layers}")
+        passes = method.prefill(runner, random_ids, Budget.from_tokens(10)).passes
+        steps = 3 * draft_layers  # three lookahead tokens through each draft layer
+        drafted = draft_layers * layer(40, 40) + 3 * layer(10, 10)
+        ideal[draft_layers] = model.ideal_ratio(passes, 40, 3, decode_layer_s=0.5)
+        assert ideal[draft_layers] == pytest.approx((drafted + steps * 0.5) / full)
+        by_compute = sum(layer(1, keys) for keys in (41, 42, 43)) * draft_layers  # a + b·m per step
+        assert model.ideal_ratio(passes, 40, 3) == pytest.approx((drafted + by_compute) / full)
+    assert ideal[2] > ideal[1]
+
+
 def test_self_draft_is_the_targets_first_layers_norm_and_head(random_ids):
     from rankkit.errors import RankkitError
     from rankkit.methods.specprefill import draft_runner, eq3, lookahead_scores
@@ -281,14 +306,68 @@ def test_sage_kv_keeps_the_union_of_each_query_heads_top_k_and_rolls_the_recent_
             assert kept == rolled
 
 
-def test_lava_head_budgets_sum_to_layer_budgets_which_sum_to_the_total(random_ids):
-    from rankkit.methods.lava import LavaBudgets, apportion
+def water_filling(total: int, weights: list[float], caps: list[int]) -> list[int]:
+    """LAVa's budgets as plain rounds on the host: shares past their cap fixed at it and the rest
+    shared again until none passes, then the last fractions by largest remainder."""
+    if total >= sum(caps):
+        return list(caps)
+    if total <= 0:
+        return [0] * len(caps)
+    shares = [0.0] * len(weights)
+    open_ = list(range(len(weights)))
+    remaining = float(total)
+    while open_:
+        weight = sum(weights[i] for i in open_)
+        proposal = {
+            i: remaining * weights[i] / weight if weight > 0 else remaining / len(open_) for i in open_
+        }
+        fixed = [i for i in open_ if proposal[i] > caps[i]]
+        if not fixed:
+            shares = [proposal.get(i, shares[i]) for i in range(len(weights))]
+            break
+        for i in fixed:
+            shares[i] = caps[i]
+            remaining -= caps[i]
+        open_ = [i for i in open_ if i not in fixed]
+    whole = [math.floor(share) for share in shares]
+    for i in sorted(range(len(whole)), key=lambda i: shares[i] - whole[i], reverse=True)[
+        : total - sum(whole)
+    ]:
+        whole[i] += 1
+    return whole
 
-    assert apportion(10, [1.0, 1.0, 2.0], [0, 0, 0], [10, 10, 10]) == [3, 2, 5]
-    assert apportion(10, [1.0, 100.0], [2, 2], [20, 6]) == [4, 6]
+
+def test_lavas_budgets_apportioned_at_once_on_the_device_are_the_rounds_of_water_filling():
+    from rankkit.methods.lava import apportion
+
+    def on_device(total, weights, caps):
+        weights = torch.tensor(weights, dtype=torch.float64)
+        return apportion(total, weights, torch.tensor(caps, dtype=torch.long)).tolist()
+
+    assert (
+        on_device(10, [1.0, 1.0, 2.0], [10, 10, 10])
+        == water_filling(10, [1.0, 1.0, 2.0], [10] * 3)
+        == [3, 2, 5]
+    )
+    assert on_device(10, [1.0, 100.0], [20, 6]) == [4, 6]
+    generator = random.Random(7)
+    for case in range(3000):
+        count = generator.randint(1, 40)
+        weights = [
+            generator.choice([0.0, 0.25, generator.random(), generator.random() * 1e-3]) for _ in range(count)
+        ]
+        caps = [generator.choice([0, 3, generator.randint(0, 500)]) for _ in range(count)]
+        total = generator.randint(-5, sum(caps) + 20)
+        assert on_device(total, weights, caps) == water_filling(total, weights, caps), case
+
+
+def test_lava_head_budgets_sum_to_layer_budgets_which_sum_to_the_total(random_ids):
+    from rankkit.methods.lava import LavaBudgets
+
     runner = _tiny()
     hook = LavaBudgets(make_probe_lava(), keep_tokens=10, window=4, num_layers=3)
     result = runner.prefill(random_ids, hooks=[hook])
+    hook.evict(result.cache)
     kept = [int(result.cache.kept_tokens(layer).sum()) for layer in range(3)]
     assert kept == hook.budgets and sum(kept) == 10 * 2 * 3
     for layer in range(3):  # the window of every head survives every recompression

@@ -103,3 +103,95 @@ def test_prefill_on_a_random_model_reports_no_score(tiny_shape):
         )
     assert claa["score"] is None and full["score"] is None
     assert claa["new_tokens"] == 4 and full["new_tokens"] == 4  # no EOS: every run decodes as asked
+
+
+def _invoke(args: list[str]):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CliRunner().invoke(app, args)
+
+
+def _refusal(args: list[str]) -> str:
+    result = _invoke(args)
+    assert isinstance(result.exception, RankkitError), result.output
+    assert "\n" not in str(result.exception)
+    return str(result.exception)
+
+
+def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missing(
+    tiny_shape, tmp_path, monkeypatch
+):
+    import json
+
+    import polars as pl
+
+    monkeypatch.chdir(tmp_path)
+    run = [
+        "--model",
+        tiny_shape,
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "2",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+    ]
+    bench = ["bench", "--methods", "full,claa", "--keep", "0.5", "--data", "niah:n=1,length=256", *run]
+    shown = _invoke([*bench, "--out", "bench.parquet"])
+    assert shown.exit_code == 0, shown.output
+    words = " ".join(shown.output.split())  # the table may wrap its title
+    assert "over n examples, timing only" in words  # the table's title
+    assert "timing only: random weights" in words  # and the line under it
+    rows = pl.read_parquet("bench.parquet")
+    assert rows["timing_only"].to_list() == [True, True]
+    assert rows["score"].null_count() == rows["evidence_kept"].null_count() == 2
+    as_json = json.loads(_invoke([*bench, "--json"]).stdout)
+    assert as_json["timing_only"] is True
+    assert [row["accuracy"] for row in as_json["summary"]] == [None, None]
+    assert all(row["timing_only"] for row in as_json["summary"])
+
+    prefill = _invoke(["prefill", "--method", "claa", "--keep", "0.5", "--data", "niah:n=1,length=256", *run])
+    assert prefill.exit_code == 0 and "timing only: random weights" in " ".join(prefill.output.split())
+    as_json = json.loads(
+        _invoke(
+            ["prefill", "--method", "claa", "--keep", "0.5", "--data", "niah:n=1,length=256", *run, "--json"]
+        ).stdout
+    )
+    assert as_json["timing_only"] is True and as_json["score"] is None
+
+    captured = _invoke(
+        ["capture", "--model", tiny_shape, "--device", "cpu", "--data", "niah:n=1,length=256",
+         "--probes", "window", "--out", "store.zarr"]
+    )  # fmt: skip
+    assert captured.exit_code == 0, captured.output
+    info = json.loads(_invoke(["store", "info", "store.zarr", "--json"]).stdout)
+    assert info["run_meta"]["timing_only"] is True
+    assert "timing_only" in _invoke(["store", "info", "store.zarr"]).output
+    for refused in (
+        ["compare", "store.zarr"],
+        ["dashboard", "store.zarr", "--out", "page.html"],
+        ["report", "store.zarr", "--bench", "bench.parquet"],
+    ):
+        assert "captured with random:tiny, timing only" in _refusal(refused), refused
+    assert not (tmp_path / "page.html").exists()
+
+
+def test_a_timing_only_bench_is_refused_beside_a_store():
+    import polars as pl
+
+    from rankkit.bench import refuse_timing_only_bench
+
+    frame = pl.DataFrame({"model": ["random:llama-3.1-8b"], "timing_only": [True]})
+    with pytest.raises(
+        RankkitError, match="bench b.parquet was measured with random:llama-3.1-8b, timing only"
+    ):
+        refuse_timing_only_bench(frame, "bench b.parquet")
+    refuse_timing_only_bench(frame.with_columns(timing_only=pl.lit(False)), "bench b.parquet")
+    refuse_timing_only_bench(frame.drop("timing_only"), "an older bench")  # written before the column

@@ -69,6 +69,7 @@ import polars as pl
 import torch
 
 from rankkit import outputs
+from rankkit.checks import TIMING_ONLY, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
@@ -668,6 +669,10 @@ def compare_store(
     budget, _ = Budget.parse(keep), Budget.parse(needle_keep)  # a bad keep fails before any reading too
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
+    if use_oracle:
+        refuse_timing_only_store(store.meta, store.path, "compare rankings with its oracle")
+    elif store.meta.get("timing_only"):
+        warnings.warn(f"store {store.path}: {TIMING_ONLY}", stacklevel=2)
     store.warn_skipped()
     records = list(store.examples())
     if not records:

@@ -29,46 +29,64 @@ from rankkit.methods.selection import (
 from rankkit.methods.snapkv import SnapKV
 
 
-def adaptive_head_mask(
-    scores: torch.Tensor, keep: int, forced: torch.Tensor, safeguard: float
-) -> torch.Tensor:
+def adaptive_head_mask(scores: torch.Tensor, keep: int, window: int, safeguard: float) -> torch.Tensor:
     """Each head's kept entries as a mask [heads, S] from scores [heads, S]: the ``heads`` x ``keep``
-    best entries over all heads, after the ``forced`` tokens and each head's best ``int(safeguard x
-    (keep - forced))`` others are put first. Ties go to the earlier head, then the earlier token.
-    Made on the device: ``forced`` is a host mask, so the guaranteed share needs no read."""
+    best entries over all heads, after the last ``window`` tokens and each head's best
+    ``guaranteed_share`` others are put first. Ties go to the earlier head, then the earlier token.
+    Made on the device: the window's size and the guaranteed share are host numbers, so nothing is read."""
     heads, length = scores.shape
-    ranked = with_forced(scores, forced.to(scores.device))
-    forced_count = int(forced.sum())
-    guaranteed = int(safeguard * (keep - forced_count))
-    if guaranteed:
-        first = descending_order(ranked)[:, : forced_count + guaranteed]  # the forced tokens lead the order
+    ranked = with_forced(scores, forced_mask(length, window, 0, scores.device))
+    first_count = min(window, length) + guaranteed_share(keep, window, length, safeguard)
+    if first_count > min(window, length):
+        first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
         ranked = ranked.scatter(-1, first.to(scores.device), float("inf"))
     chosen = descending_order(ranked.reshape(-1))[: heads * keep].to(scores.device)
     kept = torch.zeros(heads * length, dtype=torch.bool, device=scores.device)
     return kept.scatter_(0, chosen, True).view(heads, length)
 
 
+def guaranteed_share(keep: int, window: int, length: int, safeguard: float) -> int:
+    """The tokens besides the window each head keeps by its own ranking: ``int(safeguard x (keep - window))``."""
+    return int(safeguard * (keep - min(window, length)))
+
+
+def widest_head(heads: int, keep: int, window: int, length: int, safeguard: float) -> int:
+    """The most entries one head can keep: the layer's ``heads`` x ``keep`` less what every other head
+    is guaranteed (its window and its share), known without reading the scores."""
+    guaranteed = min(window, length) + guaranteed_share(keep, window, length, safeguard)
+    return min(length, heads * keep - (heads - 1) * guaranteed)
+
+
 def adaptive_head_selection(
-    scores: torch.Tensor, keep: int, forced: torch.Tensor, safeguard: float
+    scores: torch.Tensor, keep: int, window: int, safeguard: float
 ) -> list[torch.Tensor]:
     """``adaptive_head_mask``'s kept entries per head, as sorted index tensors."""
-    return [torch.nonzero(head).flatten() for head in adaptive_head_mask(scores, keep, forced, safeguard)]
+    return [torch.nonzero(head).flatten() for head in adaptive_head_mask(scores, keep, window, safeguard)]
 
 
 class AdaptiveHeadsHook(SelectionHook):
-    """A KV-only ``SelectionHook`` whose layers keep ``adaptive_head_selection``'s entries per KV head."""
+    """A KV-only ``SelectionHook`` whose layers keep ``adaptive_head_selection``'s entries per KV head.
+
+    Each layer's cache is cut to ``widest_head``, a width the host knows, so no layer reads the
+    device; ``trim`` then cuts every layer to its widest head with one read once the prefill is over.
+    """
 
     def __init__(self, probe, keep: int, *, window: int, safeguard: float):
         super().__init__(probe, NeverSelect(), keep, window=window, compress_from=0)
         self.safeguard = safeguard
+        self.compressed: list[int] = []
 
     def after_layer(self, layer, state):
         scores, self.scores = self.scores, None
         live = state.positions.shape[0]
         if self.keep < live:
-            kept = adaptive_head_mask(scores, self.keep, forced_mask(live, self.window, 0), self.safeguard)
-            # the widest head sizes the cache: one read per layer, none per head
-            state.cache.compress_to_mask(layer, kept, int(kept.sum(dim=1).max()))
+            kept = adaptive_head_mask(scores, self.keep, self.window, self.safeguard)
+            width = widest_head(scores.shape[0], self.keep, self.window, live, self.safeguard)
+            state.cache.compress_to_mask(layer, kept, width)
+            self.compressed.append(layer)
+
+    def trim(self, cache) -> None:
+        cache.trim_padding(self.compressed)
 
 
 @register
@@ -81,7 +99,9 @@ class AdaKV(SnapKV):
     def prefill(self, runner, input_ids, budget):
         keep = budget.resolve(int(input_ids.numel()), self.minimum_keep())
         hook = AdaptiveHeadsHook(self.probe(), keep, window=self.window_size, safeguard=self.safeguard)
-        return one_pass(runner, input_ids, hook)
+        run = one_pass(runner, input_ids, hook)
+        hook.trim(run.result.cache)
+        return run
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer: int | None = None) -> Selection:
         if layer is None or not 0 <= layer < captured.num_layers:
@@ -94,8 +114,7 @@ class AdaKV(SnapKV):
         keep = budget.resolve(length, self.minimum_keep())
         if keep >= length:
             return Selection(layer, torch.arange(length).expand(scores.shape[0], length))
-        forced = forced_mask(length, self.window_size)
-        return Selection(layer, adaptive_head_selection(scores, keep, forced, self.safeguard))
+        return Selection(layer, adaptive_head_selection(scores, keep, self.window_size, self.safeguard))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """Per layer, each token's best score over the heads (an entry of any head can win a place),

@@ -216,6 +216,9 @@ class Budget:
         return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
 
 
+LOOKAHEAD = "lookahead"  # the label of a draft's decode steps (SpecPrefill), one query per layer
+
+
 @dataclass
 class Pass:
     """One walk through a model's layers: how many queries and keys each executed layer saw.

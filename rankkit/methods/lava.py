@@ -21,13 +21,11 @@ to 𝔹 (or to every such entry there is, when 𝔹 exceeds that).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, bounded, full_prefill, make_probe, register
 from rankkit.methods.selection import Captured, descending_order
@@ -48,43 +46,51 @@ def normalized_entropy(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, entropy, torch.zeros_like(entropy))
 
 
-def apportion(total: int, weights: list[float], floors: list[int], caps: list[int]) -> list[int]:
-    """Whole shares of ``total`` proportional to ``weights``, each within [floor, cap], summing to ``total``.
+def apportion(total: int, weights: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Whole shares of ``total`` proportional to ``weights`` [n] (float64, >= 0), each within [0, cap]
+    (``caps`` [n], int64), summing to ``total``; on the weights' device, with nothing read.
 
-    Shares that the proportion would push past a bound are fixed at it and the rest is
-    shared again (water-filling); the last fractions go by largest remainder. When
-    ``total`` is outside [sum(floors), sum(caps)] every share sits at that bound.
+    Water-filling: the shares the proportion would push past their cap are fixed at it and the
+    rest is shared again, until none passes; the last fractions go by largest remainder (ties
+    to the earlier share). When ``total`` is outside [0, sum(caps)] every share sits at that bound.
+
+    The rounds are not run one by one: a share passes its cap in a round when the round's
+    ``remaining / weight`` exceeds its ``cap / weight``, so the shares fixed after each round are
+    the first ones in ascending ``cap / weight``. Every prefix of that order is evaluated at once
+    (its remaining total, the open weights summed in index order, each open share's proposal),
+    and the rounds' walk from prefix to prefix is followed by pointer doubling: a constant number
+    of launches per call, where a round each would be one launch sequence per layer.
     """
-    count = len(weights)
-    if total >= sum(caps):
-        return list(caps)
-    if total <= sum(floors):
-        return list(floors)
-    shares = [0.0] * count
-    open_ = set(range(count))
-    remaining = float(total)
-    while open_:
-        weight = sum(weights[i] for i in open_)
-        proposal = {
-            i: remaining * weights[i] / weight if weight > 0 else remaining / len(open_) for i in open_
-        }
-        # fix the shares over their cap first (that only raises the others), then those under their floor
-        fixed = {i: caps[i] for i, p in proposal.items() if p > caps[i]} or {
-            i: floors[i] for i, p in proposal.items() if p < floors[i]
-        }
-        if not fixed:
-            for i, p in proposal.items():
-                shares[i] = p
-            break
-        for i, bound in fixed.items():
-            shares[i] = bound
-            remaining -= bound
-            open_.discard(i)
-    whole = [math.floor(share) for share in shares]
-    by_fraction = sorted(range(count), key=lambda i: shares[i] - whole[i], reverse=True)
-    for i in by_fraction[: total - sum(whole)]:
-        whole[i] += 1
-    return whole
+    count = weights.shape[0]
+    device = weights.device
+    weights, caps = weights.double(), caps.long()
+    positive = weights > 0
+    # a zero weight's proposal is 0 while others are open: it is fixed last, by its cap alone
+    ratio = torch.where(positive, caps.double() / torch.where(positive, weights, 1.0), caps.double())
+    by_ratio = torch.sort(ratio, stable=True).indices
+    order = by_ratio[torch.sort((~positive[by_ratio]).to(torch.uint8), stable=True).indices]
+    place = torch.empty_like(order).scatter_(0, order, torch.arange(count, device=device))
+    prefixes = torch.arange(count + 1, device=device)
+    open_ = place[None, :] >= prefixes[:, None]  # [prefix, share]: not yet fixed
+    fixed_caps = torch.cat([caps.new_zeros(1), torch.cumsum(caps[order], 0)])
+    remaining = (total - fixed_caps).double()[:, None]
+    weight = torch.cumsum(weights * open_, dim=1)[:, -1:]  # in index order, as a running sum
+    open_count = (count - prefixes).clamp_min(1).double()[:, None]
+    proposal = torch.where(weight > 0, remaining * weights / weight, remaining / open_count)
+    passing = (open_ & (proposal > caps)).sum(dim=1)
+    step = prefixes + passing  # the prefix the next round starts from (itself once none passes)
+    for _ in range(max(1, count).bit_length()):
+        step = step[step]
+    final = step[0]
+    shares = torch.where(open_[final], proposal[final], caps.double())
+    whole = torch.floor(shares)
+    missing = total - whole.sum()
+    ranks = torch.empty_like(order).scatter_(
+        0, descending_order(shares - whole).to(device), torch.arange(count, device=device)
+    )
+    result = whole.long() + (ranks < missing).long()
+    result = torch.where(caps.sum() <= total, caps, result)
+    return result if total > 0 else torch.zeros_like(caps)
 
 
 def windowless(scores: torch.Tensor, window: int) -> torch.Tensor:
@@ -103,33 +109,33 @@ def with_window(scores: torch.Tensor, window: int) -> torch.Tensor:
 
 def layer_budgets(
     scores: list[torch.Tensor], entropy: list[float], keep_tokens: int, window: int, num_layers: int
-):
+) -> list[int]:
     """``entropy_budgets`` of the layers whose scores [H, N] (window +inf, unseen -inf) are given."""
-    windows = [int((s == float("inf")).sum()) for s in scores]  # the window entries a layer sees
-    sizes = [int((s != float("-inf")).sum()) for s in scores]
-    return entropy_budgets(entropy, windows, sizes, keep_tokens, window, scores[0].shape[0], num_layers)
+    windows = torch.stack([(s == float("inf")).sum() for s in scores])  # the window entries a layer sees
+    sizes = torch.stack([(s != float("-inf")).sum() for s in scores])
+    entropy = torch.tensor(entropy, dtype=torch.float64, device=windows.device)
+    heads = scores[0].shape[0]
+    return entropy_budgets(entropy, windows, sizes, keep_tokens, window, heads, num_layers).tolist()
 
 
 def entropy_budgets(
-    entropy: list[float],
-    windows: list[int],
-    sizes: list[int],
+    entropy: torch.Tensor,
+    windows: torch.Tensor,
+    sizes: torch.Tensor,
     keep_tokens: int,
     window: int,
     heads: int,
     num_layers: int,
-) -> list[int]:
-    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps, given each layer's window entries
-    and the entries it holds (``sizes``: what it can still lose).
+) -> torch.Tensor:
+    """Eq. 6-7 / Algorithm 2: the entries each layer so far keeps [n], given each layer's entropy,
+    window entries and the entries it holds (``sizes``: what it can still lose), all [n] tensors.
 
     LAVa Alg. 1 ranks only the entries outside the recent window and keeps the window on top:
     𝔹 = (keep - w) x heads x layers entries outside the windows are shared by entropy, and each
     layer keeps the window entries it sees besides its share B_l.
     """
     total = max(0, keep_tokens - window) * heads * num_layers
-    outside = [size - seen for size, seen in zip(sizes, windows, strict=True)]
-    shares = apportion(total, entropy, [0] * len(entropy), outside)
-    return [seen + share for seen, share in zip(windows, shares, strict=True)]
+    return windows + apportion(total, entropy, sizes - windows)
 
 
 def best_entries(order: torch.Tensor, budget: int, heads: int) -> torch.Tensor:
@@ -149,11 +155,14 @@ def evict(scores: torch.Tensor, budget: int) -> list[torch.Tensor]:
 class LavaBudgets(LayerHook):
     """Algorithm 2 during one prefill: score each layer, then recompress every layer so far.
 
-    Each layer's (head, token) entries are sorted once, when it is scored. A recompression
+    Each layer's (head, token) entries are ranked once, when it is scored. A recompression
     keeps the best B_l' of what the layer kept, which is the first B_l' of that order (a
-    subset keeps the order and the ties of the whole), so every earlier layer is cut from
-    its one order; the host reads, per layer, the layer's entropy and sizes, then the widest
-    head of every layer it recompresses, all at once.
+    subset keeps the order and the ties of the whole), so what a layer holds after every
+    recompression so far is the first ``min`` of its budgets of its order: the hook keeps those
+    sizes on the device, never reading them, and ``evict`` cuts every layer to its size once
+    the prefill is over, with one read. The entries a layer loses later play no further part
+    in the prefill (a layer's cache is read by that layer's attention alone), so the caches
+    are those of evicting after each layer; the prefill holds every layer's entries until then.
     """
 
     def __init__(self, probe, keep_tokens: int, window: int, num_layers: int):
@@ -161,12 +170,18 @@ class LavaBudgets(LayerHook):
         self.keep_tokens = keep_tokens
         self.window = window
         self.num_layers = num_layers
-        self.orders: list[torch.Tensor] = []  # per layer, its flattened (head, position) entries, best first
-        self.entropy: list[float] = []
-        self.sizes: list[int] = []  # the entries each layer holds now (keys it cannot see are none)
-        self.floors: list[int] = []  # its window entries, never evicted
-        self.budgets: list[int] = []
+        self.places: list[torch.Tensor] = []  # per layer, each flattened (head, position) entry's rank
+        self.heads = 0
+        self.entropy: torch.Tensor | None = None  # [layers so far], float64, on the device
+        self.sizes: torch.Tensor | None = None  # the entries each layer holds now (unseen keys are none)
+        self.entries: torch.Tensor | None = None  # the entries each layer held when scored
+        self.floors: torch.Tensor | None = None  # its window entries, never evicted
         self._current: torch.Tensor | None = None
+
+    @property
+    def budgets(self) -> list[int]:
+        """The entries each layer keeps after the last recompression (reads the device: for inspection)."""
+        return [] if self.sizes is None else self.sizes.tolist()
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase == "prefill":
@@ -177,32 +192,39 @@ class LavaBudgets(LayerHook):
     def after_layer(self, layer: int, state: PrefillState) -> None:
         scores, self._current = self._current.float(), None
         ranked = with_window(scores, self.window)
-        entropy = normalized_entropy(windowless(scores, self.window))
-        sizes = torch.stack([(ranked != float("-inf")).sum(), (ranked == float("inf")).sum()])
-        entropy, size, floor = torch.cat([entropy[None], sizes.to(entropy.dtype)]).tolist()
-        self.orders.append(descending_order(ranked.flatten()).to(ranked.device))
-        self.entropy.append(entropy)
-        self.sizes.append(int(size))
-        self.floors.append(int(floor))
-        heads = ranked.shape[0]
-        self.budgets = entropy_budgets(
-            self.entropy, self.floors, self.sizes, self.keep_tokens, self.window, heads, self.num_layers
+        self.heads = ranked.shape[0]
+        order = descending_order(ranked.flatten()).to(ranked.device)
+        ranks = torch.arange(order.numel(), device=order.device)
+        self.places.append(torch.empty_like(order).scatter_(0, order, ranks))
+        entropy = normalized_entropy(windowless(scores, self.window))[None]
+        size = (ranked != float("-inf")).sum()[None]
+        floor = (ranked == float("inf")).sum()[None]
+        if self.entropy is None:
+            self.entropy, self.sizes, self.entries, self.floors = entropy, size, size, floor
+        else:
+            self.entropy = torch.cat([self.entropy, entropy])
+            self.sizes = torch.cat([self.sizes, size])
+            self.entries = torch.cat([self.entries, size])
+            self.floors = torch.cat([self.floors, floor])
+        budgets = entropy_budgets(
+            self.entropy, self.floors, self.sizes, self.keep_tokens, self.window, self.heads, self.num_layers
         )
-        shrinking = [earlier for earlier, budget in enumerate(self.budgets) if budget < self.sizes[earlier]]
-        if shrinking:
-            self._evict(state, shrinking, heads)
+        self.sizes = torch.minimum(self.sizes, budgets)  # a layer cut before never grows back
 
-    def _evict(self, state: PrefillState, layers: list[int], heads: int) -> None:
-        cache = state.cache
-        kept = []
-        for layer in layers:
-            best = best_entries(self.orders[layer], self.budgets[layer], heads)
-            positions = cache.positions[layer]  # a full prefill's entry positions are its token indices
-            kept.append(best.gather(1, positions.clamp_min(0)) & (positions != PADDING))
-        widths = torch.stack([mask.sum(dim=1).amax() for mask in kept]).tolist()
-        for layer, mask, width in zip(layers, kept, widths, strict=True):
-            cache.compress_to_mask(layer, mask, width)
-            self.sizes[layer] = self.budgets[layer]
+    def evict(self, cache) -> None:
+        """Cut every layer the budgets shrank to its first ``sizes`` entries (Algorithm 1 ``EVICT``);
+        one read: which layers shrank, and their widest heads."""
+        if self.sizes is None:
+            return
+        shrunk = self.sizes < self.entries
+        kept = [
+            place.view(self.heads, -1) < size for place, size in zip(self.places, self.sizes, strict=True)
+        ]
+        widths = torch.stack([mask.sum(dim=1).amax() for mask in kept])
+        shrunk, widths = torch.stack([shrunk.long(), widths]).tolist()
+        for layer, (cut, mask, width) in enumerate(zip(shrunk, kept, widths, strict=True)):
+            if cut:  # a full prefill's entry positions are its token indices: the mask is in entry order
+                cache.compress_to_mask(layer, mask, width)
 
 
 @register
@@ -218,7 +240,9 @@ class Lava(Method):
     def prefill(self, runner, input_ids, budget):
         keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
         hook = LavaBudgets(self.probe(), keep, self.window_size, runner.num_layers)
-        return full_prefill(runner, input_ids, hooks=[hook])
+        run = full_prefill(runner, input_ids, hooks=[hook])
+        hook.evict(run.result.cache)
+        return run
 
     # -- the offline face: the budgets after the last layer, from the stored lava scores --------
     # Each recompression keeps the best of what the layer kept, so after the last layer each

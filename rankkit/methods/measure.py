@@ -25,7 +25,7 @@ import torch
 
 from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
 from rankkit.measure import measure as timed_block
-from rankkit.methods.base import Budget, Method, Pass
+from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
 from rankkit.models import cache_root, write_atomically
 from rankkit.runner import Runner, greedy_continue
 
@@ -225,8 +225,19 @@ class CostModel:
         L·(a·Σn + b·Σn²)."""
         return num_layers * (self.linear * tokens + self.quadratic * squared_tokens)
 
-    def ideal_ratio(self, passes: list[Pass], prompt_length: int, num_layers: int) -> float:
-        return self.cost(passes) / (num_layers * self.layer_cost(prompt_length, prompt_length))
+    def ideal_ratio(
+        self, passes: list[Pass], prompt_length: int, num_layers: int, decode_layer_s: float | None = None
+    ) -> float:
+        """The passes' cost over a full prefill's. ``decode_layer_s``: what one layer of one decode
+        step takes (full's TPOT / L, measured beside it), charged for each layer of a ``LOOKAHEAD``
+        pass (a draft's decode steps): a step reads every weight to compute one token, which a
+        prefill's per-token cost a·1 leaves out. None: those layers cost a·1 + b·1·m."""
+        lookahead = sum(len(run.queries) for run in passes if run.label == LOOKAHEAD)
+        if decode_layer_s is None or not lookahead:
+            return self.cost(passes) / (num_layers * self.layer_cost(prompt_length, prompt_length))
+        others = [run for run in passes if run.label != LOOKAHEAD]
+        spent = self.cost(others) + lookahead * decode_layer_s
+        return spent / (num_layers * self.layer_cost(prompt_length, prompt_length))
 
     @classmethod
     def fit(cls, samples: list[tuple[int, float]], num_layers: int) -> CostModel:

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from rankkit.methods.base import (
@@ -49,7 +50,7 @@ from rankkit.methods.base import (
     register,
     scale_layer,
 )
-from rankkit.methods.selection import Captured
+from rankkit.methods.selection import Captured, descending_order
 from rankkit.methods.swap import BlockSwap, SwapDecision
 from rankkit.probes.token_units import block_maxima, unit_keys, unit_similarity
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
@@ -62,21 +63,42 @@ def budget_multiples(count: int) -> list[int]:
     return [2 ** (count - 1 - index) for index in range(count)]
 
 
-def block_scores(
-    query: torch.Tensor, means: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
-) -> dict[int, float]:
-    """Eq. 2 for every block with a unit, by the ``token_units`` probe's own rule (one rule for both
-    faces): max over its units of the dot product with ``query`` (q_l [q_heads, d]) averaged over heads."""
-    blocks, best = block_maxima(unit_similarity(query, means), unit_ids, unit_size, block_size)
-    return {block: score for block, score in zip(blocks.tolist(), best[0].tolist(), strict=True) if block >= 0}
+def chosen_blocks(
+    blocks: torch.Tensor, scores: torch.Tensor, count: int, eligible: torch.Tensor
+) -> torch.Tensor:
+    """The first eligible block and the best ``count`` - 1 other eligible ones (Sec. 4.2), on the device:
+    block ids [count], ascending blocks first; -1 fills the places of blocks there were not.
+
+    ``blocks`` [slots] ascending (spare slots last), ``scores`` [slots] each block's Eq. 2 score,
+    ``eligible`` [slots] the slots that may be chosen. Ties go to the earlier block."""
+    first = torch.argmax(eligible.to(torch.uint8))  # the first eligible slot: the attention sink's block
+    others = eligible.clone().index_fill_(0, first[None], False)
+    best = descending_order(scores.masked_fill(~others, float("-inf")))[: max(0, count - 1)]
+    best = best.to(blocks.device)
+    picked = torch.where(others[best], blocks[best], -1)
+    return torch.cat([blocks[first][None], picked])
 
 
 def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:
-    """The first block and the best others, ``keep_tokens`` worth of blocks in all (Sec. 4.2)."""
-    first = min(block_scores)
-    count = max(1, math.ceil(keep_tokens / block_size))
-    others = sorted((block for block in block_scores if block != first), key=block_scores.get, reverse=True)
-    return {first, *others[: count - 1]}
+    """The first block and the best others, ``keep_tokens`` worth of blocks in all (Sec. 4.2):
+    ``chosen_blocks`` over the blocks of ``block_scores``."""
+    blocks = torch.tensor(sorted(block_scores))
+    scores = torch.tensor([block_scores[int(block)] for block in blocks], dtype=torch.float64)
+    chosen = chosen_blocks(
+        blocks, scores, block_count(keep_tokens, block_size), torch.ones_like(blocks, dtype=torch.bool)
+    )
+    return {block for block in chosen.tolist() if block >= 0}
+
+
+def block_count(keep_tokens: int, block_size: int) -> int:
+    """Blocks ``keep_tokens`` is worth, the first block among them."""
+    return max(1, math.ceil(keep_tokens / block_size))
+
+
+def first_of(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the first ``count`` True entries of ``mask`` [S], ascending: the host knows how many
+    there are, so no size is read (a stable sort puts them first, in order)."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
 
 
 def block_scores_of(scores: torch.Tensor, positions: torch.Tensor, block_size: int) -> dict[int, float]:
@@ -96,12 +118,23 @@ class PruningLayer:
     unit_means: torch.Tensor | None = None  # [kv_heads, units, d], Eq. 1 over every block it holds
     unit_ids: torch.Tensor | None = None
     chosen: set[int] = field(default_factory=set)  # B_active after the prefill
+    eligible: torch.Tensor | None = (
+        None  # [unit slots]: whether a slot's block is held by the governed layers
+    )
     swaps: list[BlockSwap] = field(default_factory=list)
     recent_queries: deque | None = None
 
 
 class SlimInferHook(LayerHook):
-    """Block pruning during prefill, block scoring and swapping during decoding (see the module docstring)."""
+    """Block pruning during prefill, block scoring and swapping during decoding (see the module docstring).
+
+    Blocks are chosen on the device; the host reads each pruning layer's choice once (in the
+    prefill and at every decode step): Alg. 1 moves blocks between the tiers, which the host
+    drives. Everything else the host needs it counts itself: it follows the live positions of
+    a prefill (``live_positions``, from 0..T-1 of a full prefill), so the kept tokens' count and
+    each governed layer's entries (``BlockSwap``'s layout) need no read, and a governed layer's
+    swap reads nothing.
+    """
 
     def __init__(
         self, schedule: list[PruningLayer], *, block_size: int, unit_size: int, gamma: float, window: int
@@ -114,14 +147,29 @@ class SlimInferHook(LayerHook):
         self.window = window
         self.keep: torch.Tensor | None = None  # indices of the live tokens the current pruning layer keeps
         self.live = 0
+        self.live_positions: np.ndarray | None = None  # the live tokens' positions, as the host follows them
+        self.cached_positions: np.ndarray | None = None  # the positions the current layer's cache holds
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
         self.decisions: list[SwapDecision] = []
 
-    def _scores(self, entry: PruningLayer, queries: torch.Tensor) -> dict[int, float]:
-        return block_scores(queries, entry.unit_means, entry.unit_ids, self.unit_size, self.block_size)
+    def _choose(
+        self, entry: PruningLayer, query: torch.Tensor, eligible: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+        """The blocks ``entry`` keeps for ``query`` (q_l [q_heads, d]) by Eq. 1-2, among the ``eligible``
+        unit slots (None: all): each slot's block, the chosen blocks on the device, and the same
+        read by the host, the one read."""
+        similarity = unit_similarity(query, entry.unit_means)
+        blocks, best = block_maxima(similarity, entry.unit_ids, self.unit_size, self.block_size)
+        eligible = blocks >= 0 if eligible is None else eligible
+        chosen = chosen_blocks(blocks, best[0], block_count(entry.keep_tokens, self.block_size), eligible)
+        return blocks, chosen, {block for block in chosen.tolist() if block >= 0}
 
     def on_attention(self, call: AttentionCall) -> None:
+        if call.phase == "prefill":
+            if self.live_positions is None:  # a full prefill: positions 0..T-1
+                self.live_positions = np.arange(call.query_positions.shape[0])
+            self.cached_positions = self.live_positions
         entry = self.schedule.get(call.layer)
         if entry is None:
             return
@@ -132,25 +180,40 @@ class SlimInferHook(LayerHook):
             self._fetch(entry, torch.stack(list(entry.recent_queries)).mean(dim=0))
 
     def _prune(self, entry: PruningLayer, call: AttentionCall) -> None:
-        positions = call.key_positions[0]
-        entry.unit_means, entry.unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
+        entry.unit_means, entry.unit_ids = unit_keys(
+            call.key[0].float(), call.key_positions[0], self.unit_size
+        )
         entry.recent_queries = deque(maxlen=self.window)
         window = call.query[0, :, -self.window :].float().mean(dim=1)
-        chosen = entry.chosen = kept_blocks(self._scores(entry, window), entry.keep_tokens, self.block_size)
-        live_blocks = call.query_positions // self.block_size
-        in_blocks = torch.isin(live_blocks, torch.tensor(sorted(chosen), device=live_blocks.device))
-        if self.kept_positions is None:  # the first pruning layer's blocks, as `rankkit select` gives them
-            self.kept_positions, self.selection_layer = call.query_positions[in_blocks], call.layer
-        kept = in_blocks.clone()
+        blocks, chosen_ids, entry.chosen = self._choose(entry, window)
+        # the kept tokens, counted by the host on its live positions ...
+        live = self.live_positions
+        in_blocks = np.isin(live // self.block_size, sorted(entry.chosen))
+        kept = in_blocks.copy()
         kept[-self.window :] = True
-        self.live = int(kept.numel())
-        self.keep = None if bool(kept.all()) else torch.nonzero(kept).flatten()
+        # ... and marked on the device through a table of blocks (slot 0: no block, the -1 fills)
+        live_blocks = call.query_positions // self.block_size + 1
+        slots = int(live[-1]) // self.block_size + 2
+        chosen_table = torch.zeros(slots, dtype=torch.bool, device=live_blocks.device)
+        in_blocks_device = chosen_table.index_fill_(0, chosen_ids.to(live_blocks.device) + 1, True)[
+            live_blocks
+        ]
+        kept_device = in_blocks_device.clone()
+        kept_device[-self.window :] = True
+        if self.kept_positions is None:  # the first pruning layer's blocks, as `rankkit select` gives them
+            self.kept_positions = call.query_positions[first_of(in_blocks_device, int(in_blocks.sum()))]
+            self.selection_layer = call.layer
+        # the blocks its governed layers hold: the pool each decode step chooses from
+        held = torch.zeros(slots, dtype=torch.long, device=live_blocks.device)
+        held = held.index_add_(0, live_blocks, kept_device.long()) > 0
+        entry.eligible = (blocks >= 0) & held[blocks.to(held.device) + 1].to(blocks.device)
+        self.live, count = live.shape[0], int(kept.sum())
+        self.keep = None if count == self.live else first_of(kept_device, count)
+        self.live_positions = live[kept]
 
     def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
         """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
-        pool = entry.swaps[0].pool()
-        scores = {block: score for block, score in self._scores(entry, query).items() if block in pool}
-        chosen = kept_blocks(scores, entry.keep_tokens, self.block_size)
+        _, _, chosen = self._choose(entry, query, entry.eligible)
         for swap in entry.swaps:
             self.decisions.append(swap.swap(chosen & swap.pool()))
 
@@ -176,6 +239,7 @@ class SlimInferHook(LayerHook):
                 block_size=self.block_size,
                 prompt_length=state.prompt_length,
                 gamma=self.gamma,
+                positions=self.cached_positions,
             )
             swap.offload_inactive(governor.chosen)  # the query window's own block waits on the host
             governor.swaps.append(swap)

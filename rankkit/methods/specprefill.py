@@ -6,7 +6,10 @@ prompt token by its raw logits against the draft's prompt keys, maximised over l
 and heads and averaged over the k queries (Eq. 3; the oracle's aggregation, with the
 draft's k tokens in place of the answer). The base model then re-prefills only the top
 tokens at their original positions (two-pass mode). The draft's prefill and lookahead
-count in TTFT and in the method's compute.
+count in TTFT and in the method's ideal ratio (a lookahead step's layer at full's measured
+decode time per layer, ``CostModel.ideal_ratio``). The lookahead decodes from the draft's own
+prefill cache (the prompt is never run again) and scores every head of a layer in one product
+on the device (``AnswerAttention``): a lookahead step reads back only its greedy token.
 
 ``draft_model`` is ``layers:N`` or a model spec (``default``, a folder or a hub id) whose
 tokenizer is the target's. ``layers:N`` drafts with the target's own first N layers, its
@@ -27,6 +30,7 @@ import torch
 
 from rankkit.errors import RankkitError
 from rankkit.methods.base import (
+    LOOKAHEAD,
     Budget,
     Method,
     Pass,
@@ -140,7 +144,7 @@ def lookahead_scores(
     passes = [
         Pass.prefill("draft", prefill.live_tokens),
         Pass(
-            "lookahead",
+            LOOKAHEAD,
             [1] * (steps * draft.num_layers),
             [length + step + 1 for step in range(steps) for _ in range(draft.num_layers)],
         ),
@@ -175,7 +179,8 @@ class SpecPrefill(Method):
         length = int(input_ids.numel())
         lookahead, passes = self.draft_scores(runner, input_ids)
         scores = pool_tokens(eq3(lookahead), "avg", self.kernel_size)
-        keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced_mask(length, 1))
+        forced = forced_mask(length, 1, device=scores.device)
+        keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced)
         return reprefill_selected(runner, input_ids, keep.to(runner.device), passes, None)
 
     # -- the offline face: the draft's lookahead scores a capture stored --------------------

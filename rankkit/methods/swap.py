@@ -20,6 +20,11 @@ attention overlaps the compute up to the next layer that reads it (SlimInfer Sec
 Tensors crossing streams are marked with ``record_stream`` so the allocator never reuses
 their memory while the other stream still reads it.
 Entry order inside the device cache does not matter: attention masks come from positions.
+
+The host knows which block every device entry belongs to (``layout``: the caller hands the
+entries' positions over, generated tokens are appended as the cache grows and loaded blocks as
+they are copied in), so no decision and no copy reads the device: a block's entries are cut
+from one stable sort of the entries by block, at offsets the host counts.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rankkit.cache import KVCache
@@ -51,7 +57,18 @@ class SwapDecision:
 class BlockSwap:
     """Algorithm 1 for the cache of one ``layer`` (see the module docstring)."""
 
-    def __init__(self, cache: KVCache, layer: int, *, block_size: int, prompt_length: int, gamma: float):
+    def __init__(
+        self,
+        cache: KVCache,
+        layer: int,
+        *,
+        block_size: int,
+        prompt_length: int,
+        gamma: float,
+        positions: np.ndarray | None = None,
+    ):
+        """``positions``: the original positions of the layer's cache entries, in entry order, as the
+        host knows them (None: read once from the cache)."""
         self.cache = cache
         self.layer = layer
         self.block_size = block_size
@@ -61,13 +78,21 @@ class BlockSwap:
         device = cache.keys[layer].device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if positions is None:
+            positions = cache.positions[layer][0].cpu().numpy()
+        self.layout = np.where(positions < prompt_length, positions // block_size, -1)  # block per entry
         self.active = self.blocks_on_device()
 
+    def _layout(self) -> np.ndarray:
+        """Each device entry's block (-1: a generated token, appended since, never swapped)."""
+        grown = self.cache.positions[self.layer].shape[1] - self.layout.shape[0]
+        if grown > 0:
+            self.layout = np.concatenate([self.layout, np.full(grown, -1, dtype=self.layout.dtype)])
+        return self.layout
+
     def blocks_on_device(self) -> set[int]:
-        positions = self.cache.positions[self.layer][0]
-        return {
-            int(block) for block in torch.unique(positions[positions < self.prompt_length] // self.block_size)
-        }
+        layout = self._layout()
+        return {int(block) for block in np.unique(layout[layout >= 0])}
 
     def _block_of_entries(self) -> torch.Tensor:
         """Block id of every device entry [S]; -1 for generated tokens (shared across heads: blocks are whole)."""
@@ -75,6 +100,18 @@ class BlockSwap:
         return torch.where(
             positions < self.prompt_length, positions // self.block_size, torch.full_like(positions, -1)
         )
+
+    def _entries_of(self, blocks) -> list[torch.Tensor]:
+        """The device entries of each of ``blocks``, ascending: slices of one stable sort of the
+        entries by block, where the host's ``layout`` says each block's run starts and ends."""
+        layout = self._layout()
+        by_block = torch.sort(self._block_of_entries(), stable=True).indices
+        ordered = np.sort(layout, kind="stable")
+        runs = []
+        for block in blocks:
+            start, end = np.searchsorted(ordered, block, "left"), np.searchsorted(ordered, block, "right")
+            runs.append(by_block[int(start) : int(end)])
+        return runs
 
     def swap(self, candidate: set[int]) -> SwapDecision:
         overlap = len(candidate & self.active) / len(candidate) if candidate else 1.0
@@ -116,10 +153,10 @@ class BlockSwap:
             return
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         positions = self.cache.positions[self.layer]
-        block_of = self._block_of_entries()
+        blocks = sorted(blocks)
+        runs = self._entries_of(blocks)
         with self._side_stream():
-            for block in blocks:
-                index = torch.nonzero(block_of == block).flatten()
+            for block, index in zip(blocks, runs, strict=True):
                 self.host[block] = HostBlock(
                     _to_host(keys[:, :, index], self.cuda),
                     _to_host(values[:, :, index], self.cuda),
@@ -130,18 +167,19 @@ class BlockSwap:
     def _drop(self, blocks: set[int]) -> None:
         if not blocks:
             return
-        keep = torch.nonzero(~torch.isin(self._block_of_entries(), self._entries_ids(blocks))).flatten()
-        self.cache.compress(self.layer, keep.expand(self.cache.keys[self.layer].shape[1], -1))
-
-    def _entries_ids(self, blocks: set[int]) -> torch.Tensor:
+        layout = self._layout()
+        staying = [int(block) for block in np.unique(layout) if int(block) not in blocks]
         device = self.cache.positions[self.layer].device
-        return torch.tensor(sorted(blocks), dtype=torch.long, device=device)
+        keep = torch.cat([torch.zeros(0, dtype=torch.long, device=device), *self._entries_of(staying)])
+        self.cache.compress(self.layer, keep.expand(self.cache.keys[self.layer].shape[1], -1))
+        self.layout = layout[~np.isin(layout, sorted(blocks))]
 
     def _load(self, blocks: set[int]) -> None:
         if not blocks:
             return
         cache, layer = self.cache, self.layer
         device = cache.keys[layer].device
+        layout = self._layout()
         pieces = [self.host[block] for block in sorted(blocks)]
         current = (cache.keys[layer], cache.values[layer], cache.positions[layer])
         with self._side_stream():
@@ -153,6 +191,11 @@ class BlockSwap:
                 [current[2], *(piece.positions.to(device, non_blocking=True) for piece in pieces)], 1
             )
         cache.keys[layer], cache.values[layer], cache.positions[layer] = keys, values, positions
+        loaded = [
+            np.full(piece.positions.shape[1], block)
+            for block, piece in zip(sorted(blocks), pieces, strict=True)
+        ]
+        self.layout = np.concatenate([layout, *loaded])
         if self.cuda:
             self._read_on_side_stream(*current)
             compute = torch.cuda.current_stream()

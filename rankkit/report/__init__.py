@@ -30,7 +30,15 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.bench import SUMMARY_INPUTS, check_same_model, is_model_of, measured_by, short_hash
+from rankkit.bench import (
+    SUMMARY_INPUTS,
+    check_same_model,
+    is_model_of,
+    measured_by,
+    refuse_timing_only_bench,
+    short_hash,
+)
+from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -99,6 +107,7 @@ def write_dashboard(
     sources = [each for each in (store_path, *benches, diffusion) if not isinstance(each, pl.DataFrame)]
     outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
+    refuse_timing_only_store(store.meta, store_path, "show its rankings against the oracle in a dashboard")
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store_path} has no complete example; capture into it first")
@@ -165,6 +174,7 @@ def _benches(benches: Sequence[BenchSource], store) -> list[BenchRun]:
     for source, name in zip(benches, names, strict=True):
         frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
         what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        refuse_timing_only_bench(frame, what)
         measured, weights_hash = measured_by(frame, what)
         own = is_model_of(frame, model, what, f"store {store.path}")
         runs.append(BenchRun(frame, name, measured, weights_hash, own))
@@ -211,6 +221,7 @@ def _bench_frame(source: str | os.PathLike | pl.DataFrame | None, store) -> pl.D
     frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
     if frame is not None:
         what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+        refuse_timing_only_bench(frame, what)
         check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
     return frame
 

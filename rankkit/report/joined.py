@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps
 from rankkit.eval.stats import EXAMPLE_ID, mean_intervals
@@ -40,6 +41,7 @@ def join_store_and_bench(store_path: str | os.PathLike, bench_path: str | os.Pat
     from rankkit.report import _bench_frame
 
     store = stores.open(store_path)
+    refuse_timing_only_store(store.meta, store.path, "report its rankings beside a bench")
     return join_bench_rows(store, _bench_frame(bench_path, store), f"bench {bench_path}")
 
 
