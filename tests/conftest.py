@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -108,6 +109,14 @@ def tiny_model(family: str, seed: int = 0):
     model.generation_config.pad_token_id = None
     return model.eval()
 
+
+
+def pytest_configure(config):
+    """The Ctrl-C tests need SIGINT deliverable. A shell without job control starts a background
+    command (``make test &``) with SIGINT ignored, and an ignored signal survives exec into every
+    command a test starts; a handler, unlike an ignore, is reset by exec, so children get the default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 @pytest.fixture(params=FAMILIES)
 def family(request):
