@@ -655,9 +655,8 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     from rankkit.eval.stats import mean_intervals
 
     scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    # an example without a cluster is its own sample (``stats.cluster_numbers``)
     clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
-    if clustered:  # an example without a cluster is its own
-        scored = scored.with_columns(pl.col("cluster").fill_null(pl.col("example_id")))
     means = scored.group_by("method", "budget", maintain_order=True).agg(
         pl.col("keep").mean(),
         pl.col("ideal_ratio").mean(),

@@ -182,16 +182,20 @@ def collect_end_to_end(out: Path, end_to_end: Experiment) -> dict[str, pl.DataFr
     }
 
 
+def at_keep(method: str, budget: str) -> pl.Expr:
+    """The rows of ``method`` at ``budget``: full runs once and stands for every keep."""
+    return (pl.col("method") == method) & ((pl.col("budget") == budget) | (method == FULL))
+
+
 def score_pairs(rows: pl.DataFrame, budgets: Sequence[str]) -> pl.DataFrame:
     """Per keep: each method's paired score difference with full (which runs once and stands for
     every keep) and CLAA's with each baseline, over the examples both ran, clusters resampled."""
-    cluster = (
-        pl.col("cluster").fill_null(pl.col(EXAMPLE_ID)) if "cluster" in rows.columns else pl.col(EXAMPLE_ID)
-    )
+    # an example without a cluster is its own sample (``stats.cluster_numbers``)
+    cluster = pl.col("cluster") if "cluster" in rows.columns else pl.col(EXAMPLE_ID)
     rows = rows.with_columns(cluster.alias("unit"))
 
     def scores(method: str, budget: str) -> pl.DataFrame:
-        chosen = rows.filter((pl.col("method") == method) & ((pl.col("budget") == budget) | (method == FULL)))
+        chosen = rows.filter(at_keep(method, budget))
         return chosen.select(EXAMPLE_ID, "unit", pl.col("score").cast(pl.Float64))
 
     methods = [method for method in rows["method"].unique(maintain_order=True) if method != FULL]
@@ -417,12 +421,7 @@ def end_to_end_section(tables: dict[str, pl.DataFrame]) -> list[str]:
     methods = [FULL, *[method for method in scores["method"].unique(maintain_order=True) if method != FULL]]
 
     def score(task: str, method: str, budget: str) -> dict:
-        rows = scores.filter(
-            (pl.col("task") == task)
-            & (pl.col("method") == method)
-            & ((pl.col("budget") == budget) | (method == FULL))
-        )
-        return rows.row(0, named=True)
+        return scores.filter((pl.col("task") == task) & at_keep(method, budget)).row(0, named=True)
 
     full = {task: score(task, FULL, budgets[0]) for task in tasks}
     header = [f"{task} @ {budget}" for task in tasks for budget in budgets]

@@ -79,9 +79,8 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
         per_example = per_example.with_columns(
             pl.lit(None, pl.Float64).alias(name) for name in OFFLINE_METRICS
         )
+    # an example without a cluster is its own sample (``stats.cluster_numbers``)
     clustered = CLUSTER in per_example.columns and per_example[CLUSTER].null_count() < per_example.height
-    if clustered:  # an example without a cluster is its own
-        per_example = per_example.with_columns(pl.col(CLUSTER).fill_null(pl.col(EXAMPLE_ID)))
     summary = mean_intervals(
         per_example,
         list(KEYS),
