@@ -104,6 +104,7 @@ def test_rerun_skips_complete_examples(reference_store, tiny_folder):
     assert (summary.skipped, summary.written) == (4, 0)
 
 
+@pytest.mark.processes
 def test_killed_capture_then_rerun_equals_an_uninterrupted_run(reference_store, tiny_folder, tmp_path):
     out = tmp_path / "killed.zarr"
     victim = subprocess.Popen(
@@ -133,6 +134,7 @@ def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_fol
     _same_store(out, reference_store)
 
 
+@pytest.mark.processes
 def test_two_ranks_on_gloo_shard_into_one_store(reference_store, tiny_folder, tmp_path):
     out = tmp_path / "sharded.zarr"
     done = run_on_two_gloo_ranks(
@@ -143,6 +145,7 @@ def test_two_ranks_on_gloo_shard_into_one_store(reference_store, tiny_folder, tm
     _same_store(out, reference_store, exact=False)
 
 
+@pytest.mark.processes
 def test_bad_input_is_one_line_and_exit_2(tiny_folder, tmp_path):
     done = subprocess.run(
         _capture_cli(tiny_folder, tmp_path / "x.zarr", data="haystack:n=2"), capture_output=True, text=True
@@ -199,6 +202,7 @@ def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_fo
         add_oracle(redone, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
 
 
+@pytest.mark.processes
 def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(tiny_folder, tmp_path):
     out = tmp_path / "interrupted.zarr"
     command = _capture_cli(tiny_folder, out, data="niah:n=40,length=256")
@@ -224,6 +228,7 @@ def test_sigint_stops_a_capture_keeping_whole_examples_and_the_rerun_completes(t
     assert len(stores.open(out).example_ids()) == 40
 
 
+@pytest.mark.processes
 def test_capture_cli_threads_runs_on_one_thread_and_writes_the_same_scores(
     tiny_folder, reference_store, tmp_path
 ):

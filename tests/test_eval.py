@@ -728,6 +728,7 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
         )
 
 
+@pytest.mark.processes
 def test_two_workers_give_the_frames_of_one(tmp_path):
     path = write_store(tmp_path / "run.zarr", examples=9)
     one, two = compare_store(path, workers=1), compare_store(path, workers=2)
@@ -749,6 +750,7 @@ def worker_pid(record) -> str:
     return PROCESS_IDENTITY
 
 
+@pytest.mark.processes
 def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_path):
     from rankkit.eval.parallel import map_examples, shared_workers
 
@@ -847,6 +849,7 @@ def test_cli_refuses_a_method_parameter_out_of_range_in_one_line(cli, store_path
     assert message in str(result.exception) and "\n" not in str(result.exception)
 
 
+@pytest.mark.processes
 def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     path = write_store(tmp_path / "partial.zarr", draft=False)
     (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
@@ -862,6 +865,7 @@ def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     )
 
 
+@pytest.mark.processes
 def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_path):
     from rankkit.eval.cost import build_store
 
@@ -886,6 +890,7 @@ def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_pat
     assert "Traceback" not in stderr
 
 
+@pytest.mark.processes
 def test_cli_compare_without_oracle_exits_2_with_the_fix(tmp_path):
     path = write_store(tmp_path / "no-oracle.zarr", oracle=False, draft=False, examples=1)
     result = subprocess.run(

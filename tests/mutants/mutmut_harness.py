@@ -7,9 +7,14 @@ on ``PYTHONPATH``), before any test imports rankkit.
   file's path (``probes.X``) and switches a mutant on only in a function whose ``__module__`` has
   that name. Without the alias the editable install would load the unmutated ``probes/`` and every
   probe mutant would survive untested.
+* The tokenizers' Rust thread pool is off: a pool started in the parent deadlocks in a forked
+  child, and every mutant that reaches the tokenizer would end as a timeout.
 * torch runs on one thread: mutmut forks one child per mutant from the process that ran the tests
   once (so torch and the model classes are imported once), and a fork is safe only while torch
   has started no thread pool; two children on two cores gain nothing from more threads anyway.
+  ``torch.set_num_threads`` is held at one, since the tests' session fixture, ``--threads`` and
+  the bench raise it: the OpenMP pool they start spins without end in a forked child, and each
+  mutant that reached it ended as a CPU-time "timeout", counted killed without any test failing.
 * Functions that run while the modules are imported (a dataclass field's ``bounded(...)``) are
   listed in ``mutmut-import-time.json`` and left out of the test mapping: every forked child
   inherits the imported modules, so no test can see their mutants, which ``kill_rate.py`` reports
@@ -24,6 +29,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +60,9 @@ class SideFolderAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(finder, SideFolderAlias) for finder in sys.meta_path):
     sys.meta_path.insert(0, SideFolderAlias())
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 torch.set_num_threads(1)
+torch.set_num_threads = lambda threads: None
 
 
 def pytest_collection_modifyitems(items):
