@@ -10,6 +10,9 @@ show NAME`` prints its diff) and each equivalent mutant with its reason. The rat
   the tests can see such a mutant (``mutmut_harness.py`` records these functions);
 * by rule, when it changes only the text of a string inside a ``raise`` statement or a
   ``warnings.warn`` call (an error message: the tests check the error, not its wording);
+* by rule, when it only drops a call's ``device=`` argument or makes it ``None``: the tests run
+  on the CPU, where torch's default device is every tensor's own, so only a GPU run can tell
+  (the report names these apart so that a GPU run of ``make mutants`` can be read against it);
 * by entry in ``tests/mutants/equivalent.toml``: its name, the one changed line of its diff
   (``-`` and ``+`` lines), and why no run can tell it apart. An entry whose diff no longer matches
   (the code moved and mutmut renumbered) is reported as stale and the mutant counts as a survivor.
@@ -97,6 +100,20 @@ def changes_only_a_message(original: str, mutant: str) -> bool:
     return bool(changed) and all(in_message(node, parents) for node in changed)
 
 
+def without_device_arguments(tree: ast.AST) -> str:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg != "device"]
+    return ast.dump(tree)
+
+
+def changes_only_a_device(original: str, mutant: str) -> bool:
+    """Whether the mutant differs from the original only in a ``device=`` argument it drops or nulls."""
+    if ast.dump(ast.parse(original)) == ast.dump(ast.parse(mutant)):
+        return False
+    return without_device_arguments(ast.parse(original)) == without_device_arguments(ast.parse(mutant))
+
+
 def changed_lines(diff: str) -> list[str]:
     return [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
 
@@ -131,6 +148,9 @@ def main() -> int:
             elif changes_only_a_message(*function_sources(name, path)):
                 counts["equivalent"] += 1
                 equivalent.append(f"{name}: changes only an error message's text")
+            elif changes_only_a_device(*function_sources(name, path)):
+                counts["equivalent"] += 1
+                equivalent.append(f"{name}: drops a device= argument, the CPU either way on the CPU (a GPU run tells)")
             else:
                 counts["survived"] += 1
                 survivors.append(f"{name} ({status})")
