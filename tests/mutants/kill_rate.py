@@ -142,7 +142,10 @@ def main() -> int:
             elif status == "no tests" and mangled_name_from_mutant_name(name) in import_time:
                 counts["equivalent"] += 1
                 equivalent.append(f"{name}: runs only while its module is imported")
-            elif name in entries and changed_lines(get_diff_for_mutant(name, path=path)) == entries[name]["change"]:
+            elif (
+                name in entries
+                and changed_lines(get_diff_for_mutant(name, path=path)) == entries[name]["change"]
+            ):
                 counts["equivalent"] += 1
                 equivalent.append(f"{name}: {entries[name]['reason']}")
             elif changes_only_a_message(*function_sources(name, path)):
@@ -150,7 +153,9 @@ def main() -> int:
                 equivalent.append(f"{name}: changes only an error message's text")
             elif changes_only_a_device(*function_sources(name, path)):
                 counts["equivalent"] += 1
-                equivalent.append(f"{name}: drops a device= argument, the CPU either way on the CPU (a GPU run tells)")
+                equivalent.append(
+                    f"{name}: drops a device= argument, the CPU either way on the CPU (a GPU run tells)"
+                )
             else:
                 counts["survived"] += 1
                 survivors.append(f"{name} ({status})")
