@@ -12,7 +12,9 @@ on ``PYTHONPATH``), before any test imports rankkit.
   imported once. Forked from the process that ran the tests, a child inherits the locks of the
   thread pools those tests started (polars', zarr's, OpenMP's) and could wait on one forever:
   such mutants ended as "timeouts", counted killed with no test failing.
-* For the same reason the tokenizers' Rust pool is off, and torch stays on one thread
+* The fork server imports every module the tests imported in their first run
+  (``mutmut-modules.json``), so each child starts with them loaded.
+* The tokenizers' Rust pool is off, for the reason above, and torch stays on one thread
   (``torch.set_num_threads`` is held at one against the tests' session fixture, ``--threads``
   and the bench): two children on two cores gain nothing from more threads anyway.
 * Functions that run while the modules are imported (a dataclass field's ``bounded(...)``) are
@@ -39,6 +41,7 @@ SIDE_FOLDERS = ("probes",)
 # Written by mutmut into its working copy, where the tests run.
 STATS = Path("mutmut-stats.json")
 IMPORT_TIME = Path("mutmut-import-time.json")
+MODULES = Path("mutmut-modules.json")
 
 
 class SideFolderAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -76,9 +79,36 @@ def pytest_collection_finish(session):
     from mutmut.mutation.trampoline import get_mutant_under_test
     from mutmut.state import state
 
+    if session.config.option.collectonly and MODULES.exists():
+        import_what_the_tests_imported()
     if get_mutant_under_test() != "stats":
         return
     hits = state()._stats  # what the trampolines recorded since the last test (none has run yet)
     earlier = set(json.loads(IMPORT_TIME.read_text())) if IMPORT_TIME.exists() else set()
     IMPORT_TIME.write_text(json.dumps(sorted(earlier | hits), indent=0))
     hits.clear()
+
+
+def pytest_sessionfinish(session):
+    from mutmut.mutation.trampoline import get_mutant_under_test
+
+    if get_mutant_under_test() == "stats":
+        loaded = [name for name, module in list(sys.modules.items()) if getattr(module, "__file__", None)]
+        MODULES.write_text(
+            json.dumps(sorted(name for name in loaded if not name.startswith(("test_", "conftest"))))
+        )
+
+
+def import_what_the_tests_imported():
+    """In the fork server's collection: import every module the tests' first run had loaded.
+
+    Tests import most of transformers, scipy and numba lazily, on first use: ~1,700 modules and
+    seconds of each mutant's child. Imported here once, they are inherited by every child.
+    Importing starts none of the thread pools the children must not inherit (those start on use).
+    """
+    for name in json.loads(MODULES.read_text()):
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # a private module that only imports through its parent, in order
+                continue
