@@ -107,7 +107,7 @@ def descending_order(scores: torch.Tensor) -> torch.Tensor:
     on_cpu = _on_cpu(scores)
     if on_cpu is not None:
         return torch.from_numpy(descending_orders(on_cpu, nan_first=True))
-    return torch.sort(_sortable(scores), dim=-1, descending=True, stable=True).indices
+    return torch.sort(_sortable(scores), descending=True, stable=True).indices  # along the last axis
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
