@@ -10,7 +10,6 @@ compressed with the same indices, so layers >= l_p hold the selection.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,13 +23,14 @@ class CrossLayerMax(LayerPolicy):
     """CLAA's layer policy: select at ``layer`` by the max over the buffered scores of up to n layers.
 
     Only layers >= ``first_layer`` enter the buffer (Listing 5: deferred layers are not scored);
-    the selection layer itself always does, even when it is among the deferred ones.
+    the selection layer itself always does, even when it is among the deferred ones. The layers
+    scored are first_layer..layer, never more than n, so the buffer holds exactly the n it maxes over.
     """
 
     def __init__(self, layer: int, aggregation_window: int, first_layer: int = 0):
         self.layer = layer
         self.first_layer = min(layer, max(first_layer, layer - aggregation_window + 1))
-        self.buffer: deque[torch.Tensor] = deque(maxlen=aggregation_window)
+        self.buffer: list[torch.Tensor] = []
 
     def needs_scores(self, layer):
         return self.first_layer <= layer <= self.layer
@@ -40,11 +40,9 @@ class CrossLayerMax(LayerPolicy):
             self.buffer.append(scores.sum(0))
         if layer != self.layer:
             return None
-        return torch.stack(list(self.buffer)).amax(dim=0)
+        return torch.stack(self.buffer).amax(dim=0)
 
     def decide_at_once(self, head_sums):
-        if not 0 <= self.layer < head_sums.shape[0]:
-            return None
         return self.layer, head_sums[self.first_layer : self.layer + 1].amax(dim=0)
 
 

@@ -107,7 +107,7 @@ def descending_order(scores: torch.Tensor) -> torch.Tensor:
     on_cpu = _on_cpu(scores)
     if on_cpu is not None:
         return torch.from_numpy(descending_orders(on_cpu, nan_first=True))
-    return torch.sort(_sortable(scores), dim=-1, descending=True, stable=True).indices
+    return torch.sort(_sortable(scores), descending=True, stable=True).indices  # along the last axis
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,8 @@ class LayerPolicy:
     def decide_at_once(self, head_sums: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """What ``replay`` finds, read straight off every layer's scores summed over heads
         ([L, T], ``head_sums``), for a policy whose decision needs no walk through the layers;
-        None (the default) when it does. An offline face asks this of each of its 30-odd
+        None (the default) when it does. The policy's layers lie within ``head_sums`` (a bound method's
+        layers are the model's). An offline face asks this of each of its 30-odd
         candidate layers: a replay per candidate costs more than the metrics of its ranking."""
         return None
 
@@ -209,7 +210,7 @@ class FixedLayer(LayerPolicy):
         return scores.sum(0) if layer == self.layer else None
 
     def decide_at_once(self, head_sums):
-        return (self.layer, head_sums[self.layer]) if 0 <= self.layer < head_sums.shape[0] else None
+        return self.layer, head_sums[self.layer]
 
 
 @dataclass
