@@ -79,17 +79,6 @@ def chosen_blocks(
     return torch.cat([blocks[first][None], picked])
 
 
-def kept_blocks(block_scores: dict[int, float], keep_tokens: int, block_size: int) -> set[int]:
-    """The first block and the best others, ``keep_tokens`` worth of blocks in all (Sec. 4.2):
-    ``chosen_blocks`` over the blocks of ``block_scores``."""
-    blocks = torch.tensor(sorted(block_scores))
-    scores = torch.tensor([block_scores[int(block)] for block in blocks], dtype=torch.float64)
-    chosen = chosen_blocks(
-        blocks, scores, block_count(keep_tokens, block_size), torch.ones_like(blocks, dtype=torch.bool)
-    )
-    return {block for block in chosen.tolist() if block >= 0}
-
-
 def block_count(keep_tokens: int, block_size: int) -> int:
     """Blocks ``keep_tokens`` is worth, the first block among them."""
     return max(1, math.ceil(keep_tokens / block_size))
@@ -101,11 +90,11 @@ def first_of(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
 
 
-def block_scores_of(scores: torch.Tensor, positions: torch.Tensor, block_size: int) -> dict[int, float]:
-    """Each block's score (Eq. 2) read at its first token from ``token_units`` scores [kv_heads, T]."""
-    blocks, counts = torch.unique_consecutive(positions // block_size, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    return {int(block): float(scores[0, int(start)]) for start, block in zip(starts, blocks, strict=True)}
+def first_token_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each block's score (Eq. 2), blocks 0, 1, ... in order, read at its first token from the
+    ``token_units`` scores [kv_heads, T] of a full prompt (every token of a block holds its block's
+    score; Eq. 2 averages over all query heads, so every KV-head row is the same)."""
+    return scores[0, ::block_size]
 
 
 @dataclass
@@ -244,9 +233,6 @@ class SlimInferHook(LayerHook):
             swap.offload_inactive(governor.chosen)  # the query window's own block waits on the host
             governor.swaps.append(swap)
 
-    def host_bytes(self) -> int:
-        return sum(swap.host_bytes() for entry in self.schedule.values() for swap in entry.swaps)
-
 
 @contextmanager
 def ffn_on_kept_tokens(runner, hook: SlimInferHook):
@@ -317,23 +303,27 @@ class SlimInfer(Method):
         return [self.probe().key]
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
-        first = self._schedule(captured.num_layers, captured.num_tokens, budget, captured.layer_types)[0]
-        scores = captured.get(self.probe().key, self.name)[first.layer]
+        first, by_block = self._first_block_scores(captured, budget)
+        blocks = torch.arange(by_block.shape[0])
+        chosen = chosen_blocks(
+            blocks,
+            by_block,
+            block_count(first.keep_tokens, self.block_size),
+            torch.ones_like(blocks, dtype=torch.bool),
+        )
         positions = torch.arange(captured.num_tokens)
-        chosen = kept_blocks(
-            block_scores_of(scores, positions, self.block_size), first.keep_tokens, self.block_size
-        )
-        return Selection(
-            first.layer, positions[torch.isin(positions // self.block_size, torch.tensor(sorted(chosen)))]
-        )
+        return Selection(first.layer, positions[torch.isin(positions // self.block_size, chosen)])
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """At the first pruning layer, each token ranked by its block's score (Eq. 2), the first block
         (always kept) at +inf: the order ``select_offline`` takes blocks in."""
+        first, by_block = self._first_block_scores(captured, budget)
+        ranking = by_block[torch.arange(captured.num_tokens) // self.block_size]
+        ranking[: self.block_size] = math.inf
+        return {first.layer: ranking}
+
+    def _first_block_scores(self, captured: Captured, budget: Budget) -> tuple[PruningLayer, torch.Tensor]:
+        """The first pruning layer (where ``rankkit select`` reads SlimInfer's choice) and its block scores."""
         first = self._schedule(captured.num_layers, captured.num_tokens, budget, captured.layer_types)[0]
         scores = captured.get(self.probe().key, self.name)[first.layer]
-        positions = torch.arange(captured.num_tokens)
-        by_block = block_scores_of(scores, positions, self.block_size)  # blocks 0, 1, ... in order
-        ranking = torch.tensor(list(by_block.values()))[positions // self.block_size]
-        ranking[: self.block_size] = float("inf")
-        return {first.layer: ranking}
+        return first, first_token_scores(scores, self.block_size)
