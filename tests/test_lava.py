@@ -1,8 +1,9 @@
-"""LAVa's offline faces (``rankkit compare``, ``rankkit select``) against plain-loop references.
+"""LAVa online (``prefill``) and offline (``rankkit compare``, ``rankkit select``) against plain loops.
 
 The store holds the ``lava`` probe's scores [L, kv_heads, T]; ``Lava.layer_rankings`` ranks each
 layer's tokens by their best entry over the KV heads, the recent window first (LAVa never evicts
-it) and, on a sliding-window layer, the keys its last query cannot see last (never kept).
+it) and, on a sliding-window layer, the keys its last query cannot see last (never kept). On a
+hybrid model, Algorithms 1-2 share the budget among the keys each layer sees, online and offline.
 """
 
 from __future__ import annotations
