@@ -16,7 +16,9 @@ selection layer x KV-only mode with budgets decided by the scores themselves:
 𝔹 = (budget tokens - w) x KV heads x layers, so that with the windows the cache holds as
 many entries as the uniform methods keep. Budgets are whole entries apportioned by largest
 remainder, each layer's between 0 and its entries outside the window, so they sum exactly
-to 𝔹 (or to every such entry there is, when 𝔹 exceeds that).
+to 𝔹 (or to every such entry there is, when 𝔹 exceeds that). A local layer keeps only keys it
+sees, even when its budget covers them all; a budget of the whole prompt keeps every key, as a
+full prefill (SAGE-KV's rule too).
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ class LavaBudgets(LayerHook):
         self.heads = 0
         self.entropy: torch.Tensor | None = None  # [layers so far], float64, on the device
         self.sizes: torch.Tensor | None = None  # the entries each layer holds now (unseen keys are none)
-        self.entries: torch.Tensor | None = None  # the entries each layer held when scored
+        self.entries: torch.Tensor | None = None  # the entries each layer's cache held when scored
         self.floors: torch.Tensor | None = None  # its window entries, never evicted
         self._current: torch.Tensor | None = None
 
@@ -198,13 +200,16 @@ class LavaBudgets(LayerHook):
         self.places.append(torch.empty_like(order).scatter_(0, order, ranks))
         entropy = normalized_entropy(windowless(scores, self.window))[None]
         size = (ranked != float("-inf")).sum()[None]
+        # the cache holds every key, those a local layer cannot see too: such a layer is cut to the
+        # keys it sees even when its budget covers them all
+        held = torch.full_like(size, ranked.numel())
         floor = (ranked == float("inf")).sum()[None]
         if self.entropy is None:
-            self.entropy, self.sizes, self.entries, self.floors = entropy, size, size, floor
+            self.entropy, self.sizes, self.entries, self.floors = entropy, size, held, floor
         else:
             self.entropy = torch.cat([self.entropy, entropy])
             self.sizes = torch.cat([self.sizes, size])
-            self.entries = torch.cat([self.entries, size])
+            self.entries = torch.cat([self.entries, held])
             self.floors = torch.cat([self.floors, floor])
         budgets = entropy_budgets(
             self.entropy, self.floors, self.sizes, self.keep_tokens, self.window, self.heads, self.num_layers
@@ -238,7 +243,10 @@ class Lava(Method):
         return make_probe("lava", window_size=self.window_size, kernel_size=self.kernel_size)
 
     def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), always_kept=self.window_size)
+        length = int(input_ids.numel())
+        keep = budget.resolve(length, always_kept=self.window_size)
+        if keep >= length:
+            return full_prefill(runner, input_ids)
         hook = LavaBudgets(self.probe(), keep, self.window_size, runner.num_layers)
         run = full_prefill(runner, input_ids, hooks=[hook])
         hook.evict(run.result.cache)
@@ -266,11 +274,13 @@ class Lava(Method):
                 f"(0..{captured.num_layers - 1})"
             )
         stored = self._stored(captured)
+        keep = budget.resolve(captured.num_tokens, always_kept=self.window_size)
+        if keep >= captured.num_tokens:
+            return Selection(layer, [torch.arange(captured.num_tokens)] * stored.shape[1])
         entropy = [
             float(normalized_entropy(windowless(stored[index], self.window_size)))
             for index in range(captured.num_layers)
         ]
-        keep = budget.resolve(captured.num_tokens, always_kept=self.window_size)
         layers = self._layers(captured)
         budgets = layer_budgets(layers, entropy, keep, self.window_size, captured.num_layers)
         return Selection(layer, evict(layers[layer], budgets[layer]))
