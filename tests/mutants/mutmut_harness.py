@@ -7,14 +7,14 @@ on ``PYTHONPATH``), before any test imports rankkit.
   file's path (``probes.X``) and switches a mutant on only in a function whose ``__module__`` has
   that name. Without the alias the editable install would load the unmutated ``probes/`` and every
   probe mutant would survive untested.
-* The tokenizers' Rust thread pool is off: a pool started in the parent deadlocks in a forked
-  child, and every mutant that reaches the tokenizer would end as a timeout.
-* torch runs on one thread: mutmut forks one child per mutant from the process that ran the tests
-  once (so torch and the model classes are imported once), and a fork is safe only while torch
-  has started no thread pool; two children on two cores gain nothing from more threads anyway.
-  ``torch.set_num_threads`` is held at one, since the tests' session fixture, ``--threads`` and
-  the bench raise it: the OpenMP pool they start spins without end in a forked child, and each
-  mutant that reached it ended as a CPU-time "timeout", counted killed without any test failing.
+* Each mutant's child is forked from mutmut's fork server (pyproject: ``process_isolation =
+  "forkserver"``), which has imported the tests but run none, so torch and the model classes are
+  imported once. Forked from the process that ran the tests, a child inherits the locks of the
+  thread pools those tests started (polars', zarr's, OpenMP's) and could wait on one forever:
+  such mutants ended as "timeouts", counted killed with no test failing.
+* For the same reason the tokenizers' Rust pool is off, and torch stays on one thread
+  (``torch.set_num_threads`` is held at one against the tests' session fixture, ``--threads``
+  and the bench): two children on two cores gain nothing from more threads anyway.
 * Functions that run while the modules are imported (a dataclass field's ``bounded(...)``) are
   listed in ``mutmut-import-time.json`` and left out of the test mapping: every forked child
   inherits the imported modules, so no test can see their mutants, which ``kill_rate.py`` reports
