@@ -64,14 +64,20 @@ def store(attention, length: int = 40) -> Captured:
     return Captured({key: scores}, len(LAYERS), length, LAYERS, WINDOW, kv_heads=1, query_heads=GROUP)
 
 
-def always_kept(length: int, keep: int, seen_positions: list[int]) -> set[int]:
-    """Step 1's sinks and recent window on a layer seeing ``seen_positions``: sinks B/4 it sees, the
-    recent window the rest after G x B/(2G) plus the sinks it cannot see; all it sees if that fits."""
+def recent_window(keep: int, seen_positions: list[int]) -> int:
+    """Step 1's recent window on a layer seeing ``seen_positions``: the rest of the budget after B/4
+    sinks and G x B/(2G) evicted candidates, plus the sinks it cannot see; all it sees if that fits."""
     if len(seen_positions) <= keep:
-        return set(seen_positions)
+        return len(seen_positions)
     sinks, per_query_head = keep // 4, keep // (2 * GROUP)
     lost = sum(1 for position in range(sinks) if position not in seen_positions)
-    recent = max(1, keep - sinks - GROUP * per_query_head) + lost
+    return max(1, keep - sinks - GROUP * per_query_head) + lost
+
+
+def always_kept(length: int, keep: int, seen_positions: list[int]) -> set[int]:
+    """Step 1's sinks a layer sees (none when everything it sees fits) and its recent window."""
+    sinks = 0 if len(seen_positions) <= keep else keep // 4
+    recent = recent_window(keep, seen_positions)
     return {p for p in range(sinks) if p in seen_positions} | set(range(length - recent, length))
 
 
@@ -98,7 +104,12 @@ def test_prefill_and_the_store_keep_only_keys_each_layer_sees(runner, prompt, at
         assert cached(run, layer) == expected, layer
         offline = method.select_offline(captured, budget, layer=layer)
         assert offline.layer == layer and offline.as_lists() == expected, layer
-    assert run.decode_hooks  # Step 4 rolls the windows on
+    # Step 4: the token at 40 takes the place of the oldest of each layer's own recent window
+    runner.decode_step(5, 40, run.result.cache, run.decode_hooks)
+    for layer in range(len(LAYERS)):
+        evicted = 40 - recent_window(tokens, seen(layer))
+        (kept,) = reference_sage_kv(attention[layer], tokens, GROUP, seen(layer))
+        assert cached(run, layer) == [[p for p in kept if p != evicted] + [40]], layer
 
 
 def test_layer_rankings_put_step_1s_tokens_first_then_each_tokens_best_query_head(attention):

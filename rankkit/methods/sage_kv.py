@@ -120,9 +120,10 @@ def roll_recent_window(cache: KVCache, layer: int, evicted_position: int | torch
     positions = cache.positions[layer]
     slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
     heads = torch.arange(positions.shape[0], device=positions.device)
+    # copies: with one KV head torch refuses a write from a view of the written tensor
     for tensor in (cache.keys[layer], cache.values[layer]):
-        tensor[0, heads, slot] = tensor[0, :, -1]
-    positions[heads, slot] = positions[:, -1]
+        tensor[0, heads, slot] = tensor[0, :, -1].clone()
+    positions[heads, slot] = positions[:, -1].clone()
     # a view of the same storage: the next append writes the new token where the old last entry was
     cache.keys[layer] = cache.keys[layer][:, :, :-1]
     cache.values[layer] = cache.values[layer][:, :, :-1]
