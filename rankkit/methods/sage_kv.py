@@ -84,11 +84,12 @@ def kept_union(attention: torch.Tensor, split: SageSplit) -> torch.Tensor:
 class SageKVHook(LayerHook):
     """Steps 1-3 on every layer's cache during prefill, Step 4 after every decode step."""
 
+    kept: torch.Tensor | None  # the layer's kept mask, from its attention until its cache is cut
+
     def __init__(self, budget: int, group_size: int):
         self.budget = budget
         self.split = sage_split(budget, group_size)
         self.layer_splits: dict[int, SageSplit] = {}  # each layer's, as its window shapes it
-        self.kept: list[torch.Tensor] | None = None
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "prefill":
@@ -119,9 +120,10 @@ def roll_recent_window(cache: KVCache, layer: int, evicted_position: int | torch
     positions = cache.positions[layer]
     slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
     heads = torch.arange(positions.shape[0], device=positions.device)
+    # copies: with one KV head torch refuses a write from a view of the written tensor
     for tensor in (cache.keys[layer], cache.values[layer]):
-        tensor[0, heads, slot] = tensor[0, :, -1]
-    positions[heads, slot] = positions[:, -1]
+        tensor[0, heads, slot] = tensor[0, :, -1].clone()
+    positions[heads, slot] = positions[:, -1].clone()
     # a view of the same storage: the next append writes the new token where the old last entry was
     cache.keys[layer] = cache.keys[layer][:, :, :-1]
     cache.values[layer] = cache.values[layer][:, :, :-1]
@@ -181,22 +183,22 @@ class SageKV(Method):
             return Selection(layer, torch.arange(length).expand(kv_heads, length))
         first_seen = int(attention[0, 0].isnan().sum())  # unseen keys are the oldest ones
         split = sage_split(keep, group_size).seeing(first_seen, length, keep)
-        return Selection(layer, union_of_head_top_k(attention.nan_to_num(float("-inf")), split))
+        # Step 2 ranks only keys past the sinks and the unseen ones: the NaN are never read
+        return Selection(layer, union_of_head_top_k(attention, split))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """Per layer, each token's highest attention over the query heads (the order the union takes
         tokens in), with the sinks and recent window Step 1 always keeps at +inf."""
-        attention = self._attention(captured).nan_to_num(float("-inf"))
+        attention = self._attention(captured).nan_to_num(-torch.inf)
         length = attention.shape[-1]
         keep = self._keep(budget, length)
         split = sage_split(keep, attention.shape[2])
         rankings = {}
         maxima = attention.flatten(1, 2).amax(dim=1)
-        for layer, (scores, unseen) in enumerate(
-            zip(maxima, maxima.isneginf().sum(dim=1).tolist(), strict=True)
-        ):
-            seen = split.seeing(unseen, length, keep)
-            scores[seen.first_seen : max(seen.sinks, seen.first_seen)] = float("inf")
-            scores[max(0, length - seen.recent) :] = float("inf")
+        unseen = maxima.isneginf().sum(dim=1).tolist()
+        for layer, scores in enumerate(maxima):
+            seen = split.seeing(unseen[layer], length, keep)
+            scores[seen.first_seen : seen.sinks] = torch.inf  # the sinks it sees (none when past them)
+            scores[length - seen.recent :] = torch.inf  # the recent window is never longer than the prompt
             rankings[layer] = scores
         return rankings

@@ -183,18 +183,13 @@ class BlockSwap:
         pieces = [self.host[block] for block in sorted(blocks)]
         current = (cache.keys[layer], cache.values[layer], cache.positions[layer])
         with self._side_stream():
-            keys = torch.cat([current[0], *(piece.keys.to(device, non_blocking=True) for piece in pieces)], 2)
-            values = torch.cat(
-                [current[1], *(piece.values.to(device, non_blocking=True) for piece in pieces)], 2
-            )
+            keys = torch.cat([current[0], *(_to_device(piece.keys, device=device) for piece in pieces)], 2)
+            values = torch.cat([current[1], *(_to_device(piece.values, device=device) for piece in pieces)], 2)
             positions = torch.cat(
-                [current[2], *(piece.positions.to(device, non_blocking=True) for piece in pieces)], 1
+                [current[2], *(_to_device(piece.positions, device=device) for piece in pieces)], 1
             )
         cache.keys[layer], cache.values[layer], cache.positions[layer] = keys, values, positions
-        loaded = [
-            np.full(piece.positions.shape[1], block)
-            for block, piece in zip(sorted(blocks), pieces, strict=True)
-        ]
+        loaded = [np.full(self.host[block].positions.shape[1], block) for block in sorted(blocks)]
         self.layout = np.concatenate([layout, *loaded])
         if self.cuda:
             self._read_on_side_stream(*current)
@@ -213,6 +208,11 @@ class BlockSwap:
 
     def host_bytes(self) -> int:
         return sum(block.keys.nbytes + block.values.nbytes for block in self.host.values())
+
+
+def _to_device(tensor: torch.Tensor, *, device: torch.device) -> torch.Tensor:
+    """A host block's tensor copied back; from pinned memory the copy is asynchronous (on CUDA)."""
+    return tensor.to(device=device, non_blocking=True)
 
 
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:

@@ -57,7 +57,7 @@ class TovaHook(SelectionHook):
         for layer, scores in self.step_scores.items():
             length = scores.shape[0]
             if length > self.keep:
-                evicted = descending_order(scores)[-1].to(scores.device)  # the lowest; among ties the latest
+                evicted = descending_order(scores)[-1].to(device=scores.device)  # the lowest; among ties the latest
                 # every entry but the evicted one, worked out on the device (no read per layer and step)
                 entries = torch.arange(length - 1, device=scores.device)
                 kept = entries + (entries >= evicted)
@@ -75,9 +75,6 @@ class TOVA(PolicyMethod):
 
     def forced(self, keep):
         return 1, 0  # the last prompt token
-
-    def compress_from(self):
-        return 0
 
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())

@@ -1,0 +1,25 @@
+"""StreamingLLM's rolling window in decoding on a model with a single KV head (multi-query attention)."""
+
+from __future__ import annotations
+
+import torch
+
+from rankkit.methods import Budget, make
+from rankkit.runner import Runner
+
+
+def test_the_window_rolls_past_the_sinks_with_one_kv_head():
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.num_key_value_heads = 1
+    torch.manual_seed(0)
+    runner = Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
+    run = make("streamingllm").prefill(runner, prompt, Budget.from_tokens(8))
+    cache = run.result.cache
+    for step in range(3):
+        runner.decode_step(5, 20 + step, cache, run.decode_hooks)
+    for layer in range(3):
+        assert sorted(cache.positions[layer][0].tolist()) == [0, 1, 2, 3, 19, 20, 21, 22], layer

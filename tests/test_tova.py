@@ -1,0 +1,45 @@
+"""TOVA's decode-time eviction against its budget, on a model with sliding-window layers, and its
+offline scores from a store that did not record the KV heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hybrid import hybrid_runner
+
+from rankkit.methods import Budget, Captured, make
+
+LOCAL_LAYERS, GLOBAL_LAYERS = (0, 1, 3, 4), (2, 5)  # test_hybrid's model: 16-token windows on the local ones
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return hybrid_runner()
+
+
+def test_a_cache_under_the_budget_grows_and_one_at_the_budget_evicts_the_least_attended(runner):
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
+    run = make("tova").prefill(runner, prompt, Budget.from_tokens(20))
+    cache = run.result.cache
+    sizes = []
+    for step in range(5):
+        runner.decode_step(5, 40 + step, cache, run.decode_hooks)
+        sizes.append([cache.positions[layer].shape[1] for layer in range(6)])
+    # a local layer kept only the 16 keys it sees: it grows to the budget of 20, then evicts
+    assert [[size[layer] for layer in LOCAL_LAYERS] for size in sizes] == [[n] * 4 for n in (17, 18, 19, 20, 20)]
+    assert all(size[layer] == 20 for size in sizes for layer in GLOBAL_LAYERS)
+    # the token at 44 no longer sees 24..28 (weight 0): among those ties the latest, 28, leaves
+    for layer in LOCAL_LAYERS:
+        for head in cache.positions[layer]:
+            assert sorted(head.tolist()) == [24, 25, 26, 27, *range(29, 45)], layer
+
+
+def test_a_store_without_kv_heads_gives_one_row_of_summed_attention():
+    torch.manual_seed(0)
+    scores = torch.rand(2, 4, 6)  # two layers, four query heads
+    key = make("tova").probe().key
+    tova = make("tova")
+    summed = scores.sum(1, keepdim=True)
+    assert torch.equal(tova.captured_scores(Captured({key: scores}, 2, 6)), summed)
+    assert torch.equal(tova.captured_scores(Captured({key: scores}, 2, 6, kv_heads=2, query_heads=4)),
+                       summed.expand(-1, 2, -1))  # fmt: skip
