@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from conftest import tiny_model
 
+from rankkit.measure import Measurement
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods import measure as measure_module
 from rankkit.methods.base import LOOKAHEAD
-from rankkit.methods.measure import CostModel, measure, run_once
+from rankkit.methods.measure import CostModel, calibrate, measure, run_once
 from rankkit.runner import Runner
 
 # a = 2 s per token per layer, b = 3 s per query-key pair per layer: small integers, exact in floats
@@ -136,3 +139,34 @@ def test_measure_defaults_to_one_warm_up_and_one_timed_run(scripted, runner, mon
     assert scripted.made == 2
     assert (run.ttft_s, run.e2e_s, run.tpot_s) == (6.0, 8.0, 2.0)
     assert run.peak_mem_bytes == 1234  # the CPU warm-up's tracked peak, not the timed run's None
+
+
+class RecordingRunner:
+    """Enough of a ``Runner`` for ``calibrate``: records the length of every prefill it is asked for."""
+
+    device = torch.device("cpu")
+    num_layers = 2
+
+    def __init__(self):
+        self.lengths: list[int] = []
+
+    def prefill(self, input_ids):
+        self.lengths.append(int(input_ids.numel()))
+
+
+def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(monkeypatch):
+    durations = iter([9.0, 5.0, 1.0, 8.0, 4.0, 3.0, 7.0, 6.0, 2.0])  # rounds of lengths 8, 4, 1
+
+    @contextmanager
+    def scripted_block(device):
+        block = Measurement()
+        yield block
+        block.seconds = next(durations)
+
+    monkeypatch.setattr(measure_module, "timed_block", scripted_block)
+    runner = RecordingRunner()
+    fitted = calibrate(runner, torch.arange(8).reshape(1, 8), fractions=(1.0, 0.5, 0.1))
+    # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
+    assert runner.lengths == [8] + [8, 4, 1] * 3
+    assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
+    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2)
