@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -13,7 +14,7 @@ from rankkit.measure import Measurement
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods import measure as measure_module
 from rankkit.methods.base import LOOKAHEAD
-from rankkit.methods.measure import CostModel, calibrate, measure, run_once
+from rankkit.methods.measure import CostModel, Measured, MethodRun, calibrate, measure, run_once, warm_up
 from rankkit.runner import Runner
 
 # a = 2 s per token per layer, b = 3 s per query-key pair per layer: small integers, exact in floats
@@ -58,6 +59,18 @@ def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative(
     assert quadratic_only.samples == [(1, 2.0), (2, 16.0)]
 
 
+def test_fit_is_exact_in_float64_for_long_prompts_and_numpy_typed_samples():
+    # per layer (L = 3): 1 s at 60k tokens, 8 s at 120k -> a < 0 -> b = sum(t n^2) / sum(n^4), where
+    # n^4 (2e20 at 120k) is past the int64 range: the lengths must be floats before any power
+    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3)
+    assert fitted.linear == 0.0
+    assert fitted.quadratic == (1.0 * 60000.0**2 + 8.0 * 120000.0**2) / (60000.0**4 + 120000.0**4)
+    # lengths and seconds as a numpy frame hands them (int32, float32) fit as the same Python numbers
+    typed = [(np.int32(60000), np.float32(3.1)), (np.int32(120000), np.float32(24.7))]
+    plain = [(int(tokens), float(seconds)) for tokens, seconds in typed]
+    assert CostModel.fit(typed, num_layers=7) == CostModel.fit(plain, num_layers=7)
+
+
 class ScriptedTimeline:
     """A ``Timeline`` whose marks are spaced by scripted seconds, one script per run, in order."""
 
@@ -99,10 +112,22 @@ PROMPT = torch.arange(3, 11)  # 8 tokens
 def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runner):
     scripted.scripts = [[5.0, 1.0, 3.0, 2.0], [4.0]]  # 4 tokens; then a one-token answer
     run = run_once(runner, make("full"), PROMPT, Budget.from_keep(1.0), 4)
-    assert len(run.tokens) == 4
+    assert len(run.tokens) == 4 and run.prompt_length == 8 and run.budget == "keep=1"
     assert (run.ttft_s, run.e2e_s, run.tpot_s) == (5.0, 11.0, 2.0)
-    single = run_once(runner, make("full"), PROMPT, Budget.from_keep(1.0), 1)
+    # 3 layers x (key, value) x 2 KV heads x 8 tokens x 16 dims x 4 bytes, every position in every head
+    assert run.kv_bytes == 3 * 2 * 2 * 8 * 16 * 4 and run.kv_tokens_per_layer == [8.0, 8.0, 8.0]
+    assert [positions.tolist() for positions in run.cache_positions] == [[list(range(8))] * 2] * 3
+    assert run.passes == [Pass.prefill("main", [8, 8, 8])] and run.live_tokens == [8, 8, 8]
+    assert (run.kept_positions, run.selection_layer, run.peak_mem_bytes) == (None, None, None)
+
+    single = run_once(runner, make("gemfilter"), PROMPT, Budget.from_tokens(4), 1)
     assert (single.ttft_s, single.e2e_s, single.tpot_s) == (4.0, 4.0, None)
+    assert single.params == {"routing_layer": 1, "kernel_size": 5}  # resolved for 3 layers
+    kept = single.kept_positions
+    assert isinstance(kept, list) and len(kept) == 4 and kept[-1] == 7 and single.selection_layer == 1
+    assert [positions.tolist() for positions in single.cache_positions] == [[kept] * 2] * 3
+    assert single.kv_bytes == 3 * 2 * 2 * 4 * 16 * 4 and single.kv_tokens_per_layer == [4.0, 4.0, 4.0]
+    assert single.passes == [Pass.prefill("selection", [8, 8]), Pass.prefill("main", [4, 4, 4])]
 
 
 def test_measure_prepares_then_reports_the_median_of_the_timed_runs(scripted, runner):
@@ -170,3 +195,39 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
     assert runner.lengths == [8] + [8, 4, 1] * 3
     assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
     assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2)
+
+
+def _run(ttft: float, tpot: float | None, e2e: float, peak: int | None = None) -> MethodRun:
+    return MethodRun("m", {}, "keep=1", 10, [1, 2], ttft, tpot, e2e, 100, [10.0], [10], [], None, peak)
+
+
+def test_measured_takes_medians_and_the_warm_up_peak_and_pairs_ratios_by_round():
+    runs = Measured([_run(4.0, 1.0, 9.0, 7), _run(2.0, 3.0, 5.0, 7), _run(6.0, 2.0, 8.0, 7)])
+    median = runs.run
+    assert (median.ttft_s, median.tpot_s, median.e2e_s, median.peak_mem_bytes) == (4.0, 2.0, 8.0, 7)
+    assert runs.runs[-1].ttft_s == 6.0  # the runs themselves are left as they were
+    one_token = Measured([_run(4.0, None, 4.0), _run(2.0, None, 2.0)], warmup_peak_bytes=99).run
+    assert (one_token.ttft_s, one_token.tpot_s, one_token.peak_mem_bytes) == (3.0, None, 99)
+    reference = Measured([_run(8.0, 2.0, 1.0), _run(1.0, 0.0, 1.0), _run(2.0, None, 1.0)])
+    # TTFT ratios 0.5, 2, 3 -> 2; TPOT: round 2's reference is 0 and round 3's is None -> 1 / 2 alone
+    assert runs.ratio_to(reference, "ttft_s") == 2.0
+    assert runs.ratio_to(reference, "tpot_s") == 0.5
+    assert one_token.tpot_s is None
+    assert Measured([_run(1.0, None, 1.0)]).ratio_to(Measured([_run(1.0, 1.0, 1.0)]), "tpot_s") is None
+
+
+def test_warm_up_prepares_once_and_tracks_memory_in_the_first_run_only(scripted, runner, monkeypatch):
+    trackers = []
+
+    class CountingTracker(FixedPeakTracker):
+        def __enter__(self):
+            trackers.append(self)
+            return self
+
+    monkeypatch.setattr(measure_module, "TensorMemoryTracker", CountingTracker)
+    method, prepared = make("full"), []
+    method.prepare = lambda runner, input_ids, *, tokenizer: prepared.append(tokenizer)
+    scripted.scripts = [[1.0], [1.0], [1.0]]
+    peak = warm_up(runner, method, PROMPT, Budget.from_keep(1.0), 1, tokenizer="tok", runs=3)
+    assert (peak, len(trackers), scripted.made, prepared) == (1234, 1, 3, ["tok"])
+    assert warm_up(runner, method, PROMPT, Budget.from_keep(1.0), 1, tokenizer="tok", runs=0) is None
