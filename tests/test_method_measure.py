@@ -214,6 +214,8 @@ def test_measured_takes_medians_and_the_warm_up_peak_and_pairs_ratios_by_round()
     assert runs.ratio_to(reference, "tpot_s") == 0.5
     assert one_token.tpot_s is None
     assert Measured([_run(1.0, None, 1.0)]).ratio_to(Measured([_run(1.0, 1.0, 1.0)]), "tpot_s") is None
+    with pytest.raises(ValueError):  # rounds pair one to one
+        runs.ratio_to(Measured(reference.runs[:2]), "ttft_s")
 
 
 def test_warm_up_prepares_once_and_tracks_memory_in_the_first_run_only(scripted, runner, monkeypatch):

@@ -1,5 +1,5 @@
-"""SpecPrefill's pieces without a model: Eq. 3 against plain loops, the offline face over a store's
-draft scores, the default self-draft and a bad ``layers:N`` refused with the fix."""
+"""SpecPrefill's pieces: Eq. 3 against plain loops, the pooled prefill's kept tokens, the offline face
+over a store's draft scores, the default self-draft and a bad ``layers:N`` refused with the fix."""
 
 from __future__ import annotations
 
@@ -95,3 +95,20 @@ def test_a_self_draft_outside_the_targets_layers_is_refused_with_a_valid_one(spe
     draft = draft_runner("layers:3", runner)
     assert draft.num_layers == 3 and draft_runner("layers:2", runner).num_layers == 2
     assert runner.num_layers == 3  # the target keeps its layers
+
+
+def test_the_prefill_keeps_the_top_of_the_average_pooled_eq3_and_always_the_last_token(random_ids):
+    runner = Runner(tiny_model("llama"))
+    method = make("specprefill", lookahead=2, kernel_size=3)
+    lookahead, _ = method.draft_scores(runner, random_ids)  # [k, T]: each query's max over layers and heads
+    length = random_ids.numel()
+    means = [sum(lookahead[:, token].tolist()) / 2 for token in range(length)]
+    pooled = []
+    for token in range(length):  # average over the neighbours that exist (no padding counted)
+        window = means[max(0, token - 1) : token + 2]
+        pooled.append(sum(window) / len(window))
+    pooled[-1] = float("inf")  # the last token is always kept
+    order = sorted(range(length), key=lambda token: (-pooled[token], token))
+    run = method.prefill(runner, random_ids, Budget.from_tokens(6))
+    assert run.kept_positions.tolist() == sorted(order[:6])
+    assert method.prefill(runner, random_ids, Budget.from_tokens(1)).kept_positions.tolist() == [length - 1]
