@@ -33,6 +33,8 @@ def test_layer_cost_and_cost_sum_every_executed_layer_of_every_pass():
     passes = [Pass.prefill("selection", [8, 8]), Pass("main", [2, 2, 2], [8, 8, 8])]
     # 2 * (2*8 + 3*64) + 3 * (2*2 + 3*2*8) = 2 * 208 + 3 * 52
     assert MODEL.cost(passes) == 572.0
+    with pytest.raises(ValueError):  # a pass names the keys of every layer it names queries for
+        MODEL.cost([Pass("main", [2, 2], [8])])
 
 
 def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_layers_a_decode_step():
