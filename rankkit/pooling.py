@@ -43,6 +43,7 @@ def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.T
     NaN entries (keys a sliding-window layer could not see) are not neighbours in an
     average either: a window holding only NaN stays NaN.
     """
+    check_pooling(pooling, kernel_size)  # an unknown name must not fall through to the average
     length = scores.shape[-1]
     if kernel_size == 1 or length == 0:
         return scores

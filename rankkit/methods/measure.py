@@ -264,13 +264,13 @@ def calibrate(
     ids = input_ids.reshape(-1)
     prefixes = [ids[: max(1, int(ids.numel() * fraction))] for fraction in fractions]
     runner.prefill(ids)  # warm-up
-    times: list[list[float]] = [[] for _ in prefixes]
+    timed: list[tuple[torch.Tensor, list[float]]] = [(prefix, []) for prefix in prefixes]
     for _ in range(repeats):
-        for prefix, timed in zip(prefixes, times, strict=True):
+        for prefix, seconds in timed:
             with timed_block(runner.device) as block:
                 runner.prefill(prefix)
-            timed.append(block.seconds)
-    samples = [(int(prefix.numel()), min(timed)) for prefix, timed in zip(prefixes, times, strict=True)]
+            seconds.append(block.seconds)
+    samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
     return CostModel.fit(samples, runner.num_layers)
 
 

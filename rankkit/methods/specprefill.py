@@ -180,8 +180,8 @@ class SpecPrefill(Method):
         lookahead, passes = self.draft_scores(runner, input_ids)
         scores = pool_tokens(eq3(lookahead), "avg", self.kernel_size)
         forced = forced_mask(length, 1, device=scores.device)
-        keep = top_k_with_forced(scores, budget.resolve(length, always_kept=1), forced)
-        return reprefill_selected(runner, input_ids, keep.to(runner.device), passes, None)
+        keep = top_k_with_forced(scores, budget.resolve(length), forced)  # never below 1: the last token
+        return reprefill_selected(runner, input_ids, keep, passes, None)
 
     # -- the offline face: the draft's lookahead scores a capture stored --------------------
 
@@ -196,7 +196,7 @@ class SpecPrefill(Method):
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         scores, forced = self._ranking(captured)
-        return Selection(None, top_k_with_forced(scores, budget.resolve(captured.num_tokens, 1), forced))
+        return Selection(None, top_k_with_forced(scores, budget.resolve(captured.num_tokens), forced))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         scores, forced = self._ranking(captured)
