@@ -162,3 +162,22 @@ def test_spans_mask_clips_every_span_to_the_tokens():
     np.testing.assert_array_equal(spans_mask([[-5, -1], [0, 0], [2, 1]], 4), [0, 0, 0, 0])
     np.testing.assert_array_equal(spans_mask([(1, 2), (2, 3)], 4), [0, 1, 1, 0])
     assert spans_mask([[1, 3]], 4).dtype == bool
+
+
+def test_row_metrics_score_every_layer_and_head_at_once():
+    rng = np.random.default_rng(9)
+    scores = rng.integers(0, 4, size=(2, 3, 7)).astype(np.float64)
+    reference = rng.random(7)
+    found = row_metrics(scores, Ranked(reference), with_kendall=True)
+    assert found["spearman"].shape == found["kendall"].shape == (6,)
+    for row, values in enumerate(scores.reshape(6, 7)):
+        expected = stats.spearmanr(values, reference).statistic
+        assert found["spearman"][row] == pytest.approx(expected, abs=1e-12)
+        assert found["kendall"][row] == pytest.approx(
+            stats.kendalltau(values, reference).statistic, abs=1e-12
+        )
+
+
+def test_evidence_without_a_needle_keep_finds_nothing():
+    found = row_metrics(np.array([[3.0, 2.0, 1.0]]), None, evidence=np.array([True, False, False]))
+    assert found["evidence"].tolist() == [0.0]
