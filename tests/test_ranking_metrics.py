@@ -181,3 +181,17 @@ def test_row_metrics_score_every_layer_and_head_at_once():
 def test_evidence_without_a_needle_keep_finds_nothing():
     found = row_metrics(np.array([[3.0, 2.0, 1.0]]), None, evidence=np.array([True, False, False]))
     assert found["evidence"].tolist() == [0.0]
+
+
+def test_row_metrics_take_any_truthy_masks():
+    scores = np.array([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    found = row_metrics(
+        scores,
+        None,
+        top_sets=np.array([[0, 2, 0, 5]]),
+        top_ks=[2],
+        evidence=np.array([3, 0, 0, 1]),
+        needle_k=1,
+    )
+    assert found["overlap"].tolist() == [[0.5], [0.5]]
+    assert found["evidence"].tolist() == [0.5, 0.5]

@@ -196,8 +196,8 @@ def row_metrics(
     values = np.ascontiguousarray(scores.reshape(-1, scores.shape[-1]))
     num_rows, num_tokens = values.shape
     no_tokens = np.zeros(0, np.float64)
-    top_sets = np.zeros((0, num_tokens), bool) if top_sets is None else np.asarray(top_sets, bool)
-    evidence = np.zeros(num_tokens, bool) if evidence is None else np.asarray(evidence, bool)
+    top_sets = np.asarray(np.zeros((0, num_tokens)) if top_sets is None else top_sets, bool)
+    evidence = np.asarray(np.zeros(num_tokens) if evidence is None else evidence, bool)
     found = _score_rows(
         values,
         no_tokens if reference is None else reference.average_ranks - (num_tokens + 1) / 2,
