@@ -58,23 +58,24 @@ class ProbeRecorder(LayerHook):
             return {}
         positions = torch.stack([key_positions.max() for _, key_positions, _ in self._layers])
         length = int(positions.max()) + 1
-        recorded = {}
+        recorded = []
         for probe in self.probes:
-            layers = [scores[probe.key] for _, _, scores in self._layers]
+            first = self._layers[0][2][probe.key]
+            # cache padding goes to a spare last column, cut off below
             laid_out = torch.full(
-                (len(layers), layers[0].shape[0], length + 1), float("nan"), device=layers[0].device
+                (len(self._layers), first.shape[0], length + 1), float("nan"), device=first.device
             )
-            for index, (score, (_, key_positions, _)) in enumerate(zip(layers, self._layers, strict=True)):
-                # cache padding goes to a spare last column that is cut off below
+            for index, (_, key_positions, scores) in enumerate(self._layers):
+                score = scores[probe.key]
                 columns = key_positions.masked_fill(key_positions == PADDING, length)
                 # a probe with a row per query head reads its KV head's positions (G rows each)
                 columns = columns.repeat_interleave(score.shape[0] // columns.shape[0], dim=0)
                 laid_out[index].scatter_(1, columns.to(score.device), score)
-            recorded[probe.key] = laid_out[..., :length]
+            recorded.append(laid_out[..., :-1])
         # one transfer for every probe: each copy from the device waits for it
-        host = torch.cat([scores.reshape(-1) for scores in recorded.values()]).cpu().numpy()
-        pieces = np.split(host, np.cumsum([scores.numel() for scores in recorded.values()])[:-1])
+        host = torch.cat([scores.reshape(-1) for scores in recorded]).cpu()
+        pieces = host.split([scores.numel() for scores in recorded])
         return {
-            key: piece.reshape(scores.shape)
-            for (key, scores), piece in zip(recorded.items(), pieces, strict=True)
+            probe.key: pieces[index].reshape(recorded[index].shape).numpy()
+            for index, probe in enumerate(self.probes)
         }

@@ -131,21 +131,18 @@ def spearman_rho(scores: Ranked, reference: Ranked) -> np.ndarray:
     """Spearman's rho of every row of ``scores`` with ``reference`` (rows broadcast): the Pearson
     correlation of their average ranks, whose mean is (T + 1) / 2 on every row."""
     center = (scores.shape[-1] + 1) / 2
-    deviations = reference.average_ranks - center
-    if deviations.ndim == 1:  # one reference: a matrix-vector product (its deviations sum to 0)
-        covariance = scores.average_ranks @ deviations
-    else:
-        covariance = ((scores.average_ranks - center) * deviations).sum(axis=-1)
+    covariance = ((scores.average_ranks - center) * (reference.average_ranks - center)).sum(axis=-1)
     return _correlation(covariance, scores.spread, reference.spread)
 
 
 def _correlation(covariance: np.ndarray, spread: np.ndarray, reference_spread: np.ndarray) -> np.ndarray:
     """Pearson's r from a covariance and both sides' sums of squared deviations; NaN for a constant side."""
-    scale = np.sqrt(spread * reference_spread)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        correlation = covariance / scale
+    # A constant side's ranks all sit at their mean, so its covariance is exactly 0 too: 0 / 0 is
+    # NaN, and no other division by 0 can arise.
+    with np.errstate(invalid="ignore"):
+        correlation = covariance / np.sqrt(spread * reference_spread)
     # Rounding can push |r| a hair past 1; scipy clips the same way.
-    return np.clip(np.where(scale > 0, correlation, np.nan), -1.0, 1.0)
+    return np.clip(correlation, -1.0, 1.0)
 
 
 def kendall(scores: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -167,10 +164,11 @@ def _tau_b(
     n_c - n_d = n_0 - n_1 - n_2 + n_3 - 2 n_d; NaN for a constant side."""
     total = num_tokens * (num_tokens - 1) // 2
     concordant_minus_discordant = total - tied - reference_tied + both_tied - 2 * discordant
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # A constant side ties all n_0 pairs, which makes n_c - n_d exactly 0 as well: 0 / 0 is NaN,
+    # and no other division by 0 can arise.
+    with np.errstate(invalid="ignore"):
         tau = concordant_minus_discordant / np.sqrt(total - tied) / np.sqrt(total - reference_tied)
-    undefined = (tied == total) | (reference_tied == total)
-    return np.where(undefined, np.nan, np.clip(tau, -1.0, 1.0))
+    return np.clip(tau, -1.0, 1.0)
 
 
 def row_metrics(
@@ -198,8 +196,8 @@ def row_metrics(
     values = np.ascontiguousarray(scores.reshape(-1, scores.shape[-1]))
     num_rows, num_tokens = values.shape
     no_tokens = np.zeros(0, np.float64)
-    top_sets = np.zeros((0, num_tokens), bool) if top_sets is None else np.asarray(top_sets, bool)
-    evidence = np.zeros(num_tokens, bool) if evidence is None else np.asarray(evidence, bool)
+    top_sets = np.asarray(np.zeros((0, num_tokens)) if top_sets is None else top_sets, bool)
+    evidence = np.asarray(np.zeros(num_tokens) if evidence is None else evidence, bool)
     found = _score_rows(
         values,
         no_tokens if reference is None else reference.average_ranks - (num_tokens + 1) / 2,
@@ -213,7 +211,8 @@ def row_metrics(
     )
     covariance, chained_covariance, tied, spread, top_hits, evidence_hits, discordant, both_tied = found
     nothing = np.full(num_rows, np.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # hits never outnumber their targets: no targets is 0 / 0
+    with np.errstate(invalid="ignore"):
         columns = {
             "spearman": nothing if reference is None else _correlation(covariance, spread, reference.spread),
             "kendall": _tau_b(discordant, both_tied, tied, reference.tied_pairs, num_tokens)
@@ -416,7 +415,7 @@ def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
 
 def overlap_share(kept: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Share of the target tokens that are kept, along the last axis (boolean masks); NaN without targets."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # no targets: 0 / 0
         return (kept & targets).sum(axis=-1) / targets.sum(axis=-1)
 
 

@@ -1,0 +1,97 @@
+"""The probe registry and the ``--probes`` syntax: parse_named item by item, parameter values and
+names, errors that name the fix, and what a probe records beside its scores."""
+
+from __future__ import annotations
+
+import pytest
+
+from rankkit.errors import RankkitError
+from rankkit.probes import REGISTRY, make, parse_named, parse_probes
+from rankkit.probes.last_token_heads import LastTokenHeadsProbe
+from rankkit.probes.last_token_raw import LastTokenRawProbe
+from rankkit.probes.window import WindowProbe
+
+
+def test_parse_named_reads_names_and_their_parameters_in_order():
+    assert parse_named("window:w=32,kernel=7,last_token_raw") == [
+        ("window", {"window_size": 32, "kernel_size": 7}),
+        ("last_token_raw", {}),
+    ]
+    assert parse_named(" a : x = 1 ,, b ,c:y=2, z=3,") == [
+        ("a", {"x": 1}),
+        ("b", {}),
+        ("c", {"y": 2, "z": 3}),
+    ]
+    # a parameter belongs to the name right before it, however many came earlier
+    assert parse_named("a,b,c,k=1") == [("a", {}), ("b", {}), ("c", {"k": 1})]
+
+
+def test_parameter_values_are_int_float_or_text():
+    ((_, params),) = parse_named("p:count=3,rate=0.5,big=1e3,mode=max,empty=,ratio=a=b")
+    assert params == {"count": 3, "rate": 0.5, "big": 1000.0, "mode": "max", "empty": "", "ratio": "a=b"}
+    assert type(params["count"]) is int and type(params["big"]) is float
+    assert parse_named("p:time=1:30") == [("p", {"time": "1:30"})]  # the first colon ends the name
+
+
+def test_short_and_full_parameter_names():
+    assert parse_named("window:w=4,window_size=5,kernel=3,kernel_size=9,other=1") == [
+        ("window", {"window_size": 5, "kernel_size": 9, "other": 1})
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, what, message",
+    [
+        ("w=32,window", "probe", "parameter 'w=32' comes before any probe; give comma-separated names"),
+        ("k=1", "method", "parameter 'k=1' comes before any method; give"),
+        (" , ,", "probe", "no probe named; give comma-separated names"),
+        ("", "method", "no method named; give"),
+    ],
+)
+def test_parse_named_refuses_what_it_cannot_read(spec, what, message):
+    with pytest.raises(RankkitError, match=message):
+        parse_named(spec, what)
+
+
+def test_parse_named_speaks_of_probes_by_default():
+    with pytest.raises(RankkitError, match="before any probe;"):
+        parse_named("w=1")
+    with pytest.raises(RankkitError, match="no probe named"):
+        parse_named(",")
+
+
+def test_make_names_the_known_probes_and_the_bad_parameter():
+    with pytest.raises(RankkitError, match="unknown probe 'snapkv'; known: " + ", ".join(sorted(REGISTRY))):
+        make("snapkv")
+    with pytest.raises(RankkitError, match="probe 'window': .*'size'"):
+        make("window", size=3)
+
+
+def test_parse_probes_all_and_repeats():
+    assert parse_probes(" all ") == [make(name) for name in REGISTRY]
+    assert parse_probes("last_token_heads,window:w=8,window") == [LastTokenHeadsProbe(), WindowProbe()]
+    assert parse_probes("window:w=16,last_token_heads,window:w=16,window") == [
+        WindowProbe(window_size=16),
+        LastTokenHeadsProbe(),
+        WindowProbe(),
+    ]
+
+
+def test_what_a_probe_records_beside_its_scores():
+    probe = LastTokenRawProbe(kernel_size=7)
+    assert probe.params() == {"probe": "last_token_raw", "kernel_size": 7, "pooling": "avg_padded"}
+    assert probe.key == "last_token_raw:kernel=7"
+    assert probe.layout() == {
+        "pooling": "avg_padded",
+        "kernel_size": 7,
+        "unpooled_last": 0,
+        "layout": "pooled before the last min(unpooled_last, T) positions, unpooled sums at them",
+    }
+    assert LastTokenHeadsProbe().params() == {"probe": "last_token_heads"}
+    assert LastTokenHeadsProbe().layout() == {}
+
+
+@pytest.mark.parametrize("params", [{"kernel_size": 4}, {"pooling": "median"}, {"kernel_size": 0}])
+def test_last_token_raw_refuses_bad_pooling(params):
+    with pytest.raises(RankkitError):
+        LastTokenRawProbe(**params)
