@@ -25,6 +25,8 @@ def layer_budgets(num_layers: int, length: int, keep: int, window: int, beta: fl
     (so their mean is a); when ``high`` would pass the length - window tokens there are,
     it is that and ``low`` = 2a - high. Layer l keeps round(high - l (high - low) / (L - 1)) + window.
     """
+    if keep >= length:  # e.g. a prompt shorter than the window: every layer keeps it whole
+        return [length] * num_layers
     share = keep - window
     low = share / beta
     high = 2 * share - low

@@ -1,0 +1,58 @@
+"""The offline face (``select_offline``) of every method that keeps a set per layer and KV head:
+the layer it answers for, the layers it refuses, and a budget that covers the prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankkit.errors import RankkitError
+from rankkit.methods import Budget, Captured, make
+
+LAYERS, TOKENS, KV_HEADS, QUERY_HEADS = 3, 12, 2, 4
+PER_LAYER_AND_HEAD = ["adakv", "lava", "sage-kv", "pyramidkv", "snapkv", "tova"]
+
+
+def captured_for(method) -> Captured:
+    # SAGE-KV ranks by each query head's attention; the others store a row per KV head.
+    rows = QUERY_HEADS if method.name == "sage-kv" else KV_HEADS
+    scores = torch.rand(LAYERS, rows, TOKENS, generator=torch.Generator().manual_seed(3))
+    return Captured({method.probe().key: scores}, LAYERS, TOKENS, kv_heads=KV_HEADS, query_heads=QUERY_HEADS)
+
+
+@pytest.mark.parametrize("name", PER_LAYER_AND_HEAD)
+@pytest.mark.parametrize("layer", [None, -1, LAYERS])
+def test_a_layer_outside_the_model_or_none_is_refused_naming_the_range(name, layer):
+    method = make(name)
+    with pytest.raises(RankkitError) as refused:
+        method.select_offline(captured_for(method), Budget.from_tokens(6), layer=layer)
+    assert str(refused.value) == (
+        f"method '{name}' keeps a set per layer and KV head: name the layer with --layer (0..{LAYERS - 1})"
+    )
+
+
+@pytest.mark.parametrize("name", PER_LAYER_AND_HEAD)
+@pytest.mark.parametrize("budget", [Budget.from_keep(1.0), Budget.from_tokens(TOKENS)])
+def test_a_budget_covering_the_prompt_keeps_every_token_in_every_head_of_the_named_layer(name, budget):
+    method = make(name)
+    for layer in range(LAYERS):
+        selection = method.select_offline(captured_for(method), budget, layer=layer)
+        assert selection.layer == layer
+        assert selection.as_lists() == [list(range(TOKENS))] * KV_HEADS
+
+
+@pytest.mark.parametrize("name", PER_LAYER_AND_HEAD)
+def test_a_pruning_selection_answers_for_the_layer_it_was_asked(name):
+    method = make(name)
+    for layer in range(LAYERS):
+        selection = method.select_offline(captured_for(method), Budget.from_tokens(6), layer=layer)
+        assert selection.layer == layer
+        kept = selection.as_lists()
+        assert len(kept) == KV_HEADS and all(TOKENS - 1 in head for head in kept)  # the last token
+
+
+def test_pyramidkv_keeps_a_prompt_shorter_than_its_window_whole_at_every_layer():
+    from rankkit.methods.pyramidkv import layer_budgets
+
+    # Before, the share beyond a 32-token window of a 12-token prompt was negative: budgets of -7.
+    assert layer_budgets(3, 12, 12, 32, 20.0) == [12, 12, 12]
