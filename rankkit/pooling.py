@@ -28,7 +28,8 @@ POOLINGS = ("avg", "avg_padded", "max")
 
 
 def check_pooling(pooling: str, kernel_size: int) -> None:
-    """Fail early, at probe construction, on a pooling that could not keep the length."""
+    """Fail on a pooling that could not keep the length: early, at probe construction, and again in
+    ``pool_tokens``, whose callers pass names of their own (an unknown one must not average)."""
     if pooling not in POOLINGS:
         raise RankkitError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
     if kernel_size < 1 or kernel_size % 2 == 0:
@@ -43,7 +44,7 @@ def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.T
     NaN entries (keys a sliding-window layer could not see) are not neighbours in an
     average either: a window holding only NaN stays NaN.
     """
-    check_pooling(pooling, kernel_size)  # an unknown name must not fall through to the average
+    check_pooling(pooling, kernel_size)
     length = scores.shape[-1]
     if kernel_size == 1 or length == 0:
         return scores

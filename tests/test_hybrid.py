@@ -16,21 +16,32 @@ HYBRID_LAYERS = (LOCAL, LOCAL, GLOBAL, LOCAL, LOCAL, GLOBAL)  # Gemma-style loca
 WINDOW = 16  # local layers see the last 16 of the 40 prompt tokens
 
 
-def hybrid_runner(seed: int = 0) -> Runner:
-    """The tiny Qwen2 with six layers following ``HYBRID_LAYERS``, a 16-token window on the local ones."""
+def hybrid_runner(
+    seed: int = 0,
+    *,
+    layers: tuple[str, ...] = HYBRID_LAYERS,
+    window: int = WINDOW,
+    kv_heads: int | None = None,
+    peaked: bool = True,
+) -> Runner:
+    """The tiny Qwen2 with one layer per entry of ``layers``, a ``window``-token window on the local
+    ones; ``peaked`` scales the query and key weights so that rankings differ between tokens."""
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
 
     config = tiny_config("qwen2")
-    config.num_hidden_layers = len(HYBRID_LAYERS)
-    config.layer_types = list(HYBRID_LAYERS)
-    config.use_sliding_window, config.sliding_window = True, WINDOW
+    config.num_hidden_layers = len(layers)
+    config.layer_types = list(layers)
+    config.use_sliding_window, config.sliding_window = True, window
+    if kv_heads is not None:
+        config.num_key_value_heads = kv_heads
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    with torch.no_grad():  # peaked attention, so rankings differ between tokens
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(8.0)
+    if peaked:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    parameter.mul_(8.0)
     return Runner(model.eval())
 
 

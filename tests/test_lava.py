@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from test_hybrid import hybrid_runner
 
 from rankkit.methods import Budget, Captured, make
 
@@ -76,19 +77,9 @@ LENGTH, LAVA_WINDOW, KEPT_TOKENS = 24, 4, 10
 @pytest.fixture(scope="module")
 def hybrid():
     """The tiny Qwen2 with ``HYBRID`` layers, its prompt and the stored ``lava`` scores (NaN: unseen)."""
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
-
     from rankkit.probes import ProbeRecorder
-    from rankkit.runner import Runner
 
-    config = tiny_config("qwen2")
-    config.num_hidden_layers = len(HYBRID)
-    config.layer_types = list(HYBRID)
-    config.use_sliding_window, config.sliding_window = True, SEES
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    runner = Runner(model.eval())
+    runner = hybrid_runner(layers=HYBRID, window=SEES, peaked=False)
     ids = torch.randint(0, 97, (LENGTH,), generator=torch.Generator().manual_seed(5))
     method = make("lava", window_size=LAVA_WINDOW)
     recorder = ProbeRecorder([method.probe()])

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_hybrid import LastQueryAttention, cached, reference_sage_kv
+from test_hybrid import LastQueryAttention, cached, hybrid_runner, reference_sage_kv
 
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget, Captured, make
@@ -24,20 +24,8 @@ GROUP = 4  # query heads per KV head
 
 @pytest.fixture(scope="module")
 def runner() -> Runner:
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("qwen2")
-    config.num_key_value_heads = 1
-    config.layer_types = list(LAYERS)
-    config.use_sliding_window, config.sliding_window = True, WINDOW
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    with torch.no_grad():  # peaked attention, so the query heads' top-k differ
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(8.0)
-    return Runner(model.eval())
+    # peaked attention, so the query heads' top-k differ
+    return hybrid_runner(layers=LAYERS, window=WINDOW, kv_heads=1)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +108,11 @@ def test_layer_rankings_put_step_1s_tokens_first_then_each_tokens_best_query_hea
         for layer, ranking in rankings.items():
             forced = always_kept(40, tokens, seen(layer))
             expected = [
-                math.inf if p in forced else max(attention[layer][0, :, p].tolist()) if p in seen(layer) else -math.inf
+                math.inf
+                if p in forced
+                else max(attention[layer][0, :, p].tolist())
+                if p in seen(layer)
+                else -math.inf
                 for p in range(40)
             ]
             assert ranking.tolist() == expected, (tokens, layer)
