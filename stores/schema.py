@@ -286,6 +286,15 @@ def open_node(store: LocalStore, node_path: str = "") -> zarr.Group:
     )
 
 
+def update_attributes(node: zarr.Group, attrs: dict[str, Any]) -> None:
+    """Merge ``attrs`` into a group's attributes in one atomic replace of its zarr.json.
+
+    zarr's ``group.attrs.update`` writes the metadata once per key: a crash between two keys
+    would leave, say, ``complete`` set without the manifest it vouches for.
+    """
+    node.update_attributes(attrs)
+
+
 def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__

@@ -43,6 +43,7 @@ from .schema import (
     one_line,
     open_node,
     open_root,
+    update_attributes,
 )
 
 CAPTURE = "capture"
@@ -177,4 +178,4 @@ def _unflag(local: LocalStore, example_node: str, parts: set[str]) -> None:
     added = example.attrs.get(ADDED_GROUPS, {})
     if parts - {CAPTURE, ORACLE_PART}:
         flags[ADDED_GROUPS] = {name: group for name, group in added.items() if name not in parts}
-    example.attrs.update(flags)
+    update_attributes(example, flags)

@@ -1,9 +1,10 @@
 """Create or resume a store and write examples so that a crash never leaves data a reader trusts.
 
 Every write puts the arrays down first and flips a flag in the group's attributes
-last; zarr replaces ``zarr.json`` atomically, so a reader sees either the old flag or
-the new one. Processes may write different examples of one store at the same time:
-each example is its own directory and nothing shared is updated per example.
+last, with the manifest it vouches for, in one atomic replace of ``zarr.json``
+(``schema.update_attributes``), so a reader sees either the old flag or the new one.
+Processes may write different examples of one store at the same time: each example is
+its own directory and nothing shared is updated per example.
 Two processes must not write the same example at once: each writer holds a lock file in
 the store (one per torchrun rank, ``.writer-<rank>.lock``), and a second writer of the same
 store is refused with one line while the first runs. ``overwrite`` deletes only a store
@@ -58,6 +59,7 @@ from .schema import (
     open_root,
     read_example_attrs,
     to_json,
+    update_attributes,
     write_zip,
 )
 
@@ -167,7 +169,7 @@ class StoreWriter:
         # Unflag a previous oracle before its arrays are rewritten: a crash midway then
         # leaves no oracle rather than a flagged mix of old and new arrays.
         if group.attrs.get(ORACLE_COMPLETE) is True:
-            group.attrs.update({ORACLE_COMPLETE: False})
+            update_attributes(group, {ORACLE_COMPLETE: False})
         arrays = {ORACLE: oracle_values, ORACLE_LAYERS: layer_values}
         example_dir = self.path / example_path(example_id)
         write_zip(example_dir / ORACLE_FILE, arrays)
@@ -196,7 +198,7 @@ class StoreWriter:
         added = dict(example.attrs.get(ADDED_GROUPS, {}))
         if added.pop(group, None) is not None:
             # Unlist the old group first: a crash while its zip is replaced then leaves no group.
-            example.attrs.update({ADDED_GROUPS: added})
+            update_attributes(example, {ADDED_GROUPS: added})
         example_dir = self.path / example_path(example_id)
         write_zip(example_dir / group_file(group), encoded_arrays)
         group_manifest = manifest.record(example_dir, group_file(group), encoded_arrays)
@@ -219,7 +221,7 @@ def _remove_directory(path: Path) -> None:
 
 def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
     """The last write of every addition: one atomic replace of the group's zarr.json."""
-    group.attrs.update(flags)
+    update_attributes(group, flags)
 
 
 def create(
@@ -252,7 +254,7 @@ def create(
     if stored[SCHEMA_VERSION_KEY] < SCHEMA_VERSION:
         # Resuming an older store adds examples in the current layout; readers of the old
         # version must then refuse the store rather than miss those examples.
-        root.attrs.update({SCHEMA_VERSION_KEY: SCHEMA_VERSION})
+        update_attributes(root, {SCHEMA_VERSION_KEY: SCHEMA_VERSION})
     return StoreWriter(store_path, stored)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 import shutil
 import signal
@@ -327,6 +328,79 @@ def test_sigkill_at_an_arbitrary_moment_loses_only_the_example_being_written(pat
         rng = np.random.default_rng(index)
         for probe in ("a", "b", "c"):
             np.testing.assert_array_equal(record.scores(probe), rng.random((30, 3, 2000), dtype=np.float32))
+
+
+_DRAFT = {"lookahead": np.arange(12, dtype=np.float32).reshape(3, 4)}
+
+
+def _capture_with_oracle_and_group(writer: stores.StoreWriter) -> None:
+    """Write what a capture with ``--oracle`` and a draft writes, skipping what is already whole:
+    the same steps run uninterrupted, or resume a store a crash left."""
+    for example_id, index in (("a", 0), ("b", 1)):
+        if not writer.is_complete(example_id):
+            write(writer, example_id, index)
+        if not writer.has_oracle(example_id):
+            oracle, oracle_layers = _oracle(seed=index)
+            writer.add_oracle(example_id, oracle=oracle, oracle_layers=oracle_layers, attrs={"correct": True})
+        if not writer.has_group(example_id, "draft_scores"):
+            writer.add_arrays(example_id, "draft_scores", _DRAFT, {"k": 3})
+
+
+def _assert_whole(store: stores.Store, example_id: str) -> None:
+    """A complete example reads back exactly as written, with its oracle and group when flagged."""
+    index = {"a": 0, "b": 1}[example_id]
+    assert_example_matches(store, example_id, index)
+    record = store.example(example_id)
+    if record.has_oracle:
+        oracle, oracle_layers = _oracle(seed=index)
+        np.testing.assert_array_equal(record.oracle, oracle.astype(np.float32))
+        np.testing.assert_array_equal(record.oracle_layers, oracle_layers.astype(np.float32))
+        assert record.attrs["correct"] is True
+    assert record.groups in ([], ["draft_scores"])
+    if record.groups:
+        np.testing.assert_array_equal(record.group("draft_scores")["lookahead"], _DRAFT["lookahead"])
+
+
+def test_every_state_a_crash_can_leave_reads_whole_or_absent_and_resumes(path, tmp_path, monkeypatch):
+    """The store copied just before and just after each file replace of a capture, its oracles and
+    an added group: each copy is what a process killed at that moment leaves. Every one reads
+    whole-or-absent, verifies clean, and resumes to the store of an uninterrupted run (a flag
+    written apart from the manifest it vouches for made a resumed capture crash)."""
+    snapshots: list[Path] = []
+    replace = os.replace
+
+    def snapshot() -> None:
+        copy = tmp_path / "snapshots" / str(len(snapshots))
+        shutil.copytree(path, copy, ignore=shutil.ignore_patterns("*.lock"))
+        snapshots.append(copy)
+
+    def replace_between_snapshots(source, target):
+        if str(target).startswith(str(path) + os.sep):
+            snapshot()
+            replace(source, target)
+            snapshot()
+        else:
+            replace(source, target)
+
+    writer = stores.create(path, RUN_META)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace_between_snapshots)
+        _capture_with_oracle_and_group(writer)
+    assert len(snapshots) >= 2 * 6  # two captures, two oracles, two groups, each a zip and a flag
+
+    for copy in snapshots:
+        store = stores.open(copy)
+        for example_id in store.example_ids():
+            _assert_whole(store, example_id)
+        counts = stores.verify(copy).counts()
+        assert counts["damaged"] == counts["unreadable"] == counts["mismatched"] == 0, copy.name
+        _capture_with_oracle_and_group(stores.create(copy, RUN_META))
+        resumed = stores.open(copy)
+        assert resumed.example_ids() == ["a", "b"]
+        for example_id in ("a", "b"):
+            _assert_whole(resumed, example_id)
+            record = resumed.example(example_id)
+            assert record.has_oracle and record.groups == ["draft_scores"], (copy.name, example_id)
 
 
 def test_overwrite_replaces_the_store_and_its_run_metadata(path):
