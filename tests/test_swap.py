@@ -72,3 +72,25 @@ def test_a_load_on_cuda_hands_its_tensors_to_the_compute_stream_after_the_side_s
     cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
     assert len(compute.waited) == 1 and compute.waited[0].stream is side
     assert sorted(cache.positions[0][0].tolist()) == [*range(8), *range(24, 33)]
+
+
+def test_one_kv_head_with_generated_tokens_before_the_swap_keeps_exactly_the_active_blocks():
+    """Built on a cache that already holds generated tokens (position 32 is the first past a 32-token
+    prompt), with one KV head: the generated tokens belong to no block and stay through every swap,
+    and the device holds exactly the active blocks' entries, with their own keys and values."""
+    cache = _block_cache(kv_heads=1)
+    for position in (32, 33):
+        cache.begin_step(torch.tensor([position]))
+        cache.update(torch.full((1, 1, 1, 4), float(position)), torch.full((1, 1, 1, 4), -float(position)), 0)
+    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9)
+    assert swap.blocks_on_device() == {0, 1, 2, 3}
+    swap.offload_inactive({1, 3})
+    for candidate, active in (({1, 3}, {1, 3}), ({0, 1}, {0, 1}), ({2, 3}, {2, 3}), ({0, 3}, {0, 3})):
+        swap.swap(candidate)
+        assert swap.blocks_on_device() == active
+        positions = sorted(cache.positions[0][0].tolist())
+        wanted = sorted([p for block in active for p in range(8 * block, 8 * block + 8)] + [32, 33])
+        assert positions == wanted
+        entries = cache.positions[0][0]
+        assert torch.equal(cache.keys[0][0, 0, :, 0], entries.float())  # each entry's own key
+        assert torch.equal(cache.values[0][0, 0, :, 0], -entries.float())

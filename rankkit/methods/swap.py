@@ -37,6 +37,8 @@ import torch
 
 from rankkit.cache import KVCache
 
+GENERATED = -1  # the block of a generated token: never swapped
+
 
 @dataclass
 class HostBlock:
@@ -80,14 +82,14 @@ class BlockSwap:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if positions is None:
             positions = cache.positions[layer][0].cpu().numpy()
-        self.layout = np.where(positions < prompt_length, positions // block_size, -1)  # block per entry
+        # the block of each entry, as the host knows it
+        self.layout = np.where(positions < prompt_length, positions // block_size, GENERATED)
         self.active = self.blocks_on_device()
 
     def _layout(self) -> np.ndarray:
-        """Each device entry's block (-1: a generated token, appended since, never swapped)."""
+        """Each device entry's block (GENERATED: a token generated since, appended to the cache)."""
         grown = self.cache.positions[self.layer].shape[1] - self.layout.shape[0]
-        if grown > 0:
-            self.layout = np.concatenate([self.layout, np.full(grown, -1, dtype=self.layout.dtype)])
+        self.layout = np.concatenate([self.layout, np.full(grown, GENERATED)])
         return self.layout
 
     def blocks_on_device(self) -> set[int]:
@@ -95,10 +97,13 @@ class BlockSwap:
         return {int(block) for block in np.unique(layout[layout >= 0])}
 
     def _block_of_entries(self) -> torch.Tensor:
-        """Block id of every device entry [S]; -1 for generated tokens (shared across heads: blocks are whole)."""
+        """Block id of every device entry [S], GENERATED for generated tokens (head 0's: blocks are whole,
+        so every KV head holds the same positions)."""
         positions = self.cache.positions[self.layer][0]
         return torch.where(
-            positions < self.prompt_length, positions // self.block_size, torch.full_like(positions, -1)
+            positions < self.prompt_length,
+            positions // self.block_size,
+            torch.full_like(positions, GENERATED),
         )
 
     def _entries_of(self, blocks) -> list[torch.Tensor]:
@@ -106,10 +111,10 @@ class BlockSwap:
         entries by block, where the host's ``layout`` says each block's run starts and ends."""
         layout = self._layout()
         by_block = torch.sort(self._block_of_entries(), stable=True).indices
-        ordered = np.sort(layout, kind="stable")
+        ordered = np.sort(layout)
         runs = []
         for block in blocks:
-            start, end = np.searchsorted(ordered, block, "left"), np.searchsorted(ordered, block, "right")
+            start, end = np.searchsorted(ordered, block), np.searchsorted(ordered, block, "right")
             runs.append(by_block[int(start) : int(end)])
         return runs
 
@@ -184,7 +189,9 @@ class BlockSwap:
         current = (cache.keys[layer], cache.values[layer], cache.positions[layer])
         with self._side_stream():
             keys = torch.cat([current[0], *(_to_device(piece.keys, device=device) for piece in pieces)], 2)
-            values = torch.cat([current[1], *(_to_device(piece.values, device=device) for piece in pieces)], 2)
+            values = torch.cat(
+                [current[1], *(_to_device(piece.values, device=device) for piece in pieces)], 2
+            )
             positions = torch.cat(
                 [current[2], *(_to_device(piece.positions, device=device) for piece in pieces)], 1
             )

@@ -13,6 +13,11 @@ show NAME`` prints its diff) and each equivalent mutant with its reason. The rat
 * by rule, when it only drops a call's ``device=`` argument or makes it ``None``: the tests run
   on the CPU, where torch's default device is every tensor's own, so only a GPU run can tell
   (the report names these apart so that a GPU run of ``make mutants`` can be read against it);
+* by rule, when it only respells a ``float()`` literal as one Python reads as the same number
+  (``float("INF")`` is ``float("inf")``);
+* by rule, when it only loosens a ``zip(..., strict=True)`` (to ``False``, ``None`` or no
+  argument): the check acts only on iterables of unequal length, which a correct caller never
+  passes, so only a bug elsewhere could tell the two apart;
 * by entry in ``tests/mutants/equivalent.toml``: its name, the one changed line of its diff
   (``-`` and ``+`` lines), and why no run can tell it apart. An entry whose diff no longer matches
   (the code moved and mutmut renumbered) is reported as stale and the mutant counts as a survivor.
@@ -23,7 +28,6 @@ mutants remain unchecked (rerunning ``make mutants`` continues where it stopped)
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import json
 import sys
@@ -43,6 +47,7 @@ from mutmut.mutation.diff_apply import (
 from mutmut.stats import status_by_exit_code
 from mutmut.utils.file_utils import walk_mutatable_files
 from mutmut.utils.format_utils import mangled_name_from_mutant_name
+from rules import rule_reason
 
 EQUIVALENT = Path(__file__).with_name("equivalent.toml")
 # Written by mutmut_harness.py: the functions that ran only while the modules were imported.
@@ -57,61 +62,6 @@ def function_sources(name: str, path: Path) -> tuple[str, str]:
         module = read_mutants_module(path)
         functions = (read_original_function(module, name), read_mutant_function(module, name))
     return tuple(cst.Module([function]).code for function in functions)
-
-
-def plain_fields(node: ast.AST) -> list:
-    """A node's own values (not its children): what tells two nodes of one type apart."""
-    values = []
-    for field in node._fields:
-        value = getattr(node, field, None)
-        if isinstance(value, list):
-            values.append(len(value))
-        elif not isinstance(value, ast.AST):
-            values.append(value)
-    return values
-
-
-def in_message(node: ast.AST, parents: dict) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.Raise):
-            return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn":
-            return True
-    return False
-
-
-def changes_only_a_message(original: str, mutant: str) -> bool:
-    """Whether the mutant differs from the original only in strings inside error messages."""
-    before, after = ast.parse(original), ast.parse(mutant)
-    parents = {child: node for node in ast.walk(before) for child in ast.iter_child_nodes(node)}
-    changed = []
-    nodes_before, nodes_after = list(ast.walk(before)), list(ast.walk(after))
-    if len(nodes_before) != len(nodes_after):
-        return False
-    for old, new in zip(nodes_before, nodes_after, strict=True):
-        if type(old) is not type(new):
-            return False
-        if plain_fields(old) == plain_fields(new):
-            continue
-        if not (isinstance(old, ast.Constant) and isinstance(old.value, str) and isinstance(new.value, str)):
-            return False
-        changed.append(old)
-    return bool(changed) and all(in_message(node, parents) for node in changed)
-
-
-def without_device_arguments(tree: ast.AST) -> str:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            node.keywords = [keyword for keyword in node.keywords if keyword.arg != "device"]
-    return ast.dump(tree)
-
-
-def changes_only_a_device(original: str, mutant: str) -> bool:
-    """Whether the mutant differs from the original only in a ``device=`` argument it drops or nulls."""
-    if ast.dump(ast.parse(original)) == ast.dump(ast.parse(mutant)):
-        return False
-    return without_device_arguments(ast.parse(original)) == without_device_arguments(ast.parse(mutant))
 
 
 def changed_lines(diff: str) -> list[str]:
@@ -148,14 +98,9 @@ def main() -> int:
             ):
                 counts["equivalent"] += 1
                 equivalent.append(f"{name}: {entries[name]['reason']}")
-            elif changes_only_a_message(*function_sources(name, path)):
+            elif (reason := rule_reason(*function_sources(name, path))) is not None:
                 counts["equivalent"] += 1
-                equivalent.append(f"{name}: changes only an error message's text")
-            elif changes_only_a_device(*function_sources(name, path)):
-                counts["equivalent"] += 1
-                equivalent.append(
-                    f"{name}: drops a device= argument, the CPU either way on the CPU (a GPU run tells)"
-                )
+                equivalent.append(f"{name}: {reason}")
             else:
                 counts["survived"] += 1
                 survivors.append(f"{name} ({status})")
