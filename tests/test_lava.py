@@ -168,3 +168,43 @@ def test_lava_at_the_whole_prompt_keeps_every_key_even_those_a_local_layer_canno
     # one token short of it, the local layers keep only the keys they see
     run = method.prefill(runner, ids, Budget.from_tokens(LENGTH - 1))
     assert held(run, 0) == held(run, 2) == [list(range(LENGTH - SEES, LENGTH))] * 2
+
+
+def test_normalized_entropy_counts_only_the_keys_a_layer_sees():
+    """Eq. 6-7 by hand: p = s / sum(s) over the seen (non-NaN) entries, H = -sum p log p / their count."""
+    from rankkit.methods.lava import normalized_entropy
+
+    scores = torch.tensor([[0.5, float("nan"), 0.25], [float("nan"), 0.25, -1.0]])
+    seen = [0.5, 0.25, 0.25, 0.0]  # a negative score counts as 0, an entry still
+    total = sum(seen)
+    expected = -sum(s / total * math.log(s / total) for s in seen if s > 0) / len(seen)
+    assert normalized_entropy(scores).item() == pytest.approx(expected, rel=1e-12)
+    assert normalized_entropy(torch.full((2, 3), float("nan"))).item() == 0.0  # nothing to budget
+
+
+def test_windowless_drops_the_recent_window_and_with_window_marks_it():
+    from rankkit.methods.lava import windowless, with_window
+
+    scores = torch.arange(10.0).view(2, 5)
+    assert torch.equal(windowless(scores, 2), scores[:, :3])
+    assert windowless(scores, 9).shape == (2, 0)
+    marked = with_window(torch.tensor([[1.0, float("nan"), 3.0, 4.0]]), 1)
+    assert marked.tolist() == [[1.0, float("-inf"), 3.0, float("inf")]]
+
+
+def test_layer_budgets_share_by_float64_entropy_and_count_one_layers_heads():
+    """Entropies 1 and 1 + 1e-9 share one entry: float64 gives it to the second layer by the
+    largest remainder (float32 would read them as equal and give it to the first)."""
+    from rankkit.methods.lava import layer_budgets
+
+    scores = torch.rand(1, 6, generator=torch.Generator().manual_seed(0))
+    assert layer_budgets([scores, scores], [1.0, 1.0 + 1e-9], 1, 0, 1) == [0, 1]
+    assert layer_budgets([scores.expand(3, -1)], [0.5], 2, 0, 1) == [6]  # (2 - 0) x 3 heads x 1 layer
+
+
+def test_best_entries_is_a_boolean_mask_of_the_first_budget_entries_of_the_order():
+    from rankkit.methods.lava import best_entries
+
+    kept = best_entries(torch.tensor([5, 0, 3, 1, 2, 4]), 3, 2)
+    assert kept.dtype == torch.bool
+    assert kept.tolist() == [[True, False, False], [True, False, True]]

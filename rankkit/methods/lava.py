@@ -68,7 +68,7 @@ def apportion(total: int, weights: torch.Tensor, caps: torch.Tensor) -> torch.Te
     weights, caps = weights.double(), caps.long()
     positive = weights > 0
     # a zero weight's proposal is 0 while others are open: it is fixed last, by its cap alone
-    ratio = torch.where(positive, caps.double() / torch.where(positive, weights, 1.0), caps.double())
+    ratio = torch.where(positive, caps.double() / weights, caps.double())  # a zero weight's x / 0 is dropped
     by_ratio = torch.sort(ratio, stable=True).indices
     order = by_ratio[torch.sort((~positive[by_ratio]).to(torch.uint8), stable=True).indices]
     place = torch.empty_like(order).scatter_(0, order, torch.arange(count, device=device))
