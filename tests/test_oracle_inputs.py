@@ -75,3 +75,42 @@ def test_the_oracle_method_names_itself_when_a_store_lacks_the_oracle():
     method = make("oracle", pruning_layer=1)
     with pytest.raises(RankkitError, match="method 'oracle' needs captured 'oracle'"):
         method.captured_scores(Captured({}, num_layers=3, num_tokens=8))
+
+
+LOW_SIX = torch.tensor([0.5, 3.0, -1.0, 2.0, 0.25, 1.0, -2.0, 0.0])  # position 6 ranks low
+
+
+@pytest.mark.parametrize(
+    ("mirror", "kept"),
+    [("gemfilter", [1, 3, 7]), ("fastkv", [1, 6, 7]), ("claa", [1, 6, 7])],
+)
+def test_each_mirror_forces_its_own_tokens_offline(mirror, kept):
+    """Listing 4 (GemFilter's mirror) forces the last token only; the one-pass mirrors their window."""
+    method = make("oracle", mirror=mirror, pruning_layer=1, window_size=2)
+    assert method.select_offline(_captured(LOW_SIX), Budget.from_tokens(3)).positions.tolist() == kept
+
+
+def test_only_the_claa_mirror_defers_compression_by_its_m_layers():
+    assert make("oracle", mirror="claa", deferred_layers=2).compress_from() == 2
+    assert make("oracle", mirror="fastkv", deferred_layers=2).compress_from() == 0
+    assert make("oracle", mirror="gemfilter", deferred_layers=2).compress_from() == 0
+
+
+def test_the_oracle_method_refuses_to_prefill_before_it_has_a_ranking(random_ids):
+    runner = Runner(tiny_model("llama"))
+    with pytest.raises(RankkitError, match="call prepare"):
+        make("oracle").prefill(runner, random_ids, Budget.from_tokens(8))
+
+
+def test_the_gemfilter_mirror_prefills_only_the_top_tokens_at_their_own_positions(random_ids):
+    """Listing 4's oracle_prefill: one forward pass over the kept tokens alone, at their original
+    positions, so each layer's cache is that of the model run on those tokens."""
+    runner = Runner(tiny_model("llama"))
+    method = make("oracle", mirror="gemfilter", pruning_layer=1)
+    method.ranking = torch.rand(40, generator=torch.Generator().manual_seed(5))
+    run = method.prefill(runner, random_ids, Budget.from_tokens(10))
+    kept = torch.cat([torch.topk(method.ranking[:-1], 9).indices.sort().values, torch.tensor([39])])
+    assert run.kept_positions.tolist() == kept.tolist()
+    alone = runner.prefill(random_ids[kept], positions=kept)
+    for layer in range(runner.num_layers):
+        assert torch.allclose(run.result.cache.keys[layer], alone.cache.keys[layer], atol=1e-6)
