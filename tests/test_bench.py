@@ -198,6 +198,7 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(rand
         random_ids,
         2,
         tokenizer=None,
+        warmup_runs=1,
         repeats=2,
         on_run=lambda method, _: order.append(method.name),
     )
@@ -219,14 +220,19 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
     calls = []
     fitted = CostModel(2e-6, 3e-9, [(40, 0.001), (10, 0.0002)])
-    monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or fitted)
+    monkeypatch.setattr(
+        measure_module, "calibrate", lambda *args, **kwargs: calls.append((args, kwargs)) or fitted
+    )
     runner = Runner(tiny_model("llama"))
     ids = torch.arange(40)
     assert measure_module.cached_calibration(runner, ids, "ab" * 32) == fitted
     assert measure_module.cached_calibration(runner, ids[:20], "ab" * 32) == fitted  # from the cache
-    assert len(calls) == 1
+    # the prompt at its full length and a quarter, one round each
+    assert calls == [((runner, ids), {"fractions": (1.0, 0.25), "repeats": 1})]
     (path,) = (tmp_path / "calibration").iterdir()
     assert path.name == f"{'ab' * 8}-cpu-{torch.get_num_threads()}threads.json"
+    cuda1 = measure_module.calibration_path("ab" * 32, torch.device("cuda", 1))
+    assert cuda1.name == f"{'ab' * 8}-cuda1-{torch.get_num_threads()}threads.json"  # one fit per GPU
     measure_module.cached_calibration(runner, ids, "cd" * 32)  # another model calibrates anew
     assert len(calls) == 2
 

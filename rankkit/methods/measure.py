@@ -106,7 +106,7 @@ def warm_up(
     max_new_tokens: int,
     *,
     tokenizer,
-    runs: int = 1,
+    runs: int,
 ) -> int | None:
     """The method's untimed preparation and ``runs`` warm-up runs; on CPU the first tracks peak memory (returned)."""
     method.prepare(runner, input_ids, tokenizer=tokenizer)
@@ -157,8 +157,8 @@ def measure_interleaved(
     max_new_tokens: int,
     *,
     tokenizer,
-    warmup_runs: int = 1,
-    repeats: int = 1,
+    warmup_runs: int,
+    repeats: int,
     on_run=lambda method, budget: None,
 ) -> list[Measured]:
     """Warm every (method, budget) up, then ``repeats`` rounds that time each once, in turn.
