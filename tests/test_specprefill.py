@@ -112,3 +112,45 @@ def test_the_prefill_keeps_the_top_of_the_average_pooled_eq3_and_always_the_last
     run = method.prefill(runner, random_ids, Budget.from_tokens(6))
     assert run.kept_positions.tolist() == sorted(order[:6])
     assert method.prefill(runner, random_ids, Budget.from_tokens(1)).kept_positions.tolist() == [length - 1]
+
+
+def test_a_draft_folder_is_the_target_itself_loaded_once_or_refused_for_another_tokenizer(
+    tiny_folder, tmp_path
+):
+    """The target's own folder drafts with the target's runner; another folder loads once and is
+    reused; a folder whose tokenizer reads an id otherwise (here: another EOS) is refused."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rankkit import models
+
+    runner = Runner(models.load(str(tiny_folder), device="cpu").model)
+    assert draft_runner(str(tiny_folder), runner) is runner
+    copies = [tmp_path / name for name in ("copy", "other-eos")]
+    for copy in copies:
+        shutil.copytree(tiny_folder, copy)
+    draft = draft_runner(str(copies[0]), runner)
+    assert draft is not runner and draft_runner(str(copies[0]), runner) is draft
+    tokenizer = AutoTokenizer.from_pretrained(copies[1])
+    tokenizer.eos_token = "<|im_start|>"
+    tokenizer.save_pretrained(copies[1])
+    with pytest.raises(RankkitError, match="eos_token .*name a draft with the target's tokenizer"):
+        draft_runner(str(copies[1]), runner)
+
+
+def test_an_ending_eos_is_not_a_lookahead_query_and_an_eos_at_once_is_refused(random_ids):
+    """Listing 3 feeds back every drafted token but an EOS that ends the answer: a draft whose third
+    token is EOS scores with two queries; one whose first token is EOS has none and is refused."""
+    from rankkit.methods.specprefill import lookahead_scores
+
+    draft = Runner(tiny_model("llama"))
+    first, second, third, _ = draft.generate(random_ids, 4).tokens
+    assert len({first, second, third}) == 3
+    draft.model.generation_config.eos_token_id = third
+    scores, passes = lookahead_scores(draft, random_ids, 4)
+    assert scores.shape[0] == 2  # the queries of the first two tokens, fed back at 40 and 41
+    assert passes[1].keys == [41] * draft.num_layers + [42] * draft.num_layers
+    draft.model.generation_config.eos_token_id = first
+    with pytest.raises(RankkitError, match="answered with EOS at once"):
+        lookahead_scores(draft, random_ids, 4)
