@@ -37,9 +37,8 @@ def adaptive_head_mask(scores: torch.Tensor, keep: int, window: int, safeguard: 
     heads, length = scores.shape
     ranked = with_forced(scores, forced_mask(length, window, 0, scores.device))
     first_count = min(window, length) + guaranteed_share(keep, window, length, safeguard)
-    if first_count > min(window, length):
-        first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
-        ranked = ranked.scatter(-1, first.to(scores.device), float("inf"))
+    first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
+    ranked = ranked.scatter(1, first.to(scores.device), float("inf"))
     chosen = descending_order(ranked.reshape(-1))[: heads * keep].to(scores.device)
     kept = torch.zeros(heads * length, dtype=torch.bool, device=scores.device)
     return kept.scatter_(0, chosen, True).view(heads, length)
@@ -112,8 +111,6 @@ class AdaKV(SnapKV):
         scores = self.captured_scores(captured)[layer]
         length = captured.num_tokens
         keep = budget.resolve(length, self.minimum_keep())
-        if keep >= length:
-            return Selection(layer, torch.arange(length).expand(scores.shape[0], length))
         return Selection(layer, adaptive_head_selection(scores, keep, self.window_size, self.safeguard))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
