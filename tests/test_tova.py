@@ -26,7 +26,9 @@ def test_a_cache_under_the_budget_grows_and_one_at_the_budget_evicts_the_least_a
         runner.decode_step(5, 40 + step, cache, run.decode_hooks)
         sizes.append([cache.positions[layer].shape[1] for layer in range(6)])
     # a local layer kept only the 16 keys it sees: it grows to the budget of 20, then evicts
-    assert [[size[layer] for layer in LOCAL_LAYERS] for size in sizes] == [[n] * 4 for n in (17, 18, 19, 20, 20)]
+    assert [[size[layer] for layer in LOCAL_LAYERS] for size in sizes] == [
+        [n] * 4 for n in (17, 18, 19, 20, 20)
+    ]
     assert all(size[layer] == 20 for size in sizes for layer in GLOBAL_LAYERS)
     # the token at 44 no longer sees 24..28 (weight 0): among those ties the latest, 28, leaves
     for layer in LOCAL_LAYERS:
@@ -43,3 +45,23 @@ def test_a_store_without_kv_heads_gives_one_row_of_summed_attention():
     assert torch.equal(tova.captured_scores(Captured({key: scores}, 2, 6)), summed)
     assert torch.equal(tova.captured_scores(Captured({key: scores}, 2, 6, kv_heads=2, query_heads=4)),
                        summed.expand(-1, 2, -1))  # fmt: skip
+
+
+def test_one_kv_head_keeps_the_budget_through_decoding():
+    """Multi-query attention: the one row of heads-summed scores evicts one entry per step."""
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from rankkit.runner import Runner
+
+    config = tiny_config("llama")
+    config.num_key_value_heads = 1
+    torch.manual_seed(0)
+    single = Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
+    run = make("tova").prefill(single, prompt, Budget.from_tokens(20))
+    cache = run.result.cache
+    for step in range(3):
+        single.decode_step(5, 40 + step, cache, run.decode_hooks)
+        for layer in range(3):
+            assert cache.positions[layer].shape == (1, 20), (step, layer)
