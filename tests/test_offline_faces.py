@@ -56,3 +56,15 @@ def test_pyramidkv_keeps_a_prompt_shorter_than_its_window_whole_at_every_layer()
 
     # Before, the share beyond a 32-token window of a 12-token prompt was negative: budgets of -7.
     assert layer_budgets(3, 12, 12, 32, 20.0) == [12, 12, 12]
+
+
+def test_pyramidkv_caps_its_widest_layer_at_the_prompt_and_gives_the_rest_to_the_narrowest():
+    """PyramidKV's budgets when the widest layer's share (2a - a / beta) passes the T - w tokens beyond
+    the window: it is T - w, the narrowest 2a - (T - w), a straight line between."""
+    from rankkit.methods.pyramidkv import layer_budgets
+
+    # a = 10, beta 10: high 19 > 18 = T - w, so high 18 and low 2; layers 18, 10, 2, plus the window
+    assert layer_budgets(3, 20, 12, 2, 10.0) == [20, 12, 4]
+    # a = 13, beta 20: high 25.35 is cut to 18, low 26 - 18 = 8
+    assert layer_budgets(3, 20, 15, 2, 20.0) == [20, 15, 10]
+    assert layer_budgets(3, 20, 12, 2, 2.0) == [17, 12, 7]  # uncapped: high 15, low 5
