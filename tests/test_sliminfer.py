@@ -139,3 +139,19 @@ def test_a_store_without_the_token_units_scores_is_refused_naming_the_method(fac
         RankkitError, match=f"^method 'sliminfer' needs captured '{key}', which this example lacks$"
     ):
         getattr(method, face)(Captured({}, 3, 20), Budget.from_keep(0.5))
+
+
+def test_chosen_blocks_are_the_first_eligible_then_the_best_others_with_minus_one_for_missing():
+    """Sec. 4.2 by hand: the attention sink's block (the first eligible slot), then the best
+    ``count - 1`` other eligible blocks; places no eligible block fills hold -1."""
+    from rankkit.methods.sliminfer import block_count, chosen_blocks
+
+    blocks = torch.tensor([0, 1, 2, 3, -1])  # a spare slot last
+    scores = torch.tensor([5.0, 1.0, 3.0, 2.0, 0.0])
+    eligible = torch.tensor([True, True, True, True, False])
+    assert chosen_blocks(blocks, scores, 1, eligible).tolist() == [0]
+    assert chosen_blocks(blocks, scores, 3, eligible).tolist() == [0, 2, 3]
+    assert chosen_blocks(blocks, scores, 6, eligible).tolist() == [0, 2, 3, 1, -1, -1]
+    later = torch.tensor([False, True, True, True, False])  # block 0 gone: block 1 leads
+    assert chosen_blocks(blocks, scores, 2, later).tolist() == [1, 2]
+    assert [block_count(tokens, 8) for tokens in (0, 3, 8, 9)] == [1, 1, 1, 2]
