@@ -3,6 +3,7 @@ empty one refused), and the oracle method's offline face reading a store's oracl
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -114,3 +115,45 @@ def test_the_gemfilter_mirror_prefills_only_the_top_tokens_at_their_own_position
     alone = runner.prefill(random_ids[kept], positions=kept)
     for layer in range(runner.num_layers):
         assert torch.allclose(run.result.cache.keys[layer], alone.cache.keys[layer], atol=1e-6)
+
+
+class DigitTokenizer:
+    """Ids as text, one character each (decoded ids are bracketed); ``special`` ids are shown unless skipped."""
+
+    def __init__(self, special=()):
+        self.special = set(special)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [int(char) for char in text]}
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return "".join(f"<{t}>" for t in tokens if not (skip_special_tokens and t in self.special))
+
+
+def test_a_generated_answer_ending_at_eos_ranks_by_the_tokens_before_it(random_ids):
+    """The answer is the greedy tokens before EOS (flagged), its text without special tokens; an
+    answer that is EOS at once has nothing to rank by; a reference answer never ended at EOS."""
+    from rankkit.oracle import answer_informed_oracle
+
+    runner = Runner(tiny_model("llama"))
+    first, second, third = runner.generate(random_ids, 3).tokens
+    runner.model.generation_config.eos_token_id = third
+    tokenizer = DigitTokenizer(special={first})
+    result = answer_informed_oracle(runner, random_ids, tokenizer=tokenizer, max_new_tokens=3)
+    assert result.ended_with_eos is True and result.answer_tokens == [first, second]
+    assert result.answer_text == f"<{second}>"  # the special first token is not shown
+    assert result.scores.dtype == result.layer_scores.dtype == np.float32
+    reference = answer_informed_oracle(
+        runner, random_ids, tokenizer=DigitTokenizer(), answer="reference", reference_answer="12"
+    )
+    assert reference.ended_with_eos is False and reference.answer_tokens == [1, 2]
+    runner.model.generation_config.eos_token_id = first
+    with pytest.raises(EmptyAnswer, match="answered with EOS at once"):
+        answer_informed_oracle(runner, random_ids, tokenizer=DigitTokenizer(), max_new_tokens=3)
+
+
+def test_an_unknown_answer_mode_is_refused_naming_the_modes():
+    from rankkit.oracle import oracle_params
+
+    with pytest.raises(RankkitError, match="--answer must be one of generated, reference, got 'gold'"):
+        oracle_params("gold", False, 7, 8)
