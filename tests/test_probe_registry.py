@@ -95,3 +95,21 @@ def test_what_a_probe_records_beside_its_scores():
 def test_last_token_raw_refuses_bad_pooling(params):
     with pytest.raises(RankkitError):
         LastTokenRawProbe(**params)
+
+
+def test_a_default_capture_records_the_probe_of_every_method_that_has_an_offline_face():
+    """Once per store key: SnapKV, AdaKV, PyramidKV and ASL share their 32-token window, FastKV and
+    CLAA the 8-token one, TOVA and SAGE-KV the last token's heads; ``full`` and StreamingLLM rank
+    nothing stored, and the oracle and SpecPrefill read arrays that are not probes."""
+    from rankkit.methods import probes_methods_need
+
+    keys = [probe.key for probe in probes_methods_need()]
+    assert sorted(keys) == [
+        "last_token_heads",
+        "last_token_raw",
+        "lava",
+        "token_units",
+        "window",
+        "window:w=32",
+    ]
+    assert len(keys) == len(set(keys))
