@@ -146,11 +146,15 @@ class Asl(PolicyMethod):
 
     def variance_curve(self, captured: Captured, budget) -> list[float]:
         """The relative rank variance the selection follows, at every layer (``rankkit variance``)."""
-        bound, keep, window, _ = self._plan(
-            captured.num_layers, captured.num_tokens, budget, captured.layer_types
+        bound, keep, _, _ = self._plan(captured.num_layers, captured.num_tokens, budget, captured.layer_types)
+        policy = bound.policy(captured.num_layers, keep)  # its k, window, L_min and L_obs, not its tau
+        return relative_variance_curve(
+            self.captured_scores(captured),
+            policy.top_k,
+            policy.window,
+            policy.min_layer,
+            policy.observed_layers,
         )
-        scores = self.captured_scores(captured)
-        return relative_variance_curve(scores, keep - window, window, bound.min_layer, bound.observed_layers)
 
 
 @dataclass
