@@ -110,3 +110,16 @@ def test_a_method_without_an_offline_face_refuses_naming_itself(face):
     refusal = "^method 'full' has no offline face: it ranks nothing a store captures$"
     with pytest.raises(RankkitError, match=refusal):
         getattr(make("full"), face)(captured, Budget.from_keep(0.5))
+
+
+def test_methods_share_an_offline_key_only_when_they_rank_alike():
+    """SnapKV and LAVa hold the same parameter values (window 32, kernel 7), as do TOVA and SAGE-KV
+    (none): their keys still differ by class. ASL's two-pass variant ranks as ASL does: one key."""
+    from rankkit.methods import make
+
+    def key(name):
+        return make(name).bind(12).offline_key()
+
+    assert key("snapkv") != key("lava") and key("tova") != key("sage-kv")
+    assert key("asl") == key("asl-2pass")
+    assert make("asl", tau=0.5).bind(12).offline_key() != key("asl-2pass")
