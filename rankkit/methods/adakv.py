@@ -35,7 +35,7 @@ def adaptive_head_mask(scores: torch.Tensor, keep: int, window: int, safeguard: 
     ``guaranteed_share`` others are put first. Ties go to the earlier head, then the earlier token.
     Made on the device: the window's size and the guaranteed share are host numbers, so nothing is read."""
     heads, length = scores.shape
-    ranked = with_forced(scores, forced_mask(length, window, 0, scores.device))
+    ranked = with_forced(scores, forced_mask(length, window, device=scores.device))
     first_count = min(window, length) + guaranteed_share(keep, window, length, safeguard)
     first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
     ranked = ranked.scatter(1, first.to(scores.device), float("inf"))

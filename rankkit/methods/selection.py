@@ -92,7 +92,7 @@ DRAFT_GROUP, DRAFT_ARRAY = DRAFT_SCORES.split("/")
 ORACLE_SCORES = "oracle"
 
 
-def forced_mask(length: int, window: int = 0, sinks: int = 0, device=None) -> torch.Tensor:
+def forced_mask(length: int, window: int = 0, sinks: int = 0, *, device=None) -> torch.Tensor:
     """Bool [length]: True for the first ``sinks`` and the last ``window`` entries."""
     forced = torch.zeros(length, dtype=torch.bool, device=device)
     forced[: min(sinks, length)] = True
@@ -270,7 +270,7 @@ class SelectionHook(LayerHook):
             return
         scores, self.scores = self.scores, None
         live = state.positions.shape[0]
-        forced = forced_mask(live, self.window, self.sinks, state.positions.device)
+        forced = forced_mask(live, self.window, self.sinks, device=state.positions.device)
         shared = self.policy.decide(layer, scores if self.policy.needs_scores(layer) else None)
         if shared is None:
             if self._compresses(layer) and self.keep < live:
@@ -378,7 +378,7 @@ class PolicyMethod(Method):
         bound, keep, window, sinks = self._plan(
             captured.num_layers, captured.num_tokens, budget, captured.layer_types
         )
-        forced = forced_mask(captured.num_tokens, window, sinks, scores.device)
+        forced = forced_mask(captured.num_tokens, window, sinks, device=scores.device)
         selected = replay(bound.policy(captured.num_layers, keep), scores)
         if selected is not None:
             return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
@@ -402,7 +402,7 @@ class PolicyMethod(Method):
         scores = self.captured_scores(captured)
         num_layers, length = captured.num_layers, captured.num_tokens
         bound, keep, window, sinks = self._plan(num_layers, length, budget, captured.layer_types)
-        forced = forced_mask(length, window, sinks, scores.device)
+        forced = forced_mask(length, window, sinks, device=scores.device)
         selection = bound.selection_parameter
         candidates = (
             [replace(bound, **{selection: layer}) for layer in range(num_layers)] if selection else [bound]
