@@ -80,7 +80,6 @@ class AnswerAttention(LayerHook):
         self.layer_counts = torch.zeros(num_layers, prompt_length)  # answer queries that saw each key
         self.sums = torch.zeros(prompt_length)
         self.counts = torch.zeros(prompt_length)
-        self.tokens = 0
         self.keep_per_token = keep_per_token
         self.token_maxima: list[torch.Tensor] = []  # each query's max over layers and heads, when kept
         self._step_max: torch.Tensor | None = None
@@ -95,14 +94,13 @@ class AnswerAttention(LayerHook):
                 for each in (self.layer_sums, self.layer_counts, self.sums, self.counts)
             )
         seen = ~head_max.isnan()
-        self.layer_sums[call.layer] += head_max.nan_to_num(0.0)
+        self.layer_sums[call.layer] += head_max.nan_to_num()  # an unseen key adds 0
         self.layer_counts[call.layer] += seen
         # fmax skips NaN, so a key keeps the maximum over the layers that saw it
         self._step_max = head_max if call.layer == 0 else torch.fmax(self._step_max, head_max)
         if call.layer == self.num_layers - 1:
-            self.sums += self._step_max.nan_to_num(0.0)
+            self.sums += self._step_max.nan_to_num()
             self.counts += ~self._step_max.isnan()
-            self.tokens += 1
             if self.keep_per_token:
                 self.token_maxima.append(self._step_max)
 
