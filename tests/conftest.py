@@ -94,6 +94,18 @@ def tiny_config(family: str):
     return AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[family]})
 
 
+def one_kv_head_runner():
+    """A tiny random Llama with a single KV head (multi-query attention), as a Runner."""
+    from transformers import AutoModelForCausalLM
+
+    from rankkit.runner import Runner
+
+    config = tiny_config("llama")
+    config.num_key_value_heads = 1
+    torch.manual_seed(0)
+    return Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
 def tiny_model(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
@@ -110,13 +122,13 @@ def tiny_model(family: str, seed: int = 0):
     return model.eval()
 
 
-
 def pytest_configure(config):
     """The Ctrl-C tests need SIGINT deliverable. A shell without job control starts a background
     command (``make test &``) with SIGINT ignored, and an ignored signal survives exec into every
     command a test starts; a handler, unlike an ignore, is reset by exec, so children get the default."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(params=FAMILIES)
 def family(request):

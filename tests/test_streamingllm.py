@@ -9,13 +9,9 @@ from rankkit.runner import Runner
 
 
 def test_the_window_rolls_past_the_sinks_with_one_kv_head():
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
+    from conftest import one_kv_head_runner
 
-    config = tiny_config("llama")
-    config.num_key_value_heads = 1
-    torch.manual_seed(0)
-    runner = Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    runner = one_kv_head_runner()
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(1))
     run = make("streamingllm").prefill(runner, prompt, Budget.from_tokens(8))
     cache = run.result.cache

@@ -49,15 +49,9 @@ def test_a_store_without_kv_heads_gives_one_row_of_summed_attention():
 
 def test_one_kv_head_keeps_the_budget_through_decoding():
     """Multi-query attention: the one row of heads-summed scores evicts one entry per step."""
-    from conftest import tiny_config
-    from transformers import AutoModelForCausalLM
+    from conftest import one_kv_head_runner
 
-    from rankkit.runner import Runner
-
-    config = tiny_config("llama")
-    config.num_key_value_heads = 1
-    torch.manual_seed(0)
-    single = Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    single = one_kv_head_runner()
     prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
     run = make("tova").prefill(single, prompt, Budget.from_tokens(20))
     cache = run.result.cache

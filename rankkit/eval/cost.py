@@ -25,14 +25,6 @@ from rankkit.errors import RankkitError
 LAYERS = 30
 KV_HEADS = 3
 QUERY_HEADS = 9  # the default model's shape; last_token_heads keeps a row per query head
-PROBES = (
-    "last_token_heads",
-    "last_token_raw",
-    "lava",
-    "token_units",
-    "window",
-    "window:w=32",
-)  # a default capture's
 QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
 
 STEPS = {  # each command as a user runs it (compare writes every frame it makes)
@@ -45,7 +37,9 @@ STEPS = {  # each command as a user runs it (compare writes every frame it makes
 def build_store(path: Path, examples: int, tokens: int, seed: int = 0) -> None:
     """A store of ``examples`` synthetic examples of ``tokens`` tokens, each with an oracle."""
     from rankkit import stores
+    from rankkit.methods import probes_methods_need
 
+    probes = [probe.key for probe in probes_methods_need()]  # a default capture's
     rng = np.random.default_rng(seed)
     meta = {"num_layers": LAYERS, "num_attention_heads": QUERY_HEADS, "kv_heads": KV_HEADS}
     writer = stores.create(path, {"model": {"id": "synthetic", "num_hidden_layers": LAYERS}, **meta})
@@ -62,7 +56,7 @@ def build_store(path: Path, examples: int, tokens: int, seed: int = 0) -> None:
                     (LAYERS, QUERY_HEADS if probe == "last_token_heads" else KV_HEADS, tokens),
                     dtype=np.float32,
                 )
-                for probe in PROBES
+                for probe in probes
             },
         )
         oracle_layers = rng.random((LAYERS, tokens), dtype=np.float32)
