@@ -37,8 +37,9 @@ def adaptive_head_mask(scores: torch.Tensor, keep: int, window: int, safeguard: 
     heads, length = scores.shape
     ranked = with_forced(scores, forced_mask(length, window, device=scores.device))
     first_count = min(window, length) + guaranteed_share(keep, window, length, safeguard)
-    first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
-    ranked = ranked.scatter(1, first.to(scores.device), float("inf"))
+    if first_count > min(window, length):  # no share (safeguard 0): no per-head sort in the prefill
+        first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
+        ranked = ranked.scatter(1, first.to(scores.device), float("inf"))
     chosen = descending_order(ranked.reshape(-1))[: heads * keep].to(scores.device)
     kept = torch.zeros(heads * length, dtype=torch.bool, device=scores.device)
     return kept.scatter_(0, chosen, True).view(heads, length)

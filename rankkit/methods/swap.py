@@ -89,7 +89,8 @@ class BlockSwap:
     def _layout(self) -> np.ndarray:
         """Each device entry's block (GENERATED: a token generated since, appended to the cache)."""
         grown = self.cache.positions[self.layer].shape[1] - self.layout.shape[0]
-        self.layout = np.concatenate([self.layout, np.full(grown, GENERATED)])
+        if grown:  # the layout is read several times per decode step: copy it only when the cache grew
+            self.layout = np.concatenate([self.layout, np.full(grown, GENERATED)])
         return self.layout
 
     def blocks_on_device(self) -> set[int]:
