@@ -48,6 +48,7 @@ from rankkit.methods.measure import (
     MethodRun,
     cached_calibration,
     calibrate,
+    ffn_share,
     measure_interleaved,
 )
 from rankkit.methods.specprefill import check_drafts
@@ -606,7 +607,9 @@ def run_bench(
         with torch.inference_mode():
             fitted = calibrate(runner, prompts[0].input_ids)
         journal.note(COST_MODEL, {"linear": fitted.linear, "quadratic": fitted.quadratic})
-    cost_model = CostModel(**journal.notes[COST_MODEL])
+    # the FFN's share is the model's FLOPs, not a timing: counted again, it is what was counted before
+    with torch.inference_mode():
+        cost_model = CostModel(**journal.notes[COST_MODEL], ffn_share=ffn_share(runner))
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         done = calibrating + index * per_example
         if journal.done(example.id):
@@ -621,7 +624,9 @@ def run_bench(
         progress(Progress("done", done + per_example, total, example.id))
     frame = pl.DataFrame(journal.rows, infer_schema_length=None)
     return frame.with_columns(
-        pl.lit(cost_model.linear).alias("cost_linear"), pl.lit(cost_model.quadratic).alias("cost_quadratic")
+        pl.lit(cost_model.linear).alias("cost_linear"),
+        pl.lit(cost_model.quadratic).alias("cost_quadratic"),
+        pl.lit(cost_model.ffn_share).alias("cost_ffn_share"),
     )
 
 

@@ -17,8 +17,8 @@ from rankkit.methods.base import LOOKAHEAD
 from rankkit.methods.measure import CostModel, Measured, MethodRun, calibrate, measure, run_once, warm_up
 from rankkit.runner import Runner
 
-# a = 2 s per token per layer, b = 3 s per query-key pair per layer: small integers, exact in floats
-MODEL = CostModel(linear=2.0, quadratic=3.0)
+# a = 2 s per token per layer (3/4 of it the FFN's), b = 3 s per query-key pair per layer: exact in floats
+MODEL = CostModel(linear=2.0, quadratic=3.0, ffn_share=0.75)
 
 
 def test_prefills_seconds_is_layers_times_linear_tokens_plus_quadratic_squares():
@@ -37,6 +37,17 @@ def test_layer_cost_and_cost_sum_every_executed_layer_of_every_pass():
         MODEL.cost([Pass("main", [2, 2], [8])])
 
 
+def test_a_layer_whose_ffn_ran_on_fewer_tokens_is_charged_the_ffns_share_of_a_for_those():
+    # 8 queries over 8 keys, the FFN on 2 of them: 2 * (1/4 * 8 + 3/4 * 2) + 3 * 64
+    assert MODEL.layer_cost(8, 8, 2) == 2 * (2 + 1.5) + 192
+    assert MODEL.layer_cost(8, 8, 8) == MODEL.layer_cost(8, 8) == 2 * 8 + 192
+    pruned_between = Pass("main", [8, 8, 2], [8, 8, 2], ffn_queries=[8, 2, 2])
+    assert MODEL.cost([pruned_between]) == 208 + 199 + (4 + 12)
+    assert MODEL.ideal_ratio([pruned_between], 8, 3) == (208 + 199 + 16) / (3 * 208)
+    with pytest.raises(ValueError):  # FFN queries for every layer the pass ran
+        MODEL.cost([Pass("main", [8, 8], [8, 8], ffn_queries=[8])])
+
+
 def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_layers_a_decode_step():
     full = 4 * MODEL.layer_cost(8, 8)  # 4 layers of 8 tokens: 4 * 208
     pruned = [Pass.prefill("main", [8, 8, 2, 2])]  # 2 * 208 + 2 * (4 + 12)
@@ -51,12 +62,29 @@ def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_lay
     assert MODEL.ideal_ratio(pruned, 8, 4, decode_layer_s=100.0) == (2 * 208 + 2 * 16) / full
 
 
+@pytest.mark.parametrize(
+    ("family", "ffn_flops"),
+    [
+        ("llama", 2 * 3 * 64 * 96),  # gate, up and down projections
+        ("mixtral", 2 * (64 * 4 + 2 * 3 * 64 * 96)),  # the router over 4 experts, then 2 experts
+        # the router, 2 experts of 32, the shared expert of 48 and its gate
+        ("qwen2_moe", 2 * (64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 48 + 64)),
+    ],
+)
+def test_ffn_share_is_the_ffns_flops_over_a_layers_for_one_token(family, ffn_flops):
+    # per token: q and o 64x64, k and v 64x32 (2 KV heads of 16); CPU's fused kernel for attention
+    # over the one key reports no FLOPs (a CUDA kernel's 4 x 4 heads x 16 would move the share 0.4%)
+    attention_flops = 2 * (2 * 64 * 64 + 2 * 64 * 32)
+    share = measure_module.ffn_share(Runner(tiny_model(family)))
+    assert share == ffn_flops / (ffn_flops + attention_flops)
+
+
 def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative():
     # per layer (L = 2): 1 s at n = 1, 1 s at n = 2 -> lstsq wants b < 0: all cost is linear
-    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2)
+    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_share=0.75)
     assert linear_only.linear == pytest.approx(2 / 3) and linear_only.quadratic == 0.0
     # per layer: 1 s at n = 1, 8 s at n = 2 -> lstsq wants a < 0: all cost is quadratic
-    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2)
+    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2, ffn_share=0.75)
     assert quadratic_only.linear == 0.0 and quadratic_only.quadratic == pytest.approx((1 + 8 * 4) / (1 + 16))
     assert quadratic_only.samples == [(1, 2.0), (2, 16.0)]
 
@@ -64,13 +92,13 @@ def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative(
 def test_fit_is_exact_in_float64_for_long_prompts_and_numpy_typed_samples():
     # per layer (L = 3): 1 s at 60k tokens, 8 s at 120k -> a < 0 -> b = sum(t n^2) / sum(n^4), where
     # n^4 (2e20 at 120k) is past the int64 range: the lengths must be floats before any power
-    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3)
+    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3, ffn_share=0.75)
     assert fitted.linear == 0.0
     assert fitted.quadratic == (1.0 * 60000.0**2 + 8.0 * 120000.0**2) / (60000.0**4 + 120000.0**4)
     # lengths and seconds as a numpy frame hands them (int32, float32) fit as the same Python numbers
     typed = [(np.int32(60000), np.float32(3.1)), (np.int32(120000), np.float32(24.7))]
     plain = [(int(tokens), float(seconds)) for tokens, seconds in typed]
-    assert CostModel.fit(typed, num_layers=7) == CostModel.fit(plain, num_layers=7)
+    assert CostModel.fit(typed, num_layers=7, ffn_share=0.75) == CostModel.fit(plain, num_layers=7, ffn_share=0.75)
 
 
 class ScriptedTimeline:
@@ -191,12 +219,13 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
         block.seconds = next(durations)
 
     monkeypatch.setattr(measure_module, "timed_block", scripted_block)
+    monkeypatch.setattr(measure_module, "ffn_share", lambda runner: 0.5)
     runner = RecordingRunner()
     fitted = calibrate(runner, torch.arange(8).reshape(1, 8), fractions=(1.0, 0.5, 0.1))
     # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
     assert runner.lengths == [8] + [8, 4, 1] * 3
     assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
-    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2)
+    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=0.5)
 
 
 def _run(ttft: float, tpot: float | None, e2e: float, peak: int | None = None) -> MethodRun:

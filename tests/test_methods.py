@@ -195,7 +195,7 @@ def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids):
 def test_specprefills_ideal_ratio_counts_the_drafts_prefill_and_lookahead_steps(random_ids):
     from rankkit.methods.measure import CostModel
 
-    runner, model = _tiny(), CostModel(linear=1.0, quadratic=0.01)
+    runner, model = _tiny(), CostModel(linear=1.0, quadratic=0.01, ffn_share=0.5)
 
     def layer(queries, keys):
         return queries + 0.01 * queries * keys
@@ -534,6 +534,25 @@ def test_sliminfer_prunes_after_attention_and_swaps_in_the_same_step_as_the_pape
             set((prefill.cache.positions[layer][0][prefill.cache.positions[layer][0] < 64] // 8).tolist())
             == swap.active
         )
+
+
+def test_sliminfers_pass_counts_the_tokens_each_layers_ffn_ran_on_for_its_ideal_ratio():
+    runner = _tiny()
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(5))
+    method = make("sliminfer", pruning_layers=(0, 1), block_size=8, unit_size=2, window_size=2)
+    ffn_rows = []
+    hooks = [
+        layer.mlp.register_forward_hook(lambda m, args, output: ffn_rows.append(args[0].shape[1]))
+        for layer in runner.body.layers
+    ]
+    run = method.prefill(runner, ids, Budget.from_tokens(16))
+    for hook in hooks:
+        hook.remove()
+    (main,) = run.passes
+    live = run.live_tokens
+    assert main.queries == main.keys == live and live[0] == 64 > live[1] > live[2]
+    # the pruning layers' FFNs ran on the tokens the next layer gets; the last layer's on its own
+    assert main.ffn_queries == ffn_rows == [live[1], live[2], live[2]]
 
 
 def test_runner_generate_runs_the_decode_hooks_per_step_hook():

@@ -712,7 +712,10 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
     path = calibration_path(weights_hash, torch.device("cpu"))
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[128, 1.0]]}))
+    fit = {"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[128, 1.0]]}
+    path.write_text(json.dumps(fit))  # as an older rankkit cached it, without the FFN's share
+    assert "no cost model cached" in dry_run().splitlines()[-1]
+    path.write_text(json.dumps(fit | {"ffn_share": 0.7}))
     assert dry_run().splitlines() == [
         f"plan for {out}:",
         "  capture: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model, "

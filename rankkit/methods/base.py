@@ -223,16 +223,24 @@ LOOKAHEAD = "lookahead"  # the label of a draft's decode steps (SpecPrefill), on
 class Pass:
     """One walk through a model's layers: how many queries and keys each executed layer saw.
 
-    ``keys`` differs from ``queries`` only for decode steps (one query over a cache).
+    ``keys`` differs from ``queries`` only for decode steps (one query over a cache);
+    ``ffn_queries`` from ``queries`` only where a layer's FFN ran on fewer tokens than its
+    attention (SlimInfer prunes between the two).
     """
 
     label: str  # "main", "selection", "draft", "lookahead"
     queries: list[int]
     keys: list[int]
+    ffn_queries: list[int] | None = None  # None: each layer's FFN ran on its queries
 
     @classmethod
     def prefill(cls, label: str, live_tokens: list[int]) -> Pass:
         return cls(label, list(live_tokens), list(live_tokens))
+
+    def layers(self) -> list[tuple[int, int, int]]:
+        """(queries, keys, FFN queries) of each executed layer."""
+        ffn_queries = self.queries if self.ffn_queries is None else self.ffn_queries
+        return list(zip(self.queries, self.keys, ffn_queries, strict=True))
 
 
 @dataclass

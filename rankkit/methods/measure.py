@@ -9,19 +9,23 @@ per operator, so it runs during the (untimed) warm-up, never the timed run.
 Compute model (rankkit's own, docs/methods.md): a layer that runs n queries over m
 keys costs a·n + b·n·m (a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
 prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
-it ran (every pass) over the cost of a full prefill.
+it ran (every pass) over the cost of a full prefill. Where a layer's FFN ran on fewer tokens
+than its attention, the FFN's share of a (``ffn_share``, from the model's FLOPs) is charged
+for the tokens it ran on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
 from rankkit.measure import measure as timed_block
@@ -210,15 +214,17 @@ class CostModel:
 
     linear: float  # a: seconds per token per layer
     quadratic: float  # b: seconds per query-key pair per layer
+    ffn_share: float  # the share of a the FFN spends (``ffn_share``); the rest is attention's side
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
-    def layer_cost(self, queries: int, keys: int) -> float:
-        return self.linear * queries + self.quadratic * queries * keys
+    def layer_cost(self, queries: int, keys: int, ffn_queries: int | None = None) -> float:
+        """a·n + b·n·m, the FFN's share of a·n charged for ``ffn_queries`` tokens instead (None: n)."""
+        ffn_queries = queries if ffn_queries is None else ffn_queries
+        per_token = self.linear * ((1 - self.ffn_share) * queries + self.ffn_share * ffn_queries)
+        return per_token + self.quadratic * queries * keys
 
     def cost(self, passes: list[Pass]) -> float:
-        return sum(
-            self.layer_cost(q, k) for run in passes for q, k in zip(run.queries, run.keys, strict=True)
-        )
+        return sum(self.layer_cost(*layer) for run in passes for layer in run.layers())
 
     def prefills_seconds(self, num_layers: int, tokens: int, squared_tokens: int) -> float:
         """Full prefills whose lengths n sum to ``tokens`` and their squares to ``squared_tokens``:
@@ -240,7 +246,7 @@ class CostModel:
         return spent / (num_layers * self.layer_cost(prompt_length, prompt_length))
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, float]], num_layers: int) -> CostModel:
+    def fit(cls, samples: list[tuple[int, float]], num_layers: int, ffn_share: float) -> CostModel:
         """Least squares of t/L = a·n + b·n² over (n, t) samples, with a, b >= 0."""
         n = np.array([tokens for tokens, _ in samples], dtype=np.float64)
         per_layer = np.array([seconds for _, seconds in samples], dtype=np.float64) / num_layers
@@ -250,7 +256,7 @@ class CostModel:
             linear, quadratic = float(per_layer.sum() / n.sum()), 0.0
         elif linear < 0:
             linear, quadratic = 0.0, float((per_layer * n**2).sum() / (n**4).sum())
-        return cls(float(linear), float(quadratic), list(samples))
+        return cls(float(linear), float(quadratic), ffn_share, list(samples))
 
 
 def calibrate(
@@ -271,7 +277,48 @@ def calibrate(
                 runner.prefill(prefix)
             seconds.append(block.seconds)
     samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
-    return CostModel.fit(samples, runner.num_layers)
+    return CostModel.fit(samples, runner.num_layers, ffn_share(runner))
+
+
+def ffn_share(runner: Runner) -> float:
+    """The FFNs' share of the FLOPs one token spends in the decoder layers: how a (per token and
+    layer) splits between a layer's attention side and its FFN. Counted on a one-token prefill,
+    whose attention over one key adds next to nothing; an MoE block counts the experts the token
+    runs, not all of them."""
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    spent = {"layers": 0, "ffn": 0}
+    handles = []
+    for layer in runner.body.layers:
+        for module, part in ((layer, "layers"), (layer.mlp, "ffn")):
+            handles += _count_flops_inside(module, counter, spent, part)
+    try:
+        with counter:
+            runner.prefill(torch.zeros(1, dtype=torch.long), logits_at=None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return spent["ffn"] / spent["layers"]
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
+    """FLOPs of ``aten._grouped_mm`` (MoE blocks' expert products), which FlopCounterMode does not
+    count by itself: two per multiply-add, each output entry summing over the shared dimension."""
+    if len(a_shape) == len(b_shape) == 2:  # the groups split the shared dimension between them
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _count_flops_inside(module: torch.nn.Module, counter: FlopCounterMode, spent: dict, part: str) -> list:
+    """Hooks adding the FLOPs ``counter`` counts during each call of ``module`` to ``spent[part]``."""
+    started = []
+
+    def before(module, args):
+        started.append(counter.get_total_flops())
+
+    def after(module, args, output):
+        spent[part] += counter.get_total_flops() - started.pop()
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
 
 def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: str) -> CostModel:
@@ -291,12 +338,20 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
 
 def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | None:
     """The fit ``cached_calibration`` remembered for these weights, this device and the current torch
-    thread count, or None where none was made; nothing loads or runs."""
+    thread count, or None where none was made (or an older rankkit made one without the FFN's share);
+    nothing loads or runs."""
     path = calibration_path(weights_hash, device)
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
-    return CostModel(recorded["linear"], recorded["quadratic"], [tuple(pair) for pair in recorded["samples"]])
+    if "ffn_share" not in recorded:
+        return None
+    return CostModel(
+        recorded["linear"],
+        recorded["quadratic"],
+        recorded["ffn_share"],
+        [tuple(pair) for pair in recorded["samples"]],
+    )
 
 
 def calibration_path(weights_hash: str, device: torch.device) -> Path:

@@ -140,6 +140,7 @@ class SlimInferHook(LayerHook):
         self.cached_positions: np.ndarray | None = None  # the positions the current layer's cache holds
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
+        self.ffn_tokens: dict[int, int] = {}  # the tokens each pruning layer's FFN runs on
         self.decisions: list[SwapDecision] = []
 
     def _choose(
@@ -197,6 +198,7 @@ class SlimInferHook(LayerHook):
         held = held.index_add_(0, live_blocks, kept_device.long()) > 0
         entry.eligible = (blocks >= 0) & held[blocks.to(held.device) + 1].to(blocks.device)
         self.live, count = live.shape[0], int(kept.sum())
+        self.ffn_tokens[call.layer] = count
         self.keep = None if count == self.live else first_of(kept_device, count)
         self.live_positions = live[kept]
 
@@ -293,6 +295,8 @@ class SlimInfer(Method):
         hook = self.hook(runner.num_layers, int(input_ids.numel()), budget, runner.layer_types)
         with ffn_on_kept_tokens(runner, hook):
             run = full_prefill(runner, input_ids, hooks=[hook])
+        (main,) = run.passes
+        main.ffn_queries = [hook.ffn_tokens.get(layer, live) for layer, live in enumerate(main.queries)]
         run.decode_hooks = [hook]
         run.kept_positions, run.selection_layer = hook.kept_positions, hook.selection_layer
         return run
