@@ -324,11 +324,13 @@ def _count_flops_inside(module: torch.nn.Module, counter: FlopCounterMode, spent
 def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: str) -> CostModel:
     """``calibrate`` (two lengths, one round) once per model weights, device and torch thread count.
 
-    The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later
-    prompt: a and b describe the model on the machine, not the prompt they were timed on.
+    The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later prompt
+    no longer than the longest it was timed on: a and b describe the model on the machine, not
+    the prompt, but a fit on short prompts cannot see attention's n² grow (it may even find
+    b = 0), so a longer prompt is timed anew and its fit replaces the cached one.
     """
     cost_model = cached_cost_model(weights_hash, runner.device)
-    if cost_model is None:
+    if cost_model is None or input_ids.numel() > max(tokens for tokens, _ in cost_model.samples):
         cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
         write_atomically(
             calibration_path(weights_hash, runner.device), json.dumps(dataclasses.asdict(cost_model))
