@@ -79,6 +79,27 @@ def test_ffn_share_is_the_ffns_flops_over_a_layers_for_one_token(family, ffn_flo
     assert share == ffn_flops / (ffn_flops + attention_flops)
 
 
+def test_grouped_products_count_two_flops_per_multiply_add_in_each_layout():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def counted(*args, **kwargs) -> int:
+        mapping = {torch.ops.aten._grouped_mm: measure_module._grouped_mm_flops}
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            torch._grouped_mm(*args, **kwargs)
+        return counter.get_total_flops()
+
+    bf16 = {"dtype": torch.bfloat16}
+    offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+    # 6 token rows, each through one of 3 experts' 8x5 matrices (MoE blocks' layout)
+    experts = torch.randn(3, 5, 8, **bf16).transpose(1, 2)
+    assert counted(torch.randn(6, 8, **bf16), experts, offs=offs) == 2 * 6 * 8 * 5
+    # 3 groups of 4 rows, batched
+    assert counted(torch.randn(3, 4, 8, **bf16), experts) == 2 * 3 * 4 * 8 * 5
+    # the groups split the shared dimension 24 into three of 8: 3 outputs of 8x8
+    shared = torch.tensor([8, 16, 24], dtype=torch.int32)
+    assert counted(torch.randn(24, 8, **bf16).t(), torch.randn(24, 8, **bf16), offs=shared) == 2 * 8 * 24 * 8
+
+
 def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative():
     # per layer (L = 2): 1 s at n = 1, 1 s at n = 2 -> lstsq wants b < 0: all cost is linear
     linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_share=0.75)
