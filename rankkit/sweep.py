@@ -295,6 +295,8 @@ class CellSize:
     examples: int
     tokens: int
     squared_tokens: int  # the sum of each prompt's tokens squared: a prefill's attention grows with it
+    longest: int  # the longest prompt's tokens
+    longest_example: int  # which example has it (the first of the longest)
 
 
 @dataclass
@@ -355,7 +357,7 @@ class SweepPlan:
         if self.calibrate is not None:
             return [
                 *lines,
-                f"  no cost model cached for this model: run `{self.calibrate}` once to calibrate",
+                f"  no cost model cached for prompts this long on this model: run `{self.calibrate}` once to calibrate",
             ]
         left_out = f"; {', '.join(unpriced)} not estimated" if unpriced else ""
         return [*lines, f"  about {self.seconds:,.1f} s estimated from the cached cost model{left_out}"]
@@ -378,13 +380,20 @@ class Timing:
     calibrate: str
 
     @classmethod
-    def cached(cls, plan: Experiment, config, device) -> Timing:
-        """Read from the caches alone: no weight file is read and no model loads."""
+    def cached(cls, plan: Experiment, config, device, sizes: dict[str, CellSize]) -> Timing:
+        """Read from the caches alone: no weight file is read and no model loads. A fit that does not
+        cover the plan's longest prompt is not used (``cached_calibration`` would time that prompt
+        anew): the command calibrates on it."""
         weights_hash = models.recorded_weights_hash(models.resolve_folder(plan.model.name))
         cost_model = None if weights_hash is None else cached_cost_model(weights_hash, device)
+        cell = max(plan.data, key=lambda cell: sizes[cell.name].longest)
+        longest = sizes[cell.name]
+        if cost_model is not None and not cost_model.covers(longest.longest):
+            cost_model = None
         command = (
             f"rankkit prefill --method full --model {plan.model.name} --device {device} "
-            f"--threads {torch.get_num_threads()} --data {plan.data[0].spec}"
+            f"--threads {torch.get_num_threads()} --data {cell.spec}"
+            + (f" --example {longest.longest_example}" if longest.longest_example else "")
         )
         return cls(config.num_hidden_layers, cost_model, command)
 
@@ -574,7 +583,8 @@ def check(
             for stage in plan.stages
             for unit in units(plan, stage)
         }
-        run = Run(plan, layout, running, sizes, statuses, Timing.cached(plan, config, device), workers)
+        timing = Timing.cached(plan, config, device, sizes)
+        run = Run(plan, layout, running, sizes, statuses, timing, workers)
         _check_inputs(run)
     outputs.check_writable(layout.root, _store_bytes(run, config))
     return run
@@ -674,7 +684,7 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                 spec = read_spec(cell.spec)
                 if spec.kind != "jsonl":
                     count = declared_examples(cell.spec)
-                    sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2)
+                    sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2, spec.length, 0)
                     continue
                 tokenizer = tokenizer or models.load_tokenizer(plan.model.name)
                 examples = storable_examples(load_examples(cell.spec, tokenizer), cell.spec)
@@ -682,7 +692,10 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                     tokenizer, examples, config, allow_overlength=plan.model.allow_overlength
                 )
                 lengths = [prompt.num_tokens for prompt in prompts]
-                sizes[cell.name] = CellSize(len(examples), sum(lengths), sum(n * n for n in lengths))
+                longest = max(range(len(lengths)), key=lengths.__getitem__)
+                sizes[cell.name] = CellSize(
+                    len(examples), sum(lengths), sum(n * n for n in lengths), lengths[longest], longest
+                )
     return sizes
 
 

@@ -236,10 +236,12 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     assert cuda1.name == f"{'ab' * 8}-cuda1-{torch.get_num_threads()}threads.json"  # one fit per GPU
     measure_module.cached_calibration(runner, ids, "cd" * 32)  # another model calibrates anew
     assert len(calls) == 2
-    # a prompt longer than the longest length of the fit: timed anew, and its fit is the one cached
-    longer = CostModel(2e-6, 4e-9, 0.8, [(41, 0.001), (10, 0.0002)])
+    # up to 10% past the fit's longest prompt (40 tokens) the fit prices it; further, it is timed
+    # anew and that fit is the one cached
+    assert measure_module.cached_calibration(runner, torch.arange(44), "ab" * 32) == fitted
+    longer = CostModel(2e-6, 4e-9, 0.8, [(45, 0.001), (11, 0.0002)])
     monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or longer)
-    assert measure_module.cached_calibration(runner, torch.arange(41), "ab" * 32) == longer
+    assert measure_module.cached_calibration(runner, torch.arange(45), "ab" * 32) == longer
     assert measure_module.cached_calibration(runner, ids, "ab" * 32) == longer
     assert len(calls) == 3
 

@@ -467,7 +467,7 @@ def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_pat
         "  oracle: 56 new, 0 changed, 0 kept; 28,000 examples, 4,354,000 prompt tokens through the model",
         "  in all 8,708,000 prompt tokens through the model",
     ]
-    assert plans[0].lines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
+    assert plans[0].lines()[-1].startswith("  no cost model cached for prompts this long on this model: run `rankkit prefill")
 
 
 def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
@@ -650,7 +650,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_folder, tmp_path, monke
         "  capture: 1 new, 0 changed, 0 kept; 3 examples, 384 prompt tokens through the model",
         "  variance: 1 new, 0 changed, 0 kept",
         "  in all 384 prompt tokens through the model",
-        f"  no cost model cached for this model: run `{calibrate}` once to calibrate",
+        f"  no cost model cached for prompts this long on this model: run `{calibrate}` once to calibrate",
     ]
     as_json = CliRunner().invoke(app, ["sweep", str(small), "--out", str(out), "--dry-run", "--json"])
     assert json.loads(as_json.stdout) == {
@@ -694,7 +694,7 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     grown = _write(
         tmp_path / "grown.toml",
         f'stages = ["capture", "oracle", "variance"]\n[model]\nname = "{tiny_folder}"\n'
-        '[[data]]\nspec = "niah:n=3,length=128"\n[[data]]\nspec = "niah:n=1,length=64"\n',
+        '[[data]]\nspec = "niah:n=1,length=64"\n[[data]]\nspec = "niah:n=3,length=128"\n',
     )
     weights_hash = models.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
     monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("--dry-run loaded a model"))
@@ -705,16 +705,21 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
         assert shown.exit_code == 0, shown.output
         return shown.stdout
 
-    assert (
-        dry_run().splitlines()[-1].startswith("  no cost model cached for this model: run `rankkit prefill")
+    calibrate = (  # on the longest prompts, of the second cell
+        f"rankkit prefill --method full --model {tiny_folder} --device cpu --threads {torch.get_num_threads()} "
+        "--data niah:n=3,length=128"
     )
+    uncached = f"  no cost model cached for prompts this long on this model: run `{calibrate}` once to calibrate"
+    assert dry_run().splitlines()[-1] == uncached
     # a = 1/128 s per token per layer, b = 1/16384 s per query-key pair per layer; the tiny model has
     # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
     path = calibration_path(weights_hash, torch.device("cpu"))
     path.parent.mkdir(parents=True)
-    fit = {"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[128, 1.0]]}
+    fit = {"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[116, 1.0]]}
     path.write_text(json.dumps(fit))  # as an older rankkit cached it, without the FFN's share
-    assert "no cost model cached" in dry_run().splitlines()[-1]
+    assert dry_run().splitlines()[-1] == uncached
+    path.write_text(json.dumps(fit | {"ffn_share": 0.7, "samples": [[115, 1.0]]}))  # 115 < 0.9 x 128
+    assert dry_run().splitlines()[-1] == uncached
     path.write_text(json.dumps(fit | {"ffn_share": 0.7}))
     assert dry_run().splitlines() == [
         f"plan for {out}:",
@@ -729,6 +734,33 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     assert plan["seconds"] == 20.25 and plan["calibrate"] is None
     assert [stage["seconds"] for stage in plan["stages"]] == [20.25, None, None]
     assert not out.exists()
+
+
+def test_the_suggested_calibration_runs_the_longest_prompt_of_a_file(tiny_folder, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401  (registers every command)
+    from rankkit.cli.app import app
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    examples = tmp_path / "mine.jsonl"
+    examples.write_text(
+        "".join(
+            json.dumps({"id": name, "context": context, "question": "Code?", "answers": "4417"}) + "\n"
+            for name, context in [("a", "The code is 4417."), ("b", "Cats purr. " * 20 + "The code is 4417.")]
+        )
+    )
+    plan = _write(
+        tmp_path / "file.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=64"\n'
+        f'[[data]]\nspec = "{examples}"\n',
+    )
+    shown = CliRunner().invoke(app, ["sweep", str(plan), "--out", str(tmp_path / "out"), "--dry-run", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["calibrate"] == (
+        f"rankkit prefill --method full --model {tiny_folder} --device cpu --threads {torch.get_num_threads()} "
+        f"--data {examples} --example 1"
+    )
 
 
 def test_a_stage_that_refuses_as_it_runs_names_the_files_fields(tiny_folder, tmp_path):

@@ -217,6 +217,12 @@ class CostModel:
     ffn_share: float  # the share of a the FFN spends (``ffn_share``); the rest is attention's side
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
+    def covers(self, tokens: int) -> bool:
+        """Whether the fit was timed on prompts long enough to price one of ``tokens``: a fit on short
+        prompts cannot see attention's n² grow (it may even find b = 0). Its longest sample within
+        10% of ``tokens`` is enough (a synthetic prompt fitted to a length comes out a little short)."""
+        return max(length for length, _ in self.samples) >= 0.9 * tokens
+
     def layer_cost(self, queries: int, keys: int, ffn_queries: int | None = None) -> float:
         """a·n + b·n·m, the FFN's share of a·n charged for ``ffn_queries`` tokens instead (None: n)."""
         ffn_queries = queries if ffn_queries is None else ffn_queries
@@ -325,12 +331,11 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
     """``calibrate`` (two lengths, one round) once per model weights, device and torch thread count.
 
     The fit is remembered in ``$RANKKIT_CACHE/calibration`` and reused for every later prompt
-    no longer than the longest it was timed on: a and b describe the model on the machine, not
-    the prompt, but a fit on short prompts cannot see attention's n² grow (it may even find
-    b = 0), so a longer prompt is timed anew and its fit replaces the cached one.
+    it covers (``CostModel.covers``): a and b describe the model on the machine, not the prompt,
+    but a longer prompt is timed anew and its fit replaces the cached one.
     """
     cost_model = cached_cost_model(weights_hash, runner.device)
-    if cost_model is None or input_ids.numel() > max(tokens for tokens, _ in cost_model.samples):
+    if cost_model is None or not cost_model.covers(input_ids.numel()):
         cost_model = calibrate(runner, input_ids, fractions=(1.0, 0.25), repeats=1)
         write_atomically(
             calibration_path(weights_hash, runner.device), json.dumps(dataclasses.asdict(cost_model))
