@@ -48,7 +48,7 @@ from rankkit.methods.measure import (
     MethodRun,
     cached_calibration,
     calibrate,
-    ffn_share,
+    flop_shares,
     measure_interleaved,
 )
 from rankkit.methods.specprefill import check_drafts
@@ -90,11 +90,9 @@ def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
     return float(torch.stack(shares).mean())
 
 
-def decode_layer_seconds(reference: Measured | None, num_layers: int) -> float | None:
-    """One layer of one of full's decode steps (its TPOT / L): what a draft's lookahead layer is charged."""
-    if reference is None or reference.run.tpot_s is None:
-        return None
-    return reference.run.tpot_s / num_layers
+def decode_step_seconds(reference: Measured | None) -> float | None:
+    """One of full's decode steps (its TPOT): what a draft's lookahead steps are priced from."""
+    return None if reference is None else reference.run.tpot_s
 
 
 def run_row(
@@ -134,7 +132,7 @@ def run_row(
             run.passes,
             run.prompt_length,
             num_layers,
-            decode_layer_s=decode_layer_seconds(reference, num_layers),
+            decode_step_s=decode_step_seconds(reference),
         ),
         "ttft_ratio": measured.ratio_to(reference, "ttft_s") if reference else None,
         "tpot_ratio": measured.ratio_to(reference, "tpot_s") if reference else None,
@@ -607,9 +605,10 @@ def run_bench(
         with torch.inference_mode():
             fitted = calibrate(runner, prompts[0].input_ids)
         journal.note(COST_MODEL, {"linear": fitted.linear, "quadratic": fitted.quadratic})
-    # the FFN's share is the model's FLOPs, not a timing: counted again, it is what was counted before
+    # the shares are the model's FLOPs, not timings: counted again, they are what was counted before
     with torch.inference_mode():
-        cost_model = CostModel(**journal.notes[COST_MODEL], ffn_share=ffn_share(runner))
+        ffn_share, head_layers = flop_shares(runner)
+    cost_model = CostModel(**journal.notes[COST_MODEL], ffn_share=ffn_share, head_layers=head_layers)
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         done = calibrating + index * per_example
         if journal.done(example.id):
@@ -627,6 +626,7 @@ def run_bench(
         pl.lit(cost_model.linear).alias("cost_linear"),
         pl.lit(cost_model.quadratic).alias("cost_quadratic"),
         pl.lit(cost_model.ffn_share).alias("cost_ffn_share"),
+        pl.lit(cost_model.head_layers).alias("cost_head_layers"),
     )
 
 

@@ -14,7 +14,7 @@ from rankkit.bench import BenchSettings, run_bench, summary
 from rankkit.data import Example
 from rankkit.measure import TensorMemoryTracker, Timeline, measure
 from rankkit.methods import Budget, Pass, make
-from rankkit.methods.measure import CostModel, ffn_share
+from rankkit.methods.measure import CostModel, flop_shares
 from rankkit.prompting import Prompt
 from rankkit.runner import Runner
 
@@ -68,13 +68,14 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
     table = summary(frame)
     assert table.filter(table["method"] == "gemfilter").height == 2
     assert {"accuracy", "ttft_ratio", "ideal_ratio", "measured_over_ideal", "kv_ratio"} <= set(table.columns)
-    assert frame["cost_ffn_share"].unique().to_list() == [ffn_share(runner)]
+    shares = [frame[column].unique().to_list() for column in ("cost_ffn_share", "cost_head_layers")]
+    assert shares == [[share] for share in flop_shares(runner)]
 
 
 def test_cost_model_fit_recovers_linear_and_quadratic_terms():
-    true = CostModel(linear=2e-4, quadratic=3e-8, ffn_share=0.6)
+    true = CostModel(linear=2e-4, quadratic=3e-8, ffn_share=0.6, head_layers=2.0)
     samples = [(n, 30 * true.layer_cost(n, n)) for n in (1000, 2000, 4000)]
-    fitted = CostModel.fit(samples, num_layers=30, ffn_share=0.6)
+    fitted = CostModel.fit(samples, num_layers=30, ffn_share=0.6, head_layers=2.0)
     assert fitted.linear == pytest.approx(2e-4) and fitted.quadratic == pytest.approx(3e-8)
     half_depth = [Pass.prefill("main", [4000] * 15 + [400] * 15)]
     expected = (15 * true.layer_cost(4000, 4000) + 15 * true.layer_cost(400, 400)) / (
@@ -220,7 +221,7 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
 
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
     calls = []
-    fitted = CostModel(2e-6, 3e-9, 0.8, [(40, 0.001), (10, 0.0002)])
+    fitted = CostModel(2e-6, 3e-9, 0.8, 2.0, [(40, 0.001), (10, 0.0002)])
     monkeypatch.setattr(
         measure_module, "calibrate", lambda *args, **kwargs: calls.append((args, kwargs)) or fitted
     )
@@ -239,7 +240,7 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     # up to 10% past the fit's longest prompt (40 tokens) the fit prices it; further, it is timed
     # anew and that fit is the one cached
     assert measure_module.cached_calibration(runner, torch.arange(44), "ab" * 32) == fitted
-    longer = CostModel(2e-6, 4e-9, 0.8, [(45, 0.001), (11, 0.0002)])
+    longer = CostModel(2e-6, 4e-9, 0.8, 2.0, [(45, 0.001), (11, 0.0002)])
     monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or longer)
     assert measure_module.cached_calibration(runner, torch.arange(45), "ab" * 32) == longer
     assert measure_module.cached_calibration(runner, ids, "ab" * 32) == longer

@@ -17,8 +17,9 @@ from rankkit.methods.base import LOOKAHEAD
 from rankkit.methods.measure import CostModel, Measured, MethodRun, calibrate, measure, run_once, warm_up
 from rankkit.runner import Runner
 
-# a = 2 s per token per layer (3/4 of it the FFN's), b = 3 s per query-key pair per layer: exact in floats
-MODEL = CostModel(linear=2.0, quadratic=3.0, ffn_share=0.75)
+# a = 2 s per token per layer (3/4 of it the FFN's), b = 3 s per query-key pair per layer, an LM head
+# worth 4 layers: exact in floats
+MODEL = CostModel(linear=2.0, quadratic=3.0, ffn_share=0.75, head_layers=4.0)
 
 
 def test_prefills_seconds_is_layers_times_linear_tokens_plus_quadratic_squares():
@@ -52,18 +53,19 @@ def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_lay
     full = 4 * MODEL.layer_cost(8, 8)  # 4 layers of 8 tokens: 4 * 208
     pruned = [Pass.prefill("main", [8, 8, 2, 2])]  # 2 * 208 + 2 * (4 + 12)
     assert MODEL.ideal_ratio(pruned, 8, 4) == (2 * 208 + 2 * 16) / full
-    draft = [Pass.prefill("draft", [8, 8]), Pass(LOOKAHEAD, [1, 1, 1], [9, 9, 9]), *pruned]
+    # a draft of one layer: 3 lookahead steps, 4 LM heads (the prefill's and each step's)
+    draft = [Pass.prefill("draft", [8, 8]), Pass(LOOKAHEAD, [1, 1, 1], [9, 9, 9], heads=4), *pruned]
     others = 2 * 208 + 2 * 208 + 2 * 16
-    # without a measured decode step a lookahead layer costs a·1 + b·1·m
-    assert MODEL.ideal_ratio(draft, 8, 4) == (others + 3 * (2 + 27)) / full
-    # with one, each lookahead layer costs it instead, whatever its keys
-    assert MODEL.ideal_ratio(draft, 8, 4, decode_layer_s=100.0) == (others + 3 * 100.0) / full
+    # without a measured decode step a lookahead layer costs a·1 + b·1·m, a head a·4
+    assert MODEL.ideal_ratio(draft, 8, 4) == (others + 3 * (2 + 27) + 4 * 2 * 4) / full
+    # with one (4 layers and a head worth 4: 80 s a layer), its layers and heads cost their share
+    assert MODEL.ideal_ratio(draft, 8, 4, decode_step_s=640.0) == (others + (3 + 4 * 4) * 80.0) / full
     # a decode step's price changes nothing when no pass is a lookahead
-    assert MODEL.ideal_ratio(pruned, 8, 4, decode_layer_s=100.0) == (2 * 208 + 2 * 16) / full
+    assert MODEL.ideal_ratio(pruned, 8, 4, decode_step_s=640.0) == (2 * 208 + 2 * 16) / full
 
 
 @pytest.mark.parametrize(
-    ("family", "ffn_flops"),
+    ("family", "ffn_flops"),  # per token, with an LM head of 2 x 64 x 97 (the tiny vocabulary)
     [
         ("llama", 2 * 3 * 64 * 96),  # gate, up and down projections
         ("mixtral", 2 * (64 * 4 + 2 * 3 * 64 * 96)),  # the router over 4 experts, then 2 experts
@@ -71,12 +73,13 @@ def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_lay
         ("qwen2_moe", 2 * (64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 48 + 64)),
     ],
 )
-def test_ffn_share_is_the_ffns_flops_over_a_layers_for_one_token(family, ffn_flops):
+def test_flop_shares_are_the_ffns_of_a_layer_and_the_heads_in_layers_for_one_token(family, ffn_flops):
     # per token: q and o 64x64, k and v 64x32 (2 KV heads of 16); CPU's fused kernel for attention
     # over the one key reports no FLOPs (a CUDA kernel's 4 x 4 heads x 16 would move the share 0.4%)
-    attention_flops = 2 * (2 * 64 * 64 + 2 * 64 * 32)
-    share = measure_module.ffn_share(Runner(tiny_model(family)))
-    assert share == ffn_flops / (ffn_flops + attention_flops)
+    layer_flops = 2 * (2 * 64 * 64 + 2 * 64 * 32) + ffn_flops
+    ffn_share, head_layers = measure_module.flop_shares(Runner(tiny_model(family)))
+    assert ffn_share == ffn_flops / layer_flops
+    assert head_layers == pytest.approx(2 * 64 * 97 / layer_flops, rel=1e-12)
 
 
 def test_grouped_products_count_two_flops_per_multiply_add_in_each_layout():
@@ -102,10 +105,10 @@ def test_grouped_products_count_two_flops_per_multiply_add_in_each_layout():
 
 def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative():
     # per layer (L = 2): 1 s at n = 1, 1 s at n = 2 -> lstsq wants b < 0: all cost is linear
-    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_share=0.75)
+    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_share=0.75, head_layers=4.0)
     assert linear_only.linear == pytest.approx(2 / 3) and linear_only.quadratic == 0.0
     # per layer: 1 s at n = 1, 8 s at n = 2 -> lstsq wants a < 0: all cost is quadratic
-    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2, ffn_share=0.75)
+    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2, ffn_share=0.75, head_layers=4.0)
     assert quadratic_only.linear == 0.0 and quadratic_only.quadratic == pytest.approx((1 + 8 * 4) / (1 + 16))
     assert quadratic_only.samples == [(1, 2.0), (2, 16.0)]
 
@@ -113,13 +116,13 @@ def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative(
 def test_fit_is_exact_in_float64_for_long_prompts_and_numpy_typed_samples():
     # per layer (L = 3): 1 s at 60k tokens, 8 s at 120k -> a < 0 -> b = sum(t n^2) / sum(n^4), where
     # n^4 (2e20 at 120k) is past the int64 range: the lengths must be floats before any power
-    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3, ffn_share=0.75)
+    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3, ffn_share=0.75, head_layers=4.0)
     assert fitted.linear == 0.0
     assert fitted.quadratic == (1.0 * 60000.0**2 + 8.0 * 120000.0**2) / (60000.0**4 + 120000.0**4)
     # lengths and seconds as a numpy frame hands them (int32, float32) fit as the same Python numbers
     typed = [(np.int32(60000), np.float32(3.1)), (np.int32(120000), np.float32(24.7))]
     plain = [(int(tokens), float(seconds)) for tokens, seconds in typed]
-    assert CostModel.fit(typed, num_layers=7, ffn_share=0.75) == CostModel.fit(plain, num_layers=7, ffn_share=0.75)
+    assert CostModel.fit(typed, num_layers=7, ffn_share=0.75, head_layers=4.0) == CostModel.fit(plain, num_layers=7, ffn_share=0.75, head_layers=4.0)
 
 
 class ScriptedTimeline:
@@ -240,13 +243,13 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
         block.seconds = next(durations)
 
     monkeypatch.setattr(measure_module, "timed_block", scripted_block)
-    monkeypatch.setattr(measure_module, "ffn_share", lambda runner: 0.5)
+    monkeypatch.setattr(measure_module, "flop_shares", lambda runner: (0.5, 2.0))
     runner = RecordingRunner()
     fitted = calibrate(runner, torch.arange(8).reshape(1, 8), fractions=(1.0, 0.5, 0.1))
     # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
     assert runner.lengths == [8] + [8, 4, 1] * 3
     assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
-    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=0.5)
+    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=0.5, head_layers=2.0)
 
 
 def _run(ttft: float, tpot: float | None, e2e: float, peak: int | None = None) -> MethodRun:

@@ -195,7 +195,7 @@ def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids):
 def test_specprefills_ideal_ratio_counts_the_drafts_prefill_and_lookahead_steps(random_ids):
     from rankkit.methods.measure import CostModel
 
-    runner, model = _tiny(), CostModel(linear=1.0, quadratic=0.01, ffn_share=0.5)
+    runner, model = _tiny(), CostModel(linear=1.0, quadratic=0.01, ffn_share=0.5, head_layers=2.0)
 
     def layer(queries, keys):
         return queries + 0.01 * queries * keys
@@ -206,11 +206,13 @@ def test_specprefills_ideal_ratio_counts_the_drafts_prefill_and_lookahead_steps(
         method = make("specprefill", lookahead=3, draft_model=f"layers:{draft_layers}")
         passes = method.prefill(runner, random_ids, Budget.from_tokens(10)).passes
         steps = 3 * draft_layers  # three lookahead tokens through each draft layer
+        heads = 4 * 2.0  # the draft prefill's LM head and each step's, each worth 2 layers
         drafted = draft_layers * layer(40, 40) + 3 * layer(10, 10)
-        ideal[draft_layers] = model.ideal_ratio(passes, 40, 3, decode_layer_s=0.5)
-        assert ideal[draft_layers] == pytest.approx((drafted + steps * 0.5) / full)
+        # full's decode step of 2.5 s: 3 layers and a head worth 2, 0.5 s a layer
+        ideal[draft_layers] = model.ideal_ratio(passes, 40, 3, decode_step_s=2.5)
+        assert ideal[draft_layers] == pytest.approx((drafted + (steps + heads) * 0.5) / full)
         by_compute = sum(layer(1, keys) for keys in (41, 42, 43)) * draft_layers  # a + b·m per step
-        assert model.ideal_ratio(passes, 40, 3) == pytest.approx((drafted + by_compute) / full)
+        assert model.ideal_ratio(passes, 40, 3) == pytest.approx((drafted + by_compute + heads) / full)
     assert ideal[2] > ideal[1]
 
 

@@ -716,11 +716,12 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     path = calibration_path(weights_hash, torch.device("cpu"))
     path.parent.mkdir(parents=True)
     fit = {"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[116, 1.0]]}
-    path.write_text(json.dumps(fit))  # as an older rankkit cached it, without the FFN's share
+    path.write_text(json.dumps(fit))  # as an older rankkit cached it, without the FLOP shares
     assert dry_run().splitlines()[-1] == uncached
-    path.write_text(json.dumps(fit | {"ffn_share": 0.7, "samples": [[115, 1.0]]}))  # 115 < 0.9 x 128
+    shares = {"ffn_share": 0.7, "head_layers": 2.0}
+    path.write_text(json.dumps(fit | shares | {"samples": [[115, 1.0]]}))  # 115 < 0.9 x 128
     assert dry_run().splitlines()[-1] == uncached
-    path.write_text(json.dumps(fit | {"ffn_share": 0.7}))
+    path.write_text(json.dumps(fit | shares))
     assert dry_run().splitlines() == [
         f"plan for {out}:",
         "  capture: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model, "

@@ -232,6 +232,7 @@ class Pass:
     queries: list[int]
     keys: list[int]
     ffn_queries: list[int] | None = None  # None: each layer's FFN ran on its queries
+    heads: int = 0  # tokens its LM head ran on as decode steps do (a draft's lookahead)
 
     @classmethod
     def prefill(cls, label: str, live_tokens: list[int]) -> Pass:

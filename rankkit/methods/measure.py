@@ -11,7 +11,8 @@ keys costs a·n + b·n·m (a·n + b·n² in a prefill). ``CostModel.fit`` calibr
 prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
 it ran (every pass) over the cost of a full prefill. Where a layer's FFN ran on fewer tokens
 than its attention, the FFN's share of a (``ffn_share``, from the model's FLOPs) is charged
-for the tokens it ran on.
+for the tokens it ran on. A draft's lookahead steps are priced from full's measured decode
+step, the LM head counted in layers' worth (``head_layers``, from the same FLOPs).
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ class CostModel:
 
     linear: float  # a: seconds per token per layer
     quadratic: float  # b: seconds per query-key pair per layer
-    ffn_share: float  # the share of a the FFN spends (``ffn_share``); the rest is attention's side
+    ffn_share: float  # the share of a the FFN spends (``flop_shares``); the rest is attention's side
+    head_layers: float  # the LM head's cost for one token, in decoder layers (``flop_shares``)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
     def covers(self, tokens: int) -> bool:
@@ -238,21 +240,30 @@ class CostModel:
         return num_layers * (self.linear * tokens + self.quadratic * squared_tokens)
 
     def ideal_ratio(
-        self, passes: list[Pass], prompt_length: int, num_layers: int, decode_layer_s: float | None = None
+        self, passes: list[Pass], prompt_length: int, num_layers: int, decode_step_s: float | None = None
     ) -> float:
-        """The passes' cost over a full prefill's. ``decode_layer_s``: what one layer of one decode
-        step takes (full's TPOT / L, measured beside it), charged for each layer of a ``LOOKAHEAD``
-        pass (a draft's decode steps): a step reads every weight to compute one token, which a
-        prefill's per-token cost a·1 leaves out. None: those layers cost a·1 + b·1·m."""
-        lookahead = sum(len(run.queries) for run in passes if run.label == LOOKAHEAD)
-        if decode_layer_s is None or not lookahead:
-            return self.cost(passes) / (num_layers * self.layer_cost(prompt_length, prompt_length))
-        others = [run for run in passes if run.label != LOOKAHEAD]
-        spent = self.cost(others) + lookahead * decode_layer_s
+        """The passes' cost over a full prefill's.
+
+        ``decode_step_s``: one of full's decode steps (its TPOT, measured beside it), which runs
+        the L layers and the LM head (``head_layers`` layers' worth) for one token. A ``LOOKAHEAD``
+        pass (a draft's decode steps) is charged a share of it for each layer it ran and each LM
+        head (``Pass.heads``): a step reads every weight to compute one token, which a prefill's
+        per-token cost a·1 leaves out. None: those layers cost a·1 + b·1·m, each head a·head_layers.
+        """
+        lookahead = [run for run in passes if run.label == LOOKAHEAD]
+        heads = self.head_layers * sum(run.heads for run in lookahead)
+        if decode_step_s is None:
+            spent = self.cost(passes) + self.linear * heads
+        else:
+            layers = sum(len(run.queries) for run in lookahead)
+            others = [run for run in passes if run.label != LOOKAHEAD]
+            spent = self.cost(others) + (layers + heads) * decode_step_s / (num_layers + self.head_layers)
         return spent / (num_layers * self.layer_cost(prompt_length, prompt_length))
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, float]], num_layers: int, ffn_share: float) -> CostModel:
+    def fit(
+        cls, samples: list[tuple[int, float]], num_layers: int, ffn_share: float, head_layers: float
+    ) -> CostModel:
         """Least squares of t/L = a·n + b·n² over (n, t) samples, with a, b >= 0."""
         n = np.array([tokens for tokens, _ in samples], dtype=np.float64)
         per_layer = np.array([seconds for _, seconds in samples], dtype=np.float64) / num_layers
@@ -262,7 +273,7 @@ class CostModel:
             linear, quadratic = float(per_layer.sum() / n.sum()), 0.0
         elif linear < 0:
             linear, quadratic = 0.0, float((per_layer * n**2).sum() / (n**4).sum())
-        return cls(float(linear), float(quadratic), ffn_share, list(samples))
+        return cls(float(linear), float(quadratic), ffn_share, head_layers, list(samples))
 
 
 def calibrate(
@@ -283,27 +294,28 @@ def calibrate(
                 runner.prefill(prefix)
             seconds.append(block.seconds)
     samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
-    return CostModel.fit(samples, runner.num_layers, ffn_share(runner))
+    return CostModel.fit(samples, runner.num_layers, *flop_shares(runner))
 
 
-def ffn_share(runner: Runner) -> float:
-    """The FFNs' share of the FLOPs one token spends in the decoder layers: how a (per token and
-    layer) splits between a layer's attention side and its FFN. Counted on a one-token prefill,
+def flop_shares(runner: Runner) -> tuple[float, float]:
+    """From the FLOPs of one token through the model: the FFNs' share of the decoder layers' (how a,
+    per token and layer, splits between a layer's attention side and its FFN: ``CostModel.ffn_share``)
+    and the LM head's, in layers' worth (``CostModel.head_layers``). Counted on a one-token prefill,
     whose attention over one key adds next to nothing; an MoE block counts the experts the token
     runs, not all of them."""
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
-    spent = {"layers": 0, "ffn": 0}
-    handles = []
+    spent = {"layers": 0, "ffn": 0, "head": 0}
+    handles = _count_flops_inside(runner.model.lm_head, counter, spent, "head")
     for layer in runner.body.layers:
         for module, part in ((layer, "layers"), (layer.mlp, "ffn")):
             handles += _count_flops_inside(module, counter, spent, part)
     try:
         with counter:
-            runner.prefill(torch.zeros(1, dtype=torch.long), logits_at=None)
+            runner.prefill(torch.zeros(1, dtype=torch.long))
     finally:
         for handle in handles:
             handle.remove()
-    return spent["ffn"] / spent["layers"]
+    return spent["ffn"] / spent["layers"], spent["head"] * runner.num_layers / spent["layers"]
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
@@ -345,18 +357,19 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
 
 def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | None:
     """The fit ``cached_calibration`` remembered for these weights, this device and the current torch
-    thread count, or None where none was made (or an older rankkit made one without the FFN's share);
+    thread count, or None where none was made (or an older rankkit made one without the FLOP shares);
     nothing loads or runs."""
     path = calibration_path(weights_hash, device)
     if not path.is_file():
         return None
     recorded = json.loads(path.read_text())
-    if "ffn_share" not in recorded:
+    if not {"ffn_share", "head_layers"} <= recorded.keys():
         return None
     return CostModel(
         recorded["linear"],
         recorded["quadratic"],
         recorded["ffn_share"],
+        recorded["head_layers"],
         [tuple(pair) for pair in recorded["samples"]],
     )
 

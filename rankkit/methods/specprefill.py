@@ -6,8 +6,8 @@ prompt token by its raw logits against the draft's prompt keys, maximised over l
 and heads and averaged over the k queries (Eq. 3; the oracle's aggregation, with the
 draft's k tokens in place of the answer). The base model then re-prefills only the top
 tokens at their original positions (two-pass mode). The draft's prefill and lookahead
-count in TTFT and in the method's ideal ratio (a lookahead step's layer at full's measured
-decode time per layer, ``CostModel.ideal_ratio``). The lookahead decodes from the draft's own
+count in TTFT and in the method's ideal ratio (a lookahead step's layers and LM head at their
+share of full's measured decode step, ``CostModel.ideal_ratio``). The lookahead decodes from the draft's own
 prefill cache (the prompt is never run again) and scores every head of a layer in one product
 on the device (``AnswerAttention``): a lookahead step reads back only its greedy token.
 
@@ -147,6 +147,7 @@ def lookahead_scores(
             LOOKAHEAD,
             [1] * (steps * draft.num_layers),
             [length + step + 1 for step in range(steps) for _ in range(draft.num_layers)],
+            heads=steps + 1,  # each step's, and the prefill's that chose the first token
         ),
     ]
     return torch.stack(attention.token_maxima), passes
