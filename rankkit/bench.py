@@ -16,6 +16,7 @@ Fig. 4 analogue).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -48,7 +49,6 @@ from rankkit.methods.measure import (
     MethodRun,
     cached_calibration,
     calibrate,
-    flop_shares,
     measure_interleaved,
 )
 from rankkit.methods.specprefill import check_drafts
@@ -90,11 +90,6 @@ def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
     return float(torch.stack(shares).mean())
 
 
-def decode_step_seconds(reference: Measured | None) -> float | None:
-    """One of full's decode steps (its TPOT): what a draft's lookahead steps are priced from."""
-    return None if reference is None else reference.run.tpot_s
-
-
 def run_row(
     measured: Measured,
     *,
@@ -132,7 +127,7 @@ def run_row(
             run.passes,
             run.prompt_length,
             num_layers,
-            decode_step_s=decode_step_seconds(reference),
+            decode_step_s=reference.run.tpot_s if reference else None,  # prices a draft's lookahead
         ),
         "ttft_ratio": measured.ratio_to(reference, "ttft_s") if reference else None,
         "tpot_ratio": measured.ratio_to(reference, "tpot_s") if reference else None,
@@ -598,17 +593,14 @@ def run_bench(
     prompts = [prompt_for(example) for example in examples]
     entries = grid(methods, budgets)
     per_example = steps_per_prompt(entries, settings)
-    calibrating = 0 if COST_MODEL in journal.notes else 1
+    cost_model = CostModel.from_record(journal.notes.get(COST_MODEL))
+    calibrating = int(cost_model is None)
     total = calibrating + len(examples) * per_example
-    if calibrating:
+    if cost_model is None:
         progress(Progress("calibrating", 0, total, "full prefills of prefixes of the first prompt"))
         with torch.inference_mode():
-            fitted = calibrate(runner, prompts[0].input_ids)
-        journal.note(COST_MODEL, {"linear": fitted.linear, "quadratic": fitted.quadratic})
-    # the shares are the model's FLOPs, not timings: counted again, they are what was counted before
-    with torch.inference_mode():
-        ffn_share, head_layers = flop_shares(runner)
-    cost_model = CostModel(**journal.notes[COST_MODEL], ffn_share=ffn_share, head_layers=head_layers)
+            cost_model = calibrate(runner, prompts[0].input_ids)
+        journal.note(COST_MODEL, dataclasses.asdict(cost_model))
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         done = calibrating + index * per_example
         if journal.done(example.id):

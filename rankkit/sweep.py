@@ -387,13 +387,13 @@ class Timing:
         weights_hash = models.recorded_weights_hash(models.resolve_folder(plan.model.name))
         cost_model = None if weights_hash is None else cached_cost_model(weights_hash, device)
         cell = max(plan.data, key=lambda cell: sizes[cell.name].longest)
-        longest = sizes[cell.name]
-        if cost_model is not None and not cost_model.covers(longest.longest):
+        size = sizes[cell.name]
+        if cost_model is not None and not cost_model.covers(size.longest):
             cost_model = None
         command = (
             f"rankkit prefill --method full --model {plan.model.name} --device {device} "
             f"--threads {torch.get_num_threads()} --data {cell.spec}"
-            + (f" --example {longest.longest_example}" if longest.longest_example else "")
+            + (f" --example {size.longest_example}" if size.longest_example else "")
         )
         return cls(config.num_hidden_layers, cost_model, command)
 

@@ -219,6 +219,14 @@ class CostModel:
     head_layers: float  # the LM head's cost for one token, in decoder layers (``flop_shares``)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
+    @classmethod
+    def from_record(cls, recorded: dict | None) -> CostModel | None:
+        """The model a record holds (``dataclasses.asdict`` of one, as a cache file or a resumed run's
+        journal keeps it); None for no record, or an older rankkit's without the FLOP shares."""
+        if recorded is None or not {field.name for field in dataclasses.fields(cls)} <= recorded.keys():
+            return None
+        return cls(**recorded | {"samples": [tuple(pair) for pair in recorded["samples"]]})
+
     def covers(self, tokens: int) -> bool:
         """Whether the fit was timed on prompts long enough to price one of ``tokens``: a fit on short
         prompts cannot see attention's n² grow (it may even find b = 0). Its longest sample within
@@ -251,13 +259,13 @@ class CostModel:
         per-token cost a·1 leaves out. None: those layers cost a·1 + b·1·m, each head a·head_layers.
         """
         lookahead = [run for run in passes if run.label == LOOKAHEAD]
-        heads = self.head_layers * sum(run.heads for run in lookahead)
+        heads_in_layers = self.head_layers * sum(run.heads for run in lookahead)
         if decode_step_s is None:
-            spent = self.cost(passes) + self.linear * heads
+            spent = self.cost(passes) + self.linear * heads_in_layers
         else:
-            layers = sum(len(run.queries) for run in lookahead)
+            layers = sum(len(run.queries) for run in lookahead) + heads_in_layers
             others = [run for run in passes if run.label != LOOKAHEAD]
-            spent = self.cost(others) + (layers + heads) * decode_step_s / (num_layers + self.head_layers)
+            spent = self.cost(others) + layers * decode_step_s / (num_layers + self.head_layers)
         return spent / (num_layers * self.layer_cost(prompt_length, prompt_length))
 
     @classmethod
@@ -360,18 +368,7 @@ def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | No
     thread count, or None where none was made (or an older rankkit made one without the FLOP shares);
     nothing loads or runs."""
     path = calibration_path(weights_hash, device)
-    if not path.is_file():
-        return None
-    recorded = json.loads(path.read_text())
-    if not {"ffn_share", "head_layers"} <= recorded.keys():
-        return None
-    return CostModel(
-        recorded["linear"],
-        recorded["quadratic"],
-        recorded["ffn_share"],
-        recorded["head_layers"],
-        [tuple(pair) for pair in recorded["samples"]],
-    )
+    return CostModel.from_record(json.loads(path.read_text()) if path.is_file() else None)
 
 
 def calibration_path(weights_hash: str, device: torch.device) -> Path:
