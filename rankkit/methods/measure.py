@@ -223,7 +223,7 @@ class CostModel:
     def from_record(cls, recorded: dict | None) -> CostModel | None:
         """The model a record holds (``dataclasses.asdict`` of one, as a cache file or a resumed run's
         journal keeps it); None for no record, or an older rankkit's without the FLOP shares."""
-        if recorded is None or not {field.name for field in dataclasses.fields(cls)} <= recorded.keys():
+        if recorded is None or not {each.name for each in dataclasses.fields(cls)} <= recorded.keys():
             return None
         return cls(**recorded | {"samples": [tuple(pair) for pair in recorded["samples"]]})
 
