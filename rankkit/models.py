@@ -403,6 +403,14 @@ def random_config(spec: str):
     )
 
 
+def frozen_for_inference(model) -> None:
+    """Evaluation mode with no parameter asking for a gradient: rankkit never trains, and a forward
+    run outside ``inference_mode`` (a user's own, or a baseline's) then stores no activations for
+    backward, which for an 8B model at 32k tokens is some 60 GB."""
+    model.eval()
+    model.requires_grad_(False)
+
+
 def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedModel:
     """``random:<shape>`` built on ``target`` directly (no copy through the host), seeded, so every
     load of a shape on one device has the same weights; a warning says the run is for timing only."""
@@ -413,7 +421,7 @@ def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedM
         torch.manual_seed(RANDOM_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = None
-    model.eval()
+    frozen_for_inference(model)
     warnings.warn(
         f"{spec} has random weights: timing only (answers are meaningless, scores are reported as missing)",
         stacklevel=3,
@@ -516,7 +524,7 @@ def _load(
         model.to(target)
     else:
         target = model.get_input_embeddings().weight.device
-    model.eval()
+    frozen_for_inference(model)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_id = DEFAULT_MODEL_NAME if spec == "default" else spec
     return LoadedModel(model, tokenizer, model_id, folder_weights_hash(folder), target)

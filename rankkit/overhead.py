@@ -115,7 +115,7 @@ def _decode_sides(runner: Runner, tokenizer, ids) -> Sides:
 
     model = runner.model
     steps = DECODE_NEW_TOKENS
-    cached = model(ids[None, :-1], use_cache=True).past_key_values
+    cached = model(ids[None, :-1], logits_to_keep=1, use_cache=True).past_key_values
     prefill = runner.prefill(ids)
 
     def generate():
@@ -229,7 +229,8 @@ def run_overhead(
     rows = []
     for length in lengths:
         times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
-        sides = _sides(scenario, loaded, length, cuda_graphs)
+        with torch.inference_mode():  # the sides' own setup (a cache, a prefill) keeps no autograd state
+            sides = _sides(scenario, loaded, length, cuda_graphs)
         if with_timing:
             times = _interleaved_times(sides, loaded.device, repeats, progress)
         row = {

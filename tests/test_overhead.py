@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from rankkit.overhead import run_overhead
 
 
@@ -56,6 +58,22 @@ def test_decode_sides_choose_the_same_tokens_and_time_per_token(tiny_folder):
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     kv = 3 * 2 * 2 * 16 * 48 * 4  # layers x (K, V) x kv heads x head_dim x tokens x fp32
     assert sides.steps == DECODE_NEW_TOKENS and sides.bytes_per_step == weights + kv
+
+
+def test_a_loaded_model_keeps_no_autograd_state_outside_inference_mode(tiny_folder):
+    """A forward run outside ``inference_mode`` (the decode baseline's cache, a user's own call)
+    must not store activations for backward: at 8B x 32k tokens that is tens of GB."""
+    from rankkit import models
+    from rankkit.overhead import _sides
+
+    loaded = models.load(str(tiny_folder), device="cpu")
+    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+    outputs = loaded.model(torch.arange(40)[None], use_cache=True)
+    assert outputs.logits.grad_fn is None and outputs.past_key_values.layers[0].keys.grad_fn is None
+    sides = _sides("decode", loaded, 48)
+    cached = sides.baseline.__closure__  # the baseline's prompt cache, built as the row builds it
+    (cache,) = [cell.cell_contents for cell in cached if hasattr(cell.cell_contents, "crop")]
+    assert cache.get_seq_length() == 47 and cache.layers[0].keys.grad_fn is None
 
 
 def test_decode_overhead_row_is_per_token_with_a_bound_only_where_the_gpu_is_known(tiny_folder, monkeypatch):

@@ -81,6 +81,7 @@ def test_random_model_is_seeded_timing_only_and_uses_the_default_tokenizer(tiny_
     assert first.tokenizer.get_vocab() == default_tokenizer.get_vocab()
     assert first.model.generation_config.eos_token_id is None
     assert first.model.dtype == torch.float32
+    assert not first.model.training and not any(p.requires_grad for p in first.model.parameters())
 
 
 def test_random_model_refuses_a_device_map(tiny_shape):
