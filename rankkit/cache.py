@@ -114,6 +114,25 @@ class KVCache:
         per_head = self.padded[layer] or self.heads_differ[layer]
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head)
 
+    def roll_recent_window(self, layer: int, evicted_position: int | torch.Tensor) -> None:
+        """The newest entry (this step's token) takes the slot of the entry at ``evicted_position``
+        in every KV head, and the cache is one entry shorter again: a rolling window, no cache copy.
+
+        Every head must hold that position (each keeps the recent window). Entry order is free:
+        masks come from positions.
+        """
+        positions = self.positions[layer]
+        slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
+        heads = torch.arange(positions.shape[0], device=positions.device)
+        # copies: with one KV head torch refuses a write from a view of the written tensor
+        for tensor in (self.keys[layer], self.values[layer]):
+            tensor[0, heads, slot] = tensor[0, :, -1].clone()
+        positions[heads, slot] = positions[:, -1].clone()
+        # a view of the same storage: the next append writes the new token where the old last entry was
+        self.keys[layer] = self.keys[layer][:, :, :-1]
+        self.values[layer] = self.values[layer][:, :, :-1]
+        self.positions[layer] = positions[:, :-1]
+
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
 
@@ -249,6 +268,20 @@ class StaticKVCache(KVCache):
 
     def attention_mask(self, layer, query_positions, sliding_window=None):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
+
+    def roll_recent_window(self, layer, evicted_position):
+        """As ``KVCache.roll_recent_window``, in place: the newest entry (the slot before the layer's
+        next one) moves into the evicted one's slot and its own slot becomes padding. The next token
+        takes the next slot all the same (the buffers have room for every step); every index stays
+        on the device, so a captured step replays it."""
+        positions = self.positions[layer]
+        newest = self._next[layer : layer + 1] - 1
+        slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
+        heads = torch.arange(positions.shape[0], device=positions.device)
+        for tensor in (self.keys[layer], self.values[layer]):
+            tensor[0, heads, slot] = tensor[0].index_select(1, newest)[:, 0]
+        positions[heads, slot] = positions.index_select(1, newest)[:, 0]
+        positions.index_fill_(1, newest, PADDING)
 
     def compress(self, layer, keep):
         raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

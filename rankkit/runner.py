@@ -23,6 +23,7 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -109,6 +110,22 @@ class LayerHook:
 
         May evict or move cache entries before the next step (SAGE-KV's rolling window).
         """
+
+    def graph_key(self) -> Hashable | None:
+        """What this hook's decode steps do, as a key, when a CUDA graph may capture them; None
+        (the default) when ``after_decode_step`` runs Python a replay would skip.
+
+        A hook with a key has nothing to do in a decode step's layers, and its ``after_decode_step``
+        is fixed-shape device work that also takes a ``StaticKVCache`` and ``position`` as a
+        one-element tensor on the device. Decodes whose hooks have equal keys share a graph.
+        """
+        return None
+
+
+def graph_keys(hooks) -> tuple | None:
+    """The decode hooks' keys (``LayerHook.graph_key``), or None when any of them cannot be captured."""
+    keys = tuple(hook.graph_key() for hook in hooks)
+    return None if None in keys else keys
 
 
 @dataclass
@@ -426,21 +443,23 @@ class Runner:
     def decoder(self, prefill: PrefillResult, steps: int, hooks=()):
         """``step(token, position) -> logits`` continuing ``prefill`` for up to ``steps`` steps.
 
-        With ``cuda_graphs`` and no hooks, the steps run over a ``StaticKVCache`` copied from
-        the prefill's cache: captured once as a CUDA graph (per cache shape, reused by the next
-        decode of the same shape) and replayed on CUDA, run eagerly elsewhere; the prefill's
-        own cache is then left as the prefill made it. Hooks read or steer every step in
-        Python, which a graph would not replay: such a decode runs eagerly.
+        With ``cuda_graphs``, the steps run over a ``StaticKVCache`` copied from the prefill's
+        cache: captured once as a CUDA graph (per cache shape and hooks' keys, reused by the next
+        decode of the same) and replayed on CUDA, run eagerly elsewhere; the prefill's own cache
+        is then left as the prefill made it. A hook that reads or steers a step in Python, which a
+        graph would not replay (``LayerHook.graph_key`` None), makes the decode run eagerly.
         """
-        if not self.cuda_graphs or not steps or hooks:
+        keys = graph_keys(hooks)
+        if not self.cuda_graphs or not steps or keys is None:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
-        shape = StaticKVCache.shape_of(prefill.cache, steps)
+        shape = (StaticKVCache.shape_of(prefill.cache, steps), keys)
         if self._static is not None and self._static[0] == shape:
             decode = self._static[1]
             decode.cache.load(prefill.cache)
+            decode.hooks = hooks  # equal keys: the captured graph does what these hooks do
         else:
             self._static = None  # free the previous buffers and graph before making new ones
-            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps))
+            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), hooks)
             self._static = (shape, decode)
         return decode
 
@@ -516,9 +535,10 @@ class _StaticDecode:
     dynamic cache.
     """
 
-    def __init__(self, runner: Runner, cache: StaticKVCache):
+    def __init__(self, runner: Runner, cache: StaticKVCache, hooks=()):
         self.runner = runner
         self.cache = cache
+        self.hooks = hooks
         self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
         self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
         self.graphed = runner.device.type == "cuda"
@@ -541,4 +561,7 @@ class _StaticDecode:
         return self.logits
 
     def _step(self) -> torch.Tensor:
-        return self.runner._decode(self.token, self.position, self.cache, ())
+        logits = self.runner._decode(self.token, self.position, self.cache, ())
+        for hook in self.hooks:
+            hook.after_decode_step(self.cache, self.position)
+        return logits

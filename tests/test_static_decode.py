@@ -38,19 +38,54 @@ class NoTextTokenizer:
         return ""
 
 
-KV_METHODS = sorted(name for name in REGISTRY if name not in ("sage-kv", "sliminfer"))  # no decode hooks
+STEERING_DECODE = ("sliminfer", "tova")  # Python at every decode step: these decode eagerly
 
 
-@pytest.mark.parametrize("name", KV_METHODS)
-def test_every_method_without_decode_hooks_decodes_the_same_tokens_statically(name, random_ids):
+@pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(STEERING_DECODE)))
+def test_every_method_decodes_the_same_tokens_statically(name, random_ids):
     eager, static = _both("llama")
     runs = []
     for runner in (eager, static):
         method = make(name)
         method.prepare(runner, random_ids, tokenizer=NoTextTokenizer())
-        runs.append(run_once(runner, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(run_once(runner, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+        assert not [each for each in caught if "CUDA graph" in str(each.message)]  # none decodes eagerly
     assert runs[1].tokens == runs[0].tokens
     assert runs[1].kv_bytes == runs[0].kv_bytes
+    assert static._static is not None  # decoded over the static cache, as a graph would
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "sage-kv"])
+def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, random_ids):
+    """The window's eviction as device-side writes into fixed buffers: after every step each head
+    holds the dynamic cache's entries (positions and keys), whatever the slot order."""
+    eager, static = _both("llama")
+    budget = Budget.from_keep(0.5)
+    caches = []
+    for runner in (eager, static):
+        run = make(name).prefill(runner, random_ids, budget)
+        step = runner.decoder(run.result, NEW_TOKENS, run.decode_hooks)
+        token = torch.argmax(run.result.logits)
+        for position in range(40, 40 + NEW_TOKENS):
+            token = torch.argmax(step(token, position))
+        caches.append(step.cache if runner is static else run.result.cache)
+    assert isinstance(caches[1], StaticKVCache)
+    for layer in range(caches[0].num_layers):
+        for head in range(2):
+            expected, held = (_live_entries(cache, layer, head) for cache in caches)
+            assert [p for p, _ in held] == [p for p, _ in expected] and held[-1][0] == 40 + NEW_TOKENS - 1
+            assert len(expected) < 40  # the window rolled: the cache did not grow by the steps
+            for (_, key), (_, reference) in zip(held, expected, strict=True):
+                torch.testing.assert_close(key, reference)
+
+
+def _live_entries(cache, layer, head) -> list[tuple[int, torch.Tensor]]:
+    """(position, key) of a head's real entries, in position order (slots are in any order)."""
+    live = cache.positions[layer][head] != -1
+    entries = zip(cache.positions[layer][head][live].tolist(), cache.keys[layer][0, head][live], strict=True)
+    return sorted(entries, key=lambda entry: entry[0])
 
 
 def test_a_decode_of_the_same_shape_reuses_the_static_buffers(random_ids):
@@ -84,12 +119,12 @@ def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(random_ids):
     for runner in (eager, static):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            runs.append(run_once(runner, make("sage-kv"), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+            runs.append(run_once(runner, make("tova"), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
         runs[-1].warnings = [str(each.message) for each in caught if "graph" in str(each.message)]
     assert runs[1].tokens == runs[0].tokens
     assert runs[0].warnings == []
     assert runs[1].warnings == [
-        "method 'sage-kv' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
+        "method 'tova' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
     ]
 
 

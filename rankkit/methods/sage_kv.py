@@ -107,27 +107,12 @@ class SageKVHook(LayerHook):
         kept, self.kept = self.kept, None
         state.cache.compress_to_mask(layer, kept, self.budget)  # no head keeps more than the budget
 
-    def after_decode_step(self, cache: KVCache, position: int) -> None:
+    def graph_key(self):
+        return ("sage-kv", tuple(self.layer_splits[layer].recent for layer in sorted(self.layer_splits)))
+
+    def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
         for layer in range(cache.num_layers):
-            roll_recent_window(cache, layer, position - self.layer_splits[layer].recent)
-
-
-def roll_recent_window(cache: KVCache, layer: int, evicted_position: int | torch.Tensor) -> None:
-    """Step 4 on one layer: the newest entry (the last) takes the slot of ``evicted_position``.
-
-    Every KV head holds the recent window, so every head has that entry.
-    """
-    positions = cache.positions[layer]
-    slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
-    heads = torch.arange(positions.shape[0], device=positions.device)
-    # copies: with one KV head torch refuses a write from a view of the written tensor
-    for tensor in (cache.keys[layer], cache.values[layer]):
-        tensor[0, heads, slot] = tensor[0, :, -1].clone()
-    positions[heads, slot] = positions[:, -1].clone()
-    # a view of the same storage: the next append writes the new token where the old last entry was
-    cache.keys[layer] = cache.keys[layer][:, :, :-1]
-    cache.values[layer] = cache.values[layer][:, :, :-1]
-    cache.positions[layer] = positions[:, :-1]
+            cache.roll_recent_window(layer, position - self.layer_splits[layer].recent)
 
 
 @register

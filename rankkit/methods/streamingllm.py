@@ -18,7 +18,6 @@ import torch
 
 from rankkit.cache import KVCache
 from rankkit.methods.base import bounded, register
-from rankkit.methods.sage_kv import roll_recent_window
 from rankkit.methods.selection import Captured, PolicyMethod
 from rankkit.runner import AttentionCall, LayerHook
 
@@ -32,22 +31,32 @@ class Recency:
 
 class RollingWindow(LayerHook):
     """Decoding: every layer's cache keeps its sinks and ``capacity`` entries at most; the newest entry
-    takes the slot of the oldest one after the sinks (``roll_recent_window``, no cache copy)."""
+    takes the slot of the oldest one after the sinks (``KVCache.roll_recent_window``, no cache copy).
 
-    def __init__(self, capacity: int, sink_tokens: int):
+    ``rolling_from_start``: every layer already holds ``capacity`` entries, so every step rolls every
+    layer, the same device work each time, which a CUDA graph can capture.
+    """
+
+    def __init__(self, capacity: int, sink_tokens: int, rolling_from_start: bool):
         self.capacity = capacity
         self.sink_tokens = sink_tokens
+        self.rolling_from_start = rolling_from_start
 
-    def after_decode_step(self, cache: KVCache, position: int) -> None:
+    def graph_key(self):
+        return ("streamingllm", self.capacity, self.sink_tokens) if self.rolling_from_start else None
+
+    def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
         for layer in range(cache.num_layers):
             positions = cache.positions[layer][0]  # recency keeps the same entries in every head
+            # a static cache's buffers are wider than the capacity: it only decodes a window rolling from the start
             if positions.numel() <= self.capacity:
                 continue
-            # the oldest entry after the sinks, found on the device: no read of it per layer and step
+            # the oldest entry after the sinks (padding, -1, is below them), found on the device: no read
+            # of it per layer and step
             after_sinks = positions.masked_fill(
                 positions < self.sink_tokens, torch.iinfo(positions.dtype).max
             )
-            roll_recent_window(cache, layer, after_sinks.min())
+            cache.roll_recent_window(layer, after_sinks.min())
 
 
 @register
@@ -73,7 +82,9 @@ class StreamingLLM(PolicyMethod):
         length = int(input_ids.numel())
         _, keep, _, sinks = self._plan(runner.num_layers, length, budget, runner.layer_types)
         if keep < length:  # a budget that covers the prompt is full prefill, in decoding too (as SAGE-KV's)
-            run.decode_hooks = [RollingWindow(keep, sinks)]
+            cache = run.result.cache
+            held = [cache.get_seq_length(layer) for layer in range(cache.num_layers)]
+            run.decode_hooks = [RollingWindow(keep, sinks, rolling_from_start=min(held) >= keep)]
         return run
 
     def captured_inputs(self):
