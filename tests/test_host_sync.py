@@ -21,6 +21,9 @@ from rankkit.runner import Runner, greedy_continue
 
 SYNCING_OPERATORS = {
     "aten._local_scalar_dense.default",
+    # indexing with a 0-d integer tensor (``t[i]``) reads ``i`` through ``item`` in C++, which neither
+    # the Python-level reads below nor ``_local_scalar_dense`` (not dispatched under it) see
+    "aten.item.default",
     "aten.equal.default",
     "aten.nonzero.default",
     "aten.masked_select.default",
@@ -28,6 +31,7 @@ SYNCING_OPERATORS = {
     "aten.unique_dim.default",
     "aten.unique_consecutive.default",
 }
+SCALAR_OPERATORS = {"aten._local_scalar_dense.default", "aten.item.default"}  # what a Python-level read runs
 # Scalar reads of inference tensors skip the Python dispatcher, so they are caught at the
 # Python level too. ``.numpy()`` is left out: it needs a CPU tensor (a CPU-only path, rankkit.sorting).
 SCALAR_READS = {
@@ -50,7 +54,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name in SYNCING_OPERATORS and not (self.reading and name == "aten._local_scalar_dense.default"):
+        if name in SYNCING_OPERATORS and not (self.reading and name in SCALAR_OPERATORS):
             self.counts[name] += 1
         elif name == "aten.index.Tensor" and any(
             isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in args[1]

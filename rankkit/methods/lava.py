@@ -83,8 +83,8 @@ def apportion(total: int, weights: torch.Tensor, caps: torch.Tensor) -> torch.Te
     step = prefixes + passing  # the prefix the next round starts from (itself once none passes)
     for _ in range(max(1, count).bit_length()):
         step = step[step]
-    final = step[0]
-    shares = torch.where(open_[final], proposal[final], caps.double())
+    final = step[:1]  # a 1-element index: a 0-d one would be read back to the host to index with
+    shares = torch.where(open_.index_select(0, final)[0], proposal.index_select(0, final)[0], caps.double())
     whole = torch.floor(shares)
     missing = total - whole.sum()
     ranks = torch.empty_like(order).scatter_(

@@ -76,7 +76,7 @@ def chosen_blocks(
     best = descending_order(scores.masked_fill(~others, float("-inf")))[: max(0, count - 1)]
     best = best.to(blocks.device)
     picked = torch.where(others[best], blocks[best], -1)
-    return torch.cat([blocks[first][None], picked])
+    return torch.cat([blocks[first[None]], picked])  # a 0-d index would be read back to the host
 
 
 def block_count(keep_tokens: int, block_size: int) -> int:
