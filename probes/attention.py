@@ -38,11 +38,28 @@ def window_length(call: AttentionCall, window_size: int) -> int:
     return min(window_size, call.query.shape[2])
 
 
+SHARED_WINDOW = "window"  # AttentionCall.shared: (probabilities of the widest window, its last query's logits)
+
+
+def share_window(call: AttentionCall, window_size: int) -> None:
+    """Compute the attention of the widest window that several probes of one call read, once.
+
+    A narrower window's probabilities are its last rows (each query's softmax is its own, whatever
+    other queries the window holds) and the last query's logits are kept beside them; the other
+    rows' logits are dropped, so only one W x S block per query head stays alive.
+    """
+    logits = window_logits(call, window_size)
+    call.shared[SHARED_WINDOW] = (call.softmax(logits), logits[:, :, -1:].clone())
+
+
 def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
     """Scaled, capped logits of the window queries: float32 [kv_heads, group, W, S].
 
     Keys a query cannot see (later positions, cache padding, outside a sliding window) are -inf.
     """
+    shared = call.shared.get(SHARED_WINDOW)
+    if shared is not None and window_length(call, window_size) == 1:
+        return shared[1]
     kv_heads, keys_length = call.key.shape[1], call.key.shape[2]
     window = window_length(call, window_size)
     queries = call.query[0, :, -window:].float().reshape(kv_heads, call.group_size * window, -1)
@@ -66,4 +83,8 @@ def window_attention(call: AttentionCall, window_size: int) -> torch.Tensor:
     CLAA Eq. 5 / ASL Algorithm 1 lines 3-4 before any head reduction or pooling; a key
     outside a query's causal view contributes zero for that query.
     """
+    shared = call.shared.get(SHARED_WINDOW)
+    window = window_length(call, window_size)
+    if shared is not None and shared[0].shape[2] >= window:
+        return shared[0][:, :, -window:].sum(dim=2)
     return call.softmax(window_logits(call, window_size)).sum(dim=2)

@@ -23,6 +23,11 @@ class Probe:
     def score(self, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError
 
+    def attention_window(self) -> int | None:
+        """How many last queries' attention ``score`` reads (``probes.attention``), None when none: a
+        recorder of several such probes computes the widest window once for all of them."""
+        return None
+
     def layout(self) -> dict:
         """How the stored scores are laid out, recorded on the probe's score array (empty: one rule for all)."""
         return {}

@@ -31,5 +31,8 @@ class LastTokenHeadsProbe(Probe):
 
     name: ClassVar[str] = "last_token_heads"
 
+    def attention_window(self) -> int:
+        return 1
+
     def score(self, call: AttentionCall) -> torch.Tensor:
         return window_attention(call, 1).flatten(0, 1)

@@ -41,6 +41,9 @@ class LastTokenRawProbe(Probe):
     def layout(self) -> dict:
         return pooling_layout(self.pooling, self.kernel_size, 0)
 
+    def attention_window(self) -> int:
+        return 1
+
     def score(self, call: AttentionCall) -> torch.Tensor:
         summed = window_logits(call, 1)[:, :, 0].sum(dim=1)
         return pool_before_window(summed, 0, self.pooling, self.kernel_size)

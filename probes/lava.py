@@ -47,6 +47,9 @@ class LavaProbe(Probe):
     def layout(self) -> dict:
         return pooling_layout(self.pooling, self.kernel_size, self.window_size)
 
+    def attention_window(self) -> int:
+        return self.window_size
+
     def score(self, call: AttentionCall) -> torch.Tensor:
         window = window_length(call, self.window_size)
         value_norms = call.value[0].float().abs().sum(dim=-1).masked_fill_(call.key_positions == PADDING, 0.0)

@@ -48,6 +48,9 @@ class WindowProbe(Probe):
     def layout(self) -> dict:
         return pooling_layout(self.pooling, self.kernel_size, self.window_size)
 
+    def attention_window(self) -> int:
+        return self.window_size
+
     def score(self, call: AttentionCall) -> torch.Tensor:
         attention = window_attention(call, self.window_size)
         window = window_length(call, self.window_size)

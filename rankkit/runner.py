@@ -68,6 +68,8 @@ class AttentionCall:
     softcap: float | None = None  # Gemma 2/3: logits become softcap * tanh(logits / softcap)
     sinks: torch.Tensor | None = None  # GPT-OSS: [q_heads] sink logits joining the softmax denominator
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
+    # what several hooks derive from this call, computed once (``probes.attention.share_window``)
+    shared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:

@@ -134,3 +134,32 @@ def test_nothing_recorded_or_nothing_to_record_is_empty():
 def test_a_probe_may_be_recorded_once():
     with pytest.raises(RankkitError, match="each probe may be recorded once; got handed_kv, handed_kv"):
         ProbeRecorder([HandedKV(), HandedKV()])
+
+
+def test_probes_reading_window_attention_share_one_computation_and_score_as_alone(monkeypatch):
+    """The widest window's attention is computed once per layer for every probe of a recorder; each
+    probe's scores are those it gives recorded on its own (a narrower window is the widest's last rows)."""
+    from conftest import tiny_model
+
+    from rankkit.probes import attention, parse_probes
+    from rankkit.runner import Runner
+
+    runner = Runner(tiny_model("llama"))
+    ids = torch.randint(0, 97, (48,), generator=torch.Generator().manual_seed(5))
+    probes = parse_probes("all")
+    assert sorted(probe.attention_window() or 0 for probe in probes) == [0, 1, 1, 8, 32]
+    computed = []
+    logits = attention.window_logits
+    monkeypatch.setattr(attention, "window_logits", lambda call, w: computed.append(w) or logits(call, w))
+
+    def scores(recorded):
+        recorder = ProbeRecorder(recorded)
+        runner.prefill(ids, hooks=[recorder])
+        return recorder.scores()
+
+    together = scores(probes)
+    assert computed == [32] * runner.num_layers  # lava's window, which holds every narrower one
+    for probe in probes:
+        alone = scores([probe])
+        np.testing.assert_allclose(together[probe.key], alone[probe.key], rtol=1e-5, atol=1e-6)
+    assert len(computed) > runner.num_layers  # alone, each window probe computed its own
