@@ -6,7 +6,8 @@ difference is that every model is built once and shared by the steps (``models.l
 memoised here), and peak memory is the CUDA allocator's, read in this process
 (``overhead.peak_memory``) instead of a fresh one per side. Steps run in the order given,
 each under its own time limit; a step that fails or runs out of time is recorded and the
-next one starts. One JSON object per step goes to ``OUT/gpu-table.jsonl`` as it finishes.
+next one starts. One JSON object per step goes to ``OUT/gpu-table.jsonl`` as it finishes. The
+``profile-*`` steps record where a decode step's and a capture's device time goes (torch.profiler).
 
     python3 tools/bench_gpu.py OUT [STEP ...]   # default: every step, in STEPS order
 """
@@ -64,6 +65,34 @@ def _bench(methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, war
     return run
 
 
+def _profile(scenario, length, model=SHAPE, top=25):
+    """The rankkit side of an overhead scenario under torch.profiler, after a warm-up: the operators
+    and kernels by device time (by CPU time where there is no GPU), their top rows and the table."""
+
+    def run():
+        from torch.profiler import ProfilerActivity, profile
+
+        loaded = models.load(model, device="auto")
+        on_gpu = loaded.device.type == "cuda"
+        with torch.inference_mode():
+            sides = overhead._sides(scenario, loaded, length)
+            sides.rankkit()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            with profile(activities=activities) as profiled:
+                sides.rankkit()
+                if on_gpu:
+                    torch.cuda.synchronize()
+        sort_by = "device_time_total" if on_gpu else "cpu_time_total"
+        averages = profiled.key_averages()
+        rows = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:top]
+        return {
+            "top": [{"name": row.key, "calls": row.count, "us": getattr(row, sort_by)} for row in rows],
+            "table": averages.table(sort_by=sort_by, row_limit=top),
+        }
+
+    return run
+
+
 # name: (time limit in seconds, the run), in the order of what the lease must measure first
 STEPS = {
     "decode": (90, _overhead("decode", [8192, 32768])),
@@ -84,6 +113,9 @@ STEPS = {
     "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
     "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
     "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
+    # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
+    "profile-decode": (90, _profile("decode", 32768)),
+    "profile-capture": (60, _profile("capture", 8192)),
 }
 
 
