@@ -243,6 +243,37 @@ class _Step:
         return self.runner.attention(query, key, value, mask, scaling)
 
 
+DECODE_SPLIT = 256  # keys per split of a masked decode step (a static buffer grows in such steps too)
+
+
+def split_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One query per head over a masked cache, its keys split as flash-decoding splits them.
+
+    ``query`` [1, kv_heads, group, d] (each KV head's query heads folded into the query axis),
+    ``key``/``value`` [1, kv_heads, S, d], ``mask`` bool [1, kv_heads or 1, 1, S] (True = attend).
+    SDPA takes a mask only in kernels that parallelise over heads and query blocks: one block per
+    KV head for a decode step, a few of a GPU's SMs reading the whole cache. Here the logits are
+    one batched product over every key, the softmax is taken over the whole row, and the values
+    are summed per split of ``DECODE_SPLIT`` keys, a batch of KV heads x splits, then over the
+    splits (each split's share is already normalised, so the parts just add). Logits come out of
+    the product in the model's dtype and the softmax runs in float32, as the families' eager code
+    computes them. Returns [1, kv_heads, group, d].
+    """
+    logits = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scaling)
+    weights = logits.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(value.dtype)[0]
+    kv_heads, group, keys = weights.shape
+    whole = keys - keys % DECODE_SPLIT
+    splits = whole // DECODE_SPLIT
+    split_weights = weights[..., :whole].reshape(kv_heads, group, splits, DECODE_SPLIT).transpose(1, 2)
+    split_values = value[0, :, :whole].reshape(kv_heads, splits, DECODE_SPLIT, value.shape[-1])
+    out = torch.matmul(split_weights, split_values).float().sum(dim=1)
+    if whole < keys:
+        out += torch.matmul(weights[..., whole:], value[0, :, whole:]).float()
+    return out[None].to(value.dtype)
+
+
 def eager_attention(call: AttentionCall, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention with the terms SDPA cannot take (soft-capping, sinks), computed as the family's eager code does.
 
@@ -282,6 +313,9 @@ class Runner:
         self.config = self.body.config
         self.device = self.body.embed_tokens.weight.device
         self._flash = _flash_attn_func() if self.device.type == "cuda" else None
+        # a masked decode step (a static cache, ragged heads) by key splits where SDPA would leave a
+        # GPU mostly idle; elsewhere SDPA's kernels serve (a test turns the split path on on CPU)
+        self.split_masked_decode = self.device.type == "cuda"
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
 
     @contextmanager
@@ -324,7 +358,10 @@ class Runner:
             # One query per head: fold each KV group's query heads into the query axis,
             # so keys and values are read once per KV head and never repeated.
             folded = query.reshape(1, kv_heads, groups, query.shape[-1])
-            out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+            if mask is not None and self.split_masked_decode:
+                out = split_decode_attention(folded, key, value, mask, scaling)
+            else:
+                out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
             return out.reshape(1, query.shape[1], 1, -1).transpose(1, 2)
         if mask is not None and mask.shape[1] > 1:
             mask = mask.repeat_interleave(groups, dim=1)

@@ -218,10 +218,12 @@ def test_sliminfer_reads_each_pruning_layers_blocks_once_and_nothing_per_layer_i
     assert any(decision.swapped for decision in run.decode_hooks[0].decisions)
 
 
-def test_a_static_cache_decode_step_reads_only_the_token():
+@pytest.mark.parametrize("split", [False, True])  # SDPA's masked kernel, or the split path CUDA takes
+def test_a_static_cache_decode_step_reads_only_the_token(split):
     for shape in SHAPES:
         runner = _runner(*shape)
         runner.cuda_graphs = True
+        runner.split_masked_decode = split
         with torch.inference_mode():
             greedy_continue(runner, runner.prefill(PROMPT), 1 + DECODE_STEPS)  # builds the static buffers
             first, steps = (runner.prefill(PROMPT) for _ in range(2))

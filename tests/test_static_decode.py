@@ -143,3 +143,53 @@ def test_cuda_graphs_with_a_device_map_is_refused_before_anything_loads():
 
     with pytest.raises(RankkitError, match="--cuda-graphs decodes on one device"):
         Setup(device_map="auto", cuda_graphs=True)
+
+
+@pytest.mark.parametrize("keys", [40, 256, 600])  # below one split, exactly two, two and a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_attention_is_sdpa_over_the_same_mask(keys, dtype):
+    from rankkit.runner import split_decode_attention
+
+    generator = torch.Generator().manual_seed(keys)
+    kv_heads, group, dim = 2, 3, 16
+    query, key, value = (
+        torch.randn(1, kv_heads, rows, dim, generator=generator).to(dtype) for rows in (group, keys, keys)
+    )
+    mask = torch.rand(1, kv_heads, 1, keys, generator=generator) < 0.7  # ragged heads, padding anywhere
+    mask[..., -1] = True  # the new token sees itself
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, scale=0.3
+    )
+    got = split_decode_attention(query, key, value, mask, 0.3)
+    assert got.shape == (1, kv_heads, group, dim) and got.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.02}
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+    shared = mask[:, :1]  # one mask for every head (a cache whose heads keep the same entries)
+    torch.testing.assert_close(
+        split_decode_attention(query, key, value, shared, 0.3).float(),
+        torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), attn_mask=shared, scale=0.3
+        ),
+        **tolerance,
+    )
+
+
+@pytest.mark.parametrize("name", ["full", "sage-kv", "adakv", "streamingllm"])
+def test_the_split_masked_decode_chooses_sdpas_tokens(name, random_ids, monkeypatch):
+    """The split path, on by default on CUDA, turned on here: a static cache (masked tail) and ragged
+    heads (masked padding) decode the tokens SDPA's masked kernels choose."""
+    from rankkit import runner as runner_module
+
+    split = runner_module.split_decode_attention
+    calls = []
+    monkeypatch.setattr(runner_module, "split_decode_attention", lambda *args: calls.append(1) or split(*args))
+    eager, static = _both("llama")
+    assert not eager.split_masked_decode  # off on CPU
+    static.split_masked_decode = True
+    runs = []
+    for runner in (eager, static):
+        method = make(name)
+        method.prepare(runner, random_ids, tokenizer=NoTextTokenizer())
+        runs.append(run_once(runner, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+    assert runs[1].tokens == runs[0].tokens
+    assert len(calls) == (NEW_TOKENS - 1) * static.num_layers  # every layer of every decode step split
