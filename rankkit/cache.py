@@ -60,7 +60,10 @@ class KVCache:
         ready = self._ready.pop(layer_idx, None)
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-        new_positions = self._incoming.to(key.device).expand(key.shape[1], -1)  # beside its layer's keys
+        incoming = self._incoming
+        if incoming.device != key.device:  # a device map: beside its layer's keys (a same-device .to costs too)
+            incoming = incoming.to(key.device)
+        new_positions = incoming.expand(key.shape[1], -1)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value

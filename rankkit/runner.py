@@ -221,7 +221,7 @@ class _Step:
 
     def attend(self, layer, query, key, value, scaling, sliding_window, softcap, sinks):
         key_positions = self.cache.positions[layer]
-        positions = self.positions.to(key_positions.device)
+        positions = self.positions.to(key_positions.device) if self.runner.spread else self.positions
         call = AttentionCall(
             layer,
             self.phase,
@@ -312,6 +312,9 @@ class Runner:
         self.body = getattr(model.model, "language_model", model.model)
         self.config = self.body.config
         self.device = self.body.embed_tokens.weight.device
+        # a device map may put each layer elsewhere: only then do the step's tensors follow the layers
+        self._layer_devices = [next(layer.parameters()).device for layer in self.body.layers]
+        self.spread = len(set(self._layer_devices)) > 1
         self._flash = _flash_attn_func() if self.device.type == "cuda" else None
         # a masked decode step (a static cache, ragged heads) by key splits where SDPA would leave a
         # GPU mostly idle; elsewhere SDPA's kernels serve (a test turns the split path on on CPU)
@@ -378,15 +381,17 @@ class Runner:
         live = []
         for index, layer in enumerate(self.body.layers):
             live.append(hidden.shape[1])
-            device = next(layer.parameters()).device  # a device map may put each layer elsewhere
             cos, sin = position_embeddings[self._rotary_kinds[index]]
+            if self.spread:  # each call, even to the device a tensor is on, costs the host a dispatch
+                device = self._layer_devices[index]
+                hidden, cos, sin = hidden.to(device), cos.to(device), sin.to(device)
             hidden = layer(
-                hidden.to(device),
+                hidden,
                 attention_mask=None,
                 position_ids=positions[None],
                 past_key_values=cache,
                 use_cache=True,
-                position_embeddings=(cos.to(device), sin.to(device)),
+                position_embeddings=(cos, sin),
                 rankkit_step=step,
             )
             if state is None:

@@ -67,6 +67,41 @@ def test_explicit_per_layer_device_map_runs_like_the_model(tiny_folder):
     generation = Runner(loaded.model).generate(ids, 4)
     assert generation.tokens == expected
     assert all(keys.device.type == "cpu" for keys in generation.prefill.cache.keys)
+    spread = Runner(loaded.model)
+    spread.spread = True  # the path of layers on several devices: every tensor follows its layer
+    assert spread.generate(ids, 4).tokens == expected
+
+
+def test_a_decode_step_on_one_device_moves_nothing_per_layer(random_ids):
+    """A ``.to`` to the device a tensor is already on launches nothing but still costs the host a
+    dispatch, per layer, which an eager GPU decode pays in time: only a spread runner calls them."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rankkit.runner import greedy_continue
+
+    class Moves(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += str(func) in ("aten.to.device", "aten.to.dtype_layout", "aten._to_copy.default")
+            return func(*args, **(kwargs or {}))
+
+    moved = Counter()
+    for spread in (False, True):
+        runner = Runner(tiny_model("llama"))
+        assert not runner.spread
+        runner.spread = spread
+        with torch.inference_mode():
+            prefill = runner.prefill(random_ids)
+            with Moves() as moves:
+                greedy_continue(runner, prefill, 3)  # two decode steps
+        moved[spread] = moves.count
+    # the hidden state, cos, sin and the queries' positions, at every layer of both steps
+    assert moved[True] - moved[False] == 4 * runner.num_layers * 2
 
 
 def _reference_pruned_logits(model, ids, layer, keep):
