@@ -244,6 +244,9 @@ class _Step:
 
 
 DECODE_SPLIT = 256  # keys per split of a masked decode step (a static buffer grows in such steps too)
+# From this many keys a masked decode step on CUDA splits them: below it one SDPA kernel over the
+# cache costs less than the split path's five launches (an eager small-model step is launch-bound).
+SPLIT_DECODE_FROM = 8192
 
 
 def split_decode_attention(
@@ -316,9 +319,9 @@ class Runner:
         self._layer_devices = [next(layer.parameters()).device for layer in self.body.layers]
         self.spread = len(set(self._layer_devices)) > 1
         self._flash = _flash_attn_func() if self.device.type == "cuda" else None
-        # a masked decode step (a static cache, ragged heads) by key splits where SDPA would leave a
-        # GPU mostly idle; elsewhere SDPA's kernels serve (a test turns the split path on on CPU)
-        self.split_masked_decode = self.device.type == "cuda"
+        # the keys from which a masked decode step (a static cache, ragged heads) is split, where SDPA
+        # would leave a GPU mostly idle; None: SDPA's kernels serve (CPU; a test lowers it to 0 there)
+        self.split_decode_from = SPLIT_DECODE_FROM if self.device.type == "cuda" else None
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
 
     @contextmanager
@@ -361,7 +364,7 @@ class Runner:
             # One query per head: fold each KV group's query heads into the query axis,
             # so keys and values are read once per KV head and never repeated.
             folded = query.reshape(1, kv_heads, groups, query.shape[-1])
-            if mask is not None and self.split_masked_decode:
+            if mask is not None and self.split_decode_from is not None and key.shape[2] >= self.split_decode_from:
                 out = split_decode_attention(folded, key, value, mask, scaling)
             else:
                 out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)

@@ -223,7 +223,7 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
     for shape in SHAPES:
         runner = _runner(*shape)
         runner.cuda_graphs = True
-        runner.split_masked_decode = split
+        runner.split_decode_from = 0 if split else None
         with torch.inference_mode():
             greedy_continue(runner, runner.prefill(PROMPT), 1 + DECODE_STEPS)  # builds the static buffers
             first, steps = (runner.prefill(PROMPT) for _ in range(2))

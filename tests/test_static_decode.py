@@ -184,8 +184,8 @@ def test_the_split_masked_decode_chooses_sdpas_tokens(name, random_ids, monkeypa
     calls = []
     monkeypatch.setattr(runner_module, "split_decode_attention", lambda *args: calls.append(1) or split(*args))
     eager, static = _both("llama")
-    assert not eager.split_masked_decode  # off on CPU
-    static.split_masked_decode = True
+    assert eager.split_decode_from is None  # off on CPU
+    static.split_decode_from = 0  # however few the keys
     runs = []
     for runner in (eager, static):
         method = make(name)
@@ -193,3 +193,6 @@ def test_the_split_masked_decode_chooses_sdpas_tokens(name, random_ids, monkeypa
         runs.append(run_once(runner, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS))
     assert runs[1].tokens == runs[0].tokens
     assert len(calls) == (NEW_TOKENS - 1) * static.num_layers  # every layer of every decode step split
+    static.split_decode_from = 10_000  # more keys than the cache holds: SDPA's kernel, no split
+    run_once(static, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS)
+    assert len(calls) == (NEW_TOKENS - 1) * static.num_layers
