@@ -32,6 +32,13 @@ def allowed_keys(
     return allowed[None]
 
 
+def _slots_of(positions: torch.Tensor, position: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head's index [kv_heads] and the slot [kv_heads] where it holds ``position``, found on
+    the device (every head holds it)."""
+    heads = torch.arange(positions.shape[0], device=positions.device)
+    return heads, (positions == position).int().argmax(dim=1)
+
+
 class KVCache:
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
@@ -125,8 +132,7 @@ class KVCache:
         masks come from positions.
         """
         positions = self.positions[layer]
-        slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
-        heads = torch.arange(positions.shape[0], device=positions.device)
+        heads, slot = _slots_of(positions, evicted_position)
         # copies: with one KV head torch refuses a write from a view of the written tensor
         for tensor in (self.keys[layer], self.values[layer]):
             tensor[0, heads, slot] = tensor[0, :, -1].clone()
@@ -279,8 +285,7 @@ class StaticKVCache(KVCache):
         on the device, so a captured step replays it."""
         positions = self.positions[layer]
         newest = self._next[layer : layer + 1] - 1
-        slot = (positions == evicted_position).int().argmax(dim=1)  # [kv_heads]
-        heads = torch.arange(positions.shape[0], device=positions.device)
+        heads, slot = _slots_of(positions, evicted_position)
         for tensor in (self.keys[layer], self.values[layer]):
             tensor[0, heads, slot] = tensor[0].index_select(1, newest)[:, 0]
         positions[heads, slot] = positions.index_select(1, newest)[:, 0]
