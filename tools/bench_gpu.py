@@ -93,11 +93,17 @@ def _profile(scenario, length, model=SHAPE, top=25):
     return run
 
 
-# name: (time limit in seconds, the run), in the order of what the lease must measure first
+# name: (time limit in seconds, the run), in the order of what the next lease must measure first:
+# the rows unmeasured or changed since the last one, then where the time goes, then the rest
 STEPS = {
     "decode": (90, _overhead("decode", [8192, 32768])),
     "decode-graphs": (120, _overhead("decode", [8192, 32768], cuda_graphs=True)),
+    "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
+    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
     "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
+    # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
+    "profile-decode": (90, _profile("decode", 32768)),
+    "profile-capture": (60, _profile("capture", 8192)),
     "small-4k": (
         90,
         _bench(
@@ -109,13 +115,8 @@ STEPS = {
         ),
     ),
     "runner": (60, _overhead("runner", [8192, 32768])),
-    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
-    "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
     "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
     "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
-    # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
-    "profile-decode": (90, _profile("decode", 32768)),
-    "profile-capture": (60, _profile("capture", 8192)),
 }
 
 
