@@ -145,6 +145,7 @@ SCENARIOS: dict[str, tuple[Callable, str, str]] = {
 }
 
 
+@torch.inference_mode()  # a side's own setup (a prompt cache, a prefill) keeps no autograd state
 def _sides(scenario: str, loaded, length: int, cuda_graphs: bool = False) -> Sides:
     build = SCENARIOS[scenario][0]
     ids = prompt_ids(loaded.tokenizer, length).to(loaded.device)
@@ -229,8 +230,7 @@ def run_overhead(
     rows = []
     for length in lengths:
         times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
-        with torch.inference_mode():  # the sides' own setup (a cache, a prefill) keeps no autograd state
-            sides = _sides(scenario, loaded, length, cuda_graphs)
+        sides = _sides(scenario, loaded, length, cuda_graphs)
         if with_timing:
             times = _interleaved_times(sides, loaded.device, repeats, progress)
         row = {
