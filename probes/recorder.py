@@ -9,6 +9,7 @@ import torch
 
 from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
+from rankkit.models import to_host
 from rankkit.runner import AttentionCall, LayerHook
 
 from .attention import SHARED_WINDOW, share_window
@@ -81,7 +82,7 @@ class ProbeRecorder(LayerHook):
             laid_out = torch.full((*stacked.shape[:2], length + 1), float("nan"), device=stacked.device)
             recorded.append(laid_out.scatter_(2, rows, stacked)[..., :-1])
         # one transfer for every probe: each copy from the device waits for it
-        host = torch.cat([scores.reshape(-1) for scores in recorded]).cpu()
+        host = to_host(torch.cat([scores.reshape(-1) for scores in recorded]))
         pieces = host.split([scores.numel() for scores in recorded])
         return {
             probe.key: pieces[index].reshape(recorded[index].shape).numpy()

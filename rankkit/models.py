@@ -89,6 +89,18 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory. From a GPU the copy lands in page-locked memory, which the copy
+    engine fills at the link's speed (a copy into pageable memory goes through a bounce buffer, at
+    a fraction of it); PyTorch's host allocator keeps freed page-locked blocks for the next copy."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("RANKKIT_CACHE", Path.home() / ".cache" / "rankkit"))
 
