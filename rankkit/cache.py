@@ -256,6 +256,13 @@ class StaticKVCache(KVCache):
         lengths = [-(-(positions.shape[1] + room) // STATIC_BUCKET) for positions in cache.positions]
         return (tuple(lengths), tuple(cache.keys[0].shape[1::2]), cache.keys[0].dtype, cache.keys[0].device)
 
+    @staticmethod
+    def buffer_bytes(shape: tuple) -> int:
+        """Bytes the buffers of a static cache of ``shape`` (``shape_of``) hold: keys, values, positions."""
+        lengths, (kv_heads, head_dim), dtype, _ = shape
+        slots = sum(lengths) * STATIC_BUCKET * kv_heads
+        return slots * (2 * head_dim * dtype.itemsize + torch.empty((), dtype=torch.long).element_size())
+
     def load(self, cache: KVCache) -> None:
         """Copy ``cache``'s entries into these buffers (every slot after them padding)."""
         for layer in range(self.num_layers):

@@ -23,6 +23,7 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Hashable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -243,6 +244,11 @@ class _Step:
         return self.runner.attention(query, key, value, mask, scaling)
 
 
+# With CUDA graphs a static decode (its buffers and its captured step) is kept per cache shape, so
+# methods timed in interleaved rounds each replay their own graph instead of capturing it again;
+# the kept ones hold at most this share of the device's memory, the rest is the next prefill's.
+STATIC_DECODES_SHARE = 0.25
+
 DECODE_SPLIT = 256  # keys per split of a masked decode step (a static buffer grows in such steps too)
 # From this many keys a masked decode step on CUDA splits them: below it one SDPA kernel over the
 # cache costs less than the split path's five launches (an eager small-model step is launch-bound).
@@ -310,7 +316,8 @@ class Runner:
         _register_attention()
         self.model = model
         self.cuda_graphs = cuda_graphs
-        self._static: tuple[tuple, _StaticDecode] | None = None  # the last static decode, kept for its graph
+        # static decodes kept for their graphs, by cache shape and hooks' keys, least recently used first
+        self._static_decodes: OrderedDict[tuple, _StaticDecode] = OrderedDict()
         # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
         self.body = getattr(model.model, "language_model", model.model)
         self.config = self.body.config
@@ -491,24 +498,50 @@ class Runner:
         """``step(token, position) -> logits`` continuing ``prefill`` for up to ``steps`` steps.
 
         With ``cuda_graphs``, the steps run over a ``StaticKVCache`` copied from the prefill's
-        cache: captured once as a CUDA graph (per cache shape and hooks' keys, reused by the next
-        decode of the same) and replayed on CUDA, run eagerly elsewhere; the prefill's own cache
-        is then left as the prefill made it. A hook that reads or steers a step in Python, which a
+        cache: captured once as a CUDA graph per cache shape and hooks' keys (kept for the next
+        decode of the same while ``STATIC_DECODES_SHARE`` allows) and replayed on CUDA, run
+        eagerly elsewhere; the prefill's own cache is then left as the prefill made it. A hook that reads or steers a step in Python, which a
         graph would not replay (``LayerHook.graph_key`` None), makes the decode run eagerly.
         """
-        keys = graph_keys(hooks)
-        if not self.cuda_graphs or not steps or keys is None:
+        shape = self._static_shape(prefill, steps, hooks)
+        if shape is None:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
-        shape = (StaticKVCache.shape_of(prefill.cache, steps), keys)
-        if self._static is not None and self._static[0] == shape:
-            decode = self._static[1]
+        decode = self._static_decodes.pop(shape, None)
+        if decode is not None:
             decode.cache.load(prefill.cache)
             decode.hooks = hooks  # equal keys: the captured graph does what these hooks do
         else:
-            self._static = None  # free the previous buffers and graph before making new ones
+            self._make_room(StaticKVCache.buffer_bytes(shape[0]))
             decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), hooks)
-            self._static = (shape, decode)
+        self._static_decodes[shape] = decode
         return decode
+
+    def kept_static_bytes(self, prefill: PrefillResult, steps: int, hooks=()) -> int:
+        """Bytes of the kept static decode that ``decoder(prefill, steps, hooks)`` would reuse (0 if none):
+        allocated before a run that replays it, yet that run's memory all the same."""
+        shape = self._static_shape(prefill, steps, hooks)
+        return StaticKVCache.buffer_bytes(shape[0]) if shape in self._static_decodes else 0
+
+    def _static_shape(self, prefill: PrefillResult, steps: int, hooks) -> tuple | None:
+        """What a static decode of ``prefill`` is kept and found by; None when the decode runs eagerly."""
+        keys = graph_keys(hooks)
+        if not self.cuda_graphs or not steps or keys is None:
+            return None
+        return StaticKVCache.shape_of(prefill.cache, steps), keys
+
+    def _make_room(self, needed: int) -> None:
+        """Drop the least recently used static decodes until, with ``needed`` more bytes, the kept ones
+        hold at most ``STATIC_DECODES_SHARE`` of the device's memory (elsewhere: none but the newest)."""
+        share = self._static_decodes_bytes()
+        held = sum(StaticKVCache.buffer_bytes(cache_shape) for cache_shape, _ in self._static_decodes)
+        while self._static_decodes and held + needed > share:
+            (cache_shape, _), _ = self._static_decodes.popitem(last=False)
+            held -= StaticKVCache.buffer_bytes(cache_shape)
+
+    def _static_decodes_bytes(self) -> float:
+        if self.device.type != "cuda":
+            return 0  # the steps run eagerly: a kept buffer would buy nothing
+        return STATIC_DECODES_SHARE * torch.cuda.get_device_properties(self.device).total_memory
 
     def eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id

@@ -54,7 +54,7 @@ def test_every_method_decodes_the_same_tokens_statically(name, random_ids):
         assert not [each for each in caught if "CUDA graph" in str(each.message)]  # none decodes eagerly
     assert runs[1].tokens == runs[0].tokens
     assert runs[1].kv_bytes == runs[0].kv_bytes
-    assert static._static is not None  # decoded over the static cache, as a graph would
+    assert static._static_decodes  # decoded over the static cache, as a graph would
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "sage-kv"])
@@ -93,10 +93,42 @@ def test_a_decode_of_the_same_shape_reuses_the_static_buffers(random_ids):
     ids = [random_ids, random_ids.flip(0)]
     expected = [eager.generate(each, NEW_TOKENS).tokens for each in ids]
     first = static.generate(ids[0], NEW_TOKENS).tokens
-    buffers = static._static[1]
+    (buffers,) = static._static_decodes.values()
+    prefill = static.prefill(ids[1])
+    assert static.kept_static_bytes(prefill, NEW_TOKENS) == buffers.cache.buffer_bytes(
+        StaticKVCache.shape_of(prefill.cache, NEW_TOKENS)
+    )
     second = static.generate(ids[1], NEW_TOKENS).tokens
-    assert static._static[1] is buffers  # the same buffers (and on CUDA the same graph), refilled
+    assert list(static._static_decodes.values()) == [buffers]  # the same buffers (on CUDA the same graph), refilled
     assert [first, second] == expected
+
+
+def _decode_of(runner: Runner, ids: torch.Tensor, keep: float):
+    run = make("snapkv").prefill(runner, ids, Budget.from_keep(keep))
+    return runner.decoder(run.result, NEW_TOKENS, run.decode_hooks)
+
+
+@pytest.mark.parametrize(("decodes_that_fit", "reused"), [(2, True), (1, False)])
+def test_interleaved_shapes_each_keep_their_decode_while_their_share_of_memory_allows(
+    monkeypatch, decodes_that_fit, reused
+):
+    """Methods timed in interleaved rounds replay their own graphs, the kept buffers bounded in bytes,
+    the least recently used dropped first."""
+    runner = Runner(tiny_model("llama"), cuda_graphs=True)
+    long_ids = torch.randint(0, 97, (2 * STATIC_BUCKET,), generator=torch.Generator().manual_seed(2))
+    first = _decode_of(runner, long_ids, 1.0)
+    shape = next(iter(runner._static_decodes))[0]
+    assert StaticKVCache.buffer_bytes(shape) == sum(
+        tensor.numel() * tensor.element_size()
+        for tensor in (*first.cache.keys, *first.cache.values, *first.cache.positions)
+    )
+    share = decodes_that_fit * StaticKVCache.buffer_bytes(shape)
+    monkeypatch.setattr(runner, "_static_decodes_bytes", lambda: share)
+    other = _decode_of(runner, long_ids, 0.1)  # one bucket, where the whole prompt takes three
+    assert other is not first
+    again = _decode_of(runner, long_ids, 1.0)
+    assert (again is first) == reused
+    assert len(runner._static_decodes) == decodes_that_fit
 
 
 def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids):

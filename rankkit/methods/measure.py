@@ -76,6 +76,7 @@ def run_once(
                 stacklevel=2,
             )
         cache_positions = list(run.result.cache.positions)  # decoding replaces the tensors, never edits them
+        reused_bytes = runner.kept_static_bytes(run.result, max_new_tokens, run.decode_hooks)
         tokens = greedy_continue(
             runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
         )
@@ -97,7 +98,9 @@ def run_once(
         live_tokens=run.live_tokens,
         passes=run.passes,
         selection_layer=run.selection_layer,
-        peak_mem_bytes=peak.bytes(),
+        # buffers allocated by an earlier run of this shape serve this one: they count as its own
+        # (an upper bound when the run's peak came before decoding began)
+        peak_mem_bytes=None if peak.bytes() is None else peak.bytes() + reused_bytes,
         kept_positions=None if run.kept_positions is None else run.kept_positions.tolist(),
         cache_positions=cache_positions,
     )
