@@ -93,6 +93,60 @@ def _profile(scenario, length, model=SHAPE, top=25):
     return run
 
 
+def _split_threshold(
+    key_counts=(1024, 2048, 4096, 8192, 16384, 32768), calls=32, kv_heads=8, group=4, head_dim=128
+):
+    """A masked decode step's attention at the 8B shape, SDPA against ``runner.split_decode_attention``,
+    per call: eagerly (launches included) and replayed from a graph of ``calls`` calls (a layer's
+    worth each), for where ``SPLIT_DECODE_FROM`` should lie in each mode."""
+
+    def run():
+        from rankkit.runner import split_decode_attention
+
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        ways = {
+            "sdpa": lambda query, key, value, mask: torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=head_dim**-0.5
+            ),
+            "split": lambda query, key, value, mask: split_decode_attention(
+                query, key, value, mask, head_dim**-0.5
+            ),
+        }
+        rows = []
+        for keys in key_counts:
+            query = torch.randn(1, kv_heads, group, head_dim, device=device, dtype=dtype)
+            key, value = (
+                torch.randn(1, kv_heads, keys, head_dim, device=device, dtype=dtype) for _ in range(2)
+            )
+            mask = torch.rand(1, kv_heads, 1, keys, device=device) > 0.1
+            inputs = (query, key, value, mask)
+            row = {"keys": keys}
+            for name, attend in ways.items():
+                for _ in range(3):
+                    attend(*inputs)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(calls):
+                    attend(*inputs)
+                torch.cuda.synchronize()
+                row[f"{name}_eager_us"] = (time.perf_counter() - started) / calls * 1e6
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls):
+                        attend(*inputs)
+                graph.replay()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+                row[f"{name}_graph_us"] = (time.perf_counter() - started) / (5 * calls) * 1e6
+            rows.append(row)
+        return rows
+
+    return run
+
+
 # name: (time limit in seconds, the run), in the order of what the next lease must measure first:
 # the rows unmeasured or changed since the last one, then where the time goes, then the rest
 STEPS = {
@@ -102,6 +156,7 @@ STEPS = {
     "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
     "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
     # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
+    "split-threshold": (30, _split_threshold()),
     "profile-decode": (90, _profile("decode", 32768)),
     "profile-capture": (60, _profile("capture", 8192)),
     "small-4k": (
