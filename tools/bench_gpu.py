@@ -65,8 +65,8 @@ def _bench(methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, war
     return run
 
 
-def _profile(scenario, length, model=SHAPE, top=25):
-    """The rankkit side of an overhead scenario under torch.profiler, after a warm-up: the operators
+def _profile(scenario, length, model=SHAPE, top=25, sides_profiled=("rankkit",)):
+    """Each named side of an overhead scenario under torch.profiler, after a warm-up: the operators
     and kernels by device time (by CPU time where there is no GPU), their top rows and the table."""
 
     def run():
@@ -74,21 +74,25 @@ def _profile(scenario, length, model=SHAPE, top=25):
 
         loaded = models.load(model, device="auto")
         on_gpu = loaded.device.type == "cuda"
+        sort_by = "device_time_total" if on_gpu else "cpu_time_total"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        profiled_sides = {}
         with torch.inference_mode():
             sides = overhead._sides(scenario, loaded, length)
-            sides.rankkit()
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-            with profile(activities=activities) as profiled:
-                sides.rankkit()
-                if on_gpu:
-                    torch.cuda.synchronize()
-        sort_by = "device_time_total" if on_gpu else "cpu_time_total"
-        averages = profiled.key_averages()
-        rows = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:top]
-        return {
-            "top": [{"name": row.key, "calls": row.count, "us": getattr(row, sort_by)} for row in rows],
-            "table": averages.table(sort_by=sort_by, row_limit=top),
-        }
+            for side in sides_profiled:
+                work = getattr(sides, side)
+                work()
+                with profile(activities=activities) as profiled:
+                    work()
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                averages = profiled.key_averages()
+                rows = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:top]
+                profiled_sides[side] = {
+                    "top": [{"name": row.key, "calls": row.count, "us": getattr(row, sort_by)} for row in rows],
+                    "table": averages.table(sort_by=sort_by, row_limit=top),
+                }
+        return profiled_sides
 
     return run
 
@@ -158,7 +162,7 @@ STEPS = {
     # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
     "split-threshold": (30, _split_threshold()),
     "profile-decode": (90, _profile("decode", 32768)),
-    "profile-capture": (60, _profile("capture", 8192)),
+    "profile-capture": (60, _profile("capture", 8192, sides_profiled=("baseline", "rankkit"))),
     "small-4k": (
         90,
         _bench(
