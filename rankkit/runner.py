@@ -249,21 +249,23 @@ class _Step:
 # the kept ones hold at most this share of the device's memory, the rest is the next prefill's.
 STATIC_DECODES_SHARE = 0.25
 
-DECODE_SPLIT = 256  # keys per split of a masked decode step (a static buffer grows in such steps too)
-# From this many keys a masked decode step on CUDA splits them: below it one SDPA kernel over the
-# cache costs less than the split path's five launches (an eager small-model step is launch-bound).
-SPLIT_DECODE_FROM = 8192
+DECODE_SPLIT = 256  # keys per split of a decode step (a static buffer grows in such steps too)
+# From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", H100,
+# 8 KV heads of 128): eagerly the split path's launches cost more than one SDPA kernel below about
+# 11k keys; replayed from a CUDA graph, where launches cost nothing, it is faster from about 1.5k.
+SPLIT_DECODE_FROM = 16384
+SPLIT_DECODE_FROM_IN_GRAPHS = 2048
 
 
 def split_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
-    """One query per head over a masked cache, its keys split as flash-decoding splits them.
+    """One query per head over a cache, its keys split as flash-decoding splits them.
 
     ``query`` [1, kv_heads, group, d] (each KV head's query heads folded into the query axis),
-    ``key``/``value`` [1, kv_heads, S, d], ``mask`` bool [1, kv_heads or 1, 1, S] (True = attend).
-    SDPA takes a mask only in kernels that parallelise over heads and query blocks: one block per
-    KV head for a decode step, a few of a GPU's SMs reading the whole cache. Here the logits are
+    ``key``/``value`` [1, kv_heads, S, d], ``mask`` bool [1, kv_heads or 1, 1, S] (True = attend),
+    or None (every key). SDPA's kernels parallelise over heads and query blocks: one block per KV
+    head for a decode step, a few of a GPU's SMs reading the whole cache. Here the logits are
     one batched product over every key, the softmax is taken over the whole row, and the values
     are summed per split of ``DECODE_SPLIT`` keys, a batch of KV heads x splits, then over the
     splits (each split's share is already normalised, so the parts just add). Logits come out of
@@ -271,7 +273,9 @@ def split_decode_attention(
     computes them. Returns [1, kv_heads, group, d].
     """
     logits = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scaling)
-    weights = logits.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(value.dtype)[0]
+    if mask is not None:
+        logits.masked_fill_(~mask, float("-inf"))
+    weights = logits.softmax(dim=-1).to(value.dtype)[0]
     kv_heads, group, keys = weights.shape
     whole = keys - keys % DECODE_SPLIT
     splits = whole // DECODE_SPLIT
@@ -326,10 +330,22 @@ class Runner:
         self._layer_devices = [next(layer.parameters()).device for layer in self.body.layers]
         self.spread = len(set(self._layer_devices)) > 1
         self._flash = _flash_attn_func() if self.device.type == "cuda" else None
-        # the keys from which a masked decode step (a static cache, ragged heads) is split, where SDPA
-        # would leave a GPU mostly idle; None: SDPA's kernels serve (CPU; a test lowers it to 0 there)
-        self.split_decode_from = SPLIT_DECODE_FROM if self.device.type == "cuda" else None
+        # the keys from which a decode step is split, where SDPA would leave a GPU mostly idle, eagerly
+        # and inside a captured graph; None: SDPA's kernels serve (CPU; a test lowers them to 0 there)
+        on_cuda = self.device.type == "cuda"
+        self.split_decode_from = SPLIT_DECODE_FROM if on_cuda else None
+        self.split_decode_from_in_graphs = SPLIT_DECODE_FROM_IN_GRAPHS if on_cuda else None
+        self._capturing = False
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
+
+    @contextmanager
+    def capturing(self):
+        """While a decode step is captured as a CUDA graph: the step's attention is chosen for replay."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
 
     @contextmanager
     def _installed(self):
@@ -371,7 +387,8 @@ class Runner:
             # One query per head: fold each KV group's query heads into the query axis,
             # so keys and values are read once per KV head and never repeated.
             folded = query.reshape(1, kv_heads, groups, query.shape[-1])
-            if mask is not None and self.split_decode_from is not None and key.shape[2] >= self.split_decode_from:
+            split_from = self.split_decode_from_in_graphs if self._capturing else self.split_decode_from
+            if split_from is not None and key.shape[2] >= split_from:
                 out = split_decode_attention(folded, key, value, mask, scaling)
             else:
                 out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
@@ -635,7 +652,7 @@ class _StaticDecode:
             return self._step()
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph), self.runner.capturing():
                 self.logits = self._step()
         self.graph.replay()
         return self.logits

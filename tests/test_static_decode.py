@@ -197,13 +197,14 @@ def test_split_decode_attention_is_sdpa_over_the_same_mask(keys, dtype):
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.02}
     torch.testing.assert_close(got.float(), expected, **tolerance)
     shared = mask[:, :1]  # one mask for every head (a cache whose heads keep the same entries)
-    torch.testing.assert_close(
-        split_decode_attention(query, key, value, shared, 0.3).float(),
-        torch.nn.functional.scaled_dot_product_attention(
-            query.float(), key.float(), value.float(), attn_mask=shared, scale=0.3
-        ),
-        **tolerance,
-    )
+    for each in (shared, None):  # None: a dynamic cache, every key
+        torch.testing.assert_close(
+            split_decode_attention(query, key, value, each, 0.3).float(),
+            torch.nn.functional.scaled_dot_product_attention(
+                query.float(), key.float(), value.float(), attn_mask=each, scale=0.3
+            ),
+            **tolerance,
+        )
 
 
 @pytest.mark.parametrize("name", ["full", "sage-kv", "adakv", "streamingllm"])
@@ -228,3 +229,42 @@ def test_the_split_masked_decode_chooses_sdpas_tokens(name, random_ids, monkeypa
     static.split_decode_from = 10_000  # more keys than the cache holds: SDPA's kernel, no split
     run_once(static, method, random_ids, Budget.from_keep(0.5), NEW_TOKENS)
     assert len(calls) == (NEW_TOKENS - 1) * static.num_layers
+
+
+def _counting_splits(monkeypatch) -> list:
+    from rankkit import runner as runner_module
+
+    split = runner_module.split_decode_attention
+    calls = []
+    monkeypatch.setattr(runner_module, "split_decode_attention", lambda *args: calls.append(1) or split(*args))
+    return calls
+
+
+def test_an_unmasked_decode_step_over_many_keys_splits_them_too(random_ids, monkeypatch):
+    """A dynamic cache's step (no mask) over ``split_decode_from`` keys or more: the split path, SDPA's logits."""
+    calls = _counting_splits(monkeypatch)
+    eager, split = Runner(tiny_model("llama")), Runner(tiny_model("llama"))
+    split.split_decode_from = 0
+    assert split.generate(random_ids, NEW_TOKENS).tokens == eager.generate(random_ids, NEW_TOKENS).tokens
+    assert len(calls) == (NEW_TOKENS - 1) * split.num_layers
+    token = torch.argmax(eager.prefill(random_ids).logits)
+    torch.testing.assert_close(
+        split.decode_step(token, 40, split.prefill(random_ids).cache),
+        eager.decode_step(token, 40, eager.prefill(random_ids).cache),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_a_step_being_captured_splits_from_the_graphs_threshold(random_ids, monkeypatch):
+    """Inside a captured graph launches cost nothing, so the split path starts at fewer keys there."""
+    calls = _counting_splits(monkeypatch)
+    runner = Runner(tiny_model("llama"), cuda_graphs=True)
+    runner.split_decode_from, runner.split_decode_from_in_graphs = 10_000, 0
+    prefill = runner.prefill(random_ids)
+    token = torch.argmax(prefill.logits)
+    runner.decode_step(token, 40, prefill.cache)
+    assert calls == []
+    with runner.capturing():
+        runner.decode_step(token, 41, prefill.cache)
+    assert len(calls) == runner.num_layers
