@@ -96,6 +96,7 @@ bench-gpu:
 		--data niah:n=1,length=131072 --out $(GPU_RUNS)/methods-128k.parquet --overwrite
 	$(BIN)/rankkit bench --model default --methods gemfilter,fastkv,claa,asl,snapkv,specprefill,sliminfer \
 		--keep 0.1 --data niah:n=4,length=4096 --out $(GPU_RUNS)/default-4k.parquet --overwrite
+	$(BIN)/python tools/bench_gpu.py $(GPU_RUNS) split-threshold
 
 # ruff, and a local name hiding an import (tools/shadowing.py: no ruff rule sees it).
 lint: $(STAMP)
