@@ -50,6 +50,8 @@ class KVCache:
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._ready: dict[int, torch.cuda.Event] = {}
+        self._newest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's last update's keys, values
+        self._rings: dict[int, int] = {}  # each rolling layer's first rolled position (roll_recent_window)
 
     @property
     def num_layers(self) -> int:
@@ -71,6 +73,7 @@ class KVCache:
         if incoming.device != key.device:  # a device map: beside its layer's keys (a same-device .to costs too)
             incoming = incoming.to(key.device)
         new_positions = incoming.expand(key.shape[1], -1)
+        self._newest[layer_idx] = (key, value)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value
@@ -106,6 +109,7 @@ class KVCache:
         twin.keys, twin.values, twin.positions = list(self.keys), list(self.values), list(self.positions)
         twin.padded = list(self.padded)
         twin.heads_differ = list(self.heads_differ)
+        twin._rings = dict(self._rings)  # the slot order of the entries they share
         return twin
 
     def attention_mask(
@@ -124,23 +128,28 @@ class KVCache:
         per_head = self.padded[layer] or self.heads_differ[layer]
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head)
 
-    def roll_recent_window(self, layer: int, evicted_position: int | torch.Tensor) -> None:
-        """The newest entry (this step's token) takes the slot of the entry at ``evicted_position``
-        in every KV head, and the cache is one entry shorter again: a rolling window, no cache copy.
+    def roll_recent_window(self, layer: int, window: int, position: int) -> None:
+        """Keep each KV head's last ``window`` entries a rolling window: this step's token (``position``,
+        the layer's newest entry) takes the slot of the window's oldest entry (``position - window``),
+        and the cache is one entry shorter again, no cache copy.
 
-        Every head must hold that position (each keeps the recent window). Entry order is free:
-        masks come from positions.
+        At a layer's first roll the window is its last ``window`` slots before this step's, in
+        position order, as a prefill leaves them (a head's padding lies before its window). From
+        then on the window is a ring over those slots, so the slot a step writes is a host number,
+        the same for every head: nothing is searched on the device, and a step is three copies.
+        Entry order is free: masks come from positions.
         """
-        positions = self.positions[layer]
-        heads, slot = _slots_of(positions, evicted_position)
-        # copies: with one KV head torch refuses a write from a view of the written tensor
-        for tensor in (self.keys[layer], self.values[layer]):
-            tensor[0, heads, slot] = tensor[0, :, -1].clone()
-        positions[heads, slot] = positions[:, -1].clone()
+        held = self.positions[layer].shape[1] - 1  # the entries before this step's
+        first_position = self._rings.setdefault(layer, position)
+        slot = held - window + (position - first_position) % window
+        key, value = self._newest[layer]
+        self.keys[layer][:, :, slot] = key[:, :, -1]
+        self.values[layer][:, :, slot] = value[:, :, -1]
+        self.positions[layer][:, slot] = self._incoming[-1:].to(self.positions[layer].device)
         # a view of the same storage: the next append writes the new token where the old last entry was
         self.keys[layer] = self.keys[layer][:, :, :-1]
         self.values[layer] = self.values[layer][:, :, :-1]
-        self.positions[layer] = positions[:, :-1]
+        self.positions[layer] = self.positions[layer][:, :-1]
 
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
@@ -285,14 +294,15 @@ class StaticKVCache(KVCache):
     def attention_mask(self, layer, query_positions, sliding_window=None):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
 
-    def roll_recent_window(self, layer, evicted_position):
+    def roll_recent_window(self, layer, window, position):
         """As ``KVCache.roll_recent_window``, in place: the newest entry (the slot before the layer's
         next one) moves into the evicted one's slot and its own slot becomes padding. The next token
-        takes the next slot all the same (the buffers have room for every step); every index stays
-        on the device, so a captured step replays it."""
+        takes the next slot all the same (the buffers have room for every step). ``position`` is the
+        step's one-element tensor and the evicted entry is found on the device, so a captured step
+        replays it for any prompt the buffers are loaded with."""
         positions = self.positions[layer]
         newest = self._next[layer : layer + 1] - 1
-        heads, slot = _slots_of(positions, evicted_position)
+        heads, slot = _slots_of(positions, position - window)
         for tensor in (self.keys[layer], self.values[layer]):
             tensor[0, heads, slot] = tensor[0].index_select(1, newest)[:, 0]
         positions[heads, slot] = positions.index_select(1, newest)[:, 0]

@@ -696,19 +696,20 @@ def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_on
     from rankkit.methods.streamingllm import RollingWindow
 
     cache = KVCache(2)
-    kept = [torch.tensor([0, 1, 2, 9]), torch.tensor([0, 1, 2, 5, 6, 9])]  # layer 0 holds fewer
-    for layer, positions in enumerate(kept):
-        cache.begin_step(positions)
-        values = positions.float()[None, None, :, None].expand(1, 2, -1, 3).clone()
-        cache.update(values, -values, layer)
-    RollingWindow(capacity=5, sink_tokens=2, rolling_from_start=False).after_decode_step(cache, 9)
+    kept = [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 5, 6])]  # layer 0 holds fewer
+    for positions in (kept, [torch.tensor([9])] * 2):  # the prefill's entries, then the step's token
+        for layer, layer_positions in enumerate(positions):
+            cache.begin_step(layer_positions)
+            values = layer_positions.float()[None, None, :, None].expand(1, 2, -1, 3).clone()
+            cache.update(values, -values, layer)
+    RollingWindow(capacity=5, layer_sinks=(2, 2), rolling_from_start=False).after_decode_step(cache, 9)
     assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # below capacity: untouched
     assert cache.positions[1].tolist() == [[0, 1, 9, 5, 6]] * 2  # 2 is no sink: the oldest after them
     assert cache.keys[1][0, :, 2, 0].tolist() == [9.0, 9.0] and cache.values[1][0, :, 2, 0].tolist() == [
         -9.0,
         -9.0,
     ]
-    RollingWindow(capacity=4, sink_tokens=2, rolling_from_start=False).after_decode_step(cache, 10)
+    RollingWindow(capacity=4, layer_sinks=(2, 2), rolling_from_start=False).after_decode_step(cache, 10)
     assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
 
 

@@ -57,15 +57,24 @@ def test_every_method_decodes_the_same_tokens_statically(name, random_ids):
     assert static._static_decodes  # decoded over the static cache, as a graph would
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.2])  # at 0.2 the windows (4 and 1 entries) wrap in 8 steps
 @pytest.mark.parametrize("name", ["streamingllm", "sage-kv"])
-def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, random_ids):
-    """The window's eviction as device-side writes into fixed buffers: after every step each head
-    holds the dynamic cache's entries (positions and keys), whatever the slot order."""
+def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, keep, random_ids):
+    """The window's eviction two ways, the dynamic cache's ring of slots and the static cache's
+    search on the device: after every step each head holds the same entries (positions and keys),
+    whatever the slot order."""
     eager, static = _both("llama")
-    budget = Budget.from_keep(0.5)
+    budget = Budget.from_keep(keep)
     caches = []
     for runner in (eager, static):
         run = make(name).prefill(runner, random_ids, budget)
+        if runner is eager:  # each layer's window: its last entries, which the steps replace in turn
+            hook = run.decode_hooks[0]
+            windows = [
+                hook.capacity - hook.layer_sinks[layer] if name == "streamingllm" else hook.layer_splits[layer].recent
+                for layer in range(runner.num_layers)
+            ]
+            before = [[_live_positions(run.result.cache, layer, head) for head in range(2)] for layer in range(runner.num_layers)]
         step = runner.decoder(run.result, NEW_TOKENS, run.decode_hooks)
         token = torch.argmax(run.result.logits)
         for position in range(40, 40 + NEW_TOKENS):
@@ -77,8 +86,15 @@ def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, random
             expected, held = (_live_entries(cache, layer, head) for cache in caches)
             assert [p for p, _ in held] == [p for p, _ in expected] and held[-1][0] == 40 + NEW_TOKENS - 1
             assert len(expected) < 40  # the window rolled: the cache did not grow by the steps
+            window = windows[layer]
+            end = 40 + NEW_TOKENS
+            assert [p for p, _ in expected] == before[layer][head][:-window] + list(range(end - window, end))
             for (_, key), (_, reference) in zip(held, expected, strict=True):
                 torch.testing.assert_close(key, reference)
+
+
+def _live_positions(cache, layer, head) -> list[int]:
+    return sorted(p for p in cache.positions[layer][head].tolist() if p != -1)
 
 
 def _live_entries(cache, layer, head) -> list[tuple[int, torch.Tensor]]:

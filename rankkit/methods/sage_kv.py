@@ -112,7 +112,7 @@ class SageKVHook(LayerHook):
 
     def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
         for layer in range(cache.num_layers):
-            cache.roll_recent_window(layer, position - self.layer_splits[layer].recent)
+            cache.roll_recent_window(layer, self.layer_splits[layer].recent, position)
 
 
 @register

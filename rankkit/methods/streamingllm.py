@@ -33,30 +33,24 @@ class RollingWindow(LayerHook):
     """Decoding: every layer's cache keeps its sinks and ``capacity`` entries at most; the newest entry
     takes the slot of the oldest one after the sinks (``KVCache.roll_recent_window``, no cache copy).
 
+    ``layer_sinks``: the sink tokens each layer holds (a local layer holds those its window sees).
     ``rolling_from_start``: every layer already holds ``capacity`` entries, so every step rolls every
     layer, the same device work each time, which a CUDA graph can capture.
     """
 
-    def __init__(self, capacity: int, sink_tokens: int, rolling_from_start: bool):
+    def __init__(self, capacity: int, layer_sinks: tuple[int, ...], rolling_from_start: bool):
         self.capacity = capacity
-        self.sink_tokens = sink_tokens
+        self.layer_sinks = layer_sinks
         self.rolling_from_start = rolling_from_start
 
     def graph_key(self):
-        return ("streamingllm", self.capacity, self.sink_tokens) if self.rolling_from_start else None
+        return ("streamingllm", self.capacity, self.layer_sinks) if self.rolling_from_start else None
 
     def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
-        for layer in range(cache.num_layers):
-            positions = cache.positions[layer][0]  # recency keeps the same entries in every head
+        for layer, sinks in enumerate(self.layer_sinks):
             # a static cache's buffers are wider than the capacity: it only decodes a window rolling from the start
-            if positions.numel() <= self.capacity:
-                continue
-            # the oldest entry after the sinks (padding, -1, is below them), found on the device: no read
-            # of it per layer and step
-            after_sinks = positions.masked_fill(
-                positions < self.sink_tokens, torch.iinfo(positions.dtype).max
-            )
-            cache.roll_recent_window(layer, after_sinks.min())
+            if cache.get_seq_length(layer) > self.capacity:  # the sinks, then the window and this step's token
+                cache.roll_recent_window(layer, self.capacity - sinks, position)
 
 
 @register
@@ -84,7 +78,12 @@ class StreamingLLM(PolicyMethod):
         if keep < length:  # a budget that covers the prompt is full prefill, in decoding too (as SAGE-KV's)
             cache = run.result.cache
             held = [cache.get_seq_length(layer) for layer in range(cache.num_layers)]
-            run.decode_hooks = [RollingWindow(keep, sinks, rolling_from_start=min(held) >= keep)]
+            layer_sinks = (sinks,) * cache.num_layers
+            if runner.layer_types is not None:  # a local layer holds the sinks its window sees: one read
+                # (recency keeps the same entries in every head)
+                counts = torch.stack([(positions[0] < sinks).sum() for positions in cache.positions])
+                layer_sinks = tuple(counts.tolist())
+            run.decode_hooks = [RollingWindow(keep, layer_sinks, rolling_from_start=min(held) >= keep)]
         return run
 
     def captured_inputs(self):
