@@ -152,14 +152,18 @@ def _split_threshold(
 
 
 # name: (time limit in seconds, the run), in the order of what the next lease must measure first:
-# the rows unmeasured or changed since the last one, then where the time goes, then the rest
+# the rows changed since the last one (the split thresholds in graphed and eager decode, the ring
+# of slots of the eager rolling windows, the page-locked transfer at 64k and 128k, the 128k rows
+# the last lease's time cut off), then where the time goes, then the rest
 STEPS = {
-    "decode": (90, _overhead("decode", [8192, 32768])),
-    "decode-graphs": (120, _overhead("decode", [8192, 32768], cuda_graphs=True)),
     "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
-    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
+    "decode": (90, _overhead("decode", [8192, 32768])),
     "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
-    # where the time goes: a decode at 32k (full's attention far from the HBM bound) and a capture at 8k
+    "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
+    "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
+    "decode-graphs": (120, _overhead("decode", [8192, 32768], cuda_graphs=True)),
+    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
+    # where the time goes: decode attention per call, a decode step at 32k, a capture at 8k
     "split-threshold": (30, _split_threshold()),
     "profile-decode": (90, _profile("decode", 32768)),
     "profile-capture": (60, _profile("capture", 8192, sides_profiled=("baseline", "rankkit"))),
@@ -174,8 +178,6 @@ STEPS = {
         ),
     ),
     "runner": (60, _overhead("runner", [8192, 32768])),
-    "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
-    "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
 }
 
 
