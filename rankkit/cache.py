@@ -23,8 +23,15 @@ def allowed_keys(
     key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None, per_head: bool
 ) -> torch.Tensor:
     """Bool [1, kv_heads (``per_head``) or 1, n, S]: a query attends to a real key no later than
-    itself, and within ``sliding_window`` of it where the layer has one. The one masking rule."""
+    itself, and within ``sliding_window`` of it where the layer has one. The one masking rule.
+
+    A decode step's one query (n = 1, a global layer) comes after every entry a cache holds,
+    since each was written by an earlier step or by this one: only padding is hidden, one
+    operator where the comparison with the query takes three, at every layer of every step.
+    """
     keys = key_positions[:, None, :] if per_head else key_positions[:1, None, :]
+    if query_positions.shape[0] == 1 and sliding_window is None:
+        return (keys != PADDING)[None]
     queries = query_positions[None, :, None]
     allowed = (keys <= queries) & (keys != PADDING)
     if sliding_window is not None:

@@ -210,6 +210,19 @@ def test_compress_gathers_per_head_entries_and_counts_bytes():
     assert mask[0, :, 0].tolist() == [[True, True], [True, False]]
 
 
+def test_a_decode_steps_mask_hides_padding_and_a_local_layers_old_keys():
+    from rankkit.cache import allowed_keys
+
+    positions = torch.tensor([[0, 3, PADDING, 7], [PADDING, 2, 5, 7]])
+    for query in (7, 8):  # the step's own token is in the cache, or not yet
+        one_query = allowed_keys(positions, torch.tensor([query]), None, per_head=True)
+        assert one_query.tolist() == [[[[True, True, False, True]], [[False, True, True, True]]]]
+    local = allowed_keys(positions, torch.tensor([8]), sliding_window=4, per_head=True)
+    assert local.tolist() == [[[[False, False, False, True]], [[False, False, True, True]]]]
+    two_queries = allowed_keys(positions, torch.tensor([4, 8]), None, per_head=False)
+    assert two_queries.tolist() == [[[[True, True, False, False], [True, True, False, True]]]]
+
+
 def test_uniform_compression_to_every_entry_changes_nothing(random_ids):
     model = tiny_model("mistral")
     runner = Runner(model)
