@@ -517,8 +517,9 @@ class Runner:
         With ``cuda_graphs``, the steps run over a ``StaticKVCache`` copied from the prefill's
         cache: captured once as a CUDA graph per cache shape and hooks' keys (kept for the next
         decode of the same while ``STATIC_DECODES_SHARE`` allows) and replayed on CUDA, run
-        eagerly elsewhere; the prefill's own cache is then left as the prefill made it. A hook that reads or steers a step in Python, which a
-        graph would not replay (``LayerHook.graph_key`` None), makes the decode run eagerly.
+        eagerly elsewhere; the prefill's own cache is then left as the prefill made it. A hook
+        that reads or steers a step in Python, which a graph would not replay
+        (``LayerHook.graph_key`` None), makes the decode run eagerly.
         """
         shape = self._static_shape(prefill, steps, hooks)
         if shape is None:

@@ -215,6 +215,11 @@ def test_per_head_compression_keeps_the_best_keys_a_layer_sees(
     # on the local layers, the sinks StreamingLLM cannot see gave their places to recent tokens
     if name == "streamingllm":
         assert cached(run, 0)[0] == list(range(30, 40)) and cached(run, 2)[0] == [0, 1, 2, 3, *range(34, 40)]
+        # decoding, each layer's window is everything after the sinks it holds: a local layer's all of it
+        assert run.decode_hooks[0].layer_sinks == (0, 0, 4, 0, 0, 4)
+        for position in range(40, 40 + 12):  # more steps than either window holds
+            runner.decode_step(5, position, run.result.cache, run.decode_hooks)
+        assert cached(run, 0) == [list(range(42, 52))] * 2 and cached(run, 2) == [[0, 1, 2, 3, *range(46, 52)]] * 2
 
 
 class LastQueryAttention:

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.cache import KVCache
+from rankkit.cache import PADDING, KVCache
 from rankkit.methods.base import bounded, register
 from rankkit.methods.selection import Captured, PolicyMethod
 from rankkit.runner import AttentionCall, LayerHook
@@ -81,7 +81,9 @@ class StreamingLLM(PolicyMethod):
             layer_sinks = (sinks,) * cache.num_layers
             if runner.layer_types is not None:  # a local layer holds the sinks its window sees: one read
                 # (recency keeps the same entries in every head)
-                counts = torch.stack([(positions[0] < sinks).sum() for positions in cache.positions])
+                counts = torch.stack(
+                    [((positions[0] < sinks) & (positions[0] != PADDING)).sum() for positions in cache.positions]
+                )
                 layer_sinks = tuple(counts.tolist())
             run.decode_hooks = [RollingWindow(keep, layer_sinks, rolling_from_start=min(held) >= keep)]
         return run
