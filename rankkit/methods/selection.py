@@ -255,9 +255,16 @@ class SelectionHook(LayerHook):
         self.unseen: torch.Tensor | None = None  # the current layer's keys outside its window
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
+        self._forced: tuple[int, torch.Tensor] | None = None  # (live tokens, their forced mask)
 
     def _compresses(self, layer: int) -> bool:
         return self.compress_from is not None and layer >= self.compress_from
+
+    def _forced_mask(self, live: int, device) -> torch.Tensor:
+        """The forced mask of ``live`` tokens, made once for the layers that share their number."""
+        if self._forced is None or self._forced[0] != live:
+            self._forced = (live, forced_mask(live, self.window, self.sinks, device=device))
+        return self._forced[1]
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "prefill" or self.kept_positions is not None:
@@ -270,12 +277,13 @@ class SelectionHook(LayerHook):
             return
         scores, self.scores = self.scores, None
         live = state.positions.shape[0]
-        forced = forced_mask(live, self.window, self.sinks, device=state.positions.device)
         shared = self.policy.decide(layer, scores if self.policy.needs_scores(layer) else None)
         if shared is None:
             if self._compresses(layer) and self.keep < live:
+                forced = self._forced_mask(live, state.positions.device)
                 state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
             return
+        forced = self._forced_mask(live, state.positions.device)
         keep = top_k_with_forced(shared, self.keep, forced)
         self.kept_positions = state.positions[keep]
         self.selection_layer = layer
