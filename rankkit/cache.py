@@ -57,7 +57,6 @@ class KVCache:
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._ready: dict[int, torch.cuda.Event] = {}
-        self._newest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's last update's keys, values
         self._rings: dict[int, int] = {}  # each rolling layer's first rolled position (roll_recent_window)
 
     @property
@@ -80,7 +79,6 @@ class KVCache:
         if incoming.device != key.device:  # a device map: beside its layer's keys (a same-device .to costs too)
             incoming = incoming.to(key.device)
         new_positions = incoming.expand(key.shape[1], -1)
-        self._newest[layer_idx] = (key, value)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value
@@ -149,14 +147,12 @@ class KVCache:
         held = self.positions[layer].shape[1] - 1  # the entries before this step's
         first_position = self._rings.setdefault(layer, position)
         slot = held - window + (position - first_position) % window
-        key, value = self._newest[layer]
-        self.keys[layer][:, :, slot] = key[:, :, -1]
-        self.values[layer][:, :, slot] = value[:, :, -1]
-        self.positions[layer][:, slot] = self._incoming[-1:].to(self.positions[layer].device)
+        keys, values, positions = self.keys[layer], self.values[layer], self.positions[layer]
+        keys[:, :, slot] = keys[:, :, -1]  # plain copies between two slots of one buffer
+        values[:, :, slot] = values[:, :, -1]
+        positions[:, slot] = positions[:, -1]
         # a view of the same storage: the next append writes the new token where the old last entry was
-        self.keys[layer] = self.keys[layer][:, :, :-1]
-        self.values[layer] = self.values[layer][:, :, :-1]
-        self.positions[layer] = self.positions[layer][:, :-1]
+        self.keys[layer], self.values[layer], self.positions[layer] = keys[:, :, :-1], values[:, :, :-1], positions[:, :-1]
 
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
@@ -277,7 +273,7 @@ class StaticKVCache(KVCache):
         """Bytes the buffers of a static cache of ``shape`` (``shape_of``) hold: keys, values, positions."""
         lengths, (kv_heads, head_dim), dtype, _ = shape
         slots = sum(lengths) * STATIC_BUCKET * kv_heads
-        return slots * (2 * head_dim * dtype.itemsize + torch.empty((), dtype=torch.long).element_size())
+        return slots * (2 * head_dim * dtype.itemsize + torch.long.itemsize)
 
     def load(self, cache: KVCache) -> None:
         """Copy ``cache``'s entries into these buffers (every slot after them padding)."""

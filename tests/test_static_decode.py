@@ -284,3 +284,21 @@ def test_a_step_being_captured_splits_from_the_graphs_threshold(random_ids, monk
     with runner.capturing():
         runner.decode_step(token, 41, prefill.cache)
     assert len(calls) == runner.num_layers
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "sage-kv"])
+def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids):
+    """After the cut, and after rolled decode steps, every tensor the cache keeps shares storage
+    with its entries (or is the step's positions): nothing keeps the prefill's uncut keys alive."""
+    from torch.utils._pytree import tree_leaves
+
+    runner = Runner(tiny_model("llama"))
+    run = make(name).prefill(runner, random_ids, Budget.from_keep(0.2))
+    cache = run.result.cache
+    for decoded in (False, True):
+        if decoded:
+            greedy_continue(runner, run.result, NEW_TOKENS, run.decode_hooks)
+        entries = [*cache.keys, *cache.values, *cache.positions, cache._incoming]
+        allowed = {tensor.untyped_storage().data_ptr() for tensor in entries}
+        held = [leaf for leaf in tree_leaves(vars(cache)) if isinstance(leaf, torch.Tensor)]
+        assert held and all(tensor.untyped_storage().data_ptr() in allowed for tensor in held), decoded
