@@ -13,6 +13,8 @@ It satisfies the one method transformers' attention modules call on a cache,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -39,11 +41,16 @@ def allowed_keys(
     return allowed[None]
 
 
-def _slots_of(positions: torch.Tensor, position: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each KV head's index [kv_heads] and the slot [kv_heads] where it holds ``position``, found on
-    the device (every head holds it)."""
-    heads = torch.arange(positions.shape[0], device=positions.device)
-    return heads, (positions == position).int().argmax(dim=1)
+@dataclass(frozen=True)
+class RecentWindow:
+    """A layer's rolling window (``KVCache.keep_recent_window``): its last ``size`` of ``full_length`` entries."""
+
+    size: int
+    full_length: int
+
+    @property
+    def first_slot(self) -> int:
+        return self.full_length - self.size
 
 
 class KVCache:
@@ -57,7 +64,9 @@ class KVCache:
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._ready: dict[int, torch.cuda.Event] = {}
-        self._rings: dict[int, int] = {}  # each rolling layer's first rolled position (roll_recent_window)
+        self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
+        self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
+        self._real: dict[int, torch.Tensor] = {}  # each padded layer's unpadded entries, with room (decode_mask)
 
     @property
     def num_layers(self) -> int:
@@ -80,9 +89,12 @@ class KVCache:
             incoming = incoming.to(key.device)
         new_positions = incoming.expand(key.shape[1], -1)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
+        window = self.windows.get(layer_idx)
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value
             self.positions[layer_idx] = new_positions
+        elif window is not None and key.shape[2] == 1 and self.positions[layer_idx].shape[1] == window.full_length:
+            self._write_in_window(layer_idx, window, key, value, new_positions)
         else:
             self.keys[layer_idx] = self._append(self.keys, layer_idx, key, dim=2)
             self.values[layer_idx] = self._append(self.values, layer_idx, value, dim=2)
@@ -108,13 +120,58 @@ class KVCache:
         buffer.narrow(dim, length, added).copy_(new)
         return buffer.narrow(dim, 0, length + added)
 
+    def keep_recent_window(self, layer: int, size: int, full_length: int) -> None:
+        """From the step that brings ``layer`` to ``full_length`` entries on, each one-token step writes
+        over the oldest of the layer's last ``size`` entries, its rolling window (that step's token
+        included), instead of growing the cache: StreamingLLM's and SAGE-KV's (Step 4) recent
+        window, the entries before it untouched. Between steps the cache holds what the last step
+        attended to.
+
+        When the window fills, its entries lie in its slots in position order, as a prefill and the
+        appends after it leave them (a head's padding lies before them), so the window is a ring of
+        slots from then on: the slot a step writes is a host number, the same for every head, and a
+        step writes into it as an append would at the end, no search and no move. Entry order is
+        free: masks come from positions.
+        """
+        if not 0 < size <= full_length or full_length <= self.get_seq_length(layer):
+            raise ValueError(f"layer {layer}: a window of {size} in {full_length} entries, which it holds")
+        self.windows[layer] = RecentWindow(size, full_length)
+
+    def _write_in_window(
+        self, layer: int, window: RecentWindow, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        slot = self.next_slot(layer)
+        self._window_slots[layer] = window.first_slot + (slot + 1 - window.first_slot) % window.size
+        for entries, new, dim in ((self.keys, key, 2), (self.values, value, 2), (self.positions, positions, 1)):
+            self._owned(entries, layer).narrow(dim, slot, 1).copy_(new)
+
+    def _owned(self, entries: list, layer: int) -> torch.Tensor:
+        """``entries[layer]``, first copied into a buffer of this cache's own when it is not in one
+        (a fork shares its twin's until it writes)."""
+        current = entries[layer]
+        buffer = self._buffers.get((id(entries), layer))
+        if buffer is None or buffer.data_ptr() != current.data_ptr():
+            entries[layer] = self._buffers[(id(entries), layer)] = current.clone()
+        return entries[layer]
+
+    def next_slot(self, layer: int) -> int:
+        """The slot the layer's next one-token step writes."""
+        window = self.windows.get(layer)
+        length = self.get_seq_length(layer)
+        if window is not None and length == window.full_length:
+            return self._window_slots.get(layer, window.first_slot)
+        return length
+
     def fork(self) -> KVCache:
         """A cache sharing these entries that grows independently (several continuations of one prefill)."""
         twin = KVCache(self.num_layers)
         twin.keys, twin.values, twin.positions = list(self.keys), list(self.values), list(self.positions)
         twin.padded = list(self.padded)
         twin.heads_differ = list(self.heads_differ)
-        twin._rings = dict(self._rings)  # the slot order of the entries they share
+        twin.windows = dict(self.windows)
+        twin._window_slots = dict(self._window_slots)  # the slot order of the entries they share
+        twin._real = dict(self._real)  # never written once made
+        self._buffers.clear()  # a write in place would show in the twin: each copies before its next
         return twin
 
     def attention_mask(
@@ -130,29 +187,25 @@ class KVCache:
         n = query_positions.shape[0]
         if not self.padded[layer] and sliding_window is None and (self._fresh[layer] or n == 1):
             return None
+        if n == 1 and sliding_window is None:
+            return self._decode_mask(layer, query_positions)
         per_head = self.padded[layer] or self.heads_differ[layer]
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head)
 
-    def roll_recent_window(self, layer: int, window: int, position: int) -> None:
-        """Keep each KV head's last ``window`` entries a rolling window: this step's token (``position``,
-        the layer's newest entry) takes the slot of the window's oldest entry (``position - window``),
-        and the cache is one entry shorter again, no cache copy.
-
-        At a layer's first roll the window is its last ``window`` slots before this step's, in
-        position order, as a prefill leaves them (a head's padding lies before its window). From
-        then on the window is a ring over those slots, so the slot a step writes is a host number,
-        the same for every head: nothing is searched on the device, and a step is three copies.
-        Entry order is free: masks come from positions.
-        """
-        held = self.positions[layer].shape[1] - 1  # the entries before this step's
-        first_position = self._rings.setdefault(layer, position)
-        slot = held - window + (position - first_position) % window
-        keys, values, positions = self.keys[layer], self.values[layer], self.positions[layer]
-        keys[:, :, slot] = keys[:, :, -1]  # plain copies between two slots of one buffer
-        values[:, :, slot] = values[:, :, -1]
-        positions[:, slot] = positions[:, -1]
-        # a view of the same storage: the next append writes the new token where the old last entry was
-        self.keys[layer], self.values[layer], self.positions[layer] = keys[:, :, :-1], values[:, :, :-1], positions[:, :-1]
+    def _decode_mask(self, layer: int, query_positions: torch.Tensor) -> torch.Tensor:
+        """A padded global layer's decode mask, made once and narrowed at every later step: an entry a
+        step appends or writes in a window is real, so the mask is made with True in the room after
+        the entries, and a step launches nothing for it (the mask is the cache's padding, which only
+        ``compress`` changes)."""
+        positions = self.positions[layer]
+        length = positions.shape[1]
+        real = self._real.get(layer)
+        if real is None or real.shape[-1] < length:
+            allowed = allowed_keys(positions, query_positions, None, per_head=True)
+            real = allowed.new_ones(*allowed.shape[:-1], length + max(128, length // 8))
+            real[..., :length] = allowed
+            self._real[layer] = real
+        return real[..., :length]
 
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
@@ -179,6 +232,8 @@ class KVCache:
         self.positions[layer] = new_positions
         self.heads_differ[layer] = True
         self._fresh[layer] = False
+        for memo in (self._real, self.windows, self._window_slots):  # made for the layer's old entries
+            memo.pop(layer, None)
 
     def compress_to_mask(self, layer: int, kept: torch.Tensor, width: int) -> None:
         """Keep, per KV head, the entries where ``kept`` [kv_heads, S] is True, padded to ``width``.
@@ -245,9 +300,10 @@ class StaticKVCache(KVCache):
     Each layer's entries are copied into a buffer with room for ``room`` more tokens (rounded
     up to ``STATIC_BUCKET``); the unused tail has position -1, so the one masking rule
     (``allowed_keys``) hides it, as it hides the padding of ragged heads. Each step writes its
-    token at the layer's next slot, an index kept on the device, so no shape and no host value
-    changes from step to step. ``load`` refills the same buffers from another cache of the same
-    shape (a cached graph replays over them).
+    token at the layer's next slot, an index kept on the device (in a rolling window, the
+    ring's next slot: ``KVCache.keep_recent_window``), so no shape and no host value changes
+    from step to step. ``load`` refills the same buffers from another cache of the same shape
+    (a cached graph replays over them).
     """
 
     def __init__(self, cache: KVCache, room: int):
@@ -259,7 +315,10 @@ class StaticKVCache(KVCache):
             self.values[layer] = self.keys[layer].clone()
             self.positions[layer] = positions.new_full((positions.shape[0], capacity), PADDING)
         self.padded = [True] * cache.num_layers
-        self._next = torch.zeros(cache.num_layers, dtype=torch.long, device=cache.keys[0].device)
+        # per layer, on the device: the slot the last step wrote, and the window's slots [start, end)
+        # the writes cycle through (a layer without one: its buffer, whose end no step reaches)
+        self._slots = torch.zeros(3, cache.num_layers, dtype=torch.long, device=cache.keys[0].device)
+        self._written, self._window_starts, self._window_ends = self._slots
         self.load(cache)
 
     @staticmethod
@@ -276,40 +335,35 @@ class StaticKVCache(KVCache):
         return slots * (2 * head_dim * dtype.itemsize + torch.long.itemsize)
 
     def load(self, cache: KVCache) -> None:
-        """Copy ``cache``'s entries into these buffers (every slot after them padding)."""
+        """Copy ``cache``'s entries into these buffers (every slot after them padding), and its windows."""
+        slots = []
         for layer in range(self.num_layers):
             length = cache.positions[layer].shape[1]
             self.keys[layer][:, :, :length].copy_(cache.keys[layer])
             self.values[layer][:, :, :length].copy_(cache.values[layer])
             self.positions[layer][:, :length].copy_(cache.positions[layer])
             self.positions[layer][:, length:].fill_(PADDING)
-            self._next[layer].fill_(length)
+            window = cache.windows.get(layer)
+            start, end = (0, self.positions[layer].shape[1]) if window is None else (window.first_slot, window.full_length)
+            slots.append((cache.next_slot(layer) - 1, start, end))  # a step writes one past the last
+        self._slots.copy_(torch.tensor(slots).T)  # one copy from the host
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """As ``KVCache.begin_step``; every layer's write slot moves on, in one go (a window's wraps)."""
+        super().begin_step(positions)
+        following = self._written + 1
+        torch.where(following == self._window_ends, self._window_starts, following, out=self._written)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        slot = self._next[layer_idx : layer_idx + 1]
+        slot = self._written[layer_idx : layer_idx + 1]
         self.keys[layer_idx].index_copy_(2, slot, key)
         self.values[layer_idx].index_copy_(2, slot, value)
         heads = self.positions[layer_idx].shape[0]
         self.positions[layer_idx].index_copy_(1, slot, self._incoming.expand(heads, -1))
-        slot.add_(1)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def attention_mask(self, layer, query_positions, sliding_window=None):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
-
-    def roll_recent_window(self, layer, window, position):
-        """As ``KVCache.roll_recent_window``, in place: the newest entry (the slot before the layer's
-        next one) moves into the evicted one's slot and its own slot becomes padding. The next token
-        takes the next slot all the same (the buffers have room for every step). ``position`` is the
-        step's one-element tensor and the evicted entry is found on the device, so a captured step
-        replays it for any prompt the buffers are loaded with."""
-        positions = self.positions[layer]
-        newest = self._next[layer : layer + 1] - 1
-        heads, slot = _slots_of(positions, position - window)
-        for tensor in (self.keys[layer], self.values[layer]):
-            tensor[0, heads, slot] = tensor[0].index_select(1, newest)[:, 0]
-        positions[heads, slot] = positions.index_select(1, newest)[:, 0]
-        positions.index_fill_(1, newest, PADDING)
 
     def compress(self, layer, keep):
         raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

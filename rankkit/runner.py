@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Hashable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -111,24 +110,10 @@ class LayerHook:
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         """Called after each decode step, when every layer holds the KV of the token at ``position``.
 
-        May evict or move cache entries before the next step (SAGE-KV's rolling window).
+        May read or steer the cache in Python before the next step (TOVA's eviction, SlimInfer's
+        blocks), which a CUDA graph would not replay: a decode with such hooks runs eagerly. A
+        window that only rolls is the cache's own (``KVCache.keep_recent_window``), no hook.
         """
-
-    def graph_key(self) -> Hashable | None:
-        """What this hook's decode steps do, as a key, when a CUDA graph may capture them; None
-        (the default) when ``after_decode_step`` runs Python a replay would skip.
-
-        A hook with a key has nothing to do in a decode step's layers, and its ``after_decode_step``
-        is fixed-shape device work that also takes a ``StaticKVCache`` and ``position`` as a
-        one-element tensor on the device. Decodes whose hooks have equal keys share a graph.
-        """
-        return None
-
-
-def graph_keys(hooks) -> tuple | None:
-    """The decode hooks' keys (``LayerHook.graph_key``), or None when any of them cannot be captured."""
-    keys = tuple(hook.graph_key() for hook in hooks)
-    return None if None in keys else keys
 
 
 @dataclass
@@ -515,11 +500,11 @@ class Runner:
         """``step(token, position) -> logits`` continuing ``prefill`` for up to ``steps`` steps.
 
         With ``cuda_graphs``, the steps run over a ``StaticKVCache`` copied from the prefill's
-        cache: captured once as a CUDA graph per cache shape and hooks' keys (kept for the next
-        decode of the same while ``STATIC_DECODES_SHARE`` allows) and replayed on CUDA, run
-        eagerly elsewhere; the prefill's own cache is then left as the prefill made it. A hook
-        that reads or steers a step in Python, which a graph would not replay
-        (``LayerHook.graph_key`` None), makes the decode run eagerly.
+        cache: captured once as a CUDA graph per cache shape (kept for the next decode of the
+        same shape while ``STATIC_DECODES_SHARE`` allows; rolling windows are data in the cache,
+        not a shape) and replayed on CUDA, run eagerly elsewhere; the prefill's own cache is then
+        left as the prefill made it. Decode hooks read or steer a step in Python, which a graph
+        would not replay: with any, the decode runs eagerly.
         """
         shape = self._static_shape(prefill, steps, hooks)
         if shape is None:
@@ -527,10 +512,9 @@ class Runner:
         decode = self._static_decodes.pop(shape, None)
         if decode is not None:
             decode.cache.load(prefill.cache)
-            decode.hooks = hooks  # equal keys: the captured graph does what these hooks do
         else:
-            self._make_room(StaticKVCache.buffer_bytes(shape[0]))
-            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), hooks)
+            self._make_room(StaticKVCache.buffer_bytes(shape))
+            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps))
         self._static_decodes[shape] = decode
         return decode
 
@@ -538,23 +522,22 @@ class Runner:
         """Bytes of the kept static decode that ``decoder(prefill, steps, hooks)`` would reuse (0 if none):
         allocated before a run that replays it, yet that run's memory all the same."""
         shape = self._static_shape(prefill, steps, hooks)
-        return StaticKVCache.buffer_bytes(shape[0]) if shape in self._static_decodes else 0
+        return StaticKVCache.buffer_bytes(shape) if shape in self._static_decodes else 0
 
     def _static_shape(self, prefill: PrefillResult, steps: int, hooks) -> tuple | None:
         """What a static decode of ``prefill`` is kept and found by; None when the decode runs eagerly."""
-        keys = graph_keys(hooks)
-        if not self.cuda_graphs or not steps or keys is None:
+        if not self.cuda_graphs or not steps or hooks:
             return None
-        return StaticKVCache.shape_of(prefill.cache, steps), keys
+        return StaticKVCache.shape_of(prefill.cache, steps)
 
     def _make_room(self, needed: int) -> None:
         """Drop the least recently used static decodes until, with ``needed`` more bytes, the kept ones
         hold at most ``STATIC_DECODES_SHARE`` of the device's memory (elsewhere: none but the newest)."""
         share = self._static_decodes_bytes()
-        held = sum(StaticKVCache.buffer_bytes(cache_shape) for cache_shape, _ in self._static_decodes)
+        held = sum(StaticKVCache.buffer_bytes(shape) for shape in self._static_decodes)
         while self._static_decodes and held + needed > share:
-            (cache_shape, _), _ = self._static_decodes.popitem(last=False)
-            held -= StaticKVCache.buffer_bytes(cache_shape)
+            shape, _ = self._static_decodes.popitem(last=False)
+            held -= StaticKVCache.buffer_bytes(shape)
 
     def _static_decodes_bytes(self) -> float:
         if self.device.type != "cuda":
@@ -633,10 +616,9 @@ class _StaticDecode:
     dynamic cache.
     """
 
-    def __init__(self, runner: Runner, cache: StaticKVCache, hooks=()):
+    def __init__(self, runner: Runner, cache: StaticKVCache):
         self.runner = runner
         self.cache = cache
-        self.hooks = hooks
         self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
         self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
         self.graphed = runner.device.type == "cuda"
@@ -659,7 +641,4 @@ class _StaticDecode:
         return self.logits
 
     def _step(self) -> torch.Tensor:
-        logits = self.runner._decode(self.token, self.position, self.cache, ())
-        for hook in self.hooks:
-            hook.after_decode_step(self.cache, self.position)
-        return logits
+        return self.runner._decode(self.token, self.position, self.cache, ())

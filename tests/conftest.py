@@ -106,6 +106,27 @@ def one_kv_head_runner():
     return Runner(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
 
 
+def attended_keys_recorder():
+    """A hook recording, at every decode step, the positions each layer's attention sees per KV head
+    (padding left out): ``.steps[step][layer]``."""
+    from rankkit.cache import PADDING
+    from rankkit.runner import LayerHook
+
+    class AttendedKeys(LayerHook):
+        def __init__(self):
+            self.steps: list[dict[int, list[list[int]]]] = []
+
+        def on_attention(self, call):
+            if call.phase != "decode":
+                return
+            if call.layer == 0:
+                self.steps.append({})
+            heads = call.key_positions.tolist()
+            self.steps[-1][call.layer] = [sorted(p for p in head if p != PADDING) for head in heads]
+
+    return AttendedKeys()
+
+
 def tiny_model(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 

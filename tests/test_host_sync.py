@@ -232,3 +232,46 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
             with counting() as more:
                 greedy_continue(runner, steps, 1 + DECODE_STEPS)
         assert more.counts - one.counts == Counter({"__int__": DECODE_STEPS}), shape
+
+
+class Launches(TorchDispatchMode):
+    """Counts the operators that launch device work (views launch nothing): what an eager step's host
+    time is made of where it is launch-bound, as a decode step of an 8B model is on an H100."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+# Python at every decode step (Alg. 1's block swaps; TOVA's eviction): more launches than full's, by design
+STEERING_DECODE = {"sliminfer", "tova"}
+
+
+def _launches_per_decode_step(name: str, cuda_graphs: bool) -> float:
+    runner = _runner(2, 2)
+    runner.cuda_graphs = cuda_graphs
+    method = make(name, **PARAMETERS.get(name, {}))
+    method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
+    with torch.inference_mode():
+        run = method.prefill(runner, PROMPT, Budget.from_keep(0.5 if name != "full" else 1.0))
+        step = runner.decoder(run.result, 2 + DECODE_STEPS, run.decode_hooks)
+        token = torch.argmax(run.result.logits)
+        for position in range(96, 98):  # the windows fill and start to roll
+            token = torch.argmax(step(token, position))
+        with Launches() as launches:
+            for position in range(98, 98 + DECODE_STEPS):
+                token = torch.argmax(step(token, position))
+    return launches.count / DECODE_STEPS
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_pruned_or_compressed_cache_decodes_with_no_more_launches_than_full(cuda_graphs):
+    """Every method whose decode has no per-step Python launches at most full's operators per step: a
+    rolling window writes where an append would, a padded layer's mask is made once."""
+    full = _launches_per_decode_step("full", cuda_graphs)
+    launches = {name: _launches_per_decode_step(name, cuda_graphs) for name in sorted(set(REGISTRY) - STEERING_DECODE)}
+    assert full > 0 and all(count <= full for count in launches.values()), (full, launches)

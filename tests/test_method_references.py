@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import attended_keys_recorder, tiny_model
 
 from rankkit.cache import PADDING
 from rankkit.errors import RankkitError
@@ -572,8 +572,13 @@ def test_streamingllm_keeps_sinks_and_a_window_that_rolls_in_decoding(setup, kee
     assert offline(runner, ids, method, keep, layer=1).as_lists() == [expected]  # one set for every head
     tiny = method.prefill(runner, ids, Budget.from_tokens(2))  # raised to the sinks and the last token
     assert all(cache_sets(tiny, layer) == [[0, 1, 2, 3, LENGTH - 1]] * 2 for layer in range(3))
-    greedy_continue(runner, run.result, 5, run.decode_hooks)  # the 4 tokens fed back: positions 48..51
-    rolled = [0, 1, 2, 3, *range(LENGTH + 4 - (k - 4), LENGTH + 4)]
+    attended = attended_keys_recorder()
+    greedy_continue(runner, run.result, 5, [attended])  # the 4 tokens fed back: positions 48..51
+    # each step sees the sinks, the window's k - 4 tokens and its own; the cache holds what the
+    # last one saw, and the next token takes the oldest's slot
+    for step, position in enumerate(range(LENGTH, LENGTH + 4)):
+        rolled = [0, 1, 2, 3, *range(position - (k - 4), position + 1)]
+        assert all(heads == [rolled, rolled] for heads in attended.steps[step].values())
     assert all(sorted(head) == rolled for layer in range(3) for head in cache_sets(run, layer))
 
 
@@ -606,14 +611,18 @@ def test_sage_kv_keeps_the_union_of_its_query_heads_top_k_and_rolls_the_recent_w
     budget = keep_of(keep, 2)
     expected = expected_sage_kv(setup, keep)
     run = check_kv_only(setup, keep, expected)
-    greedy_continue(runner, run.result, 5, run.decode_hooks)  # Step 4: positions 48..51 roll the window on
+    attended = attended_keys_recorder()
+    greedy_continue(runner, run.result, 5, [attended])  # Step 4: positions 48..51 roll the window on
     recent = max(1, budget - budget // 4 - 2 * (budget // 4))
-    for layer in range(3):
-        rolled = [
-            [p for p in head if p < LENGTH - recent] + list(range(LENGTH + 4 - recent, LENGTH + 4))
-            for head in expected.caches[layer]
-        ]
-        assert [sorted(head) for head in cache_sets(run, layer)] == rolled
+    for step, position in enumerate(range(LENGTH, LENGTH + 4)):
+        for layer in range(3):  # a step sees the kept entries, the last recent tokens and its own
+            rolled = [
+                [p for p in head if p < LENGTH - recent] + list(range(position - recent, position + 1))
+                for head in expected.caches[layer]
+            ]
+            assert attended.steps[step][layer] == rolled
+            if step == 3:  # the cache holds what the last step saw
+                assert [sorted(head) for head in cache_sets(run, layer)] == rolled
 
 
 def lava_scores(layer, window: int) -> list[list[float]]:
@@ -691,26 +700,39 @@ def test_lava_keeps_each_layers_entropy_budget_of_its_best_entries_outside_the_w
     check_kv_only(setup, keep, expected_lava(setup, keep))
 
 
-def test_streamingllms_rolling_window_evicts_the_oldest_entry_after_the_sinks_only_past_capacity():
+def test_a_rolling_window_overwrites_the_oldest_entry_after_the_sinks_once_the_layer_is_full():
     from rankkit.cache import KVCache
-    from rankkit.methods.streamingllm import RollingWindow
 
     cache = KVCache(2)
     kept = [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 5, 6])]  # layer 0 holds fewer
-    for positions in (kept, [torch.tensor([9])] * 2):  # the prefill's entries, then the step's token
+
+    def step(positions):
         for layer, layer_positions in enumerate(positions):
             cache.begin_step(layer_positions)
             values = layer_positions.float()[None, None, :, None].expand(1, 2, -1, 3).clone()
             cache.update(values, -values, layer)
-    RollingWindow(capacity=5, layer_sinks=(2, 2), rolling_from_start=False).after_decode_step(cache, 9)
-    assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # below capacity: untouched
-    assert cache.positions[1].tolist() == [[0, 1, 9, 5, 6]] * 2  # 2 is no sink: the oldest after them
-    assert cache.keys[1][0, :, 2, 0].tolist() == [9.0, 9.0] and cache.values[1][0, :, 2, 0].tolist() == [
-        -9.0,
-        -9.0,
+
+    step(kept)
+    for layer in range(2):  # StreamingLLM's capacity 5 with 2 sinks: a window of 3, 4 with a step's token
+        cache.keep_recent_window(layer, 4, 6)
+    step([torch.tensor([9])] * 2)
+    assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # below capacity: appended
+    assert cache.positions[1].tolist() == [[0, 1, 2, 5, 6, 9]] * 2  # full now: nothing evicted yet
+    twin = cache.fork()
+    step([torch.tensor([10])] * 2)
+    assert cache.positions[0].tolist() == [[0, 1, 2, 9, 10]] * 2
+    assert cache.positions[1].tolist() == [[0, 1, 10, 5, 6, 9]] * 2  # 2 is no sink: the oldest after them
+    assert cache.keys[1][0, :, 2, 0].tolist() == [10.0, 10.0] and cache.values[1][0, :, 2, 0].tolist() == [
+        -10.0,
+        -10.0,
     ]
-    RollingWindow(capacity=4, layer_sinks=(2, 2), rolling_from_start=False).after_decode_step(cache, 10)
-    assert cache.positions[0].tolist() == [[0, 1, 2, 9]] * 2  # at capacity: untouched
+    assert twin.positions[1].tolist() == [[0, 1, 2, 5, 6, 9]] * 2  # a fork's entries are its own
+    for position, expected in ((11, [0, 1, 10, 11, 6, 9]), (12, [0, 1, 10, 11, 12, 9]), (13, [0, 1, 10, 11, 12, 13])):
+        step([torch.tensor([position])] * 2)
+        assert cache.positions[1].tolist() == [expected] * 2  # the ring of slots 2-5 wraps
+    assert cache.positions[0].tolist() == [[0, 1, 12, 13, 10, 11]] * 2  # full at 11; then 2 and 9 went
+    with pytest.raises(ValueError, match="which it holds"):
+        cache.keep_recent_window(1, 4, 6)
 
 
 # ---- the same references through the command line --------------------------------------------

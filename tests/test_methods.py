@@ -297,14 +297,14 @@ def test_sage_kv_keeps_the_union_of_each_query_heads_top_k_and_rolls_the_recent_
         kept = [sorted(p for p in head.tolist() if p >= 0) for head in cache.positions[layer]]
         assert kept == expected[layer]
 
-    sizes = [cache.kept_tokens(layer).tolist() for layer in range(3)]
+    sizes = [[size + 1 for size in cache.kept_tokens(layer).tolist()] for layer in range(3)]
     tokens = greedy_continue(runner, run.result, 6, run.decode_hooks)
     assert len(tokens) == 6
-    for layer in range(3):  # Step 4: constant size, sinks and selected kept, the window rolled on
+    for layer in range(3):  # Step 4: constant size (the window and a step's token), the window rolled on
         assert cache.kept_tokens(layer).tolist() == sizes[layer]
         for head, wanted in zip(cache.positions[layer], expected[layer], strict=True):
             kept = sorted(p for p in head.tolist() if p >= 0)
-            rolled = [p for p in wanted if p < 64 - split.recent] + list(range(69 - split.recent, 69))
+            rolled = [p for p in wanted if p < 64 - split.recent] + list(range(68 - split.recent, 69))
             assert kept == rolled
 
 

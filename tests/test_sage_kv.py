@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import attended_keys_recorder
 from test_hybrid import LastQueryAttention, cached, hybrid_runner, reference_sage_kv
 
 from rankkit.errors import RankkitError
@@ -92,12 +93,17 @@ def test_prefill_and_the_store_keep_only_keys_each_layer_sees(runner, prompt, at
         assert cached(run, layer) == expected, layer
         offline = method.select_offline(captured, budget, layer=layer)
         assert offline.layer == layer and offline.as_lists() == expected, layer
-    # Step 4: the token at 40 takes the place of the oldest of each layer's own recent window
-    runner.decode_step(5, 40, run.result.cache, run.decode_hooks)
+    # Step 4: the token at 40 joins each layer's own recent window; the one at 41 takes the place
+    # of its oldest entry, which the step at 40 still saw
+    attended = attended_keys_recorder()
+    for position in (40, 41):
+        runner.decode_step(5, position, run.result.cache, [attended])
     for layer in range(len(LAYERS)):
         evicted = 40 - recent_window(tokens, seen(layer))
         (kept,) = reference_sage_kv(attention[layer], tokens, GROUP, seen(layer))
-        assert cached(run, layer) == [[p for p in kept if p != evicted] + [40]], layer
+        assert attended.steps[0][layer] == [kept + [40]], layer
+        assert attended.steps[1][layer] == [[p for p in kept if p != evicted] + [40, 41]], layer
+        assert cached(run, layer) == attended.steps[1][layer], layer
 
 
 def test_layer_rankings_put_step_1s_tokens_first_then_each_tokens_best_query_head(attention):

@@ -60,20 +60,18 @@ def test_every_method_decodes_the_same_tokens_statically(name, random_ids):
 @pytest.mark.parametrize("keep", [0.5, 0.2])  # at 0.2 the windows (4 and 1 entries) wrap in 8 steps
 @pytest.mark.parametrize("name", ["streamingllm", "sage-kv"])
 def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, keep, random_ids):
-    """The window's eviction two ways, the dynamic cache's ring of slots and the static cache's
-    search on the device: after every step each head holds the same entries (positions and keys),
-    whatever the slot order."""
+    """The window's eviction two ways, the dynamic cache's ring of slots written from the host and
+    the static cache's kept on the device: after every step each head holds the same entries
+    (positions and keys), whatever the slot order: the entries before the window, then the last
+    ``size`` tokens (the step's own included)."""
     eager, static = _both("llama")
     budget = Budget.from_keep(keep)
     caches = []
     for runner in (eager, static):
         run = make(name).prefill(runner, random_ids, budget)
-        if runner is eager:  # each layer's window: its last entries, which the steps replace in turn
-            hook = run.decode_hooks[0]
-            windows = [
-                hook.capacity - hook.layer_sinks[layer] if name == "streamingllm" else hook.layer_splits[layer].recent
-                for layer in range(runner.num_layers)
-            ]
+        assert run.decode_hooks == []  # the window is the cache's: nothing in Python at a step
+        if runner is eager:
+            windows = dict(run.result.cache.windows)
             before = [[_live_positions(run.result.cache, layer, head) for head in range(2)] for layer in range(runner.num_layers)]
         step = runner.decoder(run.result, NEW_TOKENS, run.decode_hooks)
         token = torch.argmax(run.result.logits)
@@ -81,14 +79,17 @@ def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, keep, 
             token = torch.argmax(step(token, position))
         caches.append(step.cache if runner is static else run.result.cache)
     assert isinstance(caches[1], StaticKVCache)
+    assert sorted(windows) == list(range(caches[0].num_layers))
+    end = 40 + NEW_TOKENS
     for layer in range(caches[0].num_layers):
+        size = windows[layer].size
+        assert size < NEW_TOKENS or keep == 0.5  # at 0.2 the ring wraps
         for head in range(2):
             expected, held = (_live_entries(cache, layer, head) for cache in caches)
-            assert [p for p, _ in held] == [p for p, _ in expected] and held[-1][0] == 40 + NEW_TOKENS - 1
+            assert [p for p, _ in held] == [p for p, _ in expected] and held[-1][0] == end - 1
             assert len(expected) < 40  # the window rolled: the cache did not grow by the steps
-            window = windows[layer]
-            end = 40 + NEW_TOKENS
-            assert [p for p, _ in expected] == before[layer][head][:-window] + list(range(end - window, end))
+            kept_before = before[layer][head][: len(before[layer][head]) - (size - 1)]
+            assert [p for p, _ in expected] == kept_before + list(range(end - size, end))
             for (_, key), (_, reference) in zip(held, expected, strict=True):
                 torch.testing.assert_close(key, reference)
 
@@ -133,7 +134,7 @@ def test_interleaved_shapes_each_keep_their_decode_while_their_share_of_memory_a
     runner = Runner(tiny_model("llama"), cuda_graphs=True)
     long_ids = torch.randint(0, 97, (2 * STATIC_BUCKET,), generator=torch.Generator().manual_seed(2))
     first = _decode_of(runner, long_ids, 1.0)
-    shape = next(iter(runner._static_decodes))[0]
+    shape = next(iter(runner._static_decodes))
     assert StaticKVCache.buffer_bytes(shape) == sum(
         tensor.numel() * tensor.element_size()
         for tensor in (*first.cache.keys, *first.cache.values, *first.cache.positions)
@@ -298,7 +299,10 @@ def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids)
     for decoded in (False, True):
         if decoded:
             greedy_continue(runner, run.result, NEW_TOKENS, run.decode_hooks)
-        entries = [*cache.keys, *cache.values, *cache.positions, cache._incoming]
+        # besides the entries: a padded layer's decode mask, one bool per entry and head (with room)
+        masks = list(cache._real.values())
+        assert all(mask.dtype == torch.bool and mask.shape[:-1] == (1, 2, 1) for mask in masks)
+        entries = [*cache.keys, *cache.values, *cache.positions, cache._incoming, *masks]
         allowed = {tensor.untyped_storage().data_ptr() for tensor in entries}
         held = [leaf for leaf in tree_leaves(vars(cache)) if isinstance(leaf, torch.Tensor)]
         assert held and all(tensor.untyped_storage().data_ptr() in allowed for tensor in held), decoded

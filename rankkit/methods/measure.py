@@ -32,7 +32,7 @@ from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
 from rankkit.models import cache_root, write_atomically
-from rankkit.runner import Runner, graph_keys, greedy_continue
+from rankkit.runner import Runner, greedy_continue
 
 
 @dataclass
@@ -69,7 +69,7 @@ def run_once(
         run = method.prefill(runner, input_ids, budget)
         kv_bytes = run.result.cache.nbytes()
         kv_tokens = [sum(heads) / len(heads) for heads in run.result.cache.kept_tokens_per_layer()]
-        if runner.cuda_graphs and graph_keys(run.decode_hooks) is None:
+        if runner.cuda_graphs and run.decode_hooks:
             warnings.warn(
                 f"method '{method.name}' acts at every decode step, which a CUDA graph cannot replay: "
                 "it decodes eagerly",

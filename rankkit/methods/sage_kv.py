@@ -11,7 +11,9 @@ prefill never reads an earlier layer's cache.
 Step 4: during decoding each new token's KV joins the recent window and the oldest
 entry of the window is evicted, so the cache size stays constant. The new entry is
 written into the evicted entry's slot (entry order is free: masks come from positions),
-so a step costs no cache copy.
+so a step costs no cache copy: the window is the cache's (``KVCache.keep_recent_window``),
+a ring of the recent window's slots and one more, since each step attends to the window
+and its own token before the oldest goes.
 
 Budget split for a budget of B tokens (Appendix A.2): sink window B/4; k = B/(2G) per
 query head with G query heads per KV head; the recent window takes the rest
@@ -30,7 +32,6 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.cache import KVCache
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
 from rankkit.methods.selection import Captured, descending_order
@@ -82,7 +83,7 @@ def kept_union(attention: torch.Tensor, split: SageSplit) -> torch.Tensor:
 
 
 class SageKVHook(LayerHook):
-    """Steps 1-3 on every layer's cache during prefill, Step 4 after every decode step."""
+    """Steps 1-3 on every layer's cache during prefill; Step 4's window is the cache's."""
 
     kept: torch.Tensor | None  # the layer's kept mask, from its attention until its cache is cut
 
@@ -105,14 +106,11 @@ class SageKVHook(LayerHook):
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         kept, self.kept = self.kept, None
-        state.cache.compress_to_mask(layer, kept, self.budget)  # no head keeps more than the budget
-
-    def graph_key(self):
-        return ("sage-kv", tuple(self.layer_splits[layer].recent for layer in sorted(self.layer_splits)))
-
-    def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
-        for layer in range(cache.num_layers):
-            cache.roll_recent_window(layer, self.layer_splits[layer].recent, position)
+        cache = state.cache
+        cache.compress_to_mask(layer, kept, self.budget)  # no head keeps more than the budget
+        # Step 4: with a step's token the recent window holds one entry more, then its oldest goes
+        width = cache.get_seq_length(layer)
+        cache.keep_recent_window(layer, self.layer_splits[layer].recent + 1, width + 1)
 
 
 @register
@@ -130,10 +128,7 @@ class SageKV(Method):
         keep = self._keep(budget, length)
         if keep >= length:
             return full_prefill(runner, input_ids)
-        hook = SageKVHook(keep, group_size)
-        run = full_prefill(runner, input_ids, hooks=[hook])
-        run.decode_hooks = [hook]
-        return run
+        return full_prefill(runner, input_ids, hooks=[SageKVHook(keep, group_size)])
 
     @staticmethod
     def _keep(budget: Budget, length: int) -> int:

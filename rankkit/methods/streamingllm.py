@@ -3,9 +3,9 @@
 A recency score (the key's original position) x no selection layer x KV-only mode:
 after each layer's attention its cache keeps the first ``sink_tokens`` tokens and fills
 the rest of the budget with the most recent ones. During decoding the window rolls: once
-a layer's cache holds more than the budget, each new token evicts the oldest entry after
-the sinks, so the cache stays at sinks + window, as the paper's cache does (a budget that
-covers the prompt keeps everything, in decoding too). No attention
+a layer's cache holds the budget, each new token takes the slot of the oldest entry after
+the sinks (``KVCache.keep_recent_window``), so the cache stays at sinks + window, as the
+paper's cache does (a budget that covers the prompt keeps everything, in decoding too). No attention
 is looked at, so its offline face needs nothing captured but the prompt's length.
 """
 
@@ -16,10 +16,10 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.cache import PADDING, KVCache
+from rankkit.cache import PADDING
 from rankkit.methods.base import bounded, register
 from rankkit.methods.selection import Captured, PolicyMethod
-from rankkit.runner import AttentionCall, LayerHook
+from rankkit.runner import AttentionCall
 
 
 class Recency:
@@ -27,30 +27,6 @@ class Recency:
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         return call.key_positions.float()
-
-
-class RollingWindow(LayerHook):
-    """Decoding: every layer's cache keeps its sinks and ``capacity`` entries at most; the newest entry
-    takes the slot of the oldest one after the sinks (``KVCache.roll_recent_window``, no cache copy).
-
-    ``layer_sinks``: the sink tokens each layer holds (a local layer holds those its window sees).
-    ``rolling_from_start``: every layer already holds ``capacity`` entries, so every step rolls every
-    layer, the same device work each time, which a CUDA graph can capture.
-    """
-
-    def __init__(self, capacity: int, layer_sinks: tuple[int, ...], rolling_from_start: bool):
-        self.capacity = capacity
-        self.layer_sinks = layer_sinks
-        self.rolling_from_start = rolling_from_start
-
-    def graph_key(self):
-        return ("streamingllm", self.capacity, self.layer_sinks) if self.rolling_from_start else None
-
-    def after_decode_step(self, cache: KVCache, position: int | torch.Tensor) -> None:
-        for layer, sinks in enumerate(self.layer_sinks):
-            # a static cache's buffers are wider than the capacity: it only decodes a window rolling from the start
-            if cache.get_seq_length(layer) > self.capacity:  # the sinks, then the window and this step's token
-                cache.roll_recent_window(layer, self.capacity - sinks, position)
 
 
 @register
@@ -77,15 +53,16 @@ class StreamingLLM(PolicyMethod):
         _, keep, _, sinks = self._plan(runner.num_layers, length, budget, runner.layer_types)
         if keep < length:  # a budget that covers the prompt is full prefill, in decoding too (as SAGE-KV's)
             cache = run.result.cache
-            held = [cache.get_seq_length(layer) for layer in range(cache.num_layers)]
-            layer_sinks = (sinks,) * cache.num_layers
+            layer_sinks = [sinks] * cache.num_layers
             if runner.layer_types is not None:  # a local layer holds the sinks its window sees: one read
                 # (recency keeps the same entries in every head)
                 counts = torch.stack(
                     [((positions[0] < sinks) & (positions[0] != PADDING)).sum() for positions in cache.positions]
                 )
-                layer_sinks = tuple(counts.tolist())
-            run.decode_hooks = [RollingWindow(keep, layer_sinks, rolling_from_start=min(held) >= keep)]
+                layer_sinks = counts.tolist()
+            for layer, layer_sink_count in enumerate(layer_sinks):
+                # with this step's token, the window holds keep - sinks + 1 entries, then the oldest goes
+                cache.keep_recent_window(layer, keep - layer_sink_count + 1, keep + 1)
         return run
 
     def captured_inputs(self):
