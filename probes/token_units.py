@@ -107,21 +107,37 @@ def unit_similarity(query: torch.Tensor, means: torch.Tensor, head_mean: str = "
     return similarity.mean(dim=1)
 
 
+@dataclass(frozen=True)
+class UnitBlocks:
+    """Where each unit slot of ``unit_keys`` falls among the blocks: what Eq. 2's max over a block's
+    units needs besides the similarities, fixed for as long as the unit keys are (a SlimInfer
+    pruning layer's whole decode)."""
+
+    blocks: torch.Tensor  # [units] the blocks that hold a unit, ascending, then -1 for spare slots
+    block_of_unit: torch.Tensor  # [units] each unit slot's place in ``blocks``
+    spare: torch.Tensor  # [units] the spare slots
+
+    @classmethod
+    def of(cls, unit_ids: torch.Tensor, unit_size: int, block_size: int) -> UnitBlocks:
+        """``unit_ids`` are ``unit_keys``' (spare slots -1)."""
+        spare = unit_ids < 0
+        block_ids = torch.where(spare, -1, unit_ids * unit_size // block_size)
+        # the spare slots trail the units, so they form the last run, which no key reads
+        block_of_unit = run_index(torch.where(spare, block_ids.max() + 1, block_ids))
+        blocks = torch.full_like(unit_ids, -1).scatter_(0, block_of_unit, block_ids)
+        return cls(blocks, block_of_unit, spare)
+
+    def maxima(self, similarity: torch.Tensor) -> torch.Tensor:
+        """SlimInfer Eq. 2: each block's score [kv_heads, units], the max over its units' ``similarity``
+        [kv_heads, units] (-inf at spares)."""
+        best = similarity.new_full(similarity.shape, float("-inf"))
+        index = self.block_of_unit.expand(similarity.shape[0], -1)
+        return best.scatter_reduce(1, index, similarity.masked_fill(self.spare, float("-inf")), reduce="amax")
+
+
 def block_maxima(
     similarity: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SlimInfer Eq. 2: each block's score, the max over its units' ``similarity`` [kv_heads, units].
-
-    ``unit_ids`` are ``unit_keys``' (spare slots -1). Returns the blocks that hold a unit,
-    ascending, then -1 for spare slots [units], and their scores [kv_heads, units] (-inf at spares).
-    """
-    spare = unit_ids < 0
-    block_ids = torch.where(spare, -1, unit_ids * unit_size // block_size)
-    # the spare slots trail the units, so they form the last run, which no key reads
-    block_of_unit = run_index(torch.where(spare, block_ids.max() + 1, block_ids))
-    slots = unit_ids.numel()
-    best = similarity.new_full((similarity.shape[0], slots), float("-inf"))
-    index = block_of_unit.expand(similarity.shape[0], -1)
-    best = best.scatter_reduce(1, index, similarity.masked_fill(spare, float("-inf")), reduce="amax")
-    blocks = torch.full_like(unit_ids, -1).scatter_(0, block_of_unit, block_ids)
-    return blocks, best
+    """SlimInfer Eq. 2 at once: ``UnitBlocks.blocks`` and ``UnitBlocks.maxima`` of ``similarity``."""
+    layout = UnitBlocks.of(unit_ids, unit_size, block_size)
+    return layout.blocks, layout.maxima(similarity)

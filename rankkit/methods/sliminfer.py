@@ -52,7 +52,7 @@ from rankkit.methods.base import (
 )
 from rankkit.methods.selection import Captured, descending_order
 from rankkit.methods.swap import BlockSwap, SwapDecision
-from rankkit.probes.token_units import block_maxima, unit_keys, unit_similarity
+from rankkit.probes.token_units import UnitBlocks, unit_keys, unit_similarity
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 REFERENCE_PRUNING_LAYERS = (10, 20, 30)  # Llama-3.1-8B
@@ -63,20 +63,39 @@ def budget_multiples(count: int) -> list[int]:
     return [2 ** (count - 1 - index) for index in range(count)]
 
 
+@dataclass(frozen=True)
+class BlockChoice:
+    """Sec. 4.2's choice among fixed candidates, on the device: the first eligible block (the attention
+    sink's) and the best ``count`` - 1 other eligible ones. What does not depend on the scores is made
+    once (a pruning layer's decode chooses among the same slots at every step).
+
+    ``blocks`` [slots] ascending (spare slots last); ``eligible`` [slots] the slots that may be chosen.
+    """
+
+    blocks: torch.Tensor
+    first: torch.Tensor  # [1] the first eligible slot
+    others: torch.Tensor  # [slots] the other eligible slots
+    count: int
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, eligible: torch.Tensor, count: int) -> BlockChoice:
+        first = torch.argmax(eligible.to(torch.uint8))[None]  # a 0-d index would be read back to the host
+        return cls(blocks, first, eligible.clone().index_fill_(0, first, False), count)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """Block ids [count] for ``scores`` [slots] (each block's Eq. 2 score), ascending blocks first;
+        -1 fills the places of blocks there were not. Ties go to the earlier block."""
+        best = descending_order(scores.masked_fill(~self.others, float("-inf")))[: max(0, self.count - 1)]
+        best = best.to(self.blocks.device)
+        picked = torch.where(self.others[best], self.blocks[best], -1)
+        return torch.cat([self.blocks[self.first], picked])
+
+
 def chosen_blocks(
     blocks: torch.Tensor, scores: torch.Tensor, count: int, eligible: torch.Tensor
 ) -> torch.Tensor:
-    """The first eligible block and the best ``count`` - 1 other eligible ones (Sec. 4.2), on the device:
-    block ids [count], ascending blocks first; -1 fills the places of blocks there were not.
-
-    ``blocks`` [slots] ascending (spare slots last), ``scores`` [slots] each block's Eq. 2 score,
-    ``eligible`` [slots] the slots that may be chosen. Ties go to the earlier block."""
-    first = torch.argmax(eligible.to(torch.uint8))  # the first eligible slot: the attention sink's block
-    others = eligible.clone().index_fill_(0, first[None], False)
-    best = descending_order(scores.masked_fill(~others, float("-inf")))[: max(0, count - 1)]
-    best = best.to(blocks.device)
-    picked = torch.where(others[best], blocks[best], -1)
-    return torch.cat([blocks[first[None]], picked])  # a 0-d index would be read back to the host
+    """``BlockChoice`` made and applied once: block ids [count]."""
+    return BlockChoice.of(blocks, eligible, count)(scores)
 
 
 def block_count(keep_tokens: int, block_size: int) -> int:
@@ -105,11 +124,9 @@ class PruningLayer:
     keep_tokens: int
     governed: list[int]  # the following layers up to the next pruning layer
     unit_means: torch.Tensor | None = None  # [kv_heads, units, d], Eq. 1 over every block it holds
-    unit_ids: torch.Tensor | None = None
+    unit_blocks: UnitBlocks | None = None  # the blocks of its units
     chosen: set[int] = field(default_factory=set)  # B_active after the prefill
-    eligible: torch.Tensor | None = (
-        None  # [unit slots]: whether a slot's block is held by the governed layers
-    )
+    decode_choice: BlockChoice | None = None  # among the blocks the governed layers hold
     swaps: list[BlockSwap] = field(default_factory=list)
     recent_queries: deque | None = None
 
@@ -143,17 +160,12 @@ class SlimInferHook(LayerHook):
         self.ffn_tokens: dict[int, int] = {}  # the tokens each pruning layer's FFN runs on
         self.decisions: list[SwapDecision] = []
 
-    def _choose(
-        self, entry: PruningLayer, query: torch.Tensor, eligible: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
-        """The blocks ``entry`` keeps for ``query`` (q_l [q_heads, d]) by Eq. 1-2, among the ``eligible``
-        unit slots (None: all): each slot's block, the chosen blocks on the device, and the same
-        read by the host, the one read."""
+    def _choose(self, entry: PruningLayer, query: torch.Tensor, choice: BlockChoice) -> tuple[torch.Tensor, set[int]]:
+        """The blocks ``entry`` keeps for ``query`` (q_l [q_heads, d]) by Eq. 1-2 and ``choice``: on the
+        device, and the same read by the host, the one read."""
         similarity = unit_similarity(query, entry.unit_means)
-        blocks, best = block_maxima(similarity, entry.unit_ids, self.unit_size, self.block_size)
-        eligible = blocks >= 0 if eligible is None else eligible
-        chosen = chosen_blocks(blocks, best[0], block_count(entry.keep_tokens, self.block_size), eligible)
-        return blocks, chosen, {block for block in chosen.tolist() if block >= 0}
+        chosen = choice(entry.unit_blocks.maxima(similarity)[0])
+        return chosen, {block for block in chosen.tolist() if block >= 0}
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase == "prefill":
@@ -170,12 +182,12 @@ class SlimInferHook(LayerHook):
             self._fetch(entry, torch.stack(list(entry.recent_queries)).mean(dim=0))
 
     def _prune(self, entry: PruningLayer, call: AttentionCall) -> None:
-        entry.unit_means, entry.unit_ids = unit_keys(
-            call.key[0].float(), call.key_positions[0], self.unit_size
-        )
+        entry.unit_means, unit_ids = unit_keys(call.key[0].float(), call.key_positions[0], self.unit_size)
+        entry.unit_blocks = UnitBlocks.of(unit_ids, self.unit_size, self.block_size)
+        blocks, blocks_kept = entry.unit_blocks.blocks, block_count(entry.keep_tokens, self.block_size)
         entry.recent_queries = deque(maxlen=self.window)
         window = call.query[0, :, -self.window :].float().mean(dim=1)
-        blocks, chosen_ids, entry.chosen = self._choose(entry, window)
+        chosen_ids, entry.chosen = self._choose(entry, window, BlockChoice.of(blocks, blocks >= 0, blocks_kept))
         # the kept tokens, counted by the host on its live positions ...
         live = self.live_positions
         in_blocks = np.isin(live // self.block_size, sorted(entry.chosen))
@@ -196,7 +208,8 @@ class SlimInferHook(LayerHook):
         # the blocks its governed layers hold: the pool each decode step chooses from
         held = torch.zeros(slots, dtype=torch.long, device=live_blocks.device)
         held = held.index_add_(0, live_blocks, kept_device.long()) > 0
-        entry.eligible = (blocks >= 0) & held[blocks.to(held.device) + 1].to(blocks.device)
+        eligible = (blocks >= 0) & held[blocks.to(held.device) + 1].to(blocks.device)
+        entry.decode_choice = BlockChoice.of(blocks, eligible, blocks_kept)
         self.live, count = live.shape[0], int(kept.sum())
         self.ffn_tokens[call.layer] = count
         self.keep = None if count == self.live else first_of(kept_device, count)
@@ -204,7 +217,7 @@ class SlimInferHook(LayerHook):
 
     def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
         """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
-        _, _, chosen = self._choose(entry, query, entry.eligible)
+        _, chosen = self._choose(entry, query, entry.decode_choice)
         for swap in entry.swaps:
             self.decisions.append(swap.swap(chosen & swap.pool()))
 
