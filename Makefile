@@ -87,11 +87,15 @@ bench-gpu:
 	$(BIN)/rankkit overhead runner --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/runner.json
 	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/decode.json
 	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --cuda-graphs --json > $(GPU_RUNS)/decode-graphs.json
+	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --cuda-graphs --compile-decode --json \
+		> $(GPU_RUNS)/decode-compiled.json
 	$(BIN)/rankkit overhead capture --model $(SHAPE) --lengths 8192,32768,65536,131072 --json > $(GPU_RUNS)/capture.json
 	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa,$(KV_METHODS) --keep 0.1 \
 		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k.parquet --overwrite
 	$(BIN)/rankkit bench --model $(SHAPE) --methods $(KV_METHODS) --keep 0.1 --cuda-graphs \
 		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k-graphs.parquet --overwrite
+	$(BIN)/rankkit bench --model $(SHAPE) --methods $(KV_METHODS) --keep 0.1 --cuda-graphs --compile-decode \
+		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k-compiled.parquet --overwrite
 	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa --keep 0.1 \
 		--data niah:n=1,length=131072 --out $(GPU_RUNS)/methods-128k.parquet --overwrite
 	$(BIN)/rankkit bench --model default --methods gemfilter,fastkv,claa,asl,snapkv,specprefill,sliminfer \

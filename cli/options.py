@@ -93,7 +93,15 @@ CudaGraphs = Annotated[
     typer.Option(
         "--cuda-graphs",
         help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
-        "a method whose hooks act at every decode step (sage-kv, sliminfer) still decodes eagerly.",
+        "a method whose hooks act at every decode step (sliminfer, tova) still decodes eagerly.",
+    ),
+]
+CompileDecode = Annotated[
+    bool,
+    typer.Option(
+        "--compile-decode",
+        help="With --cuda-graphs: compile the static decode step with torch.compile before capturing it, "
+        "fusing its small operators (the first step of each cache shape compiles, which takes minutes).",
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON (--format json).")]

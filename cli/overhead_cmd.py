@@ -12,7 +12,7 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import CudaGraphs, Device, Model
+from rankkit.cli.options import CompileDecode, CudaGraphs, Device, Model
 
 console = output()
 
@@ -27,6 +27,7 @@ def overhead(
     memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
     cuda_graphs: CudaGraphs = False,
+    compile_decode: CompileDecode = False,
     as_json: bool = typer.Option(False, "--json"),
     examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
@@ -58,6 +59,7 @@ def overhead(
             with_memory=memory,
             with_timing=timing,
             cuda_graphs=cuda_graphs,
+            compile_decode=compile_decode,
             progress=lambda: progress.advance(task),
         )
     if as_json:

@@ -12,6 +12,7 @@ from rankkit.cli.app import app, output
 from rankkit.cli.options import (
     AllowOverlength,
     AsJson,
+    CompileDecode,
     CudaGraphs,
     Device,
     DeviceMap,
@@ -49,6 +50,7 @@ def _library_options(given: dict) -> dict:
             given["allow_overlength"],
             given["device_map"],
             given["cuda_graphs"],
+            given["compile_decode"],
         ),
     )
 
@@ -90,6 +92,7 @@ def prefill(
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,
     cuda_graphs: CudaGraphs = False,
+    compile_decode: CompileDecode = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     table_format: Format = "table",
@@ -200,6 +203,7 @@ def bench(
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,
     cuda_graphs: CudaGraphs = False,
+    compile_decode: CompileDecode = False,
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
     table_format: Format = "table",

@@ -54,7 +54,7 @@ from rankkit.methods.measure import (
 from rankkit.methods.specprefill import check_drafts
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
-from rankkit.runner import Runner
+from rankkit.runner import COMPILE_NEEDS_GRAPHS, Runner
 from rankkit.shards import share
 
 FULL = "full"
@@ -355,7 +355,7 @@ class MethodOptions:
 class Setup:
     """Where and on what a run executes; ``allow_overlength`` runs prompts past the model's positions,
     ``device_map`` spreads the model over devices (``models.parse_device_map``), ``cuda_graphs``
-    decodes over a static cache (``Runner``)."""
+    decodes over a static cache and ``compile_decode`` compiles its step (``Runner``)."""
 
     model: str = defaults.MODEL
     device: str = defaults.DEVICE
@@ -363,11 +363,14 @@ class Setup:
     allow_overlength: bool = False
     device_map: str | None = None
     cuda_graphs: bool = False  # decode over a static cache, as CUDA graphs on CUDA (``Runner``)
+    compile_decode: bool = False
 
     def __post_init__(self):
         models.parse_device_map(self.device_map)  # a bad map fails before anything loads
         if self.cuda_graphs and self.device_map is not None:
             raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
+        if self.compile_decode and not self.cuda_graphs:
+            raise RankkitError(COMPILE_NEEDS_GRAPHS)
 
     def config(self):
         """The model's config, read without its weights."""
@@ -377,7 +380,7 @@ class Setup:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         loaded = models.load(self.model, device=self.device, device_map=self.device_map)
-        return loaded, Runner(loaded.model, cuda_graphs=self.cuda_graphs)
+        return loaded, Runner(loaded.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode)
 
 
 def _scored_examples(data: str, loaded: models.LoadedModel) -> list[Example]:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
+from rankkit.errors import RankkitError
 from rankkit.measure import TensorMemoryTracker, measure
-from rankkit.runner import Runner, greedy_continue
+from rankkit.runner import COMPILE_NEEDS_GRAPHS, Runner, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
 
@@ -146,10 +147,11 @@ SCENARIOS: dict[str, tuple[Callable, str, str]] = {
 
 
 @torch.inference_mode()  # a side's own setup (a prompt cache, a prefill) keeps no autograd state
-def _sides(scenario: str, loaded, length: int, cuda_graphs: bool = False) -> Sides:
+def _sides(scenario: str, loaded, length: int, cuda_graphs: bool = False, compile_decode: bool = False) -> Sides:
     build = SCENARIOS[scenario][0]
     ids = prompt_ids(loaded.tokenizer, length).to(loaded.device)
-    return build(Runner(loaded.model, cuda_graphs=cuda_graphs), loaded.tokenizer, ids)
+    runner = Runner(loaded.model, cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+    return build(runner, loaded.tokenizer, ids)
 
 
 def memory_bandwidth(device: torch.device) -> float | None:
@@ -161,7 +163,13 @@ def memory_bandwidth(device: torch.device) -> float | None:
 
 
 def peak_memory(
-    scenario: str, side: str, length: int, model_spec: str, device: str, cuda_graphs: bool = False
+    scenario: str,
+    side: str,
+    length: int,
+    model_spec: str,
+    device: str,
+    cuda_graphs: bool = False,
+    compile_decode: bool = False,
 ) -> int:
     """Peak extra tensor memory of one side's first run (call it in a fresh process).
 
@@ -172,7 +180,7 @@ def peak_memory(
     """
     loaded = models.load(model_spec, device=device)
     with torch.inference_mode():
-        run = getattr(_sides(scenario, loaded, length, cuda_graphs), side)
+        run = getattr(_sides(scenario, loaded, length, cuda_graphs, compile_decode), side)
         if loaded.device.type == "cuda":
             with measure(loaded.device) as m:
                 run()
@@ -183,9 +191,10 @@ def peak_memory(
 
 
 def _peak_in_subprocess(
-    scenario: str, side: str, length: int, model_spec: str, device: str, cuda_graphs: bool
+    scenario: str, side: str, length: int, model_spec: str, device: str, cuda_graphs: bool, compile_decode: bool
 ) -> int | None:
-    call = f"peak_memory({scenario!r}, {side!r}, {length}, {model_spec!r}, {device!r}, {cuda_graphs})"
+    arguments = f"{scenario!r}, {side!r}, {length}, {model_spec!r}, {device!r}, {cuda_graphs}, {compile_decode}"
+    call = f"peak_memory({arguments})"
     code = (
         f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "
         f"from rankkit.overhead import peak_memory; print(json.dumps({call}))"
@@ -218,19 +227,23 @@ def run_overhead(
     with_memory: bool = True,
     with_timing: bool = True,
     cuda_graphs: bool = False,
+    compile_decode: bool = False,
     progress=None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
     and peak memory of both. ``decode`` rows add ``bound_s``, the time to read the weights and the
     KV cache once at the GPU's peak bandwidth (``MEMORY_BANDWIDTH``; None where it is not known),
-    and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode."""
+    and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
+    ``compile_decode`` its compiled step."""
+    if compile_decode and not cuda_graphs:
+        raise RankkitError(COMPILE_NEEDS_GRAPHS)  # before the model loads
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     bandwidth = memory_bandwidth(loaded.device)
     rows = []
     for length in lengths:
         times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
-        sides = _sides(scenario, loaded, length, cuda_graphs)
+        sides = _sides(scenario, loaded, length, cuda_graphs, compile_decode)
         if with_timing:
             times = _interleaved_times(sides, loaded.device, repeats, progress)
         row = {
@@ -239,7 +252,7 @@ def run_overhead(
             "device": str(loaded.device),
             "tokens": length,
             "baseline": baseline_name,
-            "rankkit": rankkit_name + (", CUDA graphs" if cuda_graphs else ""),
+            "rankkit": rankkit_name + (", CUDA graphs" if cuda_graphs else "") + (", compiled" if compile_decode else ""),
             "baseline_s": statistics.median(times["baseline"]) / sides.steps,
             "rankkit_s": statistics.median(times["rankkit"]) / sides.steps,
             "repeats": repeats,
@@ -252,7 +265,7 @@ def run_overhead(
         if with_memory:
             for side in ("baseline", "rankkit"):
                 row[f"{side}_peak_bytes"] = _peak_in_subprocess(
-                    scenario, side, length, model_spec, device, cuda_graphs
+                    scenario, side, length, model_spec, device, cuda_graphs, compile_decode
                 )
             if row["baseline_peak_bytes"] and row["rankkit_peak_bytes"] is not None:
                 row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]

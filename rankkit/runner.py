@@ -233,6 +233,7 @@ class _Step:
 # methods timed in interleaved rounds each replay their own graph instead of capturing it again;
 # the kept ones hold at most this share of the device's memory, the rest is the next prefill's.
 STATIC_DECODES_SHARE = 0.25
+COMPILE_NEEDS_GRAPHS = "--compile-decode compiles the static-cache decode step: add --cuda-graphs"
 
 DECODE_SPLIT = 256  # keys per split of a decode step (a static buffer grows in such steps too)
 # From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", H100,
@@ -301,10 +302,16 @@ class Runner:
     keeps behaving as loaded between and after runs.
     """
 
-    def __init__(self, model, *, cuda_graphs: bool = False):
+    def __init__(self, model, *, cuda_graphs: bool = False, compile_decode: bool = False):
+        if compile_decode and not cuda_graphs:
+            raise RankkitError(COMPILE_NEEDS_GRAPHS)
         _register_attention()
         self.model = model
         self.cuda_graphs = cuda_graphs
+        # the static decode step compiled (torch.compile, inductor) before it is captured: the norms,
+        # rotary embeddings, casts and cache writes a graph replays as separate kernels are fused
+        self.compile_decode = compile_decode
+        self._compiled_decode = None
         # static decodes kept for their graphs, by cache shape and hooks' keys, least recently used first
         self._static_decodes: OrderedDict[tuple, _StaticDecode] = OrderedDict()
         # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
@@ -322,6 +329,15 @@ class Runner:
         self.split_decode_from_in_graphs = SPLIT_DECODE_FROM_IN_GRAPHS if on_cuda else None
         self._capturing = False
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
+
+    def static_step(self):
+        """What a static decode runs at each step: ``_decode``, or its compiled form (made once per
+        runner: a cache of another shape recompiles it, with dynamic lengths from the second on)."""
+        if not self.compile_decode:
+            return self._decode
+        if self._compiled_decode is None:
+            self._compiled_decode = torch.compile(self._decode)
+        return self._compiled_decode
 
     @contextmanager
     def capturing(self):
@@ -609,11 +625,11 @@ def greedy_continue(
 class _StaticDecode:
     """Decode steps over a ``StaticKVCache`` from fixed input buffers (token, position).
 
-    On CUDA the first step runs eagerly (the warm-up a capture needs), the second is
-    captured as one graph, and every later step, of this decode or the next one of the
-    same cache shape, replays it: one launch per token instead of one per kernel. Elsewhere
-    every step runs the same code eagerly, which is what a CPU test compares with the
-    dynamic cache.
+    On CUDA the first step runs eagerly (the warm-up a capture needs, making the same choices
+    as the capture, so a compiled step is compiled then), the second is captured as one graph,
+    and every later step, of this decode or the next one of the same cache shape, replays it:
+    one launch per token instead of one per kernel. Elsewhere every step runs the same code
+    eagerly, which is what a CPU test compares with the dynamic cache.
     """
 
     def __init__(self, runner: Runner, cache: StaticKVCache):
@@ -630,9 +646,12 @@ class _StaticDecode:
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         self.token.copy_(token.reshape(1, 1))
         self.position.fill_(position)
-        if not self.graphed or not self.warmed:
-            self.warmed = True
+        if not self.graphed:
             return self._step()
+        if not self.warmed:
+            self.warmed = True
+            with self.runner.capturing():
+                return self._step()
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph), self.runner.capturing():
@@ -641,4 +660,4 @@ class _StaticDecode:
         return self.logits
 
     def _step(self) -> torch.Tensor:
-        return self.runner._decode(self.token, self.position, self.cache, ())
+        return self.runner.static_step()(self.token, self.position, self.cache, ())

@@ -112,3 +112,28 @@ def test_overhead_decode_command_prints_time_per_token_and_the_bound(tiny_folder
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
     assert row["tokens"] == 40 and row["rankkit"].endswith("CUDA graphs") and row["bound_ratio"] is None
+
+
+def test_overhead_decode_compiles_the_static_step_only_with_cuda_graphs(tiny_folder):
+    import json
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    arguments = ["overhead", "decode", "--model", str(tiny_folder), "--device", "cpu", "--lengths", "40"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", *arguments, "--compile-decode"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "rankkit: error: --compile-decode compiles the static-cache decode step: add --cuda-graphs"
+    ]
+    both = [*arguments, "--repeats", "1", "--no-memory", "--cuda-graphs", "--compile-decode", "--json"]
+    result = CliRunner().invoke(app, both)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert row["rankkit"].endswith("CUDA graphs, compiled") and row["rankkit_s"] > 0

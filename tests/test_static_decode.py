@@ -194,6 +194,46 @@ def test_cuda_graphs_with_a_device_map_is_refused_before_anything_loads():
         Setup(device_map="auto", cuda_graphs=True)
 
 
+def test_compile_decode_without_cuda_graphs_is_refused_before_anything_loads():
+    from rankkit.bench import Setup
+    from rankkit.errors import RankkitError
+
+    for make_it in (lambda: Setup(compile_decode=True), lambda: Runner(tiny_model("llama"), compile_decode=True)):
+        with pytest.raises(RankkitError, match="--compile-decode compiles the static-cache decode step: add --cuda-graphs"):
+            make_it()
+
+
+def test_the_static_decode_step_traces_as_one_graph_with_no_break(family, random_ids):
+    """What ``--compile-decode`` compiles: every family's whole static step, so the fusion spans it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    runner = Runner(tiny_model(family), cuda_graphs=True)
+    cache = StaticKVCache(runner.prefill(random_ids).cache, NEW_TOKENS)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(runner._decode)(torch.zeros((1, 1), dtype=torch.long), torch.tensor([40]), cache, ())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids):
+    """``--compile-decode``: the static step compiled by torch.compile (inductor's C++ kernels on CPU,
+    Triton's on CUDA) chooses the eager dynamic cache's tokens, for full and then for a rolling window
+    that wraps in the steps: the same buffers and the same compiled graph, whole (windows are data)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = tiny_model("llama")
+    eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    assert compiled.generate(random_ids, NEW_TOKENS).tokens == eager.generate(random_ids, NEW_TOKENS).tokens
+    runs = [
+        run_once(runner, make("streamingllm"), random_ids, Budget.from_keep(0.2), NEW_TOKENS)
+        for runner in (eager, compiled)
+    ]
+    assert runs[1].tokens == runs[0].tokens
+    assert len(compiled._static_decodes) == 1  # one cache shape (40 entries and 8 fit one bucket)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
 @pytest.mark.parametrize("keys", [40, 256, 600])  # below one split, exactly two, two and a tail
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_decode_attention_is_sdpa_over_the_same_mask(keys, dtype):

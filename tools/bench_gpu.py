@@ -35,10 +35,16 @@ PROMPT_PRUNING = ["gemfilter", "fastkv", "claa"]
 KEEP = [Budget.from_keep(0.1)]
 
 
-def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, model=SHAPE):
+def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, model=SHAPE, compile_decode=False):
     def run():
         rows = overhead.run_overhead(
-            scenario, lengths, model_spec=model, repeats=repeats, with_memory=False, cuda_graphs=cuda_graphs
+            scenario,
+            lengths,
+            model_spec=model,
+            repeats=repeats,
+            with_memory=False,
+            cuda_graphs=cuda_graphs,
+            compile_decode=compile_decode,
         )
         if memory:
             for row in rows:
@@ -51,14 +57,16 @@ def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, mod
     return run
 
 
-def _bench(methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, warmup=1, repeats=2):
+def _bench(
+    methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, warmup=1, repeats=2, compile_decode=False
+):
     def run():
         frame = bench(
             methods,
             KEEP,
             data,
             settings=BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, repeats=repeats),
-            setup=Setup(model=model, cuda_graphs=cuda_graphs),
+            setup=Setup(model=model, cuda_graphs=cuda_graphs, compile_decode=compile_decode),
         )
         return summary(frame).to_dicts()
 
@@ -152,12 +160,17 @@ def _split_threshold(
 
 
 # name: (time limit in seconds, the run), in the order of what the next lease must measure first:
-# the rows changed since the last one (the split thresholds in graphed and eager decode, the ring
-# of slots of the eager rolling windows, the page-locked transfer at 64k and 128k, the 128k rows
-# the last lease's time cut off), then where the time goes, then the rest
+# the rows changed since the last one (the split thresholds in graphed and eager decode, the rolling
+# windows written by the cache's update, the compiled decode step, the page-locked transfer at 64k
+# and 128k, the 128k rows the last lease's time cut off), then where the time goes, then the rest
 STEPS = {
     "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
     "decode": (90, _overhead("decode", [8192, 32768])),
+    "decode-compiled": (240, _overhead("decode", [32768], cuda_graphs=True, compile_decode=True)),
+    "methods-32k-compiled": (
+        240,
+        _bench(["snapkv", "streamingllm", "lava"], "niah:n=1,length=32768", cuda_graphs=True, compile_decode=True),
+    ),
     "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
     "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
     "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
