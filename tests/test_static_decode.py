@@ -215,7 +215,8 @@ def test_the_static_decode_step_traces_as_one_graph_with_no_break(family, random
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids):
+@pytest.mark.parametrize("split", [False, True])  # SDPA's masked kernel, or the split path CUDA takes
+def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids, split):
     """``--compile-decode``: the static step compiled by torch.compile (inductor's C++ kernels on CPU,
     Triton's on CUDA) chooses the eager dynamic cache's tokens, for full and then for a rolling window
     that wraps in the steps: the same buffers and the same compiled graph, whole (windows are data)."""
@@ -224,6 +225,7 @@ def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids):
     counters.clear()
     model = tiny_model("llama")
     eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    compiled.split_decode_from = 0 if split else None
     assert compiled.generate(random_ids, NEW_TOKENS).tokens == eager.generate(random_ids, NEW_TOKENS).tokens
     runs = [
         run_once(runner, make("streamingllm"), random_ids, Budget.from_keep(0.2), NEW_TOKENS)
