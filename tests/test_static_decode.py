@@ -329,6 +329,20 @@ def test_a_step_being_captured_splits_from_the_graphs_threshold(random_ids, monk
     assert len(calls) == runner.num_layers
 
 
+def test_a_graphs_warm_up_step_makes_the_captures_choices(random_ids, monkeypatch):
+    """The warm-up step before a capture runs as the capture will (the graph's split threshold), so a
+    compiled step is compiled there and the capture replays it, not a second compilation."""
+    calls = _counting_splits(monkeypatch)
+    runner = Runner(tiny_model("llama"), cuda_graphs=True)
+    runner.split_decode_from, runner.split_decode_from_in_graphs = 10_000, 0
+    prefill = runner.prefill(random_ids)
+    decode = runner.decoder(prefill, NEW_TOKENS)
+    decode.graphed = True  # as on CUDA; only the warm-up runs here, the capture needs a GPU
+    decode(torch.argmax(prefill.logits), 40)
+    assert decode.warmed and decode.graph is None and not runner._capturing
+    assert len(calls) == runner.num_layers
+
+
 @pytest.mark.parametrize("name", ["snapkv", "streamingllm", "sage-kv"])
 def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids):
     """After the cut, and after rolled decode steps, every tensor the cache keeps shares storage
