@@ -154,6 +154,17 @@ class KVCache:
             entries[layer] = self._buffers[(id(entries), layer)] = current.clone()
         return entries[layer]
 
+    def evict(self, layer: int, slot: torch.Tensor) -> None:
+        """Drop every head's entry at ``slot`` (a one-element index on the device): the layer's last
+        entry takes its place and the layer is one entry shorter. Nothing is read from the device
+        and one entry is copied, where keeping all the others would gather the whole layer (entry
+        order is free: masks come from positions)."""
+        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
+            owned = self._owned(entries, layer)
+            last = owned.shape[dim] - 1
+            owned.index_copy_(dim, slot, owned.narrow(dim, last, 1).clone())  # the slot may be the last one
+            entries[layer] = owned.narrow(dim, 0, last)
+
     def next_slot(self, layer: int) -> int:
         """The slot the layer's next one-token step writes."""
         window = self.windows.get(layer)

@@ -59,3 +59,32 @@ def test_one_kv_head_keeps_the_budget_through_decoding():
         single.decode_step(5, 40 + step, cache, run.decode_hooks)
         for layer in range(3):
             assert cache.positions[layer].shape == (1, 20), (step, layer)
+
+
+def test_the_least_attended_entry_is_found_by_position_whatever_the_slot_order():
+    from rankkit.methods.tova import least_attended
+
+    positions = torch.tensor([0, 9, 4, 7, 2])  # a cache after evictions: entries out of position order
+    assert least_attended(torch.tensor([0.3, 0.1, 0.2, 0.1, 0.5]), positions).tolist() == [1]  # tie: 9 is later
+    nan = float("nan")  # a key a local layer does not see is never the one evicted
+    assert least_attended(torch.tensor([nan, 0.4, 0.2, nan, 0.3]), positions).tolist() == [2]
+
+
+def test_evicting_moves_the_last_entry_into_the_slot_and_shortens_the_layer():
+    from rankkit.cache import KVCache
+
+    cache = KVCache(1)
+    cache.begin_step(torch.arange(5))
+    keys = torch.arange(5.0)[None, None, :, None].expand(1, 2, -1, 3).clone()
+    cache.update(keys, -keys, 0)
+    cache.begin_step(torch.tensor([5]))
+    cache.update(torch.full((1, 2, 1, 3), 5.0), torch.full((1, 2, 1, 3), -5.0), 0)  # a step's own entry
+    cache.evict(0, torch.tensor([1]))
+    assert cache.positions[0].tolist() == [[0, 5, 2, 3, 4]] * 2
+    assert cache.keys[0][0, :, :, 0].tolist() == [[0.0, 5.0, 2.0, 3.0, 4.0]] * 2
+    assert cache.values[0][0, :, 1, 0].tolist() == [-5.0, -5.0]
+    cache.evict(0, torch.tensor([4]))  # the last entry itself
+    assert cache.positions[0].tolist() == [[0, 5, 2, 3]] * 2
+    cache.begin_step(torch.tensor([6]))
+    cache.update(torch.full((1, 2, 1, 3), 6.0), torch.full((1, 2, 1, 3), -6.0), 0)  # appended where 4 was
+    assert cache.positions[0].tolist() == [[0, 5, 2, 3, 6]] * 2 and cache.keys[0][0, 0, 4, 0] == 6.0

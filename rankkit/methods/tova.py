@@ -24,7 +24,6 @@ from rankkit.methods.selection import (
     NeverSelect,
     PolicyMethod,
     SelectionHook,
-    descending_order,
     one_pass,
 )
 from rankkit.runner import AttentionCall
@@ -38,6 +37,15 @@ class AllHeads:
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         return self.probe.score(call).sum(0).expand(call.key.shape[1], -1)
+
+
+def least_attended(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The entry [1] with the lowest of ``scores`` [S], among ties the latest of ``positions`` [S] (a
+    NaN, a key a local layer does not see, is never the lowest): on the device, whatever the order
+    of the entries."""
+    scores = scores.nan_to_num(torch.inf)
+    lowest = scores == scores.min()
+    return torch.where(lowest.to(positions.device), positions, -1).argmax()[None]
 
 
 class TovaHook(SelectionHook):
@@ -57,11 +65,7 @@ class TovaHook(SelectionHook):
         for layer, scores in self.step_scores.items():
             length = scores.shape[0]
             if length > self.keep:
-                evicted = descending_order(scores)[-1].to(device=scores.device)  # the lowest; among ties the latest
-                # every entry but the evicted one, worked out on the device (no read per layer and step)
-                entries = torch.arange(length - 1, device=scores.device)
-                kept = entries + (entries >= evicted)
-                cache.compress(layer, kept.expand(cache.keys[layer].shape[1], -1))
+                cache.evict(layer, least_attended(scores, cache.positions[layer][0]))
         self.step_scores.clear()
 
 
