@@ -54,7 +54,7 @@ from rankkit.methods.measure import (
 from rankkit.methods.specprefill import check_drafts
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
-from rankkit.runner import COMPILE_NEEDS_GRAPHS, Runner
+from rankkit.runner import Runner, check_decode_options
 from rankkit.shards import share
 
 FULL = "full"
@@ -369,8 +369,7 @@ class Setup:
         models.parse_device_map(self.device_map)  # a bad map fails before anything loads
         if self.cuda_graphs and self.device_map is not None:
             raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
-        if self.compile_decode and not self.cuda_graphs:
-            raise RankkitError(COMPILE_NEEDS_GRAPHS)
+        check_decode_options(self.cuda_graphs, self.compile_decode)
 
     def config(self):
         """The model's config, read without its weights."""

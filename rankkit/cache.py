@@ -52,6 +52,11 @@ class RecentWindow:
     def first_slot(self) -> int:
         return self.full_length - self.size
 
+    def slot_after(self, slot: int) -> int:
+        """The slot a step writes after one wrote ``slot``: the next, or back to the window's first
+        (``StaticKVCache.begin_step`` is the same rule on the device, for every layer at once)."""
+        return self.first_slot if slot + 1 == self.full_length else slot + 1
+
 
 class KVCache:
     def __init__(self, num_layers: int):
@@ -89,11 +94,11 @@ class KVCache:
             incoming = incoming.to(key.device)
         new_positions = incoming.expand(key.shape[1], -1)
         self._fresh[layer_idx] = self.keys[layer_idx] is None
-        window = self.windows.get(layer_idx)
+        window = None if self._fresh[layer_idx] else self._full_window(layer_idx)
         if self._fresh[layer_idx]:
             self.keys[layer_idx], self.values[layer_idx] = key, value
             self.positions[layer_idx] = new_positions
-        elif window is not None and key.shape[2] == 1 and self.positions[layer_idx].shape[1] == window.full_length:
+        elif window is not None and key.shape[2] == 1:
             self._write_in_window(layer_idx, window, key, value, new_positions)
         else:
             self.keys[layer_idx] = self._append(self.keys, layer_idx, key, dim=2)
@@ -110,8 +115,8 @@ class KVCache:
         """
         current = entries[layer]
         length, added = current.shape[dim], new.shape[dim]
-        buffer = self._buffers.get((id(entries), layer))
-        if buffer is None or buffer.data_ptr() != current.data_ptr() or buffer.shape[dim] < length + added:
+        buffer = self._owned_buffer(entries, layer)
+        if buffer is None or buffer.shape[dim] < length + added:
             shape = list(current.shape)
             shape[dim] = length + added + max(128, (length + added) // 8)
             buffer = current.new_empty(shape)
@@ -137,21 +142,29 @@ class KVCache:
             raise ValueError(f"layer {layer}: a window of {size} in {full_length} entries, which it holds")
         self.windows[layer] = RecentWindow(size, full_length)
 
+    def _full_window(self, layer: int) -> RecentWindow | None:
+        """The layer's window once the layer holds all of it (its steps write in the window), else None."""
+        window = self.windows.get(layer)
+        return window if window is not None and self.get_seq_length(layer) == window.full_length else None
+
     def _write_in_window(
         self, layer: int, window: RecentWindow, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        slot = self.next_slot(layer)
-        self._window_slots[layer] = window.first_slot + (slot + 1 - window.first_slot) % window.size
+        slot = self._window_slots.get(layer, window.first_slot)
+        self._window_slots[layer] = window.slot_after(slot)
         for entries, new, dim in ((self.keys, key, 2), (self.values, value, 2), (self.positions, positions, 1)):
             self._owned(entries, layer).narrow(dim, slot, 1).copy_(new)
 
-    def _owned(self, entries: list, layer: int) -> torch.Tensor:
-        """``entries[layer]``, first copied into a buffer of this cache's own when it is not in one
-        (a fork shares its twin's until it writes)."""
-        current = entries[layer]
+    def _owned_buffer(self, entries: list, layer: int) -> torch.Tensor | None:
+        """The buffer of this cache's own that ``entries[layer]`` is a view of, None when it is in none
+        (a prefill's tensor, or one a fork shares with its twin): only such a buffer is written in place."""
         buffer = self._buffers.get((id(entries), layer))
-        if buffer is None or buffer.data_ptr() != current.data_ptr():
-            entries[layer] = self._buffers[(id(entries), layer)] = current.clone()
+        return buffer if buffer is not None and buffer.data_ptr() == entries[layer].data_ptr() else None
+
+    def _owned(self, entries: list, layer: int) -> torch.Tensor:
+        """``entries[layer]``, first copied into a buffer of this cache's own when it is not in one."""
+        if self._owned_buffer(entries, layer) is None:
+            entries[layer] = self._buffers[(id(entries), layer)] = entries[layer].clone()
         return entries[layer]
 
     def evict(self, layer: int, slot: torch.Tensor) -> None:
@@ -167,11 +180,8 @@ class KVCache:
 
     def next_slot(self, layer: int) -> int:
         """The slot the layer's next one-token step writes."""
-        window = self.windows.get(layer)
-        length = self.get_seq_length(layer)
-        if window is not None and length == window.full_length:
-            return self._window_slots.get(layer, window.first_slot)
-        return length
+        window = self._full_window(layer)
+        return self.get_seq_length(layer) if window is None else self._window_slots.get(layer, window.first_slot)
 
     def fork(self) -> KVCache:
         """A cache sharing these entries that grows independently (several continuations of one prefill)."""

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
-from rankkit.errors import RankkitError
 from rankkit.measure import TensorMemoryTracker, measure
-from rankkit.runner import COMPILE_NEEDS_GRAPHS, Runner, greedy_continue
+from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
 
@@ -235,8 +234,7 @@ def run_overhead(
     KV cache once at the GPU's peak bandwidth (``MEMORY_BANDWIDTH``; None where it is not known),
     and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
     ``compile_decode`` its compiled step."""
-    if compile_decode and not cuda_graphs:
-        raise RankkitError(COMPILE_NEEDS_GRAPHS)  # before the model loads
+    check_decode_options(cuda_graphs, compile_decode)  # before the model loads
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     bandwidth = memory_bandwidth(loaded.device)

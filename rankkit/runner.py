@@ -233,7 +233,13 @@ class _Step:
 # methods timed in interleaved rounds each replay their own graph instead of capturing it again;
 # the kept ones hold at most this share of the device's memory, the rest is the next prefill's.
 STATIC_DECODES_SHARE = 0.25
-COMPILE_NEEDS_GRAPHS = "--compile-decode compiles the static-cache decode step: add --cuda-graphs"
+
+
+def check_decode_options(cuda_graphs: bool, compile_decode: bool) -> None:
+    """``compile_decode`` compiles the static decode step, which only ``cuda_graphs`` runs."""
+    if compile_decode and not cuda_graphs:
+        raise RankkitError("--compile-decode compiles the static-cache decode step: add --cuda-graphs")
+
 
 DECODE_SPLIT = 256  # keys per split of a decode step (a static buffer grows in such steps too)
 # From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", H100,
@@ -303,8 +309,7 @@ class Runner:
     """
 
     def __init__(self, model, *, cuda_graphs: bool = False, compile_decode: bool = False):
-        if compile_decode and not cuda_graphs:
-            raise RankkitError(COMPILE_NEEDS_GRAPHS)
+        check_decode_options(cuda_graphs, compile_decode)
         _register_attention()
         self.model = model
         self.cuda_graphs = cuda_graphs
@@ -312,7 +317,7 @@ class Runner:
         # rotary embeddings, casts and cache writes a graph replays as separate kernels are fused
         self.compile_decode = compile_decode
         self._compiled_decode = None
-        # static decodes kept for their graphs, by cache shape and hooks' keys, least recently used first
+        # static decodes kept for their graphs, by cache shape, least recently used first
         self._static_decodes: OrderedDict[tuple, _StaticDecode] = OrderedDict()
         # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
         self.body = getattr(model.model, "language_model", model.model)

@@ -49,7 +49,9 @@ def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, mod
         if memory:
             for row in rows:
                 for side in ("baseline", "rankkit"):
-                    peak = overhead.peak_memory(scenario, side, row["tokens"], model, "auto", cuda_graphs)
+                    peak = overhead.peak_memory(
+                        scenario, side, row["tokens"], model, "auto", cuda_graphs, compile_decode
+                    )
                     row[f"{side}_peak_bytes"] = peak
                 row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
         return rows

@@ -45,7 +45,7 @@ def least_attended(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     of the entries."""
     scores = scores.nan_to_num(torch.inf)
     lowest = scores == scores.min()
-    return torch.where(lowest.to(positions.device), positions, -1).argmax()[None]
+    return torch.where(lowest, positions, -1).argmax()[None]
 
 
 class TovaHook(SelectionHook):
