@@ -21,6 +21,8 @@ all get no score: ``ProbeRecorder`` stores NaN for them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rankkit.cache import PADDING
@@ -66,15 +68,62 @@ def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
     keys = call.key[0].float()
     logits = torch.bmm(queries, keys.transpose(1, 2)).mul_(call.scaling)
     logits = call.cap(logits.view(kv_heads, call.group_size, window, keys_length))
-    # padding counts as lying after every query, so one comparison builds the whole mask
-    key_positions = call.key_positions.masked_fill(
-        call.key_positions == PADDING, torch.iinfo(call.key_positions.dtype).max
+    return logits.masked_fill_(hidden_keys(call, window)[:, None], float("-inf"))
+
+
+HIDDEN_KEYS = "hidden_keys"  # AttentionCall.step_shared: the last mask made, with what it was made from
+
+
+@dataclass
+class _HiddenKeys:
+    key_positions: torch.Tensor
+    query_positions: torch.Tensor
+    sliding_window: int | None
+    hidden: torch.Tensor
+
+    def made_from(self, key_positions, query_positions, sliding_window) -> bool:
+        return (
+            _same_view(self.key_positions, key_positions)
+            and _same_view(self.query_positions, query_positions)
+            and self.sliding_window == sliding_window
+        )
+
+
+def _same_view(kept: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` reads the very elements ``kept`` does; ``kept`` is held alive, so its memory
+    cannot have been freed and handed to another tensor."""
+    return (
+        kept.device == other.device
+        and kept.dtype == other.dtype
+        and kept.data_ptr() == other.data_ptr()
+        and kept.shape == other.shape
+        and kept.stride() == other.stride()
     )
-    query_positions = call.query_positions[-window:][None, :, None]
-    hidden = key_positions[:, None, :] > query_positions
+
+
+def hidden_keys(call: AttentionCall, window: int) -> torch.Tensor:
+    """Bool [kv_heads or 1, W, S]: True where one of the last ``window`` queries cannot see a key.
+
+    The layers of one forward step mostly read the same positions (a prefill's fresh keys are
+    its queries, a view of the step's positions), so the last mask made is kept in
+    ``call.step_shared`` and made again only when the positions it came from change: at every
+    scoring layer but the first, one operator applies it where four made it. A cache writes
+    positions in place only into a layer's own tensor, before that layer attends, so a kept
+    mask never outlives the positions it describes.
+    """
+    key_positions, query_positions = call.key_positions, call.query_positions[-window:]
+    made = call.step_shared.get(HIDDEN_KEYS)
+    if made is not None and made.made_from(key_positions, query_positions, call.sliding_window):
+        return made.hidden
+    # every head reads the same keys when the positions are one row expanded (a prefill's)
+    rows = key_positions[:1] if key_positions.stride(0) == 0 else key_positions
+    # padding counts as lying after every query, so one comparison builds the whole mask
+    rows = rows.masked_fill(rows == PADDING, torch.iinfo(rows.dtype).max)[:, None, :]
+    hidden = rows > query_positions[None, :, None]
     if call.sliding_window is not None:
-        hidden |= key_positions[:, None, :] <= query_positions - call.sliding_window
-    return logits.masked_fill_(hidden[:, None], float("-inf"))
+        hidden |= rows <= query_positions[None, :, None] - call.sliding_window
+    call.step_shared[HIDDEN_KEYS] = _HiddenKeys(key_positions, query_positions, call.sliding_window, hidden)
+    return hidden
 
 
 def window_attention(call: AttentionCall, window_size: int) -> torch.Tensor:

@@ -29,8 +29,10 @@ def pool_before_window(
     """Pool the tokens before the last ``window_tokens`` on their own; keep the window's scores as computed.
 
     As in ASL Algorithm 1 lines 4-5 (and SnapKV): only the past-only histogram is pooled,
-    so no window score leaks into its neighbours before the window.
+    so no window score leaks into its neighbours before the window. ``scores`` are a probe's,
+    computed from one attention call: every key is scored (``ProbeRecorder`` marks the keys a
+    local layer cannot see only afterwards), so no NaN needs leaving out.
     """
     past = scores.shape[-1] - window_tokens
-    pooled_past = pool_tokens(scores[..., :past], pooling, kernel_size)
+    pooled_past = pool_tokens(scores[..., :past], pooling, kernel_size, scored=True)
     return torch.cat([pooled_past, scores[..., past:]], dim=-1)

@@ -229,17 +229,19 @@ class KVCache:
         return real[..., :length]
 
     def compress(self, layer: int, keep: torch.Tensor | list[torch.Tensor]) -> None:
-        """Keep, per KV head, the cache entries at ``keep`` (indices into the current entries).
+        """Keep, per KV head, the cache entries at ``keep`` (ascending indices into the current entries).
 
         ``keep`` is [kv_heads, k] when every head keeps k entries, or a list of one index
-        tensor per head when budgets differ (the shorter heads are padded).
+        tensor per head when budgets differ (the shorter heads are padded). The indices come
+        ascending, as every top-k here returns them, so the entries stay in their order
+        without a sort per compressed layer.
         """
         keys, values, positions = self.keys[layer], self.values[layer], self.positions[layer]
         if isinstance(keep, torch.Tensor):
-            index = torch.sort(keep.to(keys.device), dim=1).values
+            index = keep.to(keys.device)
             lengths = None
         else:
-            per_head = [torch.sort(k.to(keys.device).reshape(-1)).values for k in keep]
+            per_head = [k.to(keys.device).reshape(-1) for k in keep]
             index = pad_sequence(per_head, batch_first=True)  # padded with entry 0, marked as padding below
             lengths = [k.numel() for k in per_head]
         gather = index[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
@@ -263,12 +265,12 @@ class KVCache:
         cache's shape needs nothing read from the device, where ragged index lists would.
         """
         width = min(width, kept.shape[1])
-        kept = kept.to(self.positions[layer].device)
+        dropped = ~kept.to(self.positions[layer].device)
         # the kept entries first, each group in entry order; then back into entry order
-        first = torch.sort((~kept).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        first = torch.sort(dropped.to(torch.uint8), dim=1, stable=True).indices[:, :width]
         index = torch.sort(first, dim=1).values
         self.compress(layer, index)
-        self.positions[layer] = self.positions[layer].masked_fill(~kept.gather(1, index), PADDING)
+        self.positions[layer] = self.positions[layer].masked_fill(dropped.gather(1, index), PADDING)
         self.padded[layer] = True
 
     def trim_padding(self, layers: list[int]) -> None:

@@ -38,11 +38,13 @@ def check_pooling(pooling: str, kernel_size: int) -> None:
         )
 
 
-def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
+def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int, *, scored: bool = False) -> torch.Tensor:
     """Pool ``scores`` [..., T] along the token axis; the result has the same shape.
 
     NaN entries (keys a sliding-window layer could not see) are not neighbours in an
-    average either: a window holding only NaN stays NaN.
+    average either: a window holding only NaN stays NaN. ``scored`` says the caller knows
+    every entry is scored (no NaN, as in scores just computed from one attention call):
+    an average is then one pooling operator, the same values the NaN-aware five give.
     """
     check_pooling(pooling, kernel_size)
     length = scores.shape[-1]
@@ -52,6 +54,9 @@ def pool_tokens(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.T
     padding = kernel_size // 2
     if pooling == "max":
         return F.max_pool1d(rows, kernel_size, stride=1, padding=padding).reshape(scores.shape)
+    if scored:
+        pooled = F.avg_pool1d(rows, kernel_size, stride=1, padding=padding, count_include_pad=pooling == "avg_padded")
+        return pooled.reshape(scores.shape)
     if pooling == "avg_padded":  # an unseen (NaN) key counts as padding, and stays NaN
         unscored = rows.isnan()
         pooled = F.avg_pool1d(rows.masked_fill(unscored, 0.0), kernel_size, stride=1, padding=padding)

@@ -70,6 +70,9 @@ class AttentionCall:
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
     # what several hooks derive from this call, computed once (``probes.attention.share_window``)
     shared: dict = field(default_factory=dict, repr=False, compare=False)
+    # what hooks derive from positions that the layers of one forward step share, computed once for
+    # all of them (``probes.attention.hidden_keys``)
+    step_shared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -128,8 +131,8 @@ class PrefillState:
     stop: bool = False
 
     def prune(self, keep: torch.Tensor) -> None:
-        """Keep only the live tokens at indices ``keep`` (into the current live set) for later layers."""
-        keep = torch.sort(keep.to(self.positions.device)).values
+        """Keep only the live tokens at ascending indices ``keep`` (into the current live set) for later layers."""
+        keep = keep.to(self.positions.device)
         self.hidden = self.hidden[:, keep.to(self.hidden.device)]
         self.positions = self.positions[keep]
         self.position_embeddings = {
@@ -204,6 +207,7 @@ class _Step:
         self.positions = positions
         self.cache = cache
         self.hooks = hooks
+        self.shared: dict = {}  # AttentionCall.step_shared
 
     def attend(self, layer, query, key, value, scaling, sliding_window, softcap, sinks):
         key_positions = self.cache.positions[layer]
@@ -220,6 +224,7 @@ class _Step:
             softcap,
             sinks,
             sliding_window,
+            step_shared=self.shared,
         )
         for hook in self.hooks:
             hook.on_attention(call)
@@ -460,23 +465,23 @@ class Runner:
         *,
         hooks=(),
         positions: torch.Tensor | None = None,
+        prompt_length: int | None = None,
         logits_at: str | None = "last",
         cache: KVCache | None = None,
     ) -> PrefillResult:
         """Run the prompt through every layer (or until a hook stops it).
 
         ``positions`` gives original position ids when re-prefilling a selected subset
-        (two-pass methods); by default they are 0..T-1.
+        (two-pass methods); by default they are 0..T-1. ``prompt_length`` (where decoding
+        continues) is then the whole prompt's, which the caller knows; without it the last
+        position is read from the device.
         """
         input_ids = input_ids.reshape(-1).to(self.device)
         if positions is None:
-            positions, prompt_length = (
-                torch.arange(input_ids.shape[0], device=self.device),
-                input_ids.shape[0],
-            )
+            positions, prompt_length = torch.arange(input_ids.shape[0], device=self.device), input_ids.shape[0]
         else:
             positions = positions.to(self.device)
-            prompt_length = int(positions.max()) + 1
+            prompt_length = int(positions.max()) + 1 if prompt_length is None else prompt_length
         cache = cache if cache is not None else KVCache(self.num_layers)
         with self._installed():
             hidden = self.body.embed_tokens(input_ids[None])

@@ -198,6 +198,15 @@ def test_capture_reads_the_device_once_per_prefill():
         assert reads.counts == Counter({"__int__": 1}), shape  # the prompt length the scores are laid out by
 
 
+@pytest.mark.parametrize(
+    "name", ["full", "snapkv", "pyramidkv", "streamingllm", "fastkv", "claa", "gemfilter", "sage-kv", "tova", "oracle"]
+)
+def test_a_prefill_whose_shapes_the_host_knows_reads_nothing(name):
+    """A two-pass method's second pass is told the prompt's length, not read from its positions."""
+    for shape in SHAPES:
+        assert _reads(name, *shape)[0] == Counter(), shape
+
+
 def test_kv_methods_with_ragged_heads_read_every_layers_width_once_after_the_prefill():
     for name in ("adakv", "lava"):
         for shape in SHAPES:
@@ -275,3 +284,38 @@ def test_a_pruned_or_compressed_cache_decodes_with_no_more_launches_than_full(cu
     full = _launches_per_decode_step("full", cuda_graphs)
     launches = {name: _launches_per_decode_step(name, cuda_graphs) for name in sorted(set(REGISTRY) - STEERING_DECODE)}
     assert full > 0 and all(count <= full for count in launches.values()), (full, launches)
+
+
+def _launches_per_prefill(name: str, layers: int, monkeypatch) -> int:
+    import rankkit.methods.selection as selection
+
+    monkeypatch.setattr(selection, "_on_cpu", lambda scores: None)  # torch's sort, as on CUDA
+    runner = _runner(layers, 2)
+    method = make(name, **PARAMETERS.get(name, {}))
+    method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
+    budget = Budget.from_keep(0.5 if name != "full" else 1.0)
+    with torch.inference_mode():
+        method.prefill(runner, PROMPT, budget)
+        with Launches() as launches:
+            method.prefill(runner, PROMPT, budget)
+    return launches.count
+
+
+# Operators a method launches per prefill layer beyond full's, where it scores and cuts every layer:
+# the window's attention (logits, scale, the step's one mask, softmax, window sum: 5), pooling before
+# the window (2), the head sum (1), top-k with the forced tokens (mask, sort, sort of the k: 3) and
+# the cut (keys, values, positions: 3). SAGE-KV's union of query-head top-k and its padded cut cost
+# 4 more, TOVA skips pooling and the window, StreamingLLM only cuts; AdaKV cuts each layer twice (to
+# a bound the host knows, then to its widest head) and ranks over all heads.
+PREFILL_LAUNCHES_PER_LAYER = {"snapkv": 14, "pyramidkv": 14, "sage-kv": 18, "tova": 12, "streamingllm": 6, "adakv": 37}
+
+
+@pytest.mark.parametrize("name", sorted(PREFILL_LAUNCHES_PER_LAYER))
+def test_a_scoring_layer_launches_a_fixed_few_operators_beyond_fulls(name, monkeypatch):
+    """What a per-layer method adds to each layer's host time where a prefill is launch-bound (a small
+    model on a GPU): the window mask is made once per step and a probe's fresh scores pool in one
+    operator, so a scoring layer adds 14, not the 23 it did."""
+    def per_layer(method):
+        return (_launches_per_prefill(method, 4, monkeypatch) - _launches_per_prefill(method, 2, monkeypatch)) / 2
+
+    assert per_layer(name) - per_layer("full") <= PREFILL_LAUNCHES_PER_LAYER[name]

@@ -26,3 +26,16 @@ def test_average_pooling_leaves_the_padding_and_unseen_keys_out():
 def test_an_unknown_pooling_or_an_even_kernel_is_refused_even_where_nothing_pools(pooling, kernel, message):
     with pytest.raises(RankkitError, match=message):
         pool_tokens(torch.ones(4), pooling, kernel)
+
+
+@pytest.mark.parametrize("pooling", ["avg", "avg_padded"])
+@pytest.mark.parametrize("kernel", [3, 7])
+def test_scores_known_to_hold_no_nan_pool_to_the_same_bits_in_one_operator(pooling, kernel):
+    """A probe's fresh scores have no NaN: the one-operator average equals the NaN-aware one exactly,
+    infinities (forced tokens) included, at the edges too."""
+    scores = torch.rand(3, 2, 50, generator=torch.Generator().manual_seed(kernel)) * 10
+    scores[0, 1, 7] = float("inf")
+    assert torch.equal(pool_tokens(scores, pooling, kernel, scored=True), pool_tokens(scores, pooling, kernel))
+    row = torch.tensor([1.0, 2.0, 4.0, 6.0, 3.0])
+    expected = [1.5, 7 / 3, 4.0, 13 / 3, 4.5] if pooling == "avg" else [1.0, 7 / 3, 4.0, 13 / 3, 3.0]
+    assert pool_tokens(row, pooling, 3, scored=True).tolist() == pytest.approx(expected)

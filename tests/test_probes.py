@@ -23,7 +23,8 @@ from rankkit.probes import (
     make,
     parse_probes,
 )
-from rankkit.runner import AttentionCall, LayerHook, Runner
+from rankkit.probes.attention import hidden_keys
+from rankkit.runner import AttentionCall, LayerHook, Runner, greedy_continue
 
 TOLERANCE = 1e-5
 
@@ -412,3 +413,40 @@ def test_recorder_ignores_decode_and_restarts_on_a_new_prefill(random_ids):
     runner.prefill(random_ids, hooks=[recorder])
     assert recorder.scores()["last_token_heads"].shape == (3, query_heads, 40)
     assert ProbeRecorder([WindowProbe()]).scores() == {}
+
+
+class WindowMasks(LayerHook):
+    """At every attention call, the window mask a probe is given (the step's memo) and one made afresh."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.given: list[tuple[str, torch.Tensor]] = []
+        self.fresh: list[torch.Tensor] = []
+
+    def on_attention(self, call):
+        self.given.append((call.phase, hidden_keys(call, self.window)))
+        self.fresh.append(hidden_keys(dataclasses.replace(call, step_shared={}), self.window))
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gemma2"])
+def test_a_steps_layers_share_one_window_mask_while_their_positions_do(family_name, random_ids):
+    """The mask is made once for the layers that read the same positions (a prefill's, until it prunes)
+    and made again where they change (after pruning, a compressed cache, a decode step), always the
+    mask made afresh; gemma2's local layers get a mask of their own."""
+    runner = Runner(tiny_model(family_name))
+    masks = WindowMasks(window=8)
+    keep = torch.tensor([0, 3, 4, 10, 17, 25, 31, 33, 36, 38, 39])
+    prefill = runner.prefill(random_ids, hooks=[PruneAfter(0, keep), masks])
+    for layer in range(runner.num_layers):  # ragged heads: each layer's positions differ, with padding
+        prefill.cache.compress(layer, [torch.arange(0, 11, 1 + layer), torch.arange(0, 11, 2)])
+    greedy_continue(runner, prefill, 3, [masks])
+    assert len(masks.given) == 3 * runner.num_layers
+    for (_, given), fresh in zip(masks.given, masks.fresh, strict=True):
+        assert torch.equal(given, fresh)
+    prefill_masks = [mask for phase, mask in masks.given if phase == "prefill"]
+    if family_name == "llama":  # layer 0 on all 40 tokens, layers 1 and 2 on the 11 kept
+        assert prefill_masks[1] is prefill_masks[2] and prefill_masks[0].shape == (1, 8, 40)
+    else:  # local, global, local: each layer's own mask
+        assert prefill_masks[1] is not prefill_masks[2]
+    decode_masks = [mask for phase, mask in masks.given if phase == "decode"]
+    assert all(mask.shape[0] == 2 for mask in decode_masks)  # one row per head: the heads keep different keys

@@ -200,7 +200,7 @@ def test_compress_gathers_per_head_entries_and_counts_bytes():
     keys = torch.arange(2 * 6 * 2, dtype=torch.float32).reshape(1, 2, 6, 2)
     cache.begin_step(torch.arange(6))
     cache.update(keys, keys + 100, 0)
-    cache.compress(0, [torch.tensor([4, 1]), torch.tensor([5])])
+    cache.compress(0, [torch.tensor([1, 4]), torch.tensor([5])])
     assert cache.positions[0].tolist() == [[1, 4], [5, PADDING]]
     assert cache.keys[0][0, 0].tolist() == [[2.0, 3.0], [8.0, 9.0]]
     assert cache.values[0][0, 1, 0].tolist() == [122.0, 123.0]

@@ -120,7 +120,7 @@ def _prefill_without_evidence(
 ) -> PrefillResult:
     """The prompt's prefill with the evidence's hidden states removed from ``layer`` on."""
     if layer == 0:
-        return runner.prefill(ids[keep], positions=keep)
+        return runner.prefill(ids[keep], positions=keep, prompt_length=ids.shape[0])
     return runner.prefill(ids, hooks=[RemoveAfter(layer - 1, keep)])
 
 

@@ -401,8 +401,9 @@ def reprefill_selected(
     ``selection_passes`` are the passes that found the selection (they count in the method's cost).
     """
     kept_positions = torch.sort(kept_positions.to(input_ids.device)).values
-    result = runner.prefill(input_ids.reshape(-1)[kept_positions], positions=kept_positions)
-    result.prompt_length = int(input_ids.numel())  # decoding continues after the last prompt token
+    result = runner.prefill(
+        input_ids.reshape(-1)[kept_positions], positions=kept_positions, prompt_length=int(input_ids.numel())
+    )
     return MethodPrefill(
         result,
         [*selection_passes, Pass.prefill("main", result.live_tokens)],

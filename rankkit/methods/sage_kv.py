@@ -75,11 +75,12 @@ def kept_union(attention: torch.Tensor, split: SageSplit) -> torch.Tensor:
     recent_start = max(start, length - split.recent)
     evicted = attention[..., start:recent_start]
     k = min(split.per_query_head, evicted.shape[-1])
-    top = descending_order(evicted)[..., :k] + start  # [kv_heads, group, k], ties to the earlier token
+    top = descending_order(evicted)[..., :k]  # [kv_heads, group, k] into the span, ties to the earlier token
     kept = torch.zeros(attention.shape[0], length, dtype=torch.bool, device=attention.device)
     kept[:, min(split.first_seen, split.sinks) : split.sinks] = True
     kept[:, recent_start:] = True
-    return kept.scatter_(1, top.flatten(1), True)
+    kept[:, start:recent_start].scatter_(1, top.flatten(1), True)
+    return kept
 
 
 class SageKVHook(LayerHook):

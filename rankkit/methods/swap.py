@@ -176,7 +176,8 @@ class BlockSwap:
         layout = self._layout()
         staying = [int(block) for block in np.unique(layout) if int(block) not in blocks]
         device = self.cache.positions[self.layer].device
-        keep = torch.cat([torch.zeros(0, dtype=torch.long, device=device), *self._entries_of(staying)])
+        # each block's entries ascend, but a block fetched back lies after later ones
+        keep = torch.cat([torch.zeros(0, dtype=torch.long, device=device), *self._entries_of(staying)]).sort().values
         self.cache.compress(self.layer, keep.expand(self.cache.keys[self.layer].shape[1], -1))
         self.layout = layout[~np.isin(layout, sorted(blocks))]
 
