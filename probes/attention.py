@@ -21,8 +21,6 @@ all get no score: ``ProbeRecorder`` stores NaN for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rankkit.cache import PADDING
@@ -71,59 +69,25 @@ def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
     return logits.masked_fill_(hidden_keys(call, window)[:, None], float("-inf"))
 
 
-HIDDEN_KEYS = "hidden_keys"  # AttentionCall.step_shared: the last mask made, with what it was made from
-
-
-@dataclass
-class _HiddenKeys:
-    key_positions: torch.Tensor
-    query_positions: torch.Tensor
-    sliding_window: int | None
-    hidden: torch.Tensor
-
-    def made_from(self, key_positions, query_positions, sliding_window) -> bool:
-        return (
-            _same_view(self.key_positions, key_positions)
-            and _same_view(self.query_positions, query_positions)
-            and self.sliding_window == sliding_window
-        )
-
-
-def _same_view(kept: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether ``other`` reads the very elements ``kept`` does; ``kept`` is held alive, so its memory
-    cannot have been freed and handed to another tensor."""
-    return (
-        kept.device == other.device
-        and kept.dtype == other.dtype
-        and kept.data_ptr() == other.data_ptr()
-        and kept.shape == other.shape
-        and kept.stride() == other.stride()
-    )
-
-
 def hidden_keys(call: AttentionCall, window: int) -> torch.Tensor:
     """Bool [kv_heads or 1, W, S]: True where one of the last ``window`` queries cannot see a key.
 
-    The layers of one forward step mostly read the same positions (a prefill's fresh keys are
-    its queries, a view of the step's positions), so the last mask made is kept in
-    ``call.step_shared`` and made again only when the positions it came from change: at every
-    scoring layer but the first, one operator applies it where four made it. A cache writes
-    positions in place only into a layer's own tensor, before that layer attends, so a kept
-    mask never outlives the positions it describes.
+    Made once for the layers of a step that read the same positions (``AttentionCall.per_step``):
+    at every scoring layer but the first, one operator applies it where four made it.
     """
     key_positions, query_positions = call.key_positions, call.query_positions[-window:]
-    made = call.step_shared.get(HIDDEN_KEYS)
-    if made is not None and made.made_from(key_positions, query_positions, call.sliding_window):
-        return made.hidden
-    # every head reads the same keys when the positions are one row expanded (a prefill's)
-    rows = key_positions[:1] if key_positions.stride(0) == 0 else key_positions
-    # padding counts as lying after every query, so one comparison builds the whole mask
-    rows = rows.masked_fill(rows == PADDING, torch.iinfo(rows.dtype).max)[:, None, :]
-    hidden = rows > query_positions[None, :, None]
-    if call.sliding_window is not None:
-        hidden |= rows <= query_positions[None, :, None] - call.sliding_window
-    call.step_shared[HIDDEN_KEYS] = _HiddenKeys(key_positions, query_positions, call.sliding_window, hidden)
-    return hidden
+
+    def make() -> torch.Tensor:
+        # every head reads the same keys when the positions are one row expanded (a prefill's)
+        rows = key_positions[:1] if key_positions.stride(0) == 0 else key_positions
+        # padding counts as lying after every query, so one comparison builds the whole mask
+        rows = rows.masked_fill(rows == PADDING, torch.iinfo(rows.dtype).max)[:, None, :]
+        hidden = rows > query_positions[None, :, None]
+        if call.sliding_window is not None:
+            hidden |= rows <= query_positions[None, :, None] - call.sliding_window
+        return hidden
+
+    return call.per_step("hidden_keys", (key_positions, query_positions), (call.sliding_window,), make)
 
 
 def window_attention(call: AttentionCall, window_size: int) -> torch.Tensor:

@@ -54,13 +54,16 @@ class TokenUnitsProbe(Probe):
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         positions = call.key_positions[0]
-        means, unit_ids = unit_keys(call.key[0].float(), positions, self.unit_size)
+        layout = call.per_step(
+            "token_units",
+            (positions,),
+            (self.unit_size, self.block_size),
+            lambda: UnitLayout.of(positions, self.unit_size, self.block_size),
+        )
         window = window_length(call, self.window_size)
         mean_query = call.query[0, :, -window:].float().mean(dim=1)
-        _, best = block_maxima(
-            unit_similarity(mean_query, means, self.head_mean), unit_ids, self.unit_size, self.block_size
-        )
-        return best[:, run_index(positions // self.block_size)]
+        best = layout.blocks.maxima(unit_similarity(mean_query, layout.mean_keys(call.key[0].float()), self.head_mean))
+        return best[:, layout.block_of_key]
 
 
 def run_index(values: torch.Tensor) -> torch.Tensor:
@@ -72,24 +75,32 @@ def run_index(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(starts, 0) - 1
 
 
-def unit_keys(
-    keys: torch.Tensor, positions: torch.Tensor, unit_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SlimInfer Eq. 1: the mean key of every token unit present, [kv_heads, S, d], and each unit's
-    id [S], the units first in position order and the spare slots after them marked -1 (as many
-    slots as keys, so no size is read from the device).
+@dataclass(frozen=True)
+class UnitSlots:
+    """SlimInfer Eq. 1's token units of keys at ``positions`` [S] (ascending): runs of ``unit_size``
+    original positions, so they stay whole after pruning, and there are as many slots as keys, so
+    no size is read from the device."""
 
-    Units are runs of ``unit_size`` original positions (``positions`` [S] of the keys [kv_heads, S, d],
-    ascending), so they stay whole after pruning; a unit cut short (the last, or a pruned run)
-    averages what it has.
-    """
-    units = positions // unit_size
-    unit_of_key = run_index(units)
-    slots = units.numel()
-    sums = keys.new_zeros(keys.shape[0], slots, keys.shape[-1]).index_add_(1, unit_of_key, keys)
-    counts = keys.new_zeros(slots).index_add_(0, unit_of_key, keys.new_ones(slots))
-    ids = torch.full_like(units, -1).scatter_(0, unit_of_key, units)
-    return sums / counts.clamp(min=1)[None, :, None], ids
+    unit_of_key: torch.Tensor  # [S] each key's unit slot
+    unit_ids: torch.Tensor  # [S] the units present, in position order, then -1 for spare slots
+    keys_per_unit: torch.Tensor  # [S] float, at least 1 (a spare slot averages nothing)
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, unit_size: int) -> UnitSlots:
+        units = positions // unit_size
+        unit_of_key = run_index(units)
+        slots = units.numel()
+        counts = torch.zeros(slots, device=positions.device).index_add_(
+            0, unit_of_key, torch.ones(slots, device=positions.device)
+        )
+        ids = torch.full_like(units, -1).scatter_(0, unit_of_key, units)
+        return cls(unit_of_key, ids, counts.clamp(min=1))
+
+    def mean_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """SlimInfer Eq. 1: the mean key of every unit slot [kv_heads, S, d] of float32 ``keys``
+        [kv_heads, S, d]; a unit cut short (the last, or a pruned run) averages what it has."""
+        sums = keys.new_zeros(keys.shape).index_add_(1, self.unit_of_key, keys)
+        return sums / self.keys_per_unit[None, :, None]
 
 
 def unit_similarity(query: torch.Tensor, means: torch.Tensor, head_mean: str = "all") -> torch.Tensor:
@@ -109,7 +120,7 @@ def unit_similarity(query: torch.Tensor, means: torch.Tensor, head_mean: str = "
 
 @dataclass(frozen=True)
 class UnitBlocks:
-    """Where each unit slot of ``unit_keys`` falls among the blocks: what Eq. 2's max over a block's
+    """Where each unit slot of ``UnitSlots`` falls among the blocks: what Eq. 2's max over a block's
     units needs besides the similarities, fixed for as long as the unit keys are (a SlimInfer
     pruning layer's whole decode)."""
 
@@ -119,7 +130,7 @@ class UnitBlocks:
 
     @classmethod
     def of(cls, unit_ids: torch.Tensor, unit_size: int, block_size: int) -> UnitBlocks:
-        """``unit_ids`` are ``unit_keys``' (spare slots -1)."""
+        """``unit_ids`` are ``UnitSlots.unit_ids`` (spare slots -1)."""
         spare = unit_ids < 0
         block_ids = torch.where(spare, -1, unit_ids * unit_size // block_size)
         # the spare slots trail the units, so they form the last run, which no key reads
@@ -135,9 +146,22 @@ class UnitBlocks:
         return best.scatter_reduce(1, index, similarity.masked_fill(self.spare, float("-inf")), reduce="amax")
 
 
-def block_maxima(
-    similarity: torch.Tensor, unit_ids: torch.Tensor, unit_size: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SlimInfer Eq. 2 at once: ``UnitBlocks.blocks`` and ``UnitBlocks.maxima`` of ``similarity``."""
-    layout = UnitBlocks.of(unit_ids, unit_size, block_size)
-    return layout.blocks, layout.maxima(similarity)
+@dataclass(frozen=True)
+class UnitLayout(UnitSlots):
+    """``UnitSlots`` with the blocks Eq. 2 groups them into and each key's block: everything the
+    probe needs besides the keys and queries, a function of the positions alone, so the layers of
+    a step that read the same positions share it (``AttentionCall.per_step``)."""
+
+    blocks: UnitBlocks
+    block_of_key: torch.Tensor  # [S] each key's block, numbered as ``blocks`` places them
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, unit_size: int, block_size: int) -> UnitLayout:
+        slots = UnitSlots.of(positions, unit_size)
+        return cls(
+            slots.unit_of_key,
+            slots.unit_ids,
+            slots.keys_per_unit,
+            UnitBlocks.of(slots.unit_ids, unit_size, block_size),
+            run_index(positions // block_size),
+        )

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +72,26 @@ class AttentionCall:
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
     # what several hooks derive from this call, computed once (``probes.attention.share_window``)
     shared: dict = field(default_factory=dict, repr=False, compare=False)
-    # what hooks derive from positions that the layers of one forward step share, computed once for
-    # all of them (``probes.attention.hidden_keys``)
+    # what hooks derive from positions that the layers of one forward step share (``per_step``)
     step_shared: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def per_step(self, name: str, sources: tuple[torch.Tensor, ...], params: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, a value derived from ``sources`` (positions) and ``params`` alone, made once for
+        the layers of one forward step that read the same ``sources``.
+
+        The layers of a step mostly do (a prefill's fresh keys are its queries, a view of the step's
+        positions), so the last value made under ``name`` is kept in ``step_shared`` with its sources
+        and made again only where they change (after pruning, a compressed cache, a decode step).
+        A kept source is held alive, so memory at its address is still its own; and a cache writes
+        positions in place only into a layer's own tensor, before that layer attends, so a kept
+        value never outlives the positions it came from.
+        """
+        kept = self.step_shared.get(name)
+        if kept is not None and kept.params == params and all(map(_same_view, kept.sources, sources)):
+            return kept.value
+        value = make()
+        self.step_shared[name] = _Derived(sources, params, value)
+        return value
 
     @property
     def group_size(self) -> int:
@@ -99,6 +118,24 @@ class AttentionCall:
         sinks = self.sinks.float().reshape(logits.shape[0], logits.shape[1], *[1] * (logits.dim() - 2))
         normalizer = torch.logaddexp(torch.logsumexp(logits, dim=-1, keepdim=True), sinks.to(logits.device))
         return torch.exp(logits - normalizer)
+
+
+@dataclass
+class _Derived:
+    sources: tuple[torch.Tensor, ...]
+    params: tuple
+    value: Any
+
+
+def _same_view(kept: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` reads the very elements ``kept`` does (``kept`` held alive)."""
+    return (
+        kept.device == other.device
+        and kept.dtype == other.dtype
+        and kept.data_ptr() == other.data_ptr()
+        and kept.shape == other.shape
+        and kept.stride() == other.stride()
+    )
 
 
 class LayerHook:

@@ -319,3 +319,23 @@ def test_a_scoring_layer_launches_a_fixed_few_operators_beyond_fulls(name, monke
         return (_launches_per_prefill(method, 4, monkeypatch) - _launches_per_prefill(method, 2, monkeypatch)) / 2
 
     assert per_layer(name) - per_layer("full") <= PREFILL_LAUNCHES_PER_LAYER[name]
+
+
+def test_a_capture_layer_launches_what_its_probes_compute():
+    """Every probe at every layer, beyond the runner's own operators: the window mask and the token
+    units' layout (functions of the positions) are made once per step, so a layer adds 37, not 80."""
+    from rankkit.probes import ProbeRecorder, parse_probes
+
+    def per_prefill(layers: int, probes: bool) -> int:
+        runner = _runner(layers, 2)
+        with torch.inference_mode():
+            hooks = [ProbeRecorder(parse_probes("all"))] if probes else []
+            runner.prefill(PROMPT, hooks=hooks)
+            with Launches() as launches:
+                runner.prefill(PROMPT, hooks=hooks)
+        return launches.count
+
+    def per_layer(probes: bool) -> float:
+        return (per_prefill(4, probes) - per_prefill(2, probes)) / 2
+
+    assert per_layer(True) - per_layer(False) <= 37

@@ -416,16 +416,20 @@ def test_recorder_ignores_decode_and_restarts_on_a_new_prefill(random_ids):
 
 
 class WindowMasks(LayerHook):
-    """At every attention call, the window mask a probe is given (the step's memo) and one made afresh."""
+    """At every attention call, the window mask a probe is given (the step's memo) and one made afresh;
+    and the token-unit scores, which keep their layout per step, checked against a fresh layout."""
 
     def __init__(self, window: int):
         self.window = window
         self.given: list[tuple[str, torch.Tensor]] = []
         self.fresh: list[torch.Tensor] = []
+        self.units = TokenUnitsProbe(block_size=8, unit_size=2)
 
     def on_attention(self, call):
+        fresh = dataclasses.replace(call, step_shared={})
         self.given.append((call.phase, hidden_keys(call, self.window)))
-        self.fresh.append(hidden_keys(dataclasses.replace(call, step_shared={}), self.window))
+        self.fresh.append(hidden_keys(fresh, self.window))
+        assert torch.equal(self.units.score(call), self.units.score(fresh))
 
 
 @pytest.mark.parametrize("family_name", ["llama", "gemma2"])

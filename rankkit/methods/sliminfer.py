@@ -52,7 +52,7 @@ from rankkit.methods.base import (
 )
 from rankkit.methods.selection import Captured, descending_order
 from rankkit.methods.swap import BlockSwap, SwapDecision
-from rankkit.probes.token_units import UnitBlocks, unit_keys, unit_similarity
+from rankkit.probes.token_units import UnitBlocks, UnitSlots, unit_similarity
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 REFERENCE_PRUNING_LAYERS = (10, 20, 30)  # Llama-3.1-8B
@@ -182,8 +182,9 @@ class SlimInferHook(LayerHook):
             self._fetch(entry, torch.stack(list(entry.recent_queries)).mean(dim=0))
 
     def _prune(self, entry: PruningLayer, call: AttentionCall) -> None:
-        entry.unit_means, unit_ids = unit_keys(call.key[0].float(), call.key_positions[0], self.unit_size)
-        entry.unit_blocks = UnitBlocks.of(unit_ids, self.unit_size, self.block_size)
+        slots = UnitSlots.of(call.key_positions[0], self.unit_size)
+        entry.unit_means = slots.mean_keys(call.key[0].float())
+        entry.unit_blocks = UnitBlocks.of(slots.unit_ids, self.unit_size, self.block_size)
         blocks, blocks_kept = entry.unit_blocks.blocks, block_count(entry.keep_tokens, self.block_size)
         entry.recent_queries = deque(maxlen=self.window)
         window = call.query[0, :, -self.window :].float().mean(dim=1)
