@@ -98,6 +98,20 @@ def measure(device: torch.device):
     result.peak_bytes = peak.bytes()
 
 
+class OperatorLaunches(TorchDispatchMode):
+    """Counts the operators that launch device work while active (views launch nothing): what an
+    eager step's host time is made of where it is launch-bound, as a decode step of an 8B model or
+    a small model's prefill is on an H100. Counted on any device, the same operators as on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages created by operators while active (see the module docstring)."""
 

@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rankkit.measure import OperatorLaunches
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.runner import Runner, greedy_continue
 
@@ -243,19 +244,6 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
         assert more.counts - one.counts == Counter({"__int__": DECODE_STEPS}), shape
 
 
-class Launches(TorchDispatchMode):
-    """Counts the operators that launch device work (views launch nothing): what an eager step's host
-    time is made of where it is launch-bound, as a decode step of an 8B model is on an H100."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 # Python at every decode step (Alg. 1's block swaps; TOVA's eviction): more launches than full's, by design
 STEERING_DECODE = {"sliminfer", "tova"}
 
@@ -271,7 +259,7 @@ def _launches_per_decode_step(name: str, cuda_graphs: bool) -> float:
         token = torch.argmax(run.result.logits)
         for position in range(96, 98):  # the windows fill and start to roll
             token = torch.argmax(step(token, position))
-        with Launches() as launches:
+        with OperatorLaunches() as launches:
             for position in range(98, 98 + DECODE_STEPS):
                 token = torch.argmax(step(token, position))
     return launches.count / DECODE_STEPS
@@ -296,7 +284,7 @@ def _launches_per_prefill(name: str, layers: int, monkeypatch) -> int:
     budget = Budget.from_keep(0.5 if name != "full" else 1.0)
     with torch.inference_mode():
         method.prefill(runner, PROMPT, budget)
-        with Launches() as launches:
+        with OperatorLaunches() as launches:
             method.prefill(runner, PROMPT, budget)
     return launches.count
 
@@ -331,7 +319,7 @@ def test_a_capture_layer_launches_what_its_probes_compute():
         with torch.inference_mode():
             hooks = [ProbeRecorder(parse_probes("all"))] if probes else []
             runner.prefill(PROMPT, hooks=hooks)
-            with Launches() as launches:
+            with OperatorLaunches() as launches:
                 runner.prefill(PROMPT, hooks=hooks)
         return launches.count
 
