@@ -294,8 +294,17 @@ def _launches_per_prefill(name: str, layers: int, monkeypatch) -> int:
 # the window (2), the head sum (1), top-k with the forced tokens (mask, sort, sort of the k: 3) and
 # the cut (keys, values, positions: 3). SAGE-KV's union of query-head top-k and its padded cut cost
 # 4 more, TOVA skips pooling and the window, StreamingLLM only cuts; AdaKV cuts each layer twice (to
-# a bound the host knows, then to its widest head) and ranks over all heads.
-PREFILL_LAUNCHES_PER_LAYER = {"snapkv": 14, "pyramidkv": 14, "sage-kv": 18, "tova": 12, "streamingllm": 6, "adakv": 37}
+# a bound the host knows, then to its widest head) and ranks over all heads. A layer SlimInfer governs
+# moves its inactive blocks to the host, its entries sorted by block once for the copy and the cut.
+PREFILL_LAUNCHES_PER_LAYER = {
+    "snapkv": 14,
+    "pyramidkv": 14,
+    "sage-kv": 18,
+    "tova": 12,
+    "streamingllm": 6,
+    "adakv": 37,
+    "sliminfer": 15,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PREFILL_LAUNCHES_PER_LAYER))

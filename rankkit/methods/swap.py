@@ -101,23 +101,19 @@ class BlockSwap:
         """Block id of every device entry [S], GENERATED for generated tokens (head 0's: blocks are whole,
         so every KV head holds the same positions)."""
         positions = self.cache.positions[self.layer][0]
-        return torch.where(
-            positions < self.prompt_length,
-            positions // self.block_size,
-            torch.full_like(positions, GENERATED),
-        )
+        return torch.where(positions < self.prompt_length, positions // self.block_size, GENERATED)
 
-    def _entries_of(self, blocks) -> list[torch.Tensor]:
-        """The device entries of each of ``blocks``, ascending: slices of one stable sort of the
-        entries by block, where the host's ``layout`` says each block's run starts and ends."""
-        layout = self._layout()
+    def _entries_by_block(self) -> dict[int, torch.Tensor]:
+        """Every device block's entries, ascending: slices of one stable sort of the entries by block,
+        where the host's ``layout`` says each block's run starts and ends; made once for a swap's
+        offload and drop."""
         by_block = torch.sort(self._block_of_entries(), stable=True).indices
-        ordered = np.sort(layout)
-        runs = []
-        for block in blocks:
-            start, end = np.searchsorted(ordered, block), np.searchsorted(ordered, block, "right")
-            runs.append(by_block[int(start) : int(end)])
-        return runs
+        blocks, counts = np.unique(self._layout(), return_counts=True)
+        ends = np.cumsum(counts)
+        return {
+            int(block): by_block[int(end - count) : int(end)]
+            for block, count, end in zip(blocks, counts, ends, strict=True)
+        }
 
     def swap(self, candidate: set[int]) -> SwapDecision:
         overlap = len(candidate & self.active) / len(candidate) if candidate else 1.0
@@ -131,8 +127,9 @@ class BlockSwap:
             loaded=candidate - self.active,
             released=leaving & self.host.keys(),
         )
-        self._offload(decision.offloaded)
-        self._drop(leaving)
+        entries = self._entries_by_block() if leaving else {}
+        self._offload(decision.offloaded, entries)
+        self._drop(leaving, entries)
         self._load(decision.loaded)
         self.active = set(candidate)
         return decision
@@ -140,8 +137,9 @@ class BlockSwap:
     def offload_inactive(self, active: set[int]) -> None:
         """Prefill's pruning: move every device block outside ``active`` to the host."""
         leaving = self.active - active
-        self._offload(leaving - self.host.keys())
-        self._drop(leaving)
+        entries = self._entries_by_block() if leaving else {}
+        self._offload(leaving - self.host.keys(), entries)
+        self._drop(leaving, entries)
         self.active = set(active)
 
     def pool(self) -> set[int]:
@@ -154,15 +152,14 @@ class BlockSwap:
         self.stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self.stream)
 
-    def _offload(self, blocks: set[int]) -> None:
+    def _offload(self, blocks: set[int], entries: dict[int, torch.Tensor]) -> None:
         if not blocks:
             return
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         positions = self.cache.positions[self.layer]
-        blocks = sorted(blocks)
-        runs = self._entries_of(blocks)
         with self._side_stream():
-            for block, index in zip(blocks, runs, strict=True):
+            for block in sorted(blocks):
+                index = entries[block]
                 self.host[block] = HostBlock(
                     _to_host(keys[:, :, index], self.cuda),
                     _to_host(values[:, :, index], self.cuda),
@@ -170,14 +167,14 @@ class BlockSwap:
                 )
         self._read_on_side_stream(keys, values, positions)
 
-    def _drop(self, blocks: set[int]) -> None:
+    def _drop(self, blocks: set[int], entries: dict[int, torch.Tensor]) -> None:
         if not blocks:
             return
         layout = self._layout()
-        staying = [int(block) for block in np.unique(layout) if int(block) not in blocks]
+        staying = [index for block, index in entries.items() if block not in blocks]
         device = self.cache.positions[self.layer].device
         # each block's entries ascend, but a block fetched back lies after later ones
-        keep = torch.cat([torch.zeros(0, dtype=torch.long, device=device), *self._entries_of(staying)]).sort().values
+        keep = torch.cat(staying).sort().values if staying else torch.zeros(0, dtype=torch.long, device=device)
         self.cache.compress(self.layer, keep.expand(self.cache.keys[self.layer].shape[1], -1))
         self.layout = layout[~np.isin(layout, sorted(blocks))]
 
