@@ -62,7 +62,8 @@ class TokenUnitsProbe(Probe):
         )
         window = window_length(call, self.window_size)
         mean_query = call.query[0, :, -window:].float().mean(dim=1)
-        best = layout.blocks.maxima(unit_similarity(mean_query, layout.mean_keys(call.key[0].float()), self.head_mean))
+        means = layout.slots.mean_keys(call.key[0].float())
+        best = layout.blocks.maxima(unit_similarity(mean_query, means, self.head_mean))
         return best[:, layout.block_of_key]
 
 
@@ -147,21 +148,17 @@ class UnitBlocks:
 
 
 @dataclass(frozen=True)
-class UnitLayout(UnitSlots):
-    """``UnitSlots`` with the blocks Eq. 2 groups them into and each key's block: everything the
-    probe needs besides the keys and queries, a function of the positions alone, so the layers of
-    a step that read the same positions share it (``AttentionCall.per_step``)."""
+class UnitLayout:
+    """The units, the blocks Eq. 2 groups them into and each key's block: everything the probe needs
+    besides the keys and queries, a function of the positions alone, so the layers of a step that
+    read the same positions share it (``AttentionCall.per_step``)."""
 
+    slots: UnitSlots
     blocks: UnitBlocks
     block_of_key: torch.Tensor  # [S] each key's block, numbered as ``blocks`` places them
 
     @classmethod
     def of(cls, positions: torch.Tensor, unit_size: int, block_size: int) -> UnitLayout:
         slots = UnitSlots.of(positions, unit_size)
-        return cls(
-            slots.unit_of_key,
-            slots.unit_ids,
-            slots.keys_per_unit,
-            UnitBlocks.of(slots.unit_ids, unit_size, block_size),
-            run_index(positions // block_size),
-        )
+        blocks = UnitBlocks.of(slots.unit_ids, unit_size, block_size)
+        return cls(slots, blocks, run_index(positions // block_size))

@@ -150,10 +150,14 @@ class KVCache:
     def _write_in_window(
         self, layer: int, window: RecentWindow, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        slot = self._window_slots.get(layer, window.first_slot)
+        slot = self._window_slot(layer, window)
         self._window_slots[layer] = window.slot_after(slot)
         for entries, new, dim in ((self.keys, key, 2), (self.values, value, 2), (self.positions, positions, 1)):
             self._owned(entries, layer).narrow(dim, slot, 1).copy_(new)
+
+    def _window_slot(self, layer: int, window: RecentWindow) -> int:
+        """The slot of a full window the layer's next step writes: its first until a step has written."""
+        return self._window_slots.get(layer, window.first_slot)
 
     def _owned_buffer(self, entries: list, layer: int) -> torch.Tensor | None:
         """The buffer of this cache's own that ``entries[layer]`` is a view of, None when it is in none
@@ -181,7 +185,7 @@ class KVCache:
     def next_slot(self, layer: int) -> int:
         """The slot the layer's next one-token step writes."""
         window = self._full_window(layer)
-        return self.get_seq_length(layer) if window is None else self._window_slots.get(layer, window.first_slot)
+        return self.get_seq_length(layer) if window is None else self._window_slot(layer, window)
 
     def fork(self) -> KVCache:
         """A cache sharing these entries that grows independently (several continuations of one prefill)."""

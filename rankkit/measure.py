@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -110,6 +111,15 @@ class OperatorLaunches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += not func.is_view
         return func(*args, **(kwargs or {}))
+
+
+def launches_of(work: Callable[[], object]) -> int:
+    """Operators ``work()`` launches, counted on a second run: what the first builds lazily (a memo,
+    a compiled sort) is not a per-run cost."""
+    work()
+    with OperatorLaunches() as counted:
+        work()
+    return counted.count
 
 
 class TensorMemoryTracker(TorchDispatchMode):

@@ -10,14 +10,17 @@ prefill and of a decode step must not grow with the number of layers or of heads
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rankkit.measure import OperatorLaunches
+from rankkit.measure import OperatorLaunches, launches_of
 from rankkit.methods import REGISTRY, Budget, make
+from rankkit.methods.selection import sorting_as_on_cuda
 from rankkit.runner import Runner, greedy_continue
 
 SYNCING_OPERATORS = {
@@ -128,11 +131,17 @@ class NoTextTokenizer:
         return ""
 
 
-def _reads(name: str, layers: int, kv_heads: int, **params) -> tuple[Counter, Counter]:
-    """Host reads of one prefill, and of one decode step (the mean over ``DECODE_STEPS``), of method ``name``."""
+def _prepared(name: str, layers: int, kv_heads: int, **params):
+    """A runner of that shape and method ``name`` prepared for ``PROMPT``."""
     runner = _runner(layers, kv_heads)
     method = make(name, **PARAMETERS.get(name, {}) | params)
     method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
+    return runner, method
+
+
+def _reads(name: str, layers: int, kv_heads: int, **params) -> tuple[Counter, Counter]:
+    """Host reads of one prefill, and of one decode step (the mean over ``DECODE_STEPS``), of method ``name``."""
+    runner, method = _prepared(name, layers, kv_heads, **params)
     budget = Budget.from_keep(0.5)
     with torch.inference_mode():
         method.prefill(runner, PROMPT, budget)  # warm-up: lazily built state is not a per-run cost
@@ -249,10 +258,8 @@ STEERING_DECODE = {"sliminfer", "tova"}
 
 
 def _launches_per_decode_step(name: str, cuda_graphs: bool) -> float:
-    runner = _runner(2, 2)
+    runner, method = _prepared(name, 2, 2)
     runner.cuda_graphs = cuda_graphs
-    method = make(name, **PARAMETERS.get(name, {}))
-    method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
     with torch.inference_mode():
         run = method.prefill(runner, PROMPT, Budget.from_keep(0.5 if name != "full" else 1.0))
         step = runner.decoder(run.result, 2 + DECODE_STEPS, run.decode_hooks)
@@ -274,19 +281,16 @@ def test_a_pruned_or_compressed_cache_decodes_with_no_more_launches_than_full(cu
     assert full > 0 and all(count <= full for count in launches.values()), (full, launches)
 
 
-def _launches_per_prefill(name: str, layers: int, monkeypatch) -> int:
-    import rankkit.methods.selection as selection
+def _per_layer(launches: Callable[[int], int]) -> float:
+    """What ``launches(layers)`` adds per layer: the difference between 4 layers and 2, halved."""
+    return (launches(4) - launches(2)) / 2
 
-    monkeypatch.setattr(selection, "_on_cpu", lambda scores: None)  # torch's sort, as on CUDA
-    runner = _runner(layers, 2)
-    method = make(name, **PARAMETERS.get(name, {}))
-    method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
+
+def _method_launches(name: str, layers: int) -> int:
+    runner, method = _prepared(name, layers, 2)
     budget = Budget.from_keep(0.5 if name != "full" else 1.0)
-    with torch.inference_mode():
-        method.prefill(runner, PROMPT, budget)
-        with OperatorLaunches() as launches:
-            method.prefill(runner, PROMPT, budget)
-    return launches.count
+    with torch.inference_mode(), sorting_as_on_cuda():
+        return launches_of(lambda: method.prefill(runner, PROMPT, budget))
 
 
 # Operators a method launches per prefill layer beyond full's, where it scores and cuts every layer:
@@ -308,14 +312,12 @@ PREFILL_LAUNCHES_PER_LAYER = {
 
 
 @pytest.mark.parametrize("name", sorted(PREFILL_LAUNCHES_PER_LAYER))
-def test_a_scoring_layer_launches_a_fixed_few_operators_beyond_fulls(name, monkeypatch):
+def test_a_scoring_layer_launches_a_fixed_few_operators_beyond_fulls(name):
     """What a per-layer method adds to each layer's host time where a prefill is launch-bound (a small
     model on a GPU): the window mask is made once per step and a probe's fresh scores pool in one
     operator, so a scoring layer adds 14, not the 23 it did."""
-    def per_layer(method):
-        return (_launches_per_prefill(method, 4, monkeypatch) - _launches_per_prefill(method, 2, monkeypatch)) / 2
-
-    assert per_layer(name) - per_layer("full") <= PREFILL_LAUNCHES_PER_LAYER[name]
+    beyond = _per_layer(partial(_method_launches, name)) - _per_layer(partial(_method_launches, "full"))
+    assert beyond <= PREFILL_LAUNCHES_PER_LAYER[name]
 
 
 def test_a_capture_layer_launches_what_its_probes_compute():
@@ -323,16 +325,10 @@ def test_a_capture_layer_launches_what_its_probes_compute():
     units' layout (functions of the positions) are made once per step, so a layer adds 37, not 80."""
     from rankkit.probes import ProbeRecorder, parse_probes
 
-    def per_prefill(layers: int, probes: bool) -> int:
+    def launches(layers: int, probes: bool) -> int:
         runner = _runner(layers, 2)
+        hooks = [ProbeRecorder(parse_probes("all"))] if probes else []
         with torch.inference_mode():
-            hooks = [ProbeRecorder(parse_probes("all"))] if probes else []
-            runner.prefill(PROMPT, hooks=hooks)
-            with OperatorLaunches() as launches:
-                runner.prefill(PROMPT, hooks=hooks)
-        return launches.count
+            return launches_of(lambda: runner.prefill(PROMPT, hooks=hooks))
 
-    def per_layer(probes: bool) -> float:
-        return (per_prefill(4, probes) - per_prefill(2, probes)) / 2
-
-    assert per_layer(True) - per_layer(False) <= 37
+    assert _per_layer(partial(launches, probes=True)) - _per_layer(partial(launches, probes=False)) <= 37

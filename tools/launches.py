@@ -17,19 +17,11 @@ import warnings
 import torch
 
 from rankkit import models
-from rankkit.measure import OperatorLaunches
-from rankkit.methods import REGISTRY, Budget, make, selection
+from rankkit.measure import launches_of
+from rankkit.methods import REGISTRY, Budget, make
+from rankkit.methods.selection import sorting_as_on_cuda
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.runner import Runner
-
-
-def launches(work) -> int:
-    """Operators ``work()`` launches, after one untimed run (lazily built state is not a per-run cost)."""
-    with torch.inference_mode():
-        work()
-        with OperatorLaunches() as counted:
-            work()
-    return counted.count
 
 
 def main() -> None:
@@ -39,28 +31,32 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--keep", type=float, default=0.1)
     args = parser.parse_args()
-    selection._on_cpu = lambda scores: None  # count torch's sort, as on CUDA
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights: timing only, which a count is
         loaded = models.load(args.model, device="cpu", dtype=torch.float32)
-    runner = Runner(loaded.model)
-    ids = torch.randint(0, loaded.model.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0))
-    full = launches(lambda: runner.prefill(ids))
+    with torch.inference_mode(), sorting_as_on_cuda():
+        count(Runner(loaded.model), loaded.tokenizer, args)
+
+
+def count(runner: Runner, tokenizer, args) -> None:
+    """Print each method's operators beyond full's prefill, and a capture's."""
+    ids = torch.randint(0, runner.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0))
+    full = launches_of(lambda: runner.prefill(ids))
     print(f"{args.model}, {runner.num_layers} layers, {args.length} tokens, keep {args.keep}")
     print(f"{'full':14s} {full:6d} operators per prefill ({full / runner.num_layers:.1f} per layer)")
     for name in args.methods:
         method = make(name)
-        method.prepare(runner, ids, tokenizer=loaded.tokenizer)
-        count = launches(lambda method=method: method.prefill(runner, ids, Budget.from_keep(args.keep)))
-        extra = count - full
-        print(f"{name:14s} {count:6d}  beyond full {extra:6d} ({extra / runner.num_layers:.1f} per layer)")
+        method.prepare(runner, ids, tokenizer=tokenizer)
+        launched = launches_of(lambda method=method: method.prefill(runner, ids, Budget.from_keep(args.keep)))
+        extra = launched - full
+        print(f"{name:14s} {launched:6d}  beyond full {extra:6d} ({extra / runner.num_layers:.1f} per layer)")
 
     def capture() -> None:
         recorder = ProbeRecorder(parse_probes("all"))
         runner.prefill(ids, hooks=[recorder])
         recorder.scores()
 
-    extra = launches(capture) - full
+    extra = launches_of(capture) - full
     print(f"{'capture, all':14s} beyond the runner's {extra:6d} ({extra / runner.num_layers:.1f} per layer)")
 
 

@@ -31,6 +31,7 @@ ranked first (``top_k_with_forced``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -124,11 +125,26 @@ def _sortable(scores: torch.Tensor) -> torch.Tensor:
     return scores if scores.dtype in (torch.float32, torch.float64) else scores.float()  # exact for scores
 
 
+_sorting_as_on_cuda = False
+
+
+@contextmanager
+def sorting_as_on_cuda():
+    """Rank with torch's sort on a CPU too, as on CUDA: to count the operators a CUDA run launches
+    (``rankkit.measure.OperatorLaunches``), which the compiled CPU sort would leave out."""
+    global _sorting_as_on_cuda
+    before, _sorting_as_on_cuda = _sorting_as_on_cuda, True
+    try:
+        yield
+    finally:
+        _sorting_as_on_cuda = before
+
+
 def _on_cpu(scores: torch.Tensor):
     """The scores as a numpy array when they are on a CPU, for the compiled sort (``rankkit.sorting``):
     torch's stable sort of the same order costs 7x more per row there, and the methods' offline
     faces sort every layer of every example a store holds; None elsewhere."""
-    if scores.device.type != "cpu" or not scores.numel():
+    if scores.device.type != "cpu" or not scores.numel() or _sorting_as_on_cuda:
         return None
     return _sortable(scores).detach().numpy()
 
