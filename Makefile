@@ -77,30 +77,13 @@ findings: $(STAMP)
 	$(BIN)/python docs/experiments/findings.py --out runs/findings
 
 # The GPU table of docs/benchmarks.md, on a CUDA machine with a CUDA build of torch: Llama-3.1-8B's
-# published shape with random weights (timing only) and the default model, rankkit beside plain
-# transformers in each command. JSON and parquet under runs/bench-gpu. Not part of `make test`.
+# published shape with random weights (timing only) and the default model's architecture, rankkit
+# beside plain transformers in each step. tools/bench_gpu.py declares the steps once and records each
+# step's `rankkit` command beside its rows (runs/bench-gpu/gpu-table.jsonl, and a parquet per bench
+# step). Not part of `make test`, which runs every step at a CPU's size (--smoke).
 GPU_RUNS := runs/bench-gpu
-SHAPE := random:llama-3.1-8b
-KV_METHODS := sliminfer,specprefill,lava,sage-kv,streamingllm,snapkv
-bench-gpu:
-	mkdir -p $(GPU_RUNS)
-	$(BIN)/rankkit overhead runner --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/runner.json
-	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --json > $(GPU_RUNS)/decode.json
-	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --cuda-graphs --json > $(GPU_RUNS)/decode-graphs.json
-	$(BIN)/rankkit overhead decode --model $(SHAPE) --lengths 8192,32768 --cuda-graphs --compile-decode --json \
-		> $(GPU_RUNS)/decode-compiled.json
-	$(BIN)/rankkit overhead capture --model $(SHAPE) --lengths 8192,32768,65536,131072 --json > $(GPU_RUNS)/capture.json
-	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa,$(KV_METHODS) --keep 0.1 \
-		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k.parquet --overwrite
-	$(BIN)/rankkit bench --model $(SHAPE) --methods $(KV_METHODS) --keep 0.1 --cuda-graphs \
-		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k-graphs.parquet --overwrite
-	$(BIN)/rankkit bench --model $(SHAPE) --methods $(KV_METHODS) --keep 0.1 --cuda-graphs --compile-decode \
-		--data niah:n=1,length=32768 --out $(GPU_RUNS)/methods-32k-compiled.parquet --overwrite
-	$(BIN)/rankkit bench --model $(SHAPE) --methods gemfilter,fastkv,claa --keep 0.1 \
-		--data niah:n=1,length=131072 --out $(GPU_RUNS)/methods-128k.parquet --overwrite
-	$(BIN)/rankkit bench --model default --methods gemfilter,fastkv,claa,asl,snapkv,specprefill,sliminfer \
-		--keep 0.1 --data niah:n=4,length=4096 --out $(GPU_RUNS)/default-4k.parquet --overwrite
-	$(BIN)/python tools/bench_gpu.py $(GPU_RUNS) split-threshold
+bench-gpu: $(STAMP)
+	$(BIN)/python tools/bench_gpu.py $(GPU_RUNS)
 
 # ruff, and a local name hiding an import (tools/shadowing.py: no ruff rule sees it).
 lint: $(STAMP)

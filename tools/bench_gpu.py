@@ -1,15 +1,23 @@
 """The GPU table of docs/benchmarks.md ("GPU") in one process, for a lease too short to reload an 8B model per command.
 
-Each step calls the library function behind one command of ``make bench-gpu`` with that
-command's arguments (``rankkit.overhead.run_overhead``, ``rankkit.bench.bench``); the only
-difference is that every model is built once and shared by the steps (``models.load`` is
-memoised here), and peak memory is the CUDA allocator's, read in this process
-(``overhead.peak_memory``) instead of a fresh one per side. Steps run in the order given,
-each under its own time limit; a step that fails or runs out of time is recorded and the
-next one starts. One JSON object per step goes to ``OUT/gpu-table.jsonl`` as it finishes. The
-``profile-*`` steps record where a decode step's and a capture's device time goes (torch.profiler).
+Each step is one command of that table, declared once here: the step runs the library function
+behind its ``rankkit`` command line (``rankkit.overhead.run_overhead``, ``rankkit.bench.bench``)
+with that line's arguments, and records the line itself, so the figure and the command that
+reproduces it come from one declaration (``make bench-gpu`` runs this tool). What differs from
+running the lines one by one: every model is built once and shared by the steps
+(``models.load`` is memoised here), and an overhead step's peak memory is the CUDA
+allocator's, read in this process (``overhead.peak_memory``), where the command starts a fresh
+process per side. Steps run in the order given, each under its own time limit; a step that
+fails or runs out of time is recorded and the next one starts. One JSON object per step goes to
+``OUT/gpu-table.jsonl`` as it finishes, a bench step's rows also to ``OUT/<step>.parquet``. The
+``profile-*`` steps record where a decode step's and a capture's device time goes
+(torch.profiler); ``split-threshold`` times one decode attention call both ways, on CUDA only.
 
-    python3 tools/bench_gpu.py OUT [STEP ...]   # default: every step, in STEPS order
+``--smoke`` runs every step at a size a CPU finishes in minutes (the default model's architecture,
+a few hundred tokens, one round, two new tokens): what the test suite runs, so a lease never
+starts with a step that cannot run.
+
+    python3 tools/bench_gpu.py OUT [--smoke] [STEP ...]   # default: every step, in STEPS order
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,66 +39,137 @@ from rankkit.methods.base import Budget
 
 SHAPE = "random:llama-3.1-8b"
 SMALL = "random:smollm2-135m"  # the default model's architecture: its timings, without its 93 MB wheel
-KV_METHODS = ["sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "snapkv"]
-PROMPT_PRUNING = ["gemfilter", "fastkv", "claa"]
-KEEP = [Budget.from_keep(0.1)]
+KV_METHODS = ("sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "snapkv")
+PROMPT_PRUNING = ("gemfilter", "fastkv", "claa")
+KEEP = 0.1
+# --smoke: the steps' arguments scaled to what a CPU runs in seconds
+SMOKE_MODEL = SMALL
+SMOKE_LENGTH = 256
+SMOKE_NIAH_LENGTH = 512  # a needle prompt needs room for its needle and question
 
 
-def _overhead(scenario, lengths, repeats=3, memory=False, cuda_graphs=False, model=SHAPE, compile_decode=False):
-    def run():
+def _flags(**flags: bool) -> list[str]:
+    return [f"--{name.replace('_', '-')}" for name, on in flags.items() if on]
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """``rankkit overhead SCENARIO``: rankkit's path against plain transformers'."""
+
+    scenario: str
+    lengths: tuple[int, ...]
+    repeats: int = 3
+    memory: bool = False
+    cuda_graphs: bool = False
+    compile_decode: bool = False
+    model: str = SHAPE
+    needs_cuda = False
+
+    def command(self, out: Path, name: str) -> list[str]:
+        lengths = ",".join(map(str, self.lengths))
+        return [
+            *("rankkit", "overhead", self.scenario, "--model", self.model, "--lengths", lengths),
+            *("--repeats", str(self.repeats), *_flags(cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode)),
+            *([] if self.memory else ["--no-memory"]),
+            "--json",
+        ]
+
+    def run(self, out: Path, name: str) -> list[dict]:
         rows = overhead.run_overhead(
-            scenario,
-            lengths,
-            model_spec=model,
-            repeats=repeats,
+            self.scenario,
+            list(self.lengths),
+            model_spec=self.model,
+            repeats=self.repeats,
             with_memory=False,
-            cuda_graphs=cuda_graphs,
-            compile_decode=compile_decode,
+            cuda_graphs=self.cuda_graphs,
+            compile_decode=self.compile_decode,
         )
-        if memory:
+        if self.memory:
             for row in rows:
                 for side in ("baseline", "rankkit"):
-                    peak = overhead.peak_memory(
-                        scenario, side, row["tokens"], model, "auto", cuda_graphs, compile_decode
+                    row[f"{side}_peak_bytes"] = overhead.peak_memory(
+                        self.scenario, side, row["tokens"], self.model, "auto", self.cuda_graphs, self.compile_decode
                     )
-                    row[f"{side}_peak_bytes"] = peak
-                row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
+                if row["baseline_peak_bytes"] and row["rankkit_peak_bytes"] is not None:
+                    row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
         return rows
 
-    return run
+    def smoke(self) -> Overhead:
+        return replace(self, model=SMOKE_MODEL, lengths=(SMOKE_LENGTH,), repeats=1)
 
 
-def _bench(
-    methods, data, model=SHAPE, cuda_graphs=False, max_new_tokens=32, warmup=1, repeats=2, compile_decode=False
-):
-    def run():
+@dataclass(frozen=True)
+class Bench:
+    """``rankkit bench`` at keep ``KEEP`` over needle prompts of ``length`` tokens."""
+
+    methods: tuple[str, ...]
+    length: int
+    examples: int = 1
+    model: str = SHAPE
+    cuda_graphs: bool = False
+    compile_decode: bool = False
+    max_new_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 2
+    needs_cuda = False
+
+    @property
+    def data(self) -> str:
+        return f"niah:n={self.examples},length={self.length}"
+
+    def command(self, out: Path, name: str) -> list[str]:
+        return [
+            *("rankkit", "bench", "--model", self.model, "--methods", ",".join(self.methods)),
+            *("--keep", str(KEEP), "--data", self.data, "--max-new-tokens", str(self.max_new_tokens)),
+            *("--warmup", str(self.warmup), "--repeats", str(self.repeats)),
+            *_flags(cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode),
+            *("--out", str(out / f"{name}.parquet"), "--overwrite", "--format", "json"),
+        ]
+
+    def run(self, out: Path, name: str) -> list[dict]:
         frame = bench(
-            methods,
-            KEEP,
-            data,
-            settings=BenchSettings(max_new_tokens=max_new_tokens, warmup=warmup, repeats=repeats),
-            setup=Setup(model=model, cuda_graphs=cuda_graphs, compile_decode=compile_decode),
+            list(self.methods),
+            [Budget.from_keep(KEEP)],
+            self.data,
+            out=out / f"{name}.parquet",
+            overwrite=True,
+            settings=BenchSettings(max_new_tokens=self.max_new_tokens, warmup=self.warmup, repeats=self.repeats),
+            setup=Setup(model=self.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode),
         )
         return summary(frame).to_dicts()
 
-    return run
+    def smoke(self) -> Bench:
+        return replace(self, model=SMOKE_MODEL, length=SMOKE_NIAH_LENGTH, examples=1, max_new_tokens=2, warmup=0, repeats=1)
 
 
-def _profile(scenario, length, model=SHAPE, top=25, sides_profiled=("rankkit",)):
+def _tool_command(out: Path, name: str) -> list[str]:
+    return ["python3", "tools/bench_gpu.py", str(out), name]
+
+
+@dataclass(frozen=True)
+class Profile:
     """Each named side of an overhead scenario under torch.profiler, after a warm-up: the operators
     and kernels by device time (by CPU time where there is no GPU), their top rows and the table."""
 
-    def run():
+    scenario: str
+    length: int
+    sides: tuple[str, ...] = ("rankkit",)
+    model: str = SHAPE
+    top: int = 25
+    needs_cuda = False
+    command = staticmethod(_tool_command)
+
+    def run(self, out: Path, name: str) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
-        loaded = models.load(model, device="auto")
+        loaded = models.load(self.model, device="auto")
         on_gpu = loaded.device.type == "cuda"
         sort_by = "device_time_total" if on_gpu else "cpu_time_total"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         profiled_sides = {}
         with torch.inference_mode():
-            sides = overhead._sides(scenario, loaded, length)
-            for side in sides_profiled:
+            sides = overhead._sides(self.scenario, loaded, self.length)
+            for side in self.sides:
                 work = getattr(sides, side)
                 work()
                 with profile(activities=activities) as profiled:
@@ -97,56 +177,63 @@ def _profile(scenario, length, model=SHAPE, top=25, sides_profiled=("rankkit",))
                     if on_gpu:
                         torch.cuda.synchronize()
                 averages = profiled.key_averages()
-                rows = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:top]
+                rows = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[: self.top]
                 profiled_sides[side] = {
                     "top": [{"name": row.key, "calls": row.count, "us": getattr(row, sort_by)} for row in rows],
-                    "table": averages.table(sort_by=sort_by, row_limit=top),
+                    "table": averages.table(sort_by=sort_by, row_limit=self.top),
                 }
         return profiled_sides
 
-    return run
+    def smoke(self) -> Profile:
+        return replace(self, model=SMOKE_MODEL, length=SMOKE_LENGTH, top=5)
 
 
-def _split_threshold(
-    key_counts=(1024, 2048, 4096, 8192, 16384, 32768), calls=32, kv_heads=8, group=4, head_dim=128
-):
+@dataclass(frozen=True)
+class SplitThreshold:
     """A masked decode step's attention at the 8B shape, SDPA against ``runner.split_decode_attention``,
     per call: eagerly (launches included) and replayed from a graph of ``calls`` calls (a layer's
     worth each), for where ``SPLIT_DECODE_FROM`` should lie in each mode."""
 
-    def run():
+    key_counts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+    calls: int = 32
+    kv_heads: int = 8
+    group: int = 4
+    head_dim: int = 128
+    needs_cuda = True
+    command = staticmethod(_tool_command)
+
+    def run(self, out: Path, name: str) -> list[dict]:
         from rankkit.runner import split_decode_attention
 
         device, dtype = torch.device("cuda"), torch.bfloat16
+        scale = self.head_dim**-0.5
         ways = {
             "sdpa": lambda query, key, value, mask: torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, scale=head_dim**-0.5
+                query, key, value, attn_mask=mask, scale=scale
             ),
-            "split": lambda query, key, value, mask: split_decode_attention(
-                query, key, value, mask, head_dim**-0.5
-            ),
+            "split": lambda query, key, value, mask: split_decode_attention(query, key, value, mask, scale),
         }
         rows = []
-        for keys in key_counts:
-            query = torch.randn(1, kv_heads, group, head_dim, device=device, dtype=dtype)
+        for keys in self.key_counts:
+            query = torch.randn(1, self.kv_heads, self.group, self.head_dim, device=device, dtype=dtype)
             key, value = (
-                torch.randn(1, kv_heads, keys, head_dim, device=device, dtype=dtype) for _ in range(2)
+                torch.randn(1, self.kv_heads, keys, self.head_dim, device=device, dtype=dtype) for _ in range(2)
             )
-            mask = torch.rand(1, kv_heads, 1, keys, device=device) > 0.1
+            mask = torch.rand(1, self.kv_heads, 1, keys, device=device) > 0.1
             inputs = (query, key, value, mask)
             row = {"keys": keys}
-            for name, attend in ways.items():
+            for way, attend in ways.items():
                 for _ in range(3):
                     attend(*inputs)
                 torch.cuda.synchronize()
                 started = time.perf_counter()
-                for _ in range(calls):
+                for _ in range(self.calls):
                     attend(*inputs)
                 torch.cuda.synchronize()
-                row[f"{name}_eager_us"] = (time.perf_counter() - started) / calls * 1e6
+                row[f"{way}_eager_us"] = (time.perf_counter() - started) / self.calls * 1e6
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    for _ in range(calls):
+                    for _ in range(self.calls):
                         attend(*inputs)
                 graph.replay()
                 torch.cuda.synchronize()
@@ -154,45 +241,47 @@ def _split_threshold(
                 for _ in range(5):
                     graph.replay()
                 torch.cuda.synchronize()
-                row[f"{name}_graph_us"] = (time.perf_counter() - started) / (5 * calls) * 1e6
+                row[f"{way}_graph_us"] = (time.perf_counter() - started) / (5 * self.calls) * 1e6
             rows.append(row)
         return rows
 
-    return run
+    def smoke(self) -> SplitThreshold:
+        return replace(self, key_counts=(1024,), calls=2)
 
 
-# name: (time limit in seconds, the run), in the order of what the next lease must measure first:
+# name: (time limit in seconds, the step), in the order of what the next lease must measure first:
 # the rows changed since the last one (the split thresholds in graphed and eager decode, the rolling
 # windows written by the cache's update, the compiled decode step, the page-locked transfer at 64k
 # and 128k, the 128k rows the last lease's time cut off), then where the time goes, then the rest
 STEPS = {
-    "methods-32k-graphs": (120, _bench(KV_METHODS, "niah:n=1,length=32768", cuda_graphs=True)),
-    "decode": (90, _overhead("decode", [8192, 32768])),
-    "decode-compiled": (240, _overhead("decode", [32768], cuda_graphs=True, compile_decode=True)),
+    "methods-32k-graphs": (120, Bench(KV_METHODS, 32768, cuda_graphs=True)),
+    "decode": (90, Overhead("decode", (8192, 32768))),
+    "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
     "methods-32k-compiled": (
         240,
-        _bench(["snapkv", "streamingllm", "lava"], "niah:n=1,length=32768", cuda_graphs=True, compile_decode=True),
+        Bench(("snapkv", "streamingllm", "lava"), 32768, cuda_graphs=True, compile_decode=True),
     ),
-    "methods-32k": (200, _bench(PROMPT_PRUNING + KV_METHODS, "niah:n=1,length=32768")),
-    "capture-long": (150, _overhead("capture", [65536, 131072], repeats=1, memory=True)),
-    "methods-128k": (200, _bench(PROMPT_PRUNING, "niah:n=1,length=131072", repeats=1)),
-    "decode-graphs": (120, _overhead("decode", [8192, 32768], cuda_graphs=True)),
-    "capture": (90, _overhead("capture", [8192, 32768], memory=True)),
+    "methods-32k": (200, Bench(PROMPT_PRUNING + KV_METHODS, 32768)),
+    "capture-long": (150, Overhead("capture", (65536, 131072), repeats=1, memory=True)),
+    "methods-128k": (200, Bench(PROMPT_PRUNING, 131072, repeats=1)),
+    "decode-graphs": (120, Overhead("decode", (8192, 32768), cuda_graphs=True)),
+    "capture": (90, Overhead("capture", (8192, 32768), memory=True)),
     # where the time goes: decode attention per call, a decode step at 32k, a capture at 8k
-    "split-threshold": (30, _split_threshold()),
-    "profile-decode": (90, _profile("decode", 32768)),
-    "profile-capture": (60, _profile("capture", 8192, sides_profiled=("baseline", "rankkit"))),
+    "split-threshold": (30, SplitThreshold()),
+    "profile-decode": (90, Profile("decode", 32768)),
+    "profile-capture": (60, Profile("capture", 8192, sides=("baseline", "rankkit"))),
     "small-4k": (
         90,
-        _bench(
-            PROMPT_PRUNING + ["asl", "snapkv", "specprefill", "sliminfer"],
-            "niah:n=4,length=4096",
+        Bench(
+            PROMPT_PRUNING + ("asl", "snapkv", "specprefill", "sliminfer"),
+            4096,
+            examples=4,
             model=SMALL,
             max_new_tokens=8,
             repeats=3,
         ),
     ),
-    "runner": (60, _overhead("runner", [8192, 32768])),
+    "runner": (60, Overhead("runner", (8192, 32768))),
 }
 
 
@@ -216,7 +305,25 @@ def _out_of_time(signum, frame):
     raise StepTimeout
 
 
-def main(out: Path, names: list[str]) -> None:
+def _run_step(name: str, limit: int, step, out: Path) -> dict:
+    record = {"step": name, "command": " ".join(step.command(out, name))}
+    if step.needs_cuda and not torch.cuda.is_available():
+        return record | {"skipped": "needs CUDA"}
+    started = time.perf_counter()
+    signal.alarm(limit)
+    try:
+        record["rows"] = step.run(out, name)
+    except StepTimeout:
+        record["error"] = f"out of time after {limit} s"
+    except Exception as error:  # one step's failure is a finding, not the end of the lease
+        record |= {"error": repr(error), "traceback": traceback.format_exc()}
+    finally:
+        signal.alarm(0)
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def main(out: Path, names: list[str], smoke: bool = False) -> None:
     unknown = [name for name in names if name not in STEPS]
     if unknown:
         sys.exit(f"unknown step {', '.join(unknown)}: use {', '.join(STEPS)}")
@@ -228,23 +335,14 @@ def main(out: Path, names: list[str]) -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "smoke": smoke,
     }
     with open(out / "gpu-table.jsonl", "a") as journal:
         journal.write(json.dumps({"step": "environment", **environment}) + "\n")
         for name in names:
-            limit, run = STEPS[name]
-            started = time.perf_counter()
+            limit, step = STEPS[name]
             print(f"[{time.strftime('%H:%M:%S')}] {name} (limit {limit} s)", flush=True)
-            signal.alarm(limit)
-            try:
-                record = {"step": name, "rows": run()}
-            except StepTimeout:
-                record = {"step": name, "error": f"out of time after {limit} s"}
-            except Exception as error:  # one step's failure is a finding, not the end of the lease
-                record = {"step": name, "error": repr(error), "traceback": traceback.format_exc()}
-            finally:
-                signal.alarm(0)
-            record["seconds"] = time.perf_counter() - started
+            record = _run_step(name, limit, step.smoke() if smoke else step, out)
             journal.write(json.dumps(record, default=str) + "\n")
             journal.flush()
             print(json.dumps(record, default=str)[:3000], flush=True)
@@ -253,4 +351,10 @@ def main(out: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or list(STEPS))
+    arguments = sys.argv[1:]
+    smoke = "--smoke" in arguments
+    if smoke:
+        arguments.remove("--smoke")
+    if not arguments:
+        sys.exit("usage: python3 tools/bench_gpu.py OUT [--smoke] [STEP ...]")
+    main(Path(arguments[0]), arguments[1:] or list(STEPS), smoke)

@@ -1,0 +1,92 @@
+"""tools/bench_gpu.py, the GPU table in one process: a lease (15 minutes of device time, drawn by
+chance) must not be spent on a step that cannot run, nor record a command that is not the one run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_gpu  # noqa: E402
+
+OUT = Path("runs/bench-gpu")
+
+
+def _parsed(argv: list[str]) -> dict:
+    """The options ``argv`` (``rankkit COMMAND ...``) gives its command, as rankkit's CLI parses them."""
+    import rankkit.cli.commands  # noqa: F401  (each command registers on import)
+    from rankkit.cli.app import command
+
+    name = argv[1]
+    return command().commands[name].make_context(name, argv[2:]).params
+
+
+def _steps_of(kind) -> list[str]:
+    return [name for name, (_, step) in bench_gpu.STEPS.items() if isinstance(step, kind)]
+
+
+@pytest.mark.parametrize("name", _steps_of(bench_gpu.Bench))
+def test_a_bench_steps_command_asks_for_what_the_step_runs(name):
+    step = bench_gpu.STEPS[name][1]
+    options = _parsed(step.command(OUT, name))
+    assert options["model"] == step.model and options["methods"] == ",".join(step.methods)
+    assert options["keep"] == str(bench_gpu.KEEP) and options["data"] == step.data
+    assert (options["max_new_tokens"], options["warmup"], options["repeats"]) == (
+        step.max_new_tokens,
+        step.warmup,
+        step.repeats,
+    )
+    assert (options["cuda_graphs"], options["compile_decode"]) == (step.cuda_graphs, step.compile_decode)
+    assert options["out"] == OUT / f"{name}.parquet" and options["overwrite"]
+
+
+@pytest.mark.parametrize("name", _steps_of(bench_gpu.Overhead))
+def test_an_overhead_steps_command_asks_for_what_the_step_runs(name):
+    step = bench_gpu.STEPS[name][1]
+    options = _parsed(step.command(OUT, name))
+    assert (options["scenario"], options["model"], options["repeats"]) == (step.scenario, step.model, step.repeats)
+    assert options["lengths"] == ",".join(map(str, step.lengths))
+    assert (options["memory"], options["cuda_graphs"], options["compile_decode"]) == (
+        step.memory,
+        step.cuda_graphs,
+        step.compile_decode,
+    )
+    assert options["as_json"]
+
+
+@pytest.mark.integration
+@pytest.mark.processes
+def test_every_step_of_the_gpu_table_runs_at_smoke_size_on_the_cpu(tmp_path):
+    """Every step, scaled down (``--smoke``: the default model's architecture, a few hundred tokens),
+    runs to its rows, and records the command it stands for; a step that needs CUDA says so."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), str(tmp_path), "--smoke"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "gpu-table.jsonl").read_text().splitlines()]
+    assert records[0] == records[0] | {"step": "environment", "smoke": True}
+    by_step = {record["step"]: record for record in records[1:]}
+    assert list(by_step) == list(bench_gpu.STEPS)
+    for name, (_, step) in bench_gpu.STEPS.items():
+        record = by_step[name]
+        assert "error" not in record, (name, record.get("traceback"))
+        assert record["command"] == " ".join(step.smoke().command(tmp_path, name))
+        if step.needs_cuda:
+            assert record["skipped"] == "needs CUDA"
+            continue
+        assert record["rows"], name
+        if isinstance(step, bench_gpu.Bench):
+            methods = {row["method"] for row in record["rows"]}
+            assert methods == {"full", *step.methods} and (tmp_path / f"{name}.parquet").exists()
+        if isinstance(step, bench_gpu.Overhead):
+            assert [row["tokens"] for row in record["rows"]] == [bench_gpu.SMOKE_LENGTH]
+            assert all(row["model"] == bench_gpu.SMOKE_MODEL and row["time_ratio"] > 0 for row in record["rows"])
