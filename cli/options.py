@@ -93,7 +93,7 @@ CudaGraphs = Annotated[
     typer.Option(
         "--cuda-graphs",
         help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
-        "a method whose hooks act at every decode step (sliminfer, tova) still decodes eagerly.",
+        "a method whose hooks act at every decode step from the host (sliminfer) still decodes eagerly.",
     ),
 ]
 CompileDecode = Annotated[

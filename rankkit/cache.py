@@ -71,6 +71,7 @@ class KVCache:
         self._ready: dict[int, torch.cuda.Event] = {}
         self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
         self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
+        self.held: dict[int, int] = {}  # the layers whose decode evicts back to this many entries (hold_size)
         self._real: dict[int, torch.Tensor] = {}  # each padded layer's unpadded entries, with room (decode_mask)
 
     @property
@@ -142,6 +143,15 @@ class KVCache:
             raise ValueError(f"layer {layer}: a window of {size} in {full_length} entries, which it holds")
         self.windows[layer] = RecentWindow(size, full_length)
 
+    def hold_size(self, layer: int, size: int) -> None:
+        """Declare that every decode step of ``layer`` is followed by an ``evict``, so the layer holds
+        ``size`` entries between steps and each step's token lands in slot ``size``: what a static
+        cache needs to write it there (TOVA's fixed number of states). The dynamic cache appends and
+        evicts as it would without this."""
+        if self.get_seq_length(layer) != size:
+            raise ValueError(f"layer {layer} holds {self.get_seq_length(layer)} entries, not {size}")
+        self.held[layer] = size
+
     def _full_window(self, layer: int) -> RecentWindow | None:
         """The layer's window once the layer holds all of it (its steps write in the window), else None."""
         window = self.windows.get(layer)
@@ -195,6 +205,7 @@ class KVCache:
         twin.heads_differ = list(self.heads_differ)
         twin.windows = dict(self.windows)
         twin._window_slots = dict(self._window_slots)  # the slot order of the entries they share
+        twin.held = dict(self.held)
         twin._real = dict(self._real)  # never written once made
         self._buffers.clear()  # a write in place would show in the twin: each copies before its next
         return twin
@@ -259,7 +270,7 @@ class KVCache:
         self.positions[layer] = new_positions
         self.heads_differ[layer] = True
         self._fresh[layer] = False
-        for memo in (self._real, self.windows, self._window_slots):  # made for the layer's old entries
+        for memo in (self._real, self.windows, self._window_slots, self.held):  # made for the layer's old entries
             memo.pop(layer, None)
 
     def compress_to_mask(self, layer: int, kept: torch.Tensor, width: int) -> None:
@@ -362,7 +373,8 @@ class StaticKVCache(KVCache):
         return slots * (2 * head_dim * dtype.itemsize + torch.long.itemsize)
 
     def load(self, cache: KVCache) -> None:
-        """Copy ``cache``'s entries into these buffers (every slot after them padding), and its windows."""
+        """Copy ``cache``'s entries into these buffers (every slot after them padding), and the slots its
+        steps write: a window's ring, a held layer's one slot after its entries, else the buffer."""
         slots = []
         for layer in range(self.num_layers):
             length = cache.positions[layer].shape[1]
@@ -370,8 +382,13 @@ class StaticKVCache(KVCache):
             self.values[layer][:, :, :length].copy_(cache.values[layer])
             self.positions[layer][:, :length].copy_(cache.positions[layer])
             self.positions[layer][:, length:].fill_(PADDING)
-            window = cache.windows.get(layer)
-            start, end = (0, self.positions[layer].shape[1]) if window is None else (window.first_slot, window.full_length)
+            window, held = cache.windows.get(layer), cache.held.get(layer)
+            if window is not None:
+                start, end = window.first_slot, window.full_length
+            elif held is not None:  # a ring of one slot: every step writes slot ``held``, evicted back
+                start, end = held, held + 1
+            else:
+                start, end = 0, self.positions[layer].shape[1]
             slots.append((cache.next_slot(layer) - 1, start, end))  # a step writes one past the last
         self._slots.copy_(torch.tensor(slots).T)  # one copy from the host
 
@@ -391,6 +408,16 @@ class StaticKVCache(KVCache):
 
     def attention_mask(self, layer, query_positions, sliding_window=None):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
+
+    def evict(self, layer: int, slot: torch.Tensor) -> None:
+        """``KVCache.evict`` over fixed buffers, for a layer that holds its size (``hold_size``): the
+        step's entry, in the slot the layer writes, takes the place of the one at ``slot`` (a
+        one-element index on the device), and the written slot is padding until the next step
+        writes it. The entries lie in the slots the dynamic cache gives them, nothing is read."""
+        written = self._written[layer : layer + 1]
+        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
+            entries[layer].index_copy_(dim, slot, entries[layer].index_select(dim, written))
+        self.positions[layer].index_fill_(1, written, PADDING)
 
     def compress(self, layer, keep):
         raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

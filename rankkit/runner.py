@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,8 @@ class AttentionCall:
         positions in place only into a layer's own tensor, before that layer attends, so a kept
         value never outlives the positions it came from.
         """
+        if torch.compiler.is_compiling():  # a compiled step fuses what the memo saves, and cannot trace its test
+            return make()
         kept = self.step_shared.get(name)
         if kept is not None and kept.params == params and all(map(_same_view, kept.sources, sources)):
             return kept.value
@@ -141,6 +143,13 @@ def _same_view(kept: torch.Tensor, other: torch.Tensor) -> bool:
 class LayerHook:
     """Base for everything that watches or steers a run; override what you need."""
 
+    # Names the decode work of a hook a CUDA graph can replay (None: it cannot): at a decode step its
+    # ``on_attention`` and ``after_decode_step`` launch device work of shapes fixed for the whole
+    # decode and read nothing, whatever the step's position, and steer the cache only through what a
+    # ``StaticKVCache`` does too (``evict`` of a layer that holds its size). Hooks of one name do the
+    # same work: a graph captured with one replays for the others.
+    replay_key: str | None = None
+
     def on_attention(self, call: AttentionCall) -> None:
         """Called inside every layer's attention, before the attention is computed."""
 
@@ -150,9 +159,10 @@ class LayerHook:
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         """Called after each decode step, when every layer holds the KV of the token at ``position``.
 
-        May read or steer the cache in Python before the next step (TOVA's eviction, SlimInfer's
-        blocks), which a CUDA graph would not replay: a decode with such hooks runs eagerly. A
-        window that only rolls is the cache's own (``KVCache.keep_recent_window``), no hook.
+        May read or steer the cache in Python before the next step (SlimInfer's blocks), which a
+        CUDA graph would not replay: a decode with such hooks runs eagerly, unless every hook has a
+        ``replay_key`` (TOVA's eviction). A window that only rolls is the cache's own
+        (``KVCache.keep_recent_window``), no hook.
         """
 
 
@@ -567,40 +577,46 @@ class Runner:
         same shape while ``STATIC_DECODES_SHARE`` allows; rolling windows are data in the cache,
         not a shape) and replayed on CUDA, run eagerly elsewhere; the prefill's own cache is then
         left as the prefill made it. Decode hooks read or steer a step in Python, which a graph
-        would not replay: with any, the decode runs eagerly.
+        would not replay: with any that ``replays`` refuses, the decode runs eagerly. A static
+        decode is kept by its hooks' ``replay_key`` too, and runs the hooks it was made with.
         """
-        shape = self._static_shape(prefill, steps, hooks)
-        if shape is None:
+        key = self._static_key(prefill, steps, hooks)
+        if key is None:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
-        decode = self._static_decodes.pop(shape, None)
+        decode = self._static_decodes.pop(key, None)
         if decode is not None:
             decode.cache.load(prefill.cache)
         else:
-            self._make_room(StaticKVCache.buffer_bytes(shape))
-            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps))
-        self._static_decodes[shape] = decode
+            self._make_room(StaticKVCache.buffer_bytes(key.shape))
+            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), tuple(hooks))
+        self._static_decodes[key] = decode
         return decode
+
+    @staticmethod
+    def replays(hooks) -> bool:
+        """Whether a CUDA graph can replay a decode step with ``hooks`` (``LayerHook.replay_key``)."""
+        return all(hook.replay_key is not None for hook in hooks)
 
     def kept_static_bytes(self, prefill: PrefillResult, steps: int, hooks=()) -> int:
         """Bytes of the kept static decode that ``decoder(prefill, steps, hooks)`` would reuse (0 if none):
         allocated before a run that replays it, yet that run's memory all the same."""
-        shape = self._static_shape(prefill, steps, hooks)
-        return StaticKVCache.buffer_bytes(shape) if shape in self._static_decodes else 0
+        key = self._static_key(prefill, steps, hooks)
+        return StaticKVCache.buffer_bytes(key.shape) if key in self._static_decodes else 0
 
-    def _static_shape(self, prefill: PrefillResult, steps: int, hooks) -> tuple | None:
+    def _static_key(self, prefill: PrefillResult, steps: int, hooks) -> _StaticKey | None:
         """What a static decode of ``prefill`` is kept and found by; None when the decode runs eagerly."""
-        if not self.cuda_graphs or not steps or hooks:
+        if not self.cuda_graphs or not steps or not self.replays(hooks):
             return None
-        return StaticKVCache.shape_of(prefill.cache, steps)
+        return _StaticKey(StaticKVCache.shape_of(prefill.cache, steps), tuple(hook.replay_key for hook in hooks))
 
     def _make_room(self, needed: int) -> None:
         """Drop the least recently used static decodes until, with ``needed`` more bytes, the kept ones
         hold at most ``STATIC_DECODES_SHARE`` of the device's memory (elsewhere: none but the newest)."""
         share = self._static_decodes_bytes()
-        held = sum(StaticKVCache.buffer_bytes(shape) for shape in self._static_decodes)
+        held = sum(StaticKVCache.buffer_bytes(key.shape) for key in self._static_decodes)
         while self._static_decodes and held + needed > share:
-            shape, _ = self._static_decodes.popitem(last=False)
-            held -= StaticKVCache.buffer_bytes(shape)
+            key, _ = self._static_decodes.popitem(last=False)
+            held -= StaticKVCache.buffer_bytes(key.shape)
 
     def _static_decodes_bytes(self) -> float:
         if self.device.type != "cuda":
@@ -669,8 +685,14 @@ def greedy_continue(
     return tokens
 
 
+class _StaticKey(NamedTuple):
+    shape: tuple  # StaticKVCache.shape_of
+    hooks: tuple[str, ...]  # the decode hooks' replay keys
+
+
 class _StaticDecode:
-    """Decode steps over a ``StaticKVCache`` from fixed input buffers (token, position).
+    """Decode steps over a ``StaticKVCache`` from fixed input buffers (token, position), with ``hooks``
+    whose decode work a graph replays (``LayerHook.replay_key``).
 
     On CUDA the first step runs eagerly (the warm-up a capture needs, making the same choices
     as the capture, so a compiled step is compiled then), the second is captured as one graph,
@@ -679,9 +701,10 @@ class _StaticDecode:
     eagerly, which is what a CPU test compares with the dynamic cache.
     """
 
-    def __init__(self, runner: Runner, cache: StaticKVCache):
+    def __init__(self, runner: Runner, cache: StaticKVCache, hooks: tuple = ()):
         self.runner = runner
         self.cache = cache
+        self.hooks = hooks
         self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
         self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
         self.graphed = runner.device.type == "cuda"
@@ -694,17 +717,20 @@ class _StaticDecode:
         self.token.copy_(token.reshape(1, 1))
         self.position.fill_(position)
         if not self.graphed:
-            return self._step()
+            return self._step(position)
         if not self.warmed:
             self.warmed = True
             with self.runner.capturing():
-                return self._step()
+                return self._step(position)
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph), self.runner.capturing():
-                self.logits = self._step()
+                self.logits = self._step(position)
         self.graph.replay()
         return self.logits
 
-    def _step(self) -> torch.Tensor:
-        return self.runner.static_step()(self.token, self.position, self.cache, ())
+    def _step(self, position: int) -> torch.Tensor:
+        logits = self.runner.static_step()(self.token, self.position, self.cache, self.hooks)
+        for hook in self.hooks:
+            hook.after_decode_step(self.cache, position)
+        return logits

@@ -38,7 +38,7 @@ class NoTextTokenizer:
         return ""
 
 
-STEERING_DECODE = ("sliminfer", "tova")  # Python at every decode step: these decode eagerly
+STEERING_DECODE = ("sliminfer",)  # Alg. 1's block moves, driven from the host at every step: eagerly
 
 
 @pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(STEERING_DECODE)))
@@ -134,7 +134,7 @@ def test_interleaved_shapes_each_keep_their_decode_while_their_share_of_memory_a
     runner = Runner(tiny_model("llama"), cuda_graphs=True)
     long_ids = torch.randint(0, 97, (2 * STATIC_BUCKET,), generator=torch.Generator().manual_seed(2))
     first = _decode_of(runner, long_ids, 1.0)
-    shape = next(iter(runner._static_decodes))
+    shape = next(iter(runner._static_decodes)).shape
     assert StaticKVCache.buffer_bytes(shape) == sum(
         tensor.numel() * tensor.element_size()
         for tensor in (*first.cache.keys, *first.cache.values, *first.cache.positions)
@@ -162,19 +162,72 @@ def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids)
     assert StaticKVCache.shape_of(cache, 4) == ((1, 1, 1), (2, 16), torch.float32, cache.keys[0].device)
 
 
-def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(random_ids):
-    eager, static = _both("llama")
+SLIMINFER_SMALL_BLOCKS = {"block_size": 8, "unit_size": 2, "window_size": 2, "pruning_layers": (0,)}
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "params"),
+    [
+        ("llama", "sliminfer", SLIMINFER_SMALL_BLOCKS),  # Alg. 1's block moves, from the host
+        ("gemma2", "tova", {}),  # a local layer sees 8 keys, under the budget: it evicts later than the rest
+    ],
+)
+def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(family, name, params, random_ids):
+    model = tiny_model(family)
     runs = []
-    for runner in (eager, static):
+    for runner in (Runner(model), Runner(model, cuda_graphs=True)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            runs.append(run_once(runner, make("tova"), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+            runs.append(run_once(runner, make(name, **params), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
         runs[-1].warnings = [str(each.message) for each in caught if "graph" in str(each.message)]
+        assert not runner._static_decodes
     assert runs[1].tokens == runs[0].tokens
     assert runs[0].warnings == []
     assert runs[1].warnings == [
-        "method 'tova' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
+        f"method '{name}' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
     ]
+
+
+@pytest.mark.parametrize(("family", "keep"), [("llama", 0.5), ("llama", 0.2), ("gemma2", 0.2)])
+def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(family, keep, random_ids):
+    """TOVA evicts at every step from every layer that the prefill left at the budget (here every
+    layer: gemma2's local ones see 8 keys, the budget at 0.2), which a graph replays: each step's
+    entry takes the evicted one's slot in both caches, so after every step each head holds the same
+    entries in the same slots, and the static cache's written slot is padding."""
+    model = tiny_model(family)
+    eager, static = Runner(model), Runner(model, cuda_graphs=True)
+    budget = Budget.from_keep(keep)
+    runs = [make("tova").prefill(runner, random_ids, budget) for runner in (eager, static)]
+    keep_tokens = budget.resolve(40)
+    assert all(run.result.cache.held == dict.fromkeys(range(eager.num_layers), keep_tokens) for run in runs)
+    assert runs[1].decode_hooks[0].replay_key == "tova-eviction"
+    steps = [runner.decoder(run.result, NEW_TOKENS, run.decode_hooks) for runner, run in zip((eager, static), runs, strict=True)]
+    assert isinstance(steps[1].cache, StaticKVCache)
+    tokens = [torch.argmax(run.result.logits) for run in runs]
+    for position in range(40, 40 + NEW_TOKENS):
+        tokens = [torch.argmax(step(token, position)) for step, token in zip(steps, tokens, strict=True)]
+        assert int(tokens[0]) == int(tokens[1])
+        dynamic, fixed = runs[0].result.cache, steps[1].cache
+        for layer in range(eager.num_layers):
+            held = fixed.positions[layer][:, :keep_tokens]
+            assert torch.equal(held, dynamic.positions[layer])  # slot for slot
+            assert (fixed.positions[layer][:, keep_tokens:] == -1).all()
+            torch.testing.assert_close(fixed.keys[layer][:, :, :keep_tokens], dynamic.keys[layer])
+            torch.testing.assert_close(fixed.values[layer][:, :, :keep_tokens], dynamic.values[layer])
+    evicted = set(range(40 + NEW_TOKENS)) - set(dynamic.positions[0][0].tolist())
+    assert len(evicted) == 40 + NEW_TOKENS - keep_tokens  # one per step beyond the prefill's cut
+
+
+def test_a_static_decode_is_kept_by_its_hooks_work_too(random_ids, monkeypatch):
+    """Full's decode and TOVA's over caches of one shape are two graphs: full never replays an eviction."""
+    model = tiny_model("llama")
+    eager, static = Runner(model), Runner(model, cuda_graphs=True)
+    monkeypatch.setattr(static, "_static_decodes_bytes", lambda: float("inf"))
+    tova = [run_once(runner, make("tova"), random_ids, Budget.from_keep(0.5), NEW_TOKENS) for runner in (eager, static)]
+    full = [run_once(runner, make("full"), random_ids, Budget.from_keep(1.0), NEW_TOKENS) for runner in (eager, static)]
+    assert [tova[1].tokens, full[1].tokens] == [tova[0].tokens, full[0].tokens]
+    keys = list(static._static_decodes)
+    assert [key.hooks for key in keys] == [("tova-eviction",), ()] and keys[0].shape == keys[1].shape
 
 
 def test_greedy_decoding_past_eos_when_asked(random_ids):
@@ -233,6 +286,20 @@ def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids, 
     ]
     assert runs[1].tokens == runs[0].tokens
     assert len(compiled._static_decodes) == 1  # one cache shape (40 entries and 8 fit one bucket)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_tovas_eviction_compiles_into_the_static_step_whole(random_ids):
+    """``--compile-decode`` with a hook a graph replays: TOVA's scoring and eviction trace into the one
+    compiled step (no break), which chooses the eager dynamic cache's tokens, prompt after prompt."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = tiny_model("llama")
+    eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    for ids in (random_ids, random_ids.flip(0)):
+        runs = [run_once(runner, make("tova"), ids, Budget.from_keep(0.2), NEW_TOKENS) for runner in (eager, compiled)]
+        assert runs[1].tokens == runs[0].tokens
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 

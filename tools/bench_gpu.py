@@ -39,7 +39,7 @@ from rankkit.methods.base import Budget
 
 SHAPE = "random:llama-3.1-8b"
 SMALL = "random:smollm2-135m"  # the default model's architecture: its timings, without its 93 MB wheel
-KV_METHODS = ("sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "snapkv")
+KV_METHODS = ("sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "snapkv", "tova")
 PROMPT_PRUNING = ("gemfilter", "fastkv", "claa")
 KEEP = 0.1
 # --smoke: the steps' arguments scaled to what a CPU runs in seconds

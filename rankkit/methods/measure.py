@@ -69,7 +69,7 @@ def run_once(
         run = method.prefill(runner, input_ids, budget)
         kv_bytes = run.result.cache.nbytes()
         kv_tokens = [sum(heads) / len(heads) for heads in run.result.cache.kept_tokens_per_layer()]
-        if runner.cuda_graphs and run.decode_hooks:
+        if runner.cuda_graphs and not runner.replays(run.decode_hooks):
             warnings.warn(
                 f"method '{method.name}' acts at every decode step, which a CUDA graph cannot replay: "
                 "it decodes eagerly",

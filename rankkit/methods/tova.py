@@ -8,6 +8,10 @@ step, each layer whose cache passed the budget drops the one entry the new token
 to least (the new token's own entry included); a budget that covers the prompt evicts
 nothing, in decoding either. Probe ``last_token_heads`` (the last
 query's attention per query head) summed over the heads: the sum ranks as the average does.
+
+The eviction is device work of fixed shapes: when the prefill leaves every layer at the budget
+(a local layer that sees fewer keys keeps fewer), every step evicts from every layer, and a CUDA
+graph replays it over a static cache (``TovaEviction.replay_key``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.cache import KVCache
+from rankkit.cache import PADDING, KVCache
 from rankkit.methods.base import full_prefill, make_probe, register
 from rankkit.methods.selection import (
     Captured,
@@ -26,7 +30,7 @@ from rankkit.methods.selection import (
     SelectionHook,
     one_pass,
 )
-from rankkit.runner import AttentionCall
+from rankkit.runner import AttentionCall, LayerHook
 
 
 class AllHeads:
@@ -39,33 +43,39 @@ class AllHeads:
         return self.probe.score(call).sum(0).expand(call.key.shape[1], -1)
 
 
-def least_attended(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def least_attended(scores: torch.Tensor, positions: torch.Tensor, padded: bool = False) -> torch.Tensor:
     """The entry [1] with the lowest of ``scores`` [S], among ties the latest of ``positions`` [S] (a
-    NaN, a key a local layer does not see, is never the lowest): on the device, whatever the order
-    of the entries."""
+    NaN, a key a local layer does not see, is never the lowest; nor, where the cache is ``padded``,
+    an empty slot): on the device, whatever the order of the entries."""
     scores = scores.nan_to_num(torch.inf)
+    if padded:
+        scores = scores.masked_fill(positions == PADDING, torch.inf)
     lowest = scores == scores.min()
     return torch.where(lowest, positions, -1).argmax()[None]
 
 
-class TovaHook(SelectionHook):
-    """The prefill's KV-only selection, then TOVA's eviction after every decode step."""
+class TovaEviction(LayerHook):
+    """TOVA's eviction after every decode step: each layer that holds more than ``keep`` entries drops
+    the one the step's token attended to least.
 
-    def __init__(self, probe, keep: int):
-        super().__init__(probe, NeverSelect(), keep, window=1, compress_from=0)
+    ``replayable``: the prefill left every layer holding ``keep`` (``KVCache.hold_size``), so every
+    step evicts from every layer, which a CUDA graph replays.
+    """
+
+    def __init__(self, probe, keep: int, replayable: bool):
+        self.probe = probe
+        self.keep = keep
+        self.replay_key = "tova-eviction" if replayable else None
         self.step_scores: dict[int, torch.Tensor] = {}  # layer -> the new token's attention [S]
 
     def on_attention(self, call: AttentionCall) -> None:
-        if call.phase == "prefill":
-            super().on_attention(call)
-        else:
+        if call.phase == "decode":
             self.step_scores[call.layer] = self.probe.score(call)[0]
 
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         for layer, scores in self.step_scores.items():
-            length = scores.shape[0]
-            if length > self.keep:
-                cache.evict(layer, least_attended(scores, cache.positions[layer][0]))
+            if scores.shape[0] > self.keep:  # over a static cache the scores span its buffer: every layer evicts
+                cache.evict(layer, least_attended(scores, cache.positions[layer][0], cache.padded[layer]))
         self.step_scores.clear()
 
 
@@ -85,9 +95,14 @@ class TOVA(PolicyMethod):
         bound, keep, _, _ = self._plan(runner.num_layers, length, budget, runner.layer_types)
         if keep >= length:  # a budget that covers the prompt keeps everything, in decoding too
             return full_prefill(runner, input_ids)
-        hook = TovaHook(AllHeads(bound.probe()), keep)
-        run = one_pass(runner, input_ids, hook)
-        run.decode_hooks = [hook]
+        probe = AllHeads(bound.probe())
+        run = one_pass(runner, input_ids, SelectionHook(probe, NeverSelect(), keep, window=1, compress_from=0))
+        cache = run.result.cache
+        held = all(cache.get_seq_length(layer) == keep for layer in range(runner.num_layers))
+        if held:
+            for layer in range(runner.num_layers):
+                cache.hold_size(layer, keep)
+        run.decode_hooks = [TovaEviction(probe, keep, replayable=held)]
         return run
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
