@@ -66,6 +66,8 @@ def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
     keys = call.key[0].float()
     logits = torch.bmm(queries, keys.transpose(1, 2)).mul_(call.scaling)
     logits = call.cap(logits.view(kv_heads, call.group_size, window, keys_length))
+    if call.sees_every_key:  # a decode step over a plain cache: nothing to hide, nothing to launch
+        return logits
     return logits.masked_fill_(hidden_keys(call, window)[:, None], float("-inf"))
 
 

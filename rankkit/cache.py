@@ -221,12 +221,19 @@ class KVCache:
         device at every layer.
         """
         n = query_positions.shape[0]
-        if not self.padded[layer] and sliding_window is None and (self._fresh[layer] or n == 1):
+        if self.sees_every_key(layer, n, sliding_window) or (
+            self._fresh[layer] and not self.padded[layer] and sliding_window is None
+        ):
             return None
         if n == 1 and sliding_window is None:
             return self._decode_mask(layer, query_positions)
         per_head = self.padded[layer] or self.heads_differ[layer]
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head)
+
+    def sees_every_key(self, layer: int, queries: int, sliding_window: int | None) -> bool:
+        """Whether each of ``queries`` new tokens may attend to every entry of the layer: one query
+        over a cache of earlier tokens with no padding, on a global layer."""
+        return queries == 1 and not self.padded[layer] and sliding_window is None
 
     def _decode_mask(self, layer: int, query_positions: torch.Tensor) -> torch.Tensor:
         """A padded global layer's decode mask, made once and narrowed at every later step: an entry a

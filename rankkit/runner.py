@@ -70,6 +70,7 @@ class AttentionCall:
     softcap: float | None = None  # Gemma 2/3: logits become softcap * tanh(logits / softcap)
     sinks: torch.Tensor | None = None  # GPT-OSS: [q_heads] sink logits joining the softmax denominator
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
+    sees_every_key: bool = False  # one query that may attend to every key (KVCache.sees_every_key): no mask
     # what several hooks derive from this call, computed once (``probes.attention.share_window``)
     shared: dict = field(default_factory=dict, repr=False, compare=False)
     # what hooks derive from positions that the layers of one forward step share (``per_step``)
@@ -271,6 +272,7 @@ class _Step:
             softcap,
             sinks,
             sliding_window,
+            self.cache.sees_every_key(layer, query.shape[2], sliding_window),
             step_shared=self.shared,
         )
         for hook in self.hooks:

@@ -454,3 +454,32 @@ def test_a_steps_layers_share_one_window_mask_while_their_positions_do(family_na
         assert prefill_masks[1] is not prefill_masks[2]
     decode_masks = [mask for phase, mask in masks.given if phase == "decode"]
     assert all(mask.shape[0] == 2 for mask in decode_masks)  # one row per head: the heads keep different keys
+
+
+class DecodeCalls(LayerHook):
+    def __init__(self):
+        self.seen: list[tuple[bool, bool]] = []  # (sees_every_key, whether any key is hidden from it)
+
+    def on_attention(self, call: AttentionCall) -> None:
+        if call.phase == "decode":
+            self.seen.append((call.sees_every_key, bool(hidden_keys(call, 1).any())))
+
+
+@pytest.mark.parametrize(
+    ("family_name", "ragged", "expected"),
+    [("llama", False, True), ("llama", True, False), ("mistral", False, False)],  # plain, padded, a window
+)
+def test_a_decode_step_skips_the_window_mask_only_where_it_hides_nothing(family_name, ragged, expected, random_ids):
+    """``sees_every_key`` (no mask for the probes of one query over a plain cache) holds exactly for a
+    decode step over an unpadded global layer, where the mask made afresh hides no key."""
+    runner = Runner(tiny_model(family_name))
+    prefill = runner.prefill(random_ids)
+    if ragged:
+        for layer in range(runner.num_layers):
+            prefill.cache.compress(layer, [torch.arange(0, 40, 2), torch.arange(0, 40, 3)])
+    calls = DecodeCalls()
+    greedy_continue(runner, prefill, 12, [calls])  # mistral's window of 8 cuts in
+    assert len(calls.seen) == 11 * runner.num_layers
+    assert all(skipped == expected for skipped, _ in calls.seen)
+    assert not any(skipped and hidden for skipped, hidden in calls.seen)
+    assert any(hidden for _, hidden in calls.seen) == (not expected)
