@@ -221,10 +221,10 @@ class KVCache:
         device at every layer.
         """
         n = query_positions.shape[0]
-        if self.sees_every_key(layer, n, sliding_window) or (
-            self._fresh[layer] and not self.padded[layer] and sliding_window is None
-        ):
+        if self.sees_every_key(layer, n, sliding_window):
             return None
+        if self._fresh[layer] and not self.padded[layer] and sliding_window is None:
+            return None  # plain causal
         if n == 1 and sliding_window is None:
             return self._decode_mask(layer, query_positions)
         per_head = self.padded[layer] or self.heads_differ[layer]
