@@ -23,6 +23,7 @@ from pathlib import Path
 import polars as pl
 
 from rankkit.errors import RankkitError
+from rankkit.interrupts import deferred_interrupts
 
 PathLike = str | os.PathLike
 
@@ -228,9 +229,10 @@ class Journal:
 
     def record(self, key: str, rows: list[dict]) -> None:
         rows = json.loads(json.dumps(rows))  # the same values a resumed run reads back
-        if self.path is not None:
-            self._append({"key": key, "rows": rows})
-        self.units[key] = rows
+        with deferred_interrupts():  # a line written is a unit kept: ``kept`` must not say one fewer
+            if self.path is not None:
+                self._append({"key": key, "rows": rows})
+            self.units[key] = rows
 
     @property
     def rows(self) -> list[dict]:

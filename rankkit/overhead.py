@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
-from rankkit.measure import TensorMemoryTracker, measure
+from rankkit.measure import TensorMemoryTracker, counterbalanced, measure
 from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
@@ -206,8 +206,8 @@ def _interleaved_times(sides: Sides, device, repeats: int, progress) -> dict[str
     times = {"baseline": [], "rankkit": []}
     with torch.inference_mode():
         sides.baseline(), sides.rankkit()  # warm-up, excluded
-        for _ in range(repeats):
-            for side in ("baseline", "rankkit"):
+        for repeat in range(repeats):
+            for side in counterbalanced(["baseline", "rankkit"], repeat):
                 with measure(device) as m:
                     getattr(sides, side)()
                 times[side].append(m.seconds)

@@ -188,12 +188,18 @@ def test_interleaved_rounds_pair_each_run_with_full_of_the_same_round():
     assert method.run.ttft_s == 9.0 and method.run.e2e_s == 10.0
 
 
-def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(random_ids):
+def test_measure_interleaved_warms_every_entry_up_then_times_them_in_counterbalanced_rounds(random_ids):
+    """Rounds alternate the order, so no method always runs first or right after the same one; each
+    method's runs are its own, one per round, paired by round with the reference's."""
     from rankkit.methods.measure import measure_interleaved
 
     runner = Runner(tiny_model("llama"))
     order = []
-    entries = [(make("full"), Budget.from_keep(1.0)), (make("snapkv", window_size=4), Budget.from_keep(0.5))]
+    entries = [
+        (make("full"), Budget.from_keep(1.0)),
+        (make("snapkv", window_size=4), Budget.from_keep(0.5)),
+        (make("streamingllm"), Budget.from_keep(0.25)),
+    ]
     measured = measure_interleaved(
         runner,
         entries,
@@ -201,11 +207,14 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_rounds(rand
         2,
         tokenizer=None,
         warmup_runs=1,
-        repeats=2,
+        repeats=3,
         on_run=lambda method, _: order.append(method.name),
     )
-    assert order == ["full", "snapkv", "full", "snapkv", "full", "snapkv"]
-    assert [len(result.runs) for result in measured] == [2, 2]
+    warm, rounds = order[:3], [order[3:6], order[6:9], order[9:]]
+    assert warm == ["full", "snapkv", "streamingllm"]
+    assert rounds == [warm, warm[::-1], warm]
+    assert [[run.method for run in result.runs] for result in measured] == [[name] * 3 for name in warm]
+    assert [run.kv_bytes for run in measured[2].runs] == [measured[2].runs[0].kv_bytes] * 3
     assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes
 
 

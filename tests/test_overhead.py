@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -137,3 +138,18 @@ def test_overhead_decode_compiles_the_static_step_only_with_cuda_graphs(tiny_fol
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
     assert row["rankkit"].endswith("CUDA graphs, compiled") and row["rankkit_s"] > 0
+
+
+def test_the_two_sides_alternate_which_runs_first():
+    """A repeat's second run meets what the first left (allocator, caches): each side runs first in
+    every other repeat, after one warm-up each, and each side's times are its own."""
+    from rankkit.overhead import Sides, _interleaved_times
+
+    order = []
+    sides = Sides(
+        baseline=lambda: order.append("baseline") or time.sleep(0.02),  # the slower side, whichever runs first
+        rankkit=lambda: order.append("rankkit"),
+    )
+    times = _interleaved_times(sides, torch.device("cpu"), 4, None)
+    assert order == ["baseline", "rankkit"] + ["baseline", "rankkit", "rankkit", "baseline"] * 2
+    assert len(times["rankkit"]) == 4 and max(times["rankkit"]) < 0.02 <= min(times["baseline"])

@@ -399,6 +399,25 @@ def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_pa
     assert rows.drop(TIMING_COLUMNS).equals(uninterrupted.drop(TIMING_COLUMNS))
 
 
+def test_an_interrupt_while_a_unit_is_written_counts_it_as_kept(tmp_path, monkeypatch):
+    """A signal right after a unit's line reaches the journal: the line is kept (a rerun skips the
+    unit), so the one-line report counts it; it said one fewer when the signal fell in between."""
+    from rankkit.errors import Interrupted
+    from rankkit.interrupts import keep_on_interrupt
+
+    journal = outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]})
+    append = journal._append
+
+    def append_then_interrupt(entry):
+        append(entry)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(journal, "_append", append_then_interrupt)
+    with pytest.raises(Interrupted, match=r"kept 1 finished \(1 rows\)"), keep_on_interrupt(journal.kept):
+        journal.record("e0", [{"score": 1.0}])
+    assert outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]}).done("e0")
+
+
 def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_path):
     out = tmp_path / "rows.parquet"
     first = outputs.Journal(out, {"methods": ["full", "claa"]})

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline
+from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline, counterbalanced
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
 from rankkit.models import cache_root, write_atomically
@@ -172,7 +172,9 @@ def measure_interleaved(
     """Warm every (method, budget) up, then ``repeats`` rounds that time each once, in turn.
 
     Interleaving the rounds means a burst of load from elsewhere hits every method alike,
-    and ``Measured.ratio_to`` compares runs of the same round.
+    and ``Measured.ratio_to`` compares runs of the same round. Every other round runs the
+    entries in reverse (``counterbalanced``), so what running first, or right after a given
+    method, does to a run (the allocator's state, the caches) falls on each method alike.
     """
     measured = []
     for method, budget in entries:
@@ -181,11 +183,12 @@ def measure_interleaved(
             runner, method, input_ids, budget, max_new_tokens, tokenizer=tokenizer, runs=warmup_runs
         )
         measured.append(Measured([], peak))
-    for _ in range(repeats):
-        for (method, budget), result in zip(entries, measured, strict=True):
+    for round_index in range(repeats):
+        for (method, budget), result in counterbalanced(list(zip(entries, measured, strict=True)), round_index):
             on_run(method, budget)
             result.runs.append(run_once(runner, method, input_ids, budget, max_new_tokens))
     return measured
+
 
 
 def measure(
