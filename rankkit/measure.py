@@ -104,6 +104,7 @@ def counterbalanced(items: list, round_index: int) -> list:
     rounds, reversed in odd ones, so no item always runs first or always follows the same one."""
     return items if round_index % 2 == 0 else items[::-1]
 
+
 class OperatorLaunches(TorchDispatchMode):
     """Counts the operators that launch device work while active (views launch nothing): what an
     eager step's host time is made of where it is launch-bound, as a decode step of an 8B model or

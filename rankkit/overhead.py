@@ -227,13 +227,16 @@ def run_overhead(
     with_timing: bool = True,
     cuda_graphs: bool = False,
     compile_decode: bool = False,
+    memory_in_process: bool = False,
     progress=None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
     and peak memory of both. ``decode`` rows add ``bound_s``, the time to read the weights and the
     KV cache once at the GPU's peak bandwidth (``MEMORY_BANDWIDTH``; None where it is not known),
     and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
-    ``compile_decode`` its compiled step."""
+    ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
+    ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
+    allocator's peak is the same, on CPU what earlier runs left allocated may count)."""
     check_decode_options(cuda_graphs, compile_decode)  # before the model loads
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
@@ -261,8 +264,9 @@ def run_overhead(
             row["bound_ratio"] = None if bandwidth is None else row["rankkit_s"] / row["bound_s"]
         del sides  # its caches, before the memory runs
         if with_memory:
+            peak = peak_memory if memory_in_process else _peak_in_subprocess
             for side in ("baseline", "rankkit"):
-                row[f"{side}_peak_bytes"] = _peak_in_subprocess(
+                row[f"{side}_peak_bytes"] = peak(
                     scenario, side, length, model_spec, device, cuda_graphs, compile_decode
                 )
             if row["baseline_peak_bytes"] and row["rankkit_peak_bytes"] is not None:

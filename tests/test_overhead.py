@@ -153,3 +153,14 @@ def test_the_two_sides_alternate_which_runs_first():
     times = _interleaved_times(sides, torch.device("cpu"), 4, None)
     assert order == ["baseline", "rankkit"] + ["baseline", "rankkit", "rankkit", "baseline"] * 2
     assert len(times["rankkit"]) == 4 and max(times["rankkit"]) < 0.02 <= min(times["baseline"])
+
+
+def test_peak_memory_measured_in_this_process_matches_the_fresh_processes(tiny_folder):
+    """``memory_in_process`` (what tools/bench_gpu.py asks, its model loaded once) gives the rows the
+    fresh processes give: the same tensors counted, the same ratio rule."""
+    fresh, here = (
+        run_overhead("runner", [64], model_spec=str(tiny_folder), device="cpu", with_timing=False, memory_in_process=same)[0]
+        for same in (False, True)
+    )
+    for key in ("baseline_peak_bytes", "rankkit_peak_bytes", "memory_ratio"):
+        assert here[key] == fresh[key] > 0, key

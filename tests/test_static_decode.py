@@ -173,9 +173,8 @@ SLIMINFER_SMALL_BLOCKS = {"block_size": 8, "unit_size": 2, "window_size": 2, "pr
     ],
 )
 def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(family, name, params, random_ids):
-    model = tiny_model(family)
     runs = []
-    for runner in (Runner(model), Runner(model, cuda_graphs=True)):
+    for runner in _both(family):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             runs.append(run_once(runner, make(name, **params), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
@@ -194,8 +193,7 @@ def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(famil
     layer: gemma2's local ones see 8 keys, the budget at 0.2), which a graph replays: each step's
     entry takes the evicted one's slot in both caches, so after every step each head holds the same
     entries in the same slots, and the static cache's written slot is padding."""
-    model = tiny_model(family)
-    eager, static = Runner(model), Runner(model, cuda_graphs=True)
+    eager, static = _both(family)
     budget = Budget.from_keep(keep)
     runs = [make("tova").prefill(runner, random_ids, budget) for runner in (eager, static)]
     keep_tokens = budget.resolve(40)
@@ -220,8 +218,7 @@ def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(famil
 
 def test_a_static_decode_is_kept_by_its_hooks_work_too(random_ids, monkeypatch):
     """Full's decode and TOVA's over caches of one shape are two graphs: full never replays an eviction."""
-    model = tiny_model("llama")
-    eager, static = Runner(model), Runner(model, cuda_graphs=True)
+    eager, static = _both("llama")
     monkeypatch.setattr(static, "_static_decodes_bytes", lambda: float("inf"))
     tova = [run_once(runner, make("tova"), random_ids, Budget.from_keep(0.5), NEW_TOKENS) for runner in (eager, static)]
     full = [run_once(runner, make("full"), random_ids, Budget.from_keep(1.0), NEW_TOKENS) for runner in (eager, static)]

@@ -5,8 +5,8 @@ behind its ``rankkit`` command line (``rankkit.overhead.run_overhead``, ``rankki
 with that line's arguments, and records the line itself, so the figure and the command that
 reproduces it come from one declaration (``make bench-gpu`` runs this tool). What differs from
 running the lines one by one: every model is built once and shared by the steps
-(``models.load`` is memoised here), and an overhead step's peak memory is the CUDA
-allocator's, read in this process (``overhead.peak_memory``), where the command starts a fresh
+(``models.loaded_once``), and an overhead step's peak memory is the CUDA allocator's, read in
+this process (``run_overhead(memory_in_process=True)``), where the command starts a fresh
 process per side. Steps run in the order given, each under its own time limit; a step that
 fails or runs out of time is recorded and the next one starts. One JSON object per step goes to
 ``OUT/gpu-table.jsonl`` as it finishes, a bench step's rows also to ``OUT/<step>.parquet``. The
@@ -75,24 +75,16 @@ class Overhead:
         ]
 
     def run(self, out: Path, name: str) -> list[dict]:
-        rows = overhead.run_overhead(
+        return overhead.run_overhead(
             self.scenario,
             list(self.lengths),
             model_spec=self.model,
             repeats=self.repeats,
-            with_memory=False,
+            with_memory=self.memory,
+            memory_in_process=True,  # the memoised model, not a fresh process reloading it per side
             cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
         )
-        if self.memory:
-            for row in rows:
-                for side in ("baseline", "rankkit"):
-                    row[f"{side}_peak_bytes"] = overhead.peak_memory(
-                        self.scenario, side, row["tokens"], self.model, "auto", self.cuda_graphs, self.compile_decode
-                    )
-                if row["baseline_peak_bytes"] and row["rankkit_peak_bytes"] is not None:
-                    row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
-        return rows
 
     def smoke(self) -> Overhead:
         return replace(self, model=SMOKE_MODEL, lengths=(SMOKE_LENGTH,), repeats=1)
@@ -286,18 +278,6 @@ STEPS = {
 }
 
 
-def _memoised_load():
-    loaded: dict[str, models.LoadedModel] = {}
-    load = models.load
-
-    def shared(spec, **options):
-        if spec not in loaded:
-            loaded[spec] = load(spec, **options)
-        return loaded[spec]
-
-    return shared
-
-
 class StepTimeout(Exception):
     pass
 
@@ -329,7 +309,6 @@ def main(out: Path, names: list[str], smoke: bool = False) -> None:
     if unknown:
         sys.exit(f"unknown step {', '.join(unknown)}: use {', '.join(STEPS)}")
     warnings.simplefilter("ignore")
-    models.load = _memoised_load()
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGALRM, _out_of_time)
     environment = {
@@ -338,7 +317,7 @@ def main(out: Path, names: list[str], smoke: bool = False) -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "smoke": smoke,
     }
-    with open(out / "gpu-table.jsonl", "a") as journal:
+    with open(out / "gpu-table.jsonl", "a") as journal, models.loaded_once():
         journal.write(json.dumps({"step": "environment", **environment}) + "\n")
         for name in names:
             limit, step = STEPS[name]

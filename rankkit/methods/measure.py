@@ -190,7 +190,6 @@ def measure_interleaved(
     return measured
 
 
-
 def measure(
     runner: Runner,
     method: Method,
