@@ -70,8 +70,10 @@ class AnswerAttention(LayerHook):
     caller copies the result to the host once.
     """
 
+    _RESULTS = ("layer_sums", "layer_counts", "sums", "counts", "token_maxima")
+
     def __init__(
-        self, num_layers: int, prompt_length: int, *, softmax: bool = False, keep_per_token: bool = False
+        self, num_layers: int, prompt_length: int, *, softmax: bool = False, per_token_steps: int = 0
     ):
         self.num_layers = num_layers
         self.prompt_length = prompt_length
@@ -80,19 +82,30 @@ class AnswerAttention(LayerHook):
         self.layer_counts = torch.zeros(num_layers, prompt_length)  # answer queries that saw each key
         self.sums = torch.zeros(prompt_length)
         self.counts = torch.zeros(prompt_length)
-        self.keep_per_token = keep_per_token
-        self.token_maxima: list[torch.Tensor] = []  # each query's max over layers and heads, when kept
+        # row s: the max over layers and heads of the query fed back at decode step s (the first
+        # ``per_token_steps``); a row indexed on the device, so a graph's replay writes the step's own
+        self.token_maxima = torch.zeros(per_token_steps, prompt_length)
         self._step_max: torch.Tensor | None = None
+
+    @property
+    def replay_key(self) -> str:
+        """Every buffer is fixed for the decode and every step's work device work, so a graph replays it;
+        hooks of one key share the buffers' shapes (``replayed_as``)."""
+        steps = self.token_maxima.shape[0]
+        return f"answer-attention:{self.num_layers}x{self.prompt_length}:softmax={self.softmax}:rows={steps}"
+
+    def replayed_as(self, captured: AnswerAttention) -> None:
+        """A kept graph replays ``captured``: its buffers, emptied, are this hook's results from now on."""
+        for name in self._RESULTS:
+            setattr(self, name, getattr(captured, name).zero_())
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "decode":
             return
         head_max = self.head_max(call)  # NaN where this layer cannot see the key
         if self.sums.device != head_max.device:  # the first query: the sums move to the keys' device
-            self.layer_sums, self.layer_counts, self.sums, self.counts = (
-                each.to(head_max.device)
-                for each in (self.layer_sums, self.layer_counts, self.sums, self.counts)
-            )
+            for name in self._RESULTS:
+                setattr(self, name, getattr(self, name).to(head_max.device))
         seen = ~head_max.isnan()
         self.layer_sums[call.layer] += head_max.nan_to_num()  # an unseen key adds 0
         self.layer_counts[call.layer] += seen
@@ -101,8 +114,9 @@ class AnswerAttention(LayerHook):
         if call.layer == self.num_layers - 1:
             self.sums += self._step_max.nan_to_num()
             self.counts += ~self._step_max.isnan()
-            if self.keep_per_token:
-                self.token_maxima.append(self._step_max)
+            if self.token_maxima.shape[0]:
+                step = (call.query_positions[-1:] - self.prompt_length).to(self.token_maxima.device)
+                self.token_maxima.index_copy_(0, step, self._step_max[None])
 
     @property
     def mean(self) -> torch.Tensor:

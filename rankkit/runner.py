@@ -22,6 +22,7 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
@@ -150,6 +151,10 @@ class LayerHook:
     # ``StaticKVCache`` does too (``evict`` of a layer that holds its size). Hooks of one name do the
     # same work: a graph captured with one replays for the others.
     replay_key: str | None = None
+
+    def replayed_as(self, captured: LayerHook) -> None:
+        """Called when a kept decode replays ``captured`` (a hook of this one's ``replay_key``) in this
+        hook's place: a hook whose decode fills tensors takes ``captured``'s as its results."""
 
     def on_attention(self, call: AttentionCall) -> None:
         """Called inside every layer's attention, before the attention is computed."""
@@ -373,6 +378,7 @@ class Runner:
         self._compiled_decode = None
         # static decodes kept for their graphs, by cache shape, least recently used first
         self._static_decodes: OrderedDict[tuple, _StaticDecode] = OrderedDict()
+        self._first_layers: dict[int, Runner] = {}  # ``first_layers``
         # Multimodal checkpoints (Gemma 3) keep the text decoder one level down; text-only use runs it alone.
         self.body = getattr(model.model, "language_model", model.model)
         self.config = self.body.config
@@ -415,6 +421,19 @@ class Runner:
             yield
         finally:
             self.model.config._attn_implementation = previous
+
+    def first_layers(self, count: int) -> Runner:
+        """This model cut after its first ``count`` layers, its final norm and LM head (modules and weights
+        shared; made once per count). It compiles its own decode step and keeps its static decodes
+        with this runner's, under one share of the device's memory."""
+        if count not in self._first_layers:
+            cut = copy.copy(self)
+            cut.body = copy.copy(self.body)
+            cut.body._modules = {**self.body._modules, "layers": self.body.layers[:count]}
+            cut._compiled_decode = None  # this runner's would run every layer
+            cut._first_layers = {}
+            self._first_layers[count] = cut
+        return self._first_layers[count]
 
     @property
     def num_layers(self) -> int:
@@ -588,6 +607,9 @@ class Runner:
         decode = self._static_decodes.pop(key, None)
         if decode is not None:
             decode.cache.load(prefill.cache)
+            for hook, captured in zip(hooks, decode.hooks, strict=True):
+                if hook is not captured:
+                    hook.replayed_as(captured)
         else:
             self._make_room(StaticKVCache.buffer_bytes(key.shape))
             decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), tuple(hooks))

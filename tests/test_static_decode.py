@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -426,3 +427,49 @@ def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids)
         allowed = {tensor.untyped_storage().data_ptr() for tensor in entries}
         held = [leaf for leaf in tree_leaves(vars(cache)) if isinstance(leaf, torch.Tensor)]
         assert held and all(tensor.untyped_storage().data_ptr() in allowed for tensor in held), decoded
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_specprefills_lookahead_replays_the_drafts_static_decode_prompt_after_prompt(family, random_ids):
+    """With ``--cuda-graphs`` the draft's lookahead decodes over its static cache, as a graph would: the
+    same Eq. 3 rows as the eager draft for each prompt, the second prompt through the first one's kept
+    decode (whose hook wrote them: ``AnswerAttention.replayed_as``), and the first prompt's rows kept."""
+    from rankkit.methods.specprefill import draft_runner, lookahead_scores
+
+    eager, static = _both(family)
+    prompts = [random_ids, random_ids.flip(0)]
+    expected = [lookahead_scores(draft_runner("layers:2", eager), ids, 4)[0] for ids in prompts]
+    got = [lookahead_scores(draft_runner("layers:2", static), ids, 4)[0] for ids in prompts]
+    assert got[0].shape == (4, 40) and not torch.equal(expected[0], expected[1])
+    for rows, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+    (key,) = static._static_decodes  # one kept decode of the draft, reused by the second prompt
+    assert key.hooks == ("answer-attention:2x40:softmax=False:rows=4",) and len(key.shape[0]) == 2
+
+
+def test_the_oracle_decodes_over_the_static_cache_as_over_the_dynamic_one(random_ids):
+    """The oracle's answer queries through a kept static decode: each prompt's own means, none summed
+    into the next prompt's."""
+    from rankkit.oracle import answer_informed_oracle
+
+    eager, static = _both("llama")
+    for ids in (random_ids, random_ids.flip(0), random_ids):
+        results = [answer_informed_oracle(runner, ids, tokenizer=NoTextTokenizer(), max_new_tokens=4) for runner in (eager, static)]
+        assert results[1].answer_tokens == results[0].answer_tokens
+        np.testing.assert_allclose(results[1].scores, results[0].scores, rtol=1e-5)
+        np.testing.assert_allclose(results[1].layer_scores, results[0].layer_scores, rtol=1e-5)
+    assert len(static._static_decodes) == 1
+
+
+def test_a_self_draft_compiles_its_own_step_after_the_target_compiled_its(random_ids):
+    """``--compile-decode``: the target's compiled step runs every layer, so a draft of its first layers,
+    cut after the target compiled, compiles its own (and scores as the eager draft does)."""
+    from rankkit.methods.specprefill import draft_runner, lookahead_scores
+
+    model = tiny_model("llama")
+    eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    compiled.generate(random_ids, 2)
+    draft = draft_runner("layers:1", compiled)
+    assert draft is draft_runner("layers:1", compiled) and draft.static_step() is not compiled.static_step()
+    rows, _ = lookahead_scores(draft, random_ids, 3)
+    torch.testing.assert_close(rows, lookahead_scores(draft_runner("layers:1", eager), random_ids, 3)[0], rtol=1e-4, atol=1e-4)

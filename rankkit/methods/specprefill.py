@@ -9,7 +9,8 @@ tokens at their original positions (two-pass mode). The draft's prefill and look
 count in TTFT and in the method's ideal ratio (a lookahead step's layers and LM head at their
 share of full's measured decode step, ``CostModel.ideal_ratio``). The lookahead decodes from the draft's own
 prefill cache (the prompt is never run again) and scores every head of a layer in one product
-on the device (``AnswerAttention``): a lookahead step reads back only its greedy token.
+on the device (``AnswerAttention``): a lookahead step reads back only its greedy token. With
+``--cuda-graphs`` the lookahead replays the draft's own graph, as a decode does.
 
 ``draft_model`` is ``layers:N`` or a model spec (``default``, a folder or a hub id) whose
 tokenizer is the target's. ``layers:N`` drafts with the target's own first N layers, its
@@ -20,7 +21,6 @@ The default, ``layers:⌈L/4⌉``, costs about a quarter of a full prefill.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -116,17 +116,14 @@ def check_drafts(methods, target: str, config) -> None:
 
 
 def _first_layers(runner: Runner, spec: str) -> Runner:
-    """A runner over ``runner``'s model cut after its first N layers; modules and weights are shared."""
+    """``runner.first_layers(N)`` for the spec ``layers:N``, its N checked."""
     count = spec.removeprefix(SELF_DRAFT)
     if not count.isdigit() or not 1 <= int(count) <= runner.num_layers:
         raise RankkitError(
             f"draft '{spec}' needs a layer count in 1..{runner.num_layers}: use e.g. --draft "
             f"{self_draft_spec(runner.num_layers)}"
         )
-    draft = copy.copy(runner)
-    draft.body = copy.copy(runner.body)
-    draft.body._modules = {**runner.body._modules, "layers": runner.body.layers[: int(count)]}
-    return draft
+    return runner.first_layers(int(count))
 
 
 def lookahead_scores(
@@ -134,7 +131,7 @@ def lookahead_scores(
 ) -> tuple[torch.Tensor, list[Pass]]:
     """Eq. 3 scores [T] of the prompt from ``lookahead`` draft tokens, and the draft's passes."""
     length = int(input_ids.numel())
-    attention = AnswerAttention(draft.num_layers, length, keep_per_token=True)
+    attention = AnswerAttention(draft.num_layers, length, per_token_steps=lookahead)
     prefill = draft.prefill(input_ids)
     # the last token's query counts too (Listing 3 feeds back every ``next_token``)
     generated = greedy_continue(draft, prefill, lookahead, [attention], feed_last=True)
@@ -150,7 +147,8 @@ def lookahead_scores(
             heads=steps + 1,  # each step's, and the prefill's that chose the first token
         ),
     ]
-    return torch.stack(attention.token_maxima), passes
+    # a copy: a kept graph's next lookahead writes these rows again (``AnswerAttention.replayed_as``)
+    return attention.token_maxima[:steps].clone(), passes
 
 
 def eq3(lookahead: torch.Tensor) -> torch.Tensor:
