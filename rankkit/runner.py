@@ -606,13 +606,14 @@ class Runner:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
         decode = self._static_decodes.pop(key, None)
         if decode is not None:
+            decode.reuses += 1
             decode.cache.load(prefill.cache)
             for hook, captured in zip(hooks, decode.hooks, strict=True):
                 if hook is not captured:
                     hook.replayed_as(captured)
         else:
             self._make_room(StaticKVCache.buffer_bytes(key.shape))
-            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), tuple(hooks))
+            decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), tuple(hooks), key)
         self._static_decodes[key] = decode
         return decode
 
@@ -621,11 +622,16 @@ class Runner:
         """Whether a CUDA graph can replay a decode step with ``hooks`` (``LayerHook.replay_key``)."""
         return all(hook.replay_key is not None for hook in hooks)
 
-    def kept_static_bytes(self, prefill: PrefillResult, steps: int, hooks=()) -> int:
-        """Bytes of the kept static decode that ``decoder(prefill, steps, hooks)`` would reuse (0 if none):
-        allocated before a run that replays it, yet that run's memory all the same."""
-        key = self._static_key(prefill, steps, hooks)
-        return StaticKVCache.buffer_bytes(key.shape) if key in self._static_decodes else 0
+    def kept_static_uses(self) -> dict[_StaticDecode, int]:
+        """The static decodes kept now (a self-draft's too: ``first_layers`` shares them), each with the
+        times it was reused: what ``reused_static_bytes`` compares with later."""
+        return {decode: decode.reuses for decode in self._static_decodes.values()}
+
+    @staticmethod
+    def reused_static_bytes(kept: dict[_StaticDecode, int]) -> int:
+        """Bytes of the decodes of ``kept`` (``kept_static_uses``, taken before a run) that the run reused:
+        allocated before it, yet its memory all the same."""
+        return sum(StaticKVCache.buffer_bytes(decode.key.shape) for decode, reuses in kept.items() if decode.reuses > reuses)
 
     def _static_key(self, prefill: PrefillResult, steps: int, hooks) -> _StaticKey | None:
         """What a static decode of ``prefill`` is kept and found by; None when the decode runs eagerly."""
@@ -725,10 +731,12 @@ class _StaticDecode:
     eagerly, which is what a CPU test compares with the dynamic cache.
     """
 
-    def __init__(self, runner: Runner, cache: StaticKVCache, hooks: tuple = ()):
+    def __init__(self, runner: Runner, cache: StaticKVCache, hooks: tuple, key: _StaticKey):
         self.runner = runner
         self.cache = cache
         self.hooks = hooks
+        self.key = key  # what ``Runner`` keeps it by
+        self.reuses = 0  # decodes after the first that ran it
         self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
         self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
         self.graphed = runner.device.type == "cuda"

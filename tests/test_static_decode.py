@@ -112,13 +112,15 @@ def test_a_decode_of_the_same_shape_reuses_the_static_buffers(random_ids):
     expected = [eager.generate(each, NEW_TOKENS).tokens for each in ids]
     first = static.generate(ids[0], NEW_TOKENS).tokens
     (buffers,) = static._static_decodes.values()
-    prefill = static.prefill(ids[1])
-    assert static.kept_static_bytes(prefill, NEW_TOKENS) == buffers.cache.buffer_bytes(
-        StaticKVCache.shape_of(prefill.cache, NEW_TOKENS)
-    )
+    kept = static.kept_static_uses()
+    assert static.reused_static_bytes(kept) == 0
     second = static.generate(ids[1], NEW_TOKENS).tokens
     assert list(static._static_decodes.values()) == [buffers]  # the same buffers (on CUDA the same graph), refilled
     assert [first, second] == expected
+    prefill = static.prefill(ids[1])
+    assert static.reused_static_bytes(kept) == StaticKVCache.buffer_bytes(StaticKVCache.shape_of(prefill.cache, NEW_TOKENS))
+    # the keys, values and positions of every slot: 3 layers of 256 slots, 2 KV heads of 16
+    assert static.reused_static_bytes(kept) == 3 * 256 * 2 * (2 * 16 * 4 + 8)
 
 
 def _decode_of(runner: Runner, ids: torch.Tensor, keep: float):
@@ -445,6 +447,9 @@ def test_specprefills_lookahead_replays_the_drafts_static_decode_prompt_after_pr
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
     (key,) = static._static_decodes  # one kept decode of the draft, reused by the second prompt
     assert key.hooks == ("answer-attention:2x40:softmax=False:rows=4",) and len(key.shape[0]) == 2
+    kept = static.kept_static_uses()  # a run's memory counts the draft's kept buffers it reuses
+    lookahead_scores(draft_runner("layers:2", static), prompts[0], 4)
+    assert static.reused_static_bytes(kept) == StaticKVCache.buffer_bytes(key.shape) > 0
 
 
 def test_the_oracle_decodes_over_the_static_cache_as_over_the_dynamic_one(random_ids):

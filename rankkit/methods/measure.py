@@ -62,6 +62,7 @@ def run_once(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, max_new_tokens: int
 ) -> MethodRun:
     """One timed run: the method's prefill, then greedy decoding from its cache."""
+    kept = runner.kept_static_uses()
     peak = PeakMemory(runner.device)
     timeline = Timeline(runner.device)
     timeline.mark()
@@ -76,11 +77,11 @@ def run_once(
                 stacklevel=2,
             )
         cache_positions = list(run.result.cache.positions)  # decoding replaces the tensors, never edits them
-        reused_bytes = runner.kept_static_bytes(run.result, max_new_tokens, run.decode_hooks)
         tokens = greedy_continue(
             runner, run.result, max_new_tokens, run.decode_hooks, on_token=lambda token: timeline.mark()
         )
     timeline.finish()
+    reused_bytes = runner.reused_static_bytes(kept)  # the target's decode, and a self-draft's lookahead
     steps = len(tokens) - 1
     ttft = timeline.seconds(0, 1)
     e2e = timeline.seconds(0, len(timeline.marks) - 1)
