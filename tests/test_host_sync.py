@@ -98,7 +98,7 @@ class counting:
         self.scalars.__exit__(*exc)
 
 
-def _runner(layers: int, kv_heads: int) -> Runner:
+def _runner(layers: int, kv_heads: int, *, cuda_graphs: bool = False) -> Runner:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -118,7 +118,7 @@ def _runner(layers: int, kv_heads: int) -> Runner:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    return Runner(model)
+    return Runner(model, cuda_graphs=cuda_graphs)
 
 
 SHAPES = [(2, 2), (4, 2), (2, 4)]  # (layers, kv heads): more layers, then more heads
@@ -131,17 +131,17 @@ class NoTextTokenizer:
         return ""
 
 
-def _prepared(name: str, layers: int, kv_heads: int, **params):
+def _prepared(name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, **params):
     """A runner of that shape and method ``name`` prepared for ``PROMPT``."""
-    runner = _runner(layers, kv_heads)
+    runner = _runner(layers, kv_heads, cuda_graphs=cuda_graphs)
     method = make(name, **PARAMETERS.get(name, {}) | params)
     method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
     return runner, method
 
 
-def _reads(name: str, layers: int, kv_heads: int, **params) -> tuple[Counter, Counter]:
+def _reads(name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, **params) -> tuple[Counter, Counter]:
     """Host reads of one prefill, and of one decode step (the mean over ``DECODE_STEPS``), of method ``name``."""
-    runner, method = _prepared(name, layers, kv_heads, **params)
+    runner, method = _prepared(name, layers, kv_heads, cuda_graphs=cuda_graphs, **params)
     budget = Budget.from_keep(0.5)
     with torch.inference_mode():
         method.prefill(runner, PROMPT, budget)  # warm-up: lazily built state is not a per-run cost
@@ -215,6 +215,15 @@ def test_a_prefill_whose_shapes_the_host_knows_reads_nothing(name):
     """A two-pass method's second pass is told the prompt's length, not read from its positions."""
     for shape in SHAPES:
         assert _reads(name, *shape)[0] == Counter(), shape
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # the draft's lookahead over its static cache
+def test_specprefills_prefill_reads_only_the_drafts_lookahead_tokens(cuda_graphs):
+    """Listing 3's k greedy lookahead tokens, each read as a decode step's token is; the draft's scores
+    (``AnswerAttention``), the top-k and the second pass read nothing, whatever the layers and heads."""
+    for shape in SHAPES:
+        prefill, _ = _reads("specprefill", *shape, cuda_graphs=cuda_graphs, lookahead=3)
+        assert prefill == Counter({"__int__": 3}), shape
 
 
 def test_kv_methods_with_ragged_heads_read_every_layers_width_once_after_the_prefill():
