@@ -468,7 +468,10 @@ def test_the_oracle_decodes_over_the_static_cache_as_over_the_dynamic_one(random
 
 def test_a_self_draft_compiles_its_own_step_after_the_target_compiled_its(random_ids):
     """``--compile-decode``: the target's compiled step runs every layer, so a draft of its first layers,
-    cut after the target compiled, compiles its own (and scores as the eager draft does)."""
+    cut after the target compiled, compiles its own: the answer attention traces into it whole (one
+    graph, no break, prompt after prompt), and it scores as the eager draft does."""
+    from torch._dynamo.utils import counters
+
     from rankkit.methods.specprefill import draft_runner, lookahead_scores
 
     model = tiny_model("llama")
@@ -476,5 +479,9 @@ def test_a_self_draft_compiles_its_own_step_after_the_target_compiled_its(random
     compiled.generate(random_ids, 2)
     draft = draft_runner("layers:1", compiled)
     assert draft is draft_runner("layers:1", compiled) and draft.static_step() is not compiled.static_step()
-    rows, _ = lookahead_scores(draft, random_ids, 3)
-    torch.testing.assert_close(rows, lookahead_scores(draft_runner("layers:1", eager), random_ids, 3)[0], rtol=1e-4, atol=1e-4)
+    counters.clear()
+    for ids in (random_ids, random_ids.flip(0)):
+        rows, _ = lookahead_scores(draft, ids, 3)
+        want, _ = lookahead_scores(draft_runner("layers:1", eager), ids, 3)
+        torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
