@@ -101,7 +101,8 @@ CompileDecode = Annotated[
     typer.Option(
         "--compile-decode",
         help="With --cuda-graphs: compile the static decode step with torch.compile before capturing it, "
-        "fusing its small operators (the first step of each cache shape compiles, which takes minutes).",
+        "fusing its small operators (the first step of each cache shape compiles, which takes minutes: "
+        "bench and prefill need --warmup 1 or more, so that no timed run compiles).",
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON (--format json).")]

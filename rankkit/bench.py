@@ -371,6 +371,14 @@ class Setup:
             raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
         check_decode_options(self.cuda_graphs, self.compile_decode)
 
+    def check_timing(self, settings: BenchSettings) -> None:
+        """Refuse timed runs that would time the compiler: ``compile_decode`` compiles the decode step in
+        the first run of each cache shape (minutes), which only a warm-up keeps out of the timed rounds."""
+        if self.compile_decode and settings.warmup < 1:
+            raise RankkitError(
+                "--compile-decode compiles the decode step in the first run, which would then be timed: add --warmup 1"
+            )
+
     def config(self):
         """The model's config, read without its weights."""
         return models.load_config(self.model)
@@ -424,6 +432,7 @@ def prefill(
     if budget is None and method.partition(":")[0] != FULL:
         raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
     budget = budget or Budget.from_keep(1.0)
+    setup.check_timing(settings)
     config = setup.config()
     if data is not None:
         check_spec_length(data, config, allow_overlength=setup.allow_overlength)
@@ -527,6 +536,7 @@ def bench(
     (every prompt is still checked), calibrating its own cost model on its first prompt;
     ``rankkit.shards.interleave`` of the ranks' rows by example restores the order.
     """
+    setup.check_timing(settings)
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     chosen = options.build(methods, config.num_hidden_layers, strict=False)
