@@ -93,7 +93,8 @@ CudaGraphs = Annotated[
     typer.Option(
         "--cuda-graphs",
         help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
-        "a method whose hooks act at every decode step from the host (sliminfer) still decodes eagerly.",
+        "a method whose hooks act at every decode step from the host (sliminfer) still decodes eagerly. "
+        "The first run of each cache shape captures the graph: bench and prefill need --warmup 1 or more.",
     ),
 ]
 CompileDecode = Annotated[
@@ -101,8 +102,7 @@ CompileDecode = Annotated[
     typer.Option(
         "--compile-decode",
         help="With --cuda-graphs: compile the static decode step with torch.compile before capturing it, "
-        "fusing its small operators (the first step of each cache shape compiles, which takes minutes: "
-        "bench and prefill need --warmup 1 or more, so that no timed run compiles).",
+        "fusing its small operators (the first step of each cache shape compiles, which takes minutes).",
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON (--format json).")]

@@ -372,11 +372,14 @@ class Setup:
         check_decode_options(self.cuda_graphs, self.compile_decode)
 
     def check_timing(self, settings: BenchSettings) -> None:
-        """Refuse timed runs that would time the compiler: ``compile_decode`` compiles the decode step in
-        the first run of each cache shape (minutes), which only a warm-up keeps out of the timed rounds."""
-        if self.compile_decode and settings.warmup < 1:
+        """Refuse timed runs that would time the decode's making: the first run of each cache shape builds
+        the static buffers and captures the step as a graph (``cuda_graphs``; on an H100 it added a
+        quarter to an 8B model's TPOT) and compiles it first (``compile_decode``: minutes), which only
+        a warm-up keeps out of the timed rounds."""
+        if self.cuda_graphs and settings.warmup < 1:
+            made = "compiles and captures" if self.compile_decode else "captures"
             raise RankkitError(
-                "--compile-decode compiles the decode step in the first run, which would then be timed: add --warmup 1"
+                f"--cuda-graphs {made} the decode step in the first run, which would then be timed: add --warmup 1"
             )
 
     def config(self):

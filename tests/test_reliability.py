@@ -91,9 +91,9 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
         (["bench", "--methods", "full,nope", "--keep", "0.2"], "unknown method 'nope'"),
         (["prefill", "--method", "claa"], "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode"],
-         "--compile-decode compiles the decode step in the first run, which would then be timed: add --warmup 1"),
-        (["bench", "--methods", "full,claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode", "--warmup", "0"],
-         "--compile-decode compiles the decode step in the first run, which would then be timed: add --warmup 1"),
+         "--cuda-graphs compiles and captures the decode step in the first run, which would then be timed: add --warmup 1"),
+        (["bench", "--methods", "full,claa", "--keep", "0.2", "--cuda-graphs", "--warmup", "0"],
+         "--cuda-graphs captures the decode step in the first run, which would then be timed: add --warmup 1"),
     ],
 )  # fmt: skip
 def test_bad_method_and_budget_options_are_refused_before_the_model_loads(

@@ -131,8 +131,8 @@ class Bench:
         return summary(frame).to_dicts()
 
     def smoke(self) -> Bench:
-        # a compiled step still compiles in a warm-up (``Setup.check_timing``)
-        warmup = int(self.compile_decode)
+        # a graphed step is still captured (and compiled) in a warm-up (``Setup.check_timing``)
+        warmup = int(self.cuda_graphs)
         return replace(self, model=SMOKE_MODEL, length=SMOKE_NIAH_LENGTH, examples=1, max_new_tokens=2, warmup=warmup, repeats=1)
 
 
