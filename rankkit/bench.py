@@ -371,12 +371,16 @@ class Setup:
             raise RankkitError("--cuda-graphs decodes on one device; drop --device-map or --cuda-graphs")
         check_decode_options(self.cuda_graphs, self.compile_decode)
 
+    @property
+    def warmups_needed(self) -> int:
+        """Untimed runs a timed one needs before it: with ``cuda_graphs`` the first run of each cache shape
+        builds the static buffers and captures the step as a graph (on an H100 that added a quarter to
+        an 8B model's TPOT) and with ``compile_decode`` compiles it first (minutes)."""
+        return int(self.cuda_graphs)
+
     def check_timing(self, settings: BenchSettings) -> None:
-        """Refuse timed runs that would time the decode's making: the first run of each cache shape builds
-        the static buffers and captures the step as a graph (``cuda_graphs``; on an H100 it added a
-        quarter to an 8B model's TPOT) and compiles it first (``compile_decode``: minutes), which only
-        a warm-up keeps out of the timed rounds."""
-        if self.cuda_graphs and settings.warmup < 1:
+        """Refuse timed runs that would time the decode's making (``warmups_needed``)."""
+        if settings.warmup < self.warmups_needed:
             made = "compiles and captures" if self.compile_decode else "captures"
             raise RankkitError(
                 f"--cuda-graphs {made} the decode step in the first run, which would then be timed: add --warmup 1"

@@ -606,11 +606,7 @@ class Runner:
             return lambda token, position: self.decode_step(token, position, prefill.cache, hooks)
         decode = self._static_decodes.pop(key, None)
         if decode is not None:
-            decode.reuses += 1
-            decode.cache.load(prefill.cache)
-            for hook, captured in zip(hooks, decode.hooks, strict=True):
-                if hook is not captured:
-                    hook.replayed_as(captured)
+            decode.reuse(prefill.cache, hooks)
         else:
             self._make_room(StaticKVCache.buffer_bytes(key.shape))
             decode = _StaticDecode(self, StaticKVCache(prefill.cache, steps), tuple(hooks), key)
@@ -760,6 +756,15 @@ class _StaticDecode:
                 self.logits = self._step(position)
         self.graph.replay()
         return self.logits
+
+    def reuse(self, cache: KVCache, hooks) -> None:
+        """Decode from ``cache`` next, for ``hooks`` of the same replay keys as this decode's: each takes
+        over the results of the hook it replays (``LayerHook.replayed_as``)."""
+        self.reuses += 1
+        self.cache.load(cache)
+        for hook, captured in zip(hooks, self.hooks, strict=True):
+            if hook is not captured:
+                hook.replayed_as(captured)
 
     def _step(self, position: int) -> torch.Tensor:
         logits = self.runner.static_step()(self.token, self.position, self.cache, self.hooks)

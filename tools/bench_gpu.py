@@ -126,13 +126,15 @@ class Bench:
             out=out / f"{name}.parquet",
             overwrite=True,
             settings=BenchSettings(max_new_tokens=self.max_new_tokens, warmup=self.warmup, repeats=self.repeats),
-            setup=Setup(model=self.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode),
+            setup=self.setup(),
         )
         return summary(frame).to_dicts()
 
+    def setup(self) -> Setup:
+        return Setup(model=self.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode)
+
     def smoke(self) -> Bench:
-        # a graphed step is still captured (and compiled) in a warm-up (``Setup.check_timing``)
-        warmup = int(self.cuda_graphs)
+        warmup = self.setup().warmups_needed
         return replace(self, model=SMOKE_MODEL, length=SMOKE_NIAH_LENGTH, examples=1, max_new_tokens=2, warmup=warmup, repeats=1)
 
 
