@@ -68,7 +68,6 @@ class KVCache:
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self._ready: dict[int, torch.cuda.Event] = {}
         self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
         self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
         self.held: dict[int, int] = {}  # the layers whose decode evicts back to this many entries (hold_size)
@@ -82,14 +81,7 @@ class KVCache:
         """Positions [n] of the tokens whose keys the next ``update`` calls bring."""
         self._incoming = positions
 
-    def wait_before_update(self, layer: int, event: torch.cuda.Event) -> None:
-        """Make the next ``update`` of ``layer`` wait for ``event`` (entries written on a side stream)."""
-        self._ready[layer] = event
-
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        ready = self._ready.pop(layer_idx, None)
-        if ready is not None:
-            torch.cuda.current_stream().wait_event(ready)
         incoming = self._incoming
         if incoming.device != key.device:  # a device map: beside its layer's keys (a same-device .to costs too)
             incoming = incoming.to(key.device)
@@ -191,6 +183,34 @@ class KVCache:
             last = owned.shape[dim] - 1
             owned.index_copy_(dim, slot, owned.narrow(dim, last, 1).clone())  # the slot may be the last one
             entries[layer] = owned.narrow(dim, 0, last)
+
+    def rearrange(self, layer: int, slots: torch.Tensor, size: int) -> None:
+        """Move every entry of ``layer`` to its slot of ``slots`` [S] (on the device) among ``size`` slots;
+        the slots no entry takes are padding, and an entry whose slot is ``size`` is dropped. Nothing
+        is read: the host chose ``size`` (entry order is free: masks come from positions)."""
+        for entries, dim, fill in ((self.keys, 2, 0), (self.values, 2, 0), (self.positions, 1, PADDING)):
+            current = entries[layer]
+            shape = list(current.shape)
+            shape[dim] = size + 1  # slot ``size`` takes the dropped entries
+            entries[layer] = current.new_full(shape, fill).index_copy_(dim, slots, current).narrow(dim, 0, size)
+        self.padded[layer] = True
+        self._fresh[layer] = False
+        for memo in (self._real, self.windows, self._window_slots, self.held):  # made for the layer's old entries
+            memo.pop(layer, None)
+
+    def write(
+        self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Write entries (``positions`` [kv_heads, n], -1 marking padding) over the layer's slots from
+        ``start`` on, in place: what moves a block back into a slot a block left (SlimInfer Alg. 1)."""
+        for entries, new, dim in ((self.keys, keys, 2), (self.values, values, 2), (self.positions, positions, 1)):
+            self._owned(entries, layer).narrow(dim, start, new.shape[dim]).copy_(new, non_blocking=True)
+        self._real.pop(layer, None)  # the padding moved
+
+    def clear(self, layer: int, start: int, length: int) -> None:
+        """Mark the layer's slots ``start`` .. ``start + length`` as padding, in place."""
+        self._owned(self.positions, layer).narrow(1, start, length).fill_(PADDING)
+        self._real.pop(layer, None)
 
     def next_slot(self, layer: int) -> int:
         """The slot the layer's next one-token step writes."""
@@ -425,6 +445,9 @@ class StaticKVCache(KVCache):
         for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
             entries[layer].index_copy_(dim, slot, entries[layer].index_select(dim, written))
         self.positions[layer].index_fill_(1, written, PADDING)
+
+    def _owned(self, entries: list, layer: int) -> torch.Tensor:
+        return entries[layer]  # every buffer is this cache's own
 
     def compress(self, layer, keep):
         raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

@@ -23,6 +23,7 @@ Shapes: the batch is always 1. ``query`` is [1, q_heads, n, head_dim]; ``key`` a
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
@@ -151,6 +152,10 @@ class LayerHook:
     # ``StaticKVCache`` does too (``evict`` of a layer that holds its size). Hooks of one name do the
     # same work: a graph captured with one replays for the others.
     replay_key: str | None = None
+    # The layers after which the hook does host work in a decode step (``after_decode_layer``): a graphed
+    # step is captured as one graph per stretch of layers between them, the host work run between
+    # their replays.
+    decode_breaks: tuple[int, ...] = ()
 
     def replayed_as(self, captured: LayerHook) -> None:
         """Called when a kept decode replays ``captured`` (a hook of this one's ``replay_key``) in this
@@ -161,6 +166,11 @@ class LayerHook:
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         """Called during prefill after each decoder layer; may prune ``state`` or compress its cache."""
+
+    def after_decode_layer(self, layer: int, cache: KVCache) -> None:
+        """Called in a decode step right after each layer of ``decode_breaks``, before the next one, with
+        the cache the step decodes over: host work that steers the later layers' entries (SlimInfer's
+        Alg. 1), which may read what the step computed so far."""
 
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         """Called after each decode step, when every layer holds the KV of the token at ``position``.
@@ -375,7 +385,7 @@ class Runner:
         # the static decode step compiled (torch.compile, inductor) before it is captured: the norms,
         # rotary embeddings, casts and cache writes a graph replays as separate kernels are fused
         self.compile_decode = compile_decode
-        self._compiled_decode = None
+        self._compiled_parts: dict[range, Callable] = {}  # ``static_part``
         # static decodes kept for their graphs, by cache shape, least recently used first
         self._static_decodes: OrderedDict[tuple, _StaticDecode] = OrderedDict()
         self._first_layers: dict[int, Runner] = {}  # ``first_layers``
@@ -395,14 +405,16 @@ class Runner:
         self._capturing = False
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
 
-    def static_step(self):
-        """What a static decode runs at each step: ``_decode``, or its compiled form (made once per
-        runner: a cache of another shape recompiles it, with dynamic lengths from the second on)."""
+    def static_part(self, part: range) -> Callable:
+        """What a static decode runs for the layers ``part`` of each step (``decode_parts``):
+        ``_decode_part``, or its compiled form (made once per runner and part: a cache of another shape
+        recompiles it, with dynamic lengths from the second on)."""
+        step = functools.partial(self._decode_part, part)
         if not self.compile_decode:
-            return self._decode
-        if self._compiled_decode is None:
-            self._compiled_decode = torch.compile(self._decode)
-        return self._compiled_decode
+            return step
+        if part not in self._compiled_parts:
+            self._compiled_parts[part] = torch.compile(step)
+        return self._compiled_parts[part]
 
     @contextmanager
     def capturing(self):
@@ -430,7 +442,7 @@ class Runner:
             cut = copy.copy(self)
             cut.body = copy.copy(self.body)
             cut.body._modules = {**self.body._modules, "layers": self.body.layers[:count]}
-            cut._compiled_decode = None  # this runner's would run every layer
+            cut._compiled_parts = {}  # this runner's would run every layer
             cut._first_layers = {}
             self._first_layers[count] = cut
         return self._first_layers[count]
@@ -480,12 +492,15 @@ class Runner:
         return out.transpose(1, 2).contiguous()
 
     def _layers(
-        self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings
+        self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings, part=None
     ):
+        """Run the layers of ``part`` (default: all); the first layer's step begins the cache's."""
+        part = range(self.num_layers) if part is None else part
         step = _Step(self, phase, positions, cache, hooks)
-        cache.begin_step(positions)
+        if part.start == 0:
+            cache.begin_step(positions)
         live = []
-        for index, layer in enumerate(self.body.layers):
+        for index, layer in enumerate(self.body.layers[part.start : part.stop], part.start):
             live.append(hidden.shape[1])
             cos, sin = position_embeddings[self._rotary_kinds[index]]
             if self.spread:  # each call, even to the device a tensor is on, costs the host a dispatch
@@ -582,12 +597,30 @@ class Runner:
     def _decode(
         self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, hooks
     ) -> torch.Tensor:
-        hidden = self.body.embed_tokens(token_ids)
+        carried = token_ids
+        for part in self.decode_parts(hooks):
+            carried = self._decode_part(part, carried, positions, cache, hooks)
+            after_decode_part(part, cache, hooks)
+        return carried
+
+    def decode_parts(self, hooks) -> list[range]:
+        """A decode step's stretches of layers, cut after each layer of the hooks' ``decode_breaks``."""
+        cuts = sorted({layer + 1 for hook in hooks for layer in hook.decode_breaks} - {self.num_layers})
+        bounds = [0, *cuts, self.num_layers]
+        return [range(start, stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
+
+    def _decode_part(
+        self, part: range, carried: torch.Tensor, positions: torch.Tensor, cache: KVCache, hooks
+    ) -> torch.Tensor:
+        """The layers ``part`` of a decode step: from the token ids [1, 1] at the first layer, else from
+        the hidden state the part before returned; to the logits [vocab] after the last layer, else to
+        the hidden state."""
+        hidden = self.body.embed_tokens(carried) if part.start == 0 else carried
         with self._installed():
             hidden, _ = self._layers(
-                None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions)
+                None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions), part
             )
-        return self.logits(hidden)[0, -1]
+        return self.logits(hidden)[0, -1] if part.stop == self.num_layers else hidden
 
     @torch.inference_mode()
     def decoder(self, prefill: PrefillResult, steps: int, hooks=()):
@@ -599,7 +632,8 @@ class Runner:
         not a shape) and replayed on CUDA, run eagerly elsewhere; the prefill's own cache is then
         left as the prefill made it. Decode hooks read or steer a step in Python, which a graph
         would not replay: with any that ``replays`` refuses, the decode runs eagerly. A static
-        decode is kept by its hooks' ``replay_key`` too, and runs the hooks it was made with.
+        decode is kept by its hooks' ``replay_key`` too, and runs the device work of the hooks it was
+        made with, the host work (``LayerHook.after_decode_layer``) of the decode's own.
         """
         key = self._static_key(prefill, steps, hooks)
         if key is None:
@@ -721,24 +755,27 @@ class _StaticDecode:
     whose decode work a graph replays (``LayerHook.replay_key``).
 
     On CUDA the first step runs eagerly (the warm-up a capture needs, making the same choices
-    as the capture, so a compiled step is compiled then), the second is captured as one graph,
-    and every later step, of this decode or the next one of the same cache shape, replays it:
-    one launch per token instead of one per kernel. Elsewhere every step runs the same code
-    eagerly, which is what a CPU test compares with the dynamic cache.
+    as the capture, so a compiled step is compiled then), the second is captured as one graph
+    per part (``Runner.decode_parts``: one, unless a hook does host work between layers), and
+    every later step, of this decode or the next one of the same cache shape, replays them:
+    one launch per part and token instead of one per kernel. Elsewhere every step runs the same
+    code eagerly, which is what a CPU test compares with the dynamic cache.
     """
 
     def __init__(self, runner: Runner, cache: StaticKVCache, hooks: tuple, key: _StaticKey):
         self.runner = runner
         self.cache = cache
-        self.hooks = hooks
+        self.hooks = hooks  # whose device work the step runs (a graph replays it)
+        self.current = hooks  # the decode's own hooks, whose host work runs between the parts
         self.key = key  # what ``Runner`` keeps it by
         self.reuses = 0  # decodes after the first that ran it
         self.token = torch.zeros((1, 1), dtype=torch.long, device=runner.device)
         self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.parts = runner.decode_parts(hooks)
         self.graphed = runner.device.type == "cuda"
         self.warmed = False
-        self.graph = None
-        self.logits: torch.Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.outputs: list[torch.Tensor] = []  # each part's graph's output: the next one's input, the logits
 
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
@@ -750,24 +787,54 @@ class _StaticDecode:
             self.warmed = True
             with self.runner.capturing():
                 return self._step(position)
-        if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), self.runner.capturing():
-                self.logits = self._step(position)
-        self.graph.replay()
-        return self.logits
+        if not self.graphs:
+            self._capture(position)
+        for part, graph in zip(self.parts, self.graphs, strict=True):
+            graph.replay()
+            after_decode_part(part, self.cache, self.current)
+        return self.outputs[-1]
+
+    def _capture(self, position: int) -> None:
+        """Capture each part as a graph, reading the one before's output (a capture runs nothing). They
+        share one memory pool, which graphs replayed in the order they were captured may."""
+        carried = self.token
+        for index in range(len(self.parts)):
+            graph = torch.cuda.CUDAGraph()
+            pool = self.graphs[0].pool() if self.graphs else None
+            with torch.cuda.graph(graph, pool=pool), self.runner.capturing():
+                carried = self._part(index, carried, position)
+            self.graphs.append(graph)
+            self.outputs.append(carried)
 
     def reuse(self, cache: KVCache, hooks) -> None:
         """Decode from ``cache`` next, for ``hooks`` of the same replay keys as this decode's: each takes
         over the results of the hook it replays (``LayerHook.replayed_as``)."""
         self.reuses += 1
+        self.current = tuple(hooks)
         self.cache.load(cache)
         for hook, captured in zip(hooks, self.hooks, strict=True):
             if hook is not captured:
                 hook.replayed_as(captured)
 
     def _step(self, position: int) -> torch.Tensor:
-        logits = self.runner.static_step()(self.token, self.position, self.cache, self.hooks)
-        for hook in self.hooks:
-            hook.after_decode_step(self.cache, position)
-        return logits
+        carried = self.token
+        for index, part in enumerate(self.parts):
+            carried = self._part(index, carried, position)
+            after_decode_part(part, self.cache, self.current)
+        return carried
+
+    def _part(self, index: int, carried: torch.Tensor, position: int) -> torch.Tensor:
+        """One part of the step over the static cache; the last ends with the hooks' ``after_decode_step``."""
+        part = self.parts[index]
+        carried = self.runner.static_part(part)(carried, self.position, self.cache, self.hooks)
+        if part.stop == self.runner.num_layers:
+            for hook in self.hooks:
+                hook.after_decode_step(self.cache, position)
+        return carried
+
+
+def after_decode_part(part: range, cache: KVCache, hooks) -> None:
+    """The hooks' host work after the last layer of ``part`` (``LayerHook.decode_breaks``)."""
+    for hook in hooks:
+        if part[-1] in hook.decode_breaks:
+            hook.after_decode_layer(part[-1], cache)

@@ -232,13 +232,15 @@ def test_kv_methods_with_ragged_heads_read_every_layers_width_once_after_the_pre
             assert _reads(name, *shape)[0] == Counter({"tolist": 1}), (name, shape)
 
 
-def test_sliminfer_reads_each_pruning_layers_blocks_once_and_nothing_per_layer_it_governs():
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # Alg. 1 between the static decode's parts
+def test_sliminfer_reads_each_pruning_layers_blocks_once_and_nothing_per_layer_it_governs(cuda_graphs):
     small_blocks = {"block_size": 8, "unit_size": 2, "window_size": 2}  # blocks move between the tiers
     for shape in [(3, 2), (5, 2), (3, 4)]:  # layer 1 governs one layer, then three
-        prefill, step = _reads("sliminfer", *shape, pruning_layers=(0, 1), **small_blocks)
+        prefill, step = _reads("sliminfer", *shape, cuda_graphs=cuda_graphs, pruning_layers=(0, 1), **small_blocks)
         assert prefill == Counter({"tolist": 2}), shape  # layers 0 and 1 prune
         assert step == Counter({"tolist": 2, "__int__": 1}), shape  # both govern layers; the greedy token
     runner = _runner(4, 2)
+    runner.cuda_graphs = cuda_graphs
     method = make("sliminfer", pruning_layers=(0, 1), **small_blocks)
     with torch.inference_mode():
         run = method.prefill(runner, PROMPT, Budget.from_keep(0.3))
@@ -262,7 +264,8 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
         assert more.counts - one.counts == Counter({"__int__": DECODE_STEPS}), shape
 
 
-# Python at every decode step (Alg. 1's block swaps; TOVA's eviction): more launches than full's, by design
+# Work at every decode step that full's has not (Alg. 1's scoring and block swaps; TOVA's eviction): more
+# launches than full's, by design
 STEERING_DECODE = {"sliminfer", "tova"}
 
 
@@ -308,7 +311,8 @@ def _method_launches(name: str, layers: int) -> int:
 # the cut (keys, values, positions: 3). SAGE-KV's union of query-head top-k and its padded cut cost
 # 4 more, TOVA skips pooling and the window, StreamingLLM only cuts; AdaKV cuts each layer twice (to
 # a bound the host knows, then to its widest head) and ranks over all heads. A layer SlimInfer governs
-# moves its inactive blocks to the host, its entries sorted by block once for the copy and the cut.
+# lays its blocks out in regions (one scatter each of keys, values and positions) and moves the query
+# window's block, a region's slice, to the host.
 PREFILL_LAUNCHES_PER_LAYER = {
     "snapkv": 14,
     "pyramidkv": 14,
@@ -316,7 +320,7 @@ PREFILL_LAUNCHES_PER_LAYER = {
     "tova": 12,
     "streamingllm": 6,
     "adakv": 37,
-    "sliminfer": 15,
+    "sliminfer": 11,
 }
 
 

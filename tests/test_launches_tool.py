@@ -33,10 +33,10 @@ def _rows(model: Path, *options: str) -> dict[str, tuple[int, float, bool]]:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_launch_counts_of_each_method_beyond_fulls(tiny_folder, graphs):
     """Full is 0 beyond itself; SnapKV scores its prefill and decodes as full does; TOVA scores and
-    evicts at every step, in the graph too; SlimInfer's decode is eager under --cuda-graphs."""
+    evicts at every step, in the graph too; so does SlimInfer score, its graph in parts."""
     rows = _rows(tiny_folder, *(["--cuda-graphs"] if graphs else []))
     assert rows["full"] == (0, 0.0, False)
     assert rows["snapkv"][0] > 0 and rows["snapkv"][1:] == (0.0, False)
     assert rows["streamingllm"][1:] == (0.0, False)
     assert rows["tova"][1] > 0 and not rows["tova"][2]
-    assert rows["sliminfer"][2] == graphs
+    assert rows["sliminfer"][1] > 0 and not rows["sliminfer"][2]

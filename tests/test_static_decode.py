@@ -39,10 +39,7 @@ class NoTextTokenizer:
         return ""
 
 
-STEERING_DECODE = ("sliminfer",)  # Alg. 1's block moves, driven from the host at every step: eagerly
-
-
-@pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(STEERING_DECODE)))
+@pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_method_decodes_the_same_tokens_statically(name, random_ids):
     eager, static = _both("llama")
     runs = []
@@ -168,26 +165,72 @@ def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids)
 SLIMINFER_SMALL_BLOCKS = {"block_size": 8, "unit_size": 2, "window_size": 2, "pruning_layers": (0,)}
 
 
-@pytest.mark.parametrize(
-    ("family", "name", "params"),
-    [
-        ("llama", "sliminfer", SLIMINFER_SMALL_BLOCKS),  # Alg. 1's block moves, from the host
-        ("gemma2", "tova", {}),  # a local layer sees 8 keys, under the budget: it evicts later than the rest
-    ],
-)
-def test_a_method_that_steers_decoding_warns_and_decodes_eagerly(family, name, params, random_ids):
+def test_tova_where_a_local_layer_evicts_later_than_the_rest_warns_and_decodes_eagerly(random_ids):
+    """gemma2's local layers see 8 keys, under the budget at 0.5: they evict later than the rest, so
+    a step's work is not one shape for the whole decode."""
     runs = []
-    for runner in _both(family):
+    for runner in _both("gemma2"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            runs.append(run_once(runner, make(name, **params), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
+            runs.append(run_once(runner, make("tova"), random_ids, Budget.from_keep(0.5), NEW_TOKENS))
         runs[-1].warnings = [str(each.message) for each in caught if "graph" in str(each.message)]
         assert not runner._static_decodes
     assert runs[1].tokens == runs[0].tokens
     assert runs[0].warnings == []
     assert runs[1].warnings == [
-        f"method '{name}' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
+        "method 'tova' acts at every decode step, which a CUDA graph cannot replay: it decodes eagerly"
     ]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_sliminfers_swaps_run_between_the_static_decodes_parts_prompt_after_prompt(family, random_ids):
+    """Under ``--cuda-graphs`` a SlimInfer step is two parts, cut after its pruning layer, where Alg. 1
+    runs on the host (γ = 1: every change of candidate moves blocks). Over the static cache it makes
+    the dynamic cache's decisions and tokens, the governed layer holds the dynamic one's entries slot
+    for slot after every step, and the second prompt runs through the first one's kept decode with
+    its own blocks: the pruning layer's unit keys and ring of queries taken over, its own swaps run."""
+    eager, static = _both(family)
+    params = {**SLIMINFER_SMALL_BLOCKS, "gamma": 1.0}
+    for ids in (random_ids, random_ids.flip(0)):
+        runs = [make("sliminfer", **params).prefill(runner, ids, Budget.from_keep(0.5)) for runner in (eager, static)]
+        hooks = [run.decode_hooks[0] for run in runs]
+        assert hooks[1].decode_breaks == (0,) and Runner.replays(hooks[1:])
+        steps = [runner.decoder(run.result, NEW_TOKENS, run.decode_hooks) for runner, run in zip((eager, static), runs, strict=True)]
+        assert steps[1].parts == [range(0, 1), range(1, 3)] and steps[1].current == (hooks[1],)
+        tokens = [torch.argmax(run.result.logits) for run in runs]
+        for position in range(40, 40 + NEW_TOKENS):
+            tokens = [torch.argmax(step(token, position)) for step, token in zip(steps, tokens, strict=True)]
+            assert int(tokens[0]) == int(tokens[1])
+            dynamic, fixed = runs[0].result.cache, steps[1].cache
+            for layer in (1, 2):
+                held = dynamic.positions[layer].shape[1]
+                assert torch.equal(fixed.positions[layer][:, :held], dynamic.positions[layer])
+                assert (fixed.positions[layer][:, held:] == -1).all()
+                torch.testing.assert_close(fixed.keys[layer][:, :, :held], dynamic.keys[layer])
+        assert hooks[1].decisions == hooks[0].decisions
+        assert sum(decision.swapped for decision in hooks[0].decisions) >= 2
+    assert len(static._static_decodes) == 1 and next(iter(static._static_decodes.values())).reuses == 1
+
+
+def test_sliminfers_compiled_parts_trace_whole_and_choose_the_eager_tokens(random_ids):
+    """``--compile-decode`` with SlimInfer: each part of the step compiles as one graph with no break
+    (its scoring, ring of queries and choice included; the sort is torch's, as on CUDA), and the
+    compiled decode makes the eager dynamic cache's decisions and tokens, prompt after prompt."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = tiny_model("llama")
+    eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    params = {**SLIMINFER_SMALL_BLOCKS, "gamma": 1.0}
+    for ids in (random_ids, random_ids.flip(0)):
+        methods = [make("sliminfer", **params) for _ in range(2)]
+        runs = []
+        for runner, method in zip((eager, compiled), methods, strict=True):
+            run = method.prefill(runner, ids, Budget.from_keep(0.5))
+            runs.append((greedy_continue(runner, run.result, NEW_TOKENS, run.decode_hooks), run.decode_hooks[0]))
+        assert runs[1][0] == runs[0][0]
+        assert runs[1][1].decisions == runs[0][1].decisions and any(each.swapped for each in runs[0][1].decisions)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # one per part
 
 
 @pytest.mark.parametrize(("family", "keep"), [("llama", 0.5), ("llama", 0.2), ("gemma2", 0.2)])
@@ -406,7 +449,7 @@ def test_a_graphs_warm_up_step_makes_the_captures_choices(random_ids, monkeypatc
     decode = runner.decoder(prefill, NEW_TOKENS)
     decode.graphed = True  # as on CUDA; only the warm-up runs here, the capture needs a GPU
     decode(torch.argmax(prefill.logits), 40)
-    assert decode.warmed and decode.graph is None and not runner._capturing
+    assert decode.warmed and not decode.graphs and not runner._capturing
     assert len(calls) == runner.num_layers
 
 
@@ -478,7 +521,7 @@ def test_a_self_draft_compiles_its_own_step_after_the_target_compiled_its(random
     eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
     compiled.generate(random_ids, 2)
     draft = draft_runner("layers:1", compiled)
-    assert draft is draft_runner("layers:1", compiled) and draft.static_step() is not compiled.static_step()
+    assert draft is draft_runner("layers:1", compiled) and draft.static_part(range(1)) is not compiled.static_part(range(1))
     counters.clear()
     for ids in (random_ids, random_ids.flip(0)):
         rows, _ = lookahead_scores(draft, ids, 3)

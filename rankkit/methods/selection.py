@@ -143,8 +143,9 @@ def sorting_as_on_cuda():
 def _on_cpu(scores: torch.Tensor):
     """The scores as a numpy array when they are on a CPU, for the compiled sort (``rankkit.sorting``):
     torch's stable sort of the same order costs 7x more per row there, and the methods' offline
-    faces sort every layer of every example a store holds; None elsewhere."""
-    if scores.device.type != "cpu" or not scores.numel() or _sorting_as_on_cuda:
+    faces sort every layer of every example a store holds; None elsewhere, and where torch.compile
+    traces (a compiled decode step, which a call out to numpy would break in two)."""
+    if scores.device.type != "cpu" or not scores.numel() or _sorting_as_on_cuda or torch.compiler.is_compiling():
         return None
     return _sortable(scores).detach().numpy()
 

@@ -16,12 +16,14 @@ module; the survivors' values are those of pruning between attention and FFN.
 
 Decoding. The layers after pruning layer l up to the next one hold the blocks l kept
 (their KV never existed for the others); B_active starts as l's prefill choice, the query
-window's tokens outside it wait on the host. At every step, right after l's attention, l
-scores the blocks it holds (Eq. 2 with the mean of the last w decode queries over the
-unit keys kept from its prefill), picks the first block and the best others, and
-Alg. 1 runs on the cache of every layer it governs with that candidate restricted to
-the blocks the layer holds, before those layers attend in the same step. On CUDA the
-copies overlap the compute in between (``BlockSwap``).
+window's tokens outside it wait on the host. At every step, in l's attention, l scores the
+blocks it holds (Eq. 2 with the mean of the last w decode queries over the unit keys kept
+from its prefill) and picks the first block and the best others, on the device; right
+after l, the host reads that candidate and Alg. 1 runs on the cache of every layer l
+governs, restricted to the blocks the layer holds, before those layers attend in the same
+step (``BlockSwap``). The device work has shapes fixed for the whole decode, so under
+``--cuda-graphs`` a step replays as one graph per stretch of layers between pruning layers,
+Alg. 1 running on the host between them (``LayerHook.decode_breaks``).
 
 Defaults are the paper's (Sec. 5): blocks of 64, units of 8, γ = 0.9, a query window of
 4, pruning at layers 10, 20, 30 of 32 (scaled to the model's depth).
@@ -30,14 +32,14 @@ Defaults are the paper's (Sec. 5): blocks of 64, units of 8, γ = 0.9, a query w
 from __future__ import annotations
 
 import math
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
 import torch
 
+from rankkit.cache import KVCache
 from rankkit.methods.base import (
     LAYERS,
     Budget,
@@ -128,7 +130,37 @@ class PruningLayer:
     chosen: set[int] = field(default_factory=set)  # B_active after the prefill
     decode_choice: BlockChoice | None = None  # among the blocks the governed layers hold
     swaps: list[BlockSwap] = field(default_factory=list)
-    recent_queries: deque | None = None
+    recent_queries: torch.Tensor | None = None  # [w, q_heads, d]: the last w decode queries, a ring
+    decode_steps: torch.Tensor | None = None  # [1] decode queries seen
+    candidate: torch.Tensor | None = None  # [blocks kept] this step's candidate, -1 filling
+
+    def decode_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step of this layer reads or writes, in a fixed order."""
+        held = (self.unit_blocks, self.decode_choice)
+        parts = [getattr(part, each.name) for part in held for each in fields(part)]
+        return [
+            self.unit_means,
+            *(part for part in parts if isinstance(part, torch.Tensor)),
+            self.recent_queries,
+            self.decode_steps,
+            self.candidate,
+        ]
+
+    def replay(self, captured: PruningLayer) -> None:
+        """Decode through ``captured``'s tensors (a graph made with them replays): they take this layer's
+        values, and this layer takes them."""
+        for mine, theirs in zip(self.decode_tensors(), captured.decode_tensors(), strict=True):
+            theirs.copy_(mine)
+        self.unit_means, self.unit_blocks, self.decode_choice = (
+            captured.unit_means,
+            captured.unit_blocks,
+            captured.decode_choice,
+        )
+        self.recent_queries, self.decode_steps, self.candidate = (
+            captured.recent_queries,
+            captured.decode_steps,
+            captured.candidate,
+        )
 
 
 class SlimInferHook(LayerHook):
@@ -138,7 +170,7 @@ class SlimInferHook(LayerHook):
     prefill and at every decode step): Alg. 1 moves blocks between the tiers, which the host
     drives. Everything else the host needs it counts itself: it follows the live positions of
     a prefill (``live_positions``, from 0..T-1 of a full prefill), so the kept tokens' count and
-    each governed layer's entries (``BlockSwap``'s layout) need no read, and a governed layer's
+    each governed layer's regions (``BlockSwap``) need no read, and a governed layer's
     swap reads nothing.
     """
 
@@ -160,12 +192,29 @@ class SlimInferHook(LayerHook):
         self.ffn_tokens: dict[int, int] = {}  # the tokens each pruning layer's FFN runs on
         self.decisions: list[SwapDecision] = []
 
-    def _choose(self, entry: PruningLayer, query: torch.Tensor, choice: BlockChoice) -> tuple[torch.Tensor, set[int]]:
-        """The blocks ``entry`` keeps for ``query`` (q_l [q_heads, d]) by Eq. 1-2 and ``choice``: on the
-        device, and the same read by the host, the one read."""
-        similarity = unit_similarity(query, entry.unit_means)
-        chosen = choice(entry.unit_blocks.maxima(similarity)[0])
-        return chosen, {block for block in chosen.tolist() if block >= 0}
+    def _candidate(self, entry: PruningLayer, query: torch.Tensor, choice: BlockChoice) -> torch.Tensor:
+        """The blocks ``entry`` keeps for ``query`` (q_l [q_heads, d]) by Eq. 1-2 and ``choice``, on the device."""
+        return choice(entry.unit_blocks.maxima(unit_similarity(query, entry.unit_means))[0])
+
+    @property
+    def _decoding(self) -> list[PruningLayer]:
+        """The pruning layers that govern layers in decoding, in order."""
+        return [entry for _, entry in sorted(self.schedule.items()) if entry.swaps]
+
+    @property
+    def decode_breaks(self) -> tuple[int, ...]:
+        return tuple(entry.layer for entry in self._decoding)
+
+    @property
+    def replay_key(self) -> str:
+        shapes = ";".join(
+            ",".join(str(tuple(tensor.shape)) for tensor in entry.decode_tensors()) for entry in self._decoding
+        )
+        return f"sliminfer:layers={self.decode_breaks}:{shapes}"
+
+    def replayed_as(self, captured: LayerHook) -> None:
+        for entry, replayed in zip(self._decoding, captured._decoding, strict=True):
+            entry.replay(replayed)
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase == "prefill":
@@ -178,17 +227,31 @@ class SlimInferHook(LayerHook):
         if call.phase == "prefill":
             self._prune(entry, call)
         elif entry.swaps:
-            entry.recent_queries.append(call.query[0, :, -1].float())
-            self._fetch(entry, torch.stack(list(entry.recent_queries)).mean(dim=0))
+            # the ring's oldest query gives way; rows no query filled yet are zero and add nothing
+            slot = entry.decode_steps % self.window
+            entry.recent_queries.index_copy_(0, slot, call.query[0, :, -1:].float().transpose(0, 1))
+            entry.decode_steps += 1
+            window = entry.recent_queries.sum(dim=0) / entry.decode_steps.clamp(max=self.window)
+            entry.candidate.copy_(self._candidate(entry, window, entry.decode_choice))
+
+    def after_decode_layer(self, layer: int, cache: KVCache) -> None:
+        """Alg. 1 on every layer ``layer`` governs, with this step's candidate: the host's one read."""
+        entry = self.schedule[layer]
+        chosen = {block for block in entry.candidate.tolist() if block >= 0}
+        for swap in entry.swaps:
+            self.decisions.append(swap.swap(chosen & swap.pool(), cache))
 
     def _prune(self, entry: PruningLayer, call: AttentionCall) -> None:
         slots = UnitSlots.of(call.key_positions[0], self.unit_size)
         entry.unit_means = slots.mean_keys(call.key[0].float())
         entry.unit_blocks = UnitBlocks.of(slots.unit_ids, self.unit_size, self.block_size)
         blocks, blocks_kept = entry.unit_blocks.blocks, block_count(entry.keep_tokens, self.block_size)
-        entry.recent_queries = deque(maxlen=self.window)
-        window = call.query[0, :, -self.window :].float().mean(dim=1)
-        chosen_ids, entry.chosen = self._choose(entry, window, BlockChoice.of(blocks, blocks >= 0, blocks_kept))
+        query = call.query[0, :, -self.window :].float()
+        chosen_ids = self._candidate(entry, query.mean(dim=1), BlockChoice.of(blocks, blocks >= 0, blocks_kept))
+        entry.chosen = {block for block in chosen_ids.tolist() if block >= 0}
+        entry.recent_queries = query.new_zeros(self.window, *query.shape[::2])
+        entry.decode_steps = torch.zeros(1, dtype=torch.long, device=query.device)
+        entry.candidate = torch.empty_like(chosen_ids)
         # the kept tokens, counted by the host on its live positions ...
         live = self.live_positions
         in_blocks = np.isin(live // self.block_size, sorted(entry.chosen))
@@ -216,12 +279,6 @@ class SlimInferHook(LayerHook):
         self.keep = None if count == self.live else first_of(kept_device, count)
         self.live_positions = live[kept]
 
-    def _fetch(self, entry: PruningLayer, query: torch.Tensor) -> None:
-        """Alg. 1 on every governed layer, with this step's candidate (first block + best others)."""
-        _, chosen = self._choose(entry, query, entry.decode_choice)
-        for swap in entry.swaps:
-            self.decisions.append(swap.swap(chosen & swap.pool()))
-
     def ffn_input(self, module, args):
         return None if self.keep is None else (args[0][:, self.keep], *args[1:])
 
@@ -246,7 +303,7 @@ class SlimInferHook(LayerHook):
                 gamma=self.gamma,
                 positions=self.cached_positions,
             )
-            swap.offload_inactive(governor.chosen)  # the query window's own block waits on the host
+            swap.offload_inactive(governor.chosen, state.cache)  # the query window's own block waits on the host
             governor.swaps.append(swap)
 
 
