@@ -198,6 +198,18 @@ class KVCache:
         for memo in (self._real, self.windows, self._window_slots, self.held):  # made for the layer's old entries
             memo.pop(layer, None)
 
+    def truncate(self, layer: int, length: int) -> None:
+        """Keep the layer's first ``length`` slots."""
+        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
+            entries[layer] = entries[layer].narrow(dim, 0, length)
+        self._real.pop(layer, None)
+
+    def declare_padding(self, layer: int, padded: bool) -> None:
+        """Whether any of the layer's slots is padding, as the host knows: a layer with none is attended
+        by a decode step with no mask."""
+        self.padded[layer] = padded
+        self._real.pop(layer, None)
+
     def write(
         self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> None:
@@ -448,6 +460,9 @@ class StaticKVCache(KVCache):
 
     def _owned(self, entries: list, layer: int) -> torch.Tensor:
         return entries[layer]  # every buffer is this cache's own
+
+    def declare_padding(self, layer: int, padded: bool) -> None:
+        pass  # every layer's tail is padding: its steps are masked
 
     def compress(self, layer, keep):
         raise RuntimeError("a static cache is for decoding only; compress the cache before making it static")

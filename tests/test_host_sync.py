@@ -320,7 +320,7 @@ PREFILL_LAUNCHES_PER_LAYER = {
     "tova": 12,
     "streamingllm": 6,
     "adakv": 37,
-    "sliminfer": 11,
+    "sliminfer": 9,
 }
 
 

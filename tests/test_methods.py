@@ -406,8 +406,7 @@ def test_swap_follows_algorithm_1_and_restores_identical_kv():
 
     cache = _block_cache()
     original = _device_entries(cache)
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9)
-    swap.offload_inactive({0, 3}, cache)
+    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9, active={0, 3})
     assert swap.active == {0, 3} and set(swap.host) == {1, 2}
     cache.begin_step(torch.tensor([32]))  # a generated token: never swapped
     cache.update(torch.full((1, 2, 1, 4), 99.0), torch.full((1, 2, 1, 4), -99.0), 0)
@@ -433,8 +432,7 @@ def test_swap_threshold_gamma_decides_whether_blocks_move():
     from rankkit.methods.swap import BlockSwap
 
     cache = _block_cache()
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.5)
-    swap.offload_inactive({0, 3}, cache)
+    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.5, active={0, 3})
     assert not swap.swap({0, 1}, cache).swapped  # overlap 0.5 is not below gamma 0.5
     assert swap.swap({1, 2}, cache).swapped  # overlap 0
 

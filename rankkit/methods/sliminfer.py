@@ -301,9 +301,9 @@ class SlimInferHook(LayerHook):
                 block_size=self.block_size,
                 prompt_length=state.prompt_length,
                 gamma=self.gamma,
+                active=governor.chosen,  # the query window's own block waits on the host
                 positions=self.cached_positions,
             )
-            swap.offload_inactive(governor.chosen, state.cache)  # the query window's own block waits on the host
             governor.swaps.append(swap)
 
 

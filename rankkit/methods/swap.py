@@ -11,12 +11,14 @@ every block that was ever offloaded (B_Memory). ``swap(candidate, cache)`` appli
                       B_active  = B_candidate (blocks already in B_Memory are simply dropped)
     else:             nothing moves
 
-The layer's cache is laid out in regions of ``block_size`` slots, one per block the layer
-holds after its prefill, a block's entry at its position's offset in the block (a slot no
-entry takes is padding), and the generated tokens after them. A block leaves its region as
-padding and a loaded block takes a free one, so a swap writes slices at offsets the host
-knows: no shape changes, nothing is read from the device, and the same swap acts on the
-prefill's cache or on a ``StaticKVCache`` copied from it, which a CUDA graph decodes over.
+The layer's cache is laid out in regions of ``block_size`` slots, one per block of B_active
+after the prefill (Alg. 1 never makes B_active larger), a block's entry at its position's
+offset in the block (a slot no entry takes is padding), and the generated tokens after them.
+A block leaves its region as padding and a loaded block takes a free one, so a swap writes
+slices at offsets the host knows: no shape changes, nothing is read from the device, and the
+same swap acts on the prefill's cache or on a ``StaticKVCache`` copied from it, which a CUDA
+graph decodes over. The host knows which regions hold padding: a layer without any decodes
+with no mask, as an unpadded cache does.
 Since Alg. 1 decides on the host, the host has just waited for the device when a swap begins,
 and the first layer that reads a loaded block is the next one: the copies run on the compute
 stream, from page-locked memory on CUDA, in the order the step needs them.
@@ -63,10 +65,12 @@ class BlockSwap:
         block_size: int,
         prompt_length: int,
         gamma: float,
+        active: set[int],
         positions: np.ndarray | None = None,
     ):
-        """Lays ``cache``'s entries of ``layer`` out in regions. ``positions``: their original positions,
-        in entry order, as the host knows them (None: read once from the cache)."""
+        """Lays ``cache``'s entries of ``layer`` out in regions, one per block of ``active`` (B_active after
+        the prefill's pruning), and moves the other blocks it holds to the host. ``positions``: the
+        entries' original positions, in entry order, as the host knows them (None: read once)."""
         self.layer = layer
         self.block_size = block_size
         self.gamma = gamma
@@ -74,26 +78,37 @@ class BlockSwap:
         if positions is None:
             positions = cache.positions[layer][0].cpu().numpy()
         prompt = positions < prompt_length
-        held = np.unique(positions[prompt] // block_size)
-        self.regions = {int(block): region for region, block in enumerate(held)}  # the blocks on the device
-        self.free: list[int] = []  # regions no block holds
-        regions_end = held.shape[0] * block_size  # generated tokens follow, in the order they came
-        region_of = np.searchsorted(held, positions // block_size)
-        slots = np.where(
-            prompt, region_of * block_size + positions % block_size, regions_end + positions - prompt_length
-        )
+        blocks, sizes = np.unique(positions[prompt] // block_size, return_counts=True)
+        self.sizes = {int(block): int(size) for block, size in zip(blocks, sizes, strict=True)}  # real entries
+        staying = sorted(active & self.sizes.keys())
+        leaving = sorted(self.sizes.keys() - active)
+        # the staying blocks' regions, the generated tokens in the order they came, the leaving blocks'
+        generated = len(staying) * block_size
+        kept = generated + int((~prompt).sum())
+        self.starts = {block: index * block_size for index, block in enumerate(staying)}  # B_active's regions
+        leaving_starts = {block: kept + index * block_size for index, block in enumerate(leaving)}
+        table = np.zeros(int(blocks.max(initial=0)) + 1, dtype=np.int64)  # each block's first slot
+        table[staying], table[leaving] = list(self.starts.values()), list(leaving_starts.values())
+        block_of = np.where(prompt, positions // block_size, 0)
+        slots = np.where(prompt, table[block_of] + positions % block_size, generated + positions - prompt_length)
         device = cache.keys[layer].device
         self.pinned = device.type == "cuda"
-        size = regions_end + int((~prompt).sum())
-        cache.rearrange(layer, _to_device(torch.from_numpy(slots), device, self.pinned), size)
+        slots = _to_device(torch.from_numpy(slots), device, self.pinned)
+        cache.rearrange(layer, slots, kept + len(leaving) * block_size)
+        self.free: list[int] = []  # starts of the regions no block holds
+        self._offload(leaving_starts, cache)
+        cache.truncate(layer, kept)
+        self._declare_padding(cache)
 
     @property
     def active(self) -> set[int]:
         """B_active: the blocks on the device."""
-        return set(self.regions)
+        return set(self.starts)
 
     def swap(self, candidate: set[int], cache: KVCache) -> SwapDecision:
         """Alg. 1 with ``candidate`` on this layer of ``cache`` (the one it was laid out in, or a copy of it)."""
+        if len(candidate) > len(self.starts) + len(self.free):
+            raise ValueError(f"a candidate of {len(candidate)} blocks, where layer {self.layer} has room for {len(self.starts) + len(self.free)}")
         overlap = len(candidate & self.active) / len(candidate) if candidate else 1.0
         if overlap >= self.gamma:
             return SwapDecision(overlap, swapped=False)
@@ -105,48 +120,38 @@ class BlockSwap:
             loaded=candidate - self.active,
             released=leaving & self.host.keys(),
         )
-        self._offload(decision.offloaded, cache)
-        self._drop(leaving, cache)
-        self._load(decision.loaded, cache)
+        self._offload({block: self.starts[block] for block in decision.offloaded}, cache)
+        for block in sorted(leaving):
+            start = self.starts.pop(block)
+            cache.clear(self.layer, start, self.block_size)
+            self.free.append(start)
+        self.free.sort()
+        for block in sorted(decision.loaded):
+            self.starts[block] = self.free.pop(0)
+            piece = self.host[block]
+            cache.write(self.layer, self.starts[block], piece.keys, piece.values, piece.positions)
+        self._declare_padding(cache)
         return decision
-
-    def offload_inactive(self, active: set[int], cache: KVCache) -> None:
-        """Prefill's pruning: move every device block outside ``active`` to the host."""
-        leaving = self.active - active
-        self._offload(leaving - self.host.keys(), cache)
-        self._drop(leaving, cache)
 
     def pool(self) -> set[int]:
         """Every block this layer holds, on the device or the host."""
         return self.active | self.host.keys()
 
-    def _region(self, block: int) -> tuple[int, int]:
-        return self.regions[block] * self.block_size, self.block_size
-
-    def _offload(self, blocks: set[int], cache: KVCache) -> None:
+    def _offload(self, starts: dict[int, int], cache: KVCache) -> None:
+        """Copy the regions of the blocks of ``starts`` (block -> its region's first slot) to the host."""
         keys, values, positions = cache.keys[self.layer], cache.values[self.layer], cache.positions[self.layer]
-        for block in sorted(blocks):
-            start, size = self._region(block)
+        for block, start in sorted(starts.items()):
             self.host[block] = HostBlock(
-                *(_to_host(tensor.narrow(dim, start, size), self.pinned) for tensor, dim in ((keys, 2), (values, 2), (positions, 1)))
+                *(
+                    _to_host(tensor.narrow(dim, start, self.block_size), self.pinned)
+                    for tensor, dim in ((keys, 2), (values, 2), (positions, 1))
+                )
             )
 
-    def _drop(self, blocks: set[int], cache: KVCache) -> None:
-        for block in sorted(blocks):
-            cache.clear(self.layer, *self._region(block))
-            self.free.append(self.regions.pop(block))
-
-    def _load(self, blocks: set[int], cache: KVCache) -> None:
-        self.free.sort()
-        for block in sorted(blocks):
-            self.regions[block] = self.free.pop(0)
-            piece = self.host[block]
-            device = cache.keys[self.layer].device
-            cache.write(
-                self.layer,
-                self._region(block)[0],
-                *(_to_device(tensor, device, self.pinned) for tensor in (piece.keys, piece.values, piece.positions)),
-            )
+    def _declare_padding(self, cache: KVCache) -> None:
+        """A free region or a block with fewer entries than its region is padding, which a step then masks."""
+        partial = any(self.sizes[block] < self.block_size for block in self.starts)
+        cache.declare_padding(self.layer, bool(self.free) or partial)
 
     def host_bytes(self) -> int:
         return sum(block.nbytes for block in self.host.values())
