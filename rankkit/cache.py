@@ -136,12 +136,13 @@ class KVCache:
         self.windows[layer] = RecentWindow(size, full_length)
 
     def hold_size(self, layer: int, size: int) -> None:
-        """Declare that every decode step of ``layer`` is followed by an ``evict``, so the layer holds
-        ``size`` entries between steps and each step's token lands in slot ``size``: what a static
-        cache needs to write it there (TOVA's fixed number of states). The dynamic cache appends and
-        evicts as it would without this."""
-        if self.get_seq_length(layer) != size:
-            raise ValueError(f"layer {layer} holds {self.get_seq_length(layer)} entries, not {size}")
+        """Declare that every decode step of ``layer`` that brings it past ``size`` entries is followed
+        by an ``evict``, so the layer grows by one entry a step until it holds ``size`` between steps,
+        and from then on each step's token lands in slot ``size``: what a static cache needs to write
+        it there (TOVA's fixed number of states; a local layer that saw fewer keys starts below it).
+        The dynamic cache appends and evicts as it would without this."""
+        if self.get_seq_length(layer) > size:
+            raise ValueError(f"layer {layer} holds {self.get_seq_length(layer)} entries, more than {size}")
         self.held[layer] = size
 
     def _full_window(self, layer: int) -> RecentWindow | None:
@@ -424,7 +425,7 @@ class StaticKVCache(KVCache):
             window, held = cache.windows.get(layer), cache.held.get(layer)
             if window is not None:
                 start, end = window.first_slot, window.full_length
-            elif held is not None:  # a ring of one slot: every step writes slot ``held``, evicted back
+            elif held is not None:  # appends up to slot ``held``, then a ring of it: evicted back
                 start, end = held, held + 1
             else:
                 start, end = 0, self.positions[layer].shape[1]
@@ -449,14 +450,19 @@ class StaticKVCache(KVCache):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
 
     def evict(self, layer: int, slot: torch.Tensor) -> None:
-        """``KVCache.evict`` over fixed buffers, for a layer that holds its size (``hold_size``): the
-        step's entry, in the slot the layer writes, takes the place of the one at ``slot`` (a
-        one-element index on the device), and the written slot is padding until the next step
-        writes it. The entries lie in the slots the dynamic cache gives them, nothing is read."""
+        """``KVCache.evict`` over fixed buffers, for a layer that holds a size (``hold_size``), once the
+        step brought it past that size (the step wrote slot ``size``): the step's entry takes the
+        place of the one at ``slot`` (a one-element index on the device), and the written slot is
+        padding until the next step writes it. Below its size the layer keeps every entry, as the
+        dynamic cache, which only evicts past it, does. Decided on the device; the entries lie in the
+        slots the dynamic cache gives them, nothing is read."""
         written = self._written[layer : layer + 1]
+        past = written == self._window_starts[layer : layer + 1]  # a held layer's ring is slot ``size``
+        slot = torch.where(past, slot, written)  # below its size the entry stays where it was written
         for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
             entries[layer].index_copy_(dim, slot, entries[layer].index_select(dim, written))
-        self.positions[layer].index_fill_(1, written, PADDING)
+        kept = self.positions[layer].index_select(1, written)
+        self.positions[layer].index_copy_(1, written, torch.where(past, PADDING, kept))
 
     def _owned(self, entries: list, layer: int) -> torch.Tensor:
         return entries[layer]  # every buffer is this cache's own

@@ -165,9 +165,11 @@ def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids)
 SLIMINFER_SMALL_BLOCKS = {"block_size": 8, "unit_size": 2, "window_size": 2, "pruning_layers": (0,)}
 
 
-def test_tova_where_a_local_layer_evicts_later_than_the_rest_warns_and_decodes_eagerly(random_ids):
-    """gemma2's local layers see 8 keys, under the budget at 0.5: they evict later than the rest, so
-    a step's work is not one shape for the whole decode."""
+def test_a_decode_hook_a_graph_cannot_replay_warns_and_decodes_eagerly(random_ids, monkeypatch):
+    """A hook with no ``replay_key`` (a plugin's, say; here TOVA's eviction stripped of its key)."""
+    from rankkit.methods.tova import TovaEviction
+
+    monkeypatch.setattr(TovaEviction, "replay_key", None)
     runs = []
     for runner in _both("gemma2"):
         with warnings.catch_warnings(record=True) as caught:
@@ -233,12 +235,13 @@ def test_sliminfers_compiled_parts_trace_whole_and_choose_the_eager_tokens(rando
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # one per part
 
 
-@pytest.mark.parametrize(("family", "keep"), [("llama", 0.5), ("llama", 0.2), ("gemma2", 0.2)])
+@pytest.mark.parametrize(("family", "keep"), [("llama", 0.5), ("llama", 0.2), ("gemma2", 0.2), ("gemma2", 0.5)])
 def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(family, keep, random_ids):
-    """TOVA evicts at every step from every layer that the prefill left at the budget (here every
-    layer: gemma2's local ones see 8 keys, the budget at 0.2), which a graph replays: each step's
+    """TOVA evicts at every step from every layer past the budget, which a graph replays: each step's
     entry takes the evicted one's slot in both caches, so after every step each head holds the same
-    entries in the same slots, and the static cache's written slot is padding."""
+    entries in the same slots, and the static cache's written slot is padding. gemma2's local layers
+    see 8 keys: at the budget at 0.2, under it at 0.5, where they grow a slot a step until they reach
+    it, in both caches, the static one deciding on the device whether the step evicts."""
     eager, static = _both(family)
     budget = Budget.from_keep(keep)
     runs = [make("tova").prefill(runner, random_ids, budget) for runner in (eager, static)]
@@ -247,19 +250,21 @@ def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(famil
     assert runs[1].decode_hooks[0].replay_key == "tova-eviction"
     steps = [runner.decoder(run.result, NEW_TOKENS, run.decode_hooks) for runner, run in zip((eager, static), runs, strict=True)]
     assert isinstance(steps[1].cache, StaticKVCache)
+    dynamic, fixed = runs[0].result.cache, steps[1].cache
+    prefilled = [dynamic.get_seq_length(layer) for layer in range(eager.num_layers)]
+    assert max(prefilled) == keep_tokens and (min(prefilled) < keep_tokens) == ((family, keep) == ("gemma2", 0.5))
     tokens = [torch.argmax(run.result.logits) for run in runs]
-    for position in range(40, 40 + NEW_TOKENS):
+    decoded = 2 * NEW_TOKENS  # a local layer under the budget reaches it and evicts too
+    for position in range(40, 40 + decoded):
         tokens = [torch.argmax(step(token, position)) for step, token in zip(steps, tokens, strict=True)]
         assert int(tokens[0]) == int(tokens[1])
-        dynamic, fixed = runs[0].result.cache, steps[1].cache
         for layer in range(eager.num_layers):
-            held = fixed.positions[layer][:, :keep_tokens]
-            assert torch.equal(held, dynamic.positions[layer])  # slot for slot
-            assert (fixed.positions[layer][:, keep_tokens:] == -1).all()
-            torch.testing.assert_close(fixed.keys[layer][:, :, :keep_tokens], dynamic.keys[layer])
-            torch.testing.assert_close(fixed.values[layer][:, :, :keep_tokens], dynamic.values[layer])
-    evicted = set(range(40 + NEW_TOKENS)) - set(dynamic.positions[0][0].tolist())
-    assert len(evicted) == 40 + NEW_TOKENS - keep_tokens  # one per step beyond the prefill's cut
+            length = dynamic.get_seq_length(layer)
+            assert length == min(keep_tokens, prefilled[layer] + position - 39)
+            assert torch.equal(fixed.positions[layer][:, :length], dynamic.positions[layer])  # slot for slot
+            assert (fixed.positions[layer][:, length:] == -1).all()
+            torch.testing.assert_close(fixed.keys[layer][:, :, :length], dynamic.keys[layer])
+            torch.testing.assert_close(fixed.values[layer][:, :, :length], dynamic.values[layer])
 
 
 def test_a_static_decode_is_kept_by_its_hooks_work_too(random_ids, monkeypatch):

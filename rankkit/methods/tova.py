@@ -9,9 +9,10 @@ to least (the new token's own entry included); a budget that covers the prompt e
 nothing, in decoding either. Probe ``last_token_heads`` (the last
 query's attention per query head) summed over the heads: the sum ranks as the average does.
 
-The eviction is device work of fixed shapes: when the prefill leaves every layer at the budget
-(a local layer that sees fewer keys keeps fewer), every step evicts from every layer, and a CUDA
-graph replays it over a static cache (``TovaEviction.replay_key``).
+The eviction is device work of fixed shapes: the prefill leaves every layer at the budget, or
+under it where a local layer saw fewer keys (``KVCache.hold_size``), so over a static cache every
+step writes one slot and evicts from every layer past the budget, decided on the device, and a
+CUDA graph replays it (``TovaEviction.replay_key``).
 """
 
 from __future__ import annotations
@@ -56,16 +57,13 @@ def least_attended(scores: torch.Tensor, positions: torch.Tensor, padded: bool =
 
 class TovaEviction(LayerHook):
     """TOVA's eviction after every decode step: each layer that holds more than ``keep`` entries drops
-    the one the step's token attended to least.
+    the one the step's token attended to least."""
 
-    ``replayable``: the prefill left every layer holding ``keep`` (``KVCache.hold_size``), so every
-    step evicts from every layer, which a CUDA graph replays.
-    """
+    replay_key = "tova-eviction"
 
-    def __init__(self, probe, keep: int, replayable: bool):
+    def __init__(self, probe, keep: int):
         self.probe = probe
         self.keep = keep
-        self.replay_key = "tova-eviction" if replayable else None
         self.step_scores: dict[int, torch.Tensor] = {}  # layer -> the new token's attention [S]
 
     def on_attention(self, call: AttentionCall) -> None:
@@ -74,7 +72,7 @@ class TovaEviction(LayerHook):
 
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         for layer, scores in self.step_scores.items():
-            if scores.shape[0] > self.keep:  # over a static cache the scores span its buffer: every layer evicts
+            if scores.shape[0] > self.keep:  # over a static cache the scores span its buffer: it decides
                 cache.evict(layer, least_attended(scores, cache.positions[layer][0], cache.padded[layer]))
         self.step_scores.clear()
 
@@ -97,12 +95,9 @@ class TOVA(PolicyMethod):
             return full_prefill(runner, input_ids)
         probe = AllHeads(bound.probe())
         run = one_pass(runner, input_ids, SelectionHook(probe, NeverSelect(), keep, window=1, compress_from=0))
-        cache = run.result.cache
-        held = all(cache.get_seq_length(layer) == keep for layer in range(runner.num_layers))
-        if held:
-            for layer in range(runner.num_layers):
-                cache.hold_size(layer, keep)
-        run.decode_hooks = [TovaEviction(probe, keep, replayable=held)]
+        for layer in range(runner.num_layers):
+            run.result.cache.hold_size(layer, keep)
+        run.decode_hooks = [TovaEviction(probe, keep)]
         return run
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
