@@ -92,8 +92,8 @@ CudaGraphs = Annotated[
     bool,
     typer.Option(
         "--cuda-graphs",
-        help="Decode over a static KV cache, replayed as one CUDA graph per step on CUDA (eagerly elsewhere); "
-        "a method whose hooks act at every decode step from the host (sliminfer) still decodes eagerly. "
+        help="Decode over a static KV cache, replayed as CUDA graphs on CUDA (eagerly elsewhere): one per step, "
+        "or one per stretch of layers where a method acts from the host between them (sliminfer's block swaps). "
         "The first run of each cache shape captures the graph: bench and prefill need --warmup 1 or more.",
     ),
 ]
