@@ -4,6 +4,7 @@ the same static code runs eagerly, and must choose exactly the tokens the dynami
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from conftest import tiny_model
 from rankkit.cache import STATIC_BUCKET, StaticKVCache
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.measure import run_once
-from rankkit.runner import Runner, greedy_continue
+from rankkit.runner import LayerHook, Runner, greedy_continue
 
 NEW_TOKENS = 8
 
@@ -442,6 +443,63 @@ def test_a_step_being_captured_splits_from_the_graphs_threshold(random_ids, monk
     with runner.capturing():
         runner.decode_step(token, 41, prefill.cache)
     assert len(calls) == runner.num_layers
+
+
+class StandInGraph:
+    """``torch.cuda.CUDAGraph`` in name only: it records its pool and its replays (nothing runs on a CPU)."""
+
+    log: list = []
+
+    def pool(self):
+        return ("pool of", id(self))
+
+    def replay(self):
+        StandInGraph.log.append(("replay", self))
+
+
+class PartRecorder(LayerHook):
+    """Host work after layer 0, logged between the replays."""
+
+    decode_breaks = (0,)
+    replay_key = "part-recorder"
+
+    def after_decode_layer(self, layer, cache):
+        StandInGraph.log.append(("host work after", layer))
+
+
+def test_a_step_cut_in_parts_is_captured_as_a_graph_per_part_and_replayed_with_the_host_work_between(
+    random_ids, monkeypatch
+):
+    """The orchestration a CUDA graph decode of several parts needs, with stand-in graphs (a CPU captures
+    nothing): after the warm-up each part is captured once, the later ones in the first one's memory
+    pool, each reading the part before's output; every step replays the parts in order, the host
+    work of the decode's own hooks between them, and returns the last part's output."""
+    captures, StandInGraph.log = [], []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+
+    @contextmanager
+    def capture(graph, pool=None):
+        captures.append((graph, pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    runner = Runner(tiny_model("llama"), cuda_graphs=True)
+    prefill = runner.prefill(random_ids)
+    decode = runner.decoder(prefill, NEW_TOKENS, [PartRecorder()])
+    decode.graphed = True  # as on CUDA
+    assert decode.parts == [range(0, 1), range(1, 3)]
+    token = torch.argmax(prefill.logits)
+    decode(token, 40)  # the warm-up, eagerly: its host work too
+    assert not captures and StandInGraph.log == [("host work after", 0)]
+    StandInGraph.log.clear()
+    logits = decode(token, 41)
+    first, second = decode.graphs
+    assert captures == [(first, None), (second, first.pool())]
+    hidden = runner.config.hidden_size
+    assert decode.outputs[0].shape == (1, 1, hidden) and logits is decode.outputs[1]  # hidden state, then logits
+    assert StandInGraph.log == [("replay", first), ("host work after", 0), ("replay", second)]
+    decode(token, 42)
+    assert len(captures) == 2 and StandInGraph.log[3:] == StandInGraph.log[:3]
 
 
 def test_a_graphs_warm_up_step_makes_the_captures_choices(random_ids, monkeypatch):
