@@ -93,8 +93,10 @@ class BlockSwap:
         slots = np.where(prompt, table[block_of] + positions % block_size, generated + positions - prompt_length)
         device = cache.keys[layer].device
         self.pinned = device.type == "cuda"
-        slots = _to_device(torch.from_numpy(slots), device, self.pinned)
-        cache.rearrange(layer, slots, kept + len(leaving) * block_size)
+        slots = torch.from_numpy(slots)
+        if self.pinned:  # from page-locked memory the copy does not wait for the device
+            slots = slots.pin_memory()
+        cache.rearrange(layer, slots.to(device, non_blocking=self.pinned), kept + len(leaving) * block_size)
         self.free: list[int] = []  # starts of the regions no block holds
         self._offload(leaving_starts, cache)
         cache.truncate(layer, kept)
@@ -157,14 +159,9 @@ class BlockSwap:
         return sum(block.nbytes for block in self.host.values())
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
-    """``tensor`` (host memory) on ``device``; from page-locked memory on CUDA the copy is asynchronous."""
-    if pinned and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=pinned)
-
-
 def _to_host(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory; on CUDA page-locked and not waited for (``models.to_host``
+    waits), since only later copies on the same stream read it."""
     if not pinned:
         return tensor.clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
