@@ -115,13 +115,13 @@ def _decode_sides(runner: Runner, tokenizer, ids) -> Sides:
 
     model = runner.model
     steps = DECODE_NEW_TOKENS
-    cached = model(ids[None, :-1], logits_to_keep=1, use_cache=True).past_key_values
+    cached = model(ids[None, :-1], logits_to_keep=1, use_cache=True).cache
     prefill = runner.prefill(ids)
 
     def generate():
         cached.crop(ids.shape[0] - 1 - cached.get_seq_length())  # negative: the tokens the last run added
         return model.generate(
-            ids[None], past_key_values=cached, max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+            ids[None], cache=cached, max_new_tokens=steps, min_new_tokens=steps, do_sample=False
         )
 
     def decode():

@@ -510,7 +510,7 @@ class Runner:
                 hidden,
                 attention_mask=None,
                 position_ids=positions[None],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 position_embeddings=(cos, sin),
                 rankkit_step=step,

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from rankkit import models
 from rankkit.overhead import run_overhead
 
 
@@ -61,6 +62,32 @@ def test_decode_sides_choose_the_same_tokens_and_time_per_token(tiny_folder):
     assert sides.steps == DECODE_NEW_TOKENS and sides.bytes_per_step == weights + kv
 
 
+def test_the_runner_and_the_baselines_call_transformers_by_its_current_names(tiny_folder):
+    """transformers renamed the cache argument (``past_key_values`` to ``cache``): an old name works
+    with a deprecation warning on the user's terminal, then stops working. Prefill, decode and the
+    ``model.generate`` baseline raise no such warning, Python's or transformers' logger's."""
+    import logging
+    import warnings
+
+    from rankkit.overhead import _sides
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+            warnings.simplefilter("always")
+            sides = _sides("decode", models.load(str(tiny_folder), device="cpu"), 24)
+            sides.baseline(), sides.rankkit()
+    finally:
+        logger.removeHandler(handler)
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert [m for m in deprecations if "transformers" in m or "cache" in m] == []
+    assert [message for message in said if "deprecated" in message] == []
+
+
 def test_a_loaded_model_keeps_no_autograd_state_outside_inference_mode(tiny_folder):
     """A forward run outside ``inference_mode`` (the decode baseline's cache, a user's own call)
     must not store activations for backward: at 8B x 32k tokens that is tens of GB."""
@@ -70,7 +97,7 @@ def test_a_loaded_model_keeps_no_autograd_state_outside_inference_mode(tiny_fold
     loaded = models.load(str(tiny_folder), device="cpu")
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
     outputs = loaded.model(torch.arange(40)[None], use_cache=True)
-    assert outputs.logits.grad_fn is None and outputs.past_key_values.layers[0].keys.grad_fn is None
+    assert outputs.logits.grad_fn is None and outputs.cache.layers[0].keys.grad_fn is None
     sides = _sides("decode", loaded, 48)
     cached = sides.baseline.__closure__  # the baseline's prompt cache, built as the row builds it
     (cache,) = [cell.cell_contents for cell in cached if hasattr(cell.cell_contents, "crop")]
