@@ -33,7 +33,8 @@ def overhead(
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
 ) -> None:
     """Time and peak memory of a rankkit path against its plain-transformers baseline (`decode`: time
-    per token against model.generate, and the GPU's memory-bandwidth bound); `analysis` times
+    per token against model.generate, and the memory-bandwidth bound: a GPU's data sheet, else
+    measured); `analysis` times
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
@@ -81,6 +82,8 @@ def overhead(
         ]
     )
     title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']})"
+    if "bandwidth_source" in rows[0]:
+        title += f", bound at the {rows[0]['bandwidth_source']} memory bandwidth"
     console.print(frame_table(frame, title))
 
 

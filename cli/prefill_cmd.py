@@ -259,6 +259,7 @@ def _print_summary(table, out: Path | None, timing_only: bool = False) -> None:
         ("ideal", plain("ideal_ratio")),
         ("measured/ideal", plain("measured_over_ideal")),
         ("TPOT ratio", interval("tpot_ratio")),
+        ("TPOT/bound", plain("tpot_over_bound")),
         ("KV ratio", interval("kv_ratio")),
         ("KV MiB", plain("kv_bytes", _megabytes)),
         ("peak MiB", plain("peak_mem_bytes", _megabytes)),

@@ -42,6 +42,7 @@ from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.eval.offline import parse_method_spec
 from rankkit.interrupts import keep_on_interrupt
+from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, make
 from rankkit.methods.measure import (
     CostModel,
@@ -58,7 +59,8 @@ from rankkit.runner import Runner, check_decode_options
 from rankkit.shards import share
 
 FULL = "full"
-COST_MODEL = "cost_model"  # the journal note a resumed bench reuses
+COST_MODEL = "cost_model"  # the journal notes a resumed bench reuses
+BANDWIDTH = "bandwidth"
 
 
 @dataclass(frozen=True)
@@ -620,6 +622,9 @@ def run_bench(
         with torch.inference_mode():
             cost_model = calibrate(runner, prompts[0].input_ids)
         journal.note(COST_MODEL, dataclasses.asdict(cost_model))
+    if BANDWIDTH not in journal.notes:
+        journal.note(BANDWIDTH, dataclasses.asdict(memory_bandwidth(runner.device)))
+    bandwidth = Bandwidth(**journal.notes[BANDWIDTH])
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         done = calibrating + index * per_example
         if journal.done(example.id):
@@ -633,11 +638,17 @@ def run_bench(
         journal.record(example.id, rows)
         progress(Progress("done", done + per_example, total, example.id))
     frame = pl.DataFrame(journal.rows, infer_schema_length=None)
+    # a step reads the weights and the KV the prefill left; the tokens it adds are a rounding error
+    bound = (decode_step_bytes(runner.model, 0) + pl.col("kv_bytes")) / bandwidth.bytes_per_s
     return frame.with_columns(
         pl.lit(cost_model.linear).alias("cost_linear"),
         pl.lit(cost_model.quadratic).alias("cost_quadratic"),
         pl.lit(cost_model.ffn_share).alias("cost_ffn_share"),
         pl.lit(cost_model.head_layers).alias("cost_head_layers"),
+        pl.lit(bandwidth.bytes_per_s).alias("bandwidth_bytes_per_s"),
+        pl.lit(bandwidth.source).alias("bandwidth_source"),
+        bound.alias("tpot_bound_s"),
+        (pl.col("tpot_s") / bound).alias("tpot_over_bound"),
     )
 
 
@@ -664,7 +675,8 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
     otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``) and
     ``n_examples`` (and ``n_clusters`` where the rows name clusters); then the mean keep rate,
-    ideal ratio, times and bytes, and measured over ideal.
+    ideal ratio, times and bytes, measured over ideal, and TPOT over the time to read what a step
+    must (``tpot_over_bound``: the weights and the method's KV at the device's memory bandwidth).
 
     Ratios are means over examples of each example's paired median ratio.
     """
@@ -680,6 +692,10 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("tpot_s").mean(),
         pl.col("kv_bytes").mean(),
         pl.col("peak_mem_bytes").mean(),
+        # a bench written before the bound was kept has none
+        (pl.col("tpot_over_bound") if "tpot_over_bound" in frame.columns else pl.lit(None, pl.Float64))
+        .mean()
+        .alias("tpot_over_bound"),
     )
     intervals = mean_intervals(
         scored,

@@ -17,6 +17,7 @@ allocated before it" (model weights excluded):
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -97,6 +98,76 @@ def measure(device: torch.device):
     timeline.finish()
     result.seconds = timeline.seconds(0, 1)
     result.peak_bytes = peak.bytes()
+
+
+# Peak memory bandwidth of the GPUs whose name torch reports, from the vendors' data sheets.
+DATA_SHEET_BANDWIDTH = {
+    "H100 80GB HBM3": 3.35e12,  # SXM
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H200": 4.8e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100-SXM4-40GB": 1.555e12,
+    "A100 80GB PCIe": 1.935e12,
+    "L40S": 0.864e12,
+}
+# What the measured read streams: far more than any cache of the device, so it comes from memory.
+READ_BYTES = {"cuda": 2**30}
+READ_BYTES_ELSEWHERE = 2**28
+READ_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Bytes per second the device's memory delivers, and where the figure comes from."""
+
+    bytes_per_s: float
+    source: str  # "data sheet" (a GPU named in DATA_SHEET_BANDWIDTH) or "measured" (``read_bandwidth``)
+
+
+def memory_bandwidth(device: torch.device) -> Bandwidth:
+    """The data sheet's peak for a GPU it names; elsewhere (a CPU, an unlisted GPU) the measured
+    ``read_bandwidth``, so every device has a bound and every figure says which kind it is."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        rate = next((rate for known, rate in DATA_SHEET_BANDWIDTH.items() if known in name), None)
+        if rate is not None:
+            return Bandwidth(rate, "data sheet")
+    return Bandwidth(read_bandwidth(device), "measured")
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes per second one sum over a buffer far larger than the device's caches reads, the best of
+    ``READ_REPEATS`` (as STREAM reports): what a memory-bound step can at best stream here, with the
+    threads torch uses now. Measured once per process for each device and thread count."""
+    return _read_bandwidth(str(device), torch.get_num_threads())
+
+
+@functools.cache
+def _read_bandwidth(device: str, threads: int) -> float:
+    where = torch.device(device)
+    # float32: a sum of 16-bit floats is bound by the conversion on a CPU, not by the reads
+    buffer = torch.zeros(READ_BYTES.get(where.type, READ_BYTES_ELSEWHERE) // 4, device=where)
+    with torch.inference_mode():
+        buffer.sum()  # warm-up: the kernel's first launch
+        seconds = []
+        for _ in range(READ_REPEATS):
+            with measure(where) as timed:
+                buffer.sum()
+            seconds.append(timed.seconds)
+    return buffer.nbytes / min(seconds)
+
+
+def decode_step_bytes(model: torch.nn.Module, kv_bytes: int) -> int:
+    """What one greedy decode step must read from memory: each weight it multiplies by (an input
+    embedding table that is not also the output head gives one row, not the table) and ``kv_bytes``
+    of KV cache. Over a ``Bandwidth`` it bounds a memory-bound step's time from below."""
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embedding:
+        weights -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return weights + kv_bytes
 
 
 def counterbalanced(items: list, round_index: int) -> list:

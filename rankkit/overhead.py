@@ -21,27 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
-from rankkit.measure import TensorMemoryTracker, counterbalanced, measure
+from rankkit.measure import TensorMemoryTracker, counterbalanced, decode_step_bytes, measure, memory_bandwidth
 from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
 
 
 DECODE_NEW_TOKENS = 32
-# Peak memory bandwidth of the GPUs whose name torch reports, from the vendors' data sheets:
-# a decode step reads every weight and the whole KV cache once, which bounds its time from below.
-MEMORY_BANDWIDTH = {
-    "H100 80GB HBM3": 3.35e12,  # SXM
-    "H100 NVL": 3.9e12,
-    "H100 PCIe": 2.0e12,
-    "H200": 4.8e12,
-    "A100-SXM4-80GB": 2.039e12,
-    "A100-SXM4-40GB": 1.555e12,
-    "A100 80GB PCIe": 1.935e12,
-    "L40S": 0.864e12,
-}
-
-
 @dataclass
 class Sides:
     baseline: Callable[[], object]
@@ -129,8 +115,7 @@ def _decode_sides(runner: Runner, tokenizer, ids) -> Sides:
             runner, replace(prefill, cache=prefill.cache.fork()), steps + 1, stop_at_eos=False
         )
 
-    weights = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
-    return Sides(generate, decode, steps=steps, bytes_per_step=weights + prefill.cache.nbytes())
+    return Sides(generate, decode, steps=steps, bytes_per_step=decode_step_bytes(model, prefill.cache.nbytes()))
 
 
 SCENARIOS: dict[str, tuple[Callable, str, str]] = {
@@ -151,14 +136,6 @@ def _sides(scenario: str, loaded, length: int, cuda_graphs: bool = False, compil
     ids = prompt_ids(loaded.tokenizer, length).to(loaded.device)
     runner = Runner(loaded.model, cuda_graphs=cuda_graphs, compile_decode=compile_decode)
     return build(runner, loaded.tokenizer, ids)
-
-
-def memory_bandwidth(device: torch.device) -> float | None:
-    """Peak memory bandwidth (bytes/s) of a GPU named in ``MEMORY_BANDWIDTH``; None elsewhere."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((rate for known, rate in MEMORY_BANDWIDTH.items() if known in name), None)
 
 
 def peak_memory(
@@ -231,16 +208,16 @@ def run_overhead(
     progress=None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
-    and peak memory of both. ``decode`` rows add ``bound_s``, the time to read the weights and the
-    KV cache once at the GPU's peak bandwidth (``MEMORY_BANDWIDTH``; None where it is not known),
-    and ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
+    and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
+    (``measure.decode_step_bytes``) at the device's bandwidth (``measure.memory_bandwidth``: the data
+    sheet's for a GPU it names, else measured; ``bandwidth_source`` says which), and
+    ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
     ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
     allocator's peak is the same, on CPU what earlier runs left allocated may count)."""
     check_decode_options(cuda_graphs, compile_decode)  # before the model loads
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
-    bandwidth = memory_bandwidth(loaded.device)
     rows = []
     for length in lengths:
         times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
@@ -260,8 +237,10 @@ def run_overhead(
         }
         row["time_ratio"] = row["rankkit_s"] / row["baseline_s"]
         if sides.bytes_per_step is not None:
-            row["bound_s"] = None if bandwidth is None else sides.bytes_per_step / bandwidth
-            row["bound_ratio"] = None if bandwidth is None else row["rankkit_s"] / row["bound_s"]
+            bandwidth = memory_bandwidth(loaded.device)  # measured once per process where it is measured
+            row["bound_s"] = sides.bytes_per_step / bandwidth.bytes_per_s
+            row["bound_ratio"] = row["rankkit_s"] / row["bound_s"]
+            row["bandwidth_source"] = bandwidth.source
         del sides  # its caches, before the memory runs
         if with_memory:
             peak = peak_memory if memory_in_process else _peak_in_subprocess

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import time
 
+import polars as pl
 import pytest
 import torch
 from conftest import tiny_model
 
 from rankkit.bench import BenchSettings, run_bench, summary
 from rankkit.data import Example
-from rankkit.measure import TensorMemoryTracker, Timeline, measure
+from rankkit.measure import TensorMemoryTracker, Timeline, decode_step_bytes, measure, read_bandwidth
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods.measure import CostModel, flop_shares
 from rankkit.prompting import Prompt
@@ -70,6 +71,17 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
     assert {"accuracy", "ttft_ratio", "ideal_ratio", "measured_over_ideal", "kv_ratio"} <= set(table.columns)
     shares = [frame[column].unique().to_list() for column in ("cost_ffn_share", "cost_head_layers")]
     assert shares == [[share] for share in flop_shares(runner)]
+    # each row's decode bound reads the weights and that row's KV at the one bandwidth of the grid
+    assert frame["bandwidth_source"].unique().to_list() == ["measured"]
+    (bandwidth,) = frame["bandwidth_bytes_per_s"].unique().to_list()
+    assert bandwidth == read_bandwidth(torch.device("cpu"))
+    for row in (fastkv, full.row(0, named=True)):
+        bound = (decode_step_bytes(runner.model, 0) + row["kv_bytes"]) / bandwidth
+        assert row["tpot_bound_s"] == pytest.approx(bound) and row["tpot_over_bound"] == pytest.approx(row["tpot_s"] / bound)
+    assert fastkv["tpot_bound_s"] < full["tpot_bound_s"][0]  # a quarter of the KV to read
+    gemfilter = table.filter(table["method"] == "gemfilter")
+    expected = frame.filter(frame["method"] == "gemfilter").group_by("budget", maintain_order=True).agg(pl.col("tpot_over_bound").mean())
+    assert gemfilter["tpot_over_bound"].to_list() == pytest.approx(expected["tpot_over_bound"].to_list())
 
 
 def test_cost_model_fit_recovers_linear_and_quadratic_terms():

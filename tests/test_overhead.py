@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
+import pytest
 import torch
 
 from rankkit import models
@@ -58,8 +60,11 @@ def test_decode_sides_choose_the_same_tokens_and_time_per_token(tiny_folder):
         decoded = sides.rankkit()
     assert len(generated) == DECODE_NEW_TOKENS and decoded[:DECODE_NEW_TOKENS] == generated
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    table = loaded.model.get_input_embeddings().weight
+    assert loaded.model.get_output_embeddings().weight is not table  # so a step reads one row of it
     kv = 3 * 2 * 2 * 16 * 48 * 4  # layers x (K, V) x kv heads x head_dim x tokens x fp32
-    assert sides.steps == DECODE_NEW_TOKENS and sides.bytes_per_step == weights + kv
+    step = weights - table.numel() * 4 + table.shape[1] * 4 + kv
+    assert sides.steps == DECODE_NEW_TOKENS and sides.bytes_per_step == step
 
 
 def test_the_runner_and_the_baselines_call_transformers_by_its_current_names(tiny_folder):
@@ -104,10 +109,10 @@ def test_a_loaded_model_keeps_no_autograd_state_outside_inference_mode(tiny_fold
     assert cache.get_seq_length() == 47 and cache.layers[0].keys.grad_fn is None
 
 
-def test_decode_overhead_row_is_per_token_with_a_bound_only_where_the_gpu_is_known(tiny_folder, monkeypatch):
+def test_decode_overhead_row_is_per_token_with_the_bound_of_the_steps_bytes(tiny_folder):
     import torch
 
-    from rankkit import overhead
+    from rankkit import measure
 
     (row,) = run_overhead(
         "decode",
@@ -119,12 +124,64 @@ def test_decode_overhead_row_is_per_token_with_a_bound_only_where_the_gpu_is_kno
         cuda_graphs=True,
     )
     assert row["rankkit"] == "Runner decode, time per token, CUDA graphs"
-    assert row["baseline_s"] > 0 and row["rankkit_s"] > 0 and row["bound_s"] is None
-    assert overhead.memory_bandwidth(torch.device("cpu")) is None
+    assert row["baseline_s"] > 0 and row["rankkit_s"] > 0
+    # a CPU is in no data sheet: its bound is at the bandwidth measured in this process
+    assert row["bandwidth_source"] == "measured"
+    loaded = models.load(str(tiny_folder), device="cpu")
+    kv_bytes = 3 * 2 * 2 * 16 * 48 * 4  # layers x (K, V) x kv heads x head_dim x tokens x fp32
+    step = measure.decode_step_bytes(loaded.model, kv_bytes)
+    assert row["bound_s"] == pytest.approx(step / measure.read_bandwidth(torch.device("cpu")))
+    assert row["bound_ratio"] == pytest.approx(row["rankkit_s"] / row["bound_s"])
+
+
+def test_the_bandwidth_is_the_data_sheets_for_a_gpu_it_names_and_measured_elsewhere(monkeypatch):
+    import torch
+
+    from rankkit import measure
+
+    monkeypatch.setattr(measure, "read_bandwidth", lambda device: 7.5e11)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert overhead.memory_bandwidth(torch.device("cuda")) == 3.35e12
+    assert measure.memory_bandwidth(torch.device("cuda")) == measure.Bandwidth(3.35e12, "data sheet")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    assert overhead.memory_bandwidth(torch.device("cuda")) is None
+    assert measure.memory_bandwidth(torch.device("cuda")) == measure.Bandwidth(7.5e11, "measured")
+    assert measure.memory_bandwidth(torch.device("cpu")) == measure.Bandwidth(7.5e11, "measured")
+
+
+def test_the_measured_bandwidth_is_a_buffers_bytes_over_its_fastest_read(monkeypatch):
+    import torch
+
+    from rankkit import measure
+
+    times = iter([0.5, 0.25, 0.4, 0.3, 0.9])
+
+    @contextmanager
+    def timed(device):
+        yield measure.Measurement(seconds=next(times))
+
+    monkeypatch.setattr(measure, "measure", timed)
+    monkeypatch.setattr(measure, "READ_BYTES_ELSEWHERE", 2**20)
+    measure._read_bandwidth.cache_clear()
+    try:
+        assert measure.read_bandwidth(torch.device("cpu")) == 2**20 / 0.25
+        assert measure.read_bandwidth(torch.device("cpu")) == 2**20 / 0.25  # once per process
+    finally:
+        measure._read_bandwidth.cache_clear()
+
+
+def test_a_decode_step_reads_one_row_of_an_input_embedding_the_head_does_not_share():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rankkit.measure import decode_step_bytes
+
+    shape = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    for tied in (True, False):
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=tied)).to(torch.bfloat16)
+        every_weight = sum(p.numel() for p in model.parameters()) * 2
+        table = 1000 * 32 * 2
+        expected = every_weight if tied else every_weight - table + 32 * 2
+        assert decode_step_bytes(model, kv_bytes=100) == expected + 100
 
 
 def test_overhead_decode_command_prints_time_per_token_and_the_bound(tiny_folder):
@@ -139,7 +196,11 @@ def test_overhead_decode_command_prints_time_per_token_and_the_bound(tiny_folder
     result = CliRunner().invoke(app, [*arguments, "--repeats", "1", "--no-memory", "--cuda-graphs", "--json"])
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
-    assert row["tokens"] == 40 and row["rankkit"].endswith("CUDA graphs") and row["bound_ratio"] is None
+    assert row["tokens"] == 40 and row["rankkit"].endswith("CUDA graphs")
+    assert row["bound_ratio"] == pytest.approx(row["rankkit_s"] / row["bound_s"]) and row["bound_ratio"] > 1
+    shown = CliRunner().invoke(app, [*arguments, "--repeats", "1", "--no-memory"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "bound at the measured memory bandwidth" in shown.stdout and "bound_ratio" in shown.stdout
 
 
 def test_overhead_decode_compiles_the_static_step_only_with_cuda_graphs(tiny_folder):

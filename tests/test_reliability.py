@@ -36,6 +36,9 @@ TIMING_COLUMNS = (
     "ttft_min_s",
     "cost_linear",
     "cost_quadratic",
+    "bandwidth_bytes_per_s",
+    "tpot_bound_s",
+    "tpot_over_bound",
 )
 
 
@@ -386,6 +389,8 @@ def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_pa
     out = tmp_path / "rows.parquet"
     status, last_line, kept = _interrupt_bench(tiny_folder, out, signal.SIGINT)
     assert status == 130 and last_line.startswith(f"rankkit: interrupted: kept {kept} finished")
+    journal = [json.loads(line) for line in (tmp_path / ".rows.parquet.unfinished.jsonl").read_text().splitlines()]
+    (noted,) = [entry["note"]["bandwidth"] for entry in journal if "bandwidth" in entry.get("note", {})]
     resumed = subprocess.run(_bench_command(tiny_folder, out), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert out.is_file() and sorted(path.name for path in tmp_path.iterdir()) == ["rows.parquet"]
@@ -401,6 +406,8 @@ def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_pa
     rows = pl.read_parquet(out)
     assert rows.height == 4 * 3
     assert rows.drop(TIMING_COLUMNS).equals(uninterrupted.drop(TIMING_COLUMNS))
+    # the resumed rows' decode bound is at the bandwidth the first process measured, as is the cost model
+    assert rows["bandwidth_bytes_per_s"].unique().to_list() == [noted["bytes_per_s"]]
 
 
 def test_an_interrupt_while_a_unit_is_written_counts_it_as_kept(tmp_path, monkeypatch):
