@@ -77,7 +77,7 @@ def overhead(
                 "rankkit_peak_mib": _mib(row.get("rankkit_peak_bytes")),
                 "memory_ratio": row.get("memory_ratio"),
             }
-            | ({"bound_s": row["bound_s"], "bound_ratio": row["bound_ratio"]} if "bound_s" in row else {})
+            | ({key: row[key] for key in ("bound_s", "bound_ratio", "read_bound_s")} if "bound_s" in row else {})
             for row in rows
         ]
     )

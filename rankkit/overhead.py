@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
-from rankkit.measure import TensorMemoryTracker, counterbalanced, decode_step_bytes, measure, memory_bandwidth
+from rankkit.measure import (
+    TensorMemoryTracker,
+    counterbalanced,
+    decode_step_bytes,
+    measure,
+    memory_bandwidth,
+    read_bandwidth,
+)
 from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
@@ -210,8 +217,8 @@ def run_overhead(
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
     and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
     (``measure.decode_step_bytes``) at the device's bandwidth (``measure.memory_bandwidth``: the data
-    sheet's for a GPU it names, else measured; ``bandwidth_source`` says which), and
-    ``bound_ratio``, the runner's time over it. ``cuda_graphs`` runs the runner's static decode,
+    sheet's for a GPU it names, else measured; ``bandwidth_source`` says which), ``bound_ratio``,
+    the runner's time over it, and ``read_bound_s``, the same bytes at the measured bandwidth. ``cuda_graphs`` runs the runner's static decode,
     ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
     allocator's peak is the same, on CPU what earlier runs left allocated may count)."""
@@ -241,6 +248,8 @@ def run_overhead(
             row["bound_s"] = sides.bytes_per_step / bandwidth.bytes_per_s
             row["bound_ratio"] = row["rankkit_s"] / row["bound_s"]
             row["bandwidth_source"] = bandwidth.source
+            # what a streaming read achieves here: how much of a data sheet's bound a step could reach
+            row["read_bound_s"] = sides.bytes_per_step / read_bandwidth(loaded.device)
         del sides  # its caches, before the memory runs
         if with_memory:
             peak = peak_memory if memory_in_process else _peak_in_subprocess

@@ -132,6 +132,7 @@ def test_decode_overhead_row_is_per_token_with_the_bound_of_the_steps_bytes(tiny
     step = measure.decode_step_bytes(loaded.model, kv_bytes)
     assert row["bound_s"] == pytest.approx(step / measure.read_bandwidth(torch.device("cpu")))
     assert row["bound_ratio"] == pytest.approx(row["rankkit_s"] / row["bound_s"])
+    assert row["read_bound_s"] == row["bound_s"]
 
 
 def test_the_bandwidth_is_the_data_sheets_for_a_gpu_it_names_and_measured_elsewhere(monkeypatch):
