@@ -111,9 +111,8 @@ DATA_SHEET_BANDWIDTH = {
     "A100 80GB PCIe": 1.935e12,
     "L40S": 0.864e12,
 }
-# What the measured read streams: far more than any cache of the device, so it comes from memory.
-READ_BYTES = {"cuda": 2**30}
-READ_BYTES_ELSEWHERE = 2**28
+# What the measured read streams: far more than any cache of a device, so it comes from memory.
+READ_BYTES = 2**30
 READ_REPEATS = 5
 
 
@@ -139,7 +138,8 @@ def memory_bandwidth(device: torch.device) -> Bandwidth:
 def read_bandwidth(device: torch.device) -> float:
     """Bytes per second one sum over a buffer far larger than the device's caches reads, the best of
     ``READ_REPEATS`` (as STREAM reports): what a memory-bound step can at best stream here, with the
-    threads torch uses now. Measured once per process for each device and thread count."""
+    threads torch uses now. Measured once per process for each device and thread count. On a host
+    shared with other machines (a cloud VM's CPU) their reads count against it."""
     return _read_bandwidth(str(device), torch.get_num_threads())
 
 
@@ -147,7 +147,8 @@ def read_bandwidth(device: torch.device) -> float:
 def _read_bandwidth(device: str, threads: int) -> float:
     where = torch.device(device)
     # float32: a sum of 16-bit floats is bound by the conversion on a CPU, not by the reads
-    buffer = torch.zeros(READ_BYTES.get(where.type, READ_BYTES_ELSEWHERE) // 4, device=where)
+    size = READ_BYTES if where.type != "cuda" else min(READ_BYTES, torch.cuda.mem_get_info(where)[0] // 2)
+    buffer = torch.zeros(size // 4, device=where)  # on a GPU, within what a loaded model leaves free
     with torch.inference_mode():
         buffer.sum()  # warm-up: the kernel's first launch
         seconds = []
