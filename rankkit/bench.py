@@ -122,6 +122,8 @@ def run_row(
         "params": json.dumps(run.params, sort_keys=True),
         "ttft_s": run.ttft_s,
         "tpot_s": run.tpot_s,
+        "first_step_s": run.first_step_s,
+        "later_steps_s": run.later_steps_s,
         "e2e_s": run.e2e_s,
         "kv_bytes": run.kv_bytes,
         "peak_mem_bytes": run.peak_mem_bytes,
@@ -675,8 +677,9 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
     otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``) and
     ``n_examples`` (and ``n_clusters`` where the rows name clusters); then the mean keep rate,
-    ideal ratio, times and bytes, measured over ideal, and TPOT over the time to read what a step
-    must (``tpot_over_bound``: the weights and the method's KV at the device's memory bandwidth).
+    ideal ratio, times (TPOT's first decode step and the mean of the later ones besides) and bytes,
+    measured over ideal, and TPOT over the time to read what a step must (``tpot_over_bound``: the
+    weights and the method's KV at the device's memory bandwidth).
 
     Ratios are means over examples of each example's paired median ratio.
     """
@@ -692,10 +695,11 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("tpot_s").mean(),
         pl.col("kv_bytes").mean(),
         pl.col("peak_mem_bytes").mean(),
-        # a bench written before the bound was kept has none
-        (pl.col("tpot_over_bound") if "tpot_over_bound" in frame.columns else pl.lit(None, pl.Float64))
-        .mean()
-        .alias("tpot_over_bound"),
+        *(
+            # a bench written before these columns were kept has none
+            (pl.col(column) if column in frame.columns else pl.lit(None, pl.Float64)).mean().alias(column)
+            for column in ("first_step_s", "later_steps_s", "tpot_over_bound")
+        ),
     )
     intervals = mean_intervals(
         scored,

@@ -82,6 +82,11 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
     gemfilter = table.filter(table["method"] == "gemfilter")
     expected = frame.filter(frame["method"] == "gemfilter").group_by("budget", maintain_order=True).agg(pl.col("tpot_over_bound").mean())
     assert gemfilter["tpot_over_bound"].to_list() == pytest.approx(expected["tpot_over_bound"].to_list())
+    # TPOT's parts: 3 new tokens are 2 decode steps, the first and one later
+    assert fastkv["tpot_s"] == pytest.approx((fastkv["first_step_s"] + fastkv["later_steps_s"]) / 2)
+    assert {"first_step_s", "later_steps_s"} <= set(table.columns)
+    older = summary(frame.drop("first_step_s", "later_steps_s", "tpot_over_bound"))  # a bench before they were kept
+    assert older["tpot_over_bound"].null_count() == older["first_step_s"].null_count() == older.height
 
 
 def test_cost_model_fit_recovers_linear_and_quadratic_terms():

@@ -168,6 +168,7 @@ def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runn
     run = run_once(runner, make("full"), PROMPT, Budget.from_keep(1.0), 4)
     assert len(run.tokens) == 4 and run.prompt_length == 8 and run.budget == "keep=1"
     assert (run.ttft_s, run.e2e_s, run.tpot_s) == (5.0, 11.0, 2.0)
+    assert (run.first_step_s, run.later_steps_s) == (1.0, 2.5)  # the steps took 1, then 3 and 2
     # 3 layers x (key, value) x 2 KV heads x 8 tokens x 16 dims x 4 bytes, every position in every head
     assert run.kv_bytes == 3 * 2 * 2 * 8 * 16 * 4 and run.kv_tokens_per_layer == [8.0, 8.0, 8.0]
     assert [positions.tolist() for positions in run.cache_positions] == [[list(range(8))] * 2] * 3
@@ -176,6 +177,7 @@ def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runn
 
     single = run_once(runner, make("gemfilter"), PROMPT, Budget.from_tokens(4), 1)
     assert (single.ttft_s, single.e2e_s, single.tpot_s) == (4.0, 4.0, None)
+    assert (single.first_step_s, single.later_steps_s) == (None, None)
     assert single.params == {"routing_layer": 1, "kernel_size": 5}  # resolved for 3 layers
     kept = single.kept_positions
     assert isinstance(kept, list) and len(kept) == 4 and kept[-1] == 7 and single.selection_layer == 1
@@ -187,14 +189,15 @@ def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runn
 def test_measure_prepares_then_reports_the_median_of_the_timed_runs(scripted, runner):
     method, tokenizers = make("full"), []
     method.prepare = lambda runner, input_ids, *, tokenizer: tokenizers.append(tokenizer)
-    # TTFT 5, 1, 3 -> 3; E2E 7, 5, 11 -> 7; TPOT 1, 2, 4 -> 2
-    scripted.scripts = [[5.0, 1.0, 1.0], [1.0, 2.0, 2.0], [3.0, 4.0, 4.0], [9.0, 9.0, 9.0]]
+    # TTFT 5, 1, 3 -> 3; E2E 7, 5, 11 -> 7; TPOT 1, 2, 4 -> 2; first steps 1, 2, 6 -> 2; later 1, 2, 2 -> 2
+    scripted.scripts = [[5.0, 1.0, 1.0], [1.0, 2.0, 2.0], [3.0, 6.0, 2.0], [9.0, 9.0, 9.0]]
     tokenizer = object()
     run = measure(
         runner, method, PROMPT, Budget.from_keep(1.0), 3, tokenizer=tokenizer, warmup_runs=0, repeats=3
     )
     assert scripted.made == 3 and tokenizers == [tokenizer]
     assert (run.ttft_s, run.e2e_s, run.tpot_s) == (3.0, 7.0, 2.0)
+    assert (run.first_step_s, run.later_steps_s) == (2.0, 2.0)
     assert run.method == "full" and run.prompt_length == 8 and len(run.tokens) == 3
     assert run.peak_mem_bytes is None  # no warm-up tracked it, and a CPU timed run does not
 

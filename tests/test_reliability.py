@@ -29,6 +29,8 @@ from rankkit.errors import RankkitError
 TIMING_COLUMNS = (
     "ttft_s",
     "tpot_s",
+    "first_step_s",
+    "later_steps_s",
     "e2e_s",
     "ttft_ratio",
     "tpot_ratio",

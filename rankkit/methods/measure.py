@@ -56,6 +56,10 @@ class MethodRun:
     kept_positions: list[int] | None = None
     # the original positions each layer's KV heads hold when decoding starts ([kv_heads, S], PADDING for none)
     cache_positions: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # TPOT's two parts: the first decode step, which makes the decode's buffers (the cache's room to
+    # grow, a static copy), and the mean of the steps after it; None where there is no such step
+    first_step_s: float | None = None
+    later_steps_s: float | None = None
 
 
 def run_once(
@@ -104,6 +108,8 @@ def run_once(
         peak_mem_bytes=None if peak.bytes() is None else peak.bytes() + reused_bytes,
         kept_positions=None if run.kept_positions is None else run.kept_positions.tolist(),
         cache_positions=cache_positions,
+        first_step_s=timeline.seconds(1, 2) if steps >= 1 else None,
+        later_steps_s=timeline.seconds(2, steps + 1) / (steps - 1) if steps >= 2 else None,
     )
 
 
@@ -143,8 +149,10 @@ class Measured:
         run = dataclasses.replace(self.runs[-1])
         run.ttft_s = float(np.median([each.ttft_s for each in self.runs]))
         run.e2e_s = float(np.median([each.e2e_s for each in self.runs]))
-        if run.tpot_s is not None:
-            run.tpot_s = float(np.median([each.tpot_s for each in self.runs]))
+        for decode_time in ("tpot_s", "first_step_s", "later_steps_s"):
+            if getattr(run, decode_time) is not None:  # over the runs that decoded as far as the last one
+                times = [getattr(each, decode_time) for each in self.runs]
+                setattr(run, decode_time, float(np.median([seconds for seconds in times if seconds is not None])))
         if self.warmup_peak_bytes is not None:
             run.peak_mem_bytes = self.warmup_peak_bytes
         return run
