@@ -147,8 +147,7 @@ def read_bandwidth(device: torch.device) -> float:
 def _read_bandwidth(device: str, threads: int) -> float:
     where = torch.device(device)
     # float32: a sum of 16-bit floats is bound by the conversion on a CPU, not by the reads
-    size = READ_BYTES if where.type != "cuda" else min(READ_BYTES, torch.cuda.mem_get_info(where)[0] // 2)
-    buffer = torch.zeros(size // 4, device=where)  # on a GPU, within what a loaded model leaves free
+    buffer = torch.zeros(read_buffer_bytes(where) // 4, device=where)
     with torch.inference_mode():
         buffer.sum()  # warm-up: the kernel's first launch
         seconds = []
@@ -157,6 +156,13 @@ def _read_bandwidth(device: str, threads: int) -> float:
                 buffer.sum()
             seconds.append(timed.seconds)
     return buffer.nbytes / min(seconds)
+
+
+def read_buffer_bytes(device: torch.device) -> int:
+    """``READ_BYTES``, on a GPU within half of what a loaded model leaves free."""
+    if device.type != "cuda":
+        return READ_BYTES
+    return min(READ_BYTES, torch.cuda.mem_get_info(device)[0] // 2)
 
 
 def decode_step_bytes(model: torch.nn.Module, kv_bytes: int) -> int:

@@ -169,6 +169,16 @@ def test_the_measured_bandwidth_is_a_buffers_bytes_over_its_fastest_read(monkeyp
         measure._read_bandwidth.cache_clear()
 
 
+def test_the_read_streams_a_gibibyte_within_half_of_a_gpus_free_memory(monkeypatch):
+    from rankkit import measure
+
+    assert measure.read_buffer_bytes(torch.device("cpu")) == 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (600 * 2**20, 80 * 2**30))
+    assert measure.read_buffer_bytes(torch.device("cuda")) == 300 * 2**20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    assert measure.read_buffer_bytes(torch.device("cuda")) == 2**30
+
+
 def test_a_decode_step_reads_one_row_of_an_input_embedding_the_head_does_not_share():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
