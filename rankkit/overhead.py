@@ -218,8 +218,8 @@ def run_overhead(
     and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
     (``measure.decode_step_bytes``) at the device's bandwidth (``measure.memory_bandwidth``: the data
     sheet's for a GPU it names, else measured; ``bandwidth_source`` says which), ``bound_ratio``,
-    the runner's time over it, and ``read_bound_s``, the same bytes at the measured bandwidth. ``cuda_graphs`` runs the runner's static decode,
-    ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
+    the runner's time over it, and ``read_bound_s``, the same bytes at the measured bandwidth.
+    ``cuda_graphs`` runs the runner's static decode, ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
     allocator's peak is the same, on CPU what earlier runs left allocated may count)."""
     check_decode_options(cuda_graphs, compile_decode)  # before the model loads
@@ -244,7 +244,7 @@ def run_overhead(
         }
         row["time_ratio"] = row["rankkit_s"] / row["baseline_s"]
         if sides.bytes_per_step is not None:
-            bandwidth = memory_bandwidth(loaded.device)  # measured once per process where it is measured
+            bandwidth = memory_bandwidth(loaded.device)  # a measured one is measured once per process
             row["bound_s"] = sides.bytes_per_step / bandwidth.bytes_per_s
             row["bound_ratio"] = row["rankkit_s"] / row["bound_s"]
             row["bandwidth_source"] = bandwidth.source

@@ -147,12 +147,10 @@ class Measured:
     def run(self) -> MethodRun:
         """The last run, with median times and the warm-up's peak memory on CPU."""
         run = dataclasses.replace(self.runs[-1])
-        run.ttft_s = float(np.median([each.ttft_s for each in self.runs]))
-        run.e2e_s = float(np.median([each.e2e_s for each in self.runs]))
-        for decode_time in ("tpot_s", "first_step_s", "later_steps_s"):
-            if getattr(run, decode_time) is not None:  # over the runs that decoded as far as the last one
-                times = [getattr(each, decode_time) for each in self.runs]
-                setattr(run, decode_time, float(np.median([seconds for seconds in times if seconds is not None])))
+        for quantity in ("ttft_s", "e2e_s", "tpot_s", "first_step_s", "later_steps_s"):
+            if getattr(run, quantity) is not None:  # over the runs that decoded as far as the last one
+                times = [getattr(each, quantity) for each in self.runs if getattr(each, quantity) is not None]
+                setattr(run, quantity, float(np.median(times)))
         if self.warmup_peak_bytes is not None:
             run.peak_mem_bytes = self.warmup_peak_bytes
         return run
