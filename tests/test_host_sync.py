@@ -312,7 +312,10 @@ def _method_launches(name: str, layers: int) -> int:
 # 4 more, TOVA skips pooling and the window, StreamingLLM only cuts; AdaKV cuts each layer twice (to
 # a bound the host knows, then to its widest head) and ranks over all heads. A layer SlimInfer governs
 # lays its blocks out in regions (one scatter each of keys, values and positions) and moves the query
-# window's block, a region's slice, to the host.
+# window's block, a region's slice, to the host. LAVa scores a layer as SnapKV does (15), ranks its
+# (head, token) entries once (their order, each one's place, the entries it sees and its window's: 12)
+# and measures Eq. 7's entropy (11); after the prefill it makes every layer's budget at once and cuts
+# each layer once (11).
 PREFILL_LAUNCHES_PER_LAYER = {
     "snapkv": 14,
     "pyramidkv": 14,
@@ -321,6 +324,7 @@ PREFILL_LAUNCHES_PER_LAYER = {
     "streamingllm": 6,
     "adakv": 37,
     "sliminfer": 9,
+    "lava": 50,
 }
 
 

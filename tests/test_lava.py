@@ -9,6 +9,7 @@ hybrid model, Algorithms 1-2 share the budget among the keys each layer sees, on
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -88,12 +89,12 @@ def hybrid():
     return runner, ids, method, scores
 
 
-def water_filling(total: int, weights: list[float], caps: list[int]) -> list[int]:
+def real_shares(total: int, weights: list[float], caps: list[float]) -> list[float]:
     """Shares of ``total`` proportional to the weights, those past their cap fixed at it and the rest
-    shared again; whole entries by largest remainder, ties to the earlier share."""
+    shared again (every share at its cap when they cannot hold ``total``)."""
     if total >= sum(caps):
         return list(caps)
-    fixed: dict[int, int] = {}
+    fixed: dict[int, float] = {}
     while True:
         open_ = [i for i in range(len(weights)) if i not in fixed]
         remaining = total - sum(fixed.values())
@@ -101,14 +102,38 @@ def water_filling(total: int, weights: list[float], caps: list[int]) -> list[int
         proposal = {i: remaining * weights[i] / weight for i in open_}
         passing = [i for i in open_ if proposal[i] > caps[i]]
         if not passing:
-            break
+            return [fixed[i] if i in fixed else proposal[i] for i in range(len(weights))]
         fixed.update({i: caps[i] for i in passing})
-    shares = [fixed[i] if i in fixed else proposal[i] for i in range(len(weights))]
+
+
+def water_filling(total: int, weights: list[float], caps: list[int]) -> list[int]:
+    """``real_shares`` in whole entries, by largest remainder, ties to the earlier share."""
+    if total >= sum(caps):
+        return list(caps)
+    shares = real_shares(total, weights, caps)
     whole = [int(share // 1) for share in shares]
     by_remainder = sorted(range(len(shares)), key=lambda i: (-(shares[i] - whole[i]), i))
     for i in by_remainder[: total - sum(whole)]:
         whole[i] += 1
     return whole
+
+
+def test_recompressing_after_every_layer_leaves_each_layer_its_share_among_all():
+    """Why LAVa budgets once, after the prefill: Alg. 2 recompresses layers 0..l after each layer l,
+    each to its entropy's share of 𝔹 among them, within what it still holds; every layer ends at its
+    share among all L, the one apportioning (real shares, on random cases whose caps bind)."""
+    generator = random.Random(11)
+    for case in range(500):
+        layers = generator.randint(1, 12)
+        entropy = [generator.uniform(0.01, 1.0) for _ in range(layers)]
+        caps = [float(generator.randint(0, 60)) for _ in range(layers)]
+        total = generator.randint(0, int(sum(caps)))
+        held: list[float] = []
+        for layer in range(layers):
+            held.append(caps[layer])
+            shares = real_shares(total, entropy[: layer + 1], held)
+            held = [min(h, share) for h, share in zip(held, shares, strict=True)]
+        assert held == pytest.approx(real_shares(total, entropy, caps), abs=1e-9), case
 
 
 def reference_lava(scores: list, length: int, window: int, kept_tokens: int) -> dict:

@@ -37,15 +37,14 @@ from rankkit.runner import AttentionCall, LayerHook, PrefillState
 def normalized_entropy(scores: torch.Tensor) -> torch.Tensor:
     """Eq. 6-7 over the scored (non-window) entries [H, N] of one layer, as a 0-d tensor on their device.
 
-    A NaN score is a key a local layer cannot see: not one of its entries. A layer with no
-    entry left to score (its window covers all it sees) has nothing to budget: 0.
+    A NaN score is a key a local layer cannot see: not one of its entries, and left out of both
+    sums. A layer with no entry left to score (its window covers all it sees), or whose entries
+    all score 0, has no distribution to measure: 0.
     """
-    seen = ~scores.isnan()
-    scores = scores.double().clamp_min(0).masked_fill(~seen, 0.0)
-    probabilities = scores / scores.sum()
-    count = seen.sum()
-    entropy = -torch.special.xlogy(probabilities, probabilities).sum() / count.clamp_min(1)
-    return torch.where(count > 0, entropy, torch.zeros_like(entropy))
+    probabilities = scores.double().clamp_min(0)
+    probabilities = probabilities / probabilities.nansum()
+    count = (~scores.isnan()).sum().clamp_min(1)
+    return -torch.special.xlogy(probabilities, probabilities).nansum() / count
 
 
 def apportion(total: int, weights: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
@@ -155,16 +154,19 @@ def evict(scores: torch.Tensor, budget: int) -> list[torch.Tensor]:
 
 
 class LavaBudgets(LayerHook):
-    """Algorithm 2 during one prefill: score each layer, then recompress every layer so far.
+    """Algorithm 2 during one prefill: each layer scored and its entries ranked once, every layer cut
+    once after the last.
 
-    Each layer's (head, token) entries are ranked once, when it is scored. A recompression
-    keeps the best B_l' of what the layer kept, which is the first B_l' of that order (a
-    subset keeps the order and the ties of the whole), so what a layer holds after every
-    recompression so far is the first ``min`` of its budgets of its order: the hook keeps those
-    sizes on the device, never reading them, and ``evict`` cuts every layer to its size once
-    the prefill is over, with one read. The entries a layer loses later play no further part
-    in the prefill (a layer's cache is read by that layer's attention alone), so the caches
-    are those of evicting after each layer; the prefill holds every layer's entries until then.
+    Alg. 2 recompresses every layer so far after each layer, to its entropy's share of 𝔹 among
+    theirs. Those shares only shrink as layers join (the same 𝔹 over more entropy; a layer held at
+    its cap is held to less), so each layer ends at its share among all L layers: the last
+    recompression's budgets, made here once the prefill is over (``entropy_budgets``, the offline
+    face's rule too), in one rounding to whole entries where L of them could each round its own way.
+    A recompression keeps the best of what the layer kept, the first entries of the one order made
+    when the layer was scored, so one cut to the last budget leaves what all of them would. The
+    entries a layer loses later play no further part in the prefill (a layer's cache is read by that
+    layer's attention alone), so the caches are those of evicting after each layer; the prefill holds
+    every layer's entries until then, and no layer waits on the budgets or launches their arithmetic.
     """
 
     def __init__(self, probe, keep_tokens: int, window: int, num_layers: int):
@@ -173,16 +175,16 @@ class LavaBudgets(LayerHook):
         self.window = window
         self.num_layers = num_layers
         self.places: list[torch.Tensor] = []  # per layer, each flattened (head, position) entry's rank
+        self.entropy: list[torch.Tensor] = []  # per layer, Eq. 7's e_l (0-d, float64, on the device)
+        self.seen: list[torch.Tensor] = []  # per layer, the entries it can keep (unseen keys are none)
+        self.floors: list[torch.Tensor] = []  # per layer, its window entries, never evicted
         self.heads = 0
-        self.entropy: torch.Tensor | None = None  # [layers so far], float64, on the device
-        self.sizes: torch.Tensor | None = None  # the entries each layer holds now (unseen keys are none)
-        self.entries: torch.Tensor | None = None  # the entries each layer's cache held when scored
-        self.floors: torch.Tensor | None = None  # its window entries, never evicted
+        self.sizes: torch.Tensor | None = None  # the entries each layer keeps, once ``evict`` has run
         self._current: torch.Tensor | None = None
 
     @property
     def budgets(self) -> list[int]:
-        """The entries each layer keeps after the last recompression (reads the device: for inspection)."""
+        """The entries each layer keeps after ``evict`` (reads the device: for inspection)."""
         return [] if self.sizes is None else self.sizes.tolist()
 
     def on_attention(self, call: AttentionCall) -> None:
@@ -198,33 +200,28 @@ class LavaBudgets(LayerHook):
         order = descending_order(ranked.flatten()).to(ranked.device)
         ranks = torch.arange(order.numel(), device=order.device)
         self.places.append(torch.empty_like(order).scatter_(0, order, ranks))
-        entropy = normalized_entropy(windowless(scores, self.window))[None]
-        size = (ranked != float("-inf")).sum()[None]
-        # the cache holds every key, those a local layer cannot see too: such a layer is cut to the
-        # keys it sees even when its budget covers them all
-        held = torch.full_like(size, ranked.numel())
-        floor = (ranked == float("inf")).sum()[None]
-        if self.entropy is None:
-            self.entropy, self.sizes, self.entries, self.floors = entropy, size, held, floor
-        else:
-            self.entropy = torch.cat([self.entropy, entropy])
-            self.sizes = torch.cat([self.sizes, size])
-            self.entries = torch.cat([self.entries, held])
-            self.floors = torch.cat([self.floors, floor])
-        budgets = entropy_budgets(
-            self.entropy, self.floors, self.sizes, self.keep_tokens, self.window, self.heads, self.num_layers
-        )
-        self.sizes = torch.minimum(self.sizes, budgets)  # a layer cut before never grows back
+        self.entropy.append(normalized_entropy(windowless(scores, self.window)))
+        self.seen.append((ranked != float("-inf")).sum())
+        self.floors.append((ranked == float("inf")).sum())
 
     def evict(self, cache) -> None:
         """Cut every layer the budgets shrank to its first ``sizes`` entries (Algorithm 1 ``EVICT``);
         one read: which layers shrank, and their widest heads."""
-        if self.sizes is None:
+        if not self.places:
             return
-        shrunk = self.sizes < self.entries
-        kept = [
-            place.view(self.heads, -1) < size for place, size in zip(self.places, self.sizes, strict=True)
-        ]
+        self.sizes = entropy_budgets(
+            torch.stack(self.entropy),
+            torch.stack(self.floors),
+            torch.stack(self.seen),
+            self.keep_tokens,
+            self.window,
+            self.heads,
+            self.num_layers,
+        )
+        kept = [place.view(self.heads, -1) < size for place, size in zip(self.places, self.sizes, strict=True)]
+        # every layer's cache holds every key of the prompt, those a local layer cannot see too:
+        # such a layer is cut to the keys it sees even when its budget covers them all
+        shrunk = self.sizes < self.places[0].numel()
         widths = torch.stack([mask.sum(dim=1).amax() for mask in kept])
         shrunk, widths = torch.stack([shrunk.long(), widths]).tolist()
         for layer, (cut, mask, width) in enumerate(zip(shrunk, kept, widths, strict=True)):
