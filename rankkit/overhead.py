@@ -32,9 +32,9 @@ from rankkit.measure import (
 from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
-
-
 DECODE_NEW_TOKENS = 32
+
+
 @dataclass
 class Sides:
     baseline: Callable[[], object]
