@@ -1,5 +1,6 @@
 """The typer application every command module registers itself on, and the console results print on."""
 
+import inspect
 import sys
 
 import typer
@@ -43,13 +44,16 @@ def _root(
 
 def command():
     """The click command ``rankkit`` runs: the app with no type tag ("<str>", "<bool>") in any option's
-    help line; each option's help says what it takes."""
+    help line (each option's help says what it takes), and each command listed by its summary as one
+    paragraph (typer keeps a docstring's line breaks there)."""
     import typer.main
 
     root = typer.main.get_command(app)
     pending = [root]
     while pending:
         current = pending.pop()
+        if current is not root and current.help and not current.short_help:
+            current.short_help = " ".join(inspect.cleandoc(current.help).split("\n\n")[0].split())
         # click builds a command's help option once and keeps it, so its tag is blanked here too
         for param in [*current.params, current.get_help_option(current.context_class(current))]:
             if isinstance(param, typer.core.TyperOption):

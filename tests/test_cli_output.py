@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -95,6 +96,22 @@ def test_version_and_help_without_type_tags():
         assert shown.returncode == 0, shown.stderr
         for tag in ("<str>", "<bool>", "<int>", "<float>", "<path>  Write"):
             assert tag not in shown.stdout, (command, tag)
+
+
+def test_the_command_list_gives_each_summary_as_one_paragraph():
+    """A docstring's line breaks stay out of ``rankkit --help``'s list: on a terminal wide enough,
+    each command's summary is one line, whole."""
+    shown = subprocess.run(
+        [*RANKKIT, "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"}
+    )
+    rows = [line.strip("│ ") for line in shown.stdout.splitlines() if line.startswith("│ ")]
+    listed = dict(row.split(maxsplit=1) for row in rows if not row.startswith("-"))
+    assert listed["compare"].startswith("Spearman") and listed["compare"].endswith("between methods."), listed
+    assert listed["overhead"].endswith("on a synthetic store of --examples x --lengths."), listed
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import command
+
+    assert set(listed) == set(command().commands), listed  # no summary goes on over a second line
 
 
 def test_capture_help_says_no_draft_is_recorded_without_draft():
