@@ -10,14 +10,15 @@ import torch
 from rankkit.cache import PADDING
 from rankkit.runner import AttentionCall
 
-from .attention import check_window_size, window_attention, window_length
-from .base import Probe, register
-from .pooling import check_pooling, pool_before_window, pooling_layout
+from .attention import window_attention, window_length
+from .base import register
+from .pooling import pool_before_window
+from .window import PooledWindowProbe
 
 
 @register
 @dataclass
-class LavaProbe(Probe):
+class LavaProbe(PooledWindowProbe):
     """LAVa score, Eq. 5, with the GQA group maximum of Sec. 4.3.
 
     For KV head g and key i::
@@ -39,16 +40,6 @@ class LavaProbe(Probe):
     window_size: int = 32
     kernel_size: int = 7
     pooling: str = "max"
-
-    def __post_init__(self) -> None:
-        check_window_size(self.window_size)
-        check_pooling(self.pooling, self.kernel_size)
-
-    def layout(self) -> dict:
-        return pooling_layout(self.pooling, self.kernel_size, self.window_size)
-
-    def attention_window(self) -> int:
-        return self.window_size
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         window = window_length(call, self.window_size)

@@ -14,9 +14,30 @@ from .base import Probe, register
 from .pooling import check_pooling, pool_before_window, pooling_layout
 
 
+@dataclass
+class PooledWindowProbe(Probe):
+    """A probe that reads the attention of the last ``window_size`` queries and pools the scores of
+    the keys before that window (``pooling`` over ``kernel_size``); each subclass gives its paper's
+    defaults and its ``score``."""
+
+    window_size: int
+    kernel_size: int
+    pooling: str
+
+    def __post_init__(self) -> None:
+        check_window_size(self.window_size)
+        check_pooling(self.pooling, self.kernel_size)
+
+    def layout(self) -> dict:
+        return pooling_layout(self.pooling, self.kernel_size, self.window_size)
+
+    def attention_window(self) -> int:
+        return self.window_size
+
+
 @register
 @dataclass
-class WindowProbe(Probe):
+class WindowProbe(PooledWindowProbe):
     """Window attention, CLAA Eq. 5 (= FastKV Eq. 2) as computed by ASL Algorithm 1 lines 3-6.
 
     For KV head g and key i::
@@ -40,16 +61,6 @@ class WindowProbe(Probe):
     window_size: int = 8
     kernel_size: int = 7
     pooling: str = "avg"
-
-    def __post_init__(self) -> None:
-        check_window_size(self.window_size)
-        check_pooling(self.pooling, self.kernel_size)
-
-    def layout(self) -> dict:
-        return pooling_layout(self.pooling, self.kernel_size, self.window_size)
-
-    def attention_window(self) -> int:
-        return self.window_size
 
     def score(self, call: AttentionCall) -> torch.Tensor:
         attention = window_attention(call, self.window_size)
