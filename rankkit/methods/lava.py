@@ -10,8 +10,10 @@ selection layer x KV-only mode with budgets decided by the scores themselves:
 - dynamic layer budget (Eq. 6-7, Algorithm 2): each layer's scores are normalised over
   heads and tokens, ŝ = s / Σ s, and its normalised entropy e_l = -Σ ŝ log ŝ / (H·N)
   measures how unsure the layer is; after prefilling layer l every layer l' <= l is
-  (re)compressed to B_l' = e_l' / Σ_{j<=l} e_j · 𝔹 of the total budget 𝔹 (CAKE-style, so
-  the cache never holds more than 𝔹 entries beyond the layer being prefilled).
+  (re)compressed to B_l' = e_l' / Σ_{j<=l} e_j · 𝔹 of the total budget 𝔹 (CAKE-style: the
+  paper's cache never holds more than 𝔹 entries beyond the layer being prefilled). rankkit
+  cuts each layer once, after the prefill, to the same entries (``LavaBudgets``), and holds
+  every layer's entries until then, as a full prefill does.
 
 𝔹 = (budget tokens - w) x KV heads x layers, so that with the windows the cache holds as
 many entries as the uniform methods keep. Budgets are whole entries apportioned by largest
