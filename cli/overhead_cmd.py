@@ -12,7 +12,7 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import CompileDecode, CudaGraphs, Device, Model
+from rankkit.cli.options import AllowOverlength, CompileDecode, CudaGraphs, Device, Model
 
 console = output()
 
@@ -28,6 +28,7 @@ def overhead(
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
     cuda_graphs: CudaGraphs = False,
     compile_decode: CompileDecode = False,
+    allow_overlength: AllowOverlength = False,
     as_json: bool = typer.Option(False, "--json"),
     examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
@@ -61,6 +62,7 @@ def overhead(
             with_timing=timing,
             cuda_graphs=cuda_graphs,
             compile_decode=compile_decode,
+            allow_overlength=allow_overlength,
             progress=lambda: progress.advance(task),
         )
     if as_json:

@@ -27,6 +27,13 @@ def check_length(num_tokens: int, config, what: str, *, allow_overlength: bool =
     warnings.warn(f"{message}; running it anyway (--allow-overlength)", stacklevel=2)
 
 
+def check_token_counts(lengths: list[int]) -> None:
+    """``--lengths``: the prompt lengths a measurement runs, each at least one token."""
+    if not lengths or min(lengths) < 1:
+        shown = ",".join(map(str, lengths)) or "nothing"
+        raise RankkitError(f"--lengths takes positive token counts, not {shown}; e.g. --lengths 1024,4096")
+
+
 def check_spec_length(data: str, config, *, allow_overlength: bool = False) -> None:
     """A synthetic data spec's ``length`` is checked against the model before anything loads."""
     from rankkit.data import read_spec

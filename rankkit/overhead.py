@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rankkit import models
+from rankkit.checks import check_length, check_token_counts
 from rankkit.measure import (
     TensorMemoryTracker,
     counterbalanced,
@@ -212,6 +213,7 @@ def run_overhead(
     cuda_graphs: bool = False,
     compile_decode: bool = False,
     memory_in_process: bool = False,
+    allow_overlength: bool = False,
     progress=None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
@@ -221,8 +223,13 @@ def run_overhead(
     the runner's time over it, and ``read_bound_s``, the same bytes at the measured bandwidth.
     ``cuda_graphs`` runs the runner's static decode, ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
-    allocator's peak is the same, on CPU what earlier runs left allocated may count)."""
-    check_decode_options(cuda_graphs, compile_decode)  # before the model loads
+    allocator's peak is the same, on CPU what earlier runs left allocated may count). A length past
+    the model's positions is refused unless ``allow_overlength``."""
+    check_token_counts(lengths)  # before the model loads
+    check_decode_options(cuda_graphs, compile_decode)
+    config = models.load_config(model_spec)
+    for length in lengths:
+        check_length(length, config, f"the prompt of --lengths {length}", allow_overlength=allow_overlength)
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     rows = []

@@ -263,3 +263,33 @@ def test_peak_memory_measured_in_this_process_matches_the_fresh_processes(tiny_f
     )
     for key in ("baseline_peak_bytes", "rankkit_peak_bytes", "memory_ratio"):
         assert here[key] == fresh[key] > 0, key
+
+
+def test_overhead_refuses_a_length_it_cannot_run_before_the_model_loads():
+    """A token count below one is a one-line refusal naming the fix (exit 2), before any model loads:
+    the model named here does not exist."""
+    import subprocess
+    import sys
+
+    for scenario, lengths in [("decode", "0"), ("runner", "64,-3"), ("analysis", "0")]:
+        arguments = ["overhead", scenario, "--model", "/nowhere", "--lengths", lengths]
+        refused = subprocess.run([sys.executable, "-m", "rankkit.cli", *arguments], capture_output=True, text=True)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip().splitlines() == [
+            f"rankkit: error: --lengths takes positive token counts, not {lengths}; e.g. --lengths 1024,4096"
+        ]
+
+
+def test_overhead_runs_past_the_models_positions_only_when_allowed(tiny_folder):
+    from rankkit.errors import RankkitError
+    from rankkit.eval.cost import run_analysis_cost
+
+    settings = {"model_spec": str(tiny_folder), "device": "cpu", "repeats": 1, "with_memory": False}
+    refused = "the prompt of --lengths 600 has 600 tokens, more than the model's 512 positions; shorten it, or pass"
+    with pytest.raises(RankkitError, match=refused):
+        run_overhead("runner", [64, 600], **settings)
+    with pytest.warns(UserWarning, match="more than the model's 512 positions; running it anyway"):
+        rows = run_overhead("runner", [600], allow_overlength=True, **settings)
+    assert [row["tokens"] for row in rows] == [600] and rows[0]["rankkit_s"] > 0
+    with pytest.raises(RankkitError, match="--examples takes a positive count, not 0"):
+        run_analysis_cost(0, [80], workers=1)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from rankkit.checks import check_token_counts
 from rankkit.errors import RankkitError
 
 LAYERS = 30
@@ -76,6 +77,9 @@ def run_analysis_cost(
     and for the dashboard the page's size in MiB."""
     from rankkit.eval.parallel import checked_workers
 
+    check_token_counts(lengths)
+    if examples < 1:
+        raise RankkitError(f"--examples takes a positive count, not {examples}")
     processes = checked_workers(workers)
     rows = []
     for tokens in lengths:
