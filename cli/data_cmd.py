@@ -30,4 +30,4 @@ def export(
     from rankkit.models import load_tokenizer
 
     count = export_spec(spec, load_tokenizer(model), out, overwrite=overwrite)
-    typer.echo(f"wrote {count} examples to {out}")
+    typer.echo(f"wrote {count} example{'' if count == 1 else 's'} to {out}")
