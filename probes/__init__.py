@@ -11,7 +11,7 @@ in the softmax, and a local layer's sliding window in the mask (see ``attention.
 from __future__ import annotations
 
 from rankkit.errors import RankkitError
-from rankkit.plugins import register_entry_points
+from rankkit.plugins import construct, register_entry_points
 
 from .base import REGISTRY, SHORT_NAMES, Probe, register
 from .last_token_heads import LastTokenHeadsProbe
@@ -41,10 +41,7 @@ def make(name: str, **params) -> Probe:
     """The probe registered as ``name``, with ``params`` overriding its paper defaults."""
     if name not in REGISTRY:
         raise RankkitError(f"unknown probe {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    try:
-        return REGISTRY[name](**params)
-    except TypeError as error:  # an unknown parameter name
-        raise RankkitError(f"probe {name!r}: {error}") from error
+    return construct(REGISTRY[name], f"probe {name!r}", params)
 
 
 PROBES_SYNTAX = (

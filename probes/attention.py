@@ -29,8 +29,8 @@ from rankkit.runner import AttentionCall
 
 
 def check_window_size(window_size: int) -> None:
-    if window_size < 1:
-        raise RankkitError(f"window_size must be at least 1, not {window_size}")
+    if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+        raise RankkitError(f"window_size must be an integer of at least 1, not {window_size!r}")
 
 
 def window_length(call: AttentionCall, window_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Methods and probes from other packages, found through their entry points.
+"""Methods and probes from other packages, found through their entry points, and the one way
+either registry builds an instance.
 
 A package declares ``[project.entry-points."rankkit.methods"]`` (or ``"rankkit.probes"``)
 naming a class, ``name = "package.module:Class"``, or a module whose import registers its
@@ -9,6 +10,7 @@ classes; rankkit loads them when it registers its own, so every command knows th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from importlib.metadata import entry_points
 
 from rankkit.errors import RankkitError
@@ -37,3 +39,14 @@ def register_entry_points(group: str, registry: dict[str, type], register: Calla
                 f"{loaded.name!r}, which {taken.__module__}.{taken.__qualname__} already has; rename it"
             )
         register(loaded)
+
+
+def construct(cls: type, what: str, params: dict):
+    """``cls(**params)`` for a registered method or probe (a dataclass) named ``what`` ("method
+    'claa'"), a parameter it does not take refused with the ones it does."""
+    known = [spec.name for spec in fields(cls) if spec.init]
+    unknown = [name for name in params if name not in known]
+    if unknown:
+        takes = f"it takes {', '.join(known)}" if known else "it takes none"
+        raise RankkitError(f"{what} has no parameter {unknown[0]!r}; {takes}")
+    return cls(**params)

@@ -32,9 +32,9 @@ def check_pooling(pooling: str, kernel_size: int) -> None:
     ``pool_tokens``, whose callers pass names of their own (an unknown one must not average)."""
     if pooling not in POOLINGS:
         raise RankkitError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
-    if kernel_size < 1 or kernel_size % 2 == 0:
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise RankkitError(
-            f"kernel_size must be a positive odd number (length-preserving pooling), not {kernel_size}"
+            f"kernel_size must be a positive odd integer (length-preserving pooling), not {kernel_size!r}"
         )
 
 

@@ -20,7 +20,9 @@ def test_average_pooling_leaves_the_padding_and_unseen_keys_out():
     [
         ("AVG", 1, "pooling must be one of avg, avg_padded, max, not 'AVG'"),
         ("mean", 3, "pooling must be one of avg, avg_padded, max, not 'mean'"),
-        ("avg", 2, "kernel_size must be a positive odd number"),
+        ("avg", 2, "kernel_size must be a positive odd integer"),
+        ("max", 3.0, r"kernel_size must be a positive odd integer \(length-preserving pooling\), not 3.0"),
+        ("max", "3", "kernel_size must be a positive odd integer .*, not '3'"),
     ],
 )
 def test_an_unknown_pooling_or_an_even_kernel_is_refused_even_where_nothing_pools(pooling, kernel, message):

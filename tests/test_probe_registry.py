@@ -63,8 +63,21 @@ def test_parse_named_speaks_of_probes_by_default():
 def test_make_names_the_known_probes_and_the_bad_parameter():
     with pytest.raises(RankkitError, match="unknown probe 'snapkv'; known: " + ", ".join(sorted(REGISTRY))):
         make("snapkv")
-    with pytest.raises(RankkitError, match="probe 'window': .*'size'"):
+    with pytest.raises(RankkitError, match="probe 'window' has no parameter 'size'; it takes window_size, kernel_size, pooling$"):
         make("window", size=3)
+    with pytest.raises(RankkitError, match="probe 'last_token_heads' has no parameter 'pooling'; it takes none$"):
+        make("last_token_heads", pooling="max")
+    with pytest.raises(RankkitError, match="window_size must be an integer of at least 1, not 'wide'$"):
+        make("lava", window_size="wide")  # a text value of --probes lava:w=wide, not a comparison's TypeError
+
+
+def test_a_method_names_the_parameters_it_takes():
+    from rankkit.methods import make as make_method
+
+    with pytest.raises(RankkitError, match="method 'snapkv' has no parameter 'window'; it takes window_size, kernel_size$"):
+        make_method("snapkv", window=8)
+    with pytest.raises(RankkitError, match="method 'full' has no parameter 'keep'; it takes none$"):
+        make_method("full", keep=0.1)
 
 
 def test_parse_probes_all_and_repeats():

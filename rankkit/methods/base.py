@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from rankkit.errors import RankkitError
+from rankkit.plugins import construct
 from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
 
 REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
@@ -369,10 +370,7 @@ def make(name: str, **params) -> Method:
     """A method by registry name with its parameters overridden by ``params``."""
     if name not in REGISTRY:
         raise RankkitError(f"unknown method '{name}'; known: {', '.join(sorted(REGISTRY))}")
-    try:
-        method = REGISTRY[name](**params)
-    except TypeError as error:
-        raise RankkitError(f"method '{name}': {error}") from None
+    method = construct(REGISTRY[name], f"method '{name}'", params)
     check_parameters(method)
     return method
 
