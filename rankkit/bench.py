@@ -436,12 +436,15 @@ def prefill(
     of ``method`` to it. With ``kept_layers`` the method's row also holds
     ``kept_positions_by_layer``. Every option is checked before the model loads.
     """
+    missing = []  # said together, so a bare `rankkit prefill --method claa` is one try, not two
     if (data is None) == (context is None):
-        raise RankkitError("give either --data SPEC or --context-file FILE with --question")
+        missing.append("either --data SPEC or --context-file FILE with --question")
+    if budget is None and method.partition(":")[0] != FULL:
+        missing.append("exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    if missing:
+        raise RankkitError("give " + ", and ".join(missing))
     if context is not None and not question:
         raise RankkitError("--context-file needs --question")
-    if budget is None and method.partition(":")[0] != FULL:
-        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
     budget = budget or Budget.from_keep(1.0)
     setup.check_timing(settings)
     config = setup.config()
@@ -459,7 +462,9 @@ def prefill(
     if data is not None:
         examples = _scored_examples(data, loaded)
         if example_index >= len(examples):
-            raise RankkitError(f"--example {example_index} is past the {len(examples)} examples of {data}")
+            count, last = len(examples), len(examples) - 1
+            choices = "--example 0" if count == 1 else f"--example 0..{last}"
+            raise RankkitError(f"--example {example_index} is past the {count} example(s) of {data}; give {choices}")
         example = examples[example_index]
         (prompt,) = _checked_prompts(loaded.tokenizer, [example], config, setup, [budget])
     else:

@@ -108,6 +108,29 @@ def test_bad_method_and_budget_options_are_refused_before_the_model_loads(
     assert message is None or text.startswith(message)
 
 
+def test_a_bare_prefill_names_everything_it_lacks_at_once(no_model_load, tiny_folder):
+    model = ["--model", str(tiny_folder)]
+    assert refused(["prefill", "--method", "claa", *model], no_model_load) == (
+        "give either --data SPEC or --context-file FILE with --question, "
+        "and exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"
+    )
+    assert refused(["prefill", "--method", "full", *model], no_model_load) == (
+        "give either --data SPEC or --context-file FILE with --question"  # full keeps everything
+    )
+
+
+def test_an_example_past_the_data_names_the_ones_there(tiny_folder):
+    from rankkit.bench import Setup, prefill
+    from rankkit.methods import Budget
+
+    setup = Setup(model=str(tiny_folder), device="cpu")
+    for count, choices in [(1, "--example 0"), (3, "--example 0..2")]:
+        spec = f"niah:n={count},length=200"
+        with pytest.raises(RankkitError) as refusal:
+            prefill("claa", Budget.from_keep(0.2), data=spec, example_index=5, setup=setup)
+        assert str(refusal.value) == f"--example 5 is past the {count} example(s) of {spec}; give {choices}"
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
