@@ -140,10 +140,10 @@ def comma_list(text: str | None, option: str) -> list[str]:
 
 def budgets(keep: str | None, budget: str | None, *, required: bool = True):
     """The budgets of ``--keep`` (rates) or ``--budget`` (token counts), comma-separated; at most one of them."""
-    from rankkit.methods import Budget
+    from rankkit.methods.base import ONE_BUDGET, Budget
 
     if keep is not None and budget is not None or (required and keep is None and budget is None):
-        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+        raise RankkitError(f"give {ONE_BUDGET}")
     try:
         if keep is not None:
             return [Budget.from_keep(float(value)) for value in comma_list(keep, "--keep")]

@@ -32,15 +32,12 @@ def select(
     table_format: Format = "table",
 ) -> None:
     """Per example: the method's selection layer and the original positions it keeps there."""
-    from rankkit.errors import RankkitError
     from rankkit.eval.offline import select_store
     from rankkit.methods import Budget
     from rankkit.report.tables import rows_text
 
-    if (keep is None) == (budget is None):
-        raise RankkitError("give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+    chosen = Budget.one_of(keep, budget)
     shown_as = output_format(table_format, as_json)
-    chosen = Budget.from_keep(keep) if keep is not None else Budget.from_tokens(budget)
     rows = select_store(store, method, chosen, layer=layer)
     if shown_as != "table":
         typer.echo(rows_text(rows, shown_as))

@@ -44,6 +44,7 @@ from rankkit.eval.offline import parse_method_spec
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, make
+from rankkit.methods.base import ONE_BUDGET
 from rankkit.methods.measure import (
     CostModel,
     Measured,
@@ -440,7 +441,7 @@ def prefill(
     if (data is None) == (context is None):
         missing.append("either --data SPEC or --context-file FILE with --question")
     if budget is None and method.partition(":")[0] != FULL:
-        missing.append("exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)")
+        missing.append(ONE_BUDGET)
     if missing:
         raise RankkitError("give " + ", and ".join(missing))
     if context is not None and not question:

@@ -63,6 +63,16 @@ def test_budget_counts_forced_tokens_and_caps_at_the_prompt():
     assert Budget.from_tokens(64).label == "budget=64"
 
 
+def test_a_budget_is_one_of_keep_or_tokens():
+    from rankkit.errors import RankkitError
+
+    assert Budget.one_of(0.1, None) == Budget.from_keep(0.1)
+    assert Budget.one_of(None, 64) == Budget.from_tokens(64)
+    for neither_or_both in [(None, None), (0.1, 64)]:
+        with pytest.raises(RankkitError, match=r"^give exactly one of --keep \(e.g. 0.1\) or --budget \(e.g. 2048\)$"):
+            Budget.one_of(*neither_or_both)
+
+
 @pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa"])
 def test_pruned_tokens_keep_their_original_positions(name, random_ids):
     runner = _tiny()

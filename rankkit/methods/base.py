@@ -171,6 +171,10 @@ def check_parameters(method: Method, num_layers: int | None = None) -> None:
             raise RankkitError(f"method '{method.name}': {spec.name}={value!r} {problem}{hint}")
 
 
+# what a command that needs a budget asks for when it has none, or two
+ONE_BUDGET = "exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"
+
+
 @dataclass(frozen=True)
 class Budget:
     """How many prompt tokens a method keeps: a keep rate or an absolute count.
@@ -193,6 +197,13 @@ class Budget:
         if tokens < 1:
             raise RankkitError(f"budget {tokens} is not a positive token count: use e.g. --budget 2048")
         return cls(tokens=tokens)
+
+    @classmethod
+    def one_of(cls, keep: float | None, tokens: int | None) -> Budget:
+        """The budget of ``--keep`` or of ``--budget``, exactly one of them given."""
+        if (keep is None) == (tokens is None):
+            raise RankkitError(f"give {ONE_BUDGET}")
+        return cls.from_keep(keep) if keep is not None else cls.from_tokens(tokens)
 
     @classmethod
     def parse(cls, value: float | int) -> Budget:
