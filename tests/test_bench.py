@@ -235,6 +235,26 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_counterbala
     assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes
 
 
+def test_the_compiled_sort_is_ready_before_the_first_run_on_a_cpu(random_ids, monkeypatch):
+    """Its compiling or loading (seconds after an install) would land in the first method that sorts."""
+    from rankkit.methods import measure as measure_module
+
+    events = []
+    monkeypatch.setattr(measure_module, "load_compiled", lambda: events.append("sort ready"))
+    entries = [(make("full"), Budget.from_keep(1.0)), (make("snapkv", window_size=4), Budget.from_keep(0.5))]
+    measure_module.measure_interleaved(
+        Runner(tiny_model("llama")),
+        entries,
+        random_ids,
+        1,
+        tokenizer=None,
+        warmup_runs=0,
+        repeats=1,
+        on_run=lambda method, _: events.append(method.name),
+    )
+    assert events == ["sort ready", "full", "snapkv", "full", "snapkv"]
+
+
 @pytest.mark.integration
 def test_prefill_cli_runs_full_without_a_budget(tmp_path, default_model):
     payload = _prefill_json(tmp_path, "--method", "full")

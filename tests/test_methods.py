@@ -788,6 +788,21 @@ def test_the_compiled_cpu_order_is_torchs_stable_descending_sort(dtype):
         assert torch.equal(descending_ranks(scores), places)
 
 
+def test_the_sort_made_ready_before_timing_is_the_one_every_method_ranks_with():
+    """``load_compiled`` compiles (or loads) every kind of array the methods sort, so none is
+    compiled later, inside a timed run."""
+    from rankkit import sorting
+    from rankkit.methods.selection import descending_order, descending_ranks
+
+    sorting.load_compiled()
+    ready = set(sorting._descending.signatures)
+    scores = torch.randn(4, 300)
+    for ranked in (scores, scores.double(), scores.half(), scores.bfloat16(), scores[:, ::3], scores[0], scores.T):
+        descending_order(ranked)
+        descending_ranks(ranked)
+    assert set(sorting._descending.signatures) == ready and len(ready) == 2
+
+
 @pytest.mark.parametrize(
     "draw",
     [
