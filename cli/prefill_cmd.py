@@ -168,6 +168,7 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
     console.print(table)
     for row in rows:
         console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
+    _say_if_first_runs_timed(rows[0]["warmup"])
     _say_if_timing_only(rows[0].get("timing_only", False))
 
 
@@ -176,6 +177,13 @@ def _say_if_timing_only(timing_only: bool) -> None:
 
     if timing_only:
         console.print(f"[bold]{TIMING_ONLY}[/bold]")
+
+
+def _say_if_first_runs_timed(warmup: int) -> None:
+    from rankkit.bench import FIRST_RUNS_TIMED
+
+    if warmup == 0:
+        console.print(FIRST_RUNS_TIMED)
 
 
 @app.command()
@@ -232,13 +240,14 @@ def bench(
     table = summary(frame)
     if shown_as != "table":
         rows = table.to_dicts()
-        whole = {"out": str(out) if out else None, "timing_only": is_timing_only(table), "summary": rows}
+        whole = {"out": str(out) if out else None, "warmup": warmup, "timing_only": is_timing_only(table)}
+        whole["summary"] = rows
         typer.echo(rows_text(rows, shown_as, whole=whole))
         return
-    _print_summary(table, out, is_timing_only(table))
+    _print_summary(table, out, warmup, is_timing_only(table))
 
 
-def _print_summary(table, out: Path | None, timing_only: bool = False) -> None:
+def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = False) -> None:
     from rankkit.eval.stats import interval_columns, with_interval
 
     def interval(metric: str):
@@ -269,6 +278,7 @@ def _print_summary(table, out: Path | None, timing_only: bool = False) -> None:
     for row in table.to_dicts():
         view.add_row(*(render(row) for _, render in columns))
     console.print(view)
+    _say_if_first_runs_timed(warmup)
     _say_if_timing_only(timing_only)
     if out is not None:
         console.print(f"rows: {out}")

@@ -64,6 +64,9 @@ COST_MODEL = "cost_model"  # the journal notes a resumed bench reuses
 BANDWIDTH = "bandwidth"
 
 
+FIRST_RUNS_TIMED = "times of first runs (--warmup 0), one-time costs included: add --warmup 1 to compare them"
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
@@ -138,6 +141,7 @@ def run_row(
         "tpot_ratio": measured.ratio_to(reference, "tpot_s") if reference else None,
         "kv_ratio": run.kv_bytes / reference.run.kv_bytes if reference else None,
         "ttft_min_s": min(each.ttft_s for each in measured.runs),
+        "warmup": measured.warmup_runs,
         "repeats": len(measured.runs),
         "answer": answer,
         "score": score_answer(example, answer) if example is not None and example.answers else None,
@@ -517,6 +521,7 @@ def prefill_json(rows: list[dict]) -> dict:
     result = {key: method[key] for key in PREFILL_JSON_KEYS} | {
         "budget": method["budget"],
         "length": method["length"],
+        "warmup": method["warmup"],  # 0: first runs timed (``FIRST_RUNS_TIMED``)
         "timing_only": method.get("timing_only", False),
     }
     if len(rows) > 1:

@@ -168,7 +168,7 @@ def test_bench_cli_prints_the_summary_rows_as_csv_or_as_its_json(monkeypatch):
         "full,keep=1,2,1.0,",
     ]
     as_json = CliRunner().invoke(app, [*grid, "--json"]).stdout
-    assert json.loads(as_json) == {"out": None, "timing_only": False, "summary": rows}
+    assert json.loads(as_json) == {"out": None, "warmup": 0, "timing_only": False, "summary": rows}
     assert CliRunner().invoke(app, [*grid, "--format", "json"]).stdout == as_json
 
 

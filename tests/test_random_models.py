@@ -235,3 +235,25 @@ def test_tokenizer_variable_naming_no_tokenizer_is_refused(tiny_shape, monkeypat
     monkeypatch.setenv(models.TOKENIZER_VARIABLE, str(tmp_path))
     with pytest.raises(RankkitError, match="holds no tokenizer.json"):
         models.load_tokenizer(tiny_shape)
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_times_of_first_runs_say_so_in_every_output(tiny_shape, tmp_path, monkeypatch, warmup):
+    """A run timed with no warm-up before it carries one-time costs (the allocator, kernels made for
+    new shapes): the table says so and how to avoid it, and the rows and JSON keep the warm-up count."""
+    import json
+
+    import polars as pl
+
+    from rankkit.bench import FIRST_RUNS_TIMED
+
+    monkeypatch.chdir(tmp_path)
+    run = ["--model", tiny_shape, "--device", "cpu", "--max-new-tokens", "2", "--warmup", str(warmup)]
+    bench = ["bench", "--methods", "full,claa", "--keep", "0.5", "--data", "niah:n=1,length=256", *run]
+    prefill = ["prefill", "--method", "claa", "--keep", "0.5", "--data", "niah:n=1,length=256", *run]
+    for shown in (_invoke([*bench, "--out", "bench.parquet"]), _invoke(prefill)):
+        assert shown.exit_code == 0, shown.output
+        assert (FIRST_RUNS_TIMED in " ".join(shown.output.split())) == (warmup == 0)
+    assert pl.read_parquet("bench.parquet")["warmup"].to_list() == [warmup, warmup]
+    assert json.loads(_invoke([*bench, "--json"]).stdout)["warmup"] == warmup
+    assert json.loads(_invoke([*prefill, "--json"]).stdout)["warmup"] == warmup

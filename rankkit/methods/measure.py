@@ -143,6 +143,7 @@ class Measured:
 
     runs: list[MethodRun]
     warmup_peak_bytes: int | None = None
+    warmup_runs: int = 0  # untimed runs before the first timed one: with none, it carries one-time costs
 
     @property
     def run(self) -> MethodRun:
@@ -193,7 +194,7 @@ def measure_interleaved(
         peak = warm_up(
             runner, method, input_ids, budget, max_new_tokens, tokenizer=tokenizer, runs=warmup_runs
         )
-        measured.append(Measured([], peak))
+        measured.append(Measured([], peak, warmup_runs))
     for round_index in range(repeats):
         for (method, budget), result in counterbalanced(list(zip(entries, measured, strict=True)), round_index):
             on_run(method, budget)
