@@ -168,7 +168,7 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
     console.print(table)
     for row in rows:
         console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
-    _say_if_first_runs_timed(rows[0]["warmup"])
+    _say_if_first_runs_timed([row["warmup"] for row in rows])
     _say_if_timing_only(rows[0].get("timing_only", False))
 
 
@@ -179,10 +179,10 @@ def _say_if_timing_only(timing_only: bool) -> None:
         console.print(f"[bold]{TIMING_ONLY}[/bold]")
 
 
-def _say_if_first_runs_timed(warmup: int) -> None:
-    from rankkit.bench import FIRST_RUNS_TIMED
+def _say_if_first_runs_timed(warmups: list[int]) -> None:
+    from rankkit.bench import FIRST_RUNS_TIMED, first_runs_timed
 
-    if warmup == 0:
+    if first_runs_timed(warmups):
         console.print(FIRST_RUNS_TIMED)
 
 
@@ -278,7 +278,7 @@ def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = Fal
     for row in table.to_dicts():
         view.add_row(*(render(row) for _, render in columns))
     console.print(view)
-    _say_if_first_runs_timed(warmup)
+    _say_if_first_runs_timed([warmup])
     _say_if_timing_only(timing_only)
     if out is not None:
         console.print(f"rows: {out}")

@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import polars as pl
@@ -64,7 +64,13 @@ COST_MODEL = "cost_model"  # the journal notes a resumed bench reuses
 BANDWIDTH = "bandwidth"
 
 
-FIRST_RUNS_TIMED = "times of first runs (--warmup 0), one-time costs included: add --warmup 1 to compare them"
+FIRST_RUNS_TIMED = "These times are of first runs (--warmup 0), one-time costs included: add --warmup 1 to compare them."
+
+
+def first_runs_timed(warmups: Iterable[int | None]) -> bool:
+    """Whether any of these runs' times (their ``warmup`` counts) is of a first run, with no warm-up
+    before it, and so carries one-time costs (the allocator, kernels made for new shapes)."""
+    return any(count == 0 for count in warmups)
 
 
 @dataclass(frozen=True)

@@ -440,6 +440,18 @@ def test_tradeoff_figure_one_point_per_method_and_keep_and_the_front():
     )
 
 
+def test_the_tradeoff_panel_says_when_its_times_are_of_first_runs():
+    from rankkit.bench import FIRST_RUNS_TIMED
+    from rankkit.report import _tradeoff_panel
+
+    bench = bench_frame()
+    colors = figures.method_colors(bench["method"].unique())
+    first_runs = bench.with_columns(warmup=pl.when(pl.col("method") == "claa").then(0).otherwise(1))
+    assert FIRST_RUNS_TIMED in _tradeoff_panel(first_runs, colors).caption
+    for warmed in (bench.with_columns(warmup=pl.lit(1)), bench):  # a bench without the column says nothing
+        assert FIRST_RUNS_TIMED not in _tradeoff_panel(warmed, colors).caption
+
+
 def test_diffusion_figure_share_correct_and_per_example_metrics():
     frame = diffusion_frame()
     figure = figures.diffusion_figure(frame, layer=3, metric="answer_logprob")

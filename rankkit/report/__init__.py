@@ -31,8 +31,10 @@ import polars as pl
 
 from rankkit import outputs
 from rankkit.bench import (
+    FIRST_RUNS_TIMED,
     SUMMARY_INPUTS,
     check_same_model,
+    first_runs_timed,
     is_model_of,
     measured_by,
     refuse_timing_only_bench,
@@ -532,6 +534,8 @@ def _tradeoff_panel(bench, colors) -> Panel:
             missing=f"No scored bench results. Run {_code(BENCH_COMMAND)} and pass "
             f"{_code('--bench bench.parquet')}.",
         )
+    if first_runs_timed(bench["warmup"] if "warmup" in bench.columns else []):  # older benches did not keep it
+        caption += f" {FIRST_RUNS_TIMED}"
     return Panel(
         "tradeoff",
         title,
