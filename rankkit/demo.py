@@ -49,6 +49,23 @@ def answer(
     return {"model": loaded.model_id, "prompt_tokens": prompt.num_tokens, "answer": text}
 
 
+def captured_line(captured) -> str:
+    """What the demo's capture did (a ``CaptureSummary``): a rerun finds its examples in the store
+    already and captures none, so it has no speed or oracle score of its own to print."""
+
+    def examples(count: int) -> str:
+        return f"{count} example{'' if count == 1 else 's'}"
+
+    said = []
+    if captured.written:
+        said.append(f"captured {examples(captured.written)} ({captured.tokens_per_second:,.0f} tok/s)")
+    if captured.correct:
+        said.append(f"the oracle's answers scored {captured.accuracy:.2f} (mean of {len(captured.correct)})")
+    if captured.skipped:
+        said.append(f"{examples(captured.skipped)} held from an earlier run, not captured again")
+    return "; ".join(said)
+
+
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
     from rankkit.bench import BenchSettings, run_bench, summary, with_model
@@ -75,10 +92,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         captured = capture(
             data=DEMO_DATA, out=written["store"], device=device, oracle=OracleOptions(max_new_tokens=16)
         )
-    console.print(
-        f"captured {captured.examples} examples ({captured.tokens_per_second:,.0f} tok/s), "
-        f"oracle answers correct: {captured.accuracy}"
-    )
+    console.print(captured_line(captured))
 
     with console.status("compare against the oracle, ASL variance curves"):
         comparison = compare_store(written["store"])

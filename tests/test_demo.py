@@ -104,3 +104,20 @@ def test_demo_tables_carry_numbers(demo_run):
     for method in BENCHED_METHODS:
         row = next(line for line in end_to_end.splitlines() if re.search(rf"\b{method}\b", line))
         assert re.search(interval, row), row
+
+
+def test_demo_says_what_its_capture_did_on_a_first_run_and_on_a_rerun():
+    """A rerun resumes a finished store: it captures nothing, so it has no speed or oracle score to
+    print (it printed '0 tok/s' and 'oracle answers correct: None')."""
+    from rankkit.capture import CaptureSummary
+    from rankkit.demo import captured_line
+
+    first = CaptureSummary("niah.zarr", examples=4, written=4, tokens=4000, seconds=50.0, correct=[1.0, 0.0, 1.0, 0.0])
+    assert captured_line(first) == "captured 4 examples (80 tok/s); the oracle's answers scored 0.50 (mean of 4)"
+    rerun = CaptureSummary("niah.zarr", examples=4, skipped=4)
+    assert captured_line(rerun) == "4 examples held from an earlier run, not captured again"
+    resumed = CaptureSummary("niah.zarr", examples=4, written=1, skipped=3, tokens=1000, seconds=10.0, correct=[1.0])
+    assert captured_line(resumed) == (
+        "captured 1 example (100 tok/s); the oracle's answers scored 1.00 (mean of 1); "
+        "3 examples held from an earlier run, not captured again"
+    )
