@@ -37,7 +37,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "skipped": summary.skipped,
         "tokens": summary.tokens,
         "seconds": round(summary.seconds, 3),
-        "tokens_per_second": round(summary.tokens_per_second, 1),
+        "tokens_per_second": None if summary.tokens_per_second is None else round(summary.tokens_per_second, 1),
         "accuracy": summary.accuracy,
         "without_answer": len(summary.without_answer),
     }

@@ -114,8 +114,9 @@ class CaptureSummary:
             ) from None
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+    def tokens_per_second(self) -> float | None:
+        """This run's speed; None when it wrote nothing (a rerun of a finished store): nothing was timed."""
+        return self.tokens / self.seconds if self.tokens and self.seconds else None
 
     @property
     def accuracy(self) -> float | None:

@@ -102,6 +102,7 @@ def test_rerun_skips_complete_examples(reference_store, tiny_folder):
         oracle=OracleOptions(max_new_tokens=4),
     )
     assert (summary.skipped, summary.written) == (4, 0)
+    assert summary.tokens_per_second is None and summary.accuracy is None  # nothing timed or scored: no figure
 
 
 @pytest.mark.processes
