@@ -22,6 +22,7 @@ import torch
 
 from rankkit import models
 from rankkit.checks import check_length, check_token_counts
+from rankkit.errors import RankkitError
 from rankkit.measure import (
     TensorMemoryTracker,
     counterbalanced,
@@ -227,6 +228,8 @@ def run_overhead(
     the model's positions is refused unless ``allow_overlength``."""
     check_token_counts(lengths)  # before the model loads
     check_decode_options(cuda_graphs, compile_decode)
+    if not (with_timing or with_memory):
+        raise RankkitError("--no-timing with --no-memory leaves nothing to measure: drop one of them")
     config = models.load_config(model_spec)
     for length in lengths:
         check_length(length, config, f"the prompt of --lengths {length}", allow_overlength=allow_overlength)
@@ -234,10 +237,12 @@ def run_overhead(
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     rows = []
     for length in lengths:
-        times = {"baseline": [float("nan")], "rankkit": [float("nan")]}
         sides = _sides(scenario, loaded, length, cuda_graphs, compile_decode)
+        # a side not timed has no time: None, never a NaN that prints as a figure or breaks --json
+        seconds = dict.fromkeys(("baseline", "rankkit"))
         if with_timing:
             times = _interleaved_times(sides, loaded.device, repeats, progress)
+            seconds = {side: statistics.median(times[side]) / sides.steps for side in seconds}
         row = {
             "scenario": scenario,
             "model": loaded.model_id,
@@ -245,15 +250,15 @@ def run_overhead(
             "tokens": length,
             "baseline": baseline_name,
             "rankkit": rankkit_name + (", CUDA graphs" if cuda_graphs else "") + (", compiled" if compile_decode else ""),
-            "baseline_s": statistics.median(times["baseline"]) / sides.steps,
-            "rankkit_s": statistics.median(times["rankkit"]) / sides.steps,
-            "repeats": repeats,
+            "baseline_s": seconds["baseline"],
+            "rankkit_s": seconds["rankkit"],
+            "repeats": repeats if with_timing else 0,
+            "time_ratio": _ratio(seconds["rankkit"], seconds["baseline"]),
         }
-        row["time_ratio"] = row["rankkit_s"] / row["baseline_s"]
         if sides.bytes_per_step is not None:
             bandwidth = memory_bandwidth(loaded.device)  # a measured one is measured once per process
             row["bound_s"] = sides.bytes_per_step / bandwidth.bytes_per_s
-            row["bound_ratio"] = row["rankkit_s"] / row["bound_s"]
+            row["bound_ratio"] = _ratio(row["rankkit_s"], row["bound_s"])
             row["bandwidth_source"] = bandwidth.source
             # what a streaming read achieves here: how much of a data sheet's bound a step could reach
             row["read_bound_s"] = sides.bytes_per_step / read_bandwidth(loaded.device)
@@ -268,3 +273,7 @@ def run_overhead(
                 row["memory_ratio"] = row["rankkit_peak_bytes"] / row["baseline_peak_bytes"]
         rows.append(row)
     return rows
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or denominator is None else numerator / denominator

@@ -21,9 +21,33 @@ def test_runner_overhead_rows_hold_times_and_tensor_memory(tiny_folder):
     assert 0.8 <= row["memory_ratio"] <= 1.1
 
 
-def test_memory_only_run_skips_timing(tiny_folder):
-    (row,) = run_overhead("capture", [32], model_spec=str(tiny_folder), device="cpu", with_timing=False)
-    assert math.isnan(row["time_ratio"]) and row["rankkit_peak_bytes"] > 0
+def test_a_memory_only_run_reports_no_times_in_any_output(tiny_folder):
+    """Times not measured are missing (null in --json, '-' in the table), never NaN: NaN is not JSON,
+    and a table would print it as a figure. Neither timing nor memory is a refusal."""
+    import json
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    arguments = ["overhead", "decode", "--model", str(tiny_folder), "--device", "cpu", "--lengths", "40"]
+    result = CliRunner().invoke(app, [*arguments, "--no-timing", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(f"{name} in --json"))
+    assert row["baseline_s"] is row["rankkit_s"] is row["time_ratio"] is row["bound_ratio"] is None
+    assert row["repeats"] == 0 and row["bound_s"] > 0 and row["rankkit_peak_bytes"] > 0
+    shown = CliRunner().invoke(app, [*arguments, "--no-timing"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "nan" not in shown.stdout.lower()
+    refused = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", *arguments, "--no-timing", "--no-memory"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "rankkit: error: --no-timing with --no-memory leaves nothing to measure: drop one of them"
+    ]
 
 
 def test_analysis_cost_times_every_step_on_a_synthetic_store(tmp_path):
