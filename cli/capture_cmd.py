@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -30,6 +29,8 @@ def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int
 
 
 def _print_summary(summary, as_json: bool, title: str) -> None:
+    from rankkit.report.tables import json_text
+
     row = {
         "out": summary.out,
         "examples": summary.examples,
@@ -42,7 +43,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "without_answer": len(summary.without_answer),
     }
     if as_json:
-        print(json.dumps(row))
+        print(json_text(row))
         return
     table = Table(title=title, show_header=False)
     for key, value in row.items():

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 import polars as pl
 import typer
 from rich.progress import Progress
@@ -39,7 +37,7 @@ def overhead(
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
-    from rankkit.report.tables import frame_table
+    from rankkit.report.tables import frame_table, json_text
 
     if scenario not in (*SCENARIOS, "analysis"):
         raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}, analysis")
@@ -66,7 +64,7 @@ def overhead(
             progress=lambda: progress.advance(task),
         )
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json_text(rows, indent=2))
         return
     frame = pl.DataFrame(
         [
@@ -95,6 +93,7 @@ def _mib(value: int | None) -> float | None:
 
 def _analysis(examples: int, token_counts: list[int], workers: int | None, as_json: bool) -> None:
     from rankkit.eval.cost import STEPS, run_analysis_cost
+    from rankkit.report.tables import json_text
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("analysis cost", total=len(token_counts) * (1 + len(STEPS)))
@@ -102,7 +101,7 @@ def _analysis(examples: int, token_counts: list[int], workers: int | None, as_js
             examples, token_counts, workers=workers, progress=lambda: progress.advance(task)
         )
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json_text(rows, indent=2))
         return
     table = Table(title=f"analysis of {examples} synthetic examples ({rows[0]['workers']} workers)")
     for column in ("step", "tokens", "seconds", "s per example", "peak MiB", "files per example", "page MiB"):

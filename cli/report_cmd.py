@@ -1,6 +1,5 @@
 """`rankkit report STORE --bench B.parquet`: each method's offline and end-to-end numbers in one table."""
 
-import json
 from pathlib import Path
 
 import typer
@@ -21,12 +20,13 @@ def report(
     and online, and accuracy, each with its 95% interval and n."""
     from rankkit import outputs
     from rankkit.report.joined import join_store_and_bench
+    from rankkit.report.tables import json_text
 
     joined = join_store_and_bench(store, bench)
     if out is not None:
         outputs.write_parquet(joined.per_example, out)
     if as_json:
-        typer.echo(json.dumps(joined.summary.to_dicts()))
+        typer.echo(json_text(joined.summary.to_dicts()))
         return
     import polars as pl
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -45,7 +44,8 @@ def generate(
     """Greedy answer through the layer-by-layer runner (full prefill)."""
     from rankkit.data import read_context_file
     from rankkit.demo import answer
+    from rankkit.report.tables import json_text
 
     context = read_context_file(context_file) if context_file else ""
     result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
-    console.print_json(json.dumps(result)) if as_json else console.print(result["answer"])
+    console.print_json(json_text(result)) if as_json else console.print(result["answer"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -63,6 +62,7 @@ def sweep(
     and exits 130; the same command resumes.
     """
     from rankkit.progress import ignore
+    from rankkit.report.tables import json_text
     from rankkit.shards import shard
     from rankkit.sweep import sweep as run_sweep
 
@@ -89,7 +89,7 @@ def sweep(
         return
     if dry_run:
         if as_json:
-            typer.echo(json.dumps(summary.plan.as_dict()))
+            typer.echo(json_text(summary.plan.as_dict()))
         return
     rows = [
         {
@@ -102,7 +102,7 @@ def sweep(
     ]
     if as_json:
         typer.echo(
-            json.dumps({"out": str(summary.out), "seconds": round(summary.seconds, 3), "stages": rows})
+            json_text({"out": str(summary.out), "seconds": round(summary.seconds, 3), "stages": rows})
         )
         return
     table = Table(title=f"sweep {summary.experiment} → {summary.out} ({summary.seconds:.1f} s)")

@@ -163,6 +163,18 @@ def test_rows_as_csv_keep_every_value_whole_and_json_what_the_command_prints():
         rows_text(rows, "table")
 
 
+def test_a_figure_that_is_not_a_number_is_missing_in_json_and_csv():
+    """NaN is not JSON: Python writes it, and jq, JavaScript and most parsers refuse the whole
+    output. Every command's JSON writes an undefined figure as null, and CSV as an empty field."""
+    from rankkit.report.tables import json_text, rows_text
+
+    rows = [{"method": "asl", "spearman": float("nan"), "curve": [0.5, float("inf"), None], "deep": {"x": (float("-inf"),)}}]
+    expected = [{"method": "asl", "spearman": None, "curve": [0.5, None, None], "deep": {"x": [None]}}]
+    assert json.loads(json_text(rows, indent=2), parse_constant=pytest.fail) == expected
+    assert json.loads(rows_text(rows, "json"), parse_constant=pytest.fail) == expected
+    assert rows_text(rows, "csv") == 'method,spearman,curve,deep\nasl,,"[0.5,null,null]","{""x"":[null]}"'
+
+
 def test_nested_keys_flatten_to_dotted_key_value_rows():
     from rankkit.report.tables import flat_rows
 

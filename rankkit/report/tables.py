@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,11 +128,11 @@ def rows_text(rows: Sequence[Mapping[str, Any]], table_format: str, whole: Any =
     """A command's rows as ``table_format`` (csv or json), every value whole.
 
     csv: a header of every key in the order the rows first name it, then one line per row;
-    a missing or null value is an empty field, a list or mapping its compact JSON. json: ``whole``
+    a missing, null or NaN value is an empty field, a list or mapping its compact JSON. json: ``whole``
     (what the command's ``--json`` prints, when that is more than its rows), else the rows.
     """
     if table_format == "json":
-        return json.dumps(rows if whole is None else whole, indent=2)
+        return json_text(rows if whole is None else whole, indent=2)
     if table_format != "csv":
         raise ValueError(f"rows are written as csv or json, not {table_format!r}")
     header = list(dict.fromkeys(key for row in rows for key in row))
@@ -141,6 +142,23 @@ def rows_text(rows: Sequence[Mapping[str, Any]], table_format: str, whole: Any =
     for row in rows:
         writer.writerow(_field(row.get(key)) for key in header)
     return buffer.getvalue().rstrip("\n")
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    """``value`` as the JSON a command prints for scripts. A NaN or infinite float (a figure not
+    measured, or undefined) is written null: Python's default writes NaN, which no JSON parser
+    outside Python reads."""
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def flat_rows(mapping: Mapping[str, Any], prefix: str = "") -> list[dict[str, Any]]:
@@ -156,6 +174,7 @@ def flat_rows(mapping: Mapping[str, Any], prefix: str = "") -> list[dict[str, An
 
 
 def _field(value: Any) -> Any:
+    value = _finite(value)
     if isinstance(value, Mapping | list | tuple):
         return json.dumps(value, separators=(",", ":"))
     return "" if value is None else value
