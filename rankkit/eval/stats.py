@@ -110,7 +110,11 @@ def bootstrap_means(
             bounds[:, skipped] = np.nanpercentile(resampled[:, skipped], [tail, 100 - tail], axis=0)
         else:  # no copy of the resamples
             bounds = np.percentile(resampled, [tail, 100 - tail], axis=0)
-        low[spread], high[spread] = bounds + means[spread]
+        # Every resample's mean lies within the column's values; the float32 rounding above can
+        # step a hair outside (a share's interval from -1e-9), so the bounds are held inside them.
+        lowest = np.where(has, filled[:, spread], np.inf).min(axis=0)
+        highest = np.where(has, filled[:, spread], -np.inf).max(axis=0)
+        low[spread], high[spread] = np.clip(bounds + means[spread], lowest, highest)
     return means, low, high, counts
 
 
