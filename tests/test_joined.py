@@ -116,6 +116,32 @@ def test_summary_means_each_face_per_method_and_keep_with_n(store_and_bench, cli
     assert pl.read_parquet(store.parent / "joined.parquet").equals(joined.per_example)
 
 
+def test_report_prints_a_table_and_never_writes_over_a_file_or_its_inputs(store_and_bench, cli):
+    """The terminal gets the table every other command prints (intervals merged, a legend line per
+    column), not a frame's repr; --out is refused over an existing file without --overwrite, and
+    always over the store or the bench it reads."""
+    store, bench, _ = store_and_bench
+    kept = bench.read_bytes()
+    shown = cli("report", store, "--bench", bench)
+    assert shown.exit_code == 0, shown.output
+    assert "ev on: share of the evidence tokens the end-to-end run keeps" in shown.stdout
+    assert "shape:" not in shown.stdout and "evidence_kept_offline" not in shown.stdout
+    csv_text = cli("report", store, "--bench", bench, "--format", "csv").stdout
+    assert csv_text.splitlines()[0].startswith("method,keep,spearman,spearman_ci_low,spearman_ci_high,")
+
+    refused = cli("report", store, "--bench", bench, "--out", bench, "--overwrite")
+    assert "is one of this command's inputs" in str(refused.exception)
+    assert bench.read_bytes() == kept
+    joined = store.parent / "report.parquet"
+    assert cli("report", store, "--bench", bench, "--out", joined).exit_code == 0
+    joined.write_bytes(b"a user's file")
+    refused = cli("report", store, "--bench", bench, "--out", joined)
+    assert "already exists; pass --overwrite to replace it" in str(refused.exception)
+    assert joined.read_bytes() == b"a user's file"
+    assert cli("report", store, "--bench", bench, "--out", joined, "--overwrite").exit_code == 0
+    assert pl.read_parquet(joined).height > 0
+
+
 def test_a_bench_of_other_examples_or_another_model_is_refused(store_and_bench, cli, tmp_path):
     import subprocess
     import sys

@@ -33,16 +33,28 @@ class Joined:
     summary: pl.DataFrame  # per method and keep: every metric's mean with its interval and n
 
 
-def join_store_and_bench(store_path: str | os.PathLike, bench_path: str | os.PathLike) -> Joined:
+def join_store_and_bench(
+    store_path: str | os.PathLike,
+    bench_path: str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Joined:
     """The store's offline comparison at each keep rate of the bench ``bench_path``, joined with the
     bench's rows of the same examples. A bench of another model, or without rows for the store's
-    examples or a keep rate, is refused."""
-    from rankkit import stores
+    examples or a keep rate, is refused. With ``out``, the per-example join is written there as
+    parquet: refused before any work if it exists (unless ``overwrite``) or is one of the inputs."""
+    from rankkit import outputs, stores
     from rankkit.report import _bench_frame
 
+    if out is not None:
+        outputs.claim([out], overwrite=overwrite, inputs=[store_path, bench_path])
     store = stores.open(store_path)
     refuse_timing_only_store(store.meta, store.path, "report its rankings beside a bench")
-    return join_bench_rows(store, _bench_frame(bench_path, store), f"bench {bench_path}")
+    joined = join_bench_rows(store, _bench_frame(bench_path, store), f"bench {bench_path}")
+    if out is not None:
+        outputs.write_parquet(joined.per_example, out)
+    return joined
 
 
 def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | None = None) -> Joined:

@@ -41,6 +41,8 @@ HEADERS: Mapping[str, tuple[str, str]] = {
         "layers where the method is higher with p < 0.05 (of the layers both methods have)",
     ),
     "lower_layers": ("sig.↓", "layers where the method is lower with p < 0.05"),
+    "evidence_kept_offline": ("ev off", "share of the evidence tokens the store's selection keeps (offline)"),
+    "evidence_kept": ("ev on", "share of the evidence tokens the end-to-end run keeps"),
     "accuracy": ("acc", "share of answers with full marks"),
     "answer_logprob": ("log p", "log-probability of the reference answer, teacher-forced"),
     "first_token_kl": ("KL 1st token", "KL(unpruned || pruned) of the first answer token's distribution"),
