@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rankkit import defaults, models
+from rankkit import defaults, models, outputs
 from rankkit.errors import RankkitError
 from rankkit.prompting import build_prompt, example_prompt
 from rankkit.runner import Runner
@@ -66,6 +66,32 @@ def captured_line(captured) -> str:
     return "; ".join(said)
 
 
+DEMO_MARKER = ".rankkit-demo"  # in a folder the demo wrote: its rerun may rewrite the demo's files there
+
+
+def claim_folder(out: Path, written: dict[str, Path]) -> None:
+    """Make ``out`` the demo's before any work. A rerun rewrites what an earlier demo wrote there
+    (its store resumes); a file or folder of the demo's names that no demo made is refused, so the
+    demo never writes over a user's file."""
+    from rankkit.eval import compare, variance
+
+    outputs.check_writable(out)
+    paths = [
+        *(value for name, value in written.items() if name not in ("compare", "variance")),
+        *compare.output_paths(written["compare"]),
+        *variance.output_paths(written["variance"]),
+    ]
+    if not (out / DEMO_MARKER).is_file():
+        for path in paths:
+            if path.exists():
+                raise RankkitError(
+                    f"{path} is in the way: the demo writes there but did not make it; move it away, "
+                    "or choose another --out"
+                )
+    out.mkdir(parents=True, exist_ok=True)
+    outputs.write_text("written by `rankkit demo`: a rerun rewrites the demo's files here\n", out / DEMO_MARKER)
+
+
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
     from rankkit.bench import BenchSettings, run_bench, summary, with_model
@@ -79,7 +105,6 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     from rankkit.report.tables import frame_table
 
     console = console or Console()
-    out.mkdir(parents=True, exist_ok=True)
     written = {
         "store": out / "niah.zarr",
         "compare": out / "compare.parquet",
@@ -87,6 +112,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         "bench": out / "bench.parquet",
         "dashboard": out / "report.html",
     }
+    claim_folder(out, written)
 
     with console.status(f"capture: every probe at every layer + oracle, {DEMO_DATA}"):
         captured = capture(
@@ -113,7 +139,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
             prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
         )
         frame = with_model(frame, loaded)
-        frame.write_parquet(written["bench"])
+        outputs.write_parquet(frame, written["bench"])
     per_method = summary(frame).select(
         "method",
         *(column for metric in ("accuracy", "ttft_ratio") for column in (metric, *interval_columns(metric))),

@@ -230,3 +230,24 @@ def test_prefill_compare_as_csv_is_one_line_per_method_with_its_json_numbers(tin
     assert int(claa["kv_bytes"]) == as_json["kv_bytes"] and int(full["kv_bytes"]) == as_json["compare"]["kv_bytes"]
     assert json.loads(claa["selected_positions"]) == as_json["selected_positions"]
     assert float(claa["kv_ratio"]) == as_json["kv_ratio"]
+
+
+def test_every_command_that_writes_a_file_takes_overwrite():
+    """A command with --out refuses to write over an existing file unless --overwrite is given; one
+    without the option either overwrote silently (report did) or could never replace its output.
+    The demo owns its folder instead (rankkit.demo.claim_folder)."""
+    import typer.main
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    def leaves(command, name=""):
+        if hasattr(command, "commands"):
+            for child_name, child in command.commands.items():
+                yield from leaves(child, f"{name} {child_name}".strip())
+        else:
+            yield name, {option for parameter in command.params for option in getattr(parameter, "opts", [])}
+
+    writing = {name: options for name, options in leaves(typer.main.get_command(app)) if "--out" in options}
+    assert {"capture", "compare", "bench", "report", "sweep", "data export"} <= set(writing)
+    assert [name for name, options in writing.items() if "--overwrite" not in options] == ["demo"]

@@ -27,6 +27,8 @@ BENCHED_METHODS = {"full", "gemfilter", "fastkv", "claa", "snapkv"}
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's notes")  # stays beside the demo's files
     rankkit = Path(sys.executable).with_name("rankkit")
     environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
     finished = subprocess.run(
@@ -121,3 +123,34 @@ def test_demo_says_what_its_capture_did_on_a_first_run_and_on_a_rerun():
         "captured 1 example (100 tok/s); the oracle's answers scored 1.00 (mean of 1); "
         "3 examples held from an earlier run, not captured again"
     )
+
+
+def test_the_demo_never_writes_over_a_file_it_did_not_make(tmp_path):
+    """--out may name a user's folder: a file of the demo's names there that no demo made is refused
+    before any work and left as it was; other files stay beside the demo's; a folder an earlier
+    demo wrote is the demo's to rewrite on a rerun."""
+    rankkit = Path(sys.executable).with_name("rankkit")
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "compare.summary.parquet").write_bytes(b"a user's table")
+    refused = subprocess.run([str(rankkit), "demo", "--out", str(users)], capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        f"rankkit: error: {users / 'compare.summary.parquet'} is in the way: the demo writes there but did "
+        "not make it; move it away, or choose another --out"
+    ]
+    assert sorted(path.name for path in users.iterdir()) == ["compare.summary.parquet"]
+    assert (users / "compare.summary.parquet").read_bytes() == b"a user's table"
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    refused = subprocess.run([str(rankkit), "demo", "--out", str(a_file)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "is a file, not a folder" in refused.stderr and a_file.read_text() == "mine"
+
+
+def test_a_demo_folder_is_marked_as_the_demos(demo_run):
+    out, _ = demo_run
+    from rankkit.demo import DEMO_MARKER, claim_folder
+
+    assert (out / DEMO_MARKER).is_file() and (out / "notes.txt").read_text() == "a user's notes"
+    claim_folder(out, {"compare": out / "compare.parquet", "variance": out / "variance.parquet"})  # a rerun's
