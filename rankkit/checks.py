@@ -75,3 +75,10 @@ def refuse_timing_only_store(meta: dict, path, what: str) -> None:
             f"store {path} was captured with {meta['model']['id']}, {TIMING_ONLY}: "
             f"capture a real model to {what}"
         )
+
+
+def warn_timing_only_store(meta: dict, path) -> None:
+    """Say so where an output is drawn from a store captured with random weights but needs no oracle
+    (ASL's curves, kept positions, compare --no-oracle): the figures are right, and mean nothing."""
+    if meta.get("timing_only"):
+        warnings.warn(f"store {path} was captured with {meta['model']['id']}: {TIMING_ONLY}", stacklevel=3)

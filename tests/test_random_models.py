@@ -183,6 +183,19 @@ def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missi
     ):
         assert "captured with random:tiny, timing only" in _refusal(refused), refused
     assert not (tmp_path / "page.html").exists()
+    # what needs no oracle is drawn, and says what its figures are worth
+    from rankkit.eval.compare import compare_store
+    from rankkit.eval.offline import select_store
+    from rankkit.eval.variance import variance_store
+    from rankkit.methods import Budget
+
+    for drawn in (
+        lambda: variance_store("store.zarr", method="asl:window_size=8"),
+        lambda: select_store("store.zarr", "fastkv", Budget.from_keep(0.5)),
+        lambda: compare_store("store.zarr", use_oracle=False),
+    ):
+        with pytest.warns(UserWarning, match=r"store.zarr was captured with random:tiny: timing only: random weights"):
+            drawn()
 
 
 def test_a_timing_only_bench_is_refused_beside_a_store():

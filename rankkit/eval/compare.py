@@ -69,7 +69,7 @@ import polars as pl
 import torch
 
 from rankkit import outputs
-from rankkit.checks import TIMING_ONLY, refuse_timing_only_store
+from rankkit.checks import refuse_timing_only_store, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
@@ -671,8 +671,8 @@ def compare_store(
     store = stores.open(path)
     if use_oracle:
         refuse_timing_only_store(store.meta, store.path, "compare rankings with its oracle")
-    elif store.meta.get("timing_only"):
-        warnings.warn(f"store {store.path}: {TIMING_ONLY}", stacklevel=2)
+    else:
+        warn_timing_only_store(store.meta, store.path)
     store.warn_skipped()
     records = list(store.examples())
     if not records:

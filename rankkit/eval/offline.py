@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rankkit.checks import warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Captured, Method, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
@@ -159,6 +160,7 @@ def select_store(
     if shared_layer is None and layer is not None:
         method = method.with_layer(layer)
     store = stores.open(path)
+    warn_timing_only_store(store.meta, store.path)
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")

@@ -24,6 +24,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
+from rankkit.checks import warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl
@@ -160,6 +161,7 @@ def variance_store(
     workers = checked_workers(workers)  # a bad --workers fails before any reading
     asl = curve_method(method, min_layer, observed_layers)
     store = stores.open(path)
+    warn_timing_only_store(store.meta, store.path)
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
