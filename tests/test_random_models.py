@@ -270,3 +270,44 @@ def test_times_of_first_runs_say_so_in_every_output(tiny_shape, tmp_path, monkey
     assert pl.read_parquet("bench.parquet")["warmup"].to_list() == [warmup, warmup]
     assert json.loads(_invoke([*bench, "--json"]).stdout)["warmup"] == warmup
     assert json.loads(_invoke([*prefill, "--json"]).stdout)["warmup"] == warmup
+
+
+def test_a_random_shapes_weights_hash_is_known_before_its_weights_are_drawn(tiny_shape):
+    """The sweep prices its plan from the cost model cached under the weights hash, before any model
+    loads: for a random shape that hash comes from the config, seed and dtype alone."""
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="timing only"):
+        loaded = models.load(tiny_shape, device="cpu")
+    assert models.known_weights_hash(tiny_shape, cpu) == loaded.weights_hash
+    assert models.random_weights_hash(tiny_shape, torch.bfloat16) != loaded.weights_hash  # other weights
+    with pytest.warns(UserWarning, match="timing only"):
+        assert models.load(tiny_shape, device="cpu", dtype=torch.bfloat16).weights_hash == (
+            models.random_weights_hash(tiny_shape, torch.bfloat16)
+        )
+
+
+def test_a_sweep_of_a_random_shape_refuses_the_stages_that_judge_it_before_any_work(tiny_shape, tmp_path):
+    from rankkit.sweep import sweep
+
+    experiment = tmp_path / "timing.toml"
+    experiment.write_text(
+        'stages = ["capture", "bench", "compare", "dashboard"]\nmethods = ["full"]\n'
+        f'[model]\nname = "{tiny_shape}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(RankkitError, match=(
+        r"timing.toml \[model\]: random:tiny has random weights, for timing only: stages compare, dashboard "
+        "judge rankings and answers it does not have; drop them, or name a real model"
+    )):  # fmt: skip
+        sweep(experiment, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_diffusion_probe_refuses_random_weights_before_any_work(tiny_shape, tmp_path):
+    """It asks whether the answer survives; random weights have none (it said 'give a larger
+    --max-new-tokens' after the first example)."""
+    from rankkit.eval.diffusion import diffusion_probe
+
+    with pytest.raises(RankkitError, match=r"^the diffusion probe measures answers, and random:tiny has random weights"):
+        diffusion_probe("niah:n=1,length=128", model=tiny_shape, out=tmp_path / "d.parquet")
+    assert list(tmp_path.iterdir()) == []

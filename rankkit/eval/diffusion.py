@@ -245,6 +245,15 @@ def example_diffusion(
     )
 
 
+def refuse_timing_only_model(model: str) -> None:
+    """The probe asks whether the answer survives; random weights (``random:<shape>``) have none to keep."""
+    if models.timing_only(model):
+        raise RankkitError(
+            f"the diffusion probe measures answers, and {model} has random weights (timing only): "
+            "give a real model, e.g. --model default"
+        )
+
+
 def diffusion_probe(
     data: str,
     *,
@@ -266,6 +275,7 @@ def diffusion_probe(
     again resumes, skipping finished examples. ``progress`` gets an event per example.
     ``shard`` = (rank, world) probes only that rank's ``rankkit.shards.share`` of the examples.
     """
+    refuse_timing_only_model(model)
     config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
     if out is not None:
