@@ -438,9 +438,22 @@ def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedM
         f"{spec} has random weights: timing only (answers are meaningless, scores are reported as missing)",
         stacklevel=3,
     )
-    identity = json.dumps({"config": config.to_dict(), "seed": RANDOM_SEED}, sort_keys=True, default=str)
-    weights_hash = hashlib.sha256(identity.encode()).hexdigest()
-    return LoadedModel(model, load_tokenizer(spec), spec, weights_hash, target, timing_only=True)
+    return LoadedModel(model, load_tokenizer(spec), spec, random_weights_hash(spec, dtype), target, timing_only=True)
+
+
+def random_weights_hash(spec: str, dtype: torch.dtype) -> str:
+    """What names ``random:<shape>``'s weights, known without drawing them: the published config, the
+    seed and the dtype they are drawn in (the same seed draws other weights in another dtype)."""
+    identity = {"config": random_config(spec).to_dict(), "seed": RANDOM_SEED, "dtype": str(dtype)}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def known_weights_hash(spec: str, device: torch.device) -> str | None:
+    """``spec``'s weights hash where it is known without reading a weight file: always for a random
+    shape (drawn in ``device``'s dtype), for a folder where recorded (``recorded_weights_hash``)."""
+    if timing_only(spec):
+        return random_weights_hash(spec, default_dtype(device))
+    return recorded_weights_hash(resolve_folder(spec))
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's

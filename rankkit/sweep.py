@@ -370,6 +370,21 @@ class SweepPlan:
         }
 
 
+# the stages that judge rankings or answers against the oracle: refused on random weights
+JUDGING_STAGES = ("compare", "diffusion", "dashboard")
+
+
+def _refuse_meaningless_stages(plan: Experiment) -> None:
+    """A ``random:<shape>`` model is for timing: the stages that judge its rankings or answers would
+    refuse its stores after the capture, so the sweep refuses them before any model loads."""
+    judging = [stage for stage in JUDGING_STAGES if stage in plan.stages]
+    if models.timing_only(plan.model.name) and judging:
+        raise RankkitError(
+            f"{plan.model.name} has random weights, for timing only: stages {', '.join(judging)} judge "
+            "rankings and answers it does not have; drop them, or name a real model"
+        )
+
+
 @dataclass(frozen=True)
 class Timing:
     """What the plan prices its work with: the cost model cached for the experiment's model, device
@@ -384,7 +399,7 @@ class Timing:
         """Read from the caches alone: no weight file is read and no model loads. A fit that does not
         cover the plan's longest prompt is not used (``cached_calibration`` would time that prompt
         anew): the command calibrates on it."""
-        weights_hash = models.recorded_weights_hash(models.resolve_folder(plan.model.name))
+        weights_hash = models.known_weights_hash(plan.model.name, device)
         cost_model = None if weights_hash is None else cached_cost_model(weights_hash, device)
         cell = max(plan.data, key=lambda cell: sizes[cell.name].longest)
         size = sizes[cell.name]
@@ -553,6 +568,7 @@ def check(
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
         device = models.resolve_device(rank_device(plan.model.device))
+        _refuse_meaningless_stages(plan)
     num_layers = config.num_hidden_layers
     with errors_in(str(path)):
         for layer in plan.layers:
@@ -1046,9 +1062,10 @@ _EXAMPLE_COLUMN = {"bench": "example_id", "diffusion": "example"}
 
 def _merge(run: Run, stage: str, world: int) -> list[Path]:
     """After a model stage: each unit's rank parts as the unit's part, rows in example order (as
-    one rank would have written them), then the stage's parquet; returns what it wrote."""
+    one rank would have written them), then the stage's parquet; returns what it wrote (for capture
+    and the oracle: the stores they wrote into)."""
     if stage not in _EXAMPLE_COLUMN:
-        return []
+        return [run.layout.store(unit.cell) for unit in units(run.plan, stage) if run.status(stage, unit) != KEPT]
     for unit in units(run.plan, stage):
         part = run.layout.part(stage, unit)
         if run.status(stage, unit) == KEPT:

@@ -81,6 +81,9 @@ def finished(experiment, tmp_path_factory) -> Path:
         (stage, 2, 0)
         for stage in ("capture", "oracle", "bench", "diffusion", "compare", "variance", "dashboard")
     ]
+    stores_written = [out / "stores" / f"{cell}.zarr" for cell in CELLS]
+    assert [report.outputs for report in summary.stages[:2]] == [stores_written, stores_written]
+    assert [path.name for path in summary.stages[2].outputs] == ["bench.parquet"]
     return out
 
 
