@@ -21,7 +21,7 @@ def test_runner_overhead_rows_hold_times_and_tensor_memory(tiny_folder):
     assert 0.8 <= row["memory_ratio"] <= 1.1
 
 
-def test_a_memory_only_run_reports_no_times_in_any_output(tiny_folder):
+def test_a_memory_only_run_reports_no_times_in_any_output(tiny_folder, monkeypatch):
     """Times not measured are missing (null in --json, '-' in the table), never NaN: NaN is not JSON,
     and a table would print it as a figure. Neither timing nor memory is a refusal."""
     import json
@@ -30,8 +30,13 @@ def test_a_memory_only_run_reports_no_times_in_any_output(tiny_folder):
 
     from typer.testing import CliRunner
 
+    from rankkit import overhead
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import app
+
+    # peaks measured in this process (the same rows, test_peak_memory_measured_in_this_process_...),
+    # not in four fresh ones
+    monkeypatch.setattr(overhead, "_peak_in_subprocess", overhead.peak_memory)
 
     arguments = ["overhead", "decode", "--model", str(tiny_folder), "--device", "cpu", "--lengths", "40"]
     result = CliRunner().invoke(app, [*arguments, "--no-timing", "--json"])
