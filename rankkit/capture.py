@@ -57,10 +57,24 @@ def check_oracle_settings(store_path, options: OracleOptions) -> None:
         made = record.attrs.get("oracle_params") if record.has_oracle else None
         if made is not None and made != wanted:
             shown = ", ".join(f"{key}={value}" for key, value in made.items() if value is not None)
+            differing = {key: value for key, value in made.items() if value != wanted.get(key)}
             raise RankkitError(
-                f"{store_path} holds oracles made with {shown} (example {record.id!r}); rerun with those "
-                "settings, or recompute every oracle with `rankkit oracle STORE --redo` and the new ones"
+                f"{store_path} holds oracles made with {shown} (example {record.id!r}); rerun with "
+                f"{_as_options(differing)}, or recompute every oracle with `rankkit oracle {store_path} --redo` "
+                "and the new settings"
             )
+
+
+def _as_options(settings: dict) -> str:
+    """Oracle settings as the options of `capture --oracle` and `oracle` that give them."""
+    options = []
+    for key, value in settings.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            options.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            options.append(f"--{flag} {value}")
+    return " ".join(options)
 
 
 @dataclass

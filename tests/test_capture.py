@@ -184,7 +184,7 @@ def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_fo
     from rankkit.errors import RankkitError
 
     made = "holds oracles made with answer=generated, softmax=False, kernel=7, max_new_tokens=4"
-    with pytest.raises(RankkitError, match=made):
+    with pytest.raises(RankkitError, match=f"{made} .*; rerun with --max-new-tokens 4, or recompute every"):
         capture(
             model=str(tiny_folder),
             data=DATA,
@@ -192,8 +192,14 @@ def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_fo
             device="cpu",
             oracle=OracleOptions(max_new_tokens=8),
         )
-    for other in (OracleOptions(kernel=3, max_new_tokens=4), OracleOptions(softmax=True, max_new_tokens=4)):
-        with pytest.raises(RankkitError, match=made):
+    # the fix names the options that give the store's settings, only those that differ
+    for other, fix in (
+        (OracleOptions(kernel=3, max_new_tokens=4), "--kernel 7"),
+        (OracleOptions(softmax=True, max_new_tokens=4), "--no-softmax"),
+        (OracleOptions(answer="reference", softmax=True), "--answer generated --no-softmax --max-new-tokens 4"),
+    ):
+        with pytest.raises(RankkitError, match=f"{made} .*; rerun with {fix}, or recompute every oracle with "
+                           f"`rankkit oracle {reference_store} --redo`"):  # fmt: skip
             add_oracle(reference_store, options=other, model=str(tiny_folder), device="cpu")
     redone = tmp_path / "redone.zarr"
     shutil.copytree(reference_store, redone)
