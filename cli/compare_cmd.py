@@ -141,11 +141,13 @@ def variance(
         "--method",
         help="The ASL method whose curve is drawn, with its parameters (asl:window_size=32).",
     ),
-    budget: str = typer.Option(
-        "0.1",
-        "--budget",
-        help="The method's budget, window included (k = budget - W): a keep rate in (0, 1] (e.g. 0.1) "
-        "or a token count (e.g. 2048).",
+    keep: str | None = typer.Option(
+        None,
+        "--keep",
+        help="The method's keep rate in (0, 1], window included (k = keep x T - W), e.g. 0.1. (default: 0.1)",
+    ),
+    budget: str | None = typer.Option(
+        None, "--budget", help="The method's budget in tokens, window included, e.g. 2048 (instead of --keep)."
     ),
     l_min: int | None = typer.Option(
         None, "--l-min", help="First layer of the curve, L_min. (default: layers // 3)"
@@ -184,7 +186,7 @@ def variance(
         result = variance_store(
             store,
             method=method,
-            budget=_budget(budget),
+            budget=_one_budget(keep, budget),
             min_layer=l_min,
             observed_layers=l_obs,
             workers=workers,
@@ -199,13 +201,14 @@ def variance(
     output().print(_variance_table(rows, store))
 
 
-def _budget(text: str) -> int | float:
-    try:
-        return int(text) if text.isdigit() else float(text)
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r} is neither a keep rate nor a token count", param_hint="--budget"
-        ) from None
+def _one_budget(keep: str | None, budget: str | None) -> int | float:
+    """The one budget ``variance`` draws its curve under, as ``variance_store`` takes it."""
+    from rankkit.errors import RankkitError
+
+    chosen = budgets(keep, budget, required=False) or budgets("0.1", None)
+    if len(chosen) > 1:
+        raise RankkitError("variance draws one curve: give one keep rate (e.g. --keep 0.1) or one --budget")
+    return chosen[0].keep if chosen[0].tokens is None else chosen[0].tokens
 
 
 def _variance_table(rows: list[dict], store: Path) -> Table:

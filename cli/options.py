@@ -144,11 +144,17 @@ def budgets(keep: str | None, budget: str | None, *, required: bool = True):
 
     if keep is not None and budget is not None or (required and keep is None and budget is None):
         raise RankkitError(f"give {ONE_BUDGET}")
-    try:
-        if keep is not None:
-            return [Budget.from_keep(float(value)) for value in comma_list(keep, "--keep")]
-        if budget is not None:
-            return [Budget.from_tokens(int(value)) for value in comma_list(budget, "--budget")]
-    except ValueError as error:
-        raise RankkitError(f"cannot read the budget list: {error}") from None
+    if keep is not None:
+        return [Budget.from_keep(_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
+                for value in comma_list(keep, "--keep")]  # fmt: skip
+    if budget is not None:
+        fix = "a token count; give e.g. --budget 2048, or --keep 0.1 for a share of the prompt"
+        return [Budget.from_tokens(_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")]
     return []
+
+
+def _number(text: str, kind: type, option: str, fix: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise RankkitError(f"{option} {text!r} is not {fix}") from None

@@ -810,7 +810,7 @@ def test_cli_variance(cli, store_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [row["example"] for row in rows] == ["ex0", "ex1", "ex2"] and rows[0]["min_layer"] == 1
-    table = cli("variance", store_path, "--method", "asl:window_size=8", "--budget", "0.3")
+    table = cli("variance", store_path, "--method", "asl:window_size=8", "--keep", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
     as_csv = cli(
@@ -840,6 +840,10 @@ def test_cli_variance(cli, store_path):
             "method 'claa': deferred_layers=50 is outside [0, 6]",
         ),
         (["variance", "--method", "asl:tau=nan"], "method 'asl': tau=nan is not a number"),
+        # one name per option: --keep for a rate, --budget for tokens, as prefill, bench and sweep files
+        (["variance", "--budget", "0.3"], "--budget '0.3' is not a token count; give e.g. --budget 2048, or --keep 0.1"),
+        (["variance", "--keep", "0.1,0.2"], "variance draws one curve: give one keep rate (e.g. --keep 0.1)"),
+        (["variance", "--keep", "0.1", "--budget", "13"], "give exactly one of --keep (e.g. 0.1) or --budget"),
     ],
 )
 def test_cli_refuses_a_method_parameter_out_of_range_in_one_line(cli, store_path, args, message):
