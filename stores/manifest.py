@@ -76,6 +76,29 @@ def identity(example_id: str, meta: dict[str, Any]) -> dict[str, Any]:
     return {EXAMPLE_ID: example_id, **({WEIGHTS_HASH: weights_hash} if weights_hash else {})}
 
 
+_COUNTS = ("num_layers", "num_attention_heads", "kv_heads")
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the run metadata fields every example is checked against (``mismatch``),
+    or None; a field may be absent (stores written by hand, older ones), never malformed."""
+    model = meta.get("model")
+    if model is None:
+        model = {}
+    elif not isinstance(model, dict):
+        return f"model is {model!r}, not a mapping"
+    if "id" in model and not isinstance(model["id"], str):
+        return f"model.id is {model['id']!r}, not a name"
+    weights = model.get(WEIGHTS_HASH)
+    if weights is not None and not (isinstance(weights, str) and weights):
+        return f"model.{WEIGHTS_HASH} is {weights!r}, not a hash"
+    for name in _COUNTS:
+        count = meta.get(name)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            return f"{name} is {count!r}, not a positive count"
+    return None
+
+
 def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any]) -> str | None:
     """Why the complete example ``example_id`` (its attributes ``attrs``) does not belong to the
     store whose run metadata is ``meta``, or None: another id in its manifest, another model's

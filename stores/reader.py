@@ -548,6 +548,9 @@ def open(path: str | os.PathLike | Store) -> Store:
         return path
     store_path = Path(path)
     _, meta = open_root(store_path, read_only=True)
+    problem = manifest.meta_problem(meta)
+    if problem:
+        raise RankkitError(f"store {store_path} is corrupt ({problem}); recapture it with --overwrite")
     return Store(store_path, meta)
 
 

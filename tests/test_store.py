@@ -498,6 +498,28 @@ def test_a_corrupt_root_is_refused_with_the_fix(path, content):
         )
 
 
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ({"num_layers": -3}, "num_layers is -3, not a positive count"),
+        ({"kv_heads": "x"}, "kv_heads is 'x', not a positive count"),
+        ({"model": "m"}, "model is 'm', not a mapping"),
+        ({"model": {"id": "m", "weights_hash": 5}}, "model.weights_hash is 5, not a hash"),
+        ({"model": {"id": ["m"]}}, "model.id is ['m'], not a name"),
+    ],
+)
+def test_run_metadata_the_examples_are_checked_against_is_refused_when_malformed(path, damage, problem):
+    """Each example is checked against the store's model, layer and head counts; a malformed one
+    was a TypeError traceback on the first example read (weights_hash 5) or compared nothing."""
+    write(stores.create(path, RUN_META), "a", 0)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"].update(damage)
+    (path / "zarr.json").write_text(json.dumps(root))
+    assert _one_line_error(lambda: stores.open(path)) == (
+        f"store {path} is corrupt ({problem}); recapture it with --overwrite"
+    )
+
+
 def test_a_corrupt_example_reads_as_incomplete_and_is_redone(path):
     writer = stores.create(path, RUN_META)
     write(writer, "a", 0)
