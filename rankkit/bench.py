@@ -265,10 +265,15 @@ def is_model_of(frame: pl.DataFrame, model: dict, what: str, against: str) -> bo
     """Whether a bench ``frame`` was measured with ``model``'s weights (a store's ``meta["model"]``).
 
     A bench written before it recorded its model cannot be checked and counts as ``model``'s,
-    with a warning; so does any bench beside a store without a hash.
+    with a warning; so does any bench beside a store without a hash (one not written by capture).
     """
     expected = model.get("weights_hash")
     if not expected:
+        warnings.warn(
+            f"{against} records no model weights hash (not written by rankkit capture), so {what} "
+            "is shown as its own unchecked",
+            stacklevel=2,
+        )
         return True
     _, weights_hash = measured_by(frame, what)
     if weights_hash is None:

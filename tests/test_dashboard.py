@@ -578,6 +578,10 @@ def test_a_bench_of_several_models_is_refused_and_an_unlabelled_one_shown_as_the
     with pytest.warns(UserWarning, match="the bench does not say which model measured it"):
         page = write_dashboard(path, tmp_path / "report.html", bench=bench_frame()).read_text()
     assert "claa (" not in page
+    # a store no capture wrote has no hash to check a bench against: joined, but said so
+    unhashed = write_synthetic_store(tmp_path / "unhashed.zarr", examples=2)
+    with pytest.warns(UserWarning, match=f"store {unhashed} records no model weights hash .* shown as its own unchecked"):
+        write_dashboard(unhashed, tmp_path / "unhashed.html", bench=mixed.filter(pl.col("weights_hash") == "a" * 64))
 
 
 def test_cli_writes_the_report_and_prints_its_path(tmp_path, store):
