@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -237,6 +238,40 @@ def refuse_timing_only_bench(frame: pl.DataFrame, what: str) -> None:
         raise RankkitError(
             f"{what} was measured with {frame['model'][0]}, {TIMING_ONLY}: bench a real model to report them"
         )
+
+
+# What a bench writes in each column it is read back by: (column, lowest, highest, whether the lowest
+# itself is out). A value outside was edited or damaged since, and is refused before it makes a figure.
+BENCH_VALUE_RANGES = (
+    ("keep", 0.0, 1.0, True),
+    ("score", 0.0, 1.0, False),
+    ("evidence_kept", 0.0, 1.0, False),
+    ("ttft_s", 0.0, math.inf, True),
+    ("tpot_s", 0.0, math.inf, True),
+    ("ttft_ratio", 0.0, math.inf, True),
+    ("tpot_ratio", 0.0, math.inf, True),
+    ("ideal_ratio", 0.0, math.inf, True),
+    ("kv_ratio", 0.0, math.inf, False),
+    ("kv_bytes", 0.0, math.inf, False),
+    ("peak_mem_bytes", 0.0, math.inf, False),
+)
+
+
+def check_bench_values(frame: pl.DataFrame, what: str) -> None:
+    """Refuse a bench holding a value no bench writes (``BENCH_VALUE_RANGES``); missing values pass."""
+    for column, lowest, highest, lowest_out in BENCH_VALUE_RANGES:
+        if column not in frame.columns:
+            continue
+        value = pl.col(column).cast(pl.Float64)
+        below = value <= lowest if lowest_out else value < lowest
+        outside = frame.filter(value.is_not_null() & (below | (value > highest) | value.is_infinite()))
+        if outside.height:
+            row = outside.row(0, named=True)
+            bounds = f"{'(' if lowest_out else '['}{lowest:g}, {highest:g}]".replace("inf]", "inf)")
+            raise RankkitError(
+                f"{what} holds {column} {row[column]} (example {row.get('example_id')}, method {row.get('method')}), "
+                f"outside {bounds}: not as rankkit bench wrote it; bench again, or pass the file it wrote"
+            )
 
 
 def short_hash(weights_hash: str) -> str:

@@ -170,7 +170,7 @@ def test_a_bench_of_other_examples_or_another_model_is_refused(store_and_bench, 
 def cli():
     from typer.testing import CliRunner
 
-    from rankkit.cli import report_cmd  # noqa: F401  (registers the command)
+    from rankkit.cli import dashboard_cmd, report_cmd  # noqa: F401  (registers the commands)
     from rankkit.cli.app import app
 
     runner = CliRunner()
@@ -214,3 +214,27 @@ def test_the_dashboards_report_panel_holds_the_report_commands_numbers(store_and
     for run in ("bench", "again"):
         mine = [row for row in labelled if row["method"].endswith(f" ({run}, tiny {WEIGHTS[:12]})")]
         assert [{**row, "method": row["method"].split(" (")[0]} for row in mine] == expected
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "bounds"),
+    [("keep", 5.0, "(0, 1]"), ("ttft_s", -1.0, "(0, inf)"), ("score", 1.5, "[0, 1]"), ("kv_bytes", -8.0, "[0, inf)")],
+)
+def test_a_bench_holding_a_value_no_bench_writes_is_refused_by_report_and_dashboard(
+    store_and_bench, cli, tmp_path, column, value, bounds
+):
+    """An edited or damaged bench made figures with exit 0 (the dashboard drew keep 5.0 and negative
+    times; report blamed a --keep it was never given)."""
+    from rankkit.errors import RankkitError
+
+    store, _, frame = store_and_bench
+    damaged = tmp_path / "damaged.parquet"
+    first = pl.int_range(pl.len()) == 0
+    frame.with_columns(pl.when(first).then(value).otherwise(pl.col(column)).alias(column)).write_parquet(damaged)
+    refusal = f"bench {damaged} holds {column} {value} (example "
+    for args in (["report", store, "--bench", damaged], ["dashboard", store, "--bench", damaged, "--out", tmp_path / "p.html"]):
+        result = cli(*args)
+        assert isinstance(result.exception, RankkitError), result.output
+        message = str(result.exception)
+        assert message.startswith(refusal) and f"outside {bounds}: not as rankkit bench wrote it" in message
+    assert not (tmp_path / "p.html").exists()

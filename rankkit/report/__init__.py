@@ -33,6 +33,7 @@ from rankkit import outputs
 from rankkit.bench import (
     FIRST_RUNS_TIMED,
     SUMMARY_INPUTS,
+    check_bench_values,
     check_same_model,
     first_runs_timed,
     is_model_of,
@@ -174,9 +175,7 @@ def _benches(benches: Sequence[BenchSource], store) -> list[BenchRun]:
     runs = []
     model = store.meta.get("model") or {}
     for source, name in zip(benches, names, strict=True):
-        frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
-        what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
-        refuse_timing_only_bench(frame, what)
+        frame, what = _checked_bench(source)
         measured, weights_hash = measured_by(frame, what)
         own = is_model_of(frame, model, what, f"store {store.path}")
         runs.append(BenchRun(frame, name, measured, weights_hash, own))
@@ -220,12 +219,21 @@ def _frame(
 
 def _bench_frame(source: str | os.PathLike | pl.DataFrame | None, store) -> pl.DataFrame | None:
     """The bench frame ``source`` of ``store``'s model: a bench of another model is refused."""
-    frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
-    if frame is not None:
-        what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
-        refuse_timing_only_bench(frame, what)
-        check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
+    if source is None:
+        return None
+    frame, what = _checked_bench(source)
+    check_same_model(frame, store.meta.get("model") or {}, what, f"store {store.path}")
     return frame
+
+
+def _checked_bench(source: BenchSource) -> tuple[pl.DataFrame, str]:
+    """A bench's rows, with what names it in messages: refused if it lacks a column the page reads,
+    holds a value no bench writes, or was measured with random weights."""
+    frame = _frame(source, "bench", BENCH_COLUMNS, BENCH_COMMAND)
+    what = "the bench" if isinstance(source, pl.DataFrame) else f"bench {source}"
+    check_bench_values(frame, what)
+    refuse_timing_only_bench(frame, what)
+    return frame, what
 
 
 def _page(
