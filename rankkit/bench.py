@@ -36,6 +36,7 @@ from rankkit.checks import (
     check_length,
     check_prompt_lengths,
     check_spec_length,
+    check_value_ranges,
     warn_clamped,
 )
 from rankkit.data import Example, load_examples, read_spec
@@ -259,19 +260,7 @@ BENCH_VALUE_RANGES = (
 
 def check_bench_values(frame: pl.DataFrame, what: str) -> None:
     """Refuse a bench holding a value no bench writes (``BENCH_VALUE_RANGES``); missing values pass."""
-    for column, lowest, highest, lowest_out in BENCH_VALUE_RANGES:
-        if column not in frame.columns:
-            continue
-        value = pl.col(column).cast(pl.Float64)
-        below = value <= lowest if lowest_out else value < lowest
-        outside = frame.filter(value.is_not_null() & (below | (value > highest) | value.is_infinite()))
-        if outside.height:
-            row = outside.row(0, named=True)
-            bounds = f"{'(' if lowest_out else '['}{lowest:g}, {highest:g}]".replace("inf]", "inf)")
-            raise RankkitError(
-                f"{what} holds {column} {row[column]} (example {row.get('example_id')}, method {row.get('method')}), "
-                f"outside {bounds}: not as rankkit bench wrote it; bench again, or pass the file it wrote"
-            )
+    check_value_ranges(frame, BENCH_VALUE_RANGES, what, "rankkit bench")
 
 
 def short_hash(weights_hash: str) -> str:

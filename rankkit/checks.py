@@ -82,3 +82,29 @@ def warn_timing_only_store(meta: dict, path) -> None:
     (ASL's curves, kept positions, compare --no-oracle): the figures are right, and mean nothing."""
     if meta.get("timing_only"):
         warnings.warn(f"store {path} was captured with {meta['model']['id']}: {TIMING_ONLY}", stacklevel=3)
+
+
+def check_value_ranges(frame, ranges, what: str, writer: str) -> None:
+    """Refuse a frame ``writer`` wrote (a bench's, a diffusion probe's) that holds a value outside
+    what it writes: ``ranges`` holds (column, lowest, highest, whether the lowest itself is out).
+    Missing values pass; a file edited or damaged since is refused before it makes a figure."""
+    import math
+
+    import polars as pl
+
+    for column, lowest, highest, lowest_out in ranges:
+        if column not in frame.columns:
+            continue
+        value = pl.col(column).cast(pl.Float64)
+        below = value <= lowest if lowest_out else value < lowest
+        outside = frame.filter(value.is_not_null() & (below | (value > highest) | value.is_infinite()))
+        if outside.height:
+            row = outside.row(0, named=True)
+            named = {"example": row.get("example_id", row.get("example")), "method": row.get("method")}
+            where = ", ".join(f"{key} {name}" for key, name in named.items() if name is not None)
+            opening = "(" if lowest_out or math.isinf(lowest) else "["
+            bounds = f"{opening}{lowest:g}, {highest:g}{')' if math.isinf(highest) else ']'}"
+            raise RankkitError(
+                f"{what} holds {column} {row[column]} ({where}), outside {bounds}: not as {writer} wrote it; "
+                "run it again, or pass the file it wrote"
+            )

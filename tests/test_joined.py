@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import polars as pl
@@ -238,3 +239,24 @@ def test_a_bench_holding_a_value_no_bench_writes_is_refused_by_report_and_dashbo
         message = str(result.exception)
         assert message.startswith(refusal) and f"outside {bounds}: not as rankkit bench wrote it" in message
     assert not (tmp_path / "p.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "bounds"),
+    [("layer", 100, "[0, 3]"), ("score", 7.0, "[0, 1]"), ("answer_logprob", 19.0, "(-inf, 1e-06]"), ("first_token_kl", -0.5, "[-1e-06, inf)")],
+)
+def test_a_diffusion_frame_holding_a_value_the_probe_never_writes_is_refused(store_and_bench, tmp_path, column, value, bounds):
+    """Layers past the store's model, positive log-probabilities or scores of 7 were drawn as curves."""
+    from rankkit.errors import RankkitError
+    from rankkit.report import write_dashboard
+
+    store, _, _ = store_and_bench
+    rows = pl.DataFrame(
+        {"example": ["e0", "e0", "e0"], "layer": [0, 1, 2], "correct": [False, True, True], "score": [0.0, 1.0, 1.0],
+         "answer_logprob": [-3.0, -0.5, -0.4], "first_token_kl": [0.2, 0.01, 0.0], "evidence_attention": [0.1, 0.2, None]}
+    )  # fmt: skip
+    write_dashboard(store, tmp_path / "fine.html", diffusion=rows)  # layers 0..3 of the 3-layer model
+    damaged = rows.with_columns(pl.when(pl.col("layer") == 1).then(value).otherwise(pl.col(column)).alias(column))
+    with pytest.raises(RankkitError, match=rf"^the diffusion frame holds {column} {value} \(example e0\), outside {re.escape(bounds)}: "):
+        write_dashboard(store, tmp_path / "damaged.html", diffusion=damaged)
+    assert not (tmp_path / "damaged.html").exists()

@@ -24,6 +24,7 @@ the response attends to that token. This module measures both, per layer l = 0..
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ import torch
 
 from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
-from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.checks import check_prompt_lengths, check_spec_length, check_value_ranges
 from rankkit.data import Example, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
@@ -304,6 +305,27 @@ def diffusion_probe(
     frame = pl.DataFrame(journal.rows, schema=SCHEMA)
     journal.finish(frame)
     return frame
+
+
+ROUNDING = 1e-6  # a KL, share or log-probability computed in float may step this far past its bound
+
+
+def check_diffusion_values(frame: pl.DataFrame, what: str, num_layers: int) -> None:
+    """Refuse a probe's rows (``what``, of a model with ``num_layers``) holding a value the probe never
+    writes: a layer outside 0..L (L removes nothing), a score outside [0, 1], a positive log-probability,
+    a negative KL, an attention share outside [0, 1]."""
+    check_value_ranges(
+        frame,
+        (
+            ("layer", 0, num_layers, False),
+            ("score", 0.0, 1.0, False),
+            ("answer_logprob", -math.inf, ROUNDING, False),
+            ("first_token_kl", -ROUNDING, math.inf, False),
+            ("evidence_attention", 0.0, 1.0 + ROUNDING, False),
+        ),
+        what,
+        f"rankkit diffusion on this store's {num_layers}-layer model",
+    )
 
 
 def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:

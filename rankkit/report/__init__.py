@@ -118,6 +118,11 @@ def write_dashboard(
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
     runs = _benches(benches, store)
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
+    if diffusion_frame is not None:
+        from rankkit.eval.diffusion import check_diffusion_values
+
+        what = "the diffusion frame" if isinstance(diffusion, pl.DataFrame) else f"diffusion {diffusion}"
+        check_diffusion_values(diffusion_frame, what, records[0].score_shape(records[0].probes[0])[0])
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
         page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps, needle_keep)
