@@ -277,7 +277,7 @@ def measured_by(frame: pl.DataFrame, what: str) -> tuple[str | None, str | None]
     if len(hashes) > 1:
         raise RankkitError(
             f"{what} holds rows of {len(hashes)} models (weights {', '.join(map(short_hash, hashes))}); "
-            "pass one bench per model"
+            "pass one file per model"
         )
     if not hashes:
         return None, None
@@ -302,7 +302,7 @@ def is_model_of(frame: pl.DataFrame, model: dict, what: str, against: str) -> bo
     _, weights_hash = measured_by(frame, what)
     if weights_hash is None:
         warnings.warn(
-            f"{what} does not say which model measured it (written before benches did); "
+            f"{what} does not say which model measured it (written before rankkit recorded it); "
             f"it is shown as {against}'s",
             stacklevel=2,
         )
@@ -316,7 +316,7 @@ def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) 
         name, weights_hash = measured_by(frame, what)
         raise RankkitError(
             f"{what} was measured with model {name} (weights {short_hash(weights_hash)}), {against} with "
-            f"{model.get('id')} (weights {short_hash(model['weights_hash'])}); pass a bench of {against}'s model"
+            f"{model.get('id')} (weights {short_hash(model['weights_hash'])}); pass one of {against}'s model"
         )
 
 

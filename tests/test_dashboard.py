@@ -572,7 +572,7 @@ def test_a_bench_of_several_models_is_refused_and_an_unlabelled_one_shown_as_the
     with pytest.raises(RankkitError) as refused:
         write_dashboard(path, tmp_path / "report.html", bench=mixed)
     assert str(refused.value) == (
-        "the bench holds rows of 2 models (weights aaaaaaaaaaaa, bbbbbbbbbbbb); pass one bench per model"
+        "the bench holds rows of 2 models (weights aaaaaaaaaaaa, bbbbbbbbbbbb); pass one file per model"
     )
     assert not (tmp_path / "report.html").exists()
     with pytest.warns(UserWarning, match="the bench does not say which model measured it"):

@@ -260,3 +260,17 @@ def test_a_diffusion_frame_holding_a_value_the_probe_never_writes_is_refused(sto
     with pytest.raises(RankkitError, match=rf"^the diffusion frame holds {column} {value} \(example e0\), outside {re.escape(bounds)}: "):
         write_dashboard(store, tmp_path / "damaged.html", diffusion=damaged)
     assert not (tmp_path / "damaged.html").exists()
+
+
+def test_a_diffusion_of_another_model_is_refused_beside_the_store(store_and_bench, tmp_path):
+    from rankkit.errors import RankkitError
+    from rankkit.report import write_dashboard
+
+    store, _, _ = store_and_bench
+    rows = pl.DataFrame({"example": ["e0", "e0"], "layer": [0, 3], "correct": [False, True]})
+    other = rows.with_columns(model=pl.lit("other"), weights_hash=pl.lit("b" * 64))
+    with pytest.raises(RankkitError, match=r"^the diffusion frame was measured with model other \(weights bbbbbbbbbbbb\)"):
+        write_dashboard(store, tmp_path / "other.html", diffusion=other)
+    write_dashboard(store, tmp_path / "own.html", diffusion=rows.with_columns(weights_hash=pl.lit(WEIGHTS)))
+    with pytest.warns(UserWarning, match="the diffusion frame does not say which model measured it"):
+        write_dashboard(store, tmp_path / "older.html", diffusion=rows)

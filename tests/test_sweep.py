@@ -133,6 +133,7 @@ def test_bench_diffusion_and_dashboards_cover_every_cell(finished, experiment):
         probed = diffusion.filter(pl.col("cell") == cell)
         assert probed["example"].unique().to_list() == ids[:1]  # limit = 1
         assert probed["layer"].to_list() == [0, 1, 2, 3]  # evidence removed from each layer on, and never
+        assert probed.select("model", "weights_hash").unique().rows() == [(model["id"], model["weights_hash"])]
         page = (finished / "dashboards" / f"{cell}.html").read_text(encoding="utf-8")
         assert len(page) > 100_000
         assert "needle recall in each method's top 20%" in page  # compared at the file's keep = [0.2]

@@ -20,6 +20,9 @@ the response attends to that token. This module measures both, per layer l = 0..
   are those of the answer tokens fed back, as for the oracle (CLAA Listing 4; see
   ``rankkit.oracle``). In a run pruned at l, attention at layers before l is this same
   value and at layers from l on it is zero, so the unpruned curve says it all.
+
+``diffusion_probe``'s rows also name the ``model`` and its ``weights_hash``: the dashboard draws
+them only beside a store of the same weights.
 """
 
 from __future__ import annotations
@@ -302,7 +305,10 @@ def diffusion_probe(
                 frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
                 journal.record(example.id, frame.to_dicts())
             progress(Progress("probed", done, len(examples), example.id))
-    frame = pl.DataFrame(journal.rows, schema=SCHEMA)
+    # the model that answered, so no reader draws these rows beside another model's store
+    frame = pl.DataFrame(journal.rows, schema=SCHEMA).with_columns(
+        model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash)
+    )
     journal.finish(frame)
     return frame
 

@@ -123,6 +123,7 @@ def write_dashboard(
 
         what = "the diffusion frame" if isinstance(diffusion, pl.DataFrame) else f"diffusion {diffusion}"
         check_diffusion_values(diffusion_frame, what, records[0].score_shape(records[0].probes[0])[0])
+        check_same_model(diffusion_frame, store.meta.get("model") or {}, what, f"store {store_path}")
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
         page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps, needle_keep)
