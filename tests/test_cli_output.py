@@ -132,9 +132,14 @@ def test_store_info_says_where_a_cut_value_is_whole():
     assert len(cut) == 80 + len(" … (whole with --json)")
 
 
-def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder):
+def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder, tmp_path):
     from rankkit.demo import answer
     from rankkit.errors import RankkitError
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(RankkitError, match=r"empty.jsonl holds no example; give a file with one JSON object"):
+        answer(str(tiny_folder), "", "", data=str(empty))
 
     result = answer(str(tiny_folder), "", "", data="niah:length=256", max_new_tokens=2, device="cpu")
     assert (result["model"], result["prompt_tokens"]) == (str(tiny_folder), 254)  # niah fits at most 256

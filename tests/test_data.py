@@ -340,6 +340,9 @@ GOOD_LINE = '{"id": "a", "context": "c", "question": "q", "answers": ["x"]}'
         (['{"id": "a", "context": "", "question": "q", "answers": ["x"]}'], ":1: the context of example 'a' is empty"),
         (['{"id": "a", "context": "c", "question": "q", "answers": ["x"], "evidence": [[0]]}'], ":1: 'evidence' must be a list of [start, end] integer pairs"),
         ([GOOD_LINE, '{"id": "b", "context": }'], ":2:24: not valid JSON (Expecting value)"),
+        (['{"id": "a", "context": "cc", "question": "q", "answers": ["x"], "evidence": [[2, 1]]}'], ":1: evidence span [2, 1) ends before it starts"),
+        (['{"id": "a", "context": "cc", "question": "q", "answers": ["x"], "evidence": [[1, 3]]}'], ":1: evidence span [1, 3) is outside the context"),
+        (["", "  "], " holds no example; give a file with one JSON object per line"),
     ],
 )  # fmt: skip
 def test_jsonl_field_types_duplicates_and_empty_contexts_are_refused_by_line(tmp_path, lines, message):

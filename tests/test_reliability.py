@@ -578,7 +578,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([], "'data.jsonl' holds no example; give a data spec or a file with at least one"),
+        ([], "data.jsonl holds no example; give a file with one JSON object per line"),
         (
             [{"id": "", "context": "a b c", "question": "q?", "answers": ["x"]}],
             "example 1 of 'data.jsonl' has an id no store can hold: names in a store must be non-empty strings",

@@ -60,6 +60,8 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
             )
         first_line[example.id] = number
         examples.append(example)
+    if not examples:
+        raise RankkitError(f"{path} holds no example; give a file with one JSON object per line")
     return examples
 
 
@@ -181,6 +183,8 @@ def _evidence(record: dict, context: str, where: str) -> tuple[tuple[int, int], 
     if "evidence" in record:
         spans = tuple((int(start), int(end)) for start, end in record["evidence"])
         for start, end in spans:
+            if start > end:
+                raise RankkitError(f"{where}: evidence span [{start}, {end}) ends before it starts; give [start, end]")
             if not 0 <= start <= end <= len(context):
                 raise RankkitError(f"{where}: evidence span [{start}, {end}) is outside the context")
         return spans
