@@ -622,22 +622,22 @@ def bench(
     examples, prompts = (share(items, *shard) for items in (examples, prompts))
     if not examples:
         raise RankkitError(f"rank {shard[0]} of {shard[1]} has no example of {data}; run fewer ranks")
-    journal = outputs.Journal(out, identity, overwrite=overwrite)
     by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
-    with keep_on_interrupt(journal.kept):
-        frame = run_bench(
-            runner,
-            loaded.tokenizer,
-            examples,
-            chosen,
-            budgets,
-            settings,
-            prompt_for=lambda example: by_id[example.id],
-            journal=journal,
-            progress=progress,
-        )
-    frame = with_model(frame, loaded)
-    journal.finish(frame)
+    with outputs.Journal(out, identity, overwrite=overwrite) as journal:
+        with keep_on_interrupt(journal.kept):
+            frame = run_bench(
+                runner,
+                loaded.tokenizer,
+                examples,
+                chosen,
+                budgets,
+                settings,
+                prompt_for=lambda example: by_id[example.id],
+                journal=journal,
+                progress=progress,
+            )
+        frame = with_model(frame, loaded)
+        journal.finish(frame)
     return frame
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import polars as pl
 
@@ -139,15 +141,17 @@ def journal_path(out: PathLike) -> Path:
     return out.with_name(f".{out.name}.unfinished.jsonl")
 
 
-def _journal_entries(path: Path) -> tuple[list[dict], bool]:
-    """A journal's entries, up to a line cut short by a kill, and whether there was one."""
-    entries = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+def _journal_entries(path: Path) -> tuple[list[dict], int, bool]:
+    """A journal's entries up to a line cut short by a kill, the bytes they take, and whether
+    there was such a line."""
+    entries, kept_bytes = [], 0
+    for line in path.read_bytes().splitlines(keepends=True):
         try:
             entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            return entries, True
-    return entries, False
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return entries, kept_bytes, True
+        kept_bytes += len(line)
+    return entries, kept_bytes, False
 
 
 def _finished_units(entries: list[dict]) -> tuple[dict[str, list[dict]], dict[str, object]]:
@@ -169,7 +173,9 @@ class Journal:
     settings that define the output). Rerunning with the same identity resumes: ``done``
     names the finished keys and ``rows`` holds their rows. Other settings are refused
     unless ``overwrite``. ``finish`` writes the output atomically and removes the journal.
-    Without ``out`` the rows live in memory only.
+    The journal stays locked until ``close`` (or the end of a ``with`` block), so a second run
+    making the same output is refused while the first runs. Without ``out`` the rows live in
+    memory only.
     """
 
     def __init__(self, out: PathLike | None, identity: dict, *, overwrite: bool = False) -> None:
@@ -178,19 +184,59 @@ class Journal:
         self.identity = json.loads(json.dumps(identity))  # as it reads back from the file
         self.units: dict[str, list[dict]] = {}
         self.notes: dict[str, object] = {}
+        self._file: BinaryIO | None = None
         if self.path is None:
             return
-        if overwrite:
-            self.path.unlink(missing_ok=True)
-        if self.path.is_file():
-            self._resume()
-        else:
-            self._append({"identity": self.identity})
+        self._file = self._lock()
+        try:
+            if overwrite:
+                self._file.truncate(0)
+            if os.fstat(self._file.fileno()).st_size:
+                self._resume()
+            else:
+                self._append({"identity": self.identity})
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self) -> BinaryIO:
+        """The journal's file, created if new and locked until ``close``: a second run making the
+        same output is refused, so two runs never append to one journal or replace each other's
+        output."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as error:
+            raise RankkitError(write_failure(self.path, error)) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # a run that finished meanwhile removed the file this one opened
+            if not self.path.exists() or os.fstat(handle).st_ino != self.path.stat().st_ino:
+                raise BlockingIOError
+        except BlockingIOError:
+            os.close(handle)
+            raise RankkitError(
+                f"another rankkit run is making {self.out} ({self.path.name} is locked); wait for it "
+                "to finish, then rerun to resume, or choose another --out"
+            ) from None
+        return os.fdopen(handle, "ab", buffering=0)
+
+    def close(self) -> None:
+        """Release the journal's lock (kept on disk for a rerun to resume, unless ``finish`` removed it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
 
     def _resume(self) -> None:
-        entries, cut = _journal_entries(self.path)
+        entries, kept_bytes, cut = _journal_entries(self.path)
         if cut:  # a line cut short by a kill: drop it, its unit is redone
-            write_text("".join(f"{json.dumps(entry)}\n" for entry in entries), self.path)
+            self._file.truncate(kept_bytes)
         if not entries or entries[0].get("identity") != self.identity:
             raise RankkitError(
                 f"{self.out} has an unfinished run with other settings ({self.path}); rerun with those "
@@ -198,20 +244,10 @@ class Journal:
             )
         self.units, self.notes = _finished_units(entries)
 
-    @staticmethod
-    def finished_rows(out: PathLike) -> list[dict]:
-        """The rows the unfinished run making ``out`` has finished so far, read without touching
-        its journal (the run may still be appending to it)."""
-        units, _ = _finished_units(_journal_entries(journal_path(out))[0])
-        return [row for rows in units.values() for row in rows]
-
     def _append(self, entry: dict) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as journal:
-                journal.write(json.dumps(entry) + "\n")
-                journal.flush()
-                os.fsync(journal.fileno())
+            self._file.write((json.dumps(entry) + "\n").encode("utf-8"))
+            os.fsync(self._file.fileno())
         except OSError as error:
             raise RankkitError(
                 f"{write_failure(self.path, error)}; the {len(self.units)} units finished before are kept "

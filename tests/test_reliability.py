@@ -451,30 +451,58 @@ def test_an_interrupt_while_a_unit_is_written_counts_it_as_kept(tmp_path, monkey
     monkeypatch.setattr(journal, "_append", append_then_interrupt)
     with pytest.raises(Interrupted, match=r"kept 1 finished \(1 rows\)"), keep_on_interrupt(journal.kept):
         journal.record("e0", [{"score": 1.0}])
+    journal.close()
     assert outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]}).done("e0")
 
 
 def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_path):
     out = tmp_path / "rows.parquet"
-    first = outputs.Journal(out, {"methods": ["full", "claa"]})
-    first.record("e0", [{"method": "full", "score": 1.0}])
+    with outputs.Journal(out, {"methods": ["full", "claa"]}) as first:
+        first.record("e0", [{"method": "full", "score": 1.0}])
     with pytest.raises(RankkitError, match="rows.parquet has an unfinished run with other settings"):
         outputs.Journal(out, {"methods": ["full", "fastkv"]})
-    resumed = outputs.Journal(out, {"methods": ["full", "claa"]})
-    assert resumed.done("e0") and resumed.rows == [{"method": "full", "score": 1.0}]
+    with outputs.Journal(out, {"methods": ["full", "claa"]}) as resumed:
+        assert resumed.done("e0") and resumed.rows == [{"method": "full", "score": 1.0}]
     assert outputs.Journal(out, {"methods": ["full", "fastkv"]}, overwrite=True).rows == []
 
 
 def test_a_journal_line_cut_short_by_a_kill_is_redone_and_later_lines_survive(tmp_path):
     out = tmp_path / "rows.parquet"
-    first = outputs.Journal(out, {"methods": ["full"]})
-    first.record("e0", [{"score": 1.0}])
+    with outputs.Journal(out, {"methods": ["full"]}) as first:
+        first.record("e0", [{"score": 1.0}])
     with first.path.open("a") as journal:
         journal.write('{"key": "e1", "rows": [{"sco')
-    second = outputs.Journal(out, {"methods": ["full"]})
-    assert second.done("e0") and not second.done("e1")
-    second.record("e1", [{"score": 0.5}])
+    with outputs.Journal(out, {"methods": ["full"]}) as second:
+        assert second.done("e0") and not second.done("e1")
+        second.record("e1", [{"score": 0.5}])
     assert outputs.Journal(out, {"methods": ["full"]}).rows == [{"score": 1.0}, {"score": 0.5}]
+
+
+def test_a_second_run_making_the_same_output_is_refused_while_the_first_runs(tmp_path):
+    """Two runs appending to one journal would each write the output over the other's."""
+    out = tmp_path / "rows.parquet"
+    with outputs.Journal(out, {"methods": ["full"]}) as first:
+        first.record("e0", [{"score": 1.0}])
+        for overwrite in (False, True):
+            with pytest.raises(RankkitError) as refused:
+                outputs.Journal(out, {"methods": ["full"]}, overwrite=overwrite)
+            assert str(refused.value) == (
+                f"another rankkit run is making {out} (.rows.parquet.unfinished.jsonl is locked); wait for "
+                "it to finish, then rerun to resume, or choose another --out"
+            )
+        first.record("e1", [{"score": 0.5}])
+    with outputs.Journal(out, {"methods": ["full"]}) as resumed:
+        assert resumed.rows == [{"score": 1.0}, {"score": 0.5}]
+        resumed.finish(pl.DataFrame(resumed.rows))
+    assert not outputs.journal_path(out).exists() and pl.read_parquet(out)["score"].to_list() == [1.0, 0.5]
+
+
+def test_an_empty_journal_left_by_a_kill_before_its_first_line_starts_afresh(tmp_path):
+    out = tmp_path / "rows.parquet"
+    outputs.journal_path(out).write_text("")
+    with outputs.Journal(out, {"methods": ["full"]}) as journal:
+        assert journal.rows == []
+    assert outputs.journal_path(out).read_text() == '{"identity": {"methods": ["full"]}}\n'
 
 
 # --- outputs that survive a bad disk, stores with one writer -----------------------------------
@@ -515,6 +543,7 @@ def test_a_failed_write_keeps_the_finished_rows_in_the_journal_to_resume(tmp_pat
     out.mkdir()  # the rename into place fails, as on a full or read-only disk
     with pytest.raises(RankkitError) as failed:
         journal.finish(pl.DataFrame(journal.rows))
+    journal.close()
     assert str(failed.value) == (
         f"cannot write {out} (Is a directory); the old file, if any, is unchanged; the 1 finished units are "
         f"kept in {outputs.journal_path(out)}: make room and rerun the same command to write it without "

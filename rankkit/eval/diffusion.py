@@ -297,19 +297,19 @@ def diffusion_probe(
     examples = load_examples(data, loaded.tokenizer)[:limit]
     check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
     examples = share(examples, *shard)
-    journal = outputs.Journal(out, identity, overwrite=overwrite)
     runner = Runner(loaded.model)
-    with keep_on_interrupt(journal.kept):
-        for done, example in enumerate(examples, start=1):
-            if not journal.done(example.id):
-                frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
-                journal.record(example.id, frame.to_dicts())
-            progress(Progress("probed", done, len(examples), example.id))
-    # the model that answered, so no reader draws these rows beside another model's store
-    frame = pl.DataFrame(journal.rows, schema=SCHEMA).with_columns(
-        model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash)
-    )
-    journal.finish(frame)
+    with outputs.Journal(out, identity, overwrite=overwrite) as journal:
+        with keep_on_interrupt(journal.kept):
+            for done, example in enumerate(examples, start=1):
+                if not journal.done(example.id):
+                    frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
+                    journal.record(example.id, frame.to_dicts())
+                progress(Progress("probed", done, len(examples), example.id))
+        # the model that answered, so no reader draws these rows beside another model's store
+        frame = pl.DataFrame(journal.rows, schema=SCHEMA).with_columns(
+            model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash)
+        )
+        journal.finish(frame)
     return frame
 
 
