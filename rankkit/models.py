@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -291,11 +292,17 @@ def resolve_folder(spec: str) -> Path:
                 f"{path} has no config.json: point --model at an HF model folder, or use 'default'"
             )
         return path
-    if path.suffix or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise RankkitError(
-            f"model '{spec}' is neither 'default', a folder, a hub id (owner/name) nor random:<shape>"
-        )
+    forms = "'default', an HF model folder, a hub id (owner/name) or random:<shape>"
+    if path.exists():
+        raise RankkitError(f"model '{spec}' is a file; --model takes {forms}")
+    if not HUB_ID.fullmatch(spec):
+        raise RankkitError(f"model '{spec}': no such folder; --model takes {forms}")
     return _hub_snapshot(spec)
+
+
+# owner/name as the hub spells them: word characters, '-' and '.' (Qwen/Qwen2.5-7B), neither part
+# starting with '.', so './models' and '../x' stay paths
+HUB_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
 
 
 def _hub_snapshot(repo_id: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,25 @@ def test_unsupported_family_fails_up_front_naming_the_supported_ones(tmp_path):
 def test_folder_without_config_is_rejected(tmp_path):
     with pytest.raises(RankkitError, match="no config.json"):
         models.resolve_folder(str(tmp_path))
+
+
+def test_a_hub_id_with_dots_loads_from_the_hub_cache_and_a_missing_path_is_named(tmp_path, monkeypatch):
+    """Qwen/Qwen2.5-0.5B was refused as "neither a folder nor a hub id": its '.5B' read as a file suffix."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen2.5-tiny" / "snapshots" / ("0" * 40)
+    tiny_model("qwen2").save_pretrained(snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert models.resolve_folder("Qwen/Qwen2.5-tiny") == snapshot
+    forms = "--model takes 'default', an HF model folder, a hub id (owner/name) or random:<shape>"
+    for spec in ("./nothing", "../a/b", "models/x.gguf/more", "x"):
+        with pytest.raises(RankkitError, match=rf"^model '{re.escape(spec)}': no such folder; {re.escape(forms)}$"):
+            models.resolve_folder(spec)
+    (tmp_path / "weights.gguf").write_bytes(b"")
+    with pytest.raises(RankkitError, match=rf"is a file; {re.escape(forms)}$"):
+        models.resolve_folder(str(tmp_path / "weights.gguf"))
 
 
 def test_unreachable_hub_id_fails_fast_with_a_clear_message():
