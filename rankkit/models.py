@@ -436,6 +436,7 @@ def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedM
     from transformers import AutoModelForCausalLM
 
     config = random_config(spec)
+    check_weights_fit(spec, config, dtype, target)
     with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
         torch.manual_seed(RANDOM_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -446,6 +447,45 @@ def _load_random(spec: str, target: torch.device, dtype: torch.dtype) -> LoadedM
         stacklevel=3,
     )
     return LoadedModel(model, load_tokenizer(spec), spec, random_weights_hash(spec, dtype), target, timing_only=True)
+
+
+def check_weights_fit(spec: str, config, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before any weight is allocated, a model whose weights alone take more memory than
+    ``device`` has free: the kernel would otherwise kill the process mid-load, with no message."""
+    free = free_memory(device)
+    needed = parameter_count(config) * dtype.itemsize
+    if free is not None and needed > free:
+        # a random shape is built on one device: a device map cannot spread it
+        elsewhere = "--device cuda" if timing_only(spec) else "--device cuda, --device-map auto"
+        raise RankkitError(
+            f"{spec}'s weights take {needed / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, more "
+            f"than the {free / 2**30:.1f} GiB free on {device}; run it where there is more ({elsewhere}) "
+            "or choose a smaller model"
+        )
+
+
+def parameter_count(config) -> int:
+    """The parameters of a model of ``config`` (tied ones once), counted on the meta device: nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes ``device`` can still hold: the GPU's free memory, or the host's available memory as
+    Linux counts it (None where it is not known)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def random_weights_hash(spec: str, dtype: torch.dtype) -> str:
@@ -549,6 +589,8 @@ def _load(
     check_family(config)
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise RankkitError("a device map needs accelerate: pip install accelerate")
+    if device_map is None:
+        check_weights_fit(spec, config, dtype or default_dtype(target), target)
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype or default_dtype(target), device_map=device_map
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,12 +24,8 @@ PUBLISHED_PARAMETERS = {
 
 @pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMETERS))
 def test_published_shape_has_the_checkpoints_parameter_count(shape):
-    from transformers import AutoModelForCausalLM
-
     config = models.load_config(f"random:{shape}")
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        model = AutoModelForCausalLM.from_config(config)
-    assert sum(parameter.numel() for parameter in model.parameters()) == PUBLISHED_PARAMETERS[shape]
+    assert models.parameter_count(config) == PUBLISHED_PARAMETERS[shape]  # on the meta device
     assert config.eos_token_id is None
 
 
@@ -82,6 +79,33 @@ def test_random_model_is_seeded_timing_only_and_uses_the_default_tokenizer(tiny_
     assert first.model.generation_config.eos_token_id is None
     assert first.model.dtype == torch.float32
     assert not first.model.training and not any(p.requires_grad for p in first.model.parameters())
+
+
+def test_a_model_whose_weights_exceed_the_free_memory_is_refused_before_any_is_drawn(
+    tiny_shape, tiny_folder, monkeypatch
+):
+    """random:llama-3.1-8b on a 24 GiB host was killed by the kernel mid-build, with no message."""
+    needed = models.parameter_count(models.load_config(tiny_shape)) * 4
+    monkeypatch.setattr(models, "free_memory", lambda device: needed - 1)
+    with pytest.raises(RankkitError) as refused:
+        models.load(tiny_shape, device="cpu")
+    assert str(refused.value) == (
+        f"{tiny_shape}'s weights take {needed / 2**30:.1f} GiB in float32, more than the "
+        f"{(needed - 1) / 2**30:.1f} GiB free on cpu; run it where there is more (--device cuda) or choose a "
+        "smaller model"
+    )
+    folder_needs = models.parameter_count(models.load_config(str(tiny_folder))) * 4
+    monkeypatch.setattr(models, "free_memory", lambda device: folder_needs - 1)
+    with pytest.raises(RankkitError, match=r"free on cpu; run it where there is more \(--device cuda, --device-map auto\)"):
+        models.load(str(tiny_folder), device="cpu")
+    monkeypatch.setattr(models, "free_memory", lambda device: folder_needs)
+    assert models.load(str(tiny_folder), device="cpu").model.num_parameters() == folder_needs // 4
+
+
+def test_free_memory_of_the_host_is_what_linux_counts_available():
+    meminfo = Path("/proc/meminfo").read_text()
+    (available,) = [line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    assert abs(models.free_memory(torch.device("cpu")) - int(available) * 1024) < 2**30  # it moves
 
 
 def test_random_model_refuses_a_device_map(tiny_shape):
