@@ -155,6 +155,7 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
         ("KV cache (MiB)", lambda r: _megabytes(r["kv_bytes"])),
         ("peak memory (MiB)", lambda r: _megabytes(r["peak_mem_bytes"])),
         ("ideal TTFT ratio", lambda r: _number(r["ideal_ratio"])),
+        ("tokens kept", _kept),
         ("score", lambda r: _number(r["score"], 2)),
     ]
     if compared:
@@ -170,6 +171,13 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
         console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
     _say_if_first_runs_timed([row["warmup"] for row in rows])
     _say_if_timing_only(rows[0].get("timing_only", False))
+
+
+def _kept(row: dict) -> str:
+    """How many prompt tokens a prompt-pruning method kept, and where (a KV method's share is its KV ratio)."""
+    if row.get("selected_positions") is None:
+        return "-"
+    return f"{len(row['selected_positions'])} at layer {row['selection_layer']}"
 
 
 def _say_if_timing_only(timing_only: bool) -> None:

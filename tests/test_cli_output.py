@@ -235,6 +235,10 @@ def test_prefill_compare_as_csv_is_one_line_per_method_with_its_json_numbers(tin
     assert int(claa["kv_bytes"]) == as_json["kv_bytes"] and int(full["kv_bytes"]) == as_json["compare"]["kv_bytes"]
     assert json.loads(claa["selected_positions"]) == as_json["selected_positions"]
     assert float(claa["kv_ratio"]) == as_json["kv_ratio"]
+    table = CliRunner().invoke(app, run).stdout
+    (kept,) = [line for line in table.splitlines() if "tokens kept" in line]
+    claa_kept = f"{len(as_json['selected_positions'])} at layer {as_json['selection_layer']}"
+    assert [cell.strip() for cell in kept.split("│")[2:4]] == [claa_kept, "-"]  # full keeps all, prunes nowhere
 
 
 def test_every_command_that_writes_a_file_takes_overwrite():
