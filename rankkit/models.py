@@ -77,11 +77,22 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         resolved = torch.device(device)
     except RuntimeError as error:
         raise RankkitError(f"unknown device '{device}': use auto, cpu, cuda or cuda:N") from error
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise RankkitError(
-            f"device '{device}' asked for but CUDA is not available here: use --device cpu or auto"
-        )
+    problem = device_problem(resolved)
+    if problem:
+        raise RankkitError(f"device '{device}' asked for but {problem}: use --device cpu or auto")
     return resolved
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why ``device`` cannot run here (no CUDA, a GPU index past the last), or None."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "CUDA is not available here"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return "this machine has 1 GPU (cuda:0)" if count == 1 else f"this machine has {count} GPUs (cuda:0 to cuda:{count - 1})"
+    return None
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -522,11 +533,19 @@ def parse_device_map(spec: str | dict | None) -> str | dict | None:
     if not isinstance(layout, dict) or not layout:
         raise RankkitError(f"--device-map {spec}: expected a non-empty JSON object; {fix}")
     for module, device in layout.items():
+        where = f"--device-map {spec}: module {module!r} maps to {json.dumps(device)}"
+        kinds = 'a device is "cpu", "cuda:N" or a GPU index N'
         if isinstance(device, bool) or not isinstance(device, str | int):
-            raise RankkitError(
-                f"--device-map {spec}: module {module!r} maps to {device!r}; a device is a name "
-                '("cuda:1", "cpu") or a GPU index'
-            )
+            raise RankkitError(f"{where}; {kinds}")
+        try:
+            named = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        except RuntimeError:
+            raise RankkitError(f"{where}, which is not a device; {kinds}") from None
+        if named.type not in ("cpu", "cuda"):
+            raise RankkitError(f"{where}; {kinds}")
+        problem = device_problem(named)
+        if problem:
+            raise RankkitError(f"{where}, but {problem}; map it to a device this machine has")
     return layout
 
 

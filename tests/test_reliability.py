@@ -18,6 +18,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import rankkit.models
@@ -159,7 +160,11 @@ def test_spec_values_and_lengths_are_checked_before_the_model_loads(
         (None, "--device-map 'missing.json' is neither a strategy nor a file; give one of auto, "),
         ("{not json", "--device-map missing.json: not readable JSON"),
         ("[1, 2]", "--device-map missing.json: expected a non-empty JSON object"),
-        ('{"model.layers.0": [0]}', "--device-map missing.json: module 'model.layers.0' maps to [0]"),
+        ('{"model.layers.0": [0]}', "--device-map missing.json: module 'model.layers.0' maps to [0]; a device is"),
+        ('{"lm_head": "cuda:5"}', "--device-map missing.json: module 'lm_head' maps to \"cuda:5\", but "),
+        ('{"lm_head": "disk"}', "--device-map missing.json: module 'lm_head' maps to \"disk\", which is not a device"),
+        ('{"lm_head": "meta"}', "--device-map missing.json: module 'lm_head' maps to \"meta\"; a device is \"cpu\""),
+        ('{"lm_head": -1}', "--device-map missing.json: module 'lm_head' maps to -1, which is not a device"),
     ],
 )
 def test_a_bad_device_map_is_refused_before_the_model_loads(no_model_load, tiny_folder, layout, message):
@@ -172,6 +177,16 @@ def test_a_bad_device_map_is_refused_before_the_model_loads(no_model_load, tiny_
         ["capture", "--data", "niah:n=1,length=200", "--model", str(tiny_folder), "--out", "s.zarr"],
     ):
         assert refused([*command, "--device-map", "missing.json"], no_model_load).startswith(message)  # fmt: skip
+
+
+def test_a_gpu_index_past_the_last_is_refused_naming_the_ones_there(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, named in ((1, "1 GPU (cuda:0)"), (2, "2 GPUs (cuda:0 to cuda:1)")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        with pytest.raises(RankkitError) as refused:
+            rankkit.models.resolve_device("cuda:3")
+        assert str(refused.value) == f"device 'cuda:3' asked for but this machine has {named}: use --device cpu or auto"
+    assert rankkit.models.device_problem(torch.device("cuda:1")) is None
 
 
 def test_prefill_through_a_device_map_file_gives_the_answer_of_a_plain_load(tmp_path, tiny_folder):
