@@ -476,12 +476,54 @@ def check_weights_fit(spec: str, config, dtype: torch.dtype, device: torch.devic
 
 
 def parameter_count(config) -> int:
-    """The parameters of a model of ``config`` (tied ones once), counted on the meta device: nothing is allocated."""
+    """The parameters of a model of ``config`` (tied ones once)."""
+    return sum(parameter.numel() for parameter in _meta_model(config).parameters())
+
+
+def _meta_model(config) -> torch.nn.Module:
+    """A model of ``config`` on the meta device: its modules and shapes, nothing allocated."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(parameter.numel() for parameter in model.parameters())
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_layout(layout: dict, config, spec: str) -> None:
+    """Refuse a module -> device map that names a module ``spec`` lacks or leaves a parameter without
+    a device: transformers loads such a map onto the CPU without a word."""
+    model = _meta_model(config)
+    spec = DEFAULT_MODEL_NAME if spec == "default" else spec
+    modules = dict(model.named_modules())
+    unknown = [name for name in layout if name not in modules]
+    if unknown:
+        raise RankkitError(
+            f"--device-map names {unknown[0]!r}, which is not a module of {spec}; its modules are "
+            f"{_outline(model)}"
+        )
+    missed = [
+        name
+        for name, _ in model.named_parameters()
+        if not any(key == "" or name == key or name.startswith(f"{key}.") for key in layout)
+    ]
+    if missed:
+        more = f" and {len(missed) - 1} more parameters" if len(missed) > 1 else ""
+        raise RankkitError(
+            f"--device-map gives no device to {missed[0]}{more}; map every module of {spec}: {_outline(model)}"
+        )
+
+
+def _outline(model: torch.nn.Module, prefix: str = "", depth: int = 2) -> str:
+    """The model's modules to ``depth`` levels, a list of layers as its first and last."""
+    names = []
+    for name, child in model.named_children():
+        full = f"{prefix}{name}"
+        if isinstance(child, torch.nn.ModuleList):
+            names.append(f"{full}.0 to {full}.{len(child) - 1}")
+        elif depth > 1 and any(True for _ in child.children()):
+            names.append(_outline(child, f"{full}.", depth - 1))
+        else:
+            names.append(full)
+    return ", ".join(names)
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -610,6 +652,8 @@ def _load(
         raise RankkitError("a device map needs accelerate: pip install accelerate")
     if device_map is None:
         check_weights_fit(spec, config, dtype or default_dtype(target), target)
+    elif isinstance(device_map, dict):
+        check_layout(device_map, config, spec)
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=dtype or default_dtype(target), device_map=device_map
     )

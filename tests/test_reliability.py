@@ -179,6 +179,25 @@ def test_a_bad_device_map_is_refused_before_the_model_loads(no_model_load, tiny_
         assert refused([*command, "--device-map", "missing.json"], no_model_load).startswith(message)  # fmt: skip
 
 
+def test_a_device_map_that_misnames_or_misses_a_module_is_refused_before_the_weights_load(tmp_path, tiny_folder):
+    """transformers loads such a map onto the CPU without a word: a typo would run a GPU user's model there."""
+    outline = "model.embed_tokens, model.layers.0 to model.layers.2, model.norm, model.rotary_emb, lm_head"
+    whole = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "lm_head")} | {
+        f"model.layers.{index}": "cpu" for index in range(3)
+    }
+    cases = [
+        (whole | {"model.layerz.0": "cpu"}, f"--device-map names 'model.layerz.0', which is not a module of {tiny_folder}; its modules are {outline}"),
+        ({key: value for key, value in whole.items() if key != "model.layers.2"}, "--device-map gives no device to model.layers.2.self_attn.q_proj.weight and 8 more parameters; "
+         f"map every module of {tiny_folder}: {outline}"),
+    ]  # fmt: skip
+    for layout, message in cases:
+        with pytest.raises(RankkitError) as refused:
+            rankkit.models.load(str(tiny_folder), device="cpu", device_map=layout)
+        assert str(refused.value) == message
+    rankkit.models.check_layout({"model": "cpu", "lm_head": "cpu"}, rankkit.models.load_config(str(tiny_folder)), "x")
+    rankkit.models.check_layout({"": "cpu"}, rankkit.models.load_config(str(tiny_folder)), "x")
+
+
 def test_a_gpu_index_past_the_last_is_refused_naming_the_ones_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for count, named in ((1, "1 GPU (cuda:0)"), (2, "2 GPUs (cuda:0 to cuda:1)")):
