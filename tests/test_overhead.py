@@ -324,3 +324,6 @@ def test_overhead_runs_past_the_models_positions_only_when_allowed(tiny_folder):
     assert [row["tokens"] for row in rows] == [600] and rows[0]["rankkit_s"] > 0
     with pytest.raises(RankkitError, match="--examples takes a positive count, not 0"):
         run_analysis_cost(0, [80], workers=1)
+    # it failed inside its first step, on a store whose spans it had made outside the prompt
+    with pytest.raises(RankkitError, match=r"^--lengths 79 is too short for a synthetic example: it needs at least 80 tokens"):
+        run_analysis_cost(1, [2048, 79], workers=1)

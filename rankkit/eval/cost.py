@@ -27,6 +27,9 @@ LAYERS = 30
 KV_HEADS = 3
 QUERY_HEADS = 9  # the default model's shape; last_token_heads keeps a row per query head
 QUESTION_TOKENS = 32  # after the context, like a prompt's question and observation window
+NEEDLE_TOKENS = 8  # the evidence, at the middle of the prompt
+# the needle at the middle and its end inside the context: T // 2 + 8 <= T - 32
+MIN_TOKENS = 2 * (QUESTION_TOKENS + NEEDLE_TOKENS)
 
 STEPS = {  # each command as a user runs it (compare writes every frame it makes)
     "compare": ["compare", "{store}", "--out", "{compare_out}", "--workers", "{workers}", "--json"],
@@ -47,7 +50,7 @@ def build_store(path: Path, examples: int, tokens: int, seed: int = 0) -> None:
     context = [0, tokens - QUESTION_TOKENS]
     needle = tokens // 2
     for index in range(examples):
-        spans = {"context_tokens": context, "evidence_tokens": [[needle, needle + 8]]}
+        spans = {"context_tokens": context, "evidence_tokens": [[needle, needle + NEEDLE_TOKENS]]}
         writer.write_example(
             f"synthetic:{index}",
             attrs={"task": "synthetic", "spans": spans},
@@ -78,6 +81,12 @@ def run_analysis_cost(
     from rankkit.eval.parallel import checked_workers
 
     check_token_counts(lengths)
+    if min(lengths) < MIN_TOKENS:
+        raise RankkitError(
+            f"--lengths {min(lengths)} is too short for a synthetic example: it needs at least {MIN_TOKENS} "
+            f"tokens (a context holding an {NEEDLE_TOKENS}-token needle, then a {QUESTION_TOKENS}-token "
+            "question); e.g. --lengths 2048"
+        )
     if examples < 1:
         raise RankkitError(f"--examples takes a positive count, not {examples}")
     processes = checked_workers(workers)
