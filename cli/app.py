@@ -62,9 +62,3 @@ def command():
     return root
 
 
-def use_threads(threads: int | None) -> None:
-    """torch's CPU thread count for this process, when the user gave one (``--threads``)."""
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app, output, use_threads
+from rankkit.cli.app import app, output
 from rankkit.cli.options import (
     DRAFT_SPEC,
     AllowOverlength,
@@ -100,6 +100,7 @@ def capture(
     A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
     """
     from rankkit.capture import capture as run_capture
+    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.shards import shard
 

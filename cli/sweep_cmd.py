@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from rankkit.cli.app import app, output, use_threads
+from rankkit.cli.app import app, output
 from rankkit.cli.options import AsJson, Threads, Workers, comma_list
 from rankkit.cli.progress import stage_bars
 
@@ -61,6 +61,7 @@ def sweep(
     merges them and runs the others. Ctrl-C or SIGTERM keeps every finished unit and example
     and exits 130; the same command resumes.
     """
+    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.report.tables import json_text
     from rankkit.shards import shard

@@ -435,8 +435,7 @@ class Setup:
         return models.load_config(self.model)
 
     def load(self) -> tuple[models.LoadedModel, Runner]:
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        models.use_threads(self.threads)
         loaded = models.load(self.model, device=self.device, device_map=self.device_map)
         return loaded, Runner(loaded.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode)
 

@@ -83,6 +83,17 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return resolved
 
 
+def use_threads(threads: int | None) -> None:
+    """torch's CPU thread count for this process, when the user gave one (``--threads``); more than
+    the cores this process may run on is refused: the threads would take turns on them."""
+    if threads is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not 1 <= threads <= cores:
+        raise RankkitError(f"--threads {threads}: this process may run on {cores} CPU cores; give 1 to {cores}")
+    torch.set_num_threads(threads)
+
+
 def device_problem(device: torch.device) -> str | None:
     """Why ``device`` cannot run here (no CUDA, a GPU index past the last), or None."""
     if device.type != "cuda":

@@ -198,6 +198,20 @@ def test_a_device_map_that_misnames_or_misses_a_module_is_refused_before_the_wei
     rankkit.models.check_layout({"": "cpu"}, rankkit.models.load_config(str(tiny_folder)), "x")
 
 
+def test_more_threads_than_cores_is_refused_before_the_model_loads(no_model_load, tiny_folder):
+    """--threads 1000 on two cores ran, its threads taking turns on them, and timed that."""
+    cores = len(os.sched_getaffinity(0))
+    message = f"--threads {cores + 1}: this process may run on {cores} CPU cores; give 1 to {cores}"
+    common = ["--model", str(tiny_folder), "--data", "niah:n=1,length=200", "--threads", str(cores + 1)]
+    for command in (
+        ["prefill", "--method", "claa", "--keep", "0.2", *common],
+        ["bench", "--methods", "full", "--keep", "0.2", *common],
+        ["capture", "--out", "s.zarr", *common],
+    ):
+        assert refused(command, no_model_load) == message
+    assert not (no_model_load / "s.zarr").exists()
+
+
 def test_a_gpu_index_past_the_last_is_refused_naming_the_ones_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for count, named in ((1, "1 GPU (cuda:0)"), (2, "2 GPUs (cuda:0 to cuda:1)")):
