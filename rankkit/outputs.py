@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -135,6 +136,29 @@ def write_text(text: str, path: PathLike) -> Path:
     return write_atomic(path, lambda partial: partial.write_text(text, encoding="utf-8"))
 
 
+# what flock raises on a filesystem that has no locks (some network and FUSE mounts)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def lock_exclusively(handle: int, path: Path) -> bool:
+    """Lock the open file ``handle`` (of ``path``) for this process without waiting; False when
+    another process holds it. A filesystem without locks is let through, with a warning: a run
+    cannot be refused for what it cannot check."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as error:
+        if error.errno not in NO_LOCKS:
+            raise RankkitError(f"cannot lock {path} ({error.strerror}); choose another --out") from None
+        warnings.warn(
+            f"{path.parent} cannot lock files ({error.strerror}): a second run writing the same "
+            "output at the same time is not refused there",
+            stacklevel=3,
+        )
+    return True
+
+
 def journal_path(out: PathLike) -> Path:
     """Where the rows of ``out`` are kept until it is written (``Journal``)."""
     out = Path(out)
@@ -208,12 +232,9 @@ class Journal:
             handle = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as error:
             raise RankkitError(write_failure(self.path, error)) from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # a run that finished meanwhile removed the file this one opened
-            if not self.path.exists() or os.fstat(handle).st_ino != self.path.stat().st_ino:
-                raise BlockingIOError
-        except BlockingIOError:
+        locked = lock_exclusively(handle, self.path)
+        # a run that finished meanwhile removed the file this one opened
+        if not locked or not self.path.exists() or os.fstat(handle).st_ino != self.path.stat().st_ino:
             os.close(handle)
             raise RankkitError(
                 f"another rankkit run is making {self.out} ({self.path.name} is locked); wait for it "

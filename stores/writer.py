@@ -14,7 +14,6 @@ rankkit wrote (its root attributes and nothing inside it but its own files).
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import uuid
@@ -28,6 +27,7 @@ from zarr.storage import LocalStore
 
 from rankkit import __version__ as rankkit_version
 from rankkit.errors import RankkitError
+from rankkit.outputs import lock_exclusively
 
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
@@ -273,14 +273,12 @@ def _take_lock(path: Path, rank: int) -> None:
     if held is not None and file.exists() and os.fstat(held).st_ino == file.stat().st_ino:
         return
     handle = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not lock_exclusively(handle, file):
         os.close(handle)
         raise RankkitError(
             f"another process is writing {path} ({file.name} is locked); wait for it to finish, "
             "then rerun to resume, or write to another store path"
-        ) from None
+        )
     if held is not None:  # the lock of a store deleted and made again since
         os.close(held)
     _HELD_LOCKS[file] = handle

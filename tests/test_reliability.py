@@ -545,6 +545,27 @@ def test_a_second_run_making_the_same_output_is_refused_while_the_first_runs(tmp
     assert not outputs.journal_path(out).exists() and pl.read_parquet(out)["score"].to_list() == [1.0, 0.5]
 
 
+def test_a_filesystem_without_locks_lets_a_run_through_with_a_warning(tmp_path, monkeypatch):
+    from rankkit import stores
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(outputs.fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match=f"^{tmp_path} cannot lock files \\(No locks available\\): a second run"):
+        with outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]}) as journal:
+            journal.record("e0", [{"score": 1.0}])
+    with pytest.warns(UserWarning, match="cannot lock files"):
+        stores.create(tmp_path / "s.zarr", {"model": "a"})
+
+    def broken(handle, operation):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(outputs.fcntl, "flock", broken)
+    with pytest.raises(RankkitError, match=r"^cannot lock .*rows.parquet.unfinished.jsonl \(Input/output error\); choose"):
+        outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]})
+
+
 def test_an_empty_journal_left_by_a_kill_before_its_first_line_starts_afresh(tmp_path):
     out = tmp_path / "rows.parquet"
     outputs.journal_path(out).write_text("")
