@@ -62,3 +62,9 @@ def command():
     return root
 
 
+def say_if_timing_only(timing_only: bool) -> None:
+    """The line under a table whose model had random weights."""
+    from rankkit.checks import TIMING_ONLY
+
+    if timing_only:
+        output().print(f"[bold]{TIMING_ONLY}[/bold]")

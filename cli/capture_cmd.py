@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app, output
+from rankkit.cli.app import app, output, say_if_timing_only
 from rankkit.cli.options import (
     DRAFT_SPEC,
     AllowOverlength,
@@ -41,14 +41,17 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "tokens_per_second": None if summary.tokens_per_second is None else round(summary.tokens_per_second, 1),
         "accuracy": summary.accuracy,
         "without_answer": len(summary.without_answer),
+        "timing_only": summary.timing_only,
     }
     if as_json:
         print(json_text(row))
         return
     table = Table(title=title, show_header=False)
     for key, value in row.items():
-        table.add_row(key, "-" if value is None else str(value))
+        if key != "timing_only":
+            table.add_row(key, "-" if value is None else str(value))
     output().print(table)
+    say_if_timing_only(summary.timing_only)
 
 
 @app.command()

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from rankkit import defaults
-from rankkit.cli.app import app, output
+from rankkit.cli.app import app, output, say_if_timing_only
 from rankkit.cli.options import (
     AllowOverlength,
     AsJson,
@@ -170,7 +170,7 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
     for row in rows:
         console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
     _say_if_first_runs_timed([row["warmup"] for row in rows])
-    _say_if_timing_only(rows[0].get("timing_only", False))
+    say_if_timing_only(rows[0].get("timing_only", False))
 
 
 def _kept(row: dict) -> str:
@@ -178,13 +178,6 @@ def _kept(row: dict) -> str:
     if row.get("selected_positions") is None:
         return "-"
     return f"{len(row['selected_positions'])} at layer {row['selection_layer']}"
-
-
-def _say_if_timing_only(timing_only: bool) -> None:
-    from rankkit.checks import TIMING_ONLY
-
-    if timing_only:
-        console.print(f"[bold]{TIMING_ONLY}[/bold]")
 
 
 def _say_if_first_runs_timed(warmups: list[int]) -> None:
@@ -287,6 +280,6 @@ def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = Fal
         view.add_row(*(render(row) for _, render in columns))
     console.print(view)
     _say_if_first_runs_timed([warmup])
-    _say_if_timing_only(timing_only)
+    say_if_timing_only(timing_only)
     if out is not None:
         console.print(f"rows: {out}")

@@ -90,6 +90,7 @@ class CaptureSummary:
     captures: int = 0  # captures this run wrote, each whole, as it wrote them
     oracles: int = 0  # oracles this run wrote
     without_answer: list[str] = field(default_factory=list)  # examples whose oracle had no answer to rank by
+    timing_only: bool = False  # random weights: the oracle's answers get no score
 
     def count(
         self,
@@ -199,7 +200,9 @@ def write_oracle(
     An example without answer tokens to rank by gets no oracle, is warned of and noted in
     ``summary.without_answer``, and the run goes on (rerunning retries it)."""
     try:
-        result, oracle_attrs = oracle_for(runner, tokenizer, ids, attrs, options, prefill)
+        result, oracle_attrs = oracle_for(
+            runner, tokenizer, ids, attrs, options, prefill, scored=not summary.timing_only
+        )
     except EmptyAnswer as error:
         summary.without_answer.append(example_id)
         hint = (
@@ -213,9 +216,17 @@ def write_oracle(
 
 
 def oracle_for(
-    runner: Runner, tokenizer, ids: torch.Tensor, attrs: dict, options: OracleOptions, prefill=None
+    runner: Runner,
+    tokenizer,
+    ids: torch.Tensor,
+    attrs: dict,
+    options: OracleOptions,
+    prefill=None,
+    *,
+    scored: bool = True,
 ):
-    """The oracle of one example and the attrs recording its answer, correctness and options."""
+    """The oracle of one example and the attrs recording its answer, correctness (unless not
+    ``scored``: random weights' answers mean nothing) and options."""
     result = answer_informed_oracle(
         runner,
         ids,
@@ -235,7 +246,8 @@ def oracle_for(
     oracle_attrs = {"oracle_params": result.params, "oracle_answer": result.answer_text}
     if options.answer == "generated":
         oracle_attrs["prediction"] = result.answer_text
-        oracle_attrs["correct"] = float(metric(result.answer_text, tuple(attrs["answers"])))
+        if scored:
+            oracle_attrs["correct"] = float(metric(result.answer_text, tuple(attrs["answers"])))
     return result, oracle_attrs
 
 
@@ -313,7 +325,9 @@ def capture(
     writer = stores.create(out, meta, overwrite=overwrite and rank == 0, rank=rank)
     if oracle is not None:
         check_oracle_settings(out, oracle)
-    summary = CaptureSummary(out=str(Path(out)), total=share_size(len(examples), rank, world))
+    summary = CaptureSummary(
+        out=str(Path(out)), total=share_size(len(examples), rank, world), timing_only=loaded.timing_only
+    )
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for example in share(examples, rank, world):
@@ -422,7 +436,7 @@ def add_oracle(
     writer = stores.create(store_path, meta, rank=rank)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
     records = share(list(store.examples()), rank, world)
-    summary = CaptureSummary(out=str(store_path), total=len(records))
+    summary = CaptureSummary(out=str(store_path), total=len(records), timing_only=loaded.timing_only)
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for record in records:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankkit import models
+from rankkit import models, stores
 from rankkit.errors import RankkitError
 
 # Parameter counts of the published checkpoints (the default tokenizer's 49,152 ids fit every
@@ -197,6 +197,16 @@ def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missi
          "--probes", "window", "--out", "store.zarr"]
     )  # fmt: skip
     assert captured.exit_code == 0, captured.output
+    assert "timing only: random weights" in " ".join(captured.output.split())
+    # the oracle's answers get no score: it printed accuracy 0.0 and stored each answer as wrong
+    capture_oracle = ["capture", "--model", tiny_shape, "--device", "cpu", "--data", "niah:n=1,length=256",
+                      "--probes", "window", "--oracle", "--max-new-tokens", "2", "--json"]  # fmt: skip
+    for out, command in (("oracle.zarr", capture_oracle), ("store.zarr", ["oracle", "store.zarr", "--model", tiny_shape,
+                         "--device", "cpu", "--max-new-tokens", "2", "--json"])):  # fmt: skip
+        summary = json.loads(_invoke([*command, *(["--out", out] if command is capture_oracle else [])]).stdout)
+        assert (summary["accuracy"], summary["timing_only"], summary["written"]) == (None, True, 1), command
+        (record,) = stores.open(out).examples()
+        assert record.has_oracle and "correct" not in record.attrs and record.attrs["prediction"] is not None
     info = json.loads(_invoke(["store", "info", "store.zarr", "--json"]).stdout)
     assert info["run_meta"]["timing_only"] is True
     assert "timing_only" in _invoke(["store", "info", "store.zarr"]).output
