@@ -108,6 +108,27 @@ def test_free_memory_of_the_host_is_what_linux_counts_available():
     assert abs(models.free_memory(torch.device("cpu")) - int(available) * 1024) < 2**30  # it moves
 
 
+def test_an_oracle_with_other_weights_than_the_stores_is_refused_before_they_are_drawn(
+    tiny_shape, tiny_folder, tmp_path, monkeypatch
+):
+    """A random shape's weights hash is known without its weights: the oracle built them, then refused."""
+    from rankkit.capture import add_oracle, capture
+
+    store = tmp_path / "store.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=200", probes="window", out=store, device="cpu")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the weights were built before the store's hash was checked")
+
+    monkeypatch.setattr(models, "load", forbidden)
+    with pytest.raises(RankkitError) as refused:
+        add_oracle(store, model=tiny_shape, device="cpu")
+    assert str(refused.value) == (
+        f"the store was captured with other weights than '{tiny_shape}' has now; pass --model with the original model"
+    )
+    assert not stores.open(store).examples().__next__().has_oracle
+
+
 def test_random_model_refuses_a_device_map(tiny_shape):
     with pytest.raises(RankkitError, match="drop --device-map"):
         models.load(tiny_shape, device="cpu", device_map="auto")
