@@ -41,15 +41,13 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "tokens_per_second": None if summary.tokens_per_second is None else round(summary.tokens_per_second, 1),
         "accuracy": summary.accuracy,
         "without_answer": len(summary.without_answer),
-        "timing_only": summary.timing_only,
     }
     if as_json:
-        print(json_text(row))
+        print(json_text({**row, "timing_only": summary.timing_only}))
         return
     table = Table(title=title, show_header=False)
     for key, value in row.items():
-        if key != "timing_only":
-            table.add_row(key, "-" if value is None else str(value))
+        table.add_row(key, "-" if value is None else str(value))
     output().print(table)
     say_if_timing_only(summary.timing_only)
 

@@ -426,16 +426,16 @@ def add_oracle(
     store = stores.open(store_path)
     meta = store.meta
     spec = model or ("default" if meta["model"]["id"] == models.DEFAULT_MODEL_NAME else meta["model"]["id"])
-    other_weights = RankkitError(
+    other_weights = (
         f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
     )
     # known without loading for a random shape or a folder hashed before: refused before any weight loads
     known = models.known_weights_hash(spec, models.resolve_device(rank_device(device)))
     if known not in (None, meta["model"]["weights_hash"]):
-        raise other_weights
+        raise RankkitError(other_weights)
     loaded = models.load(spec, device=rank_device(device), device_map=device_map)
     if loaded.weights_hash != meta["model"]["weights_hash"]:
-        raise other_weights
+        raise RankkitError(other_weights)
     if not redo:
         check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta, rank=rank)  # reopens: the store's own metadata always matches

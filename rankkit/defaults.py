@@ -3,6 +3,8 @@
 The module imports nothing heavy, so ``rankkit --help`` shows them without loading torch.
 """
 
+import os
+
 MODEL = "default"  # the embedded SmolLM2-135M-Instruct
 DEVICE = "auto"
 MAX_NEW_TOKENS = 32  # greedy answer length limit of prefill, bench and the oracle
@@ -12,3 +14,8 @@ WARMUP = 0  # untimed runs before the timed ones: accuracy-only runs need none; 
 REPEATS = 1
 ORACLE_MIRROR = "fastkv"
 SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity, where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

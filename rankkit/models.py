@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
 
@@ -88,7 +89,7 @@ def use_threads(threads: int | None) -> None:
     the cores this process may run on is refused: the threads would take turns on them."""
     if threads is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if not 1 <= threads <= cores:
         raise RankkitError(f"--threads {threads}: this process may run on {cores} CPU cores; give 1 to {cores}")
     torch.set_num_threads(threads)

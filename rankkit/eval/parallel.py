@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
+from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
 
 Result = TypeVar("Result")
@@ -34,7 +35,7 @@ _worker_store: Any = None
 
 def default_workers() -> int:
     """One worker per CPU the process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 def checked_workers(workers: int | None) -> int:
