@@ -891,7 +891,22 @@ def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_pat
     _, stderr = command.communicate(timeout=60)
     assert command.returncode == 130, stderr
     assert f"rankkit: interrupted: nothing written, {path} unchanged\n" in stderr
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and "leaked" not in stderr
+
+
+@pytest.mark.processes
+def test_a_damaged_example_met_by_a_worker_is_one_line_and_nothing_after_it(tmp_path):
+    """The pool ends its workers early; Python's shutdown of them printed a leaked-semaphore warning."""
+    path = write_store(tmp_path / "damaged.zarr", examples=12)
+    damaged = path / "examples" / "ex9" / "capture.zip"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("rankkit: error: example 'ex9'") and result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.processes
