@@ -285,13 +285,10 @@ def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, t
 def asl_reference(setup, keep, tau):
     """ASL's selection layer, its kept positions, the relative variance per layer and the per-head
     top-k of every layer (Alg. 1 compresses each layer up to the selection to its own)."""
-    layers = setup[2]
-    k = keep_of(keep, 4)
-    scores = {layer: window_scores(layers[layer], 4) for layer in range(3)}
-    sums = {layer: head_sum(scores[layer]) for layer in range(3)}
-    layer, relative = reference_rank_variance(sums, 1, 2, k - 4, 4, tau, 2)
-    own = {index: [top(row, k, window_of(4)) for row in scores[index]] for index in range(3)}
-    return layer, top(sums[layer], k, window_of(4)), relative, own
+    k = keep_of(keep, 5)  # the window and at least one ranked token
+    layer, selected, relative = reference_asl_at(setup, k, tau)
+    own = {index: [top(row, k, window_of(4)) for row in window_scores(setup[2][index], 4)] for index in range(3)}
+    return layer, selected, relative, own
 
 
 def expected_asl(setup, keep, tau=0.3, name="asl") -> Expected:
@@ -320,6 +317,28 @@ def test_asl_selects_at_alg_2s_layer_and_keeps_its_top_k_plus_the_window(setup, 
         captured(runner, ids, make("asl", window_size=4)), Budget.from_keep(keep)
     )
     assert math.isnan(curve[0]) and curve[1:] == pytest.approx([relative[1], relative[2]], rel=1e-12)
+
+
+def test_asl_below_its_window_ranks_one_token_as_at_the_budget_w_plus_1(setup):
+    """Alg. 2's k = budget - W: a budget of 1 gave k <= 0, an empty union and a variance of 0/0 read
+    as settled, a selection layer and a flat curve made up; it now rounds up to W + 1, as the window does."""
+    runner, ids, _ = setup
+    method = make("asl", window_size=4, min_layer=1, observed_layers=2)
+    layer, expected, relative = reference_asl_at(setup, 5)
+    for budget in (Budget.from_tokens(1), Budget.from_tokens(4), Budget.from_tokens(5)):
+        run = method.prefill(runner, ids, budget)
+        assert (run.selection_layer, run.kept_positions.tolist()) == (layer, expected)
+        curve = method.variance_curve(captured(runner, ids, make("asl", window_size=4)), budget)
+        assert curve[1:] == pytest.approx([relative[1], relative[2]], rel=1e-12) and relative[2] != 0
+
+
+def reference_asl_at(setup, kept_tokens, tau=0.3):
+    """ASL's selection layer, its kept positions and relative variances, keeping ``kept_tokens``."""
+    layers = setup[2]
+    scores = {layer: window_scores(layers[layer], 4) for layer in range(3)}
+    sums = {layer: head_sum(scores[layer]) for layer in range(3)}
+    layer, relative = reference_rank_variance(sums, 1, 2, kept_tokens - 4, 4, tau, 2)
+    return layer, top(sums[layer], kept_tokens, window_of(4)), relative
 
 
 def test_asl_alg_2_reads_zero_variance_at_l_min_as_settled_and_ranks_ties_by_token_order():

@@ -141,6 +141,11 @@ class Asl(PolicyMethod):
     def forced(self, keep):
         return self.window_size, 0
 
+    def minimum_keep(self):
+        # Alg. 2 ranks k = budget - W tokens: with none, its rank variance is 0/0 and the
+        # selection layer (and the variance curve) would be made up
+        return self.window_size + 1
+
     def compress_from(self):
         return 0
 
