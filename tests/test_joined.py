@@ -167,6 +167,35 @@ def test_a_bench_of_other_examples_or_another_model_is_refused(store_and_bench, 
     )
 
 
+def _with_claa_pruning_layer(params: str, method: str) -> str:
+    return json.dumps({**json.loads(params), "pruning_layer": 0}) if method == "claa" else params
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # the same id, another example: niah:n=3 and niah:n=6 both name niah-512-s0-001
+        (pl.col("length") + 2, f"ran another example named 'e0' ({TOKENS + 2} tokens, needle depth None) than the store holds ({TOKENS} tokens"),
+        # the offline face is each method at its defaults
+        (
+            pl.struct("params", "method").map_elements(
+                lambda row: _with_claa_pruning_layer(row["params"], row["method"]), return_dtype=pl.String
+            ),
+            "ran claa with pruning_layer=0; report joins each method at its defaults",
+        ),
+    ],
+)
+def test_a_bench_of_other_examples_under_the_same_ids_or_other_settings_is_refused(store_and_bench, tmp_path, change, message):
+    from rankkit.errors import RankkitError
+
+    store, _, frame = store_and_bench
+    column = "length" if "tokens" in message else "params"
+    changed = tmp_path / "changed.parquet"
+    frame.with_columns(change.alias(column)).write_parquet(changed)
+    with pytest.raises(RankkitError, match=re.escape(message)):
+        join_store_and_bench(store, changed)
+
+
 @pytest.fixture
 def cli():
     from typer.testing import CliRunner

@@ -12,6 +12,7 @@ for every prompt-pruning method.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -19,8 +20,10 @@ import polars as pl
 
 from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
-from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps
+from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps, scored_layers
+from rankkit.eval.offline import recorded_model
 from rankkit.eval.stats import EXAMPLE_ID, mean_intervals
+from rankkit.methods import make
 
 OFFLINE_METRICS = ("spearman", "needle_recall", "evidence_kept_offline")
 ONLINE_METRICS = ("evidence_kept", "accuracy")
@@ -68,9 +71,11 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
             f"{what} has no rows at a keep rate for the examples of store {store.path}; "
             "bench the store's data with --keep"
         )
+    _refuse_other_examples(records, online, what)
     probes = sorted({probe for record in records for probe in record.probes})
     offline_faces = set(available_methods(probes, has_draft=False)) - set(probes)
     methods = [name for name in online["method"].unique(maintain_order=True) if name in offline_faces]
+    _refuse_other_settings(online, methods, scored_layers(records), recorded_model(store.meta), what)
     keeps = sorted(online["keep"].unique())
     offline = pl.DataFrame()
     if methods:
@@ -101,6 +106,36 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
         scores=["accuracy"],
     )
     return Joined(per_example, summary)
+
+
+def _refuse_other_examples(records, online: pl.DataFrame, what: str) -> None:
+    """Example ids name an example only within one data spec (``niah:n=3`` and ``niah:n=6`` share
+    ``niah-512-s0-001`` at other depths): the bench's prompt length and needle depth must be the store's."""
+    recorded = {
+        record.id: (record.num_tokens, (record.attrs.get("meta") or {}).get("depth_percent"))
+        for record in records
+    }
+    for example_id, length, depth in online.select(EXAMPLE_ID, "length", "depth_percent").unique().iter_rows():
+        tokens, stored_depth = recorded[example_id]
+        if length != tokens or (depth is not None and stored_depth is not None and depth != stored_depth):
+            raise RankkitError(
+                f"{what} ran another example named '{example_id}' ({length} tokens, needle depth {depth}) "
+                f"than the store holds ({tokens} tokens, depth {stored_depth}); bench the store's --data"
+            )
+
+
+def _refuse_other_settings(online: pl.DataFrame, methods, num_layers: int, layout: dict, what: str) -> None:
+    """The offline face is each method at its defaults on the store's model: a bench of other settings
+    (``claa:pruning_layer=5``) would be joined to figures it did not run."""
+    for method, params in online.filter(pl.col("method").is_in(methods)).select("method", "params").unique().iter_rows():
+        # as the bench wrote them: through JSON (a tuple of layers reads back as a list)
+        defaults = json.loads(json.dumps(make(method).resolved(num_layers, layout.get("layer_types"))))
+        if json.loads(params) != defaults:
+            given = ",".join(f"{key}={value}" for key, value in json.loads(params).items() if defaults.get(key) != value)
+            raise RankkitError(
+                f"{what} ran {method} with {given}; report joins each method at its defaults: bench "
+                f"{method} at its defaults, or compare the store with --methods {method}:{given}"
+            )
 
 
 def at_method_layers(result) -> pl.DataFrame:
