@@ -72,9 +72,11 @@ def compare(
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts, keep_on_interrupt
 
-    # the workers import while this process does; an interrupt from the first import on is one line
+    # the workers import while this process does; an interrupt from the first import on is one line;
+    # so is one while the summaries are made and written, which takes longer than the workers' part
+    written: list[Path] = []
     with (
-        keep_on_interrupt(lambda: f"interrupted: nothing written, {store} unchanged"),
+        keep_on_interrupt(lambda: interrupted_note(store, written)),
         shared_workers(store, workers, now=True),
     ):
         with deferred_interrupts():
@@ -101,30 +103,43 @@ def compare(
             workers=workers,
             pairs=pairs,
         )
-    if out is not None:
-        written = write_results(results, out)
+        if out is not None:
+            write_results(results, out, written=written)
+        if shown_as != "table":
+            rows = [{**row, "span": result.span} for result in results for row in result.summary.to_dicts()]
+        else:
+            tables = []
+            for result in results:
+                title = (
+                    f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}, "
+                    f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
+                    "means [95% interval] over n examples"
+                )
+                tables.append(frame_table(summary_table(result.summary), title))
+                if result.stability.height:
+                    tables.append(frame_table(result.stability, "Stability across layers (of the mean curve)"))
+                paired = pairs_at_layer(result.pairs, result.pruning_layer)
+                if paired.height:
+                    tables.append(
+                        frame_table(
+                            paired,
+                            f"Paired Spearman differences at l_p = {result.pruning_layer} (Wilcoxon p)",
+                        )
+                    )
+    if written:
         typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
     if shown_as != "table":
-        rows = [{**row, "span": result.span} for result in results for row in result.summary.to_dicts()]
         typer.echo(rows_text(rows, shown_as))
         return
     console = output()
-    for result in results:
-        title = (
-            f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}, "
-            f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
-            "means [95% interval] over n examples"
-        )
-        console.print(frame_table(summary_table(result.summary), title))
-        if result.stability.height:
-            console.print(frame_table(result.stability, "Stability across layers (of the mean curve)"))
-        paired = pairs_at_layer(result.pairs, result.pruning_layer)
-        if paired.height:
-            console.print(
-                frame_table(
-                    paired, f"Paired Spearman differences at l_p = {result.pruning_layer} (Wilcoxon p)"
-                )
-            )
+    for table in tables:
+        console.print(table)
+
+
+def interrupted_note(store: Path, written: list[Path]) -> str:
+    if not written:
+        return f"interrupted: nothing written, {store} unchanged"
+    return f"interrupted after writing {', '.join(map(str, written))}; {store} unchanged"
 
 
 def _cell(value: object) -> Text:

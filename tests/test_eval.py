@@ -782,6 +782,55 @@ def cli():
     return lambda *args: runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": "200"})
 
 
+def test_evidence_kept_nowhere_is_a_wilson_interval_not_zero_to_zero():
+    """needle_recall and evidence_kept are each example's share of its evidence: a score, so an
+    all-zero column (a method that never keeps the needle) gets Wilson's interval over n, as
+    the README says, where the bootstrap read 0.00 [0.00, 0.00]."""
+    from rankkit.eval.compare import RECALL_COLUMNS, curve_frame, summary_frame
+    from rankkit.eval.stats import wilson_interval
+
+    per_layer = pl.DataFrame(
+        {
+            "example_id": ["a", "b", "c", "d"],
+            "method": ["claa"] * 4,
+            "layer": [3] * 4,
+            **{metric: [0.5, 0.6, 0.7, 0.8] for metric in ("spearman", "kendall", "adjacent_spearman", *RECALL_COLUMNS)},
+            **{metric: [0.0] * 4 for metric in ("needle_recall", "evidence_kept")},
+        }
+    )
+    for frame in (summary_frame(per_layer, {"claa": 3}), curve_frame(per_layer)):
+        for metric in ("needle_recall", "evidence_kept"):
+            low, high = wilson_interval(0, 4)
+            assert frame.row(0, named=True)[f"{metric}_ci_high"] == pytest.approx(high) and high > 0.4
+            assert frame.row(0, named=True)[f"{metric}_ci_low"] == low == 0
+        assert frame.row(0, named=True)["spearman_ci_high"] < 0.8  # a bootstrap, as before
+
+
+def test_an_interrupt_while_compare_summarises_or_writes_is_one_line_naming_what_was_written(
+    cli, store_path, tmp_path, monkeypatch
+):
+    """The summaries and the writes came after the interrupt handling: SIGTERM there exited 143 silently."""
+    from rankkit.errors import Interrupted
+    from rankkit.eval import compare
+
+    def interrupted_after_the_first(results, path, *, written):
+        written.append(compare.outputs.write_parquet(results[0].per_layer, path))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "write_results", interrupted_after_the_first)
+    out = tmp_path / "c.parquet"
+    result = cli("compare", store_path, "--workers", "1", "--out", out)
+    assert isinstance(result.exception, Interrupted)
+    assert str(result.exception) == f"interrupted after writing {out}; {store_path} unchanged"
+    monkeypatch.setattr(compare.CompareResult, "summary", property(lambda self: _raise(KeyboardInterrupt())))
+    result = cli("compare", store_path, "--workers", "1", "--json")
+    assert str(result.exception) == f"interrupted: nothing written, {store_path} unchanged"
+
+
+def _raise(error):
+    raise error
+
+
 def test_cli_compare_json_keys(cli, store_path):
     result = cli("compare", store_path, "--oracle", "--json")
     assert result.exit_code == 0, result.output

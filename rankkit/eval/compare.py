@@ -95,6 +95,8 @@ from .ranking import Ranked, keep_count, overlap_share, row_metrics, spans_mask
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall", "evidence_kept")
+# each example's share of its evidence kept: a score, so none kept anywhere is not "0.00 [0.00, 0.00]"
+SHARES = ("needle_recall", "evidence_kept")
 
 CLAA = "claa"
 CLAA_SWEEP = (1, 2, 4, 8)  # CLAA Table 4 explores n up to 12; 8 already spans a quarter of a 32-layer model
@@ -389,7 +391,7 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
         pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer")
     )
     means = layers.join(
-        mean_intervals(at_layer, ["method"], METRIC_COLUMNS, cluster=cluster_column(at_layer)),
+        mean_intervals(at_layer, ["method"], METRIC_COLUMNS, cluster=cluster_column(at_layer), scores=SHARES),
         on="method",
         maintain_order="left",
     )
@@ -400,7 +402,9 @@ def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     """Per method and layer: each metric's mean over examples with its 95% interval, and n."""
     if not per_layer.height:
         return pl.DataFrame()
-    return mean_intervals(per_layer, ["method", "layer"], METRIC_COLUMNS, cluster=cluster_column(per_layer))
+    return mean_intervals(
+        per_layer, ["method", "layer"], METRIC_COLUMNS, cluster=cluster_column(per_layer), scores=SHARES
+    )
 
 
 def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int) -> pl.DataFrame:
@@ -582,16 +586,20 @@ class CompareResult:
         return write_results([self], path)
 
 
-def write_results(results: Sequence[CompareResult], path: str | os.PathLike) -> list[Path]:
+def write_results(
+    results: Sequence[CompareResult], path: str | os.PathLike, *, written: list[Path] | None = None
+) -> list[Path]:
     """The frames of ``results`` (one per keep), each concatenated over them, written as
-    ``CompareResult.write`` writes one: their ``keep`` and ``needle_keep`` columns tell them apart."""
+    ``CompareResult.write`` writes one: their ``keep`` and ``needle_keep`` columns tell them apart.
+    Each path joins ``written`` as it is written, so an interrupt can name what was."""
     frames = [
         pl.concat([getattr(result, name) for result in results], how="diagonal_relaxed")
         for name in ("per_layer", *SIBLING_FRAMES)
     ]
-    return [
-        outputs.write_parquet(frame, file) for frame, file in zip(frames, output_paths(path), strict=True)
-    ]
+    written = [] if written is None else written
+    for frame, file in zip(frames, output_paths(path), strict=True):
+        written.append(outputs.write_parquet(frame, file))
+    return written
 
 
 def compare_keeps(
