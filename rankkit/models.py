@@ -96,9 +96,16 @@ def use_threads(threads: int | None) -> None:
 
 
 def device_problem(device: torch.device) -> str | None:
-    """Why ``device`` cannot run here (no CUDA, a GPU index past the last), or None."""
-    if device.type != "cuda":
+    """Why ``device`` cannot run here (no CUDA, a GPU index past the last, a backend this torch
+    lacks, or meta, which holds shapes and no values), or None."""
+    if device.type == "cpu":
         return None
+    if device.type == "meta":
+        return "meta holds no values to run on"
+    if device.type != "cuda":
+        backend = getattr(torch, device.type, None)
+        available = getattr(backend, "is_available", None)
+        return None if available is not None and available() else f"this torch has no {device.type} device here"
     if not torch.cuda.is_available():
         return "CUDA is not available here"
     count = torch.cuda.device_count()

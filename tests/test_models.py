@@ -89,6 +89,12 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(RankkitError, match="CUDA is not available"):
             models.resolve_device("cuda")
+    # torch.device accepts them; the run then failed in a traceback (meta: "Cannot copy out of meta tensor")
+    with pytest.raises(RankkitError, match="^device 'meta' asked for but meta holds no values to run on"):
+        models.resolve_device("meta")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(RankkitError, match="^device 'mps' asked for but this torch has no mps device here"):
+            models.resolve_device("mps")
 
 
 @pytest.mark.integration
