@@ -370,9 +370,27 @@ def load_config(spec: str = "default"):
 
     if timing_only(spec):
         return random_config(spec)
-    config = AutoConfig.from_pretrained(str(resolve_folder(spec)))
+    folder = resolve_folder(spec)
+    with unreadable_folder(spec, folder):
+        config = AutoConfig.from_pretrained(str(folder))
     check_family(config)
     return config
+
+
+@contextmanager
+def unreadable_folder(spec: str, folder: Path) -> Iterator[None]:
+    """A model folder transformers cannot read (a config that is not JSON, no weights, a cut
+    weights file) as one line: it raised OSError, ValueError or safetensors' own error."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, SafetensorError) as error:
+        reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+        raise RankkitError(
+            f"model '{spec}' ({folder}) cannot be read: {reason}; give --model a complete HF folder "
+            "(config.json, weights, tokenizer)"
+        ) from None
 
 
 def load_tokenizer(spec: str = "default"):
@@ -380,7 +398,8 @@ def load_tokenizer(spec: str = "default"):
     from transformers import AutoTokenizer
 
     folder = random_tokenizer_folder() if timing_only(spec) else resolve_folder(spec)
-    return AutoTokenizer.from_pretrained(str(folder))
+    with unreadable_folder(spec, folder):
+        return AutoTokenizer.from_pretrained(str(folder))
 
 
 def random_tokenizer_folder() -> Path:
@@ -654,7 +673,7 @@ def _load(
     cannot express (soft-capping, sinks) load with their eager attention, which is what
     ``model(...)`` then runs; rankkit's runner computes those terms itself either way.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rankkit draws its own progress; weight loading takes a second
@@ -665,22 +684,22 @@ def _load(
             raise RankkitError(f"{spec} is built on one device; drop --device-map and pick it with --device")
         return _load_random(spec, target, dtype or default_dtype(target))
     folder = resolve_folder(spec)
-    config = AutoConfig.from_pretrained(str(folder))
-    check_family(config)
+    config = load_config(spec)
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         raise RankkitError("a device map needs accelerate: pip install accelerate")
     if device_map is None:
         check_weights_fit(spec, config, dtype or default_dtype(target), target)
     elif isinstance(device_map, dict):
         check_layout(device_map, config, spec)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype or default_dtype(target), device_map=device_map
-    )
+    with unreadable_folder(spec, folder):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype or default_dtype(target), device_map=device_map
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if device_map is None:
         model.to(target)
     else:
         target = model.get_input_embeddings().weight.device
     frozen_for_inference(model)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model_id = DEFAULT_MODEL_NAME if spec == "default" else spec
     return LoadedModel(model, tokenizer, model_id, folder_weights_hash(folder), target)

@@ -97,6 +97,26 @@ def test_device_resolution():
             models.resolve_device("mps")
 
 
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda folder: (folder / "config.json").write_text("not json"), "is not a valid JSON file"),
+        (lambda folder: (folder / "model.safetensors").unlink(), "no file named model.safetensors"),
+        (
+            lambda folder: (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100]),
+            "Error while deserializing header",
+        ),
+    ],
+)
+def test_a_model_folder_transformers_cannot_read_is_one_line(tmp_path, damage, reason):
+    """They ended in transformers' or safetensors' traceback."""
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    damage(folder)
+    with pytest.raises(RankkitError, match=f"^model '{re.escape(str(folder))}' .* cannot be read: .*{reason}"):
+        models.load(str(folder), device="cpu")
+
+
 @pytest.mark.integration
 def test_local_folder_loads_through_the_default_path(tmp_path, default_model):
     folder = tmp_path / "tiny-qwen3"
