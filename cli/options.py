@@ -140,16 +140,21 @@ def comma_list(text: str | None, option: str) -> list[str]:
 
 def budgets(keep: str | None, budget: str | None, *, required: bool = True):
     """The budgets of ``--keep`` (rates) or ``--budget`` (token counts), comma-separated; at most one of them."""
-    from rankkit.methods.base import ONE_BUDGET, Budget
+    from rankkit.methods.base import ONE_BUDGET, Budget, distinct_budgets
 
     if keep is not None and budget is not None or (required and keep is None and budget is None):
         raise RankkitError(f"give {ONE_BUDGET}")
     if keep is not None:
-        return [Budget.from_keep(_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
-                for value in comma_list(keep, "--keep")]  # fmt: skip
+        return distinct_budgets(
+            [Budget.from_keep(_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
+             for value in comma_list(keep, "--keep")], "--keep"
+        )  # fmt: skip
     if budget is not None:
         fix = "a token count; give e.g. --budget 2048, or --keep 0.1 for a share of the prompt"
-        return [Budget.from_tokens(_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")]
+        return distinct_budgets(
+            [Budget.from_tokens(_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")],
+            "--budget",
+        )
     return []
 
 

@@ -37,6 +37,7 @@ from rankkit.checks import (
     check_prompt_lengths,
     check_spec_length,
     check_value_ranges,
+    first_repeated,
     warn_clamped,
 )
 from rankkit.data import Example, load_examples, read_spec
@@ -375,6 +376,13 @@ class MethodOptions:
         ]
         for method in methods:
             check_parameters(method, num_layers)
+        twice = first_repeated([method.name for method in methods])
+        if twice is not None:
+            given = ", ".join(spec for spec in names if parse_method_spec(spec)[0] == twice)
+            raise RankkitError(
+                f"{twice} is named twice ({given}): rows are labelled by method, so one setting's numbers "
+                "would stand for both; run each setting with its own --out"
+            )
         if self.layer is None:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]

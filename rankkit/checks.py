@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 from rankkit.errors import RankkitError
 
@@ -108,3 +110,8 @@ def check_value_ranges(frame, ranges, what: str, writer: str) -> None:
                 f"{what} holds {column} {row[column]} ({where}), outside {bounds}: not as {writer} wrote it; "
                 "run it again, or pass the file it wrote"
             )
+
+
+def first_repeated(items: Sequence[Any]) -> Any:
+    """The first item ``items`` holds twice, or None."""
+    return next((item for number, item in enumerate(items) if item in items[:number]), None)

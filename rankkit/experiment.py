@@ -25,9 +25,11 @@ from typing import Any
 from rankkit import defaults
 from rankkit.bench import BenchSettings, MethodOptions
 from rankkit.capture import OracleOptions, capture_probes
+from rankkit.checks import first_repeated
 from rankkit.data import format_spec, parse_spec, read_spec
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
+from rankkit.methods.base import distinct_budgets
 from rankkit.stores import check_score_dtype
 
 # The order stages run in whatever order the file lists them: the model stages first (every
@@ -389,7 +391,7 @@ def _read(table: dict[str, Any], fields: dict[str, Field], where: str) -> dict[s
         if value == []:
             raise RankkitError(f"{where}: {key} is an empty list; name at least one, e.g. {field.example}")
         if isinstance(value, list):
-            twice = _repeated(value)
+            twice = first_repeated(value)
             if twice is not None:
                 raise RankkitError(f"{where}: {key} lists {_shown(twice)} twice; name each once")
         if field.minimum is not None and any(item < field.minimum for item in _as_tuple(value)):
@@ -398,11 +400,6 @@ def _read(table: dict[str, Any], fields: dict[str, Field], where: str) -> dict[s
             )
         values[key] = field.kind.convert(value)
     return values
-
-
-def _repeated(items: list) -> Any:
-    """The first item ``items`` holds twice, or None."""
-    return next((item for number, item in enumerate(items) if item in items[:number]), None)
 
 
 def _shown(value: Any) -> str:
@@ -433,10 +430,7 @@ def _budgets(top: dict[str, Any], source: str) -> tuple[Budget, ...]:
             budgets = tuple(Budget.from_tokens(tokens) for tokens in top["budget"])
         else:
             budgets = tuple(Budget.from_keep(rate) for rate in top.get("keep", (DEFAULT_KEEP,)))
-    same = _repeated([budget.label for budget in budgets])
-    if same is not None:
-        raise RankkitError(f"{source}: two keep rates both read {same}; name each rate once")
-    return budgets
+    return tuple(distinct_budgets(budgets, source))
 
 
 def _data_cells(entries: Any, source: str, max_units: int) -> tuple[DataCell, ...]:

@@ -95,6 +95,12 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
          "--methods ',' names nothing; give comma-separated names"),
         (["bench", "--methods", "full,claa", "--keep", "1.5"], "keep rate 1.5 is outside (0, 1]"),
         (["bench", "--methods", "full,nope", "--keep", "0.2"], "unknown method 'nope'"),
+        # rows are labelled by method and budget: two settings or two rates under one label were one's numbers
+        (["bench", "--methods", "full,claa,claa:aggregation_window=2", "--keep", "0.2"],
+         "claa is named twice (claa, claa:aggregation_window=2): rows are labelled by method"),
+        (["bench", "--methods", "full,claa", "--keep", "0.1,0.1000000000000001"],
+         "--keep: two budgets both read keep=0.1; name each once"),
+        (["bench", "--methods", "full,claa", "--budget", "64,64"], "--budget: two budgets both read budget=64"),
         (["prefill", "--method", "claa"], "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode"],
          "--cuda-graphs compiles and captures the decode step in the first run, which would then be timed: add --warmup 1"),

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from rankkit.checks import first_repeated
 from rankkit.errors import RankkitError
 from rankkit.plugins import construct
 from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
@@ -226,6 +227,15 @@ class Budget:
     def label(self) -> str:
         # 15 significant digits: exact for any rate written by hand, so no two rates share a label
         return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
+
+
+def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
+    """``budgets``, refused where two read alike (``keep=0.1`` twice): their rows, keyed by the
+    label, would be one budget's, the other's numbers lost."""
+    same = first_repeated([budget.label for budget in budgets])
+    if same is not None:
+        raise RankkitError(f"{where}: two budgets both read {same}; name each once")
+    return list(budgets)
 
 
 LOOKAHEAD = "lookahead"  # the label of a draft's decode steps (SpecPrefill), one query per layer
