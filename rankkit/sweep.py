@@ -49,6 +49,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -70,6 +71,7 @@ from rankkit.errors import RankkitError
 from rankkit.eval import compare, variance
 from rankkit.eval.diffusion import diffusion_probe
 from rankkit.eval.offline import method_from_spec, split_names
+from rankkit.eval.parallel import checked_workers
 from rankkit.experiment import (
     MAX_UNITS,
     MODEL_STAGES,
@@ -342,7 +344,8 @@ class SweepPlan:
         """The estimate of the stages that have one, where a cost model is cached."""
         if self.calibrate is not None:
             return None
-        return sum(stage.seconds for stage in self.stages if stage.seconds is not None)
+        estimated = [stage.seconds for stage in self.stages if stage.seconds is not None]
+        return sum(estimated) if estimated else None  # no stage has one: no total either, not 0 s
 
     def lines(self) -> list[str]:
         """The plan as ``rankkit sweep`` prints it before it starts (and alone with --dry-run)."""
@@ -564,6 +567,7 @@ def check(
     ``max_units``, and that the inputs of each running stage are in ``layout`` or made by a stage
     running with it. Returns the run: each cell's size and each unit's status (all new when
     ``fresh``: the directory is to be emptied)."""
+    checked_workers(workers)  # refused before the model stages run, not when the analyses start
     with errors_in(f"{path} [model]"):
         config = models.load_config(plan.model.name)
         Setup(device_map=plan.model.device_map)
@@ -822,6 +826,12 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             f"{root} is not empty and holds no sweep; choose another --out, or pass --overwrite to write "
             "the sweep beside what it holds (nothing of it is removed)"
         )
+    foreign = _foreign_part(root / "parts") if overwrite and root / "parts" in owned else None
+    if foreign is not None:
+        raise RankkitError(
+            f"{foreign} is in the sweep's parts but no sweep wrote it, and --overwrite removes the parts "
+            "whole; move it out first"
+        )
     stores_folder = root / "stores"
     for path in layout.paths(plan):
         if path in owned or not path.exists():
@@ -832,6 +842,24 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             f"{path} is in the way: the sweep writes there but did not make it; move it away, or choose "
             "another --out"
         )
+
+
+# What a sweep writes under parts/: <stage>/merged.json and <stage>/<cell>/<unit's files>, each
+# possibly as an atomic write's leftover (.<name>.partial-<pid>)
+_PART_FILE = re.compile(r"\.?[^/]+\.(parquet|done|jsonl|json)(\.partial-\d+)?")
+
+
+def _foreign_part(parts: Path) -> Path | None:
+    """The first path under ``parts`` that no sweep writes there, or None."""
+    for path in sorted(parts.rglob("*")) if parts.is_dir() else ():
+        relative = path.relative_to(parts).parts
+        if path.is_dir():
+            written = relative[0] in STAGES and len(relative) <= 2
+        else:
+            written = relative[0] in STAGES and len(relative) in (2, 3) and _PART_FILE.fullmatch(relative[-1])
+        if not written:
+            return path
+    return None
 
 
 def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:

@@ -4,6 +4,7 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -495,6 +496,16 @@ def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
         "parts",
         "stores/niah-128.zarr",
     ]
+    # parts is the sweep's whole: a file of the user's put there is refused, not removed with it
+    cell = out / "parts" / "capture" / "niah-128"
+    for mine, named in ((out / "parts" / "mine.txt", None), (cell / "x" / "keep.txt", cell / "x")):
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        mine.write_text("mine")
+        named = re.escape(str(named or mine))
+        with pytest.raises(RankkitError, match=f"^{named} is in the sweep's parts but no sweep wrote it"):
+            sweep(small, out, overwrite=True)
+        assert mine.read_text() == "mine"
+        mine.unlink()
     foreign = tmp_path / "foreign"
     (foreign / "parts").mkdir(parents=True)
     with pytest.raises(RankkitError) as refused:
@@ -715,6 +726,9 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     )
     uncached = f"  no cost model cached for prompts this long on this model: run `{calibrate}` once to calibrate"
     assert dry_run().splitlines()[-1] == uncached
+    assert json.loads(dry_run("--json"))["seconds"] is None  # no estimate: it read 0 s
+    refused = CliRunner().invoke(app, ["sweep", str(grown), "--out", str(out), "--dry-run", "--workers", "0"])
+    assert str(refused.exception).startswith("--workers must be a whole number")  # before any stage runs
     # a = 1/128 s per token per layer, b = 1/16384 s per query-key pair per layer; the tiny model has
     # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
     path = calibration_path(weights_hash, torch.device("cpu"))
