@@ -918,6 +918,18 @@ def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     )
 
 
+def test_variance_and_select_warn_of_the_unreadable_examples_they_leave_out_as_compare_does(tmp_path):
+    from rankkit.eval.offline import select_store
+
+    path = write_store(tmp_path / "partial.zarr", draft=False)
+    (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
+    left_out = f"left out 1 unreadable example\\(s\\) of {path}"
+    with pytest.warns(UserWarning, match=left_out):
+        assert variance_store(path, method="asl:window_size=8", budget=20, workers=1).curves["example"].n_unique() == 2
+    with pytest.warns(UserWarning, match=left_out):
+        assert len(select_store(path, "claa:window_size=8", Budget.from_keep(0.2))) == 2
+
+
 @pytest.mark.processes
 def test_ctrl_c_stops_compare_with_workers_without_hanging_or_tracebacks(tmp_path):
     from rankkit.eval.cost import build_store

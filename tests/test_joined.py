@@ -196,6 +196,27 @@ def test_a_bench_of_other_examples_under_the_same_ids_or_other_settings_is_refus
         join_store_and_bench(store, changed)
 
 
+def test_a_store_without_an_oracle_is_refused_with_the_command_that_adds_it(store_and_bench, tmp_path):
+    """It said "(or pass --no-oracle)", an option report does not have."""
+    import shutil
+
+    from rankkit.errors import RankkitError
+
+    store, bench, _ = store_and_bench
+    bare = tmp_path / "bare.zarr"
+    shutil.copytree(store, bare)
+    for example in (bare / "examples").iterdir():
+        if example.is_dir():
+            attrs = json.loads((example / "zarr.json").read_text())
+            for key in [key for key in attrs.get("attributes", {}) if key.startswith("oracle")]:
+                del attrs["attributes"][key]
+            (example / "zarr.json").write_text(json.dumps(attrs))
+            (example / "oracle.zip").unlink(missing_ok=True)
+    assert not any(record.has_oracle for record in stores.open(bare).examples())
+    with pytest.raises(RankkitError, match=f"^store {re.escape(str(bare))} has no oracle; run `rankkit oracle {re.escape(str(bare))}` first$"):
+        join_store_and_bench(bare, bench)
+
+
 @pytest.fixture
 def cli():
     from typer.testing import CliRunner

@@ -161,6 +161,7 @@ def select_store(
         method = method.with_layer(layer)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)
+    store.warn_skipped()
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")

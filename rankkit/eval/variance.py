@@ -162,6 +162,7 @@ def variance_store(
     asl = curve_method(method, min_layer, observed_layers)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)
+    store.warn_skipped()
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")

@@ -442,7 +442,7 @@ def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list
         if missing:
             raise RankkitError(
                 f"--explore names {', '.join(missing)}, not complete examples of {store_path}; "
-                f"list them with `rankkit store info {store_path}`"
+                f"it holds {_some(list(by_id))}"
             )
         return [by_id[example_id] for example_id in explore]
     most = _explorer_capacity(records[0])  # examples of one store share their rows
@@ -734,3 +734,9 @@ def _example_title(record) -> str:
             f"model {'right' if correct >= 1 else 'wrong' if correct <= 0 else f'scored {correct:.2f}'}"
         )
     return " · ".join(parts)
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` of ``names``, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -71,6 +71,8 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
             f"{what} has no rows at a keep rate for the examples of store {store.path}; "
             "bench the store's data with --keep"
         )
+    if not any(record.has_oracle for record in records):
+        raise RankkitError(f"store {store.path} has no oracle; run `rankkit oracle {store.path}` first")
     _refuse_other_examples(records, online, what)
     probes = sorted({probe for record in records for probe in record.probes})
     offline_faces = set(available_methods(probes, has_draft=False)) - set(probes)
