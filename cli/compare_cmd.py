@@ -111,7 +111,8 @@ def compare(
             tables = []
             for result in results:
                 title = (
-                    f"Rankings vs oracle, {store}, span {result.span}, probes at l_p = {result.pruning_layer}, "
+                    f"Rankings {'vs oracle' if oracle else 'without an oracle'}, {store}, span {result.span}, "
+                    f"probes at l_p = {result.pruning_layer}, "
                     f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
                     "means [95% interval] over n examples"
                 )
@@ -119,7 +120,7 @@ def compare(
                 if result.stability.height:
                     tables.append(frame_table(result.stability, "Stability across layers (of the mean curve)"))
                 paired = pairs_at_layer(result.pairs, result.pruning_layer)
-                if paired.height:
+                if paired.height and oracle:  # differences of Spearman with the oracle: none without it
                     tables.append(
                         frame_table(
                             paired,

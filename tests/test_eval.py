@@ -831,6 +831,14 @@ def _raise(error):
     raise error
 
 
+def test_cli_compare_without_an_oracle_says_so_and_has_no_paired_spearman_table(cli, store_path):
+    """Its title read "Rankings vs oracle" over a table of empty paired rows."""
+    shown = cli("compare", store_path, "--no-oracle", "--workers", "1")
+    assert shown.exit_code == 0, shown.output
+    assert "Rankings without an oracle" in shown.stdout and "vs oracle" not in shown.stdout
+    assert "Paired" not in shown.stdout and "Paired" in cli("compare", store_path, "--workers", "1").stdout
+
+
 def test_cli_compare_json_keys(cli, store_path):
     result = cli("compare", store_path, "--oracle", "--json")
     assert result.exit_code == 0, result.output
