@@ -750,6 +750,29 @@ def worker_pid(record) -> str:
     return PROCESS_IDENTITY
 
 
+def first_layer_scores(record) -> np.ndarray:
+    return record.scores("window")[0]
+
+
+@pytest.mark.processes
+def test_a_pool_ended_while_its_workers_hold_read_arrays_leaves_no_leaked_semaphore(tmp_path):
+    """A pool ended early kills its workers with SIGTERM; each had made blosc's lock on its first
+    read, a named semaphore that Python warned was leaked once the command ended."""
+    path = write_store(tmp_path / "run.zarr", examples=12)
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_eval import first_layer_scores
+from rankkit.eval.parallel import map_examples
+if __name__ == "__main__":
+    results = map_examples({str(path)!r}, [f"ex{{index}}" for index in range(12)], first_layer_scores, workers=2)
+    next(results)
+    results.close()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
 @pytest.mark.processes
 def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_path):
     from rankkit.eval.parallel import map_examples, shared_workers

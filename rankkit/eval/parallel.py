@@ -15,7 +15,6 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -174,10 +173,12 @@ def _start_worker(path: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     blosc.set_nthreads(threads)
-    # A pool ends early (an error, Ctrl-C) with SIGTERM. Exiting through Python's own shutdown
-    # releases what the worker registered, such as blosc's lock; killed outright, it left Python
-    # warning of a "leaked semaphore" after the command's one-line error.
-    signal.signal(signal.SIGTERM, _exit_when_terminated)
+    # A pool ends early (an error, Ctrl-C) with SIGTERM, which kills a worker wherever it is:
+    # a Python handler runs only once the main thread next runs Python, never while it waits on
+    # the task queue that the ending pool holds. The worker's own locks (blosc makes one on its
+    # first read) come from the fork context, which unlinks them at birth: from the spawn
+    # context each was a named semaphore that a killed worker left Python warning was leaked.
+    multiprocessing.set_start_method("fork", force=True)
     # The last of a worker's exit handlers: a worker has sent every result and has nothing to
     # flush, and the interpreter's teardown of torch and numba would keep the pool waiting a second.
     multiprocessing.util.Finalize(None, os._exit, args=(0,), exitpriority=-1)
@@ -194,10 +195,6 @@ def _start_worker(path: str, threads: int) -> None:
         _worker_store = stores.open(path)
     except Exception as error:  # a pool restarts a worker whose start fails, forever: fail its tasks
         _worker_store = error
-
-
-def _exit_when_terminated(signal_number: int, frame: Any) -> None:
-    sys.exit(128 + signal_number)
 
 
 def _evaluate_in_worker(evaluate: Callable[[Any], Result], example_id: str) -> Result:
