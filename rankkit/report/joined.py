@@ -117,7 +117,7 @@ def _refuse_other_examples(records, online: pl.DataFrame, what: str) -> None:
         record.id: (record.num_tokens, (record.attrs.get("meta") or {}).get("depth_percent"))
         for record in records
     }
-    for example_id, length, depth in online.select(EXAMPLE_ID, "length", "depth_percent").unique().iter_rows():
+    for example_id, length, depth in online.select(EXAMPLE_ID, "length", "depth_percent").unique(maintain_order=True).iter_rows():
         tokens, stored_depth = recorded[example_id]
         if length != tokens or (depth is not None and stored_depth is not None and depth != stored_depth):
             raise RankkitError(
@@ -129,7 +129,7 @@ def _refuse_other_examples(records, online: pl.DataFrame, what: str) -> None:
 def _refuse_other_settings(online: pl.DataFrame, methods, num_layers: int, layout: dict, what: str) -> None:
     """The offline face is each method at its defaults on the store's model: a bench of other settings
     (``claa:pruning_layer=5``) would be joined to figures it did not run."""
-    for method, params in online.filter(pl.col("method").is_in(methods)).select("method", "params").unique().iter_rows():
+    for method, params in online.filter(pl.col("method").is_in(methods)).select("method", "params").unique(maintain_order=True).iter_rows():
         # as the bench wrote them: through JSON (a tuple of layers reads back as a list)
         defaults = json.loads(json.dumps(make(method).resolved(num_layers, layout.get("layer_types"))))
         if json.loads(params) != defaults:
