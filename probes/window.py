@@ -38,7 +38,7 @@ class PooledWindowProbe(Probe):
 @register
 @dataclass
 class WindowProbe(PooledWindowProbe):
-    """Window attention, CLAA Eq. 5 (= FastKV Eq. 2) as computed by ASL Algorithm 1 lines 3-6.
+    """Window attention, CLAA Eq. 5 (= CLAA Eq. 2, FastKV's) as computed by ASL Algorithm 1 lines 3-6.
 
     For KV head g and key i::
 

@@ -5,12 +5,12 @@ a layer; a ``LayerPolicy`` decides at which layer the shared selection happens a
 which (aggregated) scores; ``SelectionHook`` carries out the mode during prefill:
 
 - before the selection layer it can compress each layer's KV cache per head to the
-  budget (SnapKV-style, FastKV Eq. 4), from layer ``compress_from`` on;
+  budget (SnapKV-style, CLAA Eq. 4), from layer ``compress_from`` on;
 - at the selection layer it either prunes the hidden states to the selected tokens
   (one-pass: FastKV, CLAA, ASL), or stops the pass (the first pass of a two-pass method:
   GemFilter, ASL-2pass). A one-pass method that compresses per head there keeps that
-  layer's own per-head top tokens in its cache, as every layer before it (FastKV Listing
-  2, CLAA Listing 5, ASL Alg. 1); otherwise the cache keeps the selected tokens;
+  layer's own per-head top tokens in its cache, as every layer before it (CLAA Listing
+  2 and Listing 5, ASL Alg. 1); otherwise the cache keeps the selected tokens;
 - after it, later layers only ever see the kept tokens, so their cache is the selection.
 
 The observation window (the last ``window`` prompt tokens) and sinks are always kept,
@@ -216,7 +216,7 @@ def head_sums(layer_scores: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class FixedLayer(LayerPolicy):
-    """Select at one layer from that layer's scores summed over heads (GemFilter Eq. 1, FastKV Eq. 2)."""
+    """Select at one layer from that layer's scores summed over heads (CLAA Eq. 1 for GemFilter, Eq. 2 for FastKV)."""
 
     layer: int
 
@@ -307,7 +307,7 @@ class SelectionHook(LayerHook):
         if self.stop_at_selection:
             state.stop_here()
         elif self.keep < live:  # keeping everything is a no-op: skip the copies
-            if self._compresses(layer):  # FastKV Listing 2, CLAA Listing 5, ASL Alg. 1: the layer's own top-k
+            if self._compresses(layer):  # CLAA Listings 2 and 5, ASL Alg. 1: the layer's own top-k
                 state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
             else:
                 state.cache.compress(layer, keep.expand(state.cache.keys[layer].shape[1], -1))
