@@ -127,11 +127,14 @@ def attended_keys_recorder():
     return AttendedKeys()
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, layers: int | None = None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    config = tiny_config(family)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights make attention peaked, so ranking differences show
         for name, parameter in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):

@@ -258,6 +258,38 @@ def test_claa_prunes_by_the_max_over_its_window_of_layers_and_defers_compression
     assert {layer: cache_sets(run, layer) for layer in range(3)} == expected.caches
 
 
+@pytest.fixture(scope="module")
+def deep_setup():
+    """The setup on six layers: room for a buffer that starts after the deferred layers."""
+    runner = Runner(tiny_model("llama", layers=6))
+    ids = torch.randint(0, 97, (LENGTH,), generator=torch.Generator().manual_seed(7))
+    recorder = Recorder()
+    runner.prefill(ids, hooks=[recorder])
+    return runner, ids, recorder.layers
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.5])  # at 0.1 the budget is the window alone
+def test_claa_aggregates_the_last_n_layers_up_to_pruning_not_every_layer_after_the_deferred(deep_setup, keep):
+    """CLAA Listing 5: a deque of maxlen n filled from layer m holds layers l_p-n+1..l_p at l_p."""
+    runner, ids, layers = deep_setup
+    k = keep_of(keep, 8)
+    scores = {layer: window_scores(layers[layer], 8) for layer in range(1, 5)}
+    sums = {layer: head_sum(per_head) for layer, per_head in scores.items()}
+
+    def max_over(buffer) -> list[int]:
+        return top([max(sums[layer][i] for layer in buffer) for i in range(LENGTH)], k, window_of(8))
+
+    expected = max_over((3, 4))
+    assert expected != max_over((1, 2, 3, 4))  # the case tells the buffer's bounds apart
+    method = make("claa", pruning_layer=4, aggregation_window=2, deferred_layers=1)
+    run = prefill_keeping(runner, ids, method, keep, expected)
+    caches = {0: [list(range(LENGTH))] * 2}  # deferred: m = 1
+    caches |= {layer: [top(row, k, window_of(8)) for row in scores[layer]] for layer in range(1, 5)}
+    caches[5] = [expected, expected]
+    assert run.selection_layer == 4
+    assert {layer: cache_sets(run, layer) for layer in range(6)} == caches
+
+
 def reference_rank_variance(sums: dict[int, list[float]], min_layer, observed, top_k, window, tau, last):
     """ASL Alg. 2: the first layer from L_min whose mean rank variance over U, relative to L_min's, is
     below tau (the last layer otherwise), and the relative variance of every layer from L_min."""
