@@ -32,6 +32,7 @@ from rankkit import defaults, models, outputs
 from rankkit.cache import PADDING
 from rankkit.checks import (
     TIMING_ONLY,
+    check_count,
     check_layer,
     check_length,
     check_prompt_lengths,
@@ -81,6 +82,11 @@ class BenchSettings:
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
     warmup: int = defaults.WARMUP  # on CPU the first warm-up measures peak memory; with none it stays empty
     repeats: int = defaults.REPEATS
+
+    def __post_init__(self):
+        check_count(self.max_new_tokens, "--max-new-tokens")
+        check_count(self.warmup, "--warmup", minimum=0)
+        check_count(self.repeats, "--repeats")
 
 
 def evidence_token_positions(prompt: Prompt, example: Example) -> set[int]:
@@ -600,6 +606,8 @@ def bench(
     (every prompt is still checked), calibrating its own cost model on its first prompt;
     ``rankkit.shards.interleave`` of the ranks' rows by example restores the order.
     """
+    if limit is not None:
+        check_count(limit, "--limit")
     setup.check_timing(settings)
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rankkit import defaults, models, outputs, stores
-from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.checks import check_count, check_prompt_lengths, check_spec_length
 from rankkit.data import METRICS, Example, load_examples
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -293,6 +293,8 @@ def capture(
     """
     import time
 
+    if limit is not None:
+        check_count(limit, "--limit")
     rank, world = shard()
     device = rank_device(device)
     probe_list = capture_probes(probes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,61 @@ def test_bad_method_and_budget_options_are_refused_before_the_model_loads(
 ):
     text = refused([*args, "--data", "niah:n=1,length=200", "--model", str(tiny_folder)], no_model_load)
     assert message is None or text.startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda folder: _budget(keep=2.0), "keep rate 2.0 is outside (0, 1]"),
+        (lambda folder: _budget(tokens=0), "budget 0 is not a positive token count"),
+        (lambda folder: _budget(keep=0.1, tokens=8), "a budget is exactly one of --keep"),
+        (lambda folder: _settings(repeats=0), "--repeats must be a whole number >= 1, got 0"),
+        (lambda folder: _settings(warmup=-1), "--warmup must be a whole number >= 0, got -1"),
+        (lambda folder: _settings(max_new_tokens=2.5), "--max-new-tokens must be a whole number >= 1, got 2.5"),
+        (lambda folder: _bench(folder, limit=-1), "--limit must be a whole number >= 1, got -1"),
+        (lambda folder: _capture(folder, limit=0), "--limit must be a whole number >= 1, got 0"),
+        (lambda folder: _diffusion(folder, limit=-1), "--limit must be a whole number >= 1, got -1"),
+        (lambda folder: _diffusion(folder, max_new_tokens=0), "--max-new-tokens must be a whole number >= 1"),
+    ],
+)  # fmt: skip
+def test_the_python_api_refuses_what_the_command_line_refuses(no_model_load, tiny_folder, call, message):
+    """Budget(keep=2.0) kept 200% (clamped silently), repeats=0 ended in an IndexError, limit=-1
+    dropped the last example: the options' ranges hold however they are given."""
+    before = sorted(no_model_load.iterdir())
+    with pytest.raises(RankkitError, match=re.escape(message)):
+        call(tiny_folder)
+    assert sorted(no_model_load.iterdir()) == before
+
+
+def _budget(**given):
+    from rankkit.methods import Budget
+
+    return Budget(**given)
+
+
+def _settings(**given):
+    from rankkit.bench import BenchSettings
+
+    return BenchSettings(**given)
+
+
+def _bench(folder, **given):
+    from rankkit.bench import Setup, bench
+    from rankkit.methods import Budget
+
+    return bench(["full"], [Budget(keep=0.5)], "niah:n=2,length=200", setup=Setup(str(folder)), **given)
+
+
+def _capture(folder, **given):
+    from rankkit.capture import capture
+
+    return capture(model=str(folder), data="niah:n=2,length=200", out="run.zarr", **given)
+
+
+def _diffusion(folder, **given):
+    from rankkit.eval.diffusion import diffusion_probe
+
+    return diffusion_probe("niah:n=2,length=200", model=str(folder), **given)
 
 
 def test_a_bare_prefill_names_everything_it_lacks_at_once(no_model_load, tiny_folder):

@@ -37,7 +37,7 @@ import torch
 
 from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
-from rankkit.checks import check_prompt_lengths, check_spec_length, check_value_ranges
+from rankkit.checks import check_count, check_prompt_lengths, check_spec_length, check_value_ranges
 from rankkit.data import Example, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
@@ -280,6 +280,9 @@ def diffusion_probe(
     ``shard`` = (rank, world) probes only that rank's ``rankkit.shards.share`` of the examples.
     """
     refuse_timing_only_model(model)
+    for count, option in ((limit, "--limit"), (max_new_tokens, "--max-new-tokens")):
+        if count is not None:
+            check_count(count, option)
     config = models.load_config(model)
     check_spec_length(data, config, allow_overlength=allow_overlength)
     if out is not None:

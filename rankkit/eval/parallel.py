@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
+from rankkit.checks import check_count
 from rankkit.defaults import usable_cores
-from rankkit.errors import RankkitError
 
 Result = TypeVar("Result")
 
@@ -42,8 +42,7 @@ def checked_workers(workers: int | None) -> int:
     """``workers`` (default: ``default_workers``), refused below 1."""
     if workers is None:
         return default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise RankkitError(f"--workers must be a whole number of processes >= 1, got {workers!r}")
+    check_count(workers, "--workers")
     return workers
 
 

@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from numbers import Integral, Real
 from typing import ClassVar
 
 import torch
@@ -187,16 +188,23 @@ class Budget:
     keep: float | None = None
     tokens: int | None = None
 
+    def __post_init__(self):
+        if (self.keep is None) == (self.tokens is None):
+            raise RankkitError(f"a budget is {ONE_BUDGET}, got keep={self.keep!r}, tokens={self.tokens!r}")
+        keep_is_rate = self.keep is None or (_is_number(self.keep, Real) and 0 < self.keep <= 1)
+        if not keep_is_rate:
+            shown = self.keep if _is_number(self.keep, Real) else repr(self.keep)
+            raise RankkitError(f"keep rate {shown} is outside (0, 1]: use e.g. --keep 0.1")
+        if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
+            shown = self.tokens if _is_number(self.tokens, Real) else repr(self.tokens)
+            raise RankkitError(f"budget {shown} is not a positive token count: use e.g. --budget 2048")
+
     @classmethod
     def from_keep(cls, keep: float) -> Budget:
-        if not 0 < keep <= 1:
-            raise RankkitError(f"keep rate {keep} is outside (0, 1]: use e.g. --keep 0.1")
         return cls(keep=keep)
 
     @classmethod
     def from_tokens(cls, tokens: int) -> Budget:
-        if tokens < 1:
-            raise RankkitError(f"budget {tokens} is not a positive token count: use e.g. --budget 2048")
         return cls(tokens=tokens)
 
     @classmethod
@@ -227,6 +235,10 @@ class Budget:
     def label(self) -> str:
         # 15 significant digits: exact for any rate written by hand, so no two rates share a label
         return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
+
+
+def _is_number(value, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
