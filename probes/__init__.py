@@ -64,11 +64,11 @@ def parse_named(spec: str, what: str = "probe") -> list[tuple[str, dict]]:
         if "=" in name and not colon:
             if not named:
                 raise RankkitError(f"parameter {item!r} comes before any {what}; give {PROBES_SYNTAX}")
-            _add_parameter(named[-1][1], item)
+            _add_parameter(named[-1][1], item, spec)
             continue
         named.append((name.strip(), {}))
         if first:
-            _add_parameter(named[-1][1], first)
+            _add_parameter(named[-1][1], first, spec)
     if not named:
         raise RankkitError(f"no {what} named; give {PROBES_SYNTAX}")
     return named
@@ -86,10 +86,12 @@ def parse_probes(spec: str) -> list[Probe]:
     return list(probes.values())
 
 
-def _add_parameter(params: dict, item: str) -> None:
+def _add_parameter(params: dict, item: str, spec: str) -> None:
     key, _, text = item.partition("=")
     key, text = key.strip(), text.strip()
     full = {short: name for name, short in SHORT_NAMES.items()}.get(key, key)
+    if full in params:  # the last would win, and the run be labelled with a setting it did not use
+        raise RankkitError(f"{full} is given twice in {spec!r}; give each parameter once")
     for kind in (int, float):
         try:
             params[full] = kind(text)

@@ -42,6 +42,9 @@ def check_token_counts(lengths: list[int]) -> None:
     if not lengths or min(lengths) < 1:
         shown = ",".join(map(str, lengths)) or "nothing"
         raise RankkitError(f"--lengths takes positive token counts, not {shown}; e.g. --lengths 1024,4096")
+    twice = first_repeated(lengths)
+    if twice is not None:  # rows are keyed by length: one length's figures would stand for both
+        raise RankkitError(f"--lengths names {twice} twice; name each length once")
 
 
 def check_spec_length(data: str, config, *, allow_overlength: bool = False) -> None:

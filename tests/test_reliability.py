@@ -140,6 +140,47 @@ def test_the_python_api_refuses_what_the_command_line_refuses(no_model_load, tin
     assert sorted(no_model_load.iterdir()) == before
 
 
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: _method_spec("claa:aggregation_window=2,aggregation_window=3"),
+         "aggregation_window is given twice in 'claa:aggregation_window=2,aggregation_window=3'"),
+        (lambda: _probes("window:w=32,window_size=8"), "window_size is given twice in 'window:w=32,window_size=8'"),
+        (lambda: _pairs("claa:fastkv,claa:gemfilter,claa:fastkv"), "--pairs names claa:fastkv twice"),
+        (lambda: _lengths([512, 1024, 512]), "--lengths names 512 twice"),
+    ],
+)  # fmt: skip
+def test_a_setting_named_twice_is_refused(call, message):
+    """The last of two values won, and the run was labelled with one it did not use; a pair or a
+    length named twice gave its rows twice."""
+    with pytest.raises(RankkitError, match=re.escape(message)):
+        call()
+
+
+def _method_spec(spec):
+    from rankkit.eval.offline import parse_method_spec
+
+    return parse_method_spec(spec)
+
+
+def _probes(spec):
+    from rankkit.probes import parse_probes
+
+    return parse_probes(spec)
+
+
+def _pairs(spec):
+    from rankkit.eval.compare import parse_pairs
+
+    return parse_pairs(spec, ["claa", "fastkv", "gemfilter"])
+
+
+def _lengths(lengths):
+    from rankkit.checks import check_token_counts
+
+    return check_token_counts(lengths)
+
+
 def _budget(**given):
     from rankkit.methods import Budget
 

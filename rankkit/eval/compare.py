@@ -69,7 +69,7 @@ import polars as pl
 import torch
 
 from rankkit import outputs
-from rankkit.checks import refuse_timing_only_store, warn_timing_only_store
+from rankkit.checks import first_repeated, refuse_timing_only_store, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
@@ -464,6 +464,9 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
         pairs.append(splits[0])
     if not pairs:
         raise RankkitError("--pairs names no pair; give e.g. --pairs claa:fastkv,claa:gemfilter")
+    twice = first_repeated([f"{method}:{baseline}" for method, baseline in pairs])
+    if twice is not None:  # its rows would be tested, and counted among the tests, twice
+        raise RankkitError(f"--pairs names {twice} twice; name each pair once")
     return pairs
 
 
