@@ -114,6 +114,7 @@ def evidence_kept(run: MethodRun, evidence: set[int]) -> float:
 def run_row(
     measured: Measured,
     *,
+    method: Method,
     tokenizer,
     example: Example | None,
     prompt: Prompt,
@@ -137,7 +138,7 @@ def run_row(
         "method": run.method,
         "keep": budget.keep,
         "budget": budget.label,
-        "budget_tokens": budget.resolve(run.prompt_length),
+        "budget_tokens": method.kept_tokens(budget, run.prompt_length),  # raised to what it always keeps
         "params": json.dumps(run.params, sort_keys=True),
         "ttft_s": run.ttft_s,
         "tpot_s": run.tpot_s,
@@ -210,8 +211,8 @@ def compare_on_prompt(
     )
     common = dict(tokenizer=tokenizer, example=example, prompt=prompt, cost_model=cost_model)
     return [
-        run_row(result, budget=budget, num_layers=runner.num_layers, reference=measured[0], **common)
-        for (_, budget), result in zip(entries, measured, strict=True)
+        run_row(result, method=method, budget=budget, num_layers=runner.num_layers, reference=measured[0], **common)
+        for (method, budget), result in zip(entries, measured, strict=True)
     ]
 
 

@@ -375,3 +375,20 @@ def test_every_method_fills_evidence_kept_kv_only_ones_from_the_cache_decoding_s
         shares = [len(evidence & set(head)) / 4 for heads in layers.values() for head in heads]
         assert kept[method.name] == pytest.approx(sum(shares) / len(shares)), method.name
     assert kept["streamingllm"] == 0.0  # sinks and the recent window, none of the evidence
+
+
+def test_budget_tokens_is_what_each_method_kept_when_a_budget_is_below_what_it_always_keeps():
+    """A budget of 2 tokens is raised to a method's window (and one ranked token, for ASL): the row
+    said 2 while the method kept 9 or 4."""
+    runner = Runner(tiny_model("llama"))
+    example, prompt = _example(0)
+    methods = [make("full"), make("fastkv", window_size=4), make("asl", window_size=8), make("lava", window_size=4)]
+    frame = run_bench(
+        runner, DigitTokenizer(), [example], methods, [Budget.from_tokens(2)], BenchSettings(max_new_tokens=2, warmup=0),
+        prompt_for=lambda _: prompt,
+    )  # fmt: skip
+    rows = {row["method"]: row for row in frame.iter_rows(named=True)}
+    assert rows["fastkv"]["budget_tokens"] == len(rows["fastkv"]["selected_positions"]) == 4
+    assert rows["asl"]["budget_tokens"] == len(rows["asl"]["selected_positions"]) == 9
+    # lava keeps a set per KV head: its window, in every head of every layer
+    assert rows["lava"]["budget_tokens"] == 4 and rows["lava"]["kv_tokens_per_layer"] == [4.0] * 3

@@ -97,7 +97,7 @@ class AdaKV(SnapKV):
     safeguard: float = bounded(0.2, 0, 1, reference="α, AdaKV")
 
     def prefill(self, runner, input_ids, budget):
-        keep = budget.resolve(int(input_ids.numel()), self.minimum_keep())
+        keep = self.kept_tokens(budget, int(input_ids.numel()))
         hook = AdaptiveHeadsHook(self.probe(), keep, window=self.window_size, safeguard=self.safeguard)
         run = one_pass(runner, input_ids, hook)
         hook.trim(run.result.cache)
@@ -111,7 +111,7 @@ class AdaKV(SnapKV):
             )
         scores = self.captured_scores(captured)[layer]
         length = captured.num_tokens
-        keep = budget.resolve(length, self.minimum_keep())
+        keep = self.kept_tokens(budget, length)
         return Selection(layer, adaptive_head_selection(scores, keep, self.window_size, self.safeguard))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:

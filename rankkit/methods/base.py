@@ -332,6 +332,16 @@ class Method:
     # A method whose offline face is this other one's (they differ only in how they prefill).
     ranks_like: ClassVar[type[Method] | None] = None
 
+    def minimum_keep(self) -> int:
+        """The fewest prompt tokens the method keeps whatever the budget (what it always keeps:
+        a window, sinks, a block); a smaller budget is raised to it."""
+        return 1
+
+    def kept_tokens(self, budget: Budget, prompt_length: int) -> int:
+        """How many of ``prompt_length`` tokens ``budget`` keeps (per KV head, for a method keeping a
+        set per head): the one count the method's prefill, its offline face and every report use."""
+        return budget.resolve(prompt_length, self.minimum_keep())
+
     def offline_key(self) -> tuple:
         """Equal for two methods whose ``layer_rankings`` and ``select_offline`` are the same
         computation, so a caller can rank once for both: the same class (or ``ranks_like``)

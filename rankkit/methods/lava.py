@@ -241,9 +241,12 @@ class Lava(Method):
     def probe(self):
         return make_probe("lava", window_size=self.window_size, kernel_size=self.kernel_size)
 
+    def minimum_keep(self):
+        return self.window_size  # Alg. 1 keeps the window on top of every head's budget
+
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())
-        keep = budget.resolve(length, always_kept=self.window_size)
+        keep = self.kept_tokens(budget, length)
         if keep >= length:
             return full_prefill(runner, input_ids)
         hook = LavaBudgets(self.probe(), keep, self.window_size, runner.num_layers)
@@ -273,7 +276,7 @@ class Lava(Method):
                 f"(0..{captured.num_layers - 1})"
             )
         stored = self._stored(captured)
-        keep = budget.resolve(captured.num_tokens, always_kept=self.window_size)
+        keep = self.kept_tokens(budget, captured.num_tokens)
         if keep >= captured.num_tokens:
             return Selection(layer, [torch.arange(captured.num_tokens)] * stored.shape[1])
         entropy = [

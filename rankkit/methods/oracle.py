@@ -99,7 +99,7 @@ class Oracle(PolicyMethod):
             return super().prefill(runner, input_ids, budget)
         length = int(input_ids.numel())
         keep = top_k_with_forced(
-            self.ranking, budget.resolve(length, self.minimum_keep()), forced_mask(length, 1)
+            self.ranking, self.kept_tokens(budget, length), forced_mask(length, 1)
         )
         return reprefill_selected(runner, input_ids, keep, [], None)
 

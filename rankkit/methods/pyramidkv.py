@@ -59,7 +59,7 @@ class PyramidKV(SnapKV):
     beta: float = bounded(20.0, 1, reference="β, PyramidKV")
 
     def budgets(self, num_layers: int, length: int, budget: Budget) -> list[int]:
-        keep = budget.resolve(length, self.minimum_keep())
+        keep = self.kept_tokens(budget, length)
         return layer_budgets(num_layers, length, keep, self.window_size, self.beta)
 
     def prefill(self, runner, input_ids, budget):

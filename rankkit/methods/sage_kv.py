@@ -126,14 +126,13 @@ class SageKV(Method):
         config = runner.config
         group_size = config.num_attention_heads // config.num_key_value_heads
         length = int(input_ids.numel())
-        keep = self._keep(budget, length)
+        keep = self.kept_tokens(budget, length)
         if keep >= length:
             return full_prefill(runner, input_ids)
         return full_prefill(runner, input_ids, hooks=[SageKVHook(keep, group_size)])
 
-    @staticmethod
-    def _keep(budget: Budget, length: int) -> int:
-        return budget.resolve(length, always_kept=2)  # a sink and the last token at the least
+    def minimum_keep(self):
+        return 2  # a sink and the last token
 
     # -- the offline face: Steps 1-3 on the stored per-query-head attention of the last token --
 
@@ -159,7 +158,7 @@ class SageKV(Method):
             )
         attention = self._attention(captured)[layer]
         kv_heads, group_size, length = attention.shape
-        keep = self._keep(budget, length)
+        keep = self.kept_tokens(budget, length)
         if keep >= length:
             return Selection(layer, torch.arange(length).expand(kv_heads, length))
         first_seen = int(attention[0, 0].isnan().sum())  # unseen keys are the oldest ones
@@ -172,7 +171,7 @@ class SageKV(Method):
         tokens in), with the sinks and recent window Step 1 always keeps at +inf."""
         attention = self._attention(captured).nan_to_num(-torch.inf)
         length = attention.shape[-1]
-        keep = self._keep(budget, length)
+        keep = self.kept_tokens(budget, length)
         split = sage_split(keep, attention.shape[2])
         rankings = {}
         maxima = attention.flatten(1, 2).amax(dim=1)

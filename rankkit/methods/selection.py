@@ -369,7 +369,7 @@ class PolicyMethod(Method):
 
     def _plan(self, num_layers: int, length: int, budget: Budget, layer_types=None):
         bound = self.bind(num_layers, layer_types)
-        keep = budget.resolve(length, bound.minimum_keep())
+        keep = bound.kept_tokens(budget, length)
         window, sinks = bound.forced(keep)
         return bound, keep, window, sinks
 

@@ -336,10 +336,13 @@ class SlimInfer(Method):
     window_size: int = bounded(4, 1)  # w, the query window
     gamma: float = bounded(0.9, 0, 1, reference="γ, SlimInfer Alg. 1")  # an overlap ratio
 
+    def minimum_keep(self):
+        return self.block_size  # the first block, the attention sink, is always kept
+
     def _schedule(self, num_layers: int, length: int, budget: Budget, layer_types=None) -> list[PruningLayer]:
         """Each pruning layer with the tokens it keeps (the budget at the last, 2x and 4x before
         it) and the layers it governs in decoding (up to the next pruning layer)."""
-        keep = budget.resolve(length, always_kept=self.block_size)
+        keep = self.kept_tokens(budget, length)
         layers = sorted(self.bind(num_layers, layer_types).pruning_layers)
         ends = [*layers[1:], num_layers - 1]
         return [

@@ -179,7 +179,7 @@ class SpecPrefill(Method):
         lookahead, passes = self.draft_scores(runner, input_ids)
         scores = pool_tokens(eq3(lookahead), "avg", self.kernel_size)
         forced = forced_mask(length, 1, device=scores.device)
-        keep = top_k_with_forced(scores, budget.resolve(length), forced)  # never below 1: the last token
+        keep = top_k_with_forced(scores, self.kept_tokens(budget, length), forced)  # never below 1: the last token
         return reprefill_selected(runner, input_ids, keep, passes, None)
 
     # -- the offline face: the draft's lookahead scores a capture stored --------------------
@@ -195,7 +195,7 @@ class SpecPrefill(Method):
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         scores, forced = self._ranking(captured)
-        return Selection(None, top_k_with_forced(scores, budget.resolve(captured.num_tokens), forced))
+        return Selection(None, top_k_with_forced(scores, self.kept_tokens(budget, captured.num_tokens), forced))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         scores, forced = self._ranking(captured)
