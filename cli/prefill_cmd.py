@@ -251,28 +251,31 @@ def bench(
 def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = False) -> None:
     from rankkit.eval.stats import interval_columns, with_interval
 
-    def interval(metric: str):
-        low, high = interval_columns(metric)
-        return lambda row: with_interval(row[metric], row[low], row[high])
+    def interval(metric: str, unit: float = 1.0, digits: int = 2):
+        def render(row):
+            values = (row[column] for column in (metric, *interval_columns(metric)))
+            return with_interval(*(None if value is None else value / unit for value in values), digits=digits)
 
-    def plain(key: str, render=_number):
-        return lambda row: render(row[key])
+        return render
+
+    def plain(key: str):
+        return lambda row: str(row[key])
 
     title = "methods vs full: means [95% interval] over n examples"
     view = Table(title=f"{title}, timing only" if timing_only else title)
     columns = [
-        ("method", plain("method", str)),
-        ("budget", plain("budget", str)),
-        ("n", plain("n_examples", str)),
+        ("method", plain("method")),
+        ("budget", plain("budget")),
+        ("n", plain("n_examples")),
         ("accuracy", interval("accuracy")),
         ("TTFT ratio", interval("ttft_ratio")),
-        ("ideal", plain("ideal_ratio")),
-        ("measured/ideal", plain("measured_over_ideal")),
+        ("ideal", interval("ideal_ratio")),
+        ("measured/ideal", interval("measured_over_ideal", digits=3)),
         ("TPOT ratio", interval("tpot_ratio")),
-        ("TPOT/bound", plain("tpot_over_bound")),
+        ("TPOT/bound", interval("tpot_over_bound")),
         ("KV ratio", interval("kv_ratio")),
-        ("KV MiB", plain("kv_bytes", _megabytes)),
-        ("peak MiB", plain("peak_mem_bytes", _megabytes)),
+        ("KV MiB", interval("kv_bytes", unit=2**20, digits=1)),
+        ("peak MiB", interval("peak_mem_bytes", unit=2**20, digits=1)),
     ]
     for label, _ in columns:
         view.add_column(label, justify="left" if label in ("method", "budget") else "right")

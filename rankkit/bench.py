@@ -716,7 +716,23 @@ def run_bench(
     )
 
 
-SUMMARY_METRICS = ("accuracy", "ttft_ratio", "tpot_ratio", "kv_ratio")  # each with its 95% interval
+# each with its 95% interval over examples
+SUMMARY_METRICS = (
+    "accuracy",
+    "ttft_ratio",
+    "ideal_ratio",
+    "measured_over_ideal",
+    "tpot_ratio",
+    "tpot_over_bound",
+    "kv_ratio",
+    "ttft_s",
+    "tpot_s",
+    "first_step_s",
+    "later_steps_s",
+    "kv_bytes",
+    "peak_mem_bytes",
+)
+_LATER_COLUMNS = ("first_step_s", "later_steps_s", "tpot_over_bound")  # benches before them lack them
 SUMMARY_INPUTS = (  # the grid's columns ``summary`` reads
     "example_id",
     "method",
@@ -735,34 +751,29 @@ SUMMARY_INPUTS = (  # the grid's columns ``summary`` reads
 
 
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per method and budget: mean score (``accuracy``) and TTFT/TPOT/KV ratios to full, each with its
-    95% interval over examples (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores, bootstrap
-    otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``) and
-    ``n_examples`` (and ``n_clusters`` where the rows name clusters); then the mean keep rate,
-    ideal ratio, times (TPOT's first decode step and the mean of the later ones besides) and bytes,
-    measured over ideal, and TPOT over the time to read what a step must (``tpot_over_bound``: the
-    weights and the method's KV at the device's memory bandwidth).
+    """Per method and budget: the mean keep rate, and each of ``SUMMARY_METRICS`` as its mean over
+    examples with its 95% interval (``<metric>_ci_low``/``_ci_high``: Wilson for 0/1 scores,
+    bootstrap otherwise, resampling clusters where examples share one; ``rankkit.eval.stats``),
+    with ``n_examples`` (and ``n_clusters`` where the rows name clusters): the score
+    (``accuracy``), TTFT/TPOT/KV ratios to full, the ideal ratio and measured over ideal, TPOT
+    over the time to read what a step must (``tpot_over_bound``: the weights and the method's KV
+    at the device's memory bandwidth), times (TPOT's first decode step and the mean of the later
+    ones besides) and bytes.
 
-    Ratios are means over examples of each example's paired median ratio.
+    Ratios are means over examples of each example's paired median ratio; measured over ideal
+    is each example's TTFT ratio over its ideal ratio.
     """
     from rankkit.eval.stats import mean_intervals
 
-    scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    scored = frame.with_columns(
+        pl.col("score").cast(pl.Float64).alias("accuracy"),
+        (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal"),
+        # a bench written before these columns were kept has none
+        *(pl.lit(None, pl.Float64).alias(column) for column in _LATER_COLUMNS if column not in frame.columns),
+    )
     # an example without a cluster is its own sample (``stats.cluster_numbers``)
     clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
-    means = scored.group_by("method", "budget", maintain_order=True).agg(
-        pl.col("keep").mean(),
-        pl.col("ideal_ratio").mean(),
-        pl.col("ttft_s").mean(),
-        pl.col("tpot_s").mean(),
-        pl.col("kv_bytes").mean(),
-        pl.col("peak_mem_bytes").mean(),
-        *(
-            # a bench written before these columns were kept has none
-            (pl.col(column) if column in frame.columns else pl.lit(None, pl.Float64)).mean().alias(column)
-            for column in ("first_step_s", "later_steps_s", "tpot_over_bound")
-        ),
-    )
+    keeps = scored.group_by("method", "budget", maintain_order=True).agg(pl.col("keep").mean())
     intervals = mean_intervals(
         scored,
         ["method", "budget"],
@@ -771,7 +782,5 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         cluster="cluster" if clustered else None,
         scores=["accuracy"],
     )
-    table = intervals.join(means, on=["method", "budget"], maintain_order="left").with_columns(
-        (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal")
-    )
+    table = intervals.join(keeps, on=["method", "budget"], maintain_order="left")
     return table.with_columns(pl.lit(True).alias("timing_only")) if is_timing_only(frame) else table

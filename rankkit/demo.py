@@ -142,9 +142,11 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         outputs.write_parquet(frame, written["bench"])
     per_method = summary(frame).select(
         "method",
-        *(column for metric in ("accuracy", "ttft_ratio") for column in (metric, *interval_columns(metric))),
-        "ideal_ratio",
-        "kv_ratio",
+        *(
+            column
+            for metric in ("accuracy", "ttft_ratio", "ideal_ratio", "kv_ratio")
+            for column in (metric, *interval_columns(metric))
+        ),
         "n_examples",
     )
     console.print(

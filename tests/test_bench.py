@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from rankkit.bench import BenchSettings, run_bench, summary
+from rankkit.bench import SUMMARY_METRICS, BenchSettings, run_bench, summary
 from rankkit.data import Example
+from rankkit.eval.stats import interval_columns
 from rankkit.measure import TensorMemoryTracker, Timeline, decode_step_bytes, measure, read_bandwidth
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods.measure import CostModel, flop_shares
@@ -85,6 +86,15 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
     # TPOT's parts: 3 new tokens are 2 decode steps, the first and one later
     assert fastkv["tpot_s"] == pytest.approx((fastkv["first_step_s"] + fastkv["later_steps_s"]) / 2)
     assert {"first_step_s", "later_steps_s"} <= set(table.columns)
+    # every mean over examples comes with its interval; measured over ideal is each example's
+    for metric in SUMMARY_METRICS:
+        assert set(interval_columns(metric)) <= set(table.columns), metric
+    rows = frame.filter((pl.col("method") == "gemfilter") & (pl.col("budget") == "keep=0.25"))
+    per_example = rows.with_columns((pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal"))
+    mean = table.filter((pl.col("method") == "gemfilter") & (pl.col("budget") == "keep=0.25")).row(0, named=True)
+    for metric in ("ideal_ratio", "measured_over_ideal", "tpot_over_bound", "kv_bytes", "peak_mem_bytes"):
+        low, high = (mean[column] for column in interval_columns(metric))
+        assert mean[metric] == pytest.approx(per_example[metric].mean()) and low <= mean[metric] <= high, metric
     older = summary(frame.drop("first_step_s", "later_steps_s", "tpot_over_bound"))  # a bench before they were kept
     assert older["tpot_over_bound"].null_count() == older["first_step_s"].null_count() == older.height
 

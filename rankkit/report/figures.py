@@ -858,7 +858,7 @@ def tradeoff_numbers(bench: pl.DataFrame) -> pl.DataFrame:
     """Every point ``tradeoff_figure`` draws, with its intervals and n."""
     return tradeoff_frame(bench).select(
         "method", "budget", "accuracy", *interval_columns("accuracy"), "ttft_ratio", *interval_columns("ttft_ratio"),
-        "ideal_ratio", "n_examples",
+        "ideal_ratio", *interval_columns("ideal_ratio"), "n_examples",
     )  # fmt: skip
 
 
