@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from rankkit import stores
 from rankkit.errors import RankkitError
+from rankkit.eval.diffusion import layer_summary
+from rankkit.eval.stats import interval_columns
 from rankkit.methods import Budget
 from rankkit.report import figures, html, write_dashboard
 
@@ -459,7 +461,7 @@ def test_diffusion_figure_share_correct_and_per_example_metrics():
     np.testing.assert_allclose(share.y, [0, 0, 0.5, 1, 1, 1, 1])
     visible = [trace for trace in figure.data[1:] if trace.visible]
     assert {trace.meta["diffusion_metric"] for trace in visible} == {"answer_logprob"}
-    faint, mean = visible  # every example in one trace, and the mean
+    faint, band, mean = visible  # every example in one trace, the mean's 95% interval, the mean
     by_example = [
         frame.filter(pl.col("example") == f"ex{index}")["answer_logprob"].to_list() for index in range(4)
     ]
@@ -468,6 +470,10 @@ def test_diffusion_figure_share_correct_and_per_example_metrics():
         frame.group_by("layer").agg(pl.col("answer_logprob").mean()).sort("layer")["answer_logprob"]
     )
     np.testing.assert_allclose(mean.y, expected_mean)
+    summary = layer_summary(frame)
+    low, high = (summary[column].to_numpy() for column in interval_columns("answer_logprob"))
+    np.testing.assert_allclose(band.y, np.concatenate([high, low[::-1]]))
+    assert (low < expected_mean.to_numpy()).all() and (expected_mean.to_numpy() < high).all()
     picked = [trace for trace in figure.data if trace.meta and trace.meta.get("example") == "ex1"]
     assert [trace.meta["diffusion_metric"] for trace in picked] == list(figures.DIFFUSION_METRICS)
     np.testing.assert_allclose(picked[0].y, frame.filter(pl.col("example") == "ex1")["answer_logprob"])

@@ -12,7 +12,8 @@ from test_oracle import FILLER, QUESTION, CharTokenizer, passkey_prompt, record_
 
 from rankkit.data import Example
 from rankkit.errors import RankkitError
-from rankkit.eval.diffusion import SCHEMA, diffusion_curve, example_diffusion, layer_summary
+from rankkit.eval.diffusion import DIFFUSION_MEANS, SCHEMA, diffusion_curve, example_diffusion, layer_summary
+from rankkit.eval.stats import interval_columns
 from rankkit.runner import Runner, greedy_continue
 
 EVIDENCE = [(10, 14), (20, 22)]
@@ -86,6 +87,7 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
     )
     assert frame.columns == [
         "example",
+        "cluster",
         "layer",
         "correct",
         "score",
@@ -162,39 +164,38 @@ def test_an_unpruned_answer_cut_short_by_the_limit_is_refused(random_ids):
         diffusion_curve(runner, tokenizer, random_ids, EVIDENCE, ANSWER, max_new_tokens=7, layers=[3])
 
 
-def test_layer_summary_averages_over_examples():
+def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters():
     frame = pl.DataFrame(
         {
-            "example": ["a", "a", "b", "b"],
-            "layer": [0, 1, 0, 1],
-            "correct": [False, True, True, True],
-            "score": [0.5, 1.0, 1.0, 1.0],
-            "answer_logprob": [-4.0, -1.0, -2.0, -1.0],
-            "first_token_kl": [2.0, 0.0, 1.0, 0.0],
-            "evidence_attention": [0.5, None, 0.3, None],
+            "example": ["a", "a", "b", "b", "c", "c"],
+            "cluster": ["x", "x", "x", "x", "y", "y"],
+            "layer": [0, 1, 0, 1, 0, 1],
+            "correct": [False, True, True, True, True, True],
+            "score": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0],
+            "answer_logprob": [-4.0, -1.0, -2.0, -1.0, -3.0, -1.0],
+            "first_token_kl": [2.0, 0.0, 1.0, 0.0, 3.0, 0.0],
+            "evidence_attention": [0.5, None, 0.3, None, 0.4, None],
         }
     )
     summary = layer_summary(frame)
-    assert summary.to_dicts() == [
-        {
-            "layer": 0,
-            "accuracy": 0.5,
-            "score": 0.75,
-            "answer_logprob": -3.0,
-            "first_token_kl": 1.5,
-            "evidence_attention": 0.4,
-            "examples": 2,
-        },
-        {
-            "layer": 1,
-            "accuracy": 1.0,
-            "score": 1.0,
-            "answer_logprob": -1.0,
-            "first_token_kl": 0.0,
-            "evidence_attention": None,
-            "examples": 2,
-        },
-    ]
+    means = summary.select("layer", *DIFFUSION_MEANS, "n_examples", "n_clusters").to_dicts()
+    assert means == [
+        {"layer": 0, "accuracy": 2 / 3, "score": 2.5 / 3, "answer_logprob": -3.0, "first_token_kl": 2.0,
+         "evidence_attention": pytest.approx(0.4), "n_examples": 3, "n_clusters": 2},
+        {"layer": 1, "accuracy": 1.0, "score": 1.0, "answer_logprob": -1.0, "first_token_kl": 0.0,
+         "evidence_attention": None, "n_examples": 3, "n_clusters": 2},
+    ]  # fmt: skip
+    # the bootstrap resamples the two clusters, whose log-prob means are both -3 and KL means 1.5 and 3
+    def interval(summary, metric):
+        row = summary.row(0, named=True)
+        return tuple(row[column] for column in interval_columns(metric))
+
+    assert interval(summary, "answer_logprob") == (-3.0, -3.0)
+    assert interval(summary, "first_token_kl") == (1.5, 3.0)
+    assert summary.row(1, named=True)["evidence_attention_ci_low"] is None
+    # without clusters (a frame from before the probe kept them) every example is its own sample
+    alone = layer_summary(frame.drop("cluster"))
+    assert "n_clusters" not in alone.columns and interval(alone, "answer_logprob") == (-4.0, -2.0)
 
 
 def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
@@ -207,6 +208,7 @@ def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
     frame = pl.DataFrame(
         {
             "example": ["a", "a"],
+            "cluster": [None, None],
             "layer": [0, 1],
             "correct": [False, True],
             "score": [0.0, 1.0],
@@ -291,6 +293,8 @@ def test_default_model_niah_is_right_unpruned_at_the_default_answer_limit(defaul
     (example,) = load_examples("niah:n=1,length=512", tokenizer)
     frame = example_diffusion(Runner(model), tokenizer, example, layers=[30])
     assert frame["correct"].to_list() == [True]
+    # the examples it shares a haystack or needle with are one sample of layer_summary's intervals
+    assert frame["cluster"].to_list() == [example.meta["cluster"]] and example.meta["cluster"]
 
 
 @pytest.mark.integration

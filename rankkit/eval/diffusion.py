@@ -49,6 +49,7 @@ from rankkit.shards import share
 
 SCHEMA = {
     "example": pl.String,
+    "cluster": pl.String,  # examples sharing a haystack or a needle (``Example.meta``): one sample
     "layer": pl.Int64,
     "correct": pl.Boolean,
     "score": pl.Float64,
@@ -146,8 +147,10 @@ def diffusion_curve(
     max_new_tokens: int | None = None,
     layers: Sequence[int] | None = None,
     example_id: str = "example",
+    cluster: str | None = None,
 ) -> pl.DataFrame:
-    """One row per layer l (default 0..L) of the probe described in the module docstring.
+    """One row per layer l (default 0..L) of the probe described in the module docstring, each
+    naming ``example_id`` and its ``cluster`` (the examples it shares a haystack or a needle with).
 
     ``evidence_spans`` are token ranges [start, end) in ``prompt_ids``.
     ``reference_answer`` is tokenized as it continues the prompt (see
@@ -212,6 +215,7 @@ def diffusion_curve(
         rows.append(
             {
                 "example": example_id,
+                "cluster": cluster,
                 "layer": layer,
                 "correct": prediction_score >= 1.0,
                 "score": prediction_score,
@@ -246,6 +250,7 @@ def example_diffusion(
         max_new_tokens=max_new_tokens,
         layers=layers,
         example_id=example.id,
+        cluster=example.meta.get("cluster"),
     )
 
 
@@ -337,17 +342,25 @@ def check_diffusion_values(frame: pl.DataFrame, what: str, num_layers: int) -> N
     )
 
 
+DIFFUSION_MEANS = ("accuracy", "score", "answer_logprob", "first_token_kl", "evidence_attention")
+
+
 def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per layer over the examples: accuracy (full marks), mean score, answer log-prob, first-token KL, evidence attention."""
-    return (
-        frame.group_by("layer")
-        .agg(
-            pl.col("correct").mean().alias("accuracy"),
-            pl.col("score").mean(),
-            pl.col("answer_logprob").mean(),
-            pl.col("first_token_kl").mean(),
-            pl.col("evidence_attention").mean(),
-            pl.len().alias("examples"),
-        )
-        .sort("layer")
+    """Per layer over the examples: accuracy (full marks), mean score, answer log-prob, first-token KL
+    and evidence attention, each mean with its 95% interval (``rankkit.eval.stats.mean_intervals``:
+    Wilson for accuracy, bootstrap otherwise, resampling clusters where examples share a haystack
+    or a needle), and ``n_examples`` (and ``n_clusters``)."""
+    from rankkit.eval.stats import mean_intervals
+
+    scored = frame.with_columns(pl.col("correct").cast(pl.Float64).alias("accuracy"))
+    # frames written before the probe kept clusters have none: each example is its own sample
+    clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
+    summary = mean_intervals(
+        scored.sort("layer", maintain_order=True),
+        ["layer"],
+        [name for name in DIFFUSION_MEANS if name in scored.columns],  # a frame may hold only some
+        example="example",
+        cluster="cluster" if clustered else None,
+        scores=["accuracy", "score"],
     )
+    return summary

@@ -921,7 +921,8 @@ def tradeoff_figure(bench: pl.DataFrame, *, colors: Mapping[str, str]) -> go.Fig
 def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.Figure:
     """Top: share of examples answered correctly when the evidence is removed from each layer on.
     Bottom: a metric of the answer per example (faint; the picked one bold) and its mean over
-    examples, each metric's traces tagged ``diffusion_metric``."""
+    examples, each metric's traces tagged ``diffusion_metric``. Means and their 95% intervals
+    are ``rankkit.eval.diffusion.layer_summary``'s."""
     frame = diffusion.with_columns(pl.col("example").cast(pl.String)).sort("example", "layer")
     metrics = [name for name in DIFFUSION_METRICS if name in frame.columns]
     figure = make_subplots(
@@ -932,16 +933,21 @@ def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.
         vertical_spacing=0.08,
         subplot_titles=["answer still correct", "answer under pruning"],
     )
-    correct = frame.group_by("layer").agg(pl.col("correct").cast(pl.Float64).mean(), pl.len()).sort("layer")
+    from rankkit.eval.diffusion import layer_summary
+
+    means = layer_summary(frame)
+    layers = means["layer"].to_list()
     figure.add_trace(
         go.Scatter(
-            x=correct["layer"],
-            y=correct["correct"],
+            x=layers,
+            y=means["accuracy"],
             mode="lines+markers",
             line={"color": "#2ca02c", "width": 2},
+            error_y=_error_bars(means, "accuracy"),
             name="share correct",
-            customdata=correct["len"],
-            hovertemplate="pruned from layer %{x}<br>%{y:.0%} of %{customdata} examples correct<extra></extra>",
+            customdata=means.select("n_examples", *interval_columns("accuracy")).to_numpy(),
+            hovertemplate="pruned from layer %{x}<br>%{y:.0%} [%{customdata[1]:.0%}, %{customdata[2]:.0%}] "
+            "of %{customdata[0]} examples correct<extra></extra>",
         ),
         row=1,
         col=1,
@@ -953,17 +959,23 @@ def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.
             figure.add_trace(
                 trace.update(visible=name == metric and trace.visible is not False), row=2, col=1
             )
-        mean = frame.group_by("layer").agg(pl.col(name).mean()).sort("layer")
+        label, tag = f"mean {DIFFUSION_METRICS[name]}", {"diffusion_metric": name}
+        lows, highs = (means[column].fill_null(np.nan).to_numpy() for column in interval_columns(name))
+        band = _interval_band(layers, lows, highs, color="#111111", group=label)
+        figure.add_trace(band.update(visible=name == metric, meta=tag), row=2, col=1)
         figure.add_trace(
             go.Scatter(
-                x=mean["layer"],
-                y=mean[name],
+                x=layers,
+                y=means[name],
                 mode="lines",
                 line={"color": "#111111", "width": 3},
-                name=f"mean {DIFFUSION_METRICS[name]}",
+                name=label,
+                legendgroup=label,
                 visible=name == metric,
-                meta={"diffusion_metric": name},
-                hovertemplate=f"mean {DIFFUSION_METRICS[name]}<br>layer %{{x}}: %{{y:.3f}}<extra></extra>",
+                meta=tag,
+                customdata=means.select(*interval_columns(name)).to_numpy(),
+                hovertemplate=f"{label}<br>layer %{{x}}: %{{y:.3f}} [%{{customdata[0]:.3f}}, "
+                "%{customdata[1]:.3f}]<extra></extra>",
             ),
             row=2,
             col=1,
