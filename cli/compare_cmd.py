@@ -215,6 +215,12 @@ def variance(
         typer.echo(rows_text(rows, shown_as))
         return
     output().print(_variance_table(rows, store))
+    if result.means.height:
+        from rankkit.report.tables import frame_table
+
+        means = result.means.drop("probe").rename({"n_examples": "examples"})
+        title = "Mean curve per task and layer"
+        output().print(frame_table(means, title))
 
 
 def _one_budget(keep: str | None, budget: str | None) -> int | float:

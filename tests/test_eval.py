@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -893,6 +894,11 @@ def test_cli_variance(cli, store_path):
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--keep", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
+    # the mean curve per task and layer, each mean with its interval and n
+    means = variance_store(store_path, method="asl:window_size=8", budget=0.3).means
+    for row in means.iter_rows(named=True):
+        shown = f"{row['relative_variance']:.2f} [{row['relative_variance_ci_low']:.2f}, {row['relative_variance_ci_high']:.2f}] {row['n_examples']}"
+        assert re.search(rf"{row['task']}\s+{row['layer']}\s+{re.escape(shown)}", table.stdout), shown
     as_csv = cli(
         "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--l-min", 1, "--l-obs", 2, "--format", "csv"
     )

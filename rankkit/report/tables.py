@@ -57,6 +57,7 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "bound_s": ("bound s", "a step's weight and KV bytes read at the memory bandwidth in the title"),
     "bound_ratio": ("bound×", "rankkit's time over the bound"),
     "read_bound_s": ("read s", "the same bytes at the bandwidth a streaming read reaches here"),
+    "relative_variance": ("rel. var.", "the layer's rank variance over L_min's (ASL Alg. 2)"),
     "ttft_ratio": ("ttft", "time to first token over full's"),
     "ideal_ratio": ("ideal", "compute-model TTFT over full's"),
     "kv_ratio": ("kv", "KV cache bytes over full's"),
