@@ -29,8 +29,11 @@ def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int
 
 
 def _print_summary(summary, as_json: bool, title: str) -> None:
+    from rankkit.eval.stats import interval_columns, with_interval
     from rankkit.report.tables import json_text
 
+    accuracy = summary.accuracy or {}
+    low, high = interval_columns("accuracy")
     row = {
         "out": summary.out,
         "examples": summary.examples,
@@ -39,14 +42,21 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "tokens": summary.tokens,
         "seconds": round(summary.seconds, 3),
         "tokens_per_second": None if summary.tokens_per_second is None else round(summary.tokens_per_second, 1),
-        "accuracy": summary.accuracy,
+        # the oracle's answers, over every example of the run (an earlier run's scored ones included)
+        "accuracy": accuracy.get("accuracy"),
+        low: accuracy.get(low),
+        high: accuracy.get(high),
+        "scored": accuracy.get("n_examples", 0),
         "without_answer": len(summary.without_answer),
     }
     if as_json:
         print(json_text({**row, "timing_only": summary.timing_only}))
         return
+    shown = {key: value for key, value in row.items() if key not in (low, high)}
+    if accuracy:
+        shown["accuracy"] = with_interval(accuracy["accuracy"], accuracy[low], accuracy[high])
     table = Table(title=title, show_header=False)
-    for key, value in row.items():
+    for key, value in shown.items():
         table.add_row(key, "-" if value is None else str(value))
     output().print(table)
     say_if_timing_only(summary.timing_only)

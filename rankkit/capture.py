@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import torch
 
 from rankkit import defaults, models, outputs, stores
@@ -85,7 +86,9 @@ class CaptureSummary:
     skipped: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    correct: list[float] = field(default_factory=list)
+    # every example this run went through whose oracle answer is scored, now or by an earlier run:
+    # {"example_id", "cluster", "accuracy"}
+    scored: list[dict] = field(default_factory=list)
     total: int | None = None  # the examples this run goes through
     captures: int = 0  # captures this run wrote, each whole, as it wrote them
     oracles: int = 0  # oracles this run wrote
@@ -97,16 +100,18 @@ class CaptureSummary:
         progress: ProgressCallback,
         example_id: str,
         tokens: int | None,
-        oracle_attrs: dict | None = None,
+        attrs: dict,
     ) -> None:
-        """Book one example: written (``tokens`` given) or skipped (None), then report progress."""
+        """Book one example, written (``tokens`` given) or skipped (None), with its stored ``attrs``
+        (its oracle's score among them), then report progress."""
         if tokens is None:
             self.skipped += 1
         else:
             self.written += 1
             self.tokens += tokens
-        if oracle_attrs and "correct" in oracle_attrs:
-            self.correct.append(oracle_attrs["correct"])
+        if "correct" in attrs:
+            cluster = (attrs.get("meta") or {}).get("cluster")
+            self.scored.append({"example_id": example_id, "cluster": cluster, "accuracy": attrs["correct"]})
         stage = "skipped" if tokens is None else "written"
         progress(Progress(stage, self.examples, self.total, example_id))
 
@@ -134,8 +139,24 @@ class CaptureSummary:
         return self.tokens / self.seconds if self.tokens and self.seconds else None
 
     @property
-    def accuracy(self) -> float | None:
-        return float(np.mean(self.correct)) if self.correct else None
+    def accuracy(self) -> dict | None:
+        """The oracle answers' mean score over the examples this run went through, its 95% interval
+        and n (``rankkit.eval.stats.mean_intervals``: Wilson for right/wrong, resampling the
+        examples that share a haystack or needle); None when none is scored."""
+        from rankkit.eval.stats import mean_intervals
+
+        if not self.scored:
+            return None
+        frame = pl.DataFrame(self.scored, schema={"example_id": pl.String, "cluster": pl.String, "accuracy": pl.Float64})
+        clustered = frame["cluster"].null_count() < frame.height
+        summary = mean_intervals(
+            frame.with_columns(pl.lit("all").alias("examples")),
+            ["examples"],
+            ["accuracy"],
+            cluster="cluster" if clustered else None,
+            scores=["accuracy"],
+        )
+        return summary.drop("examples").row(0, named=True)
 
 
 def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
@@ -194,8 +215,8 @@ def example_attrs(tokenizer, example: Example, prompt: Prompt) -> dict:
 
 def write_oracle(
     writer, runner: Runner, tokenizer, example_id: str, ids, attrs: dict, options, summary, prefill=None
-) -> dict | None:
-    """Compute one example's oracle and add it to the store; returns the attrs written with it.
+) -> None:
+    """Compute one example's oracle and add it to the store.
 
     An example without answer tokens to rank by gets no oracle, is warned of and noted in
     ``summary.without_answer``, and the run goes on (rerunning retries it)."""
@@ -209,10 +230,9 @@ def write_oracle(
             "; --answer reference ranks by the gold answer instead" if options.answer == "generated" else ""
         )
         warnings.warn(f"example {example_id!r} has no oracle: {error}{hint}", stacklevel=2)
-        return None
+        return
     writer.add_oracle(example_id, oracle=result.scores, oracle_layers=result.layer_scores, attrs=oracle_attrs)
     summary.oracles += 1
-    return oracle_attrs
 
 
 def oracle_for(
@@ -339,12 +359,12 @@ def capture(
                 and (oracle is None or writer.has_oracle(example.id))
                 and (drafter is None or writer.has_group(example.id, DRAFT_GROUP))
             ):
-                summary.count(progress, example.id, None)
+                summary.count(progress, example.id, None, writer.example_attrs(example.id))
                 continue
             prompt = example_prompt(loaded.tokenizer, example)
             ids = prompt.input_ids.to(loaded.device)
             attrs = example_attrs(loaded.tokenizer, example, prompt)
-            prefill = oracle_attrs = None
+            prefill = None
             if not writer.is_complete(example.id):
                 recorder = ProbeRecorder(probe_list)
                 prefill = runner.prefill(ids, hooks=[recorder])
@@ -357,12 +377,10 @@ def capture(
                 )
                 summary.captures += 1
             if oracle is not None and not writer.has_oracle(example.id):
-                oracle_attrs = write_oracle(
-                    writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, summary, prefill
-                )
+                write_oracle(writer, runner, loaded.tokenizer, example.id, ids, attrs, oracle, summary, prefill)
             if drafter is not None and not writer.has_group(example.id, DRAFT_GROUP):
                 write_draft_scores(writer, runner, drafter, example.id, ids)
-            summary.count(progress, example.id, prompt.num_tokens, oracle_attrs)
+            summary.count(progress, example.id, prompt.num_tokens, writer.example_attrs(example.id))
     summary.seconds = time.perf_counter() - started
     wait_for_other_ranks(world)
     return summary
@@ -449,13 +467,11 @@ def add_oracle(
         for record in records:
             summary.examples += 1
             if record.has_oracle and not redo:
-                summary.count(progress, record.id, None)
+                summary.count(progress, record.id, None, record.attrs)
                 continue
             ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)
-            oracle_attrs = write_oracle(
-                writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options, summary
-            )
-            summary.count(progress, record.id, record.num_tokens, oracle_attrs)
+            write_oracle(writer, runner, loaded.tokenizer, record.id, ids, record.attrs, options, summary)
+            summary.count(progress, record.id, record.num_tokens, writer.example_attrs(record.id))
     summary.seconds = time.perf_counter() - started
     wait_for_other_ranks(world)
     return summary

@@ -59,8 +59,15 @@ def captured_line(captured) -> str:
     said = []
     if captured.written:
         said.append(f"captured {examples(captured.written)} ({captured.tokens_per_second:,.0f} tok/s)")
-    if captured.correct:
-        said.append(f"the oracle's answers scored {captured.accuracy:.2f} (mean of {len(captured.correct)})")
+    from rankkit.eval.stats import interval_columns, with_interval
+
+    accuracy = captured.accuracy
+    if accuracy is not None:
+        low, high = (accuracy[column] for column in interval_columns("accuracy"))
+        said.append(
+            f"the oracle's answers scored {with_interval(accuracy['accuracy'], low, high)} "
+            f"(mean of {accuracy['n_examples']}, 95% interval)"
+        )
     if captured.skipped:
         said.append(f"{examples(captured.skipped)} held from an earlier run, not captured again")
     return "; ".join(said)

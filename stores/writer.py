@@ -75,6 +75,10 @@ class StoreWriter:
         self._store = LocalStore(path)
         self._score_dtype = np.dtype(meta.get(SCORE_DTYPE_KEY, "float32"))
 
+    def example_attrs(self, example_id: str) -> dict[str, Any]:
+        """The attributes stored with an example (its oracle's among them); empty for one not written."""
+        return read_example_attrs(self._store, encode_name(example_id)) or {}
+
     def is_complete(self, example_id: str) -> bool:
         attrs = read_example_attrs(self._store, encode_name(example_id))
         return attrs is not None and attrs.get(COMPLETE) is True

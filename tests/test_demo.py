@@ -109,18 +109,24 @@ def test_demo_tables_carry_numbers(demo_run):
 
 
 def test_demo_says_what_its_capture_did_on_a_first_run_and_on_a_rerun():
-    """A rerun resumes a finished store: it captures nothing, so it has no speed or oracle score to
-    print (it printed '0 tok/s' and 'oracle answers correct: None')."""
+    """A rerun resumes a finished store: it captures nothing, so it has no speed to print (it printed
+    '0 tok/s'); the oracle's score is over every example the run went through, the held ones' stored
+    scores included, with its Wilson interval (2 of 4: [0.15, 0.85]; 1 of 1: [0.21, 1.00])."""
     from rankkit.capture import CaptureSummary
     from rankkit.demo import captured_line
 
-    first = CaptureSummary("niah.zarr", examples=4, written=4, tokens=4000, seconds=50.0, correct=[1.0, 0.0, 1.0, 0.0])
-    assert captured_line(first) == "captured 4 examples (80 tok/s); the oracle's answers scored 0.50 (mean of 4)"
+    def scored(*values):
+        return [{"example_id": f"ex{index}", "cluster": None, "accuracy": value} for index, value in enumerate(values)]
+
+    first = CaptureSummary("niah.zarr", examples=4, written=4, tokens=4000, seconds=50.0, scored=scored(1.0, 0.0, 1.0, 0.0))
+    assert captured_line(first) == (
+        "captured 4 examples (80 tok/s); the oracle's answers scored 0.50 [0.15, 0.85] (mean of 4, 95% interval)"
+    )
     rerun = CaptureSummary("niah.zarr", examples=4, skipped=4)
     assert captured_line(rerun) == "4 examples held from an earlier run, not captured again"
-    resumed = CaptureSummary("niah.zarr", examples=4, written=1, skipped=3, tokens=1000, seconds=10.0, correct=[1.0])
+    resumed = CaptureSummary("niah.zarr", examples=4, written=1, skipped=3, tokens=1000, seconds=10.0, scored=scored(1.0))
     assert captured_line(resumed) == (
-        "captured 1 example (100 tok/s); the oracle's answers scored 1.00 (mean of 1); "
+        "captured 1 example (100 tok/s); the oracle's answers scored 1.00 [0.21, 1.00] (mean of 1, 95% interval); "
         "3 examples held from an earlier run, not captured again"
     )
 
