@@ -153,6 +153,7 @@ def oracle(
     ),
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,
+    threads: Threads = None,
     as_json: AsJson = False,
 ) -> None:
     """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
@@ -162,9 +163,11 @@ def oracle(
     torchrun each rank adds the oracles of its share of the examples.
     """
     from rankkit.capture import add_oracle
+    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
+    use_threads(threads)
     rank, _ = shard()
     with progress_bar("oracle") as show:
         summary = add_oracle(

@@ -97,7 +97,7 @@ def compare(
             [each.keep for each in budgets(keep, None)],
             layer=layer,
             methods=methods,
-            use_oracle=oracle,
+            oracle=oracle,
             span=span,
             needle_keep=needle_keep,
             workers=workers,
@@ -165,11 +165,13 @@ def variance(
     budget: str | None = typer.Option(
         None, "--budget", help="The method's budget in tokens, window included, e.g. 2048 (instead of --keep)."
     ),
-    l_min: int | None = typer.Option(
-        None, "--l-min", help="First layer of the curve, L_min. (default: layers // 3)"
+    min_layer: int | None = typer.Option(
+        None, "--min-layer", help="First layer of the curve, L_min. (default: layers // 3)"
     ),
-    l_obs: int | None = typer.Option(
-        None, "--l-obs", help="Layers whose ranks each point compares, L_obs. (default: 8 of 32, scaled)"
+    observed_layers: int | None = typer.Option(
+        None,
+        "--observed-layers",
+        help="Layers whose ranks each point compares, L_obs. (default: 8 of 32, scaled)",
     ),
     out: Path | None = typer.Option(
         None,
@@ -203,8 +205,8 @@ def variance(
             store,
             method=method,
             budget=_one_budget(keep, budget),
-            min_layer=l_min,
-            observed_layers=l_obs,
+            min_layer=min_layer,
+            observed_layers=observed_layers,
             workers=workers,
         )
     if out is not None:

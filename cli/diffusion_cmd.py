@@ -8,7 +8,7 @@ import typer
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AllowOverlength, Device, Format, Model, Overwrite, output_format
+from rankkit.cli.options import AllowOverlength, Device, Format, Model, Overwrite, Threads, output_format
 from rankkit.cli.progress import progress_bar
 
 
@@ -37,15 +37,18 @@ def diffusion(
     ),
     table_format: Format = "table",
     device: Device = defaults.DEVICE,
+    threads: Threads = None,
 ) -> None:
     """Remove the evidence tokens from layer l on, for every l: is the answer still right, and where was it read?
 
     Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
     """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
+    from rankkit.models import use_threads
     from rankkit.report.tables import frame_table, rows_text
 
     shown_as = output_format(table_format, as_json)
+    use_threads(threads)
 
     with progress_bar("diffusion") as show:
         frame = diffusion_probe(

@@ -77,7 +77,7 @@ def prefill(
     data: str = typer.Option(
         None, help="A data spec (niah:length=4096, ruler:..., FILE.jsonl); uses --example."
     ),
-    example_index: int = typer.Option(0, "--example", min=0, help="Which example of --data to run."),
+    example: int = typer.Option(0, "--example", min=0, help="Which example of --data to run."),
     context_file: Path = typer.Option(
         None, exists=True, dir_okay=False, help="Context text (with --question)."
     ),
@@ -117,7 +117,7 @@ def prefill(
         method,
         chosen_budget,
         data=data,
-        example_index=example_index,
+        example=example,
         context=read_context_file(context_file) if context_file else None,
         question=question,
         compare=compare,

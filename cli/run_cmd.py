@@ -8,7 +8,7 @@ import typer
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AsJson, Device, MaxNewTokens, Model
+from rankkit.cli.options import AsJson, Device, MaxNewTokens, Model, Threads
 
 console = output()
 
@@ -39,12 +39,16 @@ def generate(
     model: Model = defaults.MODEL,
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     device: Device = defaults.DEVICE,
+    threads: Threads = None,
     as_json: AsJson = False,
 ) -> None:
     """Greedy answer through the layer-by-layer runner (full prefill)."""
     from rankkit.data import read_context_file
     from rankkit.demo import answer
+    from rankkit.models import use_threads
     from rankkit.report.tables import json_text
+
+    use_threads(threads)
 
     context = read_context_file(context_file) if context_file else ""
     result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)

@@ -475,7 +475,7 @@ def prefill(
     budget: Budget | None,
     *,
     data: str | None = None,
-    example_index: int = 0,
+    example: int = 0,
     context: str | None = None,
     question: str | None = None,
     compare: str | None = None,
@@ -515,21 +515,21 @@ def prefill(
     loaded, runner = setup.load()
     if data is not None:
         examples = _scored_examples(data, loaded)
-        if example_index >= len(examples):
+        if example >= len(examples):
             count, last = len(examples), len(examples) - 1
             choices = "--example 0" if count == 1 else f"--example 0..{last}"
-            raise RankkitError(f"--example {example_index} is past the {count} example(s) of {data}; give {choices}")
-        example = examples[example_index]
-        (prompt,) = _checked_prompts(loaded.tokenizer, [example], config, setup, [budget])
+            raise RankkitError(f"--example {example} is past the {count} example(s) of {data}; give {choices}")
+        picked = examples[example]
+        (prompt,) = _checked_prompts(loaded.tokenizer, [picked], config, setup, [budget])
     else:
-        example, prompt = None, build_prompt(loaded.tokenizer, context, question)
+        picked, prompt = None, build_prompt(loaded.tokenizer, context, question)
         check_length(prompt.num_tokens, config, "the prompt", allow_overlength=setup.allow_overlength)
         warn_clamped(budget, prompt.num_tokens, "the prompt")
     # full keeps everything whatever the budget
     entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]
     with torch.inference_mode():
         cost_model = cached_calibration(runner, prompt.input_ids, loaded.weights_hash)
-    rows = compare_on_prompt(runner, loaded.tokenizer, prompt, example, entries, cost_model, settings)
+    rows = compare_on_prompt(runner, loaded.tokenizer, prompt, picked, entries, cost_model, settings)
     for row in rows:
         row["timing_only"] = loaded.timing_only
         if loaded.timing_only:

@@ -148,8 +148,8 @@ TABLE_FIELDS = {
     },
     "variance": {
         "method": Field(STRING, 'method = "asl:window_size=32"'),
-        "l_min": Field(INTEGER, "l_min = 10", minimum=0),
-        "l_obs": Field(INTEGER, "l_obs = 8", minimum=1),
+        "min_layer": Field(INTEGER, "min_layer = 10", minimum=0),
+        "observed_layers": Field(INTEGER, "observed_layers = 8", minimum=1),
     },
     "bench": {
         "methods": Field(STRINGS, 'methods = ["full", "gemfilter", "fastkv", "claa"]'),
@@ -209,7 +209,7 @@ class CompareSettings:
         given = {
             "methods": self.methods,
             "span": self.span,
-            "use_oracle": self.oracle,
+            "oracle": self.oracle,
             "pairs": self.pairs,
             "needle_keep": self.needle_keep,
         }
@@ -221,11 +221,11 @@ class VarianceSettings:
     """``variance_store``'s options; None leaves the library's default."""
 
     method: str | None = None
-    l_min: int | None = None
-    l_obs: int | None = None
+    min_layer: int | None = None
+    observed_layers: int | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        given = {"method": self.method, "min_layer": self.l_min, "observed_layers": self.l_obs}
+        given = {"method": self.method, "min_layer": self.min_layer, "observed_layers": self.observed_layers}
         return {name: value for name, value in given.items() if value is not None}
 
 

@@ -665,7 +665,7 @@ def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
     """compare's methods (their parameters against the model's depth) and pairs against the probes
     the stores will hold, and its oracle."""
     options = plan.compare.kwargs()
-    if options.get("use_oracle", True) and "capture" in plan.stages and "oracle" not in plan.stages:
+    if options.get("oracle", True) and "capture" in plan.stages and "oracle" not in plan.stages:
         raise RankkitError(
             'oracle: compare ranks against the oracle, which no stage makes; add "oracle" to stages, '
             "or set oracle = false in [compare] for the reference-free metrics alone"

@@ -668,7 +668,7 @@ def test_compare_without_oracle(tmp_path):
     path = write_store(tmp_path / "no-oracle.zarr", oracle=False, draft=False, examples=1)
     with pytest.raises(RankkitError, match="run `rankkit oracle"):
         compare_store(path)
-    free = compare_store(path, use_oracle=False)
+    free = compare_store(path, oracle=False)
     window = free.summary.filter(pl.col("method") == "window").row(0, named=True)
     assert window["spearman"] is None and window["needle_recall"] == 1.0 and window["layer_to_layer"] == 1.0
     assert "specprefill" not in free.summary["method"]
@@ -886,7 +886,7 @@ def test_cli_compare_table_methods_layer_and_out(cli, store_path, tmp_path):
 
 def test_cli_variance(cli, store_path):
     result = cli(
-        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--l-min", 1, "--l-obs", 2, "--json"
+        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--min-layer", 1, "--observed-layers", 2, "--json"
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
@@ -900,7 +900,7 @@ def test_cli_variance(cli, store_path):
         shown = f"{row['relative_variance']:.2f} [{row['relative_variance_ci_low']:.2f}, {row['relative_variance_ci_high']:.2f}] {row['n_examples']}"
         assert re.search(rf"{row['task']}\s+{row['layer']}\s+{re.escape(shown)}", table.stdout), shown
     as_csv = cli(
-        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--l-min", 1, "--l-obs", 2, "--format", "csv"
+        "variance", store_path, "--method", "asl:w=8", "--budget", "13", "--min-layer", 1, "--observed-layers", 2, "--format", "csv"
     )
     lines = list(csv.DictReader(io.StringIO(as_csv.stdout)))
     assert [line["example"] for line in lines] == ["ex0", "ex1", "ex2"]
@@ -1071,8 +1071,8 @@ def test_a_probe_recorded_with_other_settings_is_refused(tmp_path):
     scores = np.random.default_rng(0).random((LAYERS, HEADS, TOKENS)).astype(np.float32)
     writer.write_example("ex0", attrs={}, tokens=np.arange(TOKENS), scores={"window": scores})
     with pytest.raises(RankkitError, match="kernel_size': 5.*rankkit capture --probes window"):
-        compare_store(path, methods="claa", use_oracle=False)
-    rows = compare_store(path, methods="window", use_oracle=False).summary  # the probe itself is fine
+        compare_store(path, methods="claa", oracle=False)
+    rows = compare_store(path, methods="window", oracle=False).summary  # the probe itself is fine
     assert rows["method"].to_list() == ["window"]
 
 

@@ -247,7 +247,7 @@ def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missi
     for drawn in (
         lambda: variance_store("store.zarr", method="asl:window_size=8"),
         lambda: select_store("store.zarr", "fastkv", Budget.from_keep(0.5)),
-        lambda: compare_store("store.zarr", use_oracle=False),
+        lambda: compare_store("store.zarr", oracle=False),
     ):
         with pytest.warns(UserWarning, match=r"store.zarr was captured with random:tiny: timing only: random weights"):
             drawn()

@@ -231,7 +231,7 @@ def test_an_example_past_the_data_names_the_ones_there(tiny_folder):
     for count, choices in [(1, "--example 0"), (3, "--example 0..2")]:
         spec = f"niah:n={count},length=200"
         with pytest.raises(RankkitError) as refusal:
-            prefill("claa", Budget.from_keep(0.2), data=spec, example_index=5, setup=setup)
+            prefill("claa", Budget.from_keep(0.2), data=spec, example=5, setup=setup)
         assert str(refusal.value) == f"--example 5 is past the {count} example(s) of {spec}; give {choices}"
 
 
@@ -310,6 +310,9 @@ def test_more_threads_than_cores_is_refused_before_the_model_loads(no_model_load
         ["prefill", "--method", "claa", "--keep", "0.2", *common],
         ["bench", "--methods", "full", "--keep", "0.2", *common],
         ["capture", "--out", "s.zarr", *common],
+        ["diffusion", *common],
+        ["generate", *common],
+        ["oracle", "s.zarr", "--model", str(tiny_folder), "--threads", str(cores + 1)],
     ):
         assert refused(command, no_model_load) == message
     assert not (no_model_load / "s.zarr").exists()

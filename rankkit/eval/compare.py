@@ -649,7 +649,7 @@ def compare_store(
     *,
     layer: int | None = None,
     methods: str | Sequence[str] | None = None,
-    use_oracle: bool = True,
+    oracle: bool = True,
     span: str = "prompt",
     keep: float | int = KEEP_RATES[0],
     needle_keep: float | int | None = None,
@@ -664,7 +664,7 @@ def compare_store(
     selection layer of every method that has one and the layer probes and KV-only methods are
     summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
     are made under (it sets ASL's k and the size of forced sets); ``needle_keep`` the budget needle
-    recall counts the evidence in (default: ``keep``). With ``use_oracle`` only examples
+    recall counts the evidence in (default: ``keep``). With ``oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
@@ -680,7 +680,7 @@ def compare_store(
     budget, _ = Budget.parse(keep), Budget.parse(needle_keep)  # a bad keep fails before any reading too
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
-    if use_oracle:
+    if oracle:
         refuse_timing_only_store(store.meta, store.path, "compare rankings with its oracle")
     else:
         warn_timing_only_store(store.meta, store.path)
@@ -688,7 +688,7 @@ def compare_store(
     records = list(store.examples())
     if not records:
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
-    if use_oracle:
+    if oracle:
         without_oracle = sum(not record.has_oracle for record in records)
         records = [record for record in records if record.has_oracle]
         if not records:
@@ -740,7 +740,7 @@ def compare_store(
         methods=ranked_methods,
         budget=budget,
         span=span,
-        use_oracle=use_oracle,
+        oracle=oracle,
         needle_keep=needle_keep,
         layout=layout,
         detailed=detailed,
@@ -784,7 +784,7 @@ def compare_example(
     methods: Mapping[str, Method],
     budget: Budget,
     span: str = "prompt",
-    use_oracle: bool = True,
+    oracle: bool = True,
     needle_keep: float | int,
     layout: Mapping[str, Any] | None = None,
     detailed: bool = True,
@@ -797,8 +797,8 @@ def compare_example(
     ranked = ranked_slice(record.attrs.get("spans"), span, record.num_tokens)
     spans = record.attrs.get("spans") or {}
     evidence = [(start - ranked.start, end - ranked.start) for start, end in spans.get("evidence_tokens", [])]
-    oracle = record.oracle[ranked] if use_oracle else None
-    reference = Reference(oracle, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
+    oracle_scores = record.oracle[ranked] if oracle else None
+    reference = Reference(oracle_scores, spans_mask(evidence, ranked.stop - ranked.start), needle_keep)
     found = evaluate_example(record, reference, probes, methods, budget, ranked, layout, detailed)
     return record.id, record.attrs.get("task"), found
 

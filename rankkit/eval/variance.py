@@ -132,7 +132,7 @@ def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
     if not 0 <= bound.min_layer < num_layers or bound.observed_layers < 1:
         raise RankkitError(
             f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
-            f"{num_layers} layers; adjust --l-min or --l-obs"
+            f"{num_layers} layers; adjust --min-layer or --observed-layers"
         )
     return bound
 
