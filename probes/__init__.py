@@ -46,7 +46,8 @@ def make(name: str, **params) -> Probe:
 
 PROBES_SYNTAX = (
     "comma-separated names, each NAME or NAME:PARAM=VALUE,PARAM=VALUE... "
-    "(e.g. window:w=32,kernel=7,last_token_raw; w = window_size, kernel = kernel_size), or 'all'"
+    "(e.g. window:w=32,kernel=7,last_token_raw; w = window_size, kernel = kernel_size; "
+    "a list joined by ';', e.g. sliminfer:pruning_layers=9;19;28), or 'all'"
 )
 
 
@@ -92,13 +93,23 @@ def _add_parameter(params: dict, item: str, spec: str) -> None:
     full = {short: name for name, short in SHORT_NAMES.items()}.get(key, key)
     if full in params:  # the last would win, and the run be labelled with a setting it did not use
         raise RankkitError(f"{full} is given twice in {spec!r}; give each parameter once")
+    # "," separates the parameters, so a list (of layers) is joined by ";"
+    parts = [_value(part.strip()) for part in text.split(";")]
+    params[full] = tuple(parts) if ";" in text else parts[0]
+
+
+def _value(text: str) -> int | float | str:
     for kind in (int, float):
         try:
-            params[full] = kind(text)
-            return
+            return kind(text)
         except ValueError:
             pass
-    params[full] = text
+    return text
+
+
+def format_parameter(value) -> str:
+    """A parameter's value as a spec writes it (``parse_named`` reads it back): a list joined by ';'."""
+    return ";".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
 
 
 # Last, so a package's module finds everything above when its import registers its classes.

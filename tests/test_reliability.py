@@ -157,6 +157,18 @@ def test_a_setting_named_twice_is_refused(call, message):
         call()
 
 
+def test_a_list_parameter_is_written_with_semicolons_and_reads_back_from_its_label():
+    """sliminfer's pruning_layers could not be set from a spec: "," separates the parameters."""
+    from rankkit.eval.offline import method_from_spec, split_names
+
+    (label,) = split_names("sliminfer:pruning_layers=1;2,block_size=8")
+    assert label == "sliminfer:pruning_layers=1;2,block_size=8"
+    method = method_from_spec(label)
+    assert (method.pruning_layers, method.block_size) == ((1, 2), 8)
+    with pytest.raises(RankkitError, match=r"pruning_layers=\(1, 'x'\) is not an integer"):
+        method_from_spec("sliminfer:pruning_layers=1;x")
+
+
 def _method_spec(spec):
     from rankkit.eval.offline import parse_method_spec
 

@@ -46,7 +46,8 @@ def split_names(spec: str) -> list[str]:
     entries = []
     for name, params in probes.parse_named(spec, "probe or method"):
         if name in REGISTRY or name not in probes.REGISTRY:
-            entries.append(name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else ""))
+            given = ",".join(f"{key}={probes.format_parameter(value)}" for key, value in params.items())
+            entries.append(name + (f":{given}" if params else ""))
         else:
             entries.append(probes.make(name, **params).key)
     return entries

@@ -24,6 +24,7 @@ from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps, scor
 from rankkit.eval.offline import recorded_model
 from rankkit.eval.stats import EXAMPLE_ID, mean_intervals
 from rankkit.methods import make
+from rankkit.probes import format_parameter
 
 OFFLINE_METRICS = ("spearman", "needle_recall", "evidence_kept_offline")
 ONLINE_METRICS = ("evidence_kept", "accuracy")
@@ -133,7 +134,11 @@ def _refuse_other_settings(online: pl.DataFrame, methods, num_layers: int, layou
         # as the bench wrote them: through JSON (a tuple of layers reads back as a list)
         defaults = json.loads(json.dumps(make(method).resolved(num_layers, layout.get("layer_types"))))
         if json.loads(params) != defaults:
-            given = ",".join(f"{key}={value}" for key, value in json.loads(params).items() if defaults.get(key) != value)
+            given = ",".join(
+                f"{key}={format_parameter(value)}"
+                for key, value in json.loads(params).items()
+                if defaults.get(key) != value
+            )
             raise RankkitError(
                 f"{what} ran {method} with {given}; report joins each method at its defaults: bench "
                 f"{method} at its defaults, or compare the store with --methods {method}:{given}"
