@@ -290,11 +290,12 @@ def _sage_reference(query, key, scaling, split):
 
 
 def test_sage_kv_keeps_the_union_of_each_query_heads_top_k_and_rolls_the_recent_window():
-    from rankkit.methods.sage_kv import sage_split
+    from rankkit.methods.sage_kv import SageSplit, sage_split
 
-    split = sage_split(8192, 4)  # Appendix A.2, Llama: sink 2048, k 1024, recent 2048
-    assert (split.sinks, split.per_query_head, split.recent) == (2048, 1024, 2048)
-    assert sage_split(8192, 7).recent == 8192 - 2048 - 7 * 585
+    # Appendix A.2's worked examples, B = 8192: Llama (G = 4) and Qwen2.5 (G = 7)
+    assert sage_split(8192, 4) == SageSplit(sinks=2048, per_query_head=1024, recent=2048)
+    assert sage_split(8192, 7) == SageSplit(sinks=2048, per_query_head=512, recent=2560)
+    assert sage_split(8192, 1).per_query_head == 4096 and sage_split(8192, 8).per_query_head == 512
     runner = _tiny()
     ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(3))
     recorder = QueryKeyRecorder()

@@ -15,10 +15,12 @@ so a step costs no cache copy: the window is the cache's (``KVCache.keep_recent_
 a ring of the recent window's slots and one more, since each step attends to the window
 and its own token before the oldest goes.
 
-Budget split for a budget of B tokens (Appendix A.2): sink window B/4; k = B/(2G) per
-query head with G query heads per KV head; the recent window takes the rest
-(B - B/4 - G*k, the last token included). A budget that covers the prompt keeps every
-token, in decoding too.
+Budget split for a budget of B tokens (Appendix A.2): sink window B/4; k per query head
+with G query heads per KV head; the recent window takes the rest (B - B/4 - G*k, the last
+token included). The appendix's formula for k did not survive the paper's text; its two
+worked examples fix it as k = B / (2G'), G' being G rounded up to a power of two: Llama
+(G = 4, B = 8192) k = 1024, recent 2048; Qwen2.5 (G = 7) k = 512, recent 2560, where
+B/(2G) would give 585. A budget that covers the prompt keeps every token, in decoding too.
 
 On a local (sliding-window) layer, tokens older than the window are never kept: sink
 tokens the layer cannot see give their share to its recent window, and when everything
@@ -55,8 +57,9 @@ class SageSplit:
 
 
 def sage_split(budget: int, group_size: int) -> SageSplit:
+    """Appendix A.2's split of ``budget`` (see the module docstring)."""
     sinks = budget // 4
-    per_query_head = budget // (2 * group_size)
+    per_query_head = budget // (2 * (1 << (group_size - 1).bit_length()))
     return SageSplit(sinks, per_query_head, max(1, budget - sinks - group_size * per_query_head))
 
 
