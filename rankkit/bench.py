@@ -41,7 +41,7 @@ from rankkit.checks import (
     first_repeated,
     warn_clamped,
 )
-from rankkit.data import Example, load_examples, read_spec
+from rankkit.data import Example, data_fingerprint, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.eval.offline import parse_method_spec
@@ -623,6 +623,7 @@ def bench(
         "methods": methods,
         "budgets": [budget.label for budget in budgets],
         "data": data,
+        **data_fingerprint(data),
         "limit": limit,
         "model": setup.model,
         "options": asdict(options),

@@ -22,7 +22,7 @@ import torch
 
 from rankkit import defaults, models, outputs, stores
 from rankkit.checks import check_count, check_prompt_lengths, check_spec_length
-from rankkit.data import METRICS, Example, load_examples
+from rankkit.data import METRICS, Example, data_fingerprint, load_examples
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
@@ -187,6 +187,7 @@ def run_meta(loaded: models.LoadedModel, probes, data_spec: str) -> dict:
         "tokenizer": {"class": type(loaded.tokenizer).__name__, "vocab_size": len(loaded.tokenizer)},
         "probes": {probe.key: probe.params() for probe in probes},
         "dataset": data_spec,
+        **data_fingerprint(data_spec),
     }
 
 

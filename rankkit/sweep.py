@@ -66,7 +66,7 @@ from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
 from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
 from rankkit.checks import check_prompt_lengths, check_spec_length
-from rankkit.data import load_examples
+from rankkit.data import data_fingerprint, load_examples
 from rankkit.errors import RankkitError
 from rankkit.eval import compare, variance
 from rankkit.eval.diffusion import diffusion_probe
@@ -187,7 +187,7 @@ _LIBRARY_DEFAULTS = {
 
 def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
     """What a unit of ``stage`` itself is run with (the device is left out: it changes no result)."""
-    data = {"model": plan.model.name, "data": unit.cell.spec}
+    data = {"model": plan.model.name, "data": unit.cell.spec, **data_fingerprint(unit.cell.spec)}
     if stage == "capture":
         return {**data, "probes": plan.probes, **dataclasses.asdict(plan.capture)}
     if stage == "oracle":

@@ -269,3 +269,21 @@ def test_score_arrays_record_where_their_scores_are_pooled(reference_store):
     raw = record.score_layout("last_token_raw")  # GemFilter pools its whole row, the last token too
     assert (raw["pooling"], raw["kernel_size"], raw["unpooled_last"]) == ("avg_padded", 5, 0)
     assert record.score_layout("last_token_heads") == {} and record.score_layout("token_units") == {}
+
+
+def test_a_capture_resumed_after_its_jsonl_file_changed_is_refused(tiny_folder, tmp_path):
+    """The store is keyed by the spec and the file's content: resuming into it after the lines
+    changed mixed two datasets' examples in one store."""
+    from transformers import AutoTokenizer
+
+    from rankkit.data import export_spec
+    from rankkit.errors import RankkitError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
+    data, out = tmp_path / "mine.jsonl", tmp_path / "run.zarr"
+    export_spec("niah:n=2,length=128", tokenizer, data)
+    capture(model=str(tiny_folder), data=str(data), out=out, device="cpu", limit=1)
+    export_spec("niah:n=2,length=128,seed=1", tokenizer, data, overwrite=True)
+    with pytest.raises(RankkitError, match=r"holds a different run \(data_sha256: "):
+        capture(model=str(tiny_folder), data=str(data), out=out, device="cpu")
+    assert stores.open(out).example_ids() and len(stores.open(out)) == 1

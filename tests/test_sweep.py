@@ -623,6 +623,29 @@ def test_a_disk_without_room_for_the_stores_is_refused_before_any_work(tiny_fold
     assert sorted(tmp_path.iterdir()) == [small]
 
 
+def test_a_jsonl_file_whose_lines_changed_reruns_its_units(tiny_folder, tmp_path):
+    """Units were keyed by the spec string alone: a resumed sweep kept results of the old lines
+    beside the new ones under one data name."""
+    from transformers import AutoTokenizer
+
+    from rankkit.data import export_spec
+
+    data = tmp_path / "mine.jsonl"
+    export_spec("niah:n=2,length=128", AutoTokenizer.from_pretrained(tiny_folder), data)
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "{data}"\n',
+    )
+    out = tmp_path / "out"
+    assert sweep(small, out, workers=1).stages[0].ran == 1
+    plans = []
+    sweep(small, out, dry_run=True, announce=plans.append)
+    assert plans[0].lines()[1].startswith("  capture: 0 new, 0 changed, 1 kept")
+    export_spec("niah:n=2,length=128,seed=1", AutoTokenizer.from_pretrained(tiny_folder), data, overwrite=True)
+    sweep(small, out, dry_run=True, announce=plans.append)
+    assert plans[1].lines()[1].startswith("  capture: 0 new, 1 changed, 0 kept")
+
+
 def test_a_changed_setting_reruns_exactly_the_units_it_decides(finished, experiment, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(finished, out)

@@ -10,6 +10,7 @@ from rankkit.data.jsonl import export_jsonl, load_jsonl, read_context_file
 from rankkit.data.metrics import METRICS, score
 from rankkit.data.spec import (
     DataSpec,
+    data_fingerprint,
     export_spec,
     format_spec,
     load_examples,
@@ -18,6 +19,7 @@ from rankkit.data.spec import (
 )
 
 __all__ = [
+    "data_fingerprint",
     "read_context_file",
     "METRICS",
     "Example",

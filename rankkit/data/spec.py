@@ -12,6 +12,7 @@ left out; ``rankkit.data.niah``). ``seed`` defaults to 0; the same spec and toke
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,19 @@ def read_spec(spec: str) -> DataSpec:
         raise RankkitError(f"unknown RULER task '{params['task']}'; choose one of {', '.join(TASKS)}")
     n = _integer(params, "n", spec, default=1)
     return DataSpec(kind, spec, n=n, length=length, task=params["task"], seed=seed)
+
+
+def data_fingerprint(spec: str) -> dict[str, str]:
+    """What identifies a spec's examples beyond the spec itself: a jsonl file's content hash
+    (``data_sha256``), since a run resumed after the file changed would mix two datasets under one
+    name; nothing for niah and ruler, whose spec makes its examples."""
+    parsed = read_spec(spec)
+    if parsed.kind != "jsonl":
+        return {}
+    path = Path(parsed.path)
+    if not path.is_file():
+        raise RankkitError(f"no such file: {path}")
+    return {"data_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
 def load_examples(spec: str, tokenizer) -> list[Example]:

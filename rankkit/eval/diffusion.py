@@ -38,7 +38,7 @@ import torch
 from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
 from rankkit.checks import check_count, check_prompt_lengths, check_spec_length, check_value_ranges
-from rankkit.data import Example, load_examples, read_spec, score
+from rankkit.data import Example, data_fingerprint, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -295,6 +295,7 @@ def diffusion_probe(
     identity = {
         "command": "diffusion",
         "data": data,
+        **data_fingerprint(data),
         "model": model,
         "limit": limit,
         "max_new_tokens": max_new_tokens,
