@@ -369,9 +369,10 @@ class MethodOptions:
         """The methods ``names`` (``NAME`` or ``NAME:PARAM=VALUE,...``) with these options, ``layer``
         checked against the model's depth.
 
-        ``strict`` (one method, prefill) refuses ``layer`` for a method that has no selection
-        layer; a grid (bench) sets it on those that have one and warns about the rest. ``full``
-        selects nothing, so the layer never concerns it.
+        ``strict`` (prefill) refuses ``layer`` when the method it studies, named last (after its
+        ``--compare`` reference), has no selection layer; otherwise, as in a grid (bench), the
+        layer is set on the methods that have one and the rest are warned of. ``full`` selects
+        nothing, so the layer never concerns it.
         """
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
@@ -394,15 +395,16 @@ class MethodOptions:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]
         others = [method.name for method in methods if method not in layered and method.name != FULL]
-        if others and (strict or not layered):
+        refused = [methods[-1].name] if strict and methods[-1].name in others else others if not layered else []
+        if refused:
             raise RankkitError(
-                f"method {', '.join(others)} has no selection layer; leave --layer out "
+                f"method {', '.join(refused)} has no selection layer; leave --layer out "
                 "(it sets claa, fastkv, gemfilter and oracle)"
             )
         if others:
             warnings.warn(
                 f"--layer {self.layer} sets {', '.join(m.name for m in layered)}; "
-                f"{', '.join(others)} take no layer",
+                f"{', '.join(others)} take{'s' if len(others) == 1 else ''} no layer",
                 stacklevel=2,
             )
         for method in layered:

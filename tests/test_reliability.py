@@ -224,6 +224,19 @@ def _diffusion(folder, **given):
     return diffusion_probe("niah:n=2,length=200", model=str(folder), **given)
 
 
+def test_prefill_layer_is_for_its_method_and_a_compare_reference_without_one_is_no_refusal(
+    no_model_load, tiny_folder
+):
+    """--layer 1 with --method claa --compare snapkv was refused as if it were snapkv's."""
+    common = ["--keep", "0.2", "--layer", "1", "--data", "niah:n=1,length=200", "--model", str(tiny_folder)]
+    with pytest.warns(UserWarning, match="--layer 1 sets claa; snapkv takes no layer"):
+        result = CliRunner().invoke(app, ["prefill", "--method", "claa", "--compare", "snapkv", *common])
+    assert "the model was loaded before the options were checked" in str(result.exception)  # checks passed
+    assert refused(["prefill", "--method", "snapkv", "--compare", "claa", *common], no_model_load) == (
+        "method snapkv has no selection layer; leave --layer out (it sets claa, fastkv, gemfilter and oracle)"
+    )
+
+
 def test_a_bare_prefill_names_everything_it_lacks_at_once(no_model_load, tiny_folder):
     model = ["--model", str(tiny_folder)]
     assert refused(["prefill", "--method", "claa", *model], no_model_load) == (
