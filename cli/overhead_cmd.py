@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import polars as pl
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
 from rankkit.cli.options import AllowOverlength, CompileDecode, CudaGraphs, Device, Model
+from rankkit.cli.progress import progress_bar
 
 console = output()
 
@@ -48,8 +48,7 @@ def overhead(
     if scenario == "analysis":
         _analysis(examples, token_counts, workers, as_json)
         return
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"{scenario} overhead", total=len(token_counts) * repeats)
+    with progress_bar(f"{scenario} overhead") as show:
         rows = run_overhead(
             scenario,
             token_counts,
@@ -61,7 +60,7 @@ def overhead(
             cuda_graphs=cuda_graphs,
             compile_decode=compile_decode,
             allow_overlength=allow_overlength,
-            progress=lambda: progress.advance(task),
+            progress=show,
         )
     if as_json:
         print(json_text(rows, indent=2))
@@ -92,14 +91,11 @@ def _mib(value: int | None) -> float | None:
 
 
 def _analysis(examples: int, token_counts: list[int], workers: int | None, as_json: bool) -> None:
-    from rankkit.eval.cost import STEPS, run_analysis_cost
+    from rankkit.eval.cost import run_analysis_cost
     from rankkit.report.tables import json_text
 
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("analysis cost", total=len(token_counts) * (1 + len(STEPS)))
-        rows = run_analysis_cost(
-            examples, token_counts, workers=workers, progress=lambda: progress.advance(task)
-        )
+    with progress_bar("analysis cost") as show:
+        rows = run_analysis_cost(examples, token_counts, workers=workers, progress=show)
     if as_json:
         print(json_text(rows, indent=2))
         return

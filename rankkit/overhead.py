@@ -11,6 +11,7 @@ length), so neither side inherits the other's state.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from rankkit.measure import (
     memory_bandwidth,
     read_bandwidth,
 )
+from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.runner import Runner, check_decode_options, greedy_continue
 
 ORACLE_NEW_TOKENS = 16
@@ -188,7 +190,7 @@ def _peak_in_subprocess(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _interleaved_times(sides: Sides, device, repeats: int, progress) -> dict[str, list[float]]:
+def _interleaved_times(sides: Sides, device, repeats: int, on_repeat: Callable[[], None]) -> dict[str, list[float]]:
     times = {"baseline": [], "rankkit": []}
     with torch.inference_mode():
         sides.baseline(), sides.rankkit()  # warm-up, excluded
@@ -197,8 +199,7 @@ def _interleaved_times(sides: Sides, device, repeats: int, progress) -> dict[str
                 with measure(device) as m:
                     getattr(sides, side)()
                 times[side].append(m.seconds)
-            if progress:
-                progress()
+            on_repeat()
     return times
 
 
@@ -215,7 +216,7 @@ def run_overhead(
     compile_decode: bool = False,
     memory_in_process: bool = False,
     allow_overlength: bool = False,
-    progress=None,
+    progress: ProgressCallback = ignore,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
     and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
@@ -225,7 +226,7 @@ def run_overhead(
     ``cuda_graphs`` runs the runner's static decode, ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
     allocator's peak is the same, on CPU what earlier runs left allocated may count). A length past
-    the model's positions is refused unless ``allow_overlength``."""
+    the model's positions is refused unless ``allow_overlength``. ``progress`` gets an event per timed repeat."""
     check_token_counts(lengths)  # before the model loads
     check_decode_options(cuda_graphs, compile_decode)
     if not (with_timing or with_memory):
@@ -236,12 +237,18 @@ def run_overhead(
     loaded = models.load(model_spec, device=device)
     baseline_name, rankkit_name = SCENARIOS[scenario][1:]
     rows = []
+    done = itertools.count(1)
     for length in lengths:
         sides = _sides(scenario, loaded, length, cuda_graphs, compile_decode)
         # a side not timed has no time: None, never a NaN that prints as a figure or breaks --json
         seconds = dict.fromkeys(("baseline", "rankkit"))
         if with_timing:
-            times = _interleaved_times(sides, loaded.device, repeats, progress)
+            times = _interleaved_times(
+                sides,
+                loaded.device,
+                repeats,
+                lambda length=length: progress(Progress("timed", next(done), len(lengths) * repeats, f"{length} tokens")),
+            )
             seconds = {side: statistics.median(times[side]) / sides.steps for side in seconds}
         row = {
             "scenario": scenario,

@@ -237,6 +237,14 @@ def test_prefill_layer_is_for_its_method_and_a_compare_reference_without_one_is_
     )
 
 
+@pytest.mark.parametrize("scenario", ["runner", "analysis"])
+def test_an_overhead_refusal_prints_nothing_on_stdout(no_model_load, scenario):
+    """Its progress bar was drawn on stdout and left a blank line there before the error."""
+    result = CliRunner().invoke(app, ["overhead", scenario, "--lengths", "0"])
+    assert isinstance(result.exception, RankkitError) and "--lengths takes positive token counts" in str(result.exception)
+    assert result.stdout == ""
+
+
 def test_a_bare_prefill_names_everything_it_lacks_at_once(no_model_load, tiny_folder):
     model = ["--model", str(tiny_folder)]
     assert refused(["prefill", "--method", "claa", *model], no_model_load) == (

@@ -9,12 +9,12 @@ its own. Scores are random: the metrics' cost does not depend on their values.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from rankkit.checks import check_token_counts
 from rankkit.errors import RankkitError
+from rankkit.progress import Progress, ProgressCallback, ignore
 
 LAYERS = 30
 KV_HEADS = 3
@@ -74,10 +75,10 @@ def run_analysis_cost(
     lengths: list[int],
     *,
     workers: int | None = None,
-    progress: Callable[[], None] = lambda: None,
+    progress: ProgressCallback = ignore,
 ) -> list[dict[str, Any]]:
     """One row per (length, step): wall seconds, seconds per example, peak MiB, files per example,
-    and for the dashboard the page's size in MiB."""
+    and for the dashboard the page's size in MiB. ``progress`` gets an event per store built and step run."""
     from rankkit.eval.parallel import checked_workers
 
     check_token_counts(lengths)
@@ -91,6 +92,7 @@ def run_analysis_cost(
         raise RankkitError(f"--examples takes a positive count, not {examples}")
     processes = checked_workers(workers)
     rows = []
+    done, total = itertools.count(1), len(lengths) * (1 + len(STEPS))
     for tokens in lengths:
         with tempfile.TemporaryDirectory(prefix="rankkit-analysis-") as scratch:
             store = Path(scratch) / "synthetic.zarr"
@@ -100,7 +102,7 @@ def run_analysis_cost(
             build_s = time.perf_counter() - start
             first_example = next((store / "examples").iterdir())
             files = sum(1 for file in first_example.rglob("*") if file.is_file())
-            progress()
+            progress(Progress("built", next(done), total, f"{examples} examples of {tokens} tokens"))
             report = Path(scratch) / "report.html"
             for step, arguments in STEPS.items():
                 values = {
@@ -124,7 +126,7 @@ def run_analysis_cost(
                         "build_seconds": build_s,
                     }
                 )
-                progress()
+                progress(Progress("timed", next(done), total, f"{step} at {tokens} tokens"))
     return rows
 
 
