@@ -280,8 +280,10 @@ def test_the_two_sides_alternate_which_runs_first():
         baseline=lambda: order.append("baseline") or time.sleep(0.02),  # the slower side, whichever runs first
         rankkit=lambda: order.append("rankkit"),
     )
-    times = _interleaved_times(sides, torch.device("cpu"), 4, None)
+    repeats = []
+    times = _interleaved_times(sides, torch.device("cpu"), 4, lambda: repeats.append(len(order)))
     assert order == ["baseline", "rankkit"] + ["baseline", "rankkit", "rankkit", "baseline"] * 2
+    assert repeats == [4, 6, 8, 10]  # reported after each repeat's two runs
     assert len(times["rankkit"]) == 4 and max(times["rankkit"]) < 0.02 <= min(times["baseline"])
 
 
