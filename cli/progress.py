@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rankkit.progress import SKIPPED
+
 status = Console(stderr=True)
 
 
@@ -18,10 +20,6 @@ def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
-
-
-# The stage a command reports for a step a resumed run found finished: it took no time.
-SKIPPED = "skipped"
 
 
 class ProgressLines:

@@ -58,7 +58,7 @@ from rankkit.methods.measure import (
     measure_interleaved,
 )
 from rankkit.methods.specprefill import check_drafts
-from rankkit.progress import Progress, ProgressCallback, ignore
+from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner, check_decode_options
 from rankkit.shards import share
@@ -695,7 +695,7 @@ def run_bench(
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
         done = calibrating + index * per_example
         if journal.done(example.id):
-            progress(Progress("skipped", done + per_example, total, f"{example.id} (finished before)"))
+            progress(Progress(SKIPPED, done + per_example, total, f"{example.id} (finished before)"))
             continue
 
         def on_step(stage: str, detail: str, steps=itertools.count(done)) -> None:

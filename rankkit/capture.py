@@ -28,7 +28,7 @@ from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import EmptyAnswer, answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
-from rankkit.progress import Progress, ProgressCallback, ignore
+from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt, reference_answer
 from rankkit.runner import Runner, layer_types
 from rankkit.shards import rank_device, shard, share, share_size, wait_for_other_ranks
@@ -112,7 +112,7 @@ class CaptureSummary:
         if "correct" in attrs:
             cluster = (attrs.get("meta") or {}).get("cluster")
             self.scored.append({"example_id": example_id, "cluster": cluster, "accuracy": attrs["correct"]})
-        stage = "skipped" if tokens is None else "written"
+        stage = SKIPPED if tokens is None else "written"
         progress(Progress(stage, self.examples, self.total, example_id))
 
     def kept(self) -> str:

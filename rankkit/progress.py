@@ -21,6 +21,9 @@ class Progress:
 
 ProgressCallback = Callable[[Progress], None]
 
+# The stage of a step a resumed run found finished: it took no time, so no ETA counts it.
+SKIPPED = "skipped"
+
 
 def ignore(event: Progress) -> None:
     """The default callback: no front end."""

@@ -316,3 +316,33 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     row = frame.row(0, named=True)
     assert row["example"] == "passkey" and row["correct"] and row["score"] == 1.0
     assert row["answer_logprob"] > -2.0
+
+
+def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_folder, tmp_path, monkeypatch):
+    """They were reported as probed, so the ETA counted them as work done in no time."""
+    import warnings
+
+    import rankkit.eval.diffusion as diffusion
+    from rankkit.errors import Interrupted
+    from rankkit.progress import SKIPPED
+
+    real, calls = diffusion.example_diffusion, []
+
+    def interrupted_on_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(diffusion, "example_diffusion", interrupted_on_the_second)
+    run = dict(model=str(tiny_folder), out=tmp_path / "d.parquet", max_new_tokens=2, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a random model's answers are cut short of full marks
+        with pytest.raises(Interrupted):
+            diffusion.diffusion_probe("niah:n=3,length=128", **run)
+        events = []
+        frame = diffusion.diffusion_probe("niah:n=3,length=128", progress=events.append, **run)
+    assert [(event.stage, event.done, event.total) for event in events] == [
+        (SKIPPED, 1, 3), ("probed", 2, 3), ("probed", 3, 3)
+    ]
+    assert frame["example"].n_unique() == 3

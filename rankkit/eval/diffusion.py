@@ -43,7 +43,7 @@ from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
-from rankkit.progress import Progress, ProgressCallback, ignore
+from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 from rankkit.shards import share
 
@@ -310,10 +310,11 @@ def diffusion_probe(
     with outputs.Journal(out, identity, overwrite=overwrite) as journal:
         with keep_on_interrupt(journal.kept):
             for done, example in enumerate(examples, start=1):
-                if not journal.done(example.id):
+                stage = SKIPPED if journal.done(example.id) else "probed"
+                if stage != SKIPPED:
                     frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
                     journal.record(example.id, frame.to_dicts())
-                progress(Progress("probed", done, len(examples), example.id))
+                progress(Progress(stage, done, len(examples), example.id))
         # the model that answered, so no reader draws these rows beside another model's store
         frame = pl.DataFrame(journal.rows, schema=SCHEMA).with_columns(
             model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash)
