@@ -45,6 +45,7 @@ order and runs the stages that read the stores; the other ranks return.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -53,7 +54,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -515,27 +516,42 @@ def sweep(
     if dry_run:
         return summary
     started = time.perf_counter()
-    # a stage's refusal names the file's fields, as the checks' do
-    with (
-        errors_in(str(experiment_path)),
-        keep_on_interrupt(summary.kept),
-        process_group(world),
-        models.loaded_once(),
-    ):
+    with _only_sweep_writing(layout.root) if rank == 0 else contextlib.nullcontext():
+        # a stage's refusal names the file's fields, as the checks' do
+        with (
+            errors_in(str(experiment_path)),
+            keep_on_interrupt(summary.kept),
+            process_group(world),
+            models.loaded_once(),
+        ):
+            if rank == 0:
+                _prepare_directory(run, text, overwrite)
+            wait_for_other_ranks(world)  # no rank writes before the directory is ready
+            for stage in (each for each in running if each in MODEL_STAGES):
+                _MODEL_STAGES[stage](run, _Counter(progress, stage), summary)
+            wait_for_other_ranks(world)
         if rank == 0:
-            _prepare_directory(run, text, overwrite)
-        wait_for_other_ranks(world)  # no rank writes before the directory is ready
-        for stage in (each for each in running if each in MODEL_STAGES):
-            _MODEL_STAGES[stage](run, _Counter(progress, stage), summary)
-        wait_for_other_ranks(world)
-    if rank == 0:
-        with errors_in(str(experiment_path)), keep_on_interrupt(summary.kept):
-            for report in list(summary.stages):
-                report.outputs += _merge(run, report.stage, world)
-            for stage in (each for each in running if each not in MODEL_STAGES):
-                _STORE_STAGES[stage](run, _Counter(progress, stage), summary.report(stage))
+            with errors_in(str(experiment_path)), keep_on_interrupt(summary.kept):
+                for report in list(summary.stages):
+                    report.outputs += _merge(run, report.stage, world)
+                for stage in (each for each in running if each not in MODEL_STAGES):
+                    _STORE_STAGES[stage](run, _Counter(progress, stage), summary.report(stage))
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+@contextlib.contextmanager
+def _only_sweep_writing(root: Path) -> Iterator[None]:
+    """``root`` locked while this sweep writes into it: a second sweep there at the same time, whose
+    ``--overwrite`` would remove what this one writes, is refused."""
+    root.mkdir(parents=True, exist_ok=True)
+    handle = os.open(root, os.O_RDONLY)
+    try:
+        if not outputs.lock_exclusively(handle, root):
+            raise RankkitError(f"another rankkit sweep is writing {root}; wait for it to end, or choose another --out")
+        yield
+    finally:
+        os.close(handle)
 
 
 def _running(plan: Experiment, stages: list[str] | None, path: Path) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ bad experiment files, and two gloo ranks giving the one-rank result."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -621,6 +622,27 @@ def test_a_disk_without_room_for_the_stores_is_refused_before_any_work(tiny_fold
         "choose another --out"
     )
     assert sorted(tmp_path.iterdir()) == [small]
+
+
+def test_a_second_sweep_into_a_directory_being_written_is_refused(tiny_folder, tmp_path):
+    """Nothing stopped it: its --overwrite removed the stores and parts the first was writing."""
+    import fcntl
+
+    small = _write(
+        tmp_path / "small.toml",
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=128"\n',
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    first = os.open(out, os.O_RDONLY)  # a sweep writing there holds this
+    try:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RankkitError, match=f"^another rankkit sweep is writing {re.escape(str(out))}; wait"):
+            sweep(small, out, overwrite=True, workers=1)
+        assert not any(out.iterdir())
+    finally:
+        os.close(first)
+    assert sweep(small, out, overwrite=True, workers=1).stages[0].ran == 1
 
 
 def test_a_jsonl_file_whose_lines_changed_reruns_its_units(tiny_folder, tmp_path):
