@@ -512,7 +512,8 @@ def prefill(
     for layer in kept_layers:
         if not 0 <= layer < config.num_hidden_layers:
             raise RankkitError(
-                f"--kept-layers {layer} is not a layer of this model (0..{config.num_hidden_layers - 1})"
+                f"--kept-layers {layer} is not a layer of this model (0..{config.num_hidden_layers - 1}); "
+                "list layers in that range"
             )
     loaded, runner = setup.load()
     if data is not None:
