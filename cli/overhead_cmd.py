@@ -9,7 +9,7 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AllowOverlength, CompileDecode, CudaGraphs, Device, Model
+from rankkit.cli.options import AllowOverlength, CompileDecode, CudaGraphs, Device, Model, Threads
 from rankkit.cli.progress import progress_bar
 
 console = output()
@@ -27,6 +27,7 @@ def overhead(
     cuda_graphs: CudaGraphs = False,
     compile_decode: CompileDecode = False,
     allow_overlength: AllowOverlength = False,
+    threads: Threads = None,
     as_json: bool = typer.Option(False, "--json"),
     examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
@@ -36,6 +37,7 @@ def overhead(
     measured); `analysis` times
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
+    from rankkit.models import use_threads
     from rankkit.overhead import SCENARIOS, run_overhead
     from rankkit.report.tables import frame_table, json_text
 
@@ -48,6 +50,7 @@ def overhead(
     if scenario == "analysis":
         _analysis(examples, token_counts, workers, as_json)
         return
+    use_threads(threads)  # both sides are timed in this process, on the same threads
     with progress_bar(f"{scenario} overhead") as show:
         rows = run_overhead(
             scenario,

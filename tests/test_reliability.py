@@ -348,6 +348,7 @@ def test_more_threads_than_cores_is_refused_before_the_model_loads(no_model_load
         ["diffusion", *common],
         ["generate", *common],
         ["oracle", "s.zarr", "--model", str(tiny_folder), "--threads", str(cores + 1)],
+        ["overhead", "runner", "--lengths", "64", "--model", str(tiny_folder), "--threads", str(cores + 1)],
     ):
         assert refused(command, no_model_load) == message
     assert not (no_model_load / "s.zarr").exists()
