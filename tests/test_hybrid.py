@@ -114,7 +114,7 @@ def test_capture_records_layer_types_of_hybrid_models_only(runner):
             return 97
 
     def meta(model):
-        return run_meta(LoadedModel(model, Tokenizer(), "tiny", "hash", torch.device("cpu")), [], "niah")
+        return run_meta(LoadedModel(model, Tokenizer(), "tiny", "hash", torch.device("cpu")), [], "niah:length=64")
 
     hybrid = meta(runner.model)
     kv_heads = runner.config.num_key_value_heads

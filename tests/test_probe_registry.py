@@ -34,9 +34,12 @@ def test_parameter_values_are_int_float_or_text():
 
 
 def test_short_and_full_parameter_names():
-    assert parse_named("window:w=4,window_size=5,kernel=3,kernel_size=9,other=1") == [
-        ("window", {"window_size": 5, "kernel_size": 9, "other": 1})
+    assert parse_named("window:w=4,kernel_size=9,other=1") == [
+        ("window", {"window_size": 4, "kernel_size": 9, "other": 1})
     ]
+    # a parameter named twice, under its short name or its full one: the last won, the label lied
+    with pytest.raises(RankkitError, match="window_size is given twice in 'window:w=4,window_size=5'"):
+        parse_named("window:w=4,window_size=5")
 
 
 @pytest.mark.parametrize(
