@@ -767,7 +767,7 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     Ratios are means over examples of each example's paired median ratio; measured over ideal
     is each example's TTFT ratio over its ideal ratio.
     """
-    from rankkit.eval.stats import mean_intervals
+    from rankkit.eval.stats import cluster_column, mean_intervals
 
     scored = frame.with_columns(
         pl.col("score").cast(pl.Float64).alias("accuracy"),
@@ -775,15 +775,13 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
         # a bench written before these columns were kept has none
         *(pl.lit(None, pl.Float64).alias(column) for column in _LATER_COLUMNS if column not in frame.columns),
     )
-    # an example without a cluster is its own sample (``stats.cluster_numbers``)
-    clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
     keeps = scored.group_by("method", "budget", maintain_order=True).agg(pl.col("keep").mean())
     intervals = mean_intervals(
         scored,
         ["method", "budget"],
         SUMMARY_METRICS,
         example="example_id",
-        cluster="cluster" if clustered else None,
+        cluster=cluster_column(frame),
         scores=["accuracy"],
     )
     table = intervals.join(keeps, on=["method", "budget"], maintain_order="left")

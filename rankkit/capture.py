@@ -143,17 +143,16 @@ class CaptureSummary:
         """The oracle answers' mean score over the examples this run went through, its 95% interval
         and n (``rankkit.eval.stats.mean_intervals``: Wilson for right/wrong, resampling the
         examples that share a haystack or needle); None when none is scored."""
-        from rankkit.eval.stats import mean_intervals
+        from rankkit.eval.stats import CLUSTER, EXAMPLE_ID, cluster_column, mean_intervals
 
         if not self.scored:
             return None
-        frame = pl.DataFrame(self.scored, schema={"example_id": pl.String, "cluster": pl.String, "accuracy": pl.Float64})
-        clustered = frame["cluster"].null_count() < frame.height
+        frame = pl.DataFrame(self.scored, schema={EXAMPLE_ID: pl.String, CLUSTER: pl.String, "accuracy": pl.Float64})
         summary = mean_intervals(
             frame.with_columns(pl.lit("all").alias("examples")),
             ["examples"],
             ["accuracy"],
-            cluster="cluster" if clustered else None,
+            cluster=cluster_column(frame),
             scores=["accuracy"],
         )
         return summary.drop("examples").row(0, named=True)

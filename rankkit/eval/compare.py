@@ -85,7 +85,15 @@ from .offline import (
     split_names,
 )
 from .parallel import checked_workers, map_examples
-from .stats import EXAMPLE_ID, interval_columns, made_ahead, mean_intervals, paired_differences
+from .stats import (
+    CLUSTER,
+    EXAMPLE_ID,
+    cluster_column,
+    interval_columns,
+    made_ahead,
+    mean_intervals,
+    paired_differences,
+)
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -418,12 +426,6 @@ def with_example_id(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.rename({"example": EXAMPLE_ID}) if "example" in frame.columns else frame
 
 
-CLUSTER = "cluster"  # per_layer's column naming each example's cluster, where the store records them
-
-
-def cluster_column(frame: pl.DataFrame) -> str | None:
-    """``CLUSTER`` when ``frame`` has it: intervals then resample clusters (``stats.mean_intervals``)."""
-    return CLUSTER if CLUSTER in frame.columns else None
 
 
 def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any], example: str = EXAMPLE_ID) -> pl.DataFrame:

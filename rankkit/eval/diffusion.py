@@ -352,17 +352,15 @@ def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
     and evidence attention, each mean with its 95% interval (``rankkit.eval.stats.mean_intervals``:
     Wilson for accuracy, bootstrap otherwise, resampling clusters where examples share a haystack
     or a needle), and ``n_examples`` (and ``n_clusters``)."""
-    from rankkit.eval.stats import mean_intervals
+    from rankkit.eval.stats import cluster_column, mean_intervals
 
     scored = frame.with_columns(pl.col("correct").cast(pl.Float64).alias("accuracy"))
-    # frames written before the probe kept clusters have none: each example is its own sample
-    clustered = "cluster" in frame.columns and frame["cluster"].null_count() < frame.height
     summary = mean_intervals(
         scored.sort("layer", maintain_order=True),
         ["layer"],
         [name for name in DIFFUSION_MEANS if name in scored.columns],  # a frame may hold only some
         example="example",
-        cluster="cluster" if clustered else None,
+        cluster=cluster_column(frame),  # none in frames written before the probe kept clusters
         scores=["accuracy", "score"],
     )
     return summary

@@ -178,6 +178,13 @@ def interval_columns(metric: str) -> tuple[str, str]:
 
 
 EXAMPLE_ID = "example_id"  # the column naming each example in every per-example frame a user joins
+CLUSTER = "cluster"  # the column naming each example's cluster: the examples sharing a haystack or a needle
+
+
+def cluster_column(frame: pl.DataFrame) -> str | None:
+    """``CLUSTER`` when ``frame`` names a cluster for any of its examples: intervals then resample
+    clusters (an example without one is its own sample, ``cluster_numbers``); None when it names none."""
+    return CLUSTER if CLUSTER in frame.columns and frame[CLUSTER].null_count() < frame.height else None
 
 
 def mean_intervals(

@@ -31,7 +31,7 @@ from rankkit.methods.asl import Asl
 
 from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
-from .stats import mean_intervals
+from .stats import cluster_column, mean_intervals
 
 if TYPE_CHECKING:
     from rankkit.stores import Store
@@ -58,8 +58,6 @@ def output_paths(path: str | os.PathLike) -> list[Path]:
 
 def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
     """The ``means`` frame of ``curves`` (see the module docstring)."""
-    from .compare import cluster_column
-
     defined = curves.filter(pl.col("relative_variance").is_not_null())
     if not defined.height:
         return pl.DataFrame()

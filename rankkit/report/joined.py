@@ -20,9 +20,9 @@ import polars as pl
 
 from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
-from rankkit.eval.compare import CLUSTER, available_methods, compare_keeps, scored_layers
+from rankkit.eval.compare import available_methods, compare_keeps, scored_layers
 from rankkit.eval.offline import recorded_model
-from rankkit.eval.stats import EXAMPLE_ID, mean_intervals
+from rankkit.eval.stats import CLUSTER, EXAMPLE_ID, cluster_column, mean_intervals
 from rankkit.methods import make
 from rankkit.probes import format_parameter
 
@@ -99,13 +99,11 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
         per_example = per_example.with_columns(
             pl.lit(None, pl.Float64).alias(name) for name in OFFLINE_METRICS
         )
-    # an example without a cluster is its own sample (``stats.cluster_numbers``)
-    clustered = CLUSTER in per_example.columns and per_example[CLUSTER].null_count() < per_example.height
     summary = mean_intervals(
         per_example,
         list(KEYS),
         [*OFFLINE_METRICS, *ONLINE_METRICS],
-        cluster=CLUSTER if clustered else None,
+        cluster=cluster_column(per_example),
         scores=["accuracy"],
     )
     return Joined(per_example, summary)
