@@ -29,7 +29,7 @@ def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int
 
 
 def _print_summary(summary, as_json: bool, title: str) -> None:
-    from rankkit.eval.stats import interval_columns, with_interval
+    from rankkit.eval.stats import interval_columns, row_with_interval
     from rankkit.report.tables import json_text
 
     accuracy = summary.accuracy or {}
@@ -54,7 +54,7 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         return
     shown = {key: value for key, value in row.items() if key not in (low, high)}
     if accuracy:
-        shown["accuracy"] = with_interval(accuracy["accuracy"], accuracy[low], accuracy[high])
+        shown["accuracy"] = row_with_interval(accuracy, "accuracy")
     table = Table(title=title, show_header=False)
     for key, value in shown.items():
         table.add_row(key, "-" if value is None else str(value))

@@ -249,14 +249,10 @@ def bench(
 
 
 def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = False) -> None:
-    from rankkit.eval.stats import interval_columns, with_interval
+    from rankkit.eval.stats import row_with_interval
 
     def interval(metric: str, unit: float = 1.0, digits: int = 2):
-        def render(row):
-            values = (row[column] for column in (metric, *interval_columns(metric)))
-            return with_interval(*(None if value is None else value / unit for value in values), digits=digits)
-
-        return render
+        return lambda row: row_with_interval(row, metric, unit=unit, digits=digits)
 
     def plain(key: str):
         return lambda row: str(row[key])

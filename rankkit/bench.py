@@ -395,7 +395,8 @@ class MethodOptions:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]
         others = [method.name for method in methods if method not in layered and method.name != FULL]
-        refused = [methods[-1].name] if strict and methods[-1].name in others else others if not layered else []
+        studied = methods[-1].name
+        refused = [studied] if strict and studied in others else [] if layered else others
         if refused:
             raise RankkitError(
                 f"method {', '.join(refused)} has no selection layer; leave --layer out "

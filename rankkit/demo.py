@@ -59,13 +59,12 @@ def captured_line(captured) -> str:
     said = []
     if captured.written:
         said.append(f"captured {examples(captured.written)} ({captured.tokens_per_second:,.0f} tok/s)")
-    from rankkit.eval.stats import interval_columns, with_interval
+    from rankkit.eval.stats import row_with_interval
 
     accuracy = captured.accuracy
     if accuracy is not None:
-        low, high = (accuracy[column] for column in interval_columns("accuracy"))
         said.append(
-            f"the oracle's answers scored {with_interval(accuracy['accuracy'], low, high)} "
+            f"the oracle's answers scored {row_with_interval(accuracy, 'accuracy')} "
             f"(mean of {accuracy['n_examples']}, 95% interval)"
         )
     if captured.skipped:

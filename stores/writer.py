@@ -80,12 +80,11 @@ class StoreWriter:
         return read_example_attrs(self._store, encode_name(example_id)) or {}
 
     def is_complete(self, example_id: str) -> bool:
-        attrs = read_example_attrs(self._store, encode_name(example_id))
-        return attrs is not None and attrs.get(COMPLETE) is True
+        return self.example_attrs(example_id).get(COMPLETE) is True
 
     def has_oracle(self, example_id: str) -> bool:
-        attrs = read_example_attrs(self._store, encode_name(example_id))
-        return attrs is not None and attrs.get(COMPLETE) is True and attrs.get(ORACLE_COMPLETE) is True
+        attrs = self.example_attrs(example_id)
+        return attrs.get(COMPLETE) is True and attrs.get(ORACLE_COMPLETE) is True
 
     def has_group(self, example_id: str, group: str) -> bool:
         """Whether ``add_arrays`` completed ``group`` for this example: listed in the example's

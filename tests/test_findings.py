@@ -122,7 +122,7 @@ def test_collected_tables_are_the_slow_computation_on_the_sweeps_outputs(tiny_sw
     page = findings.render(tables)
     assert f"n = 4, {task['n_clusters']} clusters" in page
     for row in tables["end_to_end"].to_dicts():
-        assert findings.cell(row, "accuracy") in page
+        assert findings.row_with_interval(row, "accuracy") in page
 
 
 def test_a_flipped_difference_flips_the_sentence(tiny_sweep):

@@ -28,7 +28,13 @@ from rankkit import outputs, stores
 from rankkit.bench import FULL, summary
 from rankkit.cli.progress import stage_bars
 from rankkit.eval.compare import observation_window, pairs_frame, with_example_id
-from rankkit.eval.stats import EXAMPLE_ID, interval_columns, paired_differences, relation, with_interval
+from rankkit.eval.stats import (
+    EXAMPLE_ID,
+    interval_columns,
+    paired_differences,
+    relation,
+    row_with_interval,
+)
 from rankkit.experiment import DataCell, Experiment, read_experiment
 from rankkit.methods import REGISTRY
 from rankkit.models import weights_quantization
@@ -238,10 +244,6 @@ def number(value: float) -> str:
     return f"{value:.2f}"
 
 
-def cell(row: dict, metric: str) -> str:
-    return with_interval(row[metric], *(row[name] for name in interval_columns(metric)))
-
-
 def listing(items: Sequence[str]) -> str:
     """ "a", "a and b", "a, b and c"."""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
@@ -259,7 +261,7 @@ def claim(
     interval supports: higher, lower, or not distinguishable, each with its numbers."""
     groups: dict[str | None, list[str]] = {"higher": [], "lower": [], None: []}
     for row in rows:
-        groups[supported(row)].append(f"{label(row)} ({cell(row, 'difference')})")
+        groups[supported(row)].append(f"{label(row)} ({row_with_interval(row, 'difference')})")
     parts = [
         f"{word} on {listing(groups[key])}"
         for key, word in (("higher", "higher"), ("lower", "lower"), (None, "not distinguishable"))
@@ -433,7 +435,7 @@ def end_to_end_section(tables: dict[str, pl.DataFrame]) -> list[str]:
         f"{scores['max_new_tokens'][0]} new tokens, scored under the task's metric: "
         + listing(
             [
-                f"{task_size(full[task] | {'task': task})}, where full prefill scores {cell(full[task], 'accuracy')}"
+                f"{task_size(full[task] | {'task': task})}, where full prefill scores {row_with_interval(full[task], 'accuracy')}"
                 for task in tasks
             ]
         )
@@ -447,7 +449,7 @@ def end_to_end_section(tables: dict[str, pl.DataFrame]) -> list[str]:
         "|---|" + "---:|" * len(header),
     ]
     for method in methods:
-        cells = [cell(score(task, method, budget), "accuracy") for task in tasks for budget in budgets]
+        cells = [row_with_interval(score(task, method, budget), "accuracy") for task in tasks for budget in budgets]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "What the paired differences support:", ""]
     for budget in budgets:
@@ -494,7 +496,7 @@ def task_tables(tables: dict[str, pl.DataFrame]) -> list[str]:
             trough += "" if row["trough_layer"] is None else f" ({row['trough_layer']})"
             layer = "–" if row["layer"] is None else row["layer"]
             mean = "–" if row["mean_spearman"] is None else number(row["mean_spearman"])
-            metrics = " | ".join(cell(row, metric) for metric in SUMMARY_METRICS)
+            metrics = " | ".join(row_with_interval(row, metric) for metric in SUMMARY_METRICS)
             lines.append(f"| {row['method']} | {layer} | {metrics} | {mean} | {trough} |")
         curve = tables["curve"].filter((pl.col("task") == name) & pl.col("layer").is_in(shown))
         lines += [
@@ -514,7 +516,7 @@ def task_tables(tables: dict[str, pl.DataFrame]) -> list[str]:
         )
         means = means.drop_nulls("relative_variance")
         curve_text = ", ".join(
-            f"l{row['layer']} {cell(row, 'relative_variance')}" for row in means.to_dicts()
+            f"l{row['layer']} {row_with_interval(row, 'relative_variance')}" for row in means.to_dicts()
         )
         chosen = tables["selections"].filter(pl.col("task") == name).to_dicts()
         lines += [

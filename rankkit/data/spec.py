@@ -161,7 +161,15 @@ def data_fingerprint(spec: str) -> dict[str, str]:
     path = Path(parsed.path)
     if not path.is_file():
         raise RankkitError(f"no such file: {path}")
-    return {"data_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    # a sweep asks once per unit of every stage: the file is read again only once it changed
+    found = path.stat()
+    identity = (str(path.resolve()), found.st_ino, found.st_size, found.st_mtime_ns)
+    if identity not in _FILE_HASHES:
+        _FILE_HASHES[identity] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"data_sha256": _FILE_HASHES[identity]}
+
+
+_FILE_HASHES: dict[tuple[str, int, int, int], str] = {}  # a data file's sha256 by its identity on disk
 
 
 def load_examples(spec: str, tokenizer) -> list[Example]:

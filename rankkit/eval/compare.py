@@ -426,8 +426,6 @@ def with_example_id(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.rename({"example": EXAMPLE_ID}) if "example" in frame.columns else frame
 
 
-
-
 def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any], example: str = EXAMPLE_ID) -> pl.DataFrame:
     """``per_layer`` with each example's cluster (``meta["cluster"]``: examples sharing a haystack or
     a needle, ``rankkit.data.niah``) when any example records one; an example without is its own.

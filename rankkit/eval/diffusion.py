@@ -310,11 +310,11 @@ def diffusion_probe(
     with outputs.Journal(out, identity, overwrite=overwrite) as journal:
         with keep_on_interrupt(journal.kept):
             for done, example in enumerate(examples, start=1):
-                stage = SKIPPED if journal.done(example.id) else "probed"
-                if stage != SKIPPED:
+                finished = journal.done(example.id)
+                if not finished:
                     frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
                     journal.record(example.id, frame.to_dicts())
-                progress(Progress(stage, done, len(examples), example.id))
+                progress(Progress(SKIPPED if finished else "probed", done, len(examples), example.id))
         # the model that answered, so no reader draws these rows beside another model's store
         frame = pl.DataFrame(journal.rows, schema=SCHEMA).with_columns(
             model=pl.lit(loaded.model_id), weights_hash=pl.lit(loaded.weights_hash)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -357,3 +357,10 @@ def with_interval(value: float | None, low: float | None, high: float | None, di
     if low is None or high is None:
         return f"{value:.{digits}f}"
     return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def row_with_interval(row: Mapping[str, Any], metric: str, *, unit: float = 1.0, digits: int = 2) -> str:
+    """``with_interval`` of ``metric`` in ``row`` (a summary's row: the mean and its interval columns),
+    each value divided by ``unit`` (2**20 shows bytes in MiB)."""
+    values = (row[column] for column in (metric, *interval_columns(metric)))
+    return with_interval(*(None if value is None else value / unit for value in values), digits=digits)

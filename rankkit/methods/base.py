@@ -191,13 +191,10 @@ class Budget:
     def __post_init__(self):
         if (self.keep is None) == (self.tokens is None):
             raise RankkitError(f"a budget is {ONE_BUDGET}, got keep={self.keep!r}, tokens={self.tokens!r}")
-        keep_is_rate = self.keep is None or (_is_number(self.keep, Real) and 0 < self.keep <= 1)
-        if not keep_is_rate:
-            shown = self.keep if _is_number(self.keep, Real) else repr(self.keep)
-            raise RankkitError(f"keep rate {shown} is outside (0, 1]: use e.g. --keep 0.1")
+        if self.keep is not None and not (_is_number(self.keep, Real) and 0 < self.keep <= 1):
+            raise RankkitError(f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1")
         if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
-            shown = self.tokens if _is_number(self.tokens, Real) else repr(self.tokens)
-            raise RankkitError(f"budget {shown} is not a positive token count: use e.g. --budget 2048")
+            raise RankkitError(f"budget {_shown(self.tokens)} is not a positive token count: use e.g. --budget 2048")
 
     @classmethod
     def from_keep(cls, keep: float) -> Budget:
@@ -239,6 +236,11 @@ class Budget:
 
 def _is_number(value, kind: type) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """A number as typed (1.5, not np.float64(1.5)); anything else quoted, so "0.1" reads as text."""
+    return str(value) if _is_number(value, Real) else repr(value)
 
 
 def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
