@@ -1,8 +1,9 @@
 """Command line: thin wrappers that parse, call one library function and print.
 
-Each command module registers on ``app`` when imported. Usage errors are typer's own
-(exit 2); a RankkitError from the library becomes one line on stderr and exit 2; an
-interrupt (SIGINT, SIGTERM) one line saying what finished work was kept, and exit 130.
+Each command module registers on ``app`` when imported. A usage error (an unknown option, a
+value out of an option's range) and a RankkitError from the library each become one line on
+stderr and exit 2; an interrupt (SIGINT, SIGTERM) one line saying what finished work was kept,
+and exit 130.
 """
 
 import sys
@@ -27,13 +28,36 @@ def route_warnings() -> None:
         warnings.filterwarnings("ignore", category=category)
 
 
+def _usage_error(error) -> str:
+    """A click usage error as one line naming where the fix is (typer draws it as a boxed panel)."""
+    message = " ".join(error.format_message().split()).rstrip(".")
+    where = f"; see '{error.ctx.command_path} --help'" if error.ctx is not None else ""
+    return f"rankkit: error: {message[:1].lower()}{message[1:]}{where}"
+
+
 def main() -> None:
+    import typer
+
+    click_errors = sys.modules[typer.BadParameter.__module__]  # typer's own copy of click
     try:
         from rankkit.cli import commands  # noqa: F401  (registers every command)
         from rankkit.cli.app import command
 
         route_warnings()
-        command()(prog_name="rankkit")
+        # Not standalone, so click's errors reach the handlers below instead of typer's panels.
+        status = command().main(prog_name="rankkit", standalone_mode=False)
+        sys.exit(status if isinstance(status, int) else 0)
+    except click_errors.NoArgsIsHelpError as error:  # `rankkit`, `rankkit data`: their help
+        from typer import rich_utils
+
+        rich_utils.rich_format_error(error)
+        sys.exit(error.exit_code)
+    except click_errors.UsageError as error:
+        print(_usage_error(error), file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:  # end of input where a command read it
+        print("rankkit: aborted", file=sys.stderr)
+        sys.exit(1)
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -98,6 +98,29 @@ def test_version_and_help_without_type_tags():
             assert tag not in shown.stdout, (command, tag)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        (["nosuch"], "rankkit: error: no such command 'nosuch'; see 'rankkit --help'"),
+        (
+            ["generate", "--max-new-tokens", "0"],
+            "rankkit: error: invalid value for '--max-new-tokens': Input should be greater than or equal to 1;"
+            " see 'rankkit generate --help'",
+        ),
+        (["data", "export", "niah:length=512"], "rankkit: error: missing option '--out'; see 'rankkit data export --help'"),
+        (["store", "info"], "rankkit: error: missing argument 'path'; see 'rankkit store info --help'"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_help_and_exit_2(arguments, line):
+    refused = _rankkit(*arguments)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", line + "\n")
+
+
+def test_a_command_group_without_a_command_shows_its_help_and_exit_2():
+    shown = _rankkit("data")
+    assert shown.returncode == 2 and "export" in shown.stdout and shown.stderr == ""
+
+
 def test_the_command_list_gives_each_summary_as_one_paragraph():
     """A docstring's line breaks stay out of ``rankkit --help``'s list: on a terminal wide enough,
     each command's summary is one line, whole."""
