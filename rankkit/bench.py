@@ -510,6 +510,9 @@ def prefill(
     names = [method] if compare is None else [compare, method]  # the reference goes first
     chosen = options.build(names, config.num_hidden_layers, strict=True)
     check_drafts(chosen, setup.model, config)
+    twice = first_repeated(kept_layers)
+    if twice is not None:
+        raise RankkitError(f"--kept-layers names layer {twice} twice; name each layer once")
     for layer in kept_layers:
         if not 0 <= layer < config.num_hidden_layers:
             raise RankkitError(

@@ -66,7 +66,7 @@ from rankkit import __version__, models, outputs, stores
 from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
 from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
-from rankkit.checks import check_prompt_lengths, check_spec_length
+from rankkit.checks import check_prompt_lengths, check_spec_length, first_repeated
 from rankkit.data import data_fingerprint, load_examples
 from rankkit.errors import RankkitError
 from rankkit.eval import compare, variance
@@ -563,6 +563,9 @@ def _running(plan: Experiment, stages: list[str] | None, path: Path) -> tuple[st
             f"--stages {unknown[0]} is not a stage of {path} ({', '.join(plan.stages)}); add it to the "
             "file's stages, or choose from those"
         )
+    twice = first_repeated(stages)
+    if twice is not None:
+        raise RankkitError(f"--stages names {twice} twice; name each stage once")
     return tuple(stage for stage in STAGES if stage in stages)
 
 

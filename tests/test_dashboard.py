@@ -811,6 +811,8 @@ def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_
     held = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
     with pytest.raises(RankkitError, match=f"--explore names nope, not complete examples of .*; it holds {held}$"):
         write_dashboard(store, tmp_path / "bad.html", explore=["nope"])
+    with pytest.raises(RankkitError, match=f"^--explore names {ids[0]} twice; name each example once$"):
+        write_dashboard(store, tmp_path / "twice.html", explore=[ids[0], ids[0]])
 
 
 # -- terminal tables -------------------------------------------------------------------------------

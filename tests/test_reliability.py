@@ -105,6 +105,8 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
         (["prefill", "--method", "claa"], "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", "0,3"],
          "--kept-layers 3 is not a layer of this model (0..2); list layers in that range"),
+        (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", "1,1"],
+         "--kept-layers names layer 1 twice; name each layer once"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode"],
          "--cuda-graphs compiles and captures the decode step in the first run, which would then be timed: add --warmup 1"),
         (["bench", "--methods", "full,claa", "--keep", "0.2", "--cuda-graphs", "--warmup", "0"],

@@ -305,6 +305,8 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         sweep(experiment, tmp_path / "out", stages=["compare"])
     with pytest.raises(RankkitError, match="--stages explore is not a stage of"):
         sweep(experiment, tmp_path / "out", stages=["explore"])
+    with pytest.raises(RankkitError, match="^--stages names capture twice; name each stage once$"):
+        sweep(experiment, tmp_path / "out", stages=["capture", "capture"])
     assert not (tmp_path / "out").exists()
 
 

@@ -41,7 +41,7 @@ from rankkit.bench import (
     refuse_timing_only_bench,
     short_hash,
 )
-from rankkit.checks import refuse_timing_only_store
+from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
@@ -444,6 +444,9 @@ def _explorer_sample(records, explore: Sequence[str] | None, store_path) -> list
                 f"--explore names {', '.join(missing)}, not complete examples of {store_path}; "
                 f"it holds {_some(list(by_id))}"
             )
+        twice = first_repeated(explore)
+        if twice is not None:
+            raise RankkitError(f"--explore names {twice} twice; name each example once")
         return [by_id[example_id] for example_id in explore]
     most = _explorer_capacity(records[0])  # examples of one store share their rows
     if len(records) <= most:
