@@ -247,6 +247,7 @@ def test_a_short_text_repeats_to_reach_the_tokens_asked_for():
         ("niah:n8,length=500", "expected key=value, got 'n8'"),
         ("niah:length=500,length=600", "'length' is given twice"),
         ("niah:length=500,depths=5;500", "depths must be percentages in 0..100"),
+        ("niah:length=500,depths=10;50;10.0", "depths names 10 twice in 'niah:length=500,depths=10;50;10.0'; list each depth once"),
         ("niah:n=3,length=500,depths=10;90", "n=3 but 2 depths are listed"),
         ("ruler:task=nope,length=500", "unknown RULER task 'nope'; choose one of niah_single_1"),
         ("ruler:length=500", "needs task=NAME"),

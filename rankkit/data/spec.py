@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankkit import outputs
+from rankkit.checks import first_repeated
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.niah import niah_examples
@@ -109,6 +110,9 @@ def _depths(params: dict[str, str], spec: str) -> list[float] | None:
             f"depths must be percentages in 0..100 separated by ';' (e.g. depths=10;50;90), "
             f"got '{params['depths']}' in '{spec}'"
         )
+    twice = first_repeated(depths)
+    if twice is not None:  # the two examples would be one, counted twice
+        raise RankkitError(f"depths names {twice:g} twice in '{spec}'; list each depth once")
     return depths
 
 
