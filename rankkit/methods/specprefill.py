@@ -111,19 +111,25 @@ def check_drafts(methods, target: str, config) -> None:
     for method in methods:
         if isinstance(method, SpecPrefill):
             spec = method.bind(config.num_hidden_layers).draft_model
-            if not spec.startswith(SELF_DRAFT):
+            if spec.startswith(SELF_DRAFT):
+                _self_draft_layers(spec, config.num_hidden_layers)
+            else:
                 check_draft(spec, target, config.vocab_size)
+
+
+def _self_draft_layers(spec: str, num_layers: int) -> int:
+    """N of the self-draft spec ``layers:N`` for a model of ``num_layers`` layers, refused outside 1..num_layers."""
+    count = spec.removeprefix(SELF_DRAFT)
+    if not count.isdigit() or not 1 <= int(count) <= num_layers:
+        raise RankkitError(
+            f"draft '{spec}' needs a layer count in 1..{num_layers}: use e.g. --draft {self_draft_spec(num_layers)}"
+        )
+    return int(count)
 
 
 def _first_layers(runner: Runner, spec: str) -> Runner:
     """``runner.first_layers(N)`` for the spec ``layers:N``, its N checked."""
-    count = spec.removeprefix(SELF_DRAFT)
-    if not count.isdigit() or not 1 <= int(count) <= runner.num_layers:
-        raise RankkitError(
-            f"draft '{spec}' needs a layer count in 1..{runner.num_layers}: use e.g. --draft "
-            f"{self_draft_spec(runner.num_layers)}"
-        )
-    return runner.first_layers(int(count))
+    return runner.first_layers(_self_draft_layers(spec, runner.num_layers))
 
 
 def lookahead_scores(
