@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import polars as pl
@@ -741,6 +742,18 @@ def test_two_workers_give_the_frames_of_one(tmp_path):
     assert one.curves.equals(two.curves) and one.selections.equals(two.selections)
     with pytest.raises(RankkitError, match="--workers must be"):
         compare_store(path, workers=0)
+
+
+def test_more_workers_than_cpus_are_refused_before_any_starts(tmp_path):
+    """--workers 1000 on a store of two examples started a thousand processes until the kernel killed them."""
+    from rankkit.defaults import usable_cores
+
+    path = write_store(tmp_path / "run.zarr", examples=2)
+    cores = usable_cores()
+    message = f"--workers {cores + 1} is more than the {cores} CPUs this process may use; give at most {cores}"
+    for analysis in (compare_store, partial(variance_store, method="asl:window_size=8", budget=20)):
+        with pytest.raises(RankkitError, match=re.escape(message)):
+            analysis(path, workers=cores + 1)
 
 
 # Set when a worker imports this module: its identity even once its pid is reused.

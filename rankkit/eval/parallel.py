@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from rankkit.checks import check_count
 from rankkit.defaults import usable_cores
+from rankkit.errors import RankkitError
 
 Result = TypeVar("Result")
 
@@ -39,10 +40,18 @@ def default_workers() -> int:
 
 
 def checked_workers(workers: int | None) -> int:
-    """``workers`` (default: ``default_workers``), refused below 1."""
+    """``workers`` (default: ``default_workers``), refused below 1 and above the CPUs this process may
+    use: a worker is a process with its own copy of the libraries (about 150 MB), and more of them
+    than CPUs only wait on each other."""
     if workers is None:
         return default_workers()
     check_count(workers, "--workers")
+    cores = usable_cores()
+    if workers > cores:
+        raise RankkitError(
+            f"--workers {workers} is more than the {cores} CPUs this process may use; give at most {cores} "
+            "(the default is one per CPU)"
+        )
     return workers
 
 
