@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -178,6 +179,22 @@ def _journal_entries(path: Path) -> tuple[list[dict], int, bool]:
     return entries, kept_bytes, False
 
 
+_DIGEST = "digest"  # of the rest of a journal entry, so a line changed since it was written is found
+
+
+def _digest(entry: dict) -> str:
+    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _changed_line(entries: list[dict]) -> int | None:
+    """The number (from 1) of the first journal entry whose digest is not that of its content, or None."""
+    for number, entry in enumerate(entries, start=1):
+        rest = {key: value for key, value in entry.items() if key != _DIGEST}
+        if entry.get(_DIGEST) != _digest(rest):
+            return number
+    return None
+
+
 def _finished_units(entries: list[dict]) -> tuple[dict[str, list[dict]], dict[str, object]]:
     """(rows per finished unit, notes) of a journal's entries after its identity line."""
     units, notes = {}, {}
@@ -263,11 +280,18 @@ class Journal:
                 f"{self.out} has an unfinished run with other settings ({self.path}); rerun with those "
                 "settings to resume it, or pass --overwrite to discard it"
             )
+        changed = _changed_line(entries)
+        if changed is not None:  # its rows would be taken as measured
+            raise RankkitError(
+                f"line {changed} of {self.path} was changed after rankkit wrote it; pass --overwrite to "
+                "discard the unfinished run and start over"
+            )
         self.units, self.notes = _finished_units(entries)
 
     def _append(self, entry: dict) -> None:
         try:
-            self._file.write((json.dumps(entry) + "\n").encode("utf-8"))
+            line = json.dumps({**entry, _DIGEST: _digest(entry)})
+            self._file.write((line + "\n").encode("utf-8"))
             os.fsync(self._file.fileno())
         except OSError as error:
             raise RankkitError(

@@ -662,6 +662,31 @@ def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_pa
     assert outputs.Journal(out, {"methods": ["full", "fastkv"]}, overwrite=True).rows == []
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda entry: entry["rows"][0].update(score=5.0),  # a score no bench gives, printed as measured
+        lambda entry: entry.update(key="bogus"),  # an example the data does not hold, counted in n
+        lambda entry: entry.pop("digest"),
+    ],
+)
+def test_a_journal_line_changed_after_it_was_written_is_refused_and_overwrite_discards_it(tmp_path, edit):
+    out = tmp_path / "rows.parquet"
+    with outputs.Journal(out, {"methods": ["full"]}) as first:
+        first.record("e0", [{"score": 1.0, "ratio": float("nan")}])
+        first.record("e1", [{"score": 0.0, "ratio": 0.5}])
+    with outputs.Journal(out, {"methods": ["full"]}) as unchanged:  # as written, it resumes
+        assert unchanged.done("e0") and unchanged.done("e1")
+    lines = first.path.read_text().splitlines()
+    changed = json.loads(lines[2])
+    edit(changed)
+    first.path.write_text("\n".join([*lines[:2], json.dumps(changed), *lines[3:]]) + "\n")
+    message = f"^line 3 of {re.escape(str(first.path))} was changed after rankkit wrote it; pass --overwrite"
+    with pytest.raises(RankkitError, match=message):
+        outputs.Journal(out, {"methods": ["full"]})
+    assert outputs.Journal(out, {"methods": ["full"]}, overwrite=True).rows == []
+
+
 def test_a_journal_line_cut_short_by_a_kill_is_redone_and_later_lines_survive(tmp_path):
     out = tmp_path / "rows.parquet"
     with outputs.Journal(out, {"methods": ["full"]}) as first:
@@ -719,7 +744,8 @@ def test_an_empty_journal_left_by_a_kill_before_its_first_line_starts_afresh(tmp
     outputs.journal_path(out).write_text("")
     with outputs.Journal(out, {"methods": ["full"]}) as journal:
         assert journal.rows == []
-    assert outputs.journal_path(out).read_text() == '{"identity": {"methods": ["full"]}}\n'
+    (line,) = outputs.journal_path(out).read_text().splitlines()
+    assert json.loads(line)["identity"] == {"methods": ["full"]}
 
 
 # --- outputs that survive a bad disk, stores with one writer -----------------------------------
