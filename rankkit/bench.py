@@ -37,9 +37,11 @@ from rankkit.checks import (
     check_length,
     check_prompt_lengths,
     check_spec_length,
+    check_unique_rows,
     check_value_ranges,
     first_repeated,
     warn_clamped,
+    warn_raised,
 )
 from rankkit.data import Example, data_fingerprint, load_examples, read_spec
 from rankkit.data import score as score_answer
@@ -267,8 +269,11 @@ BENCH_VALUE_RANGES = (
 
 
 def check_bench_values(frame: pl.DataFrame, what: str) -> None:
-    """Refuse a bench holding a value no bench writes (``BENCH_VALUE_RANGES``); missing values pass."""
+    """Refuse a bench holding a value no bench writes (``BENCH_VALUE_RANGES``; missing values pass), or
+    rows of several models, or two rows of one example, method and budget."""
     check_value_ranges(frame, BENCH_VALUE_RANGES, what, "rankkit bench")
+    measured_by(frame, what)
+    check_unique_rows(frame, ("example_id", "method", "budget"), what, "rankkit bench")
 
 
 def short_hash(weights_hash: str) -> str:
@@ -465,12 +470,22 @@ def _scored_examples(data: str, loaded: models.LoadedModel) -> list[Example]:
     return [replace(example, answers=()) for example in examples] if loaded.timing_only else examples
 
 
-def _checked_prompts(tokenizer, examples: list[Example], config, setup: Setup, budgets) -> list[Prompt]:
+def _checked_prompts(
+    tokenizer, examples: list[Example], config, setup: Setup, budgets, methods: Sequence[Method]
+) -> list[Prompt]:
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
     for example, prompt in zip(examples, prompts, strict=True):
         for budget in budgets:
             warn_clamped(budget, prompt.num_tokens, f"the prompt of example {example.id!r}")
+    _warn_raised(methods, budgets, [prompt.num_tokens for prompt in prompts])
     return prompts
+
+
+def _warn_raised(methods: Sequence[Method], budgets, prompt_lengths: list[int]) -> None:
+    for method in methods:
+        if method.name != FULL:  # full keeps everything whatever the budget
+            for budget in budgets:
+                warn_raised(method, budget, prompt_lengths)
 
 
 def prefill(
@@ -527,11 +542,12 @@ def prefill(
             choices = "--example 0" if count == 1 else f"--example 0..{last}"
             raise RankkitError(f"--example {example} is past the {count} example(s) of {data}; give {choices}")
         picked = examples[example]
-        (prompt,) = _checked_prompts(loaded.tokenizer, [picked], config, setup, [budget])
+        (prompt,) = _checked_prompts(loaded.tokenizer, [picked], config, setup, [budget], chosen)
     else:
         picked, prompt = None, build_prompt(loaded.tokenizer, context, question)
         check_length(prompt.num_tokens, config, "the prompt", allow_overlength=setup.allow_overlength)
         warn_clamped(budget, prompt.num_tokens, "the prompt")
+        _warn_raised(chosen, [budget], [prompt.num_tokens])
     # full keeps everything whatever the budget
     entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]
     with torch.inference_mode():
@@ -642,7 +658,7 @@ def bench(
     examples = _scored_examples(data, loaded)[:limit]
     if not examples:
         raise RankkitError(f"{data} has no examples")
-    prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets)
+    prompts = _checked_prompts(loaded.tokenizer, examples, config, setup, budgets, chosen)
     examples, prompts = (share(items, *shard) for items in (examples, prompts))
     if not examples:
         raise RankkitError(f"rank {shard[0]} of {shard[1]} has no example of {data}; run fewer ranks")

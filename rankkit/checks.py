@@ -76,6 +76,24 @@ def warn_clamped(budget, prompt_length: int, what: str) -> None:
         )
 
 
+def warn_raised(method, budget, prompt_lengths: Sequence[int]) -> None:
+    """A budget below what ``method`` always keeps (a window, sinks, a block) is raised to it
+    (``Method.kept_tokens``): say so once for the prompts of ``prompt_lengths`` it raises, instead of
+    labelling the rows with a budget they did not keep."""
+    raised = [
+        (budget.resolve(length), method.kept_tokens(budget, length))
+        for length in prompt_lengths
+        if method.kept_tokens(budget, length) > budget.resolve(length)
+    ]
+    if raised:
+        asked, kept = raised[0]
+        warnings.warn(
+            f"{budget.label} asks for {asked} token(s), fewer than {method.name} always keeps; it keeps {kept} "
+            f"(in {len(raised)} of {len(prompt_lengths)} prompts)",
+            stacklevel=2,
+        )
+
+
 # what every output of a ``random:<shape>`` run says of itself
 TIMING_ONLY = "timing only: random weights (random:<shape>), so answers, accuracy and rankings mean nothing"
 
@@ -126,3 +144,19 @@ def check_value_ranges(frame, ranges, what: str, writer: str) -> None:
 def first_repeated(items: Sequence[Any]) -> Any:
     """The first item ``items`` holds twice, or None."""
     return next((item for number, item in enumerate(items) if item in items[:number]), None)
+
+
+def check_unique_rows(frame, keys: Sequence[str], what: str, writer: str) -> None:
+    """Refuse a frame ``writer`` wrote in which two rows share ``keys`` (one example's row of one method and
+    budget, say): a file joined with a copy of itself, whose figures would take either row at random."""
+    import polars as pl
+
+    present = [key for key in keys if key in frame.columns]
+    repeated = frame.filter(pl.struct(present).is_duplicated()) if present else frame.clear()
+    if repeated.height:
+        row = repeated.row(0, named=True)
+        named = ", ".join(f"{key} {row[key]}" for key in present)
+        raise RankkitError(
+            f"{what} holds more than one row of {named} ({repeated.height} rows share a key); {writer} "
+            "writes one each: run it again, or pass the file it wrote"
+        )

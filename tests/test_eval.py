@@ -730,6 +730,45 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
         )
 
 
+def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(store_path):
+    """select --budget 1 kept claa's window of 8 and variance --budget 5 ranked 33 tokens, each silently,
+    under their budget's label."""
+    import warnings
+
+    from rankkit.eval.offline import select_store
+
+    claa, asl = make("claa"), make("asl", window_size=8)
+    with pytest.warns(UserWarning) as warned:
+        rows = select_store(store_path, "claa", Budget.from_tokens(1))
+        variance_store(store_path, method="asl:window_size=8", budget=5, workers=1)
+    kept = claa.minimum_keep()
+    assert [str(warning.message) for warning in warned] == [
+        f"budget=1 asks for 1 token(s), fewer than claa always keeps; it keeps {kept} (in 3 of 3 prompts)",
+        f"budget=5 asks for 5 token(s), fewer than asl always keeps; it keeps {asl.minimum_keep()} (in 3 of 3 prompts)",
+    ]
+    assert {row["budget_tokens"] for row in rows} == {kept}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget the method can keep says nothing
+        select_store(store_path, "claa", Budget.from_tokens(kept))
+
+
+def test_oracles_made_with_other_settings_in_one_store_are_refused(tmp_path):
+    """An example copied in from a store whose oracles used kernel 5 and the reference answer was
+    scored with the others (kernel 7, generated answer) as one ground truth."""
+    from rankkit import stores
+    from rankkit.oracle import oracle_params
+
+    path = write_store(tmp_path / "run.zarr", oracle=False, examples=2)
+    writer = stores.create(path, {"model": {"id": "synthetic"}})  # reopened: the same run
+    truth = np.linspace(0, 1, TOKENS, dtype=np.float32)
+    made = [oracle_params("generated", False, 7, 32), oracle_params("reference", True, 5, 32)]
+    for example_id, params in zip(("ex0", "ex1"), made, strict=True):
+        writer.add_oracle(example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={"oracle_params": params})
+    with pytest.raises(RankkitError, match=rf"^store {re.escape(str(path))} holds oracles made with other settings: example 'ex0' .*'kernel': 7.*, example 'ex1' .*'kernel': 5.*; remake them alike with `rankkit oracle"):
+        compare_store(path, workers=1)
+    assert compare_store(path, oracle=False, workers=1).per_layer.height  # without the oracle, nothing to mix
+
+
 @pytest.mark.processes
 def test_two_workers_give_the_frames_of_one(tmp_path):
     path = write_store(tmp_path / "run.zarr", examples=9)

@@ -151,7 +151,7 @@ def test_a_bench_of_other_examples_or_another_model_is_refused(store_and_bench, 
 
     store, _, frame = store_and_bench
     other_examples, other_model = tmp_path / "examples.parquet", tmp_path / "model.parquet"
-    frame.with_columns(pl.lit("x").alias("example_id")).write_parquet(other_examples)
+    frame.with_columns(("x" + pl.col("example_id")).alias("example_id")).write_parquet(other_examples)
     frame.with_columns(model=pl.lit("other"), weights_hash=pl.lit("b" * 64)).write_parquet(other_model)
     result = cli("report", store, "--bench", other_examples)
     assert isinstance(result.exception, RankkitError)
@@ -310,6 +310,30 @@ def test_a_diffusion_frame_holding_a_value_the_probe_never_writes_is_refused(sto
     with pytest.raises(RankkitError, match=rf"^the diffusion frame holds {column} {value} \(example e0\), outside {re.escape(bounds)}: "):
         write_dashboard(store, tmp_path / "damaged.html", diffusion=damaged)
     assert not (tmp_path / "damaged.html").exists()
+
+
+def test_a_bench_or_diffusion_joined_with_an_edited_copy_of_itself_is_refused(store_and_bench, cli, tmp_path):
+    """A bench concatenated with a copy whose scores read 1.0 reported accuracy 1.00 where the bench
+    measured 0.00: each figure took one of the two rows of an example, method and budget."""
+    from rankkit.errors import RankkitError
+    from rankkit.report import write_dashboard
+
+    store, _, frame = store_and_bench
+    doubled = tmp_path / "doubled.parquet"
+    pl.concat([frame, frame.with_columns(score=pl.lit(1.0))]).write_parquet(doubled)
+    first = frame.row(0, named=True)
+    refusal = (
+        f"bench {doubled} holds more than one row of example_id {first['example_id']}, method {first['method']}, "
+        f"budget {first['budget']} ({2 * frame.height} rows share a key); rankkit bench writes one each"
+    )
+    for args in (["report", store, "--bench", doubled], ["dashboard", store, "--bench", doubled, "--out", tmp_path / "p.html"]):
+        result = cli(*args)
+        assert isinstance(result.exception, RankkitError), result.output
+        assert str(result.exception).startswith(refusal)
+    assert not (tmp_path / "p.html").exists()
+    rows = pl.DataFrame({"example": ["e0", "e0"], "layer": [0, 3], "correct": [False, True]})
+    with pytest.raises(RankkitError, match=r"^the diffusion frame holds more than one row of example e0, layer 3 \(2 rows"):
+        write_dashboard(store, tmp_path / "d.html", diffusion=pl.concat([rows, rows.tail(1)]))
 
 
 def test_a_diffusion_of_another_model_is_refused_beside_the_store(store_and_bench, tmp_path):

@@ -644,6 +644,21 @@ def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
     return offered
 
 
+def refuse_mixed_oracles(records, path) -> None:
+    """Refuse examples whose oracles were made with different settings (answer, softmax, kernel, new
+    tokens): their rankings would be scored against two different ground truths as one. A store
+    made by rankkit cannot hold such a mix (capture and oracle refuse it); examples copied in can."""
+    first = records[0]
+    made = first.attrs.get("oracle_params")
+    for record in records[1:]:
+        other = record.attrs.get("oracle_params")
+        if other != made:
+            raise RankkitError(
+                f"store {path} holds oracles made with other settings: example {first.id!r} {made}, example "
+                f"{record.id!r} {other}; remake them alike with `rankkit oracle {path} --redo`"
+            )
+
+
 def compare_store(
     path: str | os.PathLike | Store,  # a path, or a store already open
     *,
@@ -700,6 +715,7 @@ def compare_store(
                 f"left out {without_oracle} example(s) without an oracle; `rankkit oracle {store.path}` adds them",
                 stacklevel=2,
             )
+        refuse_mixed_oracles(records, store.path)
     num_layers = scored_layers(records)
     layout = recorded_model(store.meta)
     layer_types = layout.get("layer_types")

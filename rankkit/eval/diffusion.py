@@ -37,7 +37,13 @@ import torch
 
 from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
-from rankkit.checks import check_count, check_prompt_lengths, check_spec_length, check_value_ranges
+from rankkit.checks import (
+    check_count,
+    check_prompt_lengths,
+    check_spec_length,
+    check_unique_rows,
+    check_value_ranges,
+)
 from rankkit.data import Example, data_fingerprint, load_examples, read_spec, score
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
@@ -342,6 +348,7 @@ def check_diffusion_values(frame: pl.DataFrame, what: str, num_layers: int) -> N
         what,
         f"rankkit diffusion on this store's {num_layers}-layer model",
     )
+    check_unique_rows(frame, ("example", "layer"), what, "rankkit diffusion")
 
 
 DIFFUSION_MEANS = ("accuracy", "score", "answer_logprob", "first_token_kl", "evidence_attention")

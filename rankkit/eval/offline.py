@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rankkit.checks import warn_timing_only_store
+from rankkit.checks import warn_clamped, warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Captured, Method, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
@@ -167,6 +167,9 @@ def select_store(
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     check_inputs([method], records, store.meta)
+    for record in records:
+        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
+    warn_raised(method, budget, [record.num_tokens for record in records])
     rows = []
     for record in records:
         example = captured(record, method, recorded_model(store.meta))

@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from rankkit import outputs
-from rankkit.checks import warn_timing_only_store
+from rankkit.checks import warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl
@@ -166,7 +166,9 @@ def variance_store(
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
     bound = bound_curve_method(asl, scored_layers(records))
-    evaluate = partial(variance_example, asl=asl, budget=Budget.parse(budget), thresholds=tuple(thresholds))
+    budget = Budget.parse(budget)
+    warn_raised(asl, budget, [record.num_tokens for record in records])
+    evaluate = partial(variance_example, asl=asl, budget=budget, thresholds=tuple(thresholds))
     curve_frames, selection_rows = [], []
     for curve_frame, rows in map_examples(
         store.path, [record.id for record in records], evaluate, workers=workers
