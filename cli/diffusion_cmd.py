@@ -21,8 +21,9 @@ def diffusion(
         None,
         "--max-new-tokens",
         min=1,
-        help="Greedy answer length limit. (default: each example's reference answer in tokens "
-        f"plus {defaults.MAX_NEW_TOKENS}; an unpruned answer cut off by the limit is refused)",
+        help="Greedy answer length limit; an unpruned answer it cuts short of full marks is warned of, and "
+        "every layer scores it wrong (its log-probabilities and attention stand). (default: each example's "
+        f"reference answer in tokens plus {defaults.MAX_NEW_TOKENS}, and such a cut is refused)",
     ),
     out: Path | None = typer.Option(
         None,
