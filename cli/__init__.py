@@ -35,29 +35,37 @@ def _usage_error(error) -> str:
     return f"rankkit: error: {message[:1].lower()}{message[1:]}{where}"
 
 
-def main() -> None:
+def _invoke(root) -> int:
+    """Run the click command ``root`` on the command line; its exit status. Not standalone, so click's
+    usage errors come here instead of typer's panels."""
     import typer
 
-    click_errors = sys.modules[typer.BadParameter.__module__]  # typer's own copy of click
+    from rankkit.cli.app import click_errors
+
+    usage = click_errors()
+    try:
+        status = root.main(prog_name="rankkit", standalone_mode=False)
+    except usage.NoArgsIsHelpError as error:  # `rankkit`, `rankkit data`: their help
+        from typer import rich_utils
+
+        rich_utils.rich_format_error(error)
+        return error.exit_code
+    except usage.UsageError as error:
+        print(_usage_error(error), file=sys.stderr)
+        return 2
+    except typer.Abort:  # end of input where a command read it
+        print("rankkit: aborted", file=sys.stderr)
+        return 1
+    return status if isinstance(status, int) else 0
+
+
+def main() -> None:
     try:
         from rankkit.cli import commands  # noqa: F401  (registers every command)
         from rankkit.cli.app import command
 
         route_warnings()
-        # Not standalone, so click's errors reach the handlers below instead of typer's panels.
-        status = command().main(prog_name="rankkit", standalone_mode=False)
-        sys.exit(status if isinstance(status, int) else 0)
-    except click_errors.NoArgsIsHelpError as error:  # `rankkit`, `rankkit data`: their help
-        from typer import rich_utils
-
-        rich_utils.rich_format_error(error)
-        sys.exit(error.exit_code)
-    except click_errors.UsageError as error:
-        print(_usage_error(error), file=sys.stderr)
-        sys.exit(2)
-    except typer.Abort:  # end of input where a command read it
-        print("rankkit: aborted", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(_invoke(command()))
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)

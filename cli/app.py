@@ -58,8 +58,39 @@ def command():
         for param in [*current.params, current.get_help_option(current.context_class(current))]:
             if isinstance(param, typer.core.TyperOption):
                 param.metavar = ""
+        if not hasattr(current, "commands"):
+            _refuse_repeated_options(current)
         pending.extend(getattr(current, "commands", {}).values())
     return root
+
+
+def click_errors():
+    """The exceptions module of the click typer runs on (its own copy since typer 0.25)."""
+    return sys.modules[typer.BadParameter.__module__]
+
+
+def _refuse_repeated_options(command) -> None:
+    """Make ``command`` refuse a single-valued option given twice (``--keep 0.1 --keep 0.3``), whose last
+    value click would take silently; an option that takes a list (``dashboard --bench``) may repeat. The
+    parser lists an option once per time it is given."""
+    make_parser = command.make_parser
+
+    def refusing_parser(ctx):
+        parser = make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_args(args):
+            opts, rest, order = parse(args=args)
+            given = [param for param in order if isinstance(param, typer.core.TyperOption) and not param.multiple]
+            for index, param in enumerate(given):
+                if param in given[:index]:
+                    raise click_errors().UsageError(f"{param.opts[0]} is given twice; give it once", ctx=ctx)
+            return opts, rest, order
+
+        parser.parse_args = parse_args
+        return parser
+
+    command.make_parser = refusing_parser
 
 
 def say_if_timing_only(timing_only: bool) -> None:

@@ -109,6 +109,11 @@ def test_version_and_help_without_type_tags():
         ),
         (["data", "export", "niah:length=512"], "rankkit: error: missing option '--out'; see 'rankkit data export --help'"),
         (["store", "info"], "rankkit: error: missing argument 'path'; see 'rankkit store info --help'"),
+        (  # click took the last value silently: the table said keep 0.3 of a command that named 0.1 too
+            ["compare", "x.zarr", "--keep", "0.1", "--keep", "0.3"],
+            "rankkit: error: --keep is given twice; give it once; see 'rankkit compare --help'",
+        ),
+        (["bench", "--overwrite", "--overwrite"], "rankkit: error: --overwrite is given twice; give it once; see 'rankkit bench --help'"),
     ],
 )
 def test_a_usage_error_is_one_line_naming_the_help_and_exit_2(arguments, line):
