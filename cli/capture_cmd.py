@@ -15,9 +15,11 @@ from rankkit.cli.options import (
     AsJson,
     Device,
     DeviceMap,
+    Format,
     MaxNewTokens,
     Model,
     Threads,
+    output_format,
 )
 from rankkit.cli.progress import progress_bar
 
@@ -28,9 +30,9 @@ def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int
     return OracleOptions(answer=answer, softmax=softmax, kernel=kernel, max_new_tokens=max_new_tokens)
 
 
-def _print_summary(summary, as_json: bool, title: str) -> None:
+def _print_summary(summary, shown_as: str, title: str) -> None:
     from rankkit.eval.stats import interval_columns, row_with_interval
-    from rankkit.report.tables import json_text
+    from rankkit.report.tables import rows_text
 
     accuracy = summary.accuracy or {}
     low, high = interval_columns("accuracy")
@@ -49,8 +51,9 @@ def _print_summary(summary, as_json: bool, title: str) -> None:
         "scored": accuracy.get("n_examples", 0),
         "without_answer": len(summary.without_answer),
     }
-    if as_json:
-        print(json_text({**row, "timing_only": summary.timing_only}))
+    if shown_as != "table":
+        whole = {**row, "timing_only": summary.timing_only}
+        typer.echo(rows_text([whole], shown_as, whole=whole))
         return
     shown = {key: value for key, value in row.items() if key not in (low, high)}
     if accuracy:
@@ -99,6 +102,7 @@ def capture(
     ),
     allow_overlength: AllowOverlength = False,
     as_json: AsJson = False,
+    table_format: Format = "table",
     score_dtype: str = typer.Option(
         defaults.SCORE_DTYPE,
         "--score-dtype",
@@ -115,6 +119,7 @@ def capture(
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
+    shown_as = output_format(table_format, as_json)
     use_threads(threads)
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
@@ -135,7 +140,7 @@ def capture(
             device_map=device_map,
         )
     if rank == 0:
-        _print_summary(summary, as_json, f"capture → {summary.out}")
+        _print_summary(summary, shown_as, f"capture → {summary.out}")
 
 
 @app.command()
@@ -155,6 +160,7 @@ def oracle(
     device_map: DeviceMap = None,
     threads: Threads = None,
     as_json: AsJson = False,
+    table_format: Format = "table",
 ) -> None:
     """Add the Answer-Informed Oracle (CLAA Algorithm 1) to a store captured earlier.
 
@@ -167,6 +173,7 @@ def oracle(
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
+    shown_as = output_format(table_format, as_json)
     use_threads(threads)
     rank, _ = shard()
     with progress_bar("oracle") as show:
@@ -180,4 +187,4 @@ def oracle(
             device_map=device_map,
         )
     if rank == 0:
-        _print_summary(summary, as_json, f"oracle → {summary.out}")
+        _print_summary(summary, shown_as, f"oracle → {summary.out}")

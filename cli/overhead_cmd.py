@@ -9,7 +9,17 @@ from rich.table import Table
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AllowOverlength, CompileDecode, CudaGraphs, Device, Model, Threads
+from rankkit.cli.options import (
+    AllowOverlength,
+    AsJson,
+    CompileDecode,
+    CudaGraphs,
+    Device,
+    Format,
+    Model,
+    Threads,
+    output_format,
+)
 from rankkit.cli.progress import progress_bar
 
 console = output()
@@ -28,7 +38,8 @@ def overhead(
     compile_decode: CompileDecode = False,
     allow_overlength: AllowOverlength = False,
     threads: Threads = None,
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: AsJson = False,
+    table_format: Format = "table",
     examples: int = typer.Option(1000, min=1, help="analysis: examples in the synthetic store."),
     workers: int | None = typer.Option(None, help="analysis: --workers of each step. (default: CPU count)"),
 ) -> None:
@@ -39,8 +50,9 @@ def overhead(
     from rankkit.errors import RankkitError
     from rankkit.models import use_threads
     from rankkit.overhead import SCENARIOS, run_overhead
-    from rankkit.report.tables import frame_table, json_text
+    from rankkit.report.tables import frame_table, rows_text
 
+    shown_as = output_format(table_format, as_json)
     if scenario not in (*SCENARIOS, "analysis"):
         raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}, analysis")
     try:
@@ -48,7 +60,7 @@ def overhead(
     except ValueError:
         raise RankkitError(f"--lengths takes comma-separated integers, not '{lengths}'") from None
     if scenario == "analysis":
-        _analysis(examples, token_counts, workers, as_json)
+        _analysis(examples, token_counts, workers, shown_as)
         return
     use_threads(threads)  # both sides are timed in this process, on the same threads
     with progress_bar(f"{scenario} overhead") as show:
@@ -65,8 +77,8 @@ def overhead(
             allow_overlength=allow_overlength,
             progress=show,
         )
-    if as_json:
-        print(json_text(rows, indent=2))
+    if shown_as != "table":
+        typer.echo(rows_text(rows, shown_as))
         return
     frame = pl.DataFrame(
         [
@@ -93,14 +105,14 @@ def _mib(value: int | None) -> float | None:
     return None if value is None else value / 2**20
 
 
-def _analysis(examples: int, token_counts: list[int], workers: int | None, as_json: bool) -> None:
+def _analysis(examples: int, token_counts: list[int], workers: int | None, shown_as: str) -> None:
     from rankkit.eval.cost import run_analysis_cost
-    from rankkit.report.tables import json_text
+    from rankkit.report.tables import rows_text
 
     with progress_bar("analysis cost") as show:
         rows = run_analysis_cost(examples, token_counts, workers=workers, progress=show)
-    if as_json:
-        print(json_text(rows, indent=2))
+    if shown_as != "table":
+        typer.echo(rows_text(rows, shown_as))
         return
     table = Table(title=f"analysis of {examples} synthetic examples ({rows[0]['workers']} workers)")
     for column in ("step", "tokens", "seconds", "s per example", "peak MiB", "files per example", "page MiB"):

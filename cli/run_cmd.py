@@ -8,7 +8,7 @@ import typer
 
 from rankkit import defaults
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AsJson, Device, MaxNewTokens, Model, Threads
+from rankkit.cli.options import AsJson, Device, Format, MaxNewTokens, Model, Threads, output_format
 
 console = output()
 
@@ -41,15 +41,20 @@ def generate(
     device: Device = defaults.DEVICE,
     threads: Threads = None,
     as_json: AsJson = False,
+    table_format: Format = "table",
 ) -> None:
-    """Greedy answer through the layer-by-layer runner (full prefill)."""
+    """Greedy answer through the layer-by-layer runner (full prefill); --format csv or json adds what it ran on."""
     from rankkit.data import read_context_file
     from rankkit.demo import answer
     from rankkit.models import use_threads
-    from rankkit.report.tables import json_text
+    from rankkit.report.tables import rows_text
 
+    shown_as = output_format(table_format, as_json)
     use_threads(threads)
 
     context = read_context_file(context_file) if context_file else ""
     result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
-    console.print_json(json_text(result)) if as_json else console.print(result["answer"])
+    if shown_as == "table":
+        console.print(result["answer"])
+    else:
+        typer.echo(rows_text([result], shown_as, whole=result))

@@ -1,6 +1,7 @@
 """`rankkit store info PATH`: what a capture store holds."""
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def _run_table(summary: dict[str, Any]) -> Table:
     for key in ("schema_version", "rankkit_version", "created"):
         table.add_row(key, str(summary[key]))
     for key, value in summary["run_meta"].items():
-        table.add_row(Text(key), Text(_compact(value)))
+        table.add_row(Text(key), Text(_compact(value, whole=not sys.stdout.isatty())))
     return table
 
 
@@ -96,10 +97,11 @@ def _groups_table(groups: dict[str, int]) -> Table:
     return table
 
 
-def _compact(value: Any) -> str:
-    """One line per metadata value; long ones (model configs) are cut, saying that --json has them whole."""
+def _compact(value: Any, whole: bool = False) -> str:
+    """One line per metadata value; on a terminal long ones (model configs) are cut, saying that --json
+    has them whole; ``whole`` (a log or a pipe, where no cell is cut) keeps them whole."""
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH] + " … (whole with --json)"
+    return text if whole or len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH] + " … (whole with --json)"
 
 
 @store_app.command("verify")

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AsJson, Threads, Workers, comma_list
+from rankkit.cli.options import AsJson, Format, Threads, Workers, comma_list, output_format
 from rankkit.cli.progress import stage_bars
 
 
@@ -51,6 +51,7 @@ def sweep(
     workers: Workers = None,
     threads: Threads = None,
     as_json: AsJson = False,
+    table_format: Format = "table",
 ) -> None:
     """Run an experiment file's grid (data cells x probes x methods x keep rates x layers), stage by stage.
 
@@ -63,15 +64,16 @@ def sweep(
     """
     from rankkit.models import use_threads
     from rankkit.progress import ignore
-    from rankkit.report.tables import json_text
+    from rankkit.report.tables import rows_text
     from rankkit.shards import shard
     from rankkit.sweep import sweep as run_sweep
 
+    shown_as = output_format(table_format, as_json)
     use_threads(threads)
     rank, _ = shard()
 
     def announce(plan) -> None:
-        if rank == 0 and not (dry_run and as_json):
+        if rank == 0 and not (dry_run and shown_as != "table"):
             typer.echo("\n".join(plan.lines()), err=not dry_run)
 
     with stage_bars("sweep") as show:
@@ -89,8 +91,9 @@ def sweep(
     if rank != 0:
         return
     if dry_run:
-        if as_json:
-            typer.echo(json_text(summary.plan.as_dict()))
+        if shown_as != "table":
+            plan = summary.plan.as_dict()
+            typer.echo(rows_text(plan["stages"], shown_as, whole=plan))
         return
     rows = [
         {
@@ -101,10 +104,9 @@ def sweep(
         }
         for report in summary.stages
     ]
-    if as_json:
-        typer.echo(
-            json_text({"out": str(summary.out), "seconds": round(summary.seconds, 3), "stages": rows})
-        )
+    if shown_as != "table":
+        whole = {"out": str(summary.out), "seconds": round(summary.seconds, 3), "stages": rows}
+        typer.echo(rows_text(rows, shown_as, whole=whole))
         return
     table = Table(title=f"sweep {summary.experiment} → {summary.out} ({summary.seconds:.1f} s)")
     for column in ("stage", "ran", "skipped (finished before)", "wrote"):

@@ -158,6 +158,7 @@ def test_store_info_says_where_a_cut_value_is_whole():
     cut = _compact(config)
     assert cut.endswith(" … (whole with --json)")
     assert len(cut) == 80 + len(" … (whole with --json)")
+    assert _compact(config, whole=True) == json.dumps(config, separators=(",", ":"))  # a log cuts no cell
 
 
 def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder, tmp_path):
@@ -234,12 +235,21 @@ def test_format_is_one_of_three_and_json_is_its_alias():
 
 
 def test_every_table_command_takes_format():
+    """And every command that takes --json: capture, oracle and generate named --format json in their
+    help without taking it."""
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import command
 
     root = command()
     tables = [root.commands[name] for name in ("compare", "variance", "bench", "prefill", "select", "diffusion", "models")]
     tables.append(root.commands["store"].commands["info"])
+    pending = [root]
+    while pending:
+        current = pending.pop()
+        pending.extend(getattr(current, "commands", {}).values())
+        if any("--json" in param.opts for param in current.params):
+            tables.append(current)
+    assert {"capture", "oracle", "generate"} <= {each.name for each in tables}
     for table_command in tables:
         assert "--format" in [option for param in table_command.params for option in param.opts], table_command.name
 
