@@ -58,9 +58,42 @@ def claim(
             raise RankkitError(
                 f"{path} already exists; pass --overwrite to replace it, or choose another --out"
             )
+        if path.exists() and not written_by_rankkit(path):
+            raise RankkitError(
+                f"{path} was not written by rankkit, and --overwrite replaces only what rankkit wrote; "
+                "move it away or choose another --out"
+            )
     for folder in dict.fromkeys(path.parent for path in paths):
         check_writable(folder, needed_bytes)
     return paths
+
+
+# What marks a file as rankkit's output: a parquet's key-value metadata, a page's generator tag.
+PARQUET_MARK = {"written_by": "rankkit"}
+GENERATOR_TAG = '<meta name="generator" content="rankkit">'
+_PARQUET_MAGIC = b"PAR1"
+_PAGE_HEAD_BYTES = 4096
+
+
+def written_by_rankkit(path: Path) -> bool:
+    """Whether the file ``path`` is one rankkit wrote, which ``--overwrite`` may replace: a parquet file
+    carrying ``PARQUET_MARK``, a page carrying ``GENERATOR_TAG`` in its head, or a JSONL file of
+    examples as ``rankkit data export`` writes them (an object with an id and a context per line)."""
+    with path.open("rb") as handle:
+        head = handle.read(_PAGE_HEAD_BYTES)
+    if head.startswith(_PARQUET_MAGIC):
+        try:
+            return all(pl.read_parquet_metadata(path).get(key) == value for key, value in PARQUET_MARK.items())
+        except Exception:  # polars raises several types for a damaged file
+            return False
+    if GENERATOR_TAG.encode("utf-8") in head:
+        return True
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        entries = [json.loads(line) for line in lines if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return bool(entries) and all(isinstance(entry, dict) and {"id", "context"} <= entry.keys() for entry in entries)
 
 
 def named_file(path: PathLike) -> Path:
@@ -130,7 +163,7 @@ def write_atomic(path: PathLike, write: Callable[[Path], None]) -> Path:
 
 
 def write_parquet(frame: pl.DataFrame, path: PathLike) -> Path:
-    return write_atomic(path, frame.write_parquet)
+    return write_atomic(path, lambda partial: frame.write_parquet(partial, metadata=PARQUET_MARK))
 
 
 def write_text(text: str, path: PathLike) -> Path:

@@ -751,6 +751,27 @@ def test_an_empty_journal_left_by_a_kill_before_its_first_line_starts_afresh(tmp
 # --- outputs that survive a bad disk, stores with one writer -----------------------------------
 
 
+def test_overwrite_replaces_only_a_file_rankkit_wrote(tmp_path):
+    """compare --out e.parquet --overwrite replaced a user's e.per_head.parquet, a file they never named."""
+    import polars as pl
+
+    from rankkit.data import Example, export_jsonl
+
+    frame = pl.DataFrame({"score": [1.0]})
+    ours = [outputs.write_parquet(frame, tmp_path / "bench.parquet"), outputs.write_text(f"<html>{outputs.GENERATOR_TAG}", tmp_path / "page.html")]
+    export_jsonl([Example(id="e0", task="niah", context="hay", question="q?", answers=("a",))], tmp_path / "data.jsonl")
+    ours.append(tmp_path / "data.jsonl")
+    assert outputs.claim(ours, overwrite=True) == ours
+    frame.write_parquet(tmp_path / "theirs.parquet")  # a parquet file, not rankkit's
+    (tmp_path / "notes.parquet").write_text("my notes")
+    (tmp_path / "page2.html").write_text("<html><head><title>mine</title></head></html>")
+    (tmp_path / "lines.jsonl").write_text('{"id": "x"}\n')
+    for name in ("theirs.parquet", "notes.parquet", "page2.html", "lines.jsonl"):
+        message = f"^{re.escape(str(tmp_path / name))} was not written by rankkit, and --overwrite replaces only what"
+        with pytest.raises(RankkitError, match=message):
+            outputs.claim([tmp_path / name], overwrite=True)
+
+
 def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

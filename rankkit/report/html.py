@@ -41,6 +41,8 @@ import plotly.graph_objects as go
 import plotly.offline
 import polars as pl
 
+from rankkit.outputs import GENERATOR_TAG
+
 ControlKind = Literal["filter", "explorer", "shape"]
 
 
@@ -168,6 +170,7 @@ def render(page: Page) -> str:
 <html lang="en">
 <head>
 <meta charset="utf-8">
+{GENERATOR_TAG}
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(page.title)}</title>
 <script>{asset("error_capture.js")}</script>
@@ -214,6 +217,7 @@ def render_index(
 <html lang="en">
 <head>
 <meta charset="utf-8">
+{GENERATOR_TAG}
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(title)}</title>
 <style>{asset("dashboard.css")}
