@@ -21,6 +21,8 @@ its tokens); examples written before these fields existed are checked on what th
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 
 MANIFEST = "manifest"
 ORACLE_MANIFEST = "oracle_manifest"
+ORACLE_COMPLETE = "oracle_complete"  # the flag set once an oracle and its manifest are written
 EXAMPLE_ID = "example_id"
 WEIGHTS_HASH = "weights_hash"
 
@@ -76,6 +79,26 @@ def identity(example_id: str, meta: dict[str, Any]) -> dict[str, Any]:
     return {EXAMPLE_ID: example_id, **({WEIGHTS_HASH: weights_hash} if weights_hash else {})}
 
 
+ATTRS = "attrs"  # a manifest's digest of each attribute written with its part
+
+
+def attrs_digests(attrs: dict[str, Any]) -> dict[str, Any]:
+    """What a part's manifest records of the attributes written with it (an example's task, spans and
+    meta; an oracle's settings and answer): a digest of each, so an edit made since is found."""
+    return {ATTRS: {key: _digest(value) for key, value in attrs.items()}}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def changed_attrs(recorded: dict[str, Any], attrs: dict[str, Any]) -> list[str]:
+    """The attributes whose value is not the one the manifest ``recorded`` digested (none for a manifest
+    written before manifests recorded them)."""
+    digests = recorded.get(ATTRS) or {}
+    return [key for key, digest in digests.items() if key not in attrs or _digest(attrs[key]) != digest]
+
+
 _COUNTS = ("num_layers", "num_attention_heads", "kv_heads")
 
 
@@ -101,11 +124,21 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
 
 def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any]) -> str | None:
     """Why the complete example ``example_id`` (its attributes ``attrs``) does not belong to the
-    store whose run metadata is ``meta``, or None: another id in its manifest, another model's
-    weights, layer or head count, or a token span outside its tokens."""
+    store whose run metadata is ``meta``, or None: an attribute edited since it was written (its
+    capture's, its oracle's), another id in its manifest, another model's weights, layer or head
+    count, or a token span outside its tokens."""
     recorded = attrs.get(MANIFEST)
     if not recorded:
         return None  # schema version 1: nothing recorded to compare
+    changed = [
+        *changed_attrs(recorded, attrs),
+        *(changed_attrs(attrs.get(ORACLE_MANIFEST) or {}, attrs) if attrs.get(ORACLE_COMPLETE) is True else []),
+    ]
+    if changed:
+        return (
+            f"the metadata of example {example_id!r} was changed after it was written ({', '.join(changed)} in its "
+            "zarr.json)"
+        )
     named = recorded.get(EXAMPLE_ID, example_id)
     if named != example_id:
         return f"the folder of example {example_id!r} holds example {named!r} (folders renamed or swapped)"

@@ -43,7 +43,7 @@ from zarr.storage import LocalStore, ZipStore
 
 from rankkit.errors import RankkitError
 
-from .manifest import MANIFEST, ORACLE_MANIFEST
+from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST
 
 SCHEMA_VERSION = 2
 
@@ -70,7 +70,6 @@ ORACLE_FILE = "oracle.zip"
 ADDED_GROUPS = "added_groups"
 
 COMPLETE = "complete"
-ORACLE_COMPLETE = "oracle_complete"
 # The flags and what each completed write holds (rankkit.stores.manifest) are the store's own.
 EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE, MANIFEST, ORACLE_MANIFEST, ADDED_GROUPS})
 

@@ -5,7 +5,7 @@ there, byte for byte (size and CRC-32); *damaged* when one is missing, truncated
 altered; *incomplete* when its capture never finished; *unreadable* when its own
 ``zarr.json`` no longer parses; *mismatched* when it does not belong to the store
 (``manifest.mismatch``: another id in its manifest, another model's weights, layers or heads,
-a span past its tokens). Damaged, unreadable and mismatched examples exit 2. Schema version 1 examples carry no manifest and are read
+a span past its tokens, an attribute its manifest digested edited since). Damaged, unreadable and mismatched examples exit 2. Schema version 1 examples carry no manifest and are read
 in full instead, which catches undecodable chunks and metadata but not a deleted chunk
 (zarr reads it back as its fill value); they are counted as *unchecked*.
 

@@ -138,8 +138,10 @@ class StoreWriter:
         example_dir = self.path / EXAMPLES / encoded
         layouts = {f"{SCORES}/{probe}": layout for probe, layout in score_layouts.items()}
         write_zip(example_dir / CAPTURE_FILE, arrays, array_attrs=layouts)
-        recorded = manifest.record(example_dir, CAPTURE_FILE, arrays) | manifest.identity(
-            example_id, self.meta
+        recorded = (
+            manifest.record(example_dir, CAPTURE_FILE, arrays)
+            | manifest.identity(example_id, self.meta)
+            | manifest.attrs_digests(example_attrs)
         )
         _mark_complete(group, {COMPLETE: True, MANIFEST: recorded})
 
@@ -176,7 +178,7 @@ class StoreWriter:
         arrays = {ORACLE: oracle_values, ORACLE_LAYERS: layer_values}
         example_dir = self.path / example_path(example_id)
         write_zip(example_dir / ORACLE_FILE, arrays)
-        oracle_manifest = manifest.record(example_dir, ORACLE_FILE, arrays)
+        oracle_manifest = manifest.record(example_dir, ORACLE_FILE, arrays) | manifest.attrs_digests(oracle_attrs)
         _mark_complete(group, {**oracle_attrs, ORACLE_COMPLETE: True, ORACLE_MANIFEST: oracle_manifest})
 
     def add_arrays(

@@ -1090,6 +1090,29 @@ def test_an_example_written_before_ids_and_hashes_were_recorded_still_reads(orac
     assert_example_matches(stores.open(oracled), "a", 0)
 
 
+@pytest.mark.parametrize(
+    ("edit", "changed"),
+    [
+        (lambda attrs: attrs.update(answer="y"), "answer"),  # the oracle's settings, as --kernel 5 for 7
+        (lambda attrs: attrs.update(task="other"), "task"),  # the capture's own
+        (lambda attrs: attrs.pop("task"), "task"),
+    ],
+)
+def test_an_example_whose_metadata_was_edited_after_it_was_written_is_refused(oracled, edit, changed):
+    """An oracle's kernel edited by hand in zarr.json passed verify and was compared as measured."""
+    metadata = oracled / "examples" / "a" / "zarr.json"
+    written = json.loads(metadata.read_text())
+    edit(written["attributes"])
+    metadata.write_text(json.dumps(written))
+    problem = f"the metadata of example 'a' was changed after it was written ({changed} in its zarr.json)"
+    assert [(each.example, each.state, each.detail) for each in stores.verify(oracled).problems] == [
+        ("a", "mismatched", problem)
+    ]
+    with pytest.raises(RankkitError, match=re.escape(problem)):
+        stores.open(oracled).example("a")
+    assert_example_matches(stores.open(oracled), "b", 1)
+
+
 def test_cli_store_verify_exits_2_on_an_example_whose_metadata_no_longer_parses(oracled):
     metadata = oracled / "examples" / "a" / "zarr.json"
     metadata.write_text(metadata.read_text()[:40])  # truncated
