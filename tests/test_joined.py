@@ -135,12 +135,14 @@ def test_report_prints_a_table_and_never_writes_over_a_file_or_its_inputs(store_
     assert bench.read_bytes() == kept
     joined = store.parent / "report.parquet"
     assert cli("report", store, "--bench", bench, "--out", joined).exit_code == 0
-    joined.write_bytes(b"a user's file")
     refused = cli("report", store, "--bench", bench, "--out", joined)
     assert "already exists; pass --overwrite to replace it" in str(refused.exception)
-    assert joined.read_bytes() == b"a user's file"
     assert cli("report", store, "--bench", bench, "--out", joined, "--overwrite").exit_code == 0
     assert pl.read_parquet(joined).height > 0
+    joined.write_bytes(b"a user's file")  # --overwrite replaces only what rankkit wrote
+    refused = cli("report", store, "--bench", bench, "--out", joined, "--overwrite")
+    assert "was not written by rankkit, and --overwrite replaces only what rankkit wrote" in str(refused.exception)
+    assert joined.read_bytes() == b"a user's file"
 
 
 def test_a_bench_of_other_examples_or_another_model_is_refused(store_and_bench, cli, tmp_path):

@@ -464,6 +464,9 @@ def test_claim_refuses_an_existing_file_a_directory_and_the_command_inputs(tmp_p
     existing.write_text("old")
     with pytest.raises(RankkitError, match="report.html already exists; pass --overwrite to replace it"):
         outputs.claim([existing])
+    with pytest.raises(RankkitError, match="report.html was not written by rankkit, and --overwrite replaces only"):
+        outputs.claim([existing], overwrite=True)
+    outputs.write_text(f"<html>{outputs.GENERATOR_TAG}", existing)
     assert outputs.claim([existing], overwrite=True) == [existing]
     with pytest.raises(RankkitError, match=f"--out {tmp_path} is a directory; give a file path inside it"):
         outputs.claim([tmp_path], overwrite=True)
