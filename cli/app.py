@@ -7,6 +7,7 @@ import typer
 from rich.console import Console
 
 from rankkit import __version__
+from rankkit.checks import first_repeated
 
 # Where stdout is a log or a pipe, rich would fit tables to 80 columns (or to the terminal the
 # command was started from) by cutting cells ("meth…"); there no width limits a line instead.
@@ -82,9 +83,9 @@ def _refuse_repeated_options(command) -> None:
         def parse_args(args):
             opts, rest, order = parse(args=args)
             given = [param for param in order if isinstance(param, typer.core.TyperOption) and not param.multiple]
-            for index, param in enumerate(given):
-                if param in given[:index]:
-                    raise click_errors().UsageError(f"{param.opts[0]} is given twice; give it once", ctx=ctx)
+            twice = first_repeated(given)
+            if twice is not None:
+                raise click_errors().UsageError(f"{twice.opts[0]} is given twice; give it once", ctx=ctx)
             return opts, rest, order
 
         parser.parse_args = parse_args

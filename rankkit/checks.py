@@ -80,11 +80,8 @@ def warn_raised(method, budget, prompt_lengths: Sequence[int]) -> None:
     """A budget below what ``method`` always keeps (a window, sinks, a block) is raised to it
     (``Method.kept_tokens``): say so once for the prompts of ``prompt_lengths`` it raises, instead of
     labelling the rows with a budget they did not keep."""
-    raised = [
-        (budget.resolve(length), method.kept_tokens(budget, length))
-        for length in prompt_lengths
-        if method.kept_tokens(budget, length) > budget.resolve(length)
-    ]
+    counts = [(budget.resolve(length), method.kept_tokens(budget, length)) for length in prompt_lengths]
+    raised = [(asked, kept) for asked, kept in counts if kept > asked]
     if raised:
         asked, kept = raised[0]
         warnings.warn(
@@ -152,7 +149,9 @@ def check_unique_rows(frame, keys: Sequence[str], what: str, writer: str) -> Non
     import polars as pl
 
     present = [key for key in keys if key in frame.columns]
-    repeated = frame.filter(pl.struct(present).is_duplicated()) if present else frame.clear()
+    if not present:
+        return
+    repeated = frame.filter(pl.struct(present).is_duplicated())
     if repeated.height:
         row = repeated.row(0, named=True)
         named = ", ".join(f"{key} {row[key]}" for key in present)

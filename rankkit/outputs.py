@@ -215,15 +215,17 @@ def _journal_entries(path: Path) -> tuple[list[dict], int, bool]:
 _DIGEST = "digest"  # of the rest of a journal entry, so a line changed since it was written is found
 
 
-def _digest(entry: dict) -> str:
-    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode("utf-8")).hexdigest()
+def json_digest(value) -> str:
+    """The SHA-256 of a JSON value as rankkit writes it (keys sorted): what a journal line or a store's
+    manifest records of what it wrote, so an edit made since is found."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _changed_line(entries: list[dict]) -> int | None:
     """The number (from 1) of the first journal entry whose digest is not that of its content, or None."""
     for number, entry in enumerate(entries, start=1):
         rest = {key: value for key, value in entry.items() if key != _DIGEST}
-        if entry.get(_DIGEST) != _digest(rest):
+        if entry.get(_DIGEST) != json_digest(rest):
             return number
     return None
 
@@ -323,7 +325,7 @@ class Journal:
 
     def _append(self, entry: dict) -> None:
         try:
-            line = json.dumps({**entry, _DIGEST: _digest(entry)})
+            line = json.dumps({**entry, _DIGEST: json_digest(entry)})
             self._file.write((line + "\n").encode("utf-8"))
             os.fsync(self._file.fileno())
         except OSError as error:
