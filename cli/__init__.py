@@ -3,7 +3,8 @@
 Each command module registers on ``app`` when imported. A usage error (an unknown option, a
 value out of an option's range) and a RankkitError from the library each become one line on
 stderr and exit 2; an interrupt (SIGINT, SIGTERM) one line saying what finished work was kept,
-and exit 130.
+and exit 130. Warnings wait until the command starts its work or prints (``release_warnings``),
+so that a refusal is one line: a warning before it concerned a run that did not happen.
 """
 
 import sys
@@ -11,13 +12,32 @@ import warnings
 
 from rankkit.errors import Interrupted, RankkitError
 
+# the warnings of a command that has neither started its work nor printed; None once either happened
+_held_warnings: list[str] | None = None
+
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"rankkit: warning: {message}", file=sys.stderr)
+    text = f"rankkit: warning: {message}"
+    if _held_warnings is None:
+        print(text, file=sys.stderr)
+    else:
+        _held_warnings.append(text)
+
+
+def release_warnings() -> None:
+    """Print the warnings held so far, and every later one as it comes: the command has started its
+    work (a progress event) or prints its results, so they concern what it does."""
+    global _held_warnings
+    held, _held_warnings = _held_warnings or [], None
+    for text in held:
+        print(text, file=sys.stderr)
 
 
 def route_warnings() -> None:
-    """Warnings as one ``rankkit: warning:`` line each, only those that concern the user."""
+    """Warnings as one ``rankkit: warning:`` line each, only those that concern the user, held until
+    ``release_warnings``."""
+    global _held_warnings
+    _held_warnings = []
     warnings.showwarning = _one_line_warning
     # An interrupt during a store write abandons zarr's pending writes; the example stays
     # unflagged (and is redone on resume), so Python's note about them says nothing useful.
@@ -65,11 +85,15 @@ def main() -> None:
         from rankkit.cli.app import command
 
         route_warnings()
-        sys.exit(_invoke(command()))
+        status = _invoke(command())
+        if status == 0:  # else a usage error or an abort: its line is what to fix first
+            release_warnings()
+        sys.exit(status)
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as interrupted:
+        release_warnings()
         print(f"rankkit: {interrupted}", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:  # while the command line itself loads: no command has started

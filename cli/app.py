@@ -16,7 +16,10 @@ UNLIMITED_WIDTH = 100_000
 
 def output() -> Console:
     """The console a command prints its results on: the terminal's width, or unlimited off a terminal,
-    so no cell of a table is ever wrapped or cut in a log."""
+    so no cell of a table is ever wrapped or cut in a log. The warnings held so far print first."""
+    from rankkit.cli import release_warnings
+
+    release_warnings()
     return Console() if sys.stdout.isatty() else Console(width=UNLIMITED_WIDTH)
 
 

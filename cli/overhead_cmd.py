@@ -22,8 +22,6 @@ from rankkit.cli.options import (
 )
 from rankkit.cli.progress import progress_bar
 
-console = output()
-
 
 @app.command()
 def overhead(
@@ -98,7 +96,7 @@ def overhead(
     title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']})"
     if "bandwidth_source" in rows[0]:
         title += f", bound at the {rows[0]['bandwidth_source']} memory bandwidth"
-    console.print(frame_table(frame, title))
+    output().print(frame_table(frame, title))
 
 
 def _mib(value: int | None) -> float | None:
@@ -127,4 +125,4 @@ def _analysis(examples: int, token_counts: list[int], workers: int | None, shown
             str(row["files_per_example"]),
             "-" if row["output_mib"] is None else f"{row['output_mib']:.1f}",
         )
-    console.print(table)
+    output().print(table)

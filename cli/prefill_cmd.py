@@ -33,8 +33,6 @@ from rankkit.cli.options import (
 from rankkit.cli.progress import progress_bar
 from rankkit.errors import RankkitError
 
-console = output()
-
 
 def _library_options(given: dict) -> dict:
     """The library's option objects from the options ``prefill`` and ``bench`` share (their ``locals()``)."""
@@ -166,9 +164,9 @@ def _print_runs(rows: list[dict], compared: bool) -> None:
         ]
     for label, cell in lines:
         table.add_row(label, *(cell(row) for row in rows))
-    console.print(table)
+    output().print(table)
     for row in rows:
-        console.print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
+        output().print(f"[bold]{row['method']}[/bold]: {row['answer']!r}")
     _say_if_first_runs_timed([row["warmup"] for row in rows])
     say_if_timing_only(rows[0].get("timing_only", False))
 
@@ -184,7 +182,7 @@ def _say_if_first_runs_timed(warmups: list[int]) -> None:
     from rankkit.bench import FIRST_RUNS_TIMED, first_runs_timed
 
     if first_runs_timed(warmups):
-        console.print(FIRST_RUNS_TIMED)
+        output().print(FIRST_RUNS_TIMED)
 
 
 @app.command()
@@ -277,8 +275,8 @@ def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = Fal
         view.add_column(label, justify="left" if label in ("method", "budget") else "right")
     for row in table.to_dicts():
         view.add_row(*(render(row) for _, render in columns))
-    console.print(view)
+    output().print(view)
     _say_if_first_runs_timed([warmup])
     say_if_timing_only(timing_only)
     if out is not None:
-        console.print(f"rows: {out}")
+        output().print(f"rows: {out}")

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rankkit.cli import release_warnings
 from rankkit.progress import SKIPPED
 
 status = Console(stderr=True)
@@ -45,6 +46,7 @@ class ProgressLines:
         return f"{self.what} {counts} {_duration(now - self.started)} elapsed{eta}: {step}".rstrip(": ")
 
     def __call__(self, event) -> None:
+        release_warnings()  # the work has started
         now = self.clock()
         if event.stage == SKIPPED:
             self.rate_since = (now, event.done)
@@ -70,6 +72,7 @@ def progress_bar(what: str) -> Iterator:
     task = bar.add_task("", total=None)
 
     def show(event) -> None:
+        release_warnings()  # the work has started
         bar.start()  # on the first event: a command refused before any work draws no bar
         bar.update(task, completed=event.done, total=event.total, description=f"{event.stage} {event.detail}")
 
@@ -102,6 +105,7 @@ def stage_bars(what: str) -> Iterator:
     tasks: dict[str, int] = {}
 
     def show(event) -> None:
+        release_warnings()
         bars.start()
         if event.stage not in tasks:
             tasks[event.stage] = bars.add_task("", total=None, stage=f"{what} {event.stage}")

@@ -10,8 +10,6 @@ from rankkit import defaults
 from rankkit.cli.app import app, output
 from rankkit.cli.options import AsJson, Device, Format, MaxNewTokens, Model, Threads, output_format
 
-console = output()
-
 
 @app.command()
 def demo(
@@ -21,6 +19,7 @@ def demo(
     """Run the main job on the embedded default model and print where its output is."""
     from rankkit.demo import run_demo
 
+    console = output()
     written = run_demo(out, device=device, console=console)
     console.print(f"\n[bold]demo output:[/bold] {out}")
     for name, path in written.items():
@@ -55,6 +54,6 @@ def generate(
     context = read_context_file(context_file) if context_file else ""
     result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
     if shown_as == "table":
-        console.print(result["answer"])
+        output().print(result["answer"])
     else:
         typer.echo(rows_text([result], shown_as, whole=result))

@@ -75,15 +75,22 @@ def test_a_table_printed_to_a_pipe_cuts_and_wraps_no_cell(monkeypatch):
     assert row.split() == ["claa:aggregation_window=8", "keep=0.1", *(f"{index + 0.123456:.3f}" for index in range(12))]
 
 
-def test_route_warnings_silences_library_deprecations_and_keeps_rankkit_warnings(capsys):
-    from rankkit.cli import route_warnings
+def test_route_warnings_silences_library_deprecations_and_holds_rankkit_warnings_until_work_starts(capsys):
+    from rankkit.cli import release_warnings, route_warnings
+    from rankkit.cli.progress import ProgressLines
 
     with warnings.catch_warnings():
         route_warnings()
         warnings.warn("`past_key_values` is deprecated", FutureWarning, stacklevel=1)
         warnings.warn("old API", DeprecationWarning, stacklevel=1)
         warnings.warn("budget 9000 keeps everything", UserWarning, stacklevel=1)
-    assert capsys.readouterr().err == "rankkit: warning: budget 9000 keeps everything\n"
+        assert capsys.readouterr().err == ""  # a refusal now would be the one line
+        ProgressLines("bench", Console(file=io.StringIO()))(Progress("timed", 0, 2, "ex0"))
+        assert capsys.readouterr().err == "rankkit: warning: budget 9000 keeps everything\n"
+        warnings.warn("layer 40 is past the last", UserWarning, stacklevel=1)
+        assert capsys.readouterr().err == "rankkit: warning: layer 40 is past the last\n"  # the work has started
+        release_warnings()
+    assert capsys.readouterr().err == ""
 
 
 def test_version_and_help_without_type_tags():

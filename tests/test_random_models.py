@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rankkit import models, stores
+from rankkit.checks import TIMING_ONLY
 from rankkit.errors import RankkitError
 
 # Parameter counts of the published checkpoints (the default tokenizer's 49,152 ids fit every
@@ -251,6 +252,16 @@ def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missi
     ):
         with pytest.warns(UserWarning, match=r"store.zarr was captured with random:tiny: timing only: random weights"):
             drawn()
+
+    # the warning concerns a run that a refusal stops: the refusal is the one line on stderr
+    from test_method_references import rankkit
+
+    status, out, err = rankkit("compare", "store.zarr", "--no-oracle", "--methods", "nosuch")
+    assert (status, out) == (2, "")
+    assert err.startswith("rankkit: error: nosuch is neither a probe") and err.count("\n") == 1, err
+    status, out, err = rankkit("compare", "store.zarr", "--no-oracle", "--methods", "window", "--json")
+    assert status == 0 and json.loads(out)
+    assert err == "rankkit: warning: store store.zarr was captured with random:tiny: " + TIMING_ONLY + "\n"
 
 
 def test_a_timing_only_bench_is_refused_beside_a_store():
