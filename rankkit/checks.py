@@ -48,12 +48,13 @@ def check_token_counts(lengths: list[int]) -> None:
 
 
 def check_spec_length(data: str, config, *, allow_overlength: bool = False) -> None:
-    """A synthetic data spec's ``length`` is checked against the model before anything loads."""
+    """A synthetic data spec's ``length`` is checked against the model before anything loads. Allowed, it
+    is not warned of here: its prompts' own check (``check_prompt_lengths``) warns with their lengths."""
     from rankkit.data import read_spec
 
     length = read_spec(data).length
-    if length is not None:
-        check_length(length, config, f"'{data}'", allow_overlength=allow_overlength)
+    if length is not None and not allow_overlength:
+        check_length(length, config, f"'{data}'")
 
 
 def check_prompt_lengths(tokenizer, examples, config, *, allow_overlength: bool = False) -> list:

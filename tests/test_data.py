@@ -416,6 +416,25 @@ def test_cli_export_writes_a_file_that_loads_back(tmp_path, monkeypatch):
     assert load_examples(str(out), None) == load_examples("niah:n=3,length=700", WORDS)
 
 
+def test_export_refuses_prompts_longer_than_the_models_positions_as_capture_does(tmp_path, tiny_folder):
+    from test_method_references import rankkit
+
+    long, again = tmp_path / "long.jsonl", tmp_path / "again.jsonl"
+    prompt = "the prompt of example 'niah-600-s0-000' has 594 tokens, more than the model's 512 positions"
+    for spec, out, refused in (
+        ("niah:n=1,length=600", long, "'niah:n=1,length=600' has 600 tokens, more than the model's 512 positions"),
+        (long, again, prompt),  # a file's prompts, as built
+    ):
+        status, shown, err = rankkit("data", "export", spec, "--out", out, "--model", tiny_folder)
+        assert (status, shown) == (2, ""), err
+        assert err == f"rankkit: error: {refused}; shorten it, or pass --allow-overlength to run it anyway\n"
+        assert not out.exists()
+        status, shown, err = rankkit("data", "export", spec, "--out", out, "--model", tiny_folder, "--allow-overlength")
+        assert (status, shown) == (0, f"wrote 1 example to {out}\n")
+        assert err == f"rankkit: warning: {prompt}; running it anyway (--allow-overlength)\n"  # once, as built
+    assert load_examples(str(again), None) == load_examples(str(long), None)
+
+
 # --- the real tokenizer, chat template included ---
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rankkit import outputs
-from rankkit.checks import first_repeated
+from rankkit.checks import check_prompt_lengths, check_spec_length, first_repeated
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.niah import niah_examples
@@ -191,12 +191,26 @@ def load_examples(spec: str, tokenizer) -> list[Example]:
     return ruler_examples(tokenizer, task=data.task, n=data.n, length=data.length, seed=data.seed)
 
 
-def export_spec(spec: str, tokenizer, path: str | Path, *, overwrite: bool = False) -> int:
+def export_spec(
+    spec: str,
+    tokenizer,
+    path: str | Path,
+    *,
+    overwrite: bool = False,
+    config=None,
+    allow_overlength: bool = False,
+) -> int:
     """Write the examples of ``spec`` to a JSONL file that loads back to the same examples; returns their count.
 
-    An existing ``path`` is replaced only with ``overwrite``; the spec's own file never is.
+    An existing ``path`` is replaced only with ``overwrite``; the spec's own file never is. With the
+    ``config`` of the model ``tokenizer`` is of, a prompt longer than its positions is refused as
+    capture refuses it (unless ``allow_overlength``), before the file is written.
     """
     outputs.claim([path], overwrite=overwrite, inputs=[read_spec(spec).path])
+    if config is not None:
+        check_spec_length(spec, config, allow_overlength=allow_overlength)
     examples = load_examples(spec, tokenizer)
+    if config is not None:
+        check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
     export_jsonl(examples, path)
     return len(examples)
