@@ -14,10 +14,17 @@ from rankkit.errors import Interrupted, RankkitError
 
 # the warnings of a command that has neither started its work nor printed; None once either happened
 _held_warnings: list[str] | None = None
+# every warning the command has given: one that comes again (a keep rate's pass over the same
+# examples) says nothing new, and Python's own once-per-place rule is reset whenever any
+# library changes the warning filters
+_given_warnings: set[str] = set()
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     text = f"rankkit: warning: {message}"
+    if text in _given_warnings:
+        return
+    _given_warnings.add(text)
     if _held_warnings is None:
         print(text, file=sys.stderr)
     else:
@@ -38,6 +45,7 @@ def route_warnings() -> None:
     ``release_warnings``."""
     global _held_warnings
     _held_warnings = []
+    _given_warnings.clear()
     warnings.showwarning = _one_line_warning
     # An interrupt during a store write abandons zarr's pending writes; the example stays
     # unflagged (and is redone on resume), so Python's note about them says nothing useful.

@@ -270,10 +270,35 @@ BENCH_VALUE_RANGES = (
 
 def check_bench_values(frame: pl.DataFrame, what: str) -> None:
     """Refuse a bench holding a value no bench writes (``BENCH_VALUE_RANGES``; missing values pass), or
-    rows of several models, or two rows of one example, method and budget."""
+    rows of several models, or two rows of one example, method and budget, or a row whose budget
+    columns are not one budget's."""
     check_value_ranges(frame, BENCH_VALUE_RANGES, what, "rankkit bench")
     measured_by(frame, what)
     check_unique_rows(frame, ("example_id", "method", "budget"), what, "rankkit bench")
+    _check_budget_columns(frame, what)
+
+
+def _check_budget_columns(frame: pl.DataFrame, what: str) -> None:
+    """A row's ``budget`` label, ``keep`` and ``budget_tokens`` say one budget: the label's keep rate, and
+    between what it resolves to and the prompt (a method raises it to what it always keeps). A keep
+    edited from 0.1 to 0.3 would be joined to the store's selection at 0.3 beside what ran at 0.1."""
+    columns = ("budget", "keep", "budget_tokens", "length", "example_id", "method")
+    if not set(columns) <= set(frame.columns):
+        return
+    for label, keep, tokens, length, example_id, method in frame.select(columns).unique().iter_rows():
+        kind, _, value = (label or "").partition("=")
+        try:
+            budget = Budget.parse(float(value) if kind == "keep" else int(value))
+            labelled = budget.label == label and (keep is None) == (budget.keep is None)
+            fits = labelled and (keep is None or Budget.from_keep(keep).label == label)
+            fits = fits and (tokens is None or length is None or budget.resolve(length) <= tokens <= length)
+        except (RankkitError, ValueError):
+            fits = False
+        if not fits:
+            raise RankkitError(
+                f"{what} holds budget {label}, keep {keep} and {tokens} of {length} tokens (example {example_id}, "
+                f"method {method}): not one budget, as rankkit bench writes them; run it again, or pass the file it wrote"
+            )
 
 
 def short_hash(weights_hash: str) -> str:

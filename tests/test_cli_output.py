@@ -89,6 +89,9 @@ def test_route_warnings_silences_library_deprecations_and_holds_rankkit_warnings
         assert capsys.readouterr().err == "rankkit: warning: budget 9000 keeps everything\n"
         warnings.warn("layer 40 is past the last", UserWarning, stacklevel=1)
         assert capsys.readouterr().err == "rankkit: warning: layer 40 is past the last\n"  # the work has started
+        warnings.resetwarnings()  # what any library's filter change does: Python would show it again
+        warnings.warn("layer 40 is past the last", UserWarning, stacklevel=1)
+        assert capsys.readouterr().err == ""  # once a command
         release_warnings()
     assert capsys.readouterr().err == ""
 

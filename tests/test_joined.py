@@ -193,30 +193,57 @@ def test_a_bench_of_other_examples_under_the_same_ids_or_other_settings_is_refus
     store, _, frame = store_and_bench
     column = "length" if "tokens" in message else "params"
     changed = tmp_path / "changed.parquet"
-    frame.with_columns(change.alias(column)).write_parquet(changed)
+    longer = (pl.col("keep") * (pl.col("length") + 2)).ceil().cast(pl.Int64)  # the other example's budgets
+    budgets = [pl.max_horizontal("budget_tokens", longer).alias("budget_tokens")] if column == "length" else []
+    frame.with_columns(change.alias(column), *budgets).write_parquet(changed)
     with pytest.raises(RankkitError, match=re.escape(message)):
         join_store_and_bench(store, changed)
 
 
 def test_a_store_without_an_oracle_is_refused_with_the_command_that_adds_it(store_and_bench, tmp_path):
     """It said "(or pass --no-oracle)", an option report does not have."""
-    import shutil
-
     from rankkit.errors import RankkitError
 
     store, bench, _ = store_and_bench
     bare = tmp_path / "bare.zarr"
-    shutil.copytree(store, bare)
-    for example in (bare / "examples").iterdir():
-        if example.is_dir():
-            attrs = json.loads((example / "zarr.json").read_text())
-            for key in [key for key in attrs.get("attributes", {}) if key.startswith("oracle")]:
-                del attrs["attributes"][key]
-            (example / "zarr.json").write_text(json.dumps(attrs))
-            (example / "oracle.zip").unlink(missing_ok=True)
+    _without_oracle(store, bare, ["e0", "e1"])
     assert not any(record.has_oracle for record in stores.open(bare).examples())
     with pytest.raises(RankkitError, match=f"^store {re.escape(str(bare))} has no oracle; run `rankkit oracle {re.escape(str(bare))}` first$"):
         join_store_and_bench(bare, bench)
+
+
+def _without_oracle(store, copy, example_ids) -> None:
+    """``store`` copied to ``copy`` with the oracles of ``example_ids`` taken out as a reset leaves them."""
+    import shutil
+
+    shutil.copytree(store, copy)
+    for example_id in example_ids:
+        example = copy / "examples" / example_id
+        attrs = json.loads((example / "zarr.json").read_text())
+        for key in [key for key in attrs.get("attributes", {}) if key.startswith("oracle")]:
+            del attrs["attributes"][key]
+        (example / "zarr.json").write_text(json.dumps(attrs))
+        (example / "oracle.zip").unlink(missing_ok=True)
+
+
+def test_each_row_is_of_the_examples_with_an_oracle_and_a_bench_example_the_store_lacks_is_named(
+    store_and_bench, tmp_path
+):
+    """With e1's oracle gone, ρ and needle recall were e0's alone while evidence kept online and the
+    accuracy were means over both, under one n of 2; a bench example the store lacks left silently."""
+    store, bench, frame = store_and_bench
+    _without_oracle(store, tmp_path / "half.zarr", ["e1"])
+    extra = tmp_path / "extra.parquet"
+    pl.concat([frame, frame.filter(pl.col("example_id") == "e0").with_columns(example_id=pl.lit("e9"))]).write_parquet(extra)
+    with pytest.warns(UserWarning) as given:
+        joined = join_store_and_bench(tmp_path / "half.zarr", extra)
+    messages = [str(warning.message) for warning in given]
+    assert f"left out 1 example(s) of bench {extra} that store {tmp_path / 'half.zarr'} does not hold" in messages
+    assert any(message.startswith("left out 1 example(s) without an oracle") for message in messages)
+    assert joined.per_example["example_id"].unique().to_list() == ["e0"]
+    e0 = join_store_and_bench(store, bench).per_example.filter(pl.col("example_id") == "e0")
+    assert joined.per_example.sort("method", "keep").equals(e0.sort("method", "keep"))
+    assert set(joined.summary["n_examples"]) == {1}
 
 
 @pytest.fixture
@@ -291,6 +318,33 @@ def test_a_bench_holding_a_value_no_bench_writes_is_refused_by_report_and_dashbo
         message = str(result.exception)
         assert message.startswith(refusal) and f"outside {bounds}: not as rankkit bench wrote it" in message
     assert not (tmp_path / "p.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("label", "keep"),
+    [
+        ("keep=0.1", 0.3),  # the row ran at 0.1: "ev off" would be the store's selection at 0.3 beside it
+        ("keep=0.2", 0.2),  # its tokens are not 0.2 of the prompt
+        ("keep=0.1x", 0.1),
+    ],
+)
+def test_a_bench_row_whose_budget_columns_disagree_is_refused(store_and_bench, cli, tmp_path, label, keep):
+    from rankkit.errors import RankkitError
+
+    store, _, frame = store_and_bench
+    edited = tmp_path / "edited.parquet"
+    row = (pl.col("method") == "claa") & (pl.col("keep") == 0.1) & (pl.col("example_id") == "e0")
+    tokens = frame.filter(row)["budget_tokens"].item()
+    frame.with_columns(
+        pl.when(row).then(pl.lit(label)).otherwise("budget").alias("budget"),
+        pl.when(row).then(pl.lit(keep)).otherwise("keep").alias("keep"),
+    ).write_parquet(edited)
+    result = cli("report", store, "--bench", edited)
+    assert isinstance(result.exception, RankkitError), result.output
+    assert str(result.exception) == (
+        f"bench {edited} holds budget {label}, keep {keep} and {tokens} of {TOKENS} tokens (example e0, method claa): "
+        "not one budget, as rankkit bench writes them; run it again, or pass the file it wrote"
+    )
 
 
 @pytest.mark.parametrize(

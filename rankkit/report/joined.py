@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import polars as pl
@@ -63,10 +64,12 @@ def join_store_and_bench(
 
 def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | None = None) -> Joined:
     """``join_store_and_bench`` for an opened store and the rows of a bench of its model (``what``
-    names the bench in a refusal; ``workers`` as ``compare_keeps``)."""
+    names the bench in a refusal; ``workers`` as ``compare_keeps``). Only the examples the store holds
+    with an oracle are joined, so each row's figures and its n are of the same examples."""
     records = list(store.examples())
     ids = {record.id for record in records}
-    online = bench.filter(pl.col(EXAMPLE_ID).is_in(ids) & pl.col("keep").is_not_null())
+    at_keeps = bench.filter(pl.col("keep").is_not_null())
+    online = at_keeps.filter(pl.col(EXAMPLE_ID).is_in(ids))
     if not online.height:
         raise RankkitError(
             f"{what} has no rows at a keep rate for the examples of store {store.path}; "
@@ -75,6 +78,12 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
     if not any(record.has_oracle for record in records):
         raise RankkitError(f"store {store.path} has no oracle; run `rankkit oracle {store.path}` first")
     _refuse_other_examples(records, online, what)
+    unheld = at_keeps.filter(~pl.col(EXAMPLE_ID).is_in(ids))[EXAMPLE_ID].n_unique()
+    if unheld:
+        warnings.warn(f"left out {unheld} example(s) of {what} that store {store.path} does not hold", stacklevel=2)
+    # every figure of a row over the same examples: the offline ones exist only where the oracle does
+    # (compare warns of the examples it leaves out)
+    online = online.filter(pl.col(EXAMPLE_ID).is_in([record.id for record in records if record.has_oracle]))
     probes = sorted({probe for record in records for probe in record.probes})
     offline_faces = set(available_methods(probes, has_draft=False)) - set(probes)
     methods = [name for name in online["method"].unique(maintain_order=True) if name in offline_faces]
