@@ -263,6 +263,11 @@ class Layout:
         """Written last when a unit is finished; it holds what the merge needs besides the frames."""
         return self.part(stage, unit).with_suffix(".done")
 
+    def started(self, stage: str, unit: Unit) -> Path:
+        """Written before a unit of a model stage starts: the settings its unfinished files (a store
+        being captured, journals, rank parts) are made with, so a rerun with other settings discards them."""
+        return self.part(stage, unit).with_suffix(".started.json")
+
     def stage_outputs(self, stage: str) -> list[Path]:
         """The parquet files a stage leaves in the directory (none for capture, oracle and dashboard)."""
         target = self.root / f"{stage}.parquet"
@@ -761,15 +766,24 @@ def _check_units(
 
 
 def _status(layout: Layout, plan: Experiment, stage: str, unit: Unit) -> str:
-    """NEW without a marker, KEPT when the marker holds the unit's settings, else CHANGED."""
-    marker = layout.marker(stage, unit)
-    if not marker.is_file():
-        return NEW
-    try:
-        recorded = json.loads(marker.read_text(encoding="utf-8")).get("settings")
-    except (ValueError, AttributeError):  # a marker of an older rankkit, or damaged
+    """KEPT when the unit's marker holds its settings; NEW without a marker, unless the unit was
+    started with other settings (its unfinished files are not this run's to resume); else CHANGED."""
+    settings = unit_settings(plan, stage, unit)
+    marker, started = layout.marker(stage, unit), layout.started(stage, unit)
+    if marker.is_file():
+        return KEPT if _recorded_settings(marker) == settings else CHANGED
+    if started.is_file() and _recorded_settings(started) != settings:
         return CHANGED
-    return KEPT if recorded == unit_settings(plan, stage, unit) else CHANGED
+    return NEW
+
+
+def _recorded_settings(path: Path) -> Any:
+    """The settings a marker (or a started unit's record) holds; None for one of an older rankkit, or
+    damaged."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("settings")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _plan(run: Run) -> SweepPlan:
@@ -900,8 +914,12 @@ def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
         outputs.write_text(text, layout.experiment)
     for stage in run.running:
         for unit in units(run.plan, stage):
-            if run.status(stage, unit) == CHANGED:
+            status = run.status(stage, unit)
+            if status == CHANGED:
                 _discard(layout, stage, unit)
+            if status != KEPT and stage in MODEL_STAGES:  # they resume inside a unit
+                record = {"settings": unit_settings(run.plan, stage, unit)}
+                outputs.write_text(json.dumps(record), layout.started(stage, unit))
 
 
 def _remove(path: Path) -> None:

@@ -845,3 +845,45 @@ def test_a_stage_that_refuses_as_it_runs_names_the_files_fields(tiny_folder, tmp
         f"{seeded}: store {store} has no oracle; run `rankkit oracle {store}` first (or pass oracle = false "
         "in [compare])"
     )
+
+
+def test_a_bench_interrupted_then_edited_reruns_that_unit_alone_with_its_new_settings(
+    tiny_folder, tmp_path, monkeypatch
+):
+    from rankkit import outputs
+    from rankkit.errors import Interrupted
+
+    text = (
+        f'stages = ["capture", "bench"]\nkeep = [0.2]\n[model]\nname = "{tiny_folder}"\ndevice = "cpu"\n'
+        '[[data]]\nspec = "niah:n=2,length=128"\n[bench]\nmethods = ["full", "claa"]\nwarmup = 0\n'
+        "max_new_tokens = 1\n"
+    )
+    first = _write(tmp_path / "first.toml", text)
+    edited = _write(tmp_path / "edited.toml", text.replace("max_new_tokens = 1", "max_new_tokens = 3"))
+    out = tmp_path / "out"
+    real = outputs.Journal.record
+
+    def ctrl_c_after_the_first_example(journal, key, rows):
+        real(journal, key, rows)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs.Journal, "record", ctrl_c_after_the_first_example)
+    with pytest.raises(Interrupted):
+        sweep(first, out, workers=1)
+    monkeypatch.setattr(outputs.Journal, "record", real)
+    assert list((out / "parts/bench/niah-128").glob(".*.unfinished.jsonl"))
+    store = _files(out / "stores")
+    plans = []
+    summary = sweep(edited, out, workers=1, announce=plans.append)
+    assert plans[0].lines()[1:3] == [
+        "  capture: 0 new, 0 changed, 1 kept",
+        "  bench: 0 new, 1 changed, 0 kept; 2 examples, 256 prompt tokens through the model",
+    ]
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [
+        ("capture", 0, 1),
+        ("bench", 1, 0),
+    ]
+    assert _files(out / "stores") == store  # the store of the unchanged capture is kept
+    rows = pl.read_parquet(out / "bench.parquet")
+    assert rows.height == 4 and set(rows["new_tokens"]) == {3}  # no row of the first settings
+    assert (out / "experiment.toml").read_text() == edited.read_text()
