@@ -430,7 +430,7 @@ def _budgets(top: dict[str, Any], source: str) -> tuple[Budget, ...]:
             budgets = tuple(Budget.from_tokens(tokens) for tokens in top["budget"])
         else:
             budgets = tuple(Budget.from_keep(rate) for rate in top.get("keep", (DEFAULT_KEEP,)))
-    return tuple(distinct_budgets(budgets, source))
+    return tuple(distinct_budgets(budgets, f"{source}: {'budget' if 'budget' in top else 'keep'}"))
 
 
 def _data_cells(entries: Any, source: str, max_units: int) -> tuple[DataCell, ...]:

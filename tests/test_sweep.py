@@ -350,6 +350,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             "keep lists 0.2 twice",  # the same float once read
         ),
         (
+            ("keep = [0.2]", "keep = [0.1, 0.10000001]"),
+            r"keep: two budgets both read keep=0.1 \(keep=0.1 and keep=0.10000001\); name each once$",
+        ),
+        (
             ('spec = "niah:n=2,length=256"', f'spec = "niah:n=2,length=256"\nname = "{"x" * 300}"'),
             r"cell name 'x{40}\.\.\.' is not a file name; use at most 100 letters",
         ),
@@ -434,17 +438,20 @@ def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_nearly_equal_keep_rates_are_units_of_their_own():
-    plan = parse_experiment(
-        'stages = ["compare"]\nkeep = [0.2, 0.2000001]\n[[data]]\nspec = "niah:n=1,length=128"\n',
-        source="grid.toml",
-        default_name="grid",
-    )
+def test_nearly_equal_keep_rates_are_units_of_their_own_unless_they_print_alike():
+    grid = 'stages = ["compare"]\nkeep = [0.2, {}]\n[[data]]\nspec = "niah:n=1,length=128"\n'
+    plan = parse_experiment(grid.format("0.200001"), source="grid.toml", default_name="grid")
     assert [unit.variant for unit in units(plan, "compare")] == [
         "keep=0.2_layer=own",
-        "keep=0.2000001_layer=own",
+        "keep=0.200001_layer=own",
     ]
-    assert [unit.tags()["budget"] for unit in units(plan, "compare")] == ["keep=0.2", "keep=0.2000001"]
+    assert [unit.tags()["budget"] for unit in units(plan, "compare")] == ["keep=0.2", "keep=0.200001"]
+    # printed to 6 digits (compare's table, the dashboards' heatmaps) these two are one rate
+    with pytest.raises(RankkitError) as refused:
+        parse_experiment(grid.format("0.2000001"), source="grid.toml", default_name="grid")
+    assert str(refused.value) == (
+        "grid.toml: keep: two budgets both read keep=0.2 (keep=0.2 and keep=0.2000001); name each once"
+    )
 
 
 def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_path, monkeypatch):

@@ -233,6 +233,11 @@ class Budget:
         # 15 significant digits: exact for any rate written by hand, so no two rates share a label
         return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
 
+    @property
+    def printed(self) -> str:
+        """How tables and figures print the budget (a keep rate to 6 significant digits, ``:g``)."""
+        return f"keep={self.keep:g}" if self.tokens is None else self.label
+
 
 def _is_number(value, kind: type) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
@@ -244,11 +249,13 @@ def _shown(value) -> str:
 
 
 def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
-    """``budgets``, refused where two read alike (``keep=0.1`` twice): their rows, keyed by the
-    label, would be one budget's, the other's numbers lost."""
-    same = first_repeated([budget.label for budget in budgets])
+    """``budgets``, refused where two read alike (``keep=0.1`` twice, or 0.1 and 0.10000001, which
+    tables and figures both print as keep 0.1): one budget's rows could not be told from the other's."""
+    same = first_repeated([budget.printed for budget in budgets])
     if same is not None:
-        raise RankkitError(f"{where}: two budgets both read {same}; name each once")
+        labels = [budget.label for budget in budgets if budget.printed == same]
+        alike = "" if labels[0] == labels[1] else f" ({labels[0]} and {labels[1]})"
+        raise RankkitError(f"{where}: two budgets both read {same}{alike}; name each once")
     return list(budgets)
 
 
