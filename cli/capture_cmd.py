@@ -92,7 +92,9 @@ def capture(
         defaults.ORACLE_ANSWER, help="Oracle answer: generated or reference (teacher-forced gold)."
     ),
     softmax: bool = typer.Option(False, help="Oracle on post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="Oracle 1-D average-pooling kernel."),
+    kernel: int = typer.Option(
+        defaults.ORACLE_KERNEL, min=1, help="Oracle 1-D average-pooling kernel: an odd width (the pooling keeps the length)."
+    ),
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     draft: str = typer.Option(
         None,
@@ -151,7 +153,9 @@ def oracle(
         defaults.ORACLE_ANSWER, help="generated or reference (teacher-forced gold answer)."
     ),
     softmax: bool = typer.Option(False, help="Post-softmax attention instead of raw logits."),
-    kernel: int = typer.Option(defaults.ORACLE_KERNEL, min=1, help="1-D average-pooling kernel."),
+    kernel: int = typer.Option(
+        defaults.ORACLE_KERNEL, min=1, help="1-D average-pooling kernel: an odd width (the pooling keeps the length)."
+    ),
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     redo: bool = typer.Option(
         False, help="Recompute every oracle, also those already there (needed to change the settings)."

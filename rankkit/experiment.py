@@ -310,15 +310,19 @@ def parse_experiment(text: str, *, source: str, default_name: str, max_units: in
     with errors_in(source):
         if "probes" in top:
             capture_probes(top["probes"])  # a bad probe name or setting fails here
+    # a table's settings are checked as its library call checks them, named as its fields
+    with errors_in(f"{source} [capture]"):
         capture = CaptureSettings(**given["capture"])
         check_score_dtype(capture.score_dtype)
+    with errors_in(f"{source} [oracle]"):
         oracle = OracleOptions(**given["oracle"])
+    with errors_in(f"{source} [compare]"):
         if compare.get("span") is not None:
             from rankkit.eval.compare import ranked_slice
 
             ranked_slice(None, compare["span"], 1)
         if "needle_keep" in compare:
-            Budget.parse(compare["needle_keep"])
+            Budget.parse(compare["needle_keep"], "--needle-keep")
     return Experiment(
         name=top.get("name", default_name),
         description=top.get("description", ""),

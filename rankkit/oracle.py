@@ -157,7 +157,7 @@ def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) 
     a generated answer)."""
     if answer not in ANSWER_MODES:
         raise RankkitError(f"--answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
-    check_pooling("avg", kernel)
+    check_pooling("avg", kernel, "--kernel")
     return {
         "answer": answer,
         "softmax": softmax,

@@ -27,14 +27,15 @@ from rankkit.errors import RankkitError
 POOLINGS = ("avg", "avg_padded", "max")
 
 
-def check_pooling(pooling: str, kernel_size: int) -> None:
+def check_pooling(pooling: str, kernel_size: int, setting: str = "kernel_size") -> None:
     """Fail on a pooling that could not keep the length: early, at probe construction, and again in
-    ``pool_tokens``, whose callers pass names of their own (an unknown one must not average)."""
+    ``pool_tokens``, whose callers pass names of their own (an unknown one must not average).
+    ``setting`` is the kernel's name where it was given (the oracle's ``--kernel``)."""
     if pooling not in POOLINGS:
         raise RankkitError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise RankkitError(
-            f"kernel_size must be a positive odd integer (length-preserving pooling), not {kernel_size!r}"
+            f"{setting} must be a positive odd integer (length-preserving pooling), not {kernel_size!r}"
         )
 
 

@@ -160,6 +160,15 @@ def test_capture_help_says_no_draft_is_recorded_without_draft():
     assert draft.help.endswith("Without it no draft is recorded.") and "Default" not in draft.help
 
 
+def test_the_oracle_kernel_help_says_it_is_odd():
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import command
+
+    for name in ("capture", "oracle"):  # [x>=1] alone would offer 4, which is refused
+        (kernel,) = [param for param in command().commands[name].params if param.name == "kernel"]
+        assert kernel.help.endswith("an odd width (the pooling keeps the length).")
+
+
 def test_store_info_says_where_a_cut_value_is_whole():
     from rankkit.cli.store_cmd import _compact
 

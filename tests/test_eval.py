@@ -615,7 +615,9 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     assert written.filter(pl.col("keep") == 0.2).equals(alone.summary)
     assert pl.read_parquet(both).filter(pl.col("keep") == 0.2).equals(alone.per_layer)
     refused = cli("compare", store_path, "--needle-keep", "1.5")
-    assert str(refused.exception) == "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1"
+    assert str(refused.exception) == (
+        "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048"
+    )
 
 
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):

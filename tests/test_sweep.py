@@ -375,7 +375,12 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         ),
         (
             ("[diffusion]", "[compare]\nneedle_keep = 1.5\n[diffusion]"),
-            r"keep rate 1.5 is outside \(0, 1\]",
+            r"\[compare\]: needle_keep 1.5 is neither a keep rate in \(0, 1\] nor a positive token count; "
+            "give e.g. 0.1 or 2048$",
+        ),
+        (
+            ("max_new_tokens = 4\n\n[bench]", "max_new_tokens = 4\nkernel = 4\n\n[bench]"),
+            r"\[oracle\]: kernel must be a positive odd integer \(length-preserving pooling\), not 4$",
         ),
         (
             ("[diffusion]", '[compare]\nmethods = ["sliminfer:gamma=5"]\n[diffusion]'),

@@ -692,7 +692,8 @@ def compare_store(
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
     needle_keep = keep if needle_keep is None else needle_keep
-    budget, _ = Budget.parse(keep), Budget.parse(needle_keep)  # a bad keep fails before any reading too
+    budget = Budget.parse(keep)  # a bad keep fails before any reading, and so does a bad needle keep
+    Budget.parse(needle_keep, "--needle-keep")
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
     if oracle:

@@ -212,13 +212,16 @@ class Budget:
         return cls.from_keep(keep) if keep is not None else cls.from_tokens(tokens)
 
     @classmethod
-    def parse(cls, value: float | int) -> Budget:
-        """A keep rate (a float in (0, 1]) or a token count (an int)."""
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RankkitError(
-                f"budget {value!r} is neither a keep rate nor a token count: use e.g. 0.1 or 2048"
-            )
-        return cls.from_tokens(value) if isinstance(value, int) else cls.from_keep(value)
+    def parse(cls, value: float | int, option: str = "--keep") -> Budget:
+        """A keep rate (a float in (0, 1]) or a token count (an int); a refusal names ``option``."""
+        if isinstance(value, float) and 0 < value <= 1:
+            return cls.from_keep(value)
+        if _is_number(value, int) and value >= 1:
+            return cls.from_tokens(value)
+        raise RankkitError(
+            f"{option} {_shown(value)} is neither a keep rate in (0, 1] nor a positive token count; "
+            "give e.g. 0.1 or 2048"
+        )
 
     def resolve(self, prompt_length: int, always_kept: int = 0) -> int:
         """The number of tokens kept: ceil(keep x T) or the count, at least ``always_kept`` and 1, at most T.
