@@ -714,12 +714,13 @@ def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
 
 def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
     """Each cell's examples and prompt tokens, its prompts checked against the model's positions:
-    a synthetic cell's from its spec (its prompts are fitted to its length, nothing is built), a
-    jsonl file's by reading it with the model's tokenizer."""
+    a synthetic cell's from its spec (its prompts are fitted to its length; only the first example
+    of each task's shortest cell is built, to refuse a length too short for the task), a jsonl
+    file's by reading it with the model's tokenizer."""
     from rankkit.capture import storable_examples
     from rankkit.data import read_spec
 
-    sizes, tokenizer = {}, None
+    sizes, tokenizer, shortest = {}, None, _shortest_of_each_task(plan)
     with warnings.catch_warnings():  # an allowed overlength prompt is warned of when it runs
         warnings.simplefilter("ignore")
         for cell in plan.data:
@@ -727,6 +728,9 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                 check_spec_length(cell.spec, config, allow_overlength=plan.model.allow_overlength)
                 spec = read_spec(cell.spec)
                 if spec.kind != "jsonl":
+                    if cell in shortest:  # its first example alone is built: it refuses a length too short
+                        tokenizer = tokenizer or models.load_tokenizer(plan.model.name)
+                        load_examples(_first_example_spec(spec), tokenizer)
                     count = declared_examples(cell.spec)
                     sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2, spec.length, 0)
                     continue
@@ -741,6 +745,28 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                     len(examples), sum(lengths), sum(n * n for n in lengths), lengths[longest], longest
                 )
     return sizes
+
+
+def _shortest_of_each_task(plan: Experiment) -> list[DataCell]:
+    """Of the synthetic cells, the shortest of each task: the one a length too short shows in first."""
+    from rankkit.data import read_spec
+
+    shortest: dict[tuple[str, str | None], DataCell] = {}
+    for cell in plan.data:
+        spec = read_spec(cell.spec)
+        if spec.kind != "jsonl":
+            task = (spec.kind, spec.task)
+            shortest[task] = min(shortest.get(task, cell), cell, key=lambda each: each.length)
+    return list(shortest.values())
+
+
+def _first_example_spec(spec) -> str:
+    """The spec of the first example of the synthetic ``spec`` (a ``DataSpec``) alone."""
+    from rankkit.data.spec import format_spec
+
+    depths = None if spec.depths is None else spec.depths[:1]
+    params = {"task": spec.task, "n": None if depths else 1, "length": spec.length, "depths": depths, "seed": spec.seed}
+    return format_spec(spec.kind, params)
 
 
 def _examples_of(plan: Experiment, stage: str, size: CellSize) -> int:

@@ -367,6 +367,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r"\[\[data\]\] #2: 'niah:length=192,depths=25;75' is a cell already; name each data spec once",
         ),
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
+        (  # as capture would refuse it, after writing the sweep's files
+            ("n=2,length=256", "n=2,length=10"),
+            "cell niah-10: length=10 is too short for this task: its smallest prompt takes",
+        ),
         (("keep = [0.2]", "keep = []"), r"keep is an empty list; name at least one, e.g. keep = \["),
         (("keep = [0.2]", "keep = [0.2]\nlayers = [3]"), "layers: 3 is not a layer of this model"),
         (
@@ -459,13 +463,19 @@ def test_nearly_equal_keep_rates_are_units_of_their_own_unless_they_print_alike(
     )
 
 
-def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_path, monkeypatch):
+def test_a_huge_grid_is_refused_building_only_the_first_example_of_its_shortest_cell(
+    tiny_folder, tmp_path, monkeypatch
+):
     import rankkit.sweep
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("an example was built to check the grid")
+    built = []
+    real = rankkit.sweep.load_examples
 
-    monkeypatch.setattr(rankkit.sweep, "load_examples", forbidden)
+    def counted(spec, tokenizer):
+        built.append(spec)
+        return real(spec, tokenizer)
+
+    monkeypatch.setattr(rankkit.sweep, "load_examples", counted)
     lengths = ", ".join(str(128 + step) for step in range(56))
     grid = _write(
         tmp_path / "grid.toml",
@@ -488,6 +498,7 @@ def test_a_huge_grid_is_refused_without_building_an_example(tiny_folder, tmp_pat
         "  in all 8,708,000 prompt tokens through the model",
     ]
     assert plans[0].lines()[-1].startswith("  no cost model cached for prompts this long on this model: run `rankkit prefill")
+    assert built == ["niah:n=1,length=128,seed=0"] * 2  # a length too short would show there, once a call
 
 
 def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
@@ -768,7 +779,7 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     grown = _write(
         tmp_path / "grown.toml",
         f'stages = ["capture", "oracle", "variance"]\n[model]\nname = "{tiny_folder}"\n'
-        '[[data]]\nspec = "niah:n=1,length=64"\n[[data]]\nspec = "niah:n=3,length=128"\n',
+        '[[data]]\nspec = "niah:n=1,length=96"\n[[data]]\nspec = "niah:n=3,length=128"\n',  # 96: not too short
     )
     weights_hash = models.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
     monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("--dry-run loaded a model"))
@@ -789,7 +800,7 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     refused = CliRunner().invoke(app, ["sweep", str(grown), "--out", str(out), "--dry-run", "--workers", "0"])
     assert str(refused.exception).startswith("--workers must be a whole number")  # before any stage runs
     # a = 1/128 s per token per layer, b = 1/16384 s per query-key pair per layer; the tiny model has
-    # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 64) + 1/16384 x (3 x 128² + 64²)) = 3 x (3.5 + 3.25) s.
+    # 3 layers. Capture: 3 x (1/128 x (3 x 128 + 96) + 1/16384 x (3 x 128² + 96²)) = 3 x (3.75 + 3.5625) s.
     path = calibration_path(weights_hash, torch.device("cpu"))
     path.parent.mkdir(parents=True)
     fit = {"linear": 1 / 128, "quadratic": 1 / 16384, "samples": [[116, 1.0]]}
@@ -801,16 +812,16 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
     path.write_text(json.dumps(fit | shares))
     assert dry_run().splitlines() == [
         f"plan for {out}:",
-        "  capture: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model, "
-        "about 20.2 s (one full prefill per example)",
-        "  oracle: 2 new, 0 changed, 0 kept; 4 examples, 448 prompt tokens through the model",
+        "  capture: 2 new, 0 changed, 0 kept; 4 examples, 480 prompt tokens through the model, "
+        "about 21.9 s (one full prefill per example)",
+        "  oracle: 2 new, 0 changed, 0 kept; 4 examples, 480 prompt tokens through the model",
         "  variance: 2 new, 0 changed, 0 kept",
-        "  in all 896 prompt tokens through the model",
-        "  about 20.2 s estimated from the cached cost model; oracle not estimated",
+        "  in all 960 prompt tokens through the model",
+        "  about 21.9 s estimated from the cached cost model; oracle not estimated",
     ]
     plan = json.loads(dry_run("--json"))
-    assert plan["seconds"] == 20.25 and plan["calibrate"] is None
-    assert [stage["seconds"] for stage in plan["stages"]] == [20.25, None, None]
+    assert plan["seconds"] == 21.9375 and plan["calibrate"] is None
+    assert [stage["seconds"] for stage in plan["stages"]] == [21.9375, None, None]
     assert not out.exists()
 
 
