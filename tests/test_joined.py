@@ -198,6 +198,12 @@ def test_a_bench_of_other_examples_under_the_same_ids_or_other_settings_is_refus
     frame.with_columns(change.alias(column), *budgets).write_parquet(changed)
     with pytest.raises(RankkitError, match=re.escape(message)):
         join_store_and_bench(store, changed)
+    if column == "length":  # the dashboard drew it, the refusal as its report panel's text, exit 0
+        from rankkit.report import write_dashboard
+
+        with pytest.raises(RankkitError, match=re.escape(f"bench changed {message}")):
+            write_dashboard(store, tmp_path / "page.html", bench=changed, workers=1)
+        assert not (tmp_path / "page.html").exists()
 
 
 def test_a_store_without_an_oracle_is_refused_with_the_command_that_adds_it(store_and_bench, tmp_path):
@@ -272,6 +278,7 @@ def _table_values(page: str, panel: str) -> list[dict]:
 
 
 def test_the_dashboards_report_panel_holds_the_report_commands_numbers(store_and_bench, cli, tmp_path):
+    from rankkit.errors import RankkitError
     from rankkit.report import write_dashboard
 
     store, bench, _ = store_and_bench
@@ -294,6 +301,9 @@ def test_the_dashboards_report_panel_holds_the_report_commands_numbers(store_and
     for run in ("bench", "again"):
         mine = [row for row in labelled if row["method"].endswith(f" ({run}, tiny {WEIGHTS[:12]})")]
         assert [{**row, "method": row["method"].split(" (")[0]} for row in mine] == expected
+    # the same bench twice: every joined row was there twice
+    with pytest.raises(RankkitError, match=f"^--bench names {re.escape(str(bench))} twice; give each bench once$"):
+        write_dashboard(store, tmp_path / "twice.html", bench=[bench, bench.parent / ".." / bench.parent.name / bench.name])
 
 
 @pytest.mark.parametrize(

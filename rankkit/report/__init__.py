@@ -105,8 +105,12 @@ def write_dashboard(
     to an input is refused (``outputs.claim``).
     """
     from rankkit import stores
+    from rankkit.report.joined import refuse_other_examples
 
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
+    twice = first_repeated([Path(each).resolve() for each in benches if not isinstance(each, pl.DataFrame)])
+    if twice is not None:  # its rows would count twice in every panel
+        raise RankkitError(f"--bench names {twice} twice; give each bench once")
     sources = [each for each in (store_path, *benches, diffusion) if not isinstance(each, pl.DataFrame)]
     outputs.claim([out_path], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
@@ -117,6 +121,9 @@ def write_dashboard(
     if not records[0].probes:
         raise RankkitError(f"store {store_path} holds no probe scores; capture them with `rankkit capture`")
     runs = _benches(benches, store)
+    for run in runs:  # a bench of other examples under the store's ids: report refuses it, so does the page
+        if run.of_store_model:
+            refuse_other_examples(records, run.rows, f"bench {run.run}")
     diffusion_frame = _frame(diffusion, "diffusion", DIFFUSION_COLUMNS, DIFFUSION_COMMAND)
     if diffusion_frame is not None:
         from rankkit.eval.diffusion import check_diffusion_values

@@ -77,7 +77,7 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
         )
     if not any(record.has_oracle for record in records):
         raise RankkitError(f"store {store.path} has no oracle; run `rankkit oracle {store.path}` first")
-    _refuse_other_examples(records, online, what)
+    refuse_other_examples(records, online, what)
     unheld = at_keeps.filter(~pl.col(EXAMPLE_ID).is_in(ids))[EXAMPLE_ID].n_unique()
     if unheld:
         warnings.warn(f"left out {unheld} example(s) of {what} that store {store.path} does not hold", stacklevel=2)
@@ -118,14 +118,16 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
     return Joined(per_example, summary)
 
 
-def _refuse_other_examples(records, online: pl.DataFrame, what: str) -> None:
+def refuse_other_examples(records, bench: pl.DataFrame, what: str) -> None:
     """Example ids name an example only within one data spec (``niah:n=3`` and ``niah:n=6`` share
-    ``niah-512-s0-001`` at other depths): the bench's prompt length and needle depth must be the store's."""
+    ``niah-512-s0-001`` at other depths): where a bench's rows and the store's ``records`` share an id,
+    the bench's prompt length and needle depth must be the store's."""
     recorded = {
         record.id: (record.num_tokens, (record.attrs.get("meta") or {}).get("depth_percent"))
         for record in records
     }
-    for example_id, length, depth in online.select(EXAMPLE_ID, "length", "depth_percent").unique(maintain_order=True).iter_rows():
+    shared = bench.filter(pl.col(EXAMPLE_ID).is_in(list(recorded)))
+    for example_id, length, depth in shared.select(EXAMPLE_ID, "length", "depth_percent").unique(maintain_order=True).iter_rows():
         tokens, stored_depth = recorded[example_id]
         if length != tokens or (depth is not None and stored_depth is not None and depth != stored_depth):
             raise RankkitError(
