@@ -46,7 +46,7 @@ from rankkit.checks import (
 from rankkit.data import Example, data_fingerprint, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
-from rankkit.eval.offline import parse_method_spec
+from rankkit.eval.offline import parse_method_spec, split_names
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, make
@@ -515,7 +515,7 @@ def _warn_raised(methods: Sequence[Method], budgets, prompt_lengths: list[int]) 
 
 def prefill(
     method: str,
-    budget: Budget | None,
+    budget: Budget | float | int | None,
     *,
     data: str | None = None,
     example: int = 0,
@@ -542,7 +542,7 @@ def prefill(
         raise RankkitError("give " + ", and ".join(missing))
     if context is not None and not question:
         raise RankkitError("--context-file needs --question")
-    budget = budget or Budget.from_keep(1.0)
+    budget = Budget.parse(budget) if budget is not None else Budget.from_keep(1.0)
     setup.check_timing(settings)
     config = setup.config()
     if data is not None:
@@ -630,8 +630,8 @@ def prefill_json(rows: list[dict]) -> dict:
 
 
 def bench(
-    methods: list[str],
-    budgets: list[Budget],
+    methods: str | Sequence[str],
+    budgets: Sequence[Budget | float | int],
     data: str,
     *,
     limit: int | None = None,
@@ -644,6 +644,7 @@ def bench(
     shard: tuple[int, int] = (0, 1),
 ) -> pl.DataFrame:
     """The methods x budgets grid over the examples of ``data``: one row per (example, method, budget).
+    ``methods`` as a list or as ``--methods`` writes them; each budget a ``Budget`` or its number (0.1, 2048).
 
     Every option is checked before the model loads. With ``out`` each example's rows are
     kept as soon as they are measured (``outputs.Journal``): SIGINT or SIGTERM stops with
@@ -657,6 +658,8 @@ def bench(
     """
     if limit is not None:
         check_count(limit, "--limit")
+    methods = split_names(methods) if isinstance(methods, str) else list(methods)
+    budgets = [Budget.parse(budget) for budget in budgets]
     setup.check_timing(settings)
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)

@@ -283,6 +283,17 @@ def capture_probes(probes: str) -> list:
     return probe_list
 
 
+def _oracle_options(oracle) -> OracleOptions | None:
+    """``capture``'s ``oracle``: its options, True for the defaults, or None (False) for none."""
+    if oracle is True:
+        return OracleOptions()
+    if oracle is False:
+        return None
+    if oracle is None or isinstance(oracle, OracleOptions):
+        return oracle
+    raise RankkitError(f"oracle takes OracleOptions(...), True for its defaults, or None, not {oracle!r}")
+
+
 def capture(
     *,
     model: str = defaults.MODEL,
@@ -292,7 +303,7 @@ def capture(
     limit: int | None = None,
     device: str = defaults.DEVICE,
     overwrite: bool = False,
-    oracle: OracleOptions | None = None,
+    oracle: OracleOptions | bool | None = None,
     draft: str | None = None,
     progress: ProgressCallback = ignore,
     allow_overlength: bool = False,
@@ -313,6 +324,7 @@ def capture(
     """
     import time
 
+    oracle = _oracle_options(oracle)
     if limit is not None:
         check_count(limit, "--limit")
     rank, world = shard()

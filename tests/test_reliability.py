@@ -139,6 +139,9 @@ def test_bad_method_and_budget_options_are_refused_before_the_model_loads(
         (lambda folder: _capture(folder, limit=0), "--limit must be a whole number >= 1, got 0"),
         (lambda folder: _diffusion(folder, limit=-1), "--limit must be a whole number >= 1, got -1"),
         (lambda folder: _diffusion(folder, max_new_tokens=0), "--max-new-tokens must be a whole number >= 1"),
+        # an AttributeError after the model loaded, and an empty store left behind
+        (lambda folder: _capture(folder, oracle="yes"), "oracle takes OracleOptions(...), True for its defaults, or None, not 'yes'"),
+        (lambda folder: _bench(folder, budgets=[1.5]), "--keep 1.5 is neither a keep rate in (0, 1] nor a positive token count"),
     ],
 )  # fmt: skip
 def test_the_python_api_refuses_what_the_command_line_refuses(no_model_load, tiny_folder, call, message):
@@ -219,7 +222,30 @@ def _bench(folder, **given):
     from rankkit.bench import Setup, bench
     from rankkit.methods import Budget
 
-    return bench(["full"], [Budget(keep=0.5)], "niah:n=2,length=200", setup=Setup(str(folder)), **given)
+    given = {"methods": ["full"], "budgets": [Budget(keep=0.5)], **given}
+    return bench(data="niah:n=2,length=200", setup=Setup(str(folder)), **given)
+
+
+def test_the_python_api_takes_a_budget_as_its_number_methods_as_the_command_line_names_them_and_true_for_the_oracle(
+    tiny_folder, tmp_path
+):
+    """A notebook passes 0.1 and oracle=True: each ended in an AttributeError."""
+    from rankkit import stores
+    from rankkit.bench import BenchSettings, Setup, bench, prefill
+    from rankkit.capture import OracleOptions, capture
+
+    setup, settings = Setup(str(tiny_folder), device="cpu"), BenchSettings(max_new_tokens=2, warmup=0)
+    rows = bench("full,claa", [0.5, 64], "niah:n=1,length=200", setup=setup, settings=settings)
+    length = rows["length"][0]  # the prompt fitted to 200 tokens
+    assert rows.select("method", "budget", "budget_tokens").rows() == [
+        ("full", "keep=1", length), ("claa", "keep=0.5", -(-length // 2)), ("claa", "budget=64", 64)
+    ]  # fmt: skip
+    (row,) = prefill("claa", 0.5, data="niah:n=1,length=200", setup=setup, settings=settings)
+    assert (row["budget"], row["budget_tokens"]) == ("keep=0.5", -(-length // 2))
+    capture(model=str(tiny_folder), data="niah:n=1,length=200", probes="window", out=tmp_path / "run.zarr",
+            oracle=True, device="cpu")  # fmt: skip
+    (record,) = stores.open(tmp_path / "run.zarr").examples()
+    assert record.has_oracle and record.attrs["oracle_params"]["kernel"] == OracleOptions().kernel
 
 
 def _capture(folder, **given):

@@ -4,6 +4,7 @@ written out by hand, and their place in compare, bench, variance and the tables.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import polars as pl
@@ -232,6 +233,13 @@ def test_compare_pairs_option_names_methods_and_refuses_others(tmp_path):
         RankkitError, match="--pairs 'claa:nope' is not METHOD:BASELINE of two compared methods"
     ):
         compare_store(store, methods="window,claa", pairs="claa:nope")
+    # as (method, baseline) tuples from Python: an unknown one tested nothing, a repeated one twice
+    assert compare_store(store, methods="window,lava,claa", pairs=[("lava", "window")]).pairs.equals(chosen.pairs)
+    with pytest.raises(RankkitError, match=re.escape("--pairs ('claa', 'nope') is not (method, baseline) of two compared methods")):
+        compare_store(store, methods="window,claa", pairs=[("claa", "nope")])
+    with pytest.raises(RankkitError, match="--pairs names claa:window twice; name each pair once"):
+        compare_store(store, methods="window,claa", pairs=[("claa", "window")] * 2)
+    assert compare_store(store, methods="window,claa", pairs=[]).pairs.height == 0
 
 
 def test_compare_table_shows_means_with_intervals(tmp_path):

@@ -464,8 +464,22 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
         pairs.append(splits[0])
     if not pairs:
         raise RankkitError("--pairs names no pair; give e.g. --pairs claa:fastkv,claa:gemfilter")
+    return checked_pairs(pairs, labels)
+
+
+def checked_pairs(pairs: Sequence[tuple[str, str]], labels: Sequence[str]) -> list[tuple[str, str]]:
+    """(method, baseline) pairs, each of two compared ``labels`` and named once: a pair of a method not
+    compared has no rows to test, and one named twice would be tested, and counted, twice. No pair
+    at all tests none."""
+    pairs = [tuple(pair) for pair in pairs]
+    for pair in pairs:
+        if len(pair) != 2 or not all(name in labels for name in pair):
+            raise RankkitError(
+                f"--pairs {pair!r} is not (method, baseline) of two compared methods ({', '.join(labels)}); "
+                "e.g. ('claa', 'fastkv')"
+            )
     twice = first_repeated([f"{method}:{baseline}" for method, baseline in pairs])
-    if twice is not None:  # its rows would be tested, and counted among the tests, twice
+    if twice is not None:
         raise RankkitError(f"--pairs names {twice} twice; name each pair once")
     return pairs
 
@@ -751,6 +765,8 @@ def compare_store(
         pairs = default_pairs(labels)
     elif isinstance(pairs, str):
         pairs = parse_pairs(pairs, labels)
+    else:
+        pairs = checked_pairs(pairs, labels)
     evaluate = partial(
         compare_example,
         probes=tuple(probes),

@@ -212,8 +212,11 @@ class Budget:
         return cls.from_keep(keep) if keep is not None else cls.from_tokens(tokens)
 
     @classmethod
-    def parse(cls, value: float | int, option: str = "--keep") -> Budget:
-        """A keep rate (a float in (0, 1]) or a token count (an int); a refusal names ``option``."""
+    def parse(cls, value: Budget | float | int, option: str = "--keep") -> Budget:
+        """A keep rate (a float in (0, 1]) or a token count (an int), or a Budget as it is; a refusal
+        names ``option``."""
+        if isinstance(value, Budget):
+            return value
         if isinstance(value, float) and 0 < value <= 1:
             return cls.from_keep(value)
         if _is_number(value, int) and value >= 1:
