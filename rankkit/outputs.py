@@ -54,6 +54,9 @@ def claim(
             raise RankkitError(
                 f"--out {path} is a directory; give a file path inside it, e.g. {path / 'out'}"
             )
+        store = enclosing_store(target)
+        if store is not None:  # a file there is not the store's: its --overwrite would then refuse the store
+            raise RankkitError(f"--out {path} is inside the rankkit store {store}; choose a path outside it")
         if path.exists() and not overwrite:
             raise RankkitError(
                 f"{path} already exists; pass --overwrite to replace it, or choose another --out"
@@ -66,6 +69,23 @@ def claim(
     for folder in dict.fromkeys(path.parent for path in paths):
         check_writable(folder, needed_bytes)
     return paths
+
+
+def enclosing_store(path: Path) -> Path | None:
+    """The rankkit store (a folder whose zarr.json carries the store's schema version) that holds
+    ``path``, if any."""
+    from rankkit.stores.schema import SCHEMA_VERSION_KEY
+
+    for folder in path.parents:
+        metadata = folder / "zarr.json"
+        if metadata.is_file():
+            try:
+                attributes = json.loads(metadata.read_text(encoding="utf-8")).get("attributes") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            if SCHEMA_VERSION_KEY in attributes:
+                return folder
+    return None
 
 
 # What marks a file as rankkit's output: a parquet's key-value metadata, a page's generator tag.

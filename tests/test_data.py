@@ -416,6 +416,31 @@ def test_cli_export_writes_a_file_that_loads_back(tmp_path, monkeypatch):
     assert load_examples(str(out), None) == load_examples("niah:n=3,length=700", WORDS)
 
 
+def test_a_jsonl_spec_naming_more_examples_than_its_file_holds_is_refused(tmp_path):
+    """``two.jsonl:n=5`` gave two examples, and a run of it said nothing of the other three."""
+    examples = load_examples("niah:n=2,length=700", WORDS)
+    export_jsonl(examples, tmp_path / "two.jsonl")
+    assert load_examples(f"{tmp_path / 'two.jsonl'}:n=2", None) == examples
+    assert load_examples(f"{tmp_path / 'two.jsonl'}:n=1", None) == examples[:1]
+    with pytest.raises(RankkitError, match=re.escape(f"{tmp_path / 'two.jsonl'} holds 2 example(s), fewer than n=5 in ")):
+        load_examples(f"{tmp_path / 'two.jsonl'}:n=5", None)
+
+
+def test_an_output_inside_a_store_is_refused(tmp_path):
+    """A file exported into a store was not the store's: a later capture --overwrite of the store refused it."""
+    from test_eval import write_store
+
+    from rankkit.outputs import claim
+
+    store = write_store(tmp_path / "run.zarr")
+    for inside in (store / "x.jsonl", store / "examples" / "x.parquet"):
+        with pytest.raises(RankkitError, match=f"^--out {re.escape(str(inside))} is inside the rankkit store {re.escape(str(store))}; "):
+            claim([inside])
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "zarr.json").write_text('{"attributes": {}}')  # a zarr group, not a rankkit store
+    assert claim([tmp_path / "plain" / "x.jsonl", tmp_path / "beside.jsonl"]) == [tmp_path / "plain" / "x.jsonl", tmp_path / "beside.jsonl"]
+
+
 def test_export_refuses_prompts_longer_than_the_models_positions_as_capture_does(tmp_path, tiny_folder):
     from test_method_references import rankkit
 

@@ -180,7 +180,13 @@ def load_examples(spec: str, tokenizer) -> list[Example]:
     """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
     data = read_spec(spec)
     if data.kind == "jsonl":
-        return load_jsonl(data.path, limit=data.n)
+        examples = load_jsonl(data.path, limit=data.n)
+        if data.n is not None and len(examples) < data.n:  # a run would count fewer than the spec names
+            raise RankkitError(
+                f"{data.path} holds {len(examples)} example(s), fewer than n={data.n} in '{spec}'; "
+                f"give n={len(examples)} or leave n out"
+            )
+        return examples
     if tokenizer is None:
         raise RankkitError(
             f"'{spec}' is fitted to a length in tokens: pass a tokenizer (e.g. --model default)"
