@@ -18,15 +18,16 @@ def _interrupt(signum, frame) -> None:
 def keep_on_interrupt(kept: Callable[[], str]) -> Iterator[None]:
     """Turn SIGINT or SIGTERM inside the block into ``Interrupted(kept())``.
 
-    ``kept()`` is asked only after the signal, so it describes the work finished by then.
-    SIGTERM is treated like Ctrl-C (a KeyboardInterrupt) only in the main thread, where
-    Python delivers signals.
+    ``kept()`` is asked only after the signal, so it describes the work finished by then. Blocks
+    nest (a sweep's bench): the outermost one's ``kept()`` describes the whole command's work, so
+    its message replaces the inner one's. SIGTERM is treated like Ctrl-C (a KeyboardInterrupt) only
+    in the main thread, where Python delivers signals.
     """
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         raise Interrupted(kept()) from None
     finally:
         if in_main_thread:

@@ -682,6 +682,18 @@ def test_an_interrupt_while_a_unit_is_written_counts_it_as_kept(tmp_path, monkey
     assert outputs.Journal(tmp_path / "rows.parquet", {"methods": ["full"]}).done("e0")
 
 
+def test_an_interrupt_inside_nested_blocks_says_what_the_outermost_kept():
+    """A sweep interrupted in its bench stage said only what the bench's journal kept, not the
+    sweep's finished units of each stage."""
+    from rankkit.errors import Interrupted
+    from rankkit.interrupts import keep_on_interrupt
+
+    with pytest.raises(Interrupted, match="^kept capture 2, bench 0$"), keep_on_interrupt(lambda: "kept capture 2, bench 0"):
+        with keep_on_interrupt(lambda: "kept 0 finished (0 rows)"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the signal arrives at the next bytecode; never waited out
+
+
 def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_path):
     out = tmp_path / "rows.parquet"
     with outputs.Journal(out, {"methods": ["full", "claa"]}) as first:
