@@ -39,11 +39,16 @@ def compare(
         "--span",
         help="Tokens ranked: prompt (all outside the observation window, CLAA Sec. 3.1) or context.",
     ),
-    keep: str = typer.Option(
-        "0.1",
+    keep: str | None = typer.Option(
+        None,
         "--keep",
         help="Comma-separated keep rates the methods rank under (ASL's k, forced-token counts), "
-        "e.g. 0.1,0.2: one comparison each, every output row naming its keep.",
+        "e.g. 0.1,0.2: one comparison each, every output row naming its keep. (default: 0.1)",
+    ),
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="Comma-separated budgets in tokens the methods rank under, e.g. 512,1024 (instead of --keep).",
     ),
     needle_keep: NeedleKeep = None,
     out: Path | None = typer.Option(
@@ -94,7 +99,7 @@ def compare(
             outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
         results = compare_keeps(
             store,
-            [each.keep for each in budgets(keep, None)],
+            [each.number for each in _budgets_or_default(keep, budget)],
             layer=layer,
             methods=methods,
             oracle=oracle,
@@ -225,14 +230,22 @@ def variance(
         output().print(frame_table(means, title))
 
 
+def _budgets_or_default(keep: str | None, budget: str | None) -> list:
+    """The budgets of ``--keep`` or ``--budget``, else compare's and variance's default keep rate."""
+    from rankkit.experiment import DEFAULT_KEEP
+    from rankkit.methods import Budget
+
+    return budgets(keep, budget, required=False) or [Budget.from_keep(DEFAULT_KEEP)]
+
+
 def _one_budget(keep: str | None, budget: str | None) -> int | float:
     """The one budget ``variance`` draws its curve under, as ``variance_store`` takes it."""
     from rankkit.errors import RankkitError
 
-    chosen = budgets(keep, budget, required=False) or budgets("0.1", None)
+    chosen = _budgets_or_default(keep, budget)
     if len(chosen) > 1:
         raise RankkitError("variance draws one curve: give one keep rate (e.g. --keep 0.1) or one --budget")
-    return chosen[0].keep if chosen[0].tokens is None else chosen[0].tokens
+    return chosen[0].number
 
 
 def _variance_table(rows: list[dict], store: Path) -> Table:

@@ -131,11 +131,6 @@ class Unit:
             parts.append(f"layer={'own' if self.layer is None else self.layer}")
         return "_".join(parts) or "all"
 
-    @property
-    def budget_value(self) -> float | int:
-        """The budget as compare and variance take it: a keep rate or a token count."""
-        return self.budget.keep if self.budget.tokens is None else self.budget.tokens
-
     def tags(self) -> dict[str, Any]:
         tags = self.cell.columns()
         if self.budget is not None:
@@ -199,10 +194,10 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
     if stage == "diffusion":
         return {**data, **dataclasses.asdict(plan.diffusion)}
     if stage == "compare":
-        given = {"layer": unit.layer, "keep": unit.budget_value, **plan.compare.kwargs()}
+        given = {"layer": unit.layer, "keep": unit.budget.number, **plan.compare.kwargs()}
         return {**_LIBRARY_DEFAULTS["compare"], **given}
     if stage == "variance":
-        return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget_value, **plan.variance.kwargs()}
+        return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget.number, **plan.variance.kwargs()}
     # the dashboard shows bench's rows at the first layer setting, and compares at every keep rate
     return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan), "needle_keep": plan.compare.needle_keep}
 
@@ -1250,7 +1245,7 @@ def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
     result = compare.compare_store(
         run.layout.store(unit.cell),
         layer=unit.layer,
-        keep=unit.budget_value,
+        keep=unit.budget.number,
         workers=run.workers,
         **run.plan.compare.kwargs(),
     )
@@ -1261,7 +1256,7 @@ def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
 def _variance_unit(run: Run, unit: Unit) -> dict[str, Any]:
     result = variance.variance_store(
         run.layout.store(unit.cell),
-        budget=unit.budget_value,
+        budget=unit.budget.number,
         workers=run.workers,
         **run.plan.variance.kwargs(),
     )

@@ -618,6 +618,14 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     assert str(refused.exception) == (
         "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048"
     )
+    # token counts as variance and select take them: --budget, as compare_store's keep=16
+    counted = cli("compare", store_path, "--methods", "lava", "--budget", "16,24", "--json")
+    assert counted.exit_code == 0, counted.output
+    rows = json.loads(counted.stdout)
+    assert [row["keep"] for row in rows] == [16, 24]
+    sixteen = compare_store(store_path, methods=["lava"], keep=16).summary
+    assert [row["needle_recall"] for row in rows if row["keep"] == 16] == sixteen["needle_recall"].to_list()
+    assert str(cli("compare", store_path, "--keep", "0.1", "--budget", "16").exception).startswith("give exactly one of --keep")
 
 
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):

@@ -240,6 +240,12 @@ class Budget:
         return f"keep={self.keep:.15g}" if self.tokens is None else f"budget={self.tokens}"
 
     @property
+    def number(self) -> float | int:
+        """The keep rate or the token count: the budget as ``parse`` reads it back, and as compare and
+        variance take it."""
+        return self.keep if self.tokens is None else self.tokens
+
+    @property
     def printed(self) -> str:
         """How tables and figures print the budget (a keep rate to 6 significant digits, ``:g``)."""
         return f"keep={self.keep:g}" if self.tokens is None else self.label
