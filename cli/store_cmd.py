@@ -113,9 +113,13 @@ def verify(
         help="Unflag every damaged part, so rerunning the capture (or `rankkit oracle`) redoes it.",
     ),
 ) -> None:
-    """Check every file of every example against what its write recorded; exit 2 if any is damaged."""
+    """Check every file of every example against what its write recorded; exit 2 if any is damaged
+    (and not reset), unreadable or mismatched."""
     report = stores.verify(path, reset=reset)
     for problem in report.problems:
         typer.echo(f"{problem.example}\t{problem.state}\t{problem.part}\t{problem.detail}")
     typer.echo(report.summary())
+    note = report.reset_note()
+    if note is not None:
+        typer.echo(note)
     report.raise_if_damaged()

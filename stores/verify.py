@@ -10,7 +10,9 @@ in full instead, which catches undecodable chunks and metadata but not a deleted
 (zarr reads it back as its fill value); they are counted as *unchecked*.
 
 ``reset`` clears the flag of every damaged part, so the command that wrote it redoes
-it: the capture for tokens and scores, ``rankkit oracle`` for the oracle.
+it: the capture for tokens and scores, ``rankkit oracle`` for the oracle. A reset did what
+was asked: it is reported (``reset_note``), not refused; a good example whose oracle it
+unflagged is then good without an oracle, which the summary counts.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class VerifyReport:
     unchecked: int = 0
     problems: list[Problem] = field(default_factory=list)
     reset: bool = False
+    without_oracle: int = 0  # good or unchecked examples that `rankkit oracle` has yet to add to
 
     def counts(self) -> dict[str, int]:
         states = Counter(problem.state for problem in self.problems)
@@ -75,13 +78,26 @@ class VerifyReport:
 
     def summary(self) -> str:
         counts = ", ".join(f"{count} {state}" for state, count in self.counts().items())
-        return f"{self.examples} examples in {self.path}: {counts}"
+        missing = (
+            f"; {self.without_oracle} without an oracle (`rankkit oracle {self.path}` adds it)"
+            if self.without_oracle
+            else ""
+        )
+        return f"{self.examples} examples in {self.path}: {counts}{missing}"
+
+    def reset_note(self) -> str | None:
+        """What a reset did and the commands that redo it; None when nothing was reset."""
+        damaged = self.counts()["damaged"]
+        if not (self.reset and damaged):
+            return None
+        return f"reset {damaged} damaged example(s) in {self.path}; {self._redo()} to redo them"
 
     def raise_if_damaged(self) -> None:
-        """RankkitError (exit 2) naming the fix when any example is damaged, unreadable or mismatched."""
+        """RankkitError (exit 2) naming the fix when any example is unreadable, mismatched, or damaged
+        and not reset."""
         counts = self.counts()
         damaged = counts["damaged"]
-        if not damaged:
+        if not damaged or self.reset:
             refused = " and ".join(f"{counts[state]} {state}" for state in _REFUSED if counts[state])
             if refused:
                 raise RankkitError(
@@ -89,13 +105,23 @@ class VerifyReport:
                     "(or move a mismatched one back to its own folder or store)"
                 )
             return
-        redo = f"rerun the capture (or `rankkit oracle {self.path}`)"
-        fix = (
-            f"unflagged them; {redo} to redo them"
-            if self.reset
-            else f"run `rankkit store verify {self.path} --reset`, then {redo}"
+        raise RankkitError(
+            f"{damaged} damaged example(s) in {self.path}; run `rankkit store verify {self.path} --reset`, "
+            f"then {self._redo()}"
         )
-        raise RankkitError(f"{damaged} damaged example(s) in {self.path}; {fix}")
+
+    def _redo(self) -> str:
+        """The commands that rewrite the damaged parts: the capture, the oracle, an added group's."""
+        parts = {problem.part for problem in self.problems if problem.state == "damaged"}
+        commands = [
+            *([f"rerun the capture into {self.path}"] if CAPTURE in parts else []),
+            *([f"run `rankkit oracle {self.path}`"] if ORACLE_PART in parts else []),
+            *(
+                f"rerun the command that added group {name!r}"
+                for name in sorted(parts - {CAPTURE, ORACLE_PART})
+            ),
+        ]
+        return ", then ".join(commands)
 
 
 _STATES = ("damaged", "incomplete", "unreadable", "mismatched")
@@ -124,11 +150,12 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
             report.problems.append(Problem(example_id, "mismatched", mismatch))
             continue
         found = _damaged_parts(directory, attrs)
-        if found is None:
-            report.unchecked += 1
-            continue
-        if not found:
-            report.good += 1
+        if not found:  # None: a schema version 1 example that reads whole
+            if found is None:
+                report.unchecked += 1
+            else:
+                report.good += 1
+            report.without_oracle += attrs.get(ORACLE_COMPLETE) is not True
             continue
         report.problems += [Problem(example_id, "damaged", detail, part) for part, detail in found]
         if reset:

@@ -1018,6 +1018,33 @@ def test_cli_store_verify_lists_problems_and_exits_2(oracled):
     assert result.stderr.startswith("rankkit: error: 1 damaged example(s)") and result.stderr.count("\n") == 1
 
 
+def test_cli_store_verify_reset_says_what_it_did_and_counts_the_examples_left_without_an_oracle(oracled):
+    (oracled / "examples" / "b" / "oracle.zip").unlink()
+    verify = [sys.executable, "-m", "rankkit.cli", "store", "verify", str(oracled)]
+    reset = subprocess.run([*verify, "--reset"], capture_output=True, text=True)
+    assert (reset.returncode, reset.stderr) == (0, "")
+    assert reset.stdout.splitlines() == [
+        "b\tdamaged\toracle\toracle.zip is missing",
+        f"2 examples in {oracled}: 1 good, 0 unchecked, 1 damaged, 0 incomplete, 0 unreadable, 0 mismatched",
+        f"reset 1 damaged example(s) in {oracled}; run `rankkit oracle {oracled}` to redo them",
+    ]
+    after = subprocess.run(verify, capture_output=True, text=True)
+    assert (after.returncode, after.stderr) == (0, "")
+    assert after.stdout.splitlines() == [
+        f"2 examples in {oracled}: 2 good, 0 unchecked, 0 damaged, 0 incomplete, 0 unreadable, 0 mismatched; "
+        f"1 without an oracle (`rankkit oracle {oracled}` adds it)"
+    ]
+
+
+def test_a_reset_still_refuses_the_examples_it_cannot_redo(oracled):
+    (oracled / "examples" / "a" / "capture.zip").unlink()
+    (oracled / "examples" / "b" / "zarr.json").write_text("{ garbage")
+    report = stores.verify(oracled, reset=True)
+    assert report.reset_note() == f"reset 1 damaged example(s) in {oracled}; rerun the capture into {oracled} to redo them"
+    with pytest.raises(RankkitError, match="1 unreadable example\\(s\\) in .*listed above; recapture them"):
+        report.raise_if_damaged()
+
+
 # --- examples that do not belong where they lie ------------------------------------------------
 
 
