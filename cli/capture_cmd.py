@@ -158,7 +158,9 @@ def oracle(
     ),
     max_new_tokens: MaxNewTokens = defaults.MAX_NEW_TOKENS,
     redo: bool = typer.Option(
-        False, help="Recompute every oracle, also those already there (needed to change the settings)."
+        False,
+        help="Recompute every oracle made with other settings (needed to change them); one made with these "
+        "is kept, so an interrupted --redo resumes.",
     ),
     device: Device = defaults.DEVICE,
     device_map: DeviceMap = None,

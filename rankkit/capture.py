@@ -54,16 +54,31 @@ class OracleOptions:
 def check_oracle_settings(store_path, options: OracleOptions) -> None:
     """Refuse to add oracles made with ``options`` to a store holding oracles made otherwise."""
     wanted = options.params()
+    held: dict[str, tuple[dict, str]] = {}  # each setting the store's oracles were made with: an example
     for record in stores.open(store_path).examples():
         made = record.attrs.get("oracle_params") if record.has_oracle else None
-        if made is not None and made != wanted:
-            shown = ", ".join(f"{key}={value}" for key, value in made.items() if value is not None)
-            differing = {key: value for key, value in made.items() if value != wanted.get(key)}
-            raise RankkitError(
-                f"{store_path} holds oracles made with {shown} (example {record.id!r}); rerun with "
-                f"{_as_options(differing)}, or recompute every oracle with `rankkit oracle {store_path} --redo` "
-                "and the new settings"
-            )
+        if made is not None:
+            held.setdefault(outputs.json_digest(made), (made, record.id))
+    others = [(made, example_id) for made, example_id in held.values() if made != wanted]
+    if not others:
+        return
+    redo = f"`rankkit oracle {store_path} --redo`"
+    if len(held) > 1:  # what a --redo interrupted midway leaves: only finishing it makes one setting
+        shown = "; ".join(f"{_as_settings(made)} (example {example_id!r})" for made, example_id in held.values())
+        raise RankkitError(
+            f"{store_path} holds oracles made with {len(held)} settings ({shown}), as an interrupted --redo "
+            f"leaves it; finish it with {redo} and the settings it was given"
+        )
+    ((made, example_id),) = others
+    differing = {key: value for key, value in made.items() if value != wanted.get(key)}
+    raise RankkitError(
+        f"{store_path} holds oracles made with {_as_settings(made)} (example {example_id!r}); rerun with "
+        f"{_as_options(differing)}, or recompute every oracle with {redo} and the new settings"
+    )
+
+
+def _as_settings(made: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in made.items() if value is not None)
 
 
 def _as_options(settings: dict) -> str:
@@ -84,6 +99,8 @@ class CaptureSummary:
     examples: int = 0
     written: int = 0
     skipped: int = 0
+    complete_before: int = 0  # examples of this run with nothing left to do when it started
+    outdated_before: int = 0  # examples whose oracle, made with other settings, this run redoes
     tokens: int = 0
     seconds: float = 0.0
     # every example this run went through whose oracle answer is scored, now or by an earlier run:
@@ -118,9 +135,11 @@ class CaptureSummary:
     def kept(self) -> str:
         """What an interrupted run kept, per stage: every capture and oracle written whole (the store
         never holds half of one)."""
+        outdated = f", {self.outdated_before} with oracles of other settings to redo" if self.outdated_before else ""
         return (
             f"interrupted: kept {self.captures} captures and {self.oracles} oracles written by this run "
-            f"({self.skipped} examples were complete before) in {self.out}; rerun the same command to resume"
+            f"({self.complete_before} examples were complete before{outdated}) in {self.out}; "
+            "rerun the same command to resume"
         )
 
     @contextmanager
@@ -362,15 +381,21 @@ def capture(
     summary = CaptureSummary(
         out=str(Path(out)), total=share_size(len(examples), rank, world), timing_only=loaded.timing_only
     )
+
+    def complete(example_id: str) -> bool:
+        return (
+            writer.is_complete(example_id)
+            and (oracle is None or writer.has_oracle(example_id))
+            and (drafter is None or writer.has_group(example_id, DRAFT_GROUP))
+        )
+
+    examples = share(examples, rank, world)
+    summary.complete_before = sum(complete(example.id) for example in examples)
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
-        for example in share(examples, rank, world):
+        for example in examples:
             summary.examples += 1
-            if (
-                writer.is_complete(example.id)
-                and (oracle is None or writer.has_oracle(example.id))
-                and (drafter is None or writer.has_group(example.id, DRAFT_GROUP))
-            ):
+            if complete(example.id):
                 summary.count(progress, example.id, None, writer.example_attrs(example.id))
                 continue
             prompt = example_prompt(loaded.tokenizer, example)
@@ -474,11 +499,17 @@ def add_oracle(
     runner = Runner(loaded.model)
     records = share(list(store.examples()), rank, world)
     summary = CaptureSummary(out=str(store_path), total=len(records), timing_only=loaded.timing_only)
+    # --redo replaces the oracles made with other settings only, so an interrupted one resumes
+    wanted = options.params()
+    outdated = {record.id for record in records if record.has_oracle and record.attrs.get("oracle_params") != wanted}
+    done = {record.id for record in records if record.has_oracle and (record.id not in outdated or not redo)}
+    summary.complete_before = len(done)
+    summary.outdated_before = len(outdated) if redo else 0
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for record in records:
             summary.examples += 1
-            if record.has_oracle and not redo:
+            if record.id in done:
                 summary.count(progress, record.id, None, record.attrs)
                 continue
             ids = torch.from_numpy(record.tokens.astype(np.int64)).to(loaded.device)

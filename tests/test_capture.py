@@ -214,6 +214,41 @@ def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_fo
         add_oracle(redone, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
 
 
+def test_an_interrupted_redo_resumes_redoing_only_the_oracles_of_the_old_settings(
+    reference_store, tiny_folder, tmp_path, monkeypatch
+):
+    from rankkit.errors import Interrupted, RankkitError
+    from rankkit.stores.writer import StoreWriter
+
+    redone = tmp_path / "redone.zarr"
+    shutil.copytree(reference_store, redone)
+    new = OracleOptions(max_new_tokens=2)
+    real = StoreWriter.add_oracle
+
+    def interrupt_after_the_first(self, example_id, **kwargs):
+        if sum(record.attrs["oracle_params"] == new.params() for record in stores.open(self.path).examples()):
+            raise KeyboardInterrupt
+        return real(self, example_id, **kwargs)
+
+    monkeypatch.setattr(StoreWriter, "add_oracle", interrupt_after_the_first)
+    with pytest.raises(Interrupted) as interrupted:
+        add_oracle(redone, options=new, model=str(tiny_folder), device="cpu", redo=True)
+    assert str(interrupted.value) == (
+        "interrupted: kept 0 captures and 1 oracles written by this run (0 examples were complete before, "
+        f"4 with oracles of other settings to redo) in {redone}; rerun the same command to resume"
+    )
+    monkeypatch.setattr(StoreWriter, "add_oracle", real)
+    with pytest.raises(RankkitError, match=f"holds oracles made with 2 settings .*; finish it with `rankkit oracle "
+                       f"{redone} --redo` and the settings it was given"):  # fmt: skip
+        add_oracle(redone, options=new, model=str(tiny_folder), device="cpu")
+    resumed = add_oracle(redone, options=new, model=str(tiny_folder), device="cpu", redo=True)
+    assert (resumed.written, resumed.skipped) == (3, 1)
+    settings = [record.attrs["oracle_params"]["max_new_tokens"] for record in stores.open(redone).examples()]
+    assert settings == [2, 2, 2, 2]
+    again = add_oracle(redone, options=new, model=str(tiny_folder), device="cpu", redo=True)
+    assert (again.written, again.skipped) == (0, 4)
+
+
 def _complete_examples(out) -> int:
     """Examples a capture still writing to ``out`` has completed (``example_state``, which never raises)."""
     from stores.schema import EXAMPLES, example_state

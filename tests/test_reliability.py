@@ -1001,7 +1001,7 @@ def test_an_example_without_answer_tokens_gets_no_oracle_and_the_others_do(
 def test_the_interrupt_line_of_a_capture_counts_each_stage():
     from rankkit.capture import CaptureSummary
 
-    summary = CaptureSummary(out="s.zarr", skipped=1, captures=3, oracles=2)
+    summary = CaptureSummary(out="s.zarr", complete_before=1, captures=3, oracles=2)
     assert summary.kept() == (
         "interrupted: kept 3 captures and 2 oracles written by this run (1 examples were complete before) "
         "in s.zarr; rerun the same command to resume"
