@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from rankkit.errors import RankkitError
 from rankkit.outputs import json_digest
 
 MANIFEST = "manifest"
@@ -102,8 +103,13 @@ _COUNTS = ("num_layers", "num_attention_heads", "kv_heads")
 
 
 def meta_problem(meta: dict[str, Any]) -> str | None:
-    """What is wrong with the run metadata fields every example is checked against (``mismatch``),
-    or None; a field may be absent (stores written by hand, older ones), never malformed."""
+    """What is wrong with the store's run metadata ``meta`` (its root attributes), or None: a key edited
+    since the store was created (its manifest's digests; stores created before it had one are not
+    checked so), or a malformed field every example is checked against (``mismatch``); a field may be
+    absent (stores written by hand, older ones), never malformed."""
+    changed = _changed_attrs(meta.get(MANIFEST) or {}, meta)
+    if changed:
+        return f"its metadata was changed after it was written ({', '.join(changed)} in its zarr.json)"
     model = meta.get("model")
     if model is None:
         model = {}
@@ -119,6 +125,13 @@ def meta_problem(meta: dict[str, Any]) -> str | None:
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             return f"{name} is {count!r}, not a positive count"
     return None
+
+
+def check_meta(store_path: Path, meta: dict[str, Any]) -> None:
+    """RankkitError naming the fix when ``meta_problem`` finds one: every reader's refusal."""
+    problem = meta_problem(meta)
+    if problem:
+        raise RankkitError(f"store {store_path} is corrupt ({problem}); recapture it with --overwrite")
 
 
 def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any]) -> str | None:

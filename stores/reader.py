@@ -484,7 +484,7 @@ class Store:
             groups.update(record.groups)
         return {
             "path": str(self.path),
-            **{key: self.meta.get(key) for key in sorted(STORE_MANAGED_KEYS)},
+            **{key: self.meta.get(key) for key in sorted(STORE_MANAGED_KEYS - {MANIFEST})},
             "run_meta": {key: value for key, value in self.meta.items() if key not in STORE_MANAGED_KEYS},
             "examples": {
                 "complete": len(complete),
@@ -548,9 +548,7 @@ def open(path: str | os.PathLike | Store) -> Store:
         return path
     store_path = Path(path)
     _, meta = open_root(store_path, read_only=True)
-    problem = manifest.meta_problem(meta)
-    if problem:
-        raise RankkitError(f"store {store_path} is corrupt ({problem}); recapture it with --overwrite")
+    manifest.check_meta(store_path, meta)
     return Store(store_path, meta)
 
 

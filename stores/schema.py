@@ -3,6 +3,7 @@
 A store is a zarr v3 group on the local file system::
 
     run.zarr/                 attrs: schema_version, rankkit_version, created + the caller's run metadata
+                                     + "manifest" (a digest of each run metadata key)
       examples/<id>/          attrs: the caller's example attrs + "complete" and "manifest"
                                      (+ "oracle_complete" and "oracle_manifest", + "added_groups")
         capture.zip           a zarr group: tokens int32 [T], scores/<probe> float32 [layers, heads, T]
@@ -52,7 +53,9 @@ SCHEMA_VERSION = 2
 SCHEMA_VERSION_KEY = "schema_version"
 RANKKIT_VERSION_KEY = "rankkit_version"
 CREATED_KEY = "created"
-STORE_MANAGED_KEYS = frozenset({SCHEMA_VERSION_KEY, RANKKIT_VERSION_KEY, CREATED_KEY})
+# The root's manifest holds a digest of each key of the run metadata (``manifest.attrs_digests``), so
+# an edit made since the store was created is refused as an example's is.
+STORE_MANAGED_KEYS = frozenset({SCHEMA_VERSION_KEY, RANKKIT_VERSION_KEY, CREATED_KEY, MANIFEST})
 
 # Run metadata naming how scores are stored: "float16" halves a store (capture
 # --score-dtype); absent means float32. Part of the run's identity, so a resume keeps it.

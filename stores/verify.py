@@ -132,6 +132,7 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
     """Check every example of the store at ``path``; with ``reset``, unflag each damaged part."""
     store_path = Path(path)
     _, meta = open_root(store_path, read_only=not reset)
+    manifest.check_meta(store_path, meta)
     local = LocalStore(store_path, read_only=not reset)
     report = VerifyReport(store_path, reset=reset)
     for encoded in list_example_dirs(store_path):

@@ -343,6 +343,7 @@ def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:
         SCHEMA_VERSION_KEY: SCHEMA_VERSION,
         RANKKIT_VERSION_KEY: rankkit_version,
         CREATED_KEY: datetime.now(UTC).isoformat(timespec="seconds"),
+        MANIFEST: manifest.attrs_digests(run_meta),
     }
     try:
         root = zarr.open_group(LocalStore(staging), mode="w", zarr_format=3, attributes=root_attrs)

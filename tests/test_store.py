@@ -510,14 +510,54 @@ def test_a_corrupt_root_is_refused_with_the_fix(path, content):
 )
 def test_run_metadata_the_examples_are_checked_against_is_refused_when_malformed(path, damage, problem):
     """Each example is checked against the store's model, layer and head counts; a malformed one
-    was a TypeError traceback on the first example read (weights_hash 5) or compared nothing."""
+    was a TypeError traceback on the first example read (weights_hash 5) or compared nothing. A
+    store created before its metadata had digests is checked so."""
     write(stores.create(path, RUN_META), "a", 0)
-    root = json.loads((path / "zarr.json").read_text())
-    root["attributes"].update(damage)
-    (path / "zarr.json").write_text(json.dumps(root))
+    edit_root(path, lambda attrs: (attrs.pop("manifest"), attrs.update(damage)))
     assert _one_line_error(lambda: stores.open(path)) == (
         f"store {path} is corrupt ({problem}); recapture it with --overwrite"
     )
+
+
+def edit_root(path: Path, edit) -> None:
+    """Apply ``edit`` to the store's root attributes, in its zarr.json, as a hand edit would."""
+    root = json.loads((path / "zarr.json").read_text())
+    edit(root["attributes"])
+    (path / "zarr.json").write_text(json.dumps(root))
+
+
+@pytest.mark.parametrize(
+    ("edit", "changed"),
+    [
+        (lambda attrs: attrs["model"].update(id="Llama-3-8B"), "model"),
+        (lambda attrs: attrs["dataset"].update(lengths=[128]), "dataset"),
+        (lambda attrs: attrs["probes"].pop("gemfilter"), "probes"),
+        (lambda attrs: attrs.pop("tokenizer"), "tokenizer"),
+    ],
+)
+def test_run_metadata_edited_after_it_was_written_is_refused_by_every_reader_and_verify(path, edit, changed):
+    write(stores.create(path, RUN_META), "a", 0)
+    edit_root(path, edit)
+    refusal = (
+        f"store {path} is corrupt (its metadata was changed after it was written ({changed} in its zarr.json)); "
+        "recapture it with --overwrite"
+    )
+    assert _one_line_error(lambda: stores.open(path)) == refusal
+    assert _one_line_error(lambda: stores.verify(path)) == refusal
+    verify = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "store", "verify", str(path)], capture_output=True, text=True
+    )
+    assert (verify.returncode, verify.stdout, verify.stderr) == (2, "", f"rankkit: error: {refusal}\n")
+
+
+def test_a_store_created_before_its_metadata_had_digests_reads_and_resumes_as_before(path):
+    write(stores.create(path, RUN_META), "a", 0)
+    edit_root(path, lambda attrs: attrs.pop("manifest"))
+    assert stores.open(path).meta["model"] == RUN_META["model"]
+    assert stores.verify(path).counts()["good"] == 1
+    write(stores.create(path, RUN_META), "b", 1)
+    assert_example_matches(stores.open(path), "b", 1)
+    assert "manifest" not in stores.open(path).meta  # a resume vouches for nothing it did not write
 
 
 def test_a_corrupt_example_reads_as_incomplete_and_is_redone(path):
