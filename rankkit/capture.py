@@ -55,7 +55,7 @@ def check_oracle_settings(store_path, options: OracleOptions) -> None:
     """Refuse to add oracles made with ``options`` to a store holding oracles made otherwise."""
     wanted = options.params()
     held: dict[str, tuple[dict, str]] = {}  # each setting the store's oracles were made with: an example
-    for record in stores.open(store_path).examples():
+    for record in stores.open(store_path).examples(skip_unreadable=True):  # a resumed capture redoes those
         made = record.attrs.get("oracle_params") if record.has_oracle else None
         if made is not None:
             held.setdefault(outputs.json_digest(made), (made, record.id))

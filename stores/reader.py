@@ -48,6 +48,7 @@ from .schema import (
     open_root,
     open_zip,
     read_zip_arrays,
+    unreadable_metadata,
 )
 
 Reduce = Literal["sum", "mean", "max"] | None
@@ -331,30 +332,25 @@ class Store:
             raise RankkitError(
                 f"store {self.path} has no example {example_id!r}; list them with `rankkit store info`"
             )
-        state, attrs = example_state(self.path / EXAMPLES / encoded)
-        if state == "unreadable":
-            raise RankkitError(
-                f"example {example_id!r} in {self.path} is unreadable (its zarr.json does not parse); "
-                f"rerun the capture into {self.path} to redo it"
-            )
+        state, attrs = self._state(encoded)
         if state != "complete":
             raise RankkitError(
                 f"example {example_id!r} in {self.path} is incomplete (interrupted capture); rerun the capture to redo it"
             )
         return self._record(example_id, attrs)
 
-    def examples(self) -> Iterator[ExampleRecord]:
-        """Every complete example, in id order."""
-        for example_id, attrs in self._example_attrs(complete_only=True):
+    def examples(self, *, skip_unreadable: bool = False) -> Iterator[ExampleRecord]:
+        """Every complete example, in id order. An unreadable one (``example_state``) is refused, as
+        its figures would be missing from the store's unsaid, unless ``skip_unreadable``: for a
+        resumed capture, which redoes it."""
+        for example_id, attrs in self._example_attrs(complete_only=True, skip_unreadable=skip_unreadable):
             yield self._record(example_id, attrs)
 
     def skipped(self) -> Counter[str]:
-        """How many examples ``examples()`` and the frames leave out, by ``example_state``:
-        "incomplete" (capture unfinished) and "unreadable" (metadata no longer parses)."""
-        states = (
-            example_state(self.path / EXAMPLES / encoded)[0] for encoded in list_example_dirs(self.path)
-        )
-        return Counter(state for state in states if state != "complete")
+        """How many examples ``examples()`` and the frames leave out: "incomplete" ones (capture
+        unfinished); an unreadable one is refused as ``examples()`` refuses it."""
+        attrs = self._example_attrs(complete_only=False)
+        return Counter("incomplete" for _, example in attrs if example.get(COMPLETE) is not True)
 
     def warn_skipped(self) -> None:
         """Warn (one line) of the examples left out, for commands that read the complete ones."""
@@ -510,15 +506,32 @@ class Store:
             "groups": dict(sorted(groups.items())),
         }
 
-    def _example_attrs(self, complete_only: bool) -> list[tuple[str, dict[str, Any]]]:
-        """(id, attrs) per example in id order; unreadable examples count as incomplete."""
+    def _example_attrs(
+        self, complete_only: bool, skip_unreadable: bool = False
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """(id, attrs) per example in id order; an unreadable one refused, or left out when
+        ``skip_unreadable``."""
         found = []
         for encoded in list_example_dirs(self.path):
-            state, attrs = example_state(self.path / EXAMPLES / encoded)
-            if complete_only and state != "complete":
+            state, attrs = (
+                example_state(self.path / EXAMPLES / encoded) if skip_unreadable else self._state(encoded)
+            )
+            if state != "complete" and (complete_only or state == "unreadable"):
                 continue
             found.append((decode_name(encoded), attrs))
         return sorted(found, key=lambda item: _natural_key(item[0]))
+
+    def _state(self, encoded: str) -> tuple[str, dict[str, Any]]:
+        """``example_state`` of an example, refused in one line naming the fix when unreadable: a
+        damaged zarr.json, which no write leaves behind (each replaces it whole)."""
+        directory = self.path / EXAMPLES / encoded
+        state, attrs = example_state(directory)
+        if state == "unreadable":
+            raise RankkitError(
+                f"example {decode_name(encoded)!r} in {self.path} is unreadable ({unreadable_metadata(directory)}); "
+                f"rerun the capture into {self.path} to redo it"
+            )
+        return state, attrs
 
     def _records(self, examples: Sequence[str] | None) -> Iterator[ExampleRecord]:
         if examples is None:

@@ -346,10 +346,13 @@ def list_example_dirs(path: Path) -> list[str]:
 
 def example_state(directory: Path) -> tuple[str, dict[str, Any]]:
     """("complete" | "incomplete" | "unreadable", attrs) of an example or added group directory:
-    incomplete when its write never finished, unreadable when its zarr.json no longer parses."""
+    incomplete when its write never finished, unreadable when its zarr.json no longer parses or
+    is gone from beside the arrays written after it (``unreadable_metadata`` says which)."""
     metadata = directory / "zarr.json"
     if not metadata.is_file():
-        return "incomplete", {}
+        # A write creates the example's zarr.json before its arrays: arrays without it are a
+        # deleted zarr.json, not an interrupted write.
+        return ("unreadable" if _holds_arrays(directory) else "incomplete"), {}
     try:
         attrs = json.loads(metadata.read_bytes()).get("attributes", {})
     except (ValueError, AttributeError):
@@ -357,6 +360,17 @@ def example_state(directory: Path) -> tuple[str, dict[str, Any]]:
     if not isinstance(attrs, dict):
         return "unreadable", {}
     return ("complete" if attrs.get(COMPLETE) is True else "incomplete"), attrs
+
+
+def _holds_arrays(directory: Path) -> bool:
+    # zips, or schema version 1's array directories
+    return any(directory.glob("*.zip")) or any((directory / node).exists() for node in (TOKENS, SCORES))
+
+
+def unreadable_metadata(directory: Path) -> str:
+    """Why an example ``example_state`` calls unreadable is so."""
+    state = "is missing" if not (directory / "zarr.json").is_file() else "does not parse"
+    return f"its zarr.json {state}"
 
 
 def read_example_attrs(store: LocalStore, encoded: str) -> dict[str, Any] | None:

@@ -3,7 +3,7 @@
 An example is *good* when every file its manifests list (``rankkit.stores.manifest``) is
 there, byte for byte (size and CRC-32); *damaged* when one is missing, truncated or
 altered; *incomplete* when its capture never finished; *unreadable* when its own
-``zarr.json`` no longer parses; *mismatched* when it does not belong to the store
+``zarr.json`` no longer parses or was deleted from beside its arrays; *mismatched* when it does not belong to the store
 (``manifest.mismatch``: another id in its manifest, another model's weights, layers or heads,
 a span past its tokens, an attribute its manifest digested edited since). Damaged, unreadable and mismatched examples exit 2. Schema version 1 examples carry no manifest and are read
 in full instead, which catches undecodable chunks and metadata but not a deleted chunk
@@ -45,6 +45,7 @@ from .schema import (
     one_line,
     open_node,
     open_root,
+    unreadable_metadata,
     update_attributes,
 )
 
@@ -141,9 +142,7 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
         directory = store_path / EXAMPLES / encoded
         state, attrs = example_state(directory)
         if state != "complete":
-            detail = (
-                "its metadata (zarr.json) does not parse" if state == "unreadable" else "capture unfinished"
-            )
+            detail = unreadable_metadata(directory) if state == "unreadable" else "capture unfinished"
             report.problems.append(Problem(example_id, state, detail))
             continue
         mismatch = manifest.mismatch(example_id, attrs, meta)

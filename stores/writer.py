@@ -219,9 +219,13 @@ class StoreWriter:
 
 
 def _remove_directory(path: Path) -> None:
-    """Clear what an interrupted or replaced write left behind."""
+    """Clear what an interrupted or replaced write left behind: renamed out of the listing first,
+    since a kill midway through deleting it could leave arrays without their zarr.json, which
+    readers refuse as damaged (``example_state``)."""
     if path.exists():
-        shutil.rmtree(path)
+        hidden = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex}")
+        os.rename(path, hidden)
+        shutil.rmtree(hidden)
 
 
 def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:

@@ -1004,29 +1004,46 @@ def test_cli_refuses_a_method_parameter_out_of_range_in_one_line(cli, store_path
 @pytest.mark.processes
 def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     path = write_store(tmp_path / "partial.zarr", draft=False)
-    (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
+    (path / "examples" / "ex9").mkdir()  # a capture killed before the example's metadata landed
     result = subprocess.run(
         [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--json"],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert {row["n_examples"] for row in json.loads(result.stdout)} == {2}
+    assert {row["n_examples"] for row in json.loads(result.stdout)} == {3}
     assert result.stderr == (
-        f"rankkit: warning: left out 1 unreadable example(s) of {path}; `rankkit store verify {path}` lists them\n"
+        f"rankkit: warning: left out 1 incomplete example(s) of {path}; `rankkit store verify {path}` lists them\n"
     )
 
 
-def test_variance_and_select_warn_of_the_unreadable_examples_they_leave_out_as_compare_does(tmp_path):
+@pytest.mark.processes
+def test_cli_compare_stops_at_an_example_whose_metadata_was_cut_short(tmp_path):
+    path = write_store(tmp_path / "damaged.zarr", draft=False)
+    metadata = path / "examples" / "ex0" / "zarr.json"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"rankkit: error: example 'ex0' in {path} is unreadable (its zarr.json does not parse); "
+        f"rerun the capture into {path} to redo it\n"
+    )
+
+
+def test_variance_and_select_refuse_an_unreadable_example_as_compare_does(tmp_path):
     from rankkit.eval.offline import select_store
 
-    path = write_store(tmp_path / "partial.zarr", draft=False)
+    path = write_store(tmp_path / "damaged.zarr", draft=False)
     (path / "examples" / "ex0" / "zarr.json").write_text("{ garbage")
-    left_out = f"left out 1 unreadable example\\(s\\) of {path}"
-    with pytest.warns(UserWarning, match=left_out):
-        assert variance_store(path, method="asl:window_size=8", budget=20, workers=1).curves["example"].n_unique() == 2
-    with pytest.warns(UserWarning, match=left_out):
-        assert len(select_store(path, "claa:window_size=8", Budget.from_keep(0.2))) == 2
+    refused = "example 'ex0' in .* is unreadable \\(its zarr.json does not parse\\)"
+    with pytest.raises(RankkitError, match=refused):
+        variance_store(path, method="asl:window_size=8", budget=20, workers=1)
+    with pytest.raises(RankkitError, match=refused):
+        select_store(path, "claa:window_size=8", Budget.from_keep(0.2))
 
 
 @pytest.mark.processes

@@ -560,11 +560,11 @@ def test_a_store_created_before_its_metadata_had_digests_reads_and_resumes_as_be
     assert "manifest" not in stores.open(path).meta  # a resume vouches for nothing it did not write
 
 
-def test_a_corrupt_example_reads_as_incomplete_and_is_redone(path):
+def test_a_corrupt_example_is_refused_by_readers_and_redone_by_the_capture(path):
     writer = stores.create(path, RUN_META)
     write(writer, "a", 0)
     (path / "examples" / "a" / "zarr.json").write_text("{ garbage")
-    assert stores.open(path).example_ids() == []
+    assert "example 'a' " in _one_line_error(lambda: stores.open(path).example_ids())
     assert not writer.is_complete("a")
     write(writer, "a", 1)
     assert_example_matches(stores.open(path), "a", 1)
@@ -942,18 +942,32 @@ def test_an_altered_array_metadata_or_chunk_fails_on_read(oracled):
     )
 
 
-def test_a_corrupt_example_metadata_is_counted_and_named(oracled):
-    (oracled / "examples" / "a" / "zarr.json").write_text("{ garbage")
+@pytest.mark.parametrize(
+    ("damage", "detail"),
+    [
+        (lambda metadata: metadata.write_bytes(metadata.read_bytes()[:100]), "its zarr.json does not parse"),
+        (lambda metadata: metadata.unlink(), "its zarr.json is missing"),
+    ],
+)
+def test_an_example_whose_metadata_is_truncated_or_deleted_stops_every_reader(oracled, damage, detail):
+    """No write leaves an example's zarr.json cut short, nor its arrays without one (it is written
+    first, each time whole): either is damage, refused as a damaged array is, not left out."""
+    damage(oracled / "examples" / "a" / "zarr.json")
+    refusal = f"example 'a' in {oracled} is unreadable ({detail}); rerun the capture into {oracled} to redo it"
     store = stores.open(oracled)
-    assert store.example_ids() == ["b"]
-    assert store.skipped() == {"unreadable": 1}
-    with pytest.warns(UserWarning) as warned:
+    for read in (store.example_ids, store.skipped, store.warn_skipped, store.scores_frame, lambda: store.example("a")):
+        assert _one_line_error(read) == refusal
+    assert [record.id for record in store.examples(skip_unreadable=True)] == ["b"]
+    report = stores.verify(oracled)
+    assert (report.counts()["unreadable"], report.problems[0].detail) == (1, detail)
+
+
+def test_an_example_killed_before_its_metadata_landed_is_left_out_as_incomplete(oracled):
+    (oracled / "examples" / "c").mkdir()
+    store = stores.open(oracled)
+    assert store.example_ids() == ["a", "b"] and store.skipped() == {"incomplete": 1}
+    with pytest.warns(UserWarning, match=f"left out 1 incomplete example\\(s\\) of {oracled}"):
         store.warn_skipped()
-    assert [str(warning.message) for warning in warned] == [
-        f"left out 1 unreadable example(s) of {oracled}; `rankkit store verify {oracled}` lists them"
-    ]
-    with pytest.raises(RankkitError, match="example 'a' .* is unreadable"):
-        store.example("a")
 
 
 def test_verify_counts_every_state_and_reset_lets_the_writers_redo_the_damage(oracled):
