@@ -180,9 +180,9 @@ def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters
     summary = layer_summary(frame)
     means = summary.select("layer", *DIFFUSION_MEANS, "n_examples", "n_clusters").to_dicts()
     assert means == [
-        {"layer": 0, "accuracy": 2 / 3, "score": 2.5 / 3, "answer_logprob": -3.0, "first_token_kl": 2.0,
+        {"layer": 0, "correct": 2 / 3, "score": 2.5 / 3, "answer_logprob": -3.0, "first_token_kl": 2.0,
          "evidence_attention": pytest.approx(0.4), "n_examples": 3, "n_clusters": 2},
-        {"layer": 1, "accuracy": 1.0, "score": 1.0, "answer_logprob": -1.0, "first_token_kl": 0.0,
+        {"layer": 1, "correct": 1.0, "score": 1.0, "answer_logprob": -1.0, "first_token_kl": 0.0,
          "evidence_attention": None, "n_examples": 3, "n_clusters": 2},
     ]  # fmt: skip
     # the bootstrap resamples the two clusters, whose log-prob means are both -3 and KL means 1.5 and 3

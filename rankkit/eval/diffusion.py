@@ -351,23 +351,23 @@ def check_diffusion_values(frame: pl.DataFrame, what: str, num_layers: int) -> N
     check_unique_rows(frame, ("example", "layer"), what, "rankkit diffusion")
 
 
-DIFFUSION_MEANS = ("accuracy", "score", "answer_logprob", "first_token_kl", "evidence_attention")
+DIFFUSION_MEANS = ("correct", "score", "answer_logprob", "first_token_kl", "evidence_attention")
 
 
 def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per layer over the examples: accuracy (full marks), mean score, answer log-prob, first-token KL
-    and evidence attention, each mean with its 95% interval (``rankkit.eval.stats.mean_intervals``:
-    Wilson for accuracy, bootstrap otherwise, resampling clusters where examples share a haystack
+    """Per layer over the examples: the share correct (full marks), mean score, answer log-prob,
+    first-token KL and evidence attention, each mean with its 95% interval (``rankkit.eval.stats.mean_intervals``:
+    Wilson for the share correct, bootstrap otherwise, resampling clusters where examples share a haystack
     or a needle), and ``n_examples`` (and ``n_clusters``)."""
     from rankkit.eval.stats import cluster_column, mean_intervals
 
-    scored = frame.with_columns(pl.col("correct").cast(pl.Float64).alias("accuracy"))
+    scored = frame.with_columns(pl.col("correct").cast(pl.Float64))
     summary = mean_intervals(
         scored.sort("layer", maintain_order=True),
         ["layer"],
         [name for name in DIFFUSION_MEANS if name in scored.columns],  # a frame may hold only some
         example="example",
         cluster=cluster_column(frame),  # none in frames written before the probe kept clusters
-        scores=["accuracy", "score"],
+        scores=["correct", "score"],
     )
     return summary

@@ -940,12 +940,12 @@ def diffusion_figure(diffusion: pl.DataFrame, *, layer: int, metric: str) -> go.
     figure.add_trace(
         go.Scatter(
             x=layers,
-            y=means["accuracy"],
+            y=means["correct"],
             mode="lines+markers",
             line={"color": "#2ca02c", "width": 2},
-            error_y=_error_bars(means, "accuracy"),
+            error_y=_error_bars(means, "correct"),
             name="share correct",
-            customdata=means.select("n_examples", *interval_columns("accuracy")).to_numpy(),
+            customdata=means.select("n_examples", *interval_columns("correct")).to_numpy(),
             hovertemplate="pruned from layer %{x}<br>%{y:.0%} [%{customdata[1]:.0%}, %{customdata[2]:.0%}] "
             "of %{customdata[0]} examples correct<extra></extra>",
         ),
