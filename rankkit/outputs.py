@@ -71,11 +71,14 @@ def claim(
     return paths
 
 
-def enclosing_store(path: Path) -> Path | None:
-    """The rankkit store (a folder whose zarr.json carries the store's schema version) that holds
-    ``path``, if any."""
-    from rankkit.stores.schema import SCHEMA_VERSION_KEY
+# The root attribute that marks a folder as a rankkit store (its schema version): here, below the
+# stores, so that every output can be kept out of one.
+STORE_SCHEMA_KEY = "schema_version"
 
+
+def enclosing_store(path: Path) -> Path | None:
+    """The rankkit store (a folder whose zarr.json carries ``STORE_SCHEMA_KEY``) that holds ``path``,
+    if any."""
     for folder in path.parents:
         metadata = folder / "zarr.json"
         if metadata.is_file():
@@ -83,7 +86,7 @@ def enclosing_store(path: Path) -> Path | None:
                 attributes = json.loads(metadata.read_text(encoding="utf-8")).get("attributes") or {}
             except (OSError, ValueError, AttributeError):
                 continue
-            if SCHEMA_VERSION_KEY in attributes:
+            if STORE_SCHEMA_KEY in attributes:
                 return folder
     return None
 

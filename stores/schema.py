@@ -43,6 +43,7 @@ from zarr.errors import GroupNotFoundError
 from zarr.storage import LocalStore, ZipStore
 
 from rankkit.errors import RankkitError
+from rankkit.outputs import STORE_SCHEMA_KEY
 
 from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST
 
@@ -50,7 +51,7 @@ SCHEMA_VERSION = 2
 
 # Root attributes the store sets itself; callers' run metadata never overrides them
 # and they are not part of the resume compatibility check.
-SCHEMA_VERSION_KEY = "schema_version"
+SCHEMA_VERSION_KEY = STORE_SCHEMA_KEY
 RANKKIT_VERSION_KEY = "rankkit_version"
 CREATED_KEY = "created"
 # The root's manifest holds a digest of each key of the run metadata (``manifest.attrs_digests``), so
