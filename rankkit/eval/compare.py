@@ -107,6 +107,7 @@ METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall", "evid
 SHARES = ("needle_recall", "evidence_kept")
 
 CLAA = "claa"
+SPECPREFILL = "specprefill"
 CLAA_SWEEP = (1, 2, 4, 8)  # CLAA Table 4 explores n up to 12; 8 already spans a quarter of a 32-layer model
 SPANS = {"prompt": None, "context": "context_tokens"}
 
@@ -658,6 +659,18 @@ def available_methods(probes: Sequence[str], has_draft: bool) -> list[str]:
     return offered
 
 
+def as_drafted(methods: Sequence[str], store_meta: Mapping[str, Any], num_layers: int) -> list[str]:
+    """``methods`` offered by default, SpecPrefill named with the draft the store's lookahead scores
+    were made with where its defaults would rank by another (which the store cannot rank by)."""
+    drafted = store_meta.get("draft") or {}
+    default = make(SPECPREFILL).draft_settings(num_layers)
+    made = {key: drafted.get(key) for key in default}
+    if not drafted or made == default:
+        return list(methods)
+    spec = f"{SPECPREFILL}:" + ",".join(f"{key}={value}" for key, value in made.items())
+    return [spec if name == SPECPREFILL else name for name in methods]
+
+
 def refuse_mixed_oracles(records, path) -> None:
     """Refuse examples whose oracles were made with different settings (answer, softmax, kernel, new
     tokens): their rankings would be scored against two different ground truths as one. A store
@@ -746,7 +759,7 @@ def compare_store(
         methods = split_names(methods)
         if not methods:
             raise RankkitError("--methods names nothing; give e.g. --methods window,claa,fastkv")
-    chosen = list(methods) if methods else available_methods(captured_probes, has_draft)
+    chosen = list(methods) if methods else as_drafted(available_methods(captured_probes, has_draft), store.meta, num_layers)
     unknown = [name for name in chosen if name not in captured_probes and not is_method(name)]
     if unknown:
         raise RankkitError(

@@ -96,6 +96,16 @@ def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str
                     f"method '{method.name}' ranks by a draft model's lookahead scores: "
                     "capture them with `rankkit capture --draft SPEC ...`"
                 )
+            drafted = store_meta.get("draft") or {}
+            wanted = method.draft_settings(record.score_shape(record.probes[0])[0])
+            made = {key: drafted.get(key) for key in wanted}
+            if drafted and made != wanted:
+                shown = ",".join(f"{key}={value}" for key, value in made.items())
+                return (
+                    f"the store's draft scores were made with {shown}, but method '{method.name}' ranks with "
+                    f"{','.join(f'{key}={value}' for key, value in wanted.items())}; rank with "
+                    f"{method.name}:{shown} (what the store holds), or capture the draft asked for"
+                )
         elif key not in record.probes:
             return (
                 f"method '{method.name}' ranks by probe {key!r}, which example {record.id!r} lacks: "

@@ -193,6 +193,12 @@ class SpecPrefill(Method):
     def captured_inputs(self):
         return [DRAFT_SCORES]
 
+    def draft_settings(self, num_layers: int) -> dict:
+        """What made the lookahead scores this method ranks by (a store's ``draft`` must match it): the
+        draft model and its lookahead k. The pooling applies to the stored scores, so it may differ."""
+        resolved = self.resolved(num_layers)
+        return {key: resolved[key] for key in ("draft_model", "lookahead")}
+
     def _ranking(self, captured: Captured) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 3 from the stored lookahead scores [k, ..., T] (max over layers and heads, mean over
         the k queries; a [T] array is taken as aggregated), pooled; and the forced last token."""
