@@ -291,15 +291,13 @@ def oracle_for(
 
 
 def capture_probes(probes: str) -> list:
-    """The probes ``capture(probes=...)`` records: those named, or for "all" every probe and every
-    probe setting a registered method ranks by (``probes_methods_need``)."""
-    probe_list = parse_probes(probes)
+    """The probes ``capture(probes=...)`` records: those named, or for "all" the default capture's
+    (``default_capture_probes``)."""
     if probes.strip() == "all":
-        from rankkit.methods import probes_methods_need
+        from rankkit.methods import default_capture_probes
 
-        keys = {probe.key for probe in probe_list}
-        probe_list += [probe for probe in probes_methods_need() if probe.key not in keys]
-    return probe_list
+        return default_capture_probes()
+    return parse_probes(probes)
 
 
 def _oracle_options(oracle) -> OracleOptions | None:

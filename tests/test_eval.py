@@ -450,6 +450,18 @@ def store_path(tmp_path_factory):
     return write_store(tmp_path_factory.mktemp("eval") / "run.zarr")
 
 
+def test_a_missing_probe_names_the_capture_that_adds_it_and_whether_the_default_one_does(store_path):
+    """gemfilter:kernel_size=7's probe was said to be recorded by the default capture, which records kernel 5."""
+    from rankkit.eval.offline import select_store
+
+    budget = Budget.from_keep(0.5)
+    lacks = "which example 'ex0' lacks: capture it with `rankkit capture --probes"
+    with pytest.raises(RankkitError, match=re.escape(f"{lacks} last_token_raw:kernel=7 ...`") + "$"):
+        select_store(store_path, "gemfilter:kernel_size=7", budget)
+    with pytest.raises(RankkitError, match=re.escape(f"{lacks} window:w=32 ...` (the default capture records it)") + "$"):
+        select_store(store_path, "snapkv", budget)
+
+
 @pytest.fixture(scope="module")
 def result(store_path):
     return compare_store(store_path)

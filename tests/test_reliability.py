@@ -180,6 +180,9 @@ def test_a_list_parameter_is_written_with_semicolons_and_reads_back_from_its_lab
     assert (method.pruning_layers, method.block_size) == ((1, 2), 8)
     with pytest.raises(RankkitError, match=r"pruning_layers=\(1, 'x'\) is not an integer"):
         method_from_spec("sliminfer:pruning_layers=1;x")
+    # select kept 315 tokens at layer 9 of "9;9;9", prefill 123: one layer cannot prune three times
+    with pytest.raises(RankkitError, match=r"pruning_layers=\(9, 2, 9\) names layer 9 twice; name each layer once$"):
+        method_from_spec("sliminfer:pruning_layers=9;2;9")
 
 
 def _method_spec(spec):

@@ -17,7 +17,7 @@ import torch
 
 from rankkit.checks import warn_clamped, warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
-from rankkit.methods import REGISTRY, Budget, Captured, Method, make
+from rankkit.methods import REGISTRY, Budget, Captured, Method, default_capture_probes, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
 
 
@@ -107,9 +107,11 @@ def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str
                     f"{method.name}:{shown} (what the store holds), or capture the draft asked for"
                 )
         elif key not in record.probes:
+            default = any(probe.key == key for probe in default_capture_probes())
             return (
                 f"method '{method.name}' ranks by probe {key!r}, which example {record.id!r} lacks: "
-                f"capture it with `rankkit capture --probes {key} ...` (the default capture records it)"
+                f"capture it with `rankkit capture --probes {key} ...`"
+                + (" (the default capture records it)" if default else "")
             )
         elif key in recorded and recorded[key] != method.probe().params():
             return (

@@ -54,6 +54,16 @@ __all__ = [
 ]
 
 
+def default_capture_probes() -> list:
+    """What ``rankkit capture`` records by default (``--probes all``): every probe at its defaults, and
+    every probe setting a registered method ranks by (``probes_methods_need``)."""
+    from rankkit.probes import parse_probes
+
+    probe_list = parse_probes("all")
+    keys = {probe.key for probe in probe_list}
+    return probe_list + [probe for probe in probes_methods_need() if probe.key not in keys]
+
+
 def probes_methods_need() -> list:
     """The probes the registered methods rank by at their defaults, once per store key: what a
     default capture records beside every probe, so each method's offline face finds its scores."""

@@ -92,7 +92,11 @@ class Bounds:
             if not isinstance(value, tuple | list) or not value:
                 return "is not a list of layers"
             problems = (self.problem_of_one(each, num_layers) for each in value)
-            return next((problem for problem in problems if problem is not None), None)
+            problem = next((problem for problem in problems if problem is not None), None)
+            twice = first_repeated(value)
+            if problem is None and twice is not None:  # a layer cannot act twice: the faces diverged on it
+                return f"names layer {twice} twice; name each layer once"
+            return problem
         return self.problem_of_one(value, num_layers)
 
     def problem_of_one(self, value, num_layers: int | None) -> str | None:
