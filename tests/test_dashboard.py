@@ -4,7 +4,6 @@ errors, the CLI, and the rendered page in headless Chromium (JavaScript errors, 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 from pathlib import Path
@@ -38,12 +37,13 @@ def write_synthetic_store(
     probes=PROBES,
     oracle: bool = True,
     seed: int = 0,
+    model: dict | None = None,
 ) -> Path:
     """Examples whose probes agree more with the oracle layer by layer; the oracle peaks on the needle."""
     from rankkit import stores
 
     rng = np.random.default_rng(seed)
-    writer = stores.create(path, {"model": {"id": "synthetic"}})
+    writer = stores.create(path, {"model": model or {"id": "synthetic"}})
     context = (8, tokens - 12)
     for index in range(examples):
         depth = [0.0, 50.0, 100.0][index % 3]
@@ -517,18 +517,11 @@ def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
         write_dashboard(store, tmp_path / "report.html", bench=bench_frame().drop("ttft_ratio"))
 
 
-def _with_model(path: Path, model: dict) -> Path:
-    root = json.loads((path / "zarr.json").read_text())
-    root["attributes"]["model"] = model
-    (path / "zarr.json").write_text(json.dumps(root))
-    return path
-
-
 def test_benches_of_other_models_are_drawn_apart_under_their_own_labels_and_never_joined(tmp_path):
     from rankkit.report import _bench_rows, _benches
 
     store_model = {"id": "SmolLM2-135M-Instruct", "weights_hash": "a" * 64}
-    path = _with_model(write_synthetic_store(tmp_path / "hashed.zarr", examples=2), store_model)
+    path = write_synthetic_store(tmp_path / "hashed.zarr", examples=2, model=store_model)
     own = bench_frame().with_columns(model=pl.lit("SmolLM2-135M-Instruct"), weights_hash=pl.lit("a" * 64))
     other = bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("b" * 64), score=pl.lit(0.0))
     # the same model's name with other weights (a fine-tune, another quantization): a model of its own
@@ -567,10 +560,7 @@ def test_benches_of_other_models_are_drawn_apart_under_their_own_labels_and_neve
 
 
 def test_a_bench_of_several_models_is_refused_and_an_unlabelled_one_shown_as_the_stores_with_a_warning(tmp_path):
-    path = _with_model(
-        write_synthetic_store(tmp_path / "hashed.zarr", examples=2),
-        {"id": "SmolLM2-135M-Instruct", "weights_hash": "a" * 64},
-    )
+    path = write_synthetic_store(tmp_path / "hashed.zarr", examples=2, model={"id": "SmolLM2-135M-Instruct", "weights_hash": "a" * 64})
     mixed = pl.concat([
         bench_frame().with_columns(model=pl.lit("SmolLM2-135M-Instruct"), weights_hash=pl.lit("a" * 64)),
         bench_frame().with_columns(model=pl.lit("tiny/llama"), weights_hash=pl.lit("b" * 64)),
