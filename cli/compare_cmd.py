@@ -248,6 +248,13 @@ def _one_budget(keep: str | None, budget: str | None) -> int | float:
     return chosen[0].number
 
 
+def _selection_cell(row: dict, threshold: str) -> Text:
+    """The layer asl selects at ``threshold``, marked where it is the last layer only because the
+    curve never drops below the threshold."""
+    layer = row["selection_layer"][threshold]
+    return Text(f"{layer} (fallback)" if row["fallback"][threshold] else str(layer))
+
+
 def _variance_table(rows: list[dict], store: Path) -> Table:
     table = Table(title=Text(f"ASL relative rank variance, {store}"))
     table.add_column("example")
@@ -263,7 +270,7 @@ def _variance_table(rows: list[dict], store: Path) -> Table:
         table.add_row(
             Text(row["example"]),
             Text(str(row["task"])),
-            *(_cell(row["selection_layer"][threshold]) for threshold in thresholds),
+            *(_selection_cell(row, threshold) for threshold in thresholds),
             Text(curve),
         )
     return table

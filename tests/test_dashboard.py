@@ -216,7 +216,8 @@ def test_variance_figure_counts_selection_layers_per_tau_with_a_never_bar():
             "task": ["t"] * 4,
             "probe": ["window"] * 4,
             "tau": [0.3, 0.3, 0.6, 0.6],
-            "selection_layer": [2, None, 2, 2],
+            "selection_layer": [2, 2, 2, 2],
+            "fallback": [False, True, False, False],  # b never drops below 0.3: asl's last layer
         },
         schema_overrides={"selection_layer": pl.Int32},
     )

@@ -38,9 +38,9 @@ from rankkit.eval.ranking import (
     top_k_mask,
     topk_recall,
 )
-from rankkit.eval.variance import selection_layer, variance_store
+from rankkit.eval.variance import variance_store
 from rankkit.methods import Budget, Captured, make
-from rankkit.methods.asl import RankVariance, relative_variance_curve
+from rankkit.methods.asl import RankVariance, is_fallback, relative_variance_curve, selection_layer
 from rankkit.methods.selection import DRAFT_SCORES, head_sums, replay
 
 # Few distinct values, so most draws have ties.
@@ -406,7 +406,9 @@ def test_selection_layer_for_each_threshold():
     curve = np.array([np.nan, np.nan, 1.0, 0.7, 0.55, 0.45, 0.35, 0.25, 0.15, 0.5])
     chosen = {tau: selection_layer(curve, tau) for tau in (0.2, 0.3, 0.4, 0.5, 0.6)}
     assert chosen == {0.2: 8, 0.3: 7, 0.4: 6, 0.5: 5, 0.6: 4}
-    assert selection_layer(curve, 0.1) is None
+    assert not any(is_fallback(curve, tau) for tau in chosen)
+    # nothing below 0.1: asl falls back to its last layer, and says so
+    assert (selection_layer(curve, 0.1), is_fallback(curve, 0.1)) == (9, True)
 
 
 # ---------------------------------------------------------------- compare on a store
@@ -716,7 +718,7 @@ def test_variance_store(store_path):
         store_path, method="asl:window_size=8", budget=13, min_layer=1, observed_layers=2
     )
     assert variance.curves.columns == ["example", "task", "probe", "layer", "relative_variance"]
-    assert variance.selections.columns == ["example", "task", "probe", "tau", "selection_layer"]
+    assert variance.selections.columns == ["example", "task", "probe", "tau", "selection_layer", "fallback"]
     assert variance.curves.height == 3 * LAYERS and variance.selections.height == 3 * 5
     # window ranks identically at every layer: the variance is 0 from L_min on, which ASL reads as
     # settled (relative variance 0), so every threshold selects L_min
@@ -742,14 +744,16 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
         scores = np.stack([base + rng.random(200) * 2.0 / (1 + layer) ** 2 for layer in range(12)])
         scores = np.broadcast_to(scores[:, None], (12, 2, 200)).astype(np.float32)
         writer.write_example(f"ex{index}", attrs={}, tokens=np.arange(200), scores={"window:w=32": scores})
-    variance = variance_store(tmp_path / "asl.zarr", budget=0.3)
-    chosen = variance.selections.filter(pl.col("tau") == 0.3)["selection_layer"].to_list()
+    # 0.001: no curve drops that low, so asl falls back to its last layer, and variance reports that layer
+    variance = variance_store(tmp_path / "asl.zarr", budget=0.3, thresholds=(0.001, 0.3))
     store = stores.open(tmp_path / "asl.zarr")
-    for record, layer in zip(store.examples(), chosen, strict=True):
-        captured = Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
-        assert (
-            layer is not None and make("asl").select_offline(captured, Budget.from_keep(0.3)).layer == layer
-        )
+    for tau, expected_fallback in ((0.001, True), (0.3, False)):
+        chosen = variance.selections.filter(pl.col("tau") == tau)
+        assert chosen["fallback"].to_list() == [expected_fallback] * 4
+        for record, layer in zip(store.examples(), chosen["selection_layer"], strict=True):
+            captured = Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
+            selected = make("asl", tau=tau).select_offline(captured, Budget.from_keep(0.3)).layer
+            assert layer == selected and (selected == 11) == expected_fallback
 
 
 def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(store_path):

@@ -129,7 +129,7 @@ def collect_rankings(out: Path, rankings: Experiment) -> dict[str, pl.DataFrame]
         selected = (
             cell_frame(out, "variance.selections", cell)
             .group_by("tau", maintain_order=True)
-            .agg(pl.col("selection_layer").is_not_null().sum().alias("selected"), pl.len().alias("examples"))
+            .agg((~pl.col("fallback")).sum().alias("selected"), pl.len().alias("examples"))
         )
         parts["selections"].append(tagged(selected, cell.dataset))
     tables = {name: pl.concat(frames, how="vertical_relaxed") for name, frames in parts.items()}

@@ -5,7 +5,9 @@ Frames:
 
 curves      example, task, probe, layer, relative_variance   (null before L_min), and cluster where the
             store's examples name one (``compare.with_clusters``)
-selections  example, task, probe, tau, selection_layer        (null when the curve never drops below tau)
+selections  example, task, probe, tau, selection_layer, fallback: the layer ``asl`` selects at tau
+            (``rankkit.methods.asl.selection_layer``), and whether it is its last layer only because
+            the curve never drops below tau
 means       task, probe, layer, relative_variance, relative_variance_ci_low, relative_variance_ci_high,
             n_examples (and n_clusters): the mean curve per task with its 95% interval over the task's
             examples, resampling clusters where they share one (``rankkit.eval.stats``), from L_min on
@@ -27,7 +29,7 @@ from rankkit import outputs
 from rankkit.checks import warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
-from rankkit.methods.asl import Asl
+from rankkit.methods.asl import Asl, is_fallback, selection_layer
 
 from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
@@ -41,12 +43,6 @@ if TYPE_CHECKING:
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
 DEFAULT_BUDGET = 0.1
 DEFAULT_METHOD = "asl"
-
-
-def selection_layer(curve: np.ndarray, threshold: float) -> int | None:
-    """The first layer whose relative variance is below ``threshold`` (ASL Algorithm 2, line 9), or None."""
-    below = np.flatnonzero(np.asarray(curve) < threshold)  # NaN (before L_min) is never below
-    return int(below[0]) if below.size else None
 
 
 def output_paths(path: str | os.PathLike) -> list[Path]:
@@ -96,19 +92,24 @@ class VarianceResult:
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over
-        all layers, None before L_min) and selection_layer ({"0.3": layer or None, ...})."""
+        all layers, None before L_min), selection_layer ({"0.3": layer, ...}) and fallback
+        ({"0.3": True where no layer fell below 0.3 and the last one selects, ...})."""
         curves = self.curves.group_by("example", "task", "probe", maintain_order=True).agg(
             "relative_variance"
         )
-        selections = self.selections.group_by("example", maintain_order=True).agg("tau", "selection_layer")
+        selections = self.selections.group_by("example", maintain_order=True).agg(
+            "tau", "selection_layer", "fallback"
+        )
         rows = []
         for curve, selection in zip(
             curves.iter_rows(named=True), selections.iter_rows(named=True), strict=True
         ):
-            chosen = dict(
-                zip((f"{tau:g}" for tau in selection["tau"]), selection["selection_layer"], strict=True)
+            taus = [f"{tau:g}" for tau in selection["tau"]]
+            chosen = dict(zip(taus, selection["selection_layer"], strict=True))
+            fallback = dict(zip(taus, selection["fallback"], strict=True))
+            rows.append(
+                {**curve, "min_layer": self.min_layer, "selection_layer": chosen, "fallback": fallback}
             )
-            rows.append({**curve, "min_layer": self.min_layer, "selection_layer": chosen})
         return rows
 
 
@@ -181,6 +182,7 @@ def variance_store(
         "probe": pl.String,
         "tau": pl.Float64,
         "selection_layer": pl.Int32,
+        "fallback": pl.Boolean,
     }
     curves = with_clusters(pl.concat(curve_frames), records, example="example")  # the means resample shared haystacks together
     return VarianceResult(bound.min_layer, curves, pl.DataFrame(selection_rows, schema=selection_schema))
@@ -214,6 +216,7 @@ def variance_example(
             "probe": probe,
             "tau": float(threshold),
             "selection_layer": selection_layer(curve, threshold),
+            "fallback": is_fallback(curve, threshold),
         }
         for threshold in thresholds
     ]

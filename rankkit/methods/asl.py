@@ -20,7 +20,9 @@ selects (nothing is left to speed up; the cache is still compressed).
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -83,7 +85,29 @@ class RankVariance(LayerPolicy):
             self.initial_variance = variance
         relative = variance / self.initial_variance if self.initial_variance > 0 else 0.0
         self.relative_variance[layer] = relative
-        return relative < self.tau or layer == self.last_layer
+        return selects(relative, self.tau, layer, self.last_layer)
+
+
+def selects(relative_variance: float, tau: float, layer: int, last_layer: int) -> bool:
+    """Algorithm 2 line 9: ``layer`` selects where its relative variance is below tau, and the last
+    layer selects whatever its variance (nothing is left to speed up, the cache is still compressed)."""
+    return relative_variance < tau or layer == last_layer
+
+
+def selection_layer(curve: Sequence[float], tau: float) -> int:
+    """The layer ``asl`` selects at over a relative variance ``curve`` (NaN before L_min, as
+    ``relative_variance_curve`` draws it): the first below tau, else the last."""
+    last_layer = len(curve) - 1
+    return next(
+        layer
+        for layer, relative in enumerate(curve)
+        if not math.isnan(relative) and selects(relative, tau, layer, last_layer)
+    )
+
+
+def is_fallback(curve: Sequence[float], tau: float) -> bool:
+    """Whether ``asl`` selects the last layer of ``curve`` only because no layer's variance fell below tau."""
+    return not any(relative < tau for relative in curve)  # NaN (before L_min) is never below
 
 
 def union_rank_variance(ranks: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -420,9 +420,10 @@ def variance_figure(
             row=1,
             col=1,
         )
-    never = num_layers  # examples whose curve never drops below tau get their own bar
+    never = num_layers  # examples whose curve never drops below tau (asl's fallback) get their own bar
     for (chosen_tau, task), chosen in selections.group_by("tau", "task", maintain_order=True):
-        counts = chosen.group_by(pl.col("selection_layer").fill_null(never)).len().sort("selection_layer")
+        shown_layer = pl.when(pl.col("fallback")).then(never).otherwise(pl.col("selection_layer"))
+        counts = chosen.group_by(shown_layer.alias("selection_layer")).len().sort("selection_layer")
         figure.add_trace(
             go.Bar(
                 x=counts["selection_layer"],
