@@ -733,6 +733,18 @@ def test_variance_store(store_path):
         variance_store(store_path, method="claa")
 
 
+def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradicting_its_spec(store_path):
+    """asl:tau=0.8 was accepted and its tau left out of the thresholds; --min-layer 2 beside
+    asl:min_layer=1 silently won."""
+    variance = variance_store(store_path, method="asl:window_size=8,tau=0.8", budget=13, min_layer=1)
+    assert sorted(set(variance.selections["tau"])) == [0.2, 0.3, 0.4, 0.5, 0.6, 0.8]
+    assert list(variance.by_example()[0]["selection_layer"]) == ["0.2", "0.3", "0.4", "0.5", "0.6", "0.8"]
+    with pytest.raises(RankkitError, match=r"^--min-layer 2 contradicts asl:min_layer=1; give one of them$"):
+        variance_store(store_path, method="asl:window_size=8,min_layer=1", budget=13, min_layer=2)
+    same = variance_store(store_path, method="asl:window_size=8,min_layer=1", budget=13, min_layer=1)
+    assert same.min_layer == 1
+
+
 def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
     from rankkit import stores
 

@@ -31,11 +31,36 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return named[0]
 
 
-def method_from_spec(spec: str, layer: int | None = None) -> Method:
-    """The method ``NAME`` or ``NAME:PARAM=VALUE,...`` with ``layer`` as its selection layer (``--layer``)."""
+def method_from_spec(
+    spec: str, layer: int | None = None, options: Mapping[str, tuple[str, Any]] | None = None
+) -> Method:
+    """The method ``NAME`` or ``NAME:PARAM=VALUE,...`` with ``layer`` as its selection layer (``--layer``)
+    and the run's ``options`` set: {option: (the parameter it sets, its value, None where not given)},
+    e.g. {"--draft": ("draft_model", "layers:4")}; an option contradicting the spec is refused."""
     name, params = parse_method_spec(spec)
     method = make(name, **params)
-    return method if layer is None else method.with_layer(layer)
+    set_by_options = {}
+    for option, (parameter, value) in (options or {}).items():
+        if value is not None:
+            refuse_contradiction(spec, option, parameter, value)
+            set_by_options[parameter] = value
+    if set_by_options:
+        method = make(name, **{**params, **set_by_options})
+    if layer is None:
+        return method
+    if method.selection_parameter is not None:
+        refuse_contradiction(spec, "--layer", method.selection_parameter, layer)
+    return method.with_layer(layer)
+
+
+def refuse_contradiction(spec: str, option: str, parameter: str, value: Any) -> None:
+    """Refuses ``option`` setting ``parameter`` to ``value`` where the method ``spec`` gives it another
+    value: neither may silently win (an equal value passes)."""
+    name, params = parse_method_spec(spec)
+    if parameter in params and params[parameter] != value:
+        raise RankkitError(
+            f"{option} {value} contradicts {name}:{parameter}={params[parameter]}; give one of them"
+        )
 
 
 def split_names(spec: str) -> list[str]:
@@ -171,7 +196,7 @@ def select_store(
     method = method_from_spec(method_spec)
     shared_layer = layer if method.selection_parameter is None else None
     if shared_layer is None and layer is not None:
-        method = method.with_layer(layer)
+        method = method_from_spec(method_spec, layer)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)
     store.warn_skipped()

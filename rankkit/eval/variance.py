@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,12 +117,11 @@ def curve_method(
     method: str = DEFAULT_METHOD, min_layer: int | None = None, observed_layers: int | None = None
 ) -> Asl:
     """The ASL method ``method`` (``asl:window_size=8``) whose curve ``variance_store`` draws, with
-    L_min and L_obs overridden where given."""
-    asl = method_from_spec(method)
-    if not isinstance(asl, Asl):
+    L_min and L_obs set where given (refused where the spec gives others)."""
+    if not isinstance(method_from_spec(method), Asl):  # before the options: other methods take no L_min
         raise RankkitError(f"rankkit variance follows ASL's curve; name asl or asl-2pass, not {method!r}")
-    overrides = {"min_layer": min_layer, "observed_layers": observed_layers}
-    return replace(asl, **{name: value for name, value in overrides.items() if value is not None})
+    options = {"--min-layer": ("min_layer", min_layer), "--observed-layers": ("observed_layers", observed_layers)}
+    return method_from_spec(method, options=options)
 
 
 def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
@@ -150,8 +149,9 @@ def variance_store(
 
     The curve is the ``asl`` method's own (``Asl.variance_curve``, ASL Alg. 2: the window
     probe at W = 32, k = budget - W, ranks over every token outside the window), so at the
-    method's tau the layer chosen here is the one ``asl`` selects at. ``method`` may carry
-    ASL's parameters (``asl:window_size=8``); ``min_layer``/``observed_layers`` override L_min/L_obs.
+    method's tau (reported beside ``thresholds``) the layer chosen here is the one ``asl`` selects at.
+    ``method`` may carry ASL's parameters (``asl:window_size=8``); ``min_layer``/``observed_layers``
+    set L_min/L_obs, refused where they contradict the spec's.
     """
     from rankkit import stores
 
@@ -169,7 +169,9 @@ def variance_store(
     bound = bound_curve_method(asl, scored_layers(records))
     budget = Budget.parse(budget)
     warn_raised(asl, budget, [record.num_tokens for record in records])
-    evaluate = partial(variance_example, asl=asl, budget=budget, thresholds=tuple(thresholds))
+    # the method's own tau among them, so the layer it selects is always reported
+    reported = tuple(sorted({*thresholds, asl.tau}))
+    evaluate = partial(variance_example, asl=asl, budget=budget, thresholds=reported)
     curve_frames, selection_rows = [], []
     for curve_frame, rows in map_examples(
         store.path, [record.id for record in records], evaluate, workers=workers
