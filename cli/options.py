@@ -58,7 +58,10 @@ NeedleKeep = Annotated[
     ),
 ]
 Mirror = Annotated[
-    str, typer.Option("--mirror", help="The architecture the oracle mirrors: gemfilter, fastkv or claa.")
+    str | None,
+    typer.Option(
+        "--mirror", help="The architecture the oracle mirrors: gemfilter, fastkv or claa. (default: fastkv)"
+    ),
 ]
 Warmup = Annotated[
     int,

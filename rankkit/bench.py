@@ -46,7 +46,7 @@ from rankkit.checks import (
 from rankkit.data import Example, data_fingerprint, load_examples, read_spec
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
-from rankkit.eval.offline import parse_method_spec, split_names
+from rankkit.eval.offline import method_from_spec, parse_method_spec, split_names
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, make
@@ -393,7 +393,7 @@ class MethodOptions:
 
     layer: int | None = None
     draft: str | None = None  # SpecPrefill's own default: layers:⌈L/4⌉
-    mirror: str = defaults.ORACLE_MIRROR
+    mirror: str | None = None  # the oracle's own default: fastkv
 
     def build(self, names: list[str], num_layers: int, *, strict: bool) -> list[Method]:
         """The methods ``names`` (``NAME`` or ``NAME:PARAM=VALUE,...``) with these options, ``layer``
@@ -406,12 +406,8 @@ class MethodOptions:
         """
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
-        params = {"specprefill": {"draft_model": self.draft}, "oracle": {"mirror": self.mirror}}
-        # a spec's own parameters (``claa:aggregation_window=8``) win over the run's options
-        methods = [
-            make(name, **{**params.get(name, {}), **given})
-            for name, given in map(parse_method_spec, names)
-        ]
+        options = {"specprefill": {"--draft": ("draft_model", self.draft)}, "oracle": {"--mirror": ("mirror", self.mirror)}}
+        methods = [method_from_spec(spec, options=options.get(parse_method_spec(spec)[0])) for spec in names]
         for method in methods:
             check_parameters(method, num_layers)
         twice = first_repeated([method.name for method in methods])
@@ -440,7 +436,10 @@ class MethodOptions:
             )
         for method in layered:
             check_layer(self.layer, num_layers, method.name)
-        return [method.with_layer(self.layer) if method in layered else method for method in methods]
+        return [
+            method_from_spec(spec, self.layer, options.get(method.name)) if method in layered else method
+            for spec, method in zip(names, methods, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

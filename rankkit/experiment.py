@@ -234,7 +234,7 @@ class BenchStage:
     methods: tuple[str, ...] = ()
     settings: BenchSettings = BenchSettings()
     draft: str | None = None
-    mirror: str = defaults.ORACLE_MIRROR
+    mirror: str | None = None  # the oracle's own default, fastkv
     limit: int | None = None
 
     def options(self, layer: int | None) -> MethodOptions:

@@ -402,3 +402,43 @@ def test_budget_tokens_is_what_each_method_kept_when_a_budget_is_below_what_it_a
     assert rows["asl"]["budget_tokens"] == len(rows["asl"]["selected_positions"]) == 9
     # lava keeps a set per KV head: its window, in every head of every layer
     assert rows["lava"]["budget_tokens"] == 4 and rows["lava"]["kv_tokens_per_layer"] == [4.0] * 3
+
+
+@pytest.mark.parametrize(
+    "spec, options, refusal",
+    [
+        ("oracle:mirror=claa", {"mirror": "gemfilter"}, "--mirror gemfilter contradicts oracle:mirror=claa"),
+        ("specprefill:draft_model=layers:2", {"draft": "layers:4"}, "--draft layers:4 contradicts specprefill:draft_model=layers:2"),
+        ("claa:pruning_layer=5", {"layer": 10}, "--layer 10 contradicts claa:pruning_layer=5"),
+    ],
+)
+def test_an_option_contradicting_the_method_spec_is_refused_and_an_equal_one_passes(spec, options, refusal):
+    """The spec silently won over --mirror and --draft, and --layer silently won over the spec."""
+    from rankkit.bench import MethodOptions
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(RankkitError, match=f"^{refusal}; give one of them$"):
+        MethodOptions(**options).build([spec], 30, strict=True)
+    (parameter, value), = parse_spec_params(spec)
+    agreeing = {name: value for name in options}
+    (method,) = MethodOptions(**agreeing).build([spec], 30, strict=True)
+    assert getattr(method, parameter) == value
+
+
+def parse_spec_params(spec: str) -> list:
+    from rankkit.eval.offline import parse_method_spec
+
+    return list(parse_method_spec(spec)[1].items())
+
+
+def test_run_options_set_methods_whose_spec_leaves_them_out():
+    from rankkit.bench import MethodOptions
+
+    with pytest.warns(UserWarning, match="specprefill takes no layer"):
+        oracle, specprefill, claa = MethodOptions(10, "layers:4", "gemfilter").build(
+            ["oracle", "specprefill", "claa"], 30, strict=False
+        )
+    assert (oracle.mirror, oracle.pruning_layer) == ("gemfilter", 10)
+    assert (specprefill.draft_model, claa.pruning_layer) == ("layers:4", 10)
+    (default_oracle,) = MethodOptions().build(["oracle:pruning_layer=4"], 30, strict=True)
+    assert (default_oracle.mirror, default_oracle.pruning_layer) == ("fastkv", 4)

@@ -1147,6 +1147,14 @@ def test_cli_compare_and_select_as_csv_are_the_json_rows_whole(cli, store_path):
     assert isinstance(both.exception, RankkitError) and "--json is --format json" in str(both.exception)
 
 
+def test_cli_select_refuses_a_layer_contradicting_the_method_spec(cli, store_path):
+    refused = cli("select", store_path, "--method", "fastkv:tsp_layer=1", "--keep", 0.2, "--layer", 2)
+    assert isinstance(refused.exception, RankkitError)
+    assert str(refused.exception) == "--layer 2 contradicts fastkv:tsp_layer=1; give one of them"
+    agreeing = cli("select", store_path, "--method", "fastkv:tsp_layer=2", "--keep", 0.2, "--layer", 2, "--json")
+    assert [row["layer"] for row in json.loads(agreeing.stdout)] == [2, 2, 2]
+
+
 def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
     result = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json")
     assert result.exit_code == 0, result.output

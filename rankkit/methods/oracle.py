@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from rankkit import defaults
 from rankkit.errors import RankkitError
 from rankkit.methods.base import bounded, paper_count, paper_layer, register, reprefill_selected
 from rankkit.methods.selection import (
@@ -49,7 +50,7 @@ class FixedRanking:
 @dataclass
 class Oracle(PolicyMethod):
     name: ClassVar[str] = "oracle"
-    mirror: str = "fastkv"
+    mirror: str = defaults.ORACLE_MIRROR
     pruning_layer: int | None = paper_layer(15, selection=True)  # l_p / TSP of the one-pass mirrors
     deferred_layers: int | None = paper_count(4, minimum=0)  # m of the claa mirror
     window_size: int = bounded(8, 1)  # kept by the one-pass mirrors, as FastKV and CLAA keep theirs
