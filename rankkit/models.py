@@ -9,6 +9,7 @@ loads through exactly the same path as any other local folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from rankkit import outputs
 from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
@@ -169,10 +171,12 @@ def folder_weights_hash(folder: Path) -> str:
     """Content hash of a folder's weight files, computed once per version of the folder.
 
     Hashing means reading every weight file (16 GB for an 8B model), so the result is
-    remembered in ``$RANKKIT_CACHE/weights-hashes`` under the folder's identity: its
-    resolved path and each weight file's name, size and modification time. Any change to
-    those files gives a new identity and a fresh hash. The default model's converted
-    folder records its hash beside the weights instead.
+    remembered under the weight files' identity (``weight_files_identity``: each one's name,
+    size, modification time and inode): in ``$RANKKIT_CACHE/weights-hashes`` for any folder,
+    and in the folder's own ``WEIGHTS_HASH_FILE`` where it has one (the default model's
+    conversion, whose hash is its GGUF source's). Any change to those files gives a new
+    identity and a fresh hash; a stale record beside the weights is rewritten where the folder
+    is writable, so a copied and edited conversion never passes for the original.
     """
     known = recorded_weights_hash(folder)
     if known is not None:
@@ -182,41 +186,61 @@ def folder_weights_hash(folder: Path) -> str:
         raise RankkitError(
             f"{folder} holds no weight files (*.safetensors, *.bin): point --model at an HF model folder"
         )
+    # Taken before reading: a file written while it is hashed then no longer matches its record.
+    identity = weight_files_identity(weight_files)
     digest = hashlib.sha256()
     for path in weight_files:
         digest.update(path.name.encode())
         digest.update(file_sha256(path).encode())
+    weights_hash = digest.hexdigest()
     write_atomically(
-        _remembered_hash(folder, weight_files),
-        json.dumps({"sha256": digest.hexdigest(), "folder": str(folder.resolve())}),
+        _remembered_hash(folder, identity),
+        json.dumps({"sha256": weights_hash, "folder": str(folder.resolve())}),
     )
-    return digest.hexdigest()
+    if (folder / WEIGHTS_HASH_FILE).is_file():
+        # No "source" kept: the weights are no longer known to be that file's conversion.
+        with contextlib.suppress(RankkitError):  # a read-only folder: the remembered hash serves
+            outputs.write_text(
+                json.dumps({"sha256": weights_hash, "files": identity}), folder / WEIGHTS_HASH_FILE
+            )
+    return weights_hash
 
 
 def recorded_weights_hash(folder: Path) -> str | None:
-    """The folder's weights hash where ``folder_weights_hash`` already knows it (recorded beside the
-    weights, or remembered for this version of the folder), else None; no weight file is read."""
-    recorded = folder / WEIGHTS_HASH_FILE
-    if recorded.is_file():
-        return json.loads(recorded.read_text())["sha256"]
-    remembered = _remembered_hash(folder, _weight_files(folder))
+    """The folder's weights hash where ``folder_weights_hash`` already knows it for the weight files
+    as they are now (recorded beside them, or remembered), else None; no weight file is read."""
+    identity = weight_files_identity(_weight_files(folder))
+    record = _record_beside_weights(folder)
+    # A record without "files" (written before rankkit recorded them) cannot tell; it is recomputed.
+    if record is not None and record.get("files") == identity:
+        return record["sha256"]
+    remembered = _remembered_hash(folder, identity)
     return json.loads(remembered.read_text())["sha256"] if remembered.is_file() else None
+
+
+def _record_beside_weights(folder: Path) -> dict | None:
+    recorded = folder / WEIGHTS_HASH_FILE
+    return json.loads(recorded.read_text()) if recorded.is_file() else None
 
 
 def _weight_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
 
 
-def _remembered_hash(folder: Path, weight_files: list[Path]) -> Path:
-    """Where a folder's hash is remembered: under its resolved path and its weight files' names,
-    sizes and modification times."""
-    identity = [str(folder.resolve())]
+def weight_files_identity(weight_files: list[Path]) -> dict[str, dict[str, int]]:
+    """What tells that weight files changed without reading them: each one's size, modification
+    time and inode by name (the inode tells a file replaced by a copy that kept its mtime)."""
+    identity = {}
     for path in weight_files:
         stat = path.stat()
-        identity.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    return (
-        cache_root() / "weights-hashes" / f"{hashlib.sha256(chr(0).join(identity).encode()).hexdigest()}.json"
-    )
+        identity[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    return identity
+
+
+def _remembered_hash(folder: Path, identity: dict[str, dict[str, int]]) -> Path:
+    """Where a folder's hash is remembered: under its resolved path and its weight files' identity."""
+    key = json.dumps([str(folder.resolve()), identity], sort_keys=True)
+    return cache_root() / "weights-hashes" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -255,7 +279,10 @@ def default_model_folder() -> Path:
         del model.config.quantization_config
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        (partial / WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": source_hash, "source": gguf.name}))
+        # Renaming the folder into place keeps each file's identity, so the record holds there.
+        identity = weight_files_identity(_weight_files(partial))
+        record = {"sha256": source_hash, "source": gguf.name, "files": identity}
+        (partial / WEIGHTS_HASH_FILE).write_text(json.dumps(record))
         try:
             partial.rename(target)
         except OSError:  # another process published it first; theirs is as good as ours
@@ -275,8 +302,8 @@ def default_model_target(source_hash: str | None = None) -> Path:
 @dataclass(frozen=True)
 class CachedModel:
     folder: Path
-    weights_hash: str  # as recorded in the folder's WEIGHTS_HASH_FILE
-    source: str | None  # the file it was converted from
+    weights_hash: str  # folder_weights_hash: the recorded one while the weights are unchanged
+    source: str | None  # the file it was converted from, while the weights are unchanged
     size_bytes: int
 
 
@@ -288,9 +315,12 @@ def cached_models() -> list[CachedModel]:
         recorded = folder / WEIGHTS_HASH_FILE
         if folder.name.startswith(".") or not recorded.is_file():  # a conversion still running or killed
             continue
-        record = json.loads(recorded.read_text())
+        weights_hash = folder_weights_hash(folder)  # rehashes only weights changed since recorded
+        record = _record_beside_weights(folder)
+        # The source names the recorded hash only; a read-only folder's record may be stale still.
+        source = record.get("source") if record["sha256"] == weights_hash else None
         size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
-        found.append(CachedModel(folder, record["sha256"], record.get("source"), size))
+        found.append(CachedModel(folder, weights_hash, source, size))
     return found
 
 

@@ -190,7 +190,9 @@ def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_nam
     done = tmp_path / "models" / "Tiny-0123456789ab"
     done.mkdir(parents=True)
     (done / "model.safetensors").write_bytes(b"\0" * 1000)
-    record = json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"})
+    # as a conversion records it: beside the weights' identity, which says they are unchanged since
+    weights = {"files": models.weight_files_identity([done / "model.safetensors"])}
+    record = json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"} | weights)
     (done / models.WEIGHTS_HASH_FILE).write_text(record)
     (tmp_path / "models" / ".Tiny-0123456789ab.partial-1-x").mkdir()  # a conversion killed half-way
     (tmp_path / "models" / "unfinished").mkdir()
