@@ -84,6 +84,71 @@ def test_weights_hash_is_computed_once_per_folder_version(tmp_path, monkeypatch)
     assert changed == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
 
 
+def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed_from(
+    tmp_path, monkeypatch, tiny_folder
+):
+    """A converted folder records its hash beside its weights; a copy of it whose weights were
+    tuned (one matrix zeroed, same size) or replaced by a copy that kept the mtime is rehashed
+    and recorded anew, and an unchanged one is never read."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    folder = shutil.copytree(tiny_folder, tmp_path / "cache" / "models" / "Tiny-0123456789ab")
+    weights = folder / "model.safetensors"
+    record = {"sha256": "ab" * 32, "source": "tiny.gguf", "files": models.weight_files_identity([weights])}
+    (folder / models.WEIGHTS_HASH_FILE).write_text(json.dumps(record))
+    reads = []
+    real_sha256 = models.file_sha256
+    monkeypatch.setattr(models, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
+
+    assert models.folder_weights_hash(folder) == "ab" * 32
+    assert models.known_weights_hash(str(folder), torch.device("cpu")) == "ab" * 32
+    assert [(found.weights_hash, found.source) for found in models.cached_models()] == [("ab" * 32, "tiny.gguf")]
+    assert reads == []
+
+    tensors = load_file(weights)
+    size = weights.stat().st_size
+    tensors["model.layers.0.mlp.down_proj.weight"].zero_()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == size
+    tuned = models.folder_weights_hash(folder)
+    assert tuned == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
+    assert reads == ["model.safetensors"]
+    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text()) == {
+        "sha256": tuned,
+        "files": models.weight_files_identity([weights]),
+    }
+    assert models.folder_weights_hash(folder) == tuned
+    assert [(found.weights_hash, found.source) for found in models.cached_models()] == [(tuned, None)]
+    assert reads == ["model.safetensors"]
+
+    # The original weights copied back over the tuned ones, mtime kept (cp -p): only the inode tells.
+    original = tmp_path / "original.safetensors"
+    shutil.copyfile(tiny_folder / "model.safetensors", original)
+    os.utime(original, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns))
+    os.replace(original, weights)
+    assert models.folder_weights_hash(folder) == models.folder_weights_hash(tiny_folder) != tuned
+    assert reads == ["model.safetensors"] * 3
+
+
+def test_a_weights_record_from_before_file_identities_were_recorded_is_rehashed(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    (folder / models.WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"}))
+    content = models.hashlib.sha256(
+        b"model.safetensors" + models.file_sha256(folder / "model.safetensors").encode()
+    ).hexdigest()
+    assert models.recorded_weights_hash(folder) is None
+    assert models.folder_weights_hash(folder) == content
+    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text())["sha256"] == content
+
+
 def test_device_resolution():
     assert models.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
