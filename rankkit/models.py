@@ -188,22 +188,34 @@ def folder_weights_hash(folder: Path) -> str:
         )
     # Taken before reading: a file written while it is hashed then no longer matches its record.
     identity = weight_files_identity(weight_files)
-    digest = hashlib.sha256()
-    for path in weight_files:
-        digest.update(path.name.encode())
-        digest.update(file_sha256(path).encode())
-    weights_hash = digest.hexdigest()
+    weights_hash = content_hash(weight_files)
+    record = _record_beside_weights(folder)
+    # the record's own weights (a copy, or files touched since), or a record from before rankkit tied
+    # records to their files, taken as written then: the conversion's hash holds, tied to them now
+    if record is not None and record.get("content_sha256", weights_hash) == weights_hash and (
+        "files" not in record or "content_sha256" in record
+    ):
+        weights_hash, record = record["sha256"], {**record, "files": identity, "content_sha256": weights_hash}
+    else:
+        # No "source" kept: the weights are no longer known to be that file's conversion.
+        record = None if record is None else {"sha256": weights_hash, "content_sha256": weights_hash, "files": identity}
     write_atomically(
         _remembered_hash(folder, identity),
         json.dumps({"sha256": weights_hash, "folder": str(folder.resolve())}),
     )
-    if (folder / WEIGHTS_HASH_FILE).is_file():
-        # No "source" kept: the weights are no longer known to be that file's conversion.
+    if record is not None:
         with contextlib.suppress(RankkitError):  # a read-only folder: the remembered hash serves
-            outputs.write_text(
-                json.dumps({"sha256": weights_hash, "files": identity}), folder / WEIGHTS_HASH_FILE
-            )
+            outputs.write_text(json.dumps(record), folder / WEIGHTS_HASH_FILE)
     return weights_hash
+
+
+def content_hash(weight_files: list[Path]) -> str:
+    """The hash of weight files' names and contents (every byte read)."""
+    digest = hashlib.sha256()
+    for path in weight_files:
+        digest.update(path.name.encode())
+        digest.update(file_sha256(path).encode())
+    return digest.hexdigest()
 
 
 def recorded_weights_hash(folder: Path) -> str | None:
@@ -211,7 +223,8 @@ def recorded_weights_hash(folder: Path) -> str | None:
     as they are now (recorded beside them, or remembered), else None; no weight file is read."""
     identity = weight_files_identity(_weight_files(folder))
     record = _record_beside_weights(folder)
-    # A record without "files" (written before rankkit recorded them) cannot tell; it is recomputed.
+    # A record without "files" (written before rankkit recorded them) cannot tell: it is checked by
+    # ``folder_weights_hash``.
     if record is not None and record.get("files") == identity:
         return record["sha256"]
     remembered = _remembered_hash(folder, identity)
@@ -280,8 +293,10 @@ def default_model_folder() -> Path:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         # Renaming the folder into place keeps each file's identity, so the record holds there.
-        identity = weight_files_identity(_weight_files(partial))
-        record = {"sha256": source_hash, "source": gguf.name, "files": identity}
+        weight_files = _weight_files(partial)
+        identity = weight_files_identity(weight_files)
+        # the content's own hash too: a copy of these weights is still the GGUF's conversion
+        record = {"sha256": source_hash, "source": gguf.name, "files": identity, "content_sha256": content_hash(weight_files)}
         (partial / WEIGHTS_HASH_FILE).write_text(json.dumps(record))
         try:
             partial.rename(target)

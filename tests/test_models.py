@@ -119,6 +119,7 @@ def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed
     assert reads == ["model.safetensors"]
     assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text()) == {
         "sha256": tuned,
+        "content_sha256": tuned,
         "files": models.weight_files_identity([weights]),
     }
     assert models.folder_weights_hash(folder) == tuned
@@ -134,19 +135,31 @@ def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed
     assert reads == ["model.safetensors"] * 3
 
 
-def test_a_weights_record_from_before_file_identities_were_recorded_is_rehashed(tmp_path, monkeypatch):
+def test_a_weights_record_from_before_file_identities_were_kept_is_tied_to_its_files_and_a_copy_keeps_its_hash(
+    tmp_path, monkeypatch
+):
+    """A conversion recorded before its files' identities were kept holds its hash (its stores, made with
+    it, stay its model's) and is tied to its files from then on; an unchanged copy of the weights is still
+    the conversion (its content matches the record's), where it was hashed as a model of its own."""
     import json
+    import shutil
 
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "model"
     tiny_model("llama").save_pretrained(folder)
+    weights = folder / "model.safetensors"
     (folder / models.WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"}))
-    content = models.hashlib.sha256(
-        b"model.safetensors" + models.file_sha256(folder / "model.safetensors").encode()
-    ).hexdigest()
+    content = models.hashlib.sha256(b"model.safetensors" + models.file_sha256(weights).encode()).hexdigest()
     assert models.recorded_weights_hash(folder) is None
-    assert models.folder_weights_hash(folder) == content
-    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text())["sha256"] == content
+    assert models.folder_weights_hash(folder) == "ab" * 32
+    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text()) == {
+        "sha256": "ab" * 32, "source": "tiny.gguf", "files": models.weight_files_identity([weights]),
+        "content_sha256": content,
+    }  # fmt: skip
+    assert models.recorded_weights_hash(folder) == "ab" * 32
+    copy = shutil.copytree(folder, tmp_path / "copy")  # new inodes and times: rehashed, the same content
+    assert models.recorded_weights_hash(copy) is None
+    assert models.folder_weights_hash(copy) == "ab" * 32
 
 
 def test_device_resolution():
