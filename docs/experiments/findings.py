@@ -126,10 +126,11 @@ def collect_rankings(out: Path, rankings: Experiment) -> dict[str, pl.DataFrame]
         parts["needle_pairs"].append(tagged(needle, cell.dataset))
         means = cell_frame(out, "variance.means", cell).select("layer", *VARIANCE_COLUMNS)
         parts["variance"].append(tagged(means, cell.dataset))
-        selected = (
-            cell_frame(out, "variance.selections", cell)
-            .group_by("tau", maintain_order=True)
-            .agg((~pl.col("fallback")).sum().alias("selected"), pl.len().alias("examples"))
+        selections = cell_frame(out, "variance.selections", cell)
+        # a sweep resumed from before the fallback column marked asl's fallback with no layer
+        fallback = pl.col("fallback") if "fallback" in selections.columns else pl.col("selection_layer").is_null()
+        selected = selections.group_by("tau", maintain_order=True).agg(
+            (~fallback).sum().alias("selected"), pl.len().alias("examples")
         )
         parts["selections"].append(tagged(selected, cell.dataset))
     tables = {name: pl.concat(frames, how="vertical_relaxed") for name, frames in parts.items()}
