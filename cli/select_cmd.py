@@ -15,7 +15,8 @@ def select(
         ...,
         "--method",
         help="A method with its parameters, e.g. claa or claa:aggregation_window=8 (gemfilter, fastkv, "
-        "claa, asl, asl-2pass, snapkv, streamingllm, sliminfer, lava, specprefill, oracle).",
+        "claa, asl, asl-2pass, snapkv, pyramidkv, adakv, sage-kv, lava, tova, streamingllm, sliminfer, "
+        "specprefill, oracle).",
     ),
     keep: float | None = typer.Option(None, "--keep", help="Keep rate in (0, 1], e.g. 0.1."),
     budget: int | None = typer.Option(
