@@ -22,9 +22,30 @@ from rankkit.cli.options import (
 )
 from rankkit.cli.progress import progress_bar
 
+# what only `overhead analysis` uses, and what only the model scenarios do
+ANALYSIS_OPTIONS = ("examples", "workers")
+MODEL_OPTIONS = (
+    "model", "device", "repeats", "memory", "timing", "cuda_graphs", "compile_decode", "allow_overlength", "threads",
+)  # fmt: skip
+
+
+def _refuse_unused_options(ctx: typer.Context, scenario: str) -> None:
+    """An option given on the command line that ``scenario`` does not use is refused: it was ignored."""
+    from rankkit.errors import RankkitError
+
+    unused = ANALYSIS_OPTIONS if scenario != "analysis" else MODEL_OPTIONS
+    given = [
+        "/".join([*param.opts, *param.secondary_opts])
+        for param in ctx.command.params
+        if param.name in unused and ctx.get_parameter_source(param.name).name == "COMMANDLINE"
+    ]
+    if given:
+        raise RankkitError(f"overhead {scenario} does not use {', '.join(given)}; leave it out")
+
 
 @app.command()
 def overhead(
+    ctx: typer.Context,
     scenario: str = typer.Argument(..., help="runner, capture, oracle, decode or analysis."),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     model: Model = defaults.MODEL,
@@ -53,6 +74,7 @@ def overhead(
     shown_as = output_format(table_format, as_json)
     if scenario not in (*SCENARIOS, "analysis"):
         raise RankkitError(f"unknown scenario '{scenario}': choose one of {', '.join(SCENARIOS)}, analysis")
+    _refuse_unused_options(ctx, scenario)
     try:
         token_counts = [int(part) for part in lengths.split(",")]
     except ValueError:

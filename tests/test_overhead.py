@@ -270,6 +270,28 @@ def test_overhead_decode_compiles_the_static_step_only_with_cuda_graphs(tiny_fol
     assert row["rankkit"].endswith("CUDA graphs, compiled") and row["rankkit_s"] > 0
 
 
+@pytest.mark.parametrize(
+    ("arguments", "unused"),
+    [
+        (["analysis", "--examples", "2", "--no-memory", "--no-timing"], "--memory/--no-memory, --timing/--no-timing"),
+        (["analysis", "--examples", "2", "--cuda-graphs", "--threads", "1"], "--cuda-graphs, --threads"),
+        (["capture", "--examples", "5", "--workers", "2"], "--examples, --workers"),
+    ],
+)
+def test_an_option_the_scenario_does_not_use_is_refused(arguments, unused):
+    """`overhead analysis --no-memory --no-timing` printed seconds and peak memory anyway, and
+    `overhead capture --examples 5` ran as if it had not been given."""
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+    from rankkit.errors import RankkitError
+
+    result = CliRunner().invoke(app, ["overhead", *arguments, "--lengths", "256"])
+    assert isinstance(result.exception, RankkitError), result.output
+    assert str(result.exception) == f"overhead {arguments[0]} does not use {unused}; leave it out"
+
+
 def test_the_two_sides_alternate_which_runs_first():
     """A repeat's second run meets what the first left (allocator, caches): each side runs first in
     every other repeat, after one warm-up each, and each side's times are its own."""
