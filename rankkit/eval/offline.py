@@ -194,6 +194,7 @@ def select_store(
     from rankkit import stores
 
     method = method_from_spec(method_spec)
+    (label,) = split_names(method_spec)  # named with its parameters, as compare names it
     shared_layer = layer if method.selection_parameter is None else None
     if shared_layer is None and layer is not None:
         method = method_from_spec(method_spec, layer)
@@ -214,7 +215,7 @@ def select_store(
         rows.append(
             {
                 "example_id": record.id,
-                "method": method.name,
+                "method": label,
                 "layer": selection.layer,
                 "budget_tokens": selection.size,
                 "selected_positions": selection.as_lists(),
