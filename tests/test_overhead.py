@@ -327,7 +327,8 @@ def test_overhead_refuses_a_length_it_cannot_run_before_the_model_loads():
     import sys
 
     for scenario, lengths in [("decode", "0"), ("runner", "64,-3"), ("analysis", "0")]:
-        arguments = ["overhead", scenario, "--model", "/nowhere", "--lengths", lengths]
+        model = [] if scenario == "analysis" else ["--model", "/nowhere"]  # analysis runs no model
+        arguments = ["overhead", scenario, *model, "--lengths", lengths]
         refused = subprocess.run([sys.executable, "-m", "rankkit.cli", *arguments], capture_output=True, text=True)
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.strip().splitlines() == [

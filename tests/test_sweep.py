@@ -841,7 +841,7 @@ def test_the_suggested_calibration_runs_the_longest_prompt_of_a_file(tiny_folder
     )
     plan = _write(
         tmp_path / "file.toml",
-        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=64"\n'
+        f'stages = ["capture"]\n[model]\nname = "{tiny_folder}"\n[[data]]\nspec = "niah:n=1,length=96"\n'
         f'[[data]]\nspec = "{examples}"\n',
     )
     shown = CliRunner().invoke(app, ["sweep", str(plan), "--out", str(tmp_path / "out"), "--dry-run", "--json"])
