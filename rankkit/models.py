@@ -191,10 +191,9 @@ def folder_weights_hash(folder: Path) -> str:
     weights_hash = content_hash(weight_files)
     record = _record_beside_weights(folder)
     # the record's own weights (a copy, or files touched since), or a record from before rankkit tied
-    # records to their files, taken as written then: the conversion's hash holds, tied to them now
-    if record is not None and record.get("content_sha256", weights_hash) == weights_hash and (
-        "files" not in record or "content_sha256" in record
-    ):
+    # records to their files (it has neither), taken as written then: its hash holds, tied to them now
+    untied = record is not None and "files" not in record and "content_sha256" not in record
+    if untied or (record is not None and record.get("content_sha256") == weights_hash):
         weights_hash, record = record["sha256"], {**record, "files": identity, "content_sha256": weights_hash}
     else:
         # No "source" kept: the weights are no longer known to be that file's conversion.

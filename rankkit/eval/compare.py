@@ -667,7 +667,7 @@ def as_drafted(methods: Sequence[str], store_meta: Mapping[str, Any], num_layers
     made = {key: drafted.get(key) for key in default}
     if not drafted or made == default:
         return list(methods)
-    spec = f"{SPECPREFILL}:" + ",".join(f"{key}={value}" for key, value in made.items())
+    spec = make(SPECPREFILL).drafted_as(made)
     return [spec if name == SPECPREFILL else name for name in methods]
 
 

@@ -42,21 +42,20 @@ def method_from_spec(
     set_by_options = {}
     for option, (parameter, value) in (options or {}).items():
         if value is not None:
-            refuse_contradiction(spec, option, parameter, value)
+            _refuse_contradiction(name, params, option, parameter, value)
             set_by_options[parameter] = value
     if set_by_options:
         method = make(name, **{**params, **set_by_options})
     if layer is None:
         return method
     if method.selection_parameter is not None:
-        refuse_contradiction(spec, "--layer", method.selection_parameter, layer)
+        _refuse_contradiction(name, params, "--layer", method.selection_parameter, layer)
     return method.with_layer(layer)
 
 
-def refuse_contradiction(spec: str, option: str, parameter: str, value: Any) -> None:
-    """Refuses ``option`` setting ``parameter`` to ``value`` where the method ``spec`` gives it another
-    value: neither may silently win (an equal value passes)."""
-    name, params = parse_method_spec(spec)
+def _refuse_contradiction(name: str, params: Mapping[str, Any], option: str, parameter: str, value: Any) -> None:
+    """Refuses ``option`` setting ``parameter`` to ``value`` where the method spec (``name`` with its
+    ``params``) gives it another value: neither may silently win (an equal value passes)."""
     if parameter in params and params[parameter] != value:
         raise RankkitError(
             f"{option} {value} contradicts {name}:{parameter}={params[parameter]}; give one of them"
@@ -125,11 +124,11 @@ def missing_inputs(method: Method, record, store_meta: Mapping[str, Any]) -> str
             wanted = method.draft_settings(record.score_shape(record.probes[0])[0])
             made = {key: drafted.get(key) for key in wanted}
             if drafted and made != wanted:
-                shown = ",".join(f"{key}={value}" for key, value in made.items())
+                held, asked = method.drafted_as(made), method.drafted_as(wanted)
                 return (
-                    f"the store's draft scores were made with {shown}, but method '{method.name}' ranks with "
-                    f"{','.join(f'{key}={value}' for key, value in wanted.items())}; rank with "
-                    f"{method.name}:{shown} (what the store holds), or capture the draft asked for"
+                    f"the store's draft scores were made with {held.partition(':')[2]}, but method '{method.name}' "
+                    f"ranks with {asked.partition(':')[2]}; rank with {held} (what the store holds), or capture "
+                    "the draft asked for"
                 )
         elif key not in record.probes:
             default = any(probe.key == key for probe in default_capture_probes())

@@ -193,6 +193,11 @@ class SpecPrefill(Method):
     def captured_inputs(self):
         return [DRAFT_SCORES]
 
+    @classmethod
+    def drafted_as(cls, settings: dict) -> str:
+        """The method spec ranking by the draft ``settings`` (``draft_settings``' keys) describe."""
+        return f"{cls.name}:" + ",".join(f"{key}={value}" for key, value in settings.items())
+
     def draft_settings(self, num_layers: int) -> dict:
         """What made the lookahead scores this method ranks by (a store's ``draft`` must match it): the
         draft model and its lookahead k. The pooling applies to the stored scores, so it may differ."""
