@@ -50,7 +50,9 @@ def overhead(
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     model: Model = defaults.MODEL,
     device: Device = defaults.DEVICE,
-    repeats: int = typer.Option(5, min=1, help="Interleaved timed repeats per side, after one warm-up."),
+    repeats: int = typer.Option(
+        defaults.OVERHEAD_REPEATS, min=1, help="Interleaved timed repeats per side, after one warm-up (six or more give the ratio a 95% interval)."
+    ),
     memory: bool = typer.Option(True, help="Measure peak memory (one fresh process per side)."),
     timing: bool = typer.Option(True, help="Measure time (interleaved repeats)."),
     cuda_graphs: CudaGraphs = False,
@@ -67,6 +69,7 @@ def overhead(
     measured); `analysis` times
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
+    from rankkit.eval.stats import row_with_interval
     from rankkit.models import use_threads
     from rankkit.overhead import SCENARIOS, run_overhead
     from rankkit.report.tables import frame_table, rows_text
@@ -106,7 +109,7 @@ def overhead(
                 "tokens": row["tokens"],
                 "baseline_s": row["baseline_s"],
                 "rankkit_s": row["rankkit_s"],
-                "time_ratio": row["time_ratio"],
+                "time_ratio": row_with_interval(row, "time_ratio", digits=3),
                 "baseline_peak_mib": _mib(row.get("baseline_peak_bytes")),
                 "rankkit_peak_mib": _mib(row.get("rankkit_peak_bytes")),
                 "memory_ratio": row.get("memory_ratio"),
@@ -115,7 +118,7 @@ def overhead(
             for row in rows
         ]
     )
-    title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']})"
+    title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']}, {repeats} repeats)"
     if "bandwidth_source" in rows[0]:
         title += f", bound at the {rows[0]['bandwidth_source']} memory bandwidth"
     output().print(frame_table(frame, title))

@@ -12,6 +12,7 @@ ORACLE_ANSWER = "generated"
 ORACLE_KERNEL = 7  # CLAA Alg. 1's 1-D average pooling
 WARMUP = 0  # untimed runs before the timed ones: accuracy-only runs need none; timing runs ask for them
 REPEATS = 1
+OVERHEAD_REPEATS = 6  # the fewest interleaved repeats that give a median ratio a 95% interval
 ORACLE_MIRROR = "fastkv"
 SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store
 

@@ -183,6 +183,15 @@ def counterbalanced(items: list, round_index: int) -> list:
     return items if round_index % 2 == 0 else items[::-1]
 
 
+def paired_ratios(numerators: list[float | None], denominators: list[float | None]) -> list[float]:
+    """Each round's ratio of two interleaved sides, round by round (paired, so a burst of load that
+    slows both cancels); a round missing either time, or with a zero denominator, has none. Every
+    ratio rankkit reports between two timed paths is the median of these."""
+    return [
+        mine / theirs for mine, theirs in zip(numerators, denominators, strict=True) if mine is not None and theirs
+    ]
+
+
 class OperatorLaunches(TorchDispatchMode):
     """Counts the operators that launch device work while active (views launch nothing): what an
     eager step's host time is made of where it is launch-bound, as a decode step of an 8B model or

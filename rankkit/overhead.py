@@ -21,15 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rankkit import models
+from rankkit import defaults, models
 from rankkit.checks import check_length, check_token_counts
 from rankkit.errors import RankkitError
+from rankkit.eval.stats import median_interval
 from rankkit.measure import (
     TensorMemoryTracker,
     counterbalanced,
     decode_step_bytes,
     measure,
     memory_bandwidth,
+    paired_ratios,
     read_bandwidth,
 )
 from rankkit.progress import Progress, ProgressCallback, ignore
@@ -209,7 +211,7 @@ def run_overhead(
     *,
     model_spec: str = "default",
     device: str = "auto",
-    repeats: int = 5,
+    repeats: int = defaults.OVERHEAD_REPEATS,
     with_memory: bool = True,
     with_timing: bool = True,
     cuda_graphs: bool = False,
@@ -218,8 +220,9 @@ def run_overhead(
     allow_overlength: bool = False,
     progress: ProgressCallback = ignore,
 ) -> list[dict]:
-    """One row per length: median seconds of both sides (per token for ``decode``), their ratio,
-    and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
+    """One row per length: median seconds of both sides (per token for ``decode``), their ratio (the
+    median of the ratios of each interleaved repeat, as bench's, with its 95% interval over the
+    ``repeats`` from six of them on: ``eval.stats.median_interval``), and peak memory of both. ``decode`` rows add ``bound_s``, the time to read what a step must
     (``measure.decode_step_bytes``) at the device's bandwidth (``measure.memory_bandwidth``: the data
     sheet's for a GPU it names, else measured; ``bandwidth_source`` says which), ``bound_ratio``,
     the runner's time over it, and ``read_bound_s``, the same bytes at the measured bandwidth.
@@ -242,6 +245,7 @@ def run_overhead(
         sides = _sides(scenario, loaded, length, cuda_graphs, compile_decode)
         # a side not timed has no time: None, never a NaN that prints as a figure or breaks --json
         seconds = dict.fromkeys(("baseline", "rankkit"))
+        ratios = []
         if with_timing:
             times = _interleaved_times(
                 sides,
@@ -250,6 +254,8 @@ def run_overhead(
                 lambda length=length: progress(Progress("timed", next(done), len(lengths) * repeats, f"{length} tokens")),
             )
             seconds = {side: statistics.median(times[side]) / sides.steps for side in seconds}
+            ratios = paired_ratios(times["rankkit"], times["baseline"])
+        ratio_low, ratio_high = median_interval(ratios)
         row = {
             "scenario": scenario,
             "model": loaded.model_id,
@@ -260,7 +266,9 @@ def run_overhead(
             "baseline_s": seconds["baseline"],
             "rankkit_s": seconds["rankkit"],
             "repeats": repeats if with_timing else 0,
-            "time_ratio": _ratio(seconds["rankkit"], seconds["baseline"]),
+            "time_ratio": statistics.median(ratios) if ratios else None,
+            "time_ratio_ci_low": ratio_low,
+            "time_ratio_ci_high": ratio_high,
         }
         if sides.bytes_per_step is not None:
             bandwidth = memory_bandwidth(loaded.device)  # a measured one is measured once per process

@@ -352,3 +352,23 @@ def test_overhead_runs_past_the_models_positions_only_when_allowed(tiny_folder):
     # it failed inside its first step, on a store whose spans it had made outside the prompt
     with pytest.raises(RankkitError, match=r"^--lengths 79 is too short for a synthetic example: it needs at least 80 tokens"):
         run_analysis_cost(1, [2048, 79], workers=1)
+
+
+def test_the_time_ratio_is_the_median_of_each_repeats_ratio_with_its_interval(tiny_folder, monkeypatch):
+    """Paired as bench's ratios are: a burst of load that slows both sides of a repeat cancels. Here
+    the ratio of medians (4 / 3.5) would be 1.14; each repeat's own ratio is 1 or 2, mostly 1."""
+    from rankkit import overhead
+
+    baseline = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    rankkit = [2.0, 2.0, 3.0, 8.0, 5.0, 6.0]
+    monkeypatch.setattr(
+        overhead, "_interleaved_times", lambda *args, **kwargs: {"baseline": baseline, "rankkit": rankkit}
+    )
+    (row,) = run_overhead("runner", [64], model_spec=str(tiny_folder), device="cpu", with_memory=False)
+    assert row["repeats"] == 6 and (row["baseline_s"], row["rankkit_s"]) == (3.5, 4.0)
+    assert row["time_ratio"] == 1.0
+    # six repeats: [min, max] of the ratios covers their median 97% of the time
+    assert (row["time_ratio_ci_low"], row["time_ratio_ci_high"]) == (1.0, 2.0)
+    baseline.pop(), rankkit.pop()
+    (row,) = run_overhead("runner", [64], model_spec=str(tiny_folder), device="cpu", with_memory=False, repeats=5)
+    assert row["time_ratio"] == 1.0 and row["time_ratio_ci_low"] is row["time_ratio_ci_high"] is None

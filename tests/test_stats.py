@@ -15,6 +15,7 @@ from rankkit.eval.stats import (
     bootstrap_means,
     cluster_numbers,
     mean_intervals,
+    median_interval,
     paired_difference,
     paired_differences,
     wilcoxon_p_value,
@@ -348,3 +349,23 @@ def test_an_example_without_a_cluster_is_its_own():
     mixed = paired_difference(first, second, ["a", "a", None, None, None])
     assert (mixed["n_examples"], mixed["n_clusters"]) == (5, 4)
     assert cluster_numbers(["a", None, "a", None]).tolist() == [0, 1, 0, 2]
+
+
+@pytest.mark.parametrize("count", [5, 6, 9, 10, 20])
+def test_median_interval_is_the_widest_order_statistic_pair_short_of_five_percent(count):
+    """Coverage worked out the slow way: the interval [x_(k), x_(n+1-k)] misses the median when k or
+    more values lie above it or below it, each with probability P(Binomial(n, ½) < k)."""
+    values = np.random.default_rng(count).normal(size=count)
+    low, high = median_interval(values)
+    ordered = np.sort(values)
+
+    def coverage(k):
+        return 1 - 2 * scipy_stats.binom.cdf(k - 1, count, 0.5)
+
+    covering = [k for k in range(1, count // 2 + 1) if coverage(k) >= 0.95]
+    if not covering:
+        assert (low, high) == (None, None)
+        return
+    k = max(covering)
+    assert (low, high) == (ordered[k - 1], ordered[count - k])
+    assert low <= np.median(values) <= high

@@ -337,6 +337,25 @@ def wilcoxon_p_value(differences: np.ndarray) -> float:
     return float(math.erfc(abs(z) / math.sqrt(2)))
 
 
+def median_interval(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """A distribution-free interval of at least 95% for the median of ``values``: the order statistics
+    x_(k) and x_(n+1-k) for the largest k with 2·P(Binomial(n, ½) < k) ≤ 5%, since each value lies
+    below the median with probability ½. It needs six values (with five, [min, max] covers the median
+    only 94% of the time): fewer give (None, None)."""
+    ordered = sorted(values)
+    count = len(ordered)
+    below = 0  # P(Binomial(count, ½) < k) for the k tried, times 2**count
+    widest = None
+    for k in range(1, count // 2 + 1):
+        below += math.comb(count, k - 1)
+        if 2 * below / 2**count > 1 - CONFIDENCE:
+            break
+        widest = k
+    if widest is None:
+        return None, None
+    return ordered[widest - 1], ordered[count - widest]
+
+
 def relation(low: float | None, high: float | None) -> str | None:
     """"higher" or "lower" when a paired difference's 95% interval [low, high] lies wholly above or
     below zero, else None: the one rule by which rankkit's written findings call one method higher

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline, counterbalanced
+from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline, counterbalanced, paired_ratios
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
 from rankkit.models import cache_root, write_atomically
@@ -159,11 +159,9 @@ class Measured:
 
     def ratio_to(self, reference: Measured, quantity: str) -> float | None:
         """Median over rounds of this run's ``quantity`` over the reference's in the same round (paired, so noise cancels)."""
-        pairs = [
-            (getattr(a, quantity), getattr(b, quantity))
-            for a, b in zip(self.runs, reference.runs, strict=True)
-        ]
-        ratios = [mine / theirs for mine, theirs in pairs if mine is not None and theirs]
+        ratios = paired_ratios(
+            [getattr(run, quantity) for run in self.runs], [getattr(run, quantity) for run in reference.runs]
+        )
         return float(np.median(ratios)) if ratios else None
 
 
