@@ -69,5 +69,6 @@ class StreamingLLM(PolicyMethod):
         return []
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
+        """Recency [L, kv_heads, T]: a set per KV head, as the prefill's cache holds (all alike)."""
         positions = torch.arange(captured.num_tokens, dtype=torch.float32)
-        return positions.expand(captured.num_layers, 1, -1)
+        return positions.expand(captured.num_layers, captured.kv_heads or 1, -1)
