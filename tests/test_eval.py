@@ -418,7 +418,7 @@ CONTEXT = (5, 50)
 EVIDENCE = [[20, 24]]
 
 
-def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None):
+def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None, oracle_attrs=None):
     """Probes with known answers: ``window`` ranks exactly like the oracle, ``last_token_raw``
     exactly against it, ``lava`` at random; the oracle peaks on the evidence."""
     from rankkit import stores
@@ -441,7 +441,9 @@ def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None):
             attrs["meta"] = {"cluster": clusters[index]}
         writer.write_example(example_id, attrs=attrs, tokens=np.arange(TOKENS), scores=scores)
         if oracle:
-            writer.add_oracle(example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={})
+            writer.add_oracle(
+                example_id, oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs=oracle_attrs or {}
+            )
         if draft:
             writer.add_arrays(example_id, "draft_scores", {"lookahead": np.stack([truth, truth])}, {})
     return path
@@ -1224,3 +1226,22 @@ def test_a_compare_frame_written_before_example_id_reads_with_it(result):
     older = result.per_layer.rename({"example_id": "example"})
     assert with_example_id(older).equals(result.per_layer)
     assert with_example_id(result.per_layer).equals(result.per_layer)
+
+
+@pytest.mark.parametrize("spec", ["oracle:mirror=gemfilter", "specprefill"])
+def test_select_refuses_a_layer_for_a_method_that_keeps_one_set_it_selects_itself(tmp_path, spec):
+    """--layer names the layer a per-head method reports; a shared selection made before any layer
+    (or at one the method picks) would have ignored it."""
+    from rankkit.eval.offline import select_store
+
+    store_path = write_store(tmp_path / "run.zarr", oracle_attrs={"oracle_params": make("oracle").oracle_settings()})
+    budget = Budget.from_keep(0.5)
+    (row, *_) = select_store(store_path, spec, budget)
+    assert row["layer"] is None and len(row["selected_positions"]) == TOKENS // 2
+    with pytest.raises(
+        RankkitError,
+        match=rf"^method '{spec}' keeps one set for every head, selected before any layer by its own rule: drop --layer$",
+    ):
+        select_store(store_path, spec, budget, layer=1)
+    (per_head, *_) = select_store(store_path, "lava", budget, layer=1)
+    assert per_head["layer"] == 1 and len(per_head["selected_positions"]) == HEADS

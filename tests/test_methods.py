@@ -13,6 +13,7 @@ from conftest import tiny_model
 
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, make
+from rankkit.methods.selection import ORACLE_SCORES, Captured
 from rankkit.methods.measure import run_once
 from rankkit.runner import LayerHook, Runner, greedy_continue
 
@@ -177,9 +178,8 @@ def test_asl_every_layer_holds_the_budget(name, random_ids):
 @pytest.mark.parametrize("mirror", ["gemfilter", "fastkv", "claa"])
 def test_oracle_keeps_its_top_ranked_tokens_in_the_mirrored_architecture(mirror, random_ids):
     runner = _tiny()
-    method = _prepared(
-        "oracle", runner, random_ids, mirror=mirror, pruning_layer=1, window_size=2, max_new_tokens=4
-    )
+    layered = {} if mirror == "gemfilter" else {"pruning_layer": 1, "window_size": 2}  # Listing 4 reads neither
+    method = _prepared("oracle", runner, random_ids, mirror=mirror, max_new_tokens=4, **layered)
     run = method.prefill(runner, random_ids, Budget.from_tokens(10))
     window = (
         1 if mirror == "gemfilter" else 2
@@ -191,6 +191,29 @@ def test_oracle_keeps_its_top_ranked_tokens_in_the_mirrored_architecture(mirror,
     assert run.result.cache.positions[2][0].tolist() == sorted(expected)
     if mirror == "gemfilter":
         assert [p.label for p in run.passes] == ["main"]  # the ranking is offline: no first pass
+        assert run.selection_layer is None and method.resolved(3)["pruning_layer"] is None
+    # the offline face keeps the same positions at the same layer, from the stored oracle alone
+    captured = Captured({ORACLE_SCORES: method.ranking}, 3, 40)
+    offline = method.select_offline(captured, Budget.from_tokens(10))
+    assert offline.positions.tolist() == sorted(expected) and offline.layer == run.selection_layer
+
+
+@pytest.mark.parametrize(
+    ("mirror", "unread"),
+    [
+        ("gemfilter", {"pruning_layer": 1}),
+        ("gemfilter", {"deferred_layers": 2}),
+        ("gemfilter", {"window_size": 4}),
+        ("fastkv", {"deferred_layers": 2}),
+    ],
+)
+def test_an_oracle_parameter_its_mirror_never_reads_is_refused(mirror, unread):
+    (name,) = unread
+    with pytest.raises(RankkitError, match=rf"^method 'oracle': mirror={mirror} reads no {name}; drop it$"):
+        make("oracle", mirror=mirror, **unread)
+    with pytest.raises(RankkitError, match="no selection layer to set; drop --layer"):
+        make("oracle", mirror="gemfilter").with_layer(1)
+    assert make("oracle", mirror="claa", deferred_layers=2).with_layer(1).pruning_layer == 1
 
 
 def test_specprefill_counts_the_draft_and_keeps_the_last_token(random_ids):

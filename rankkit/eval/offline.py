@@ -211,6 +211,11 @@ def select_store(
     for record in records:
         example = captured(record, method, recorded_model(store.meta))
         selection = method.select_offline(example, budget, layer=shared_layer)
+        if shared_layer is not None and not selection.per_head:
+            where = "before any layer" if selection.layer is None else f"at layer {selection.layer} here"
+            raise RankkitError(
+                f"method '{label}' keeps one set for every head, selected {where} by its own rule: drop --layer"
+            )
         rows.append(
             {
                 "example_id": record.id,

@@ -167,6 +167,9 @@ def check_parameters(method: Method, num_layers: int | None = None) -> None:
     The one check of every method's values: ``make`` runs it on construction, ``Method.bind``
     once the depth is known, so the CLI, the Python API and sweeps refuse alike.
     """
+    for name in method.unread_parameters():
+        if getattr(method, name) != next(spec.default for spec in fields(method) if spec.name == name):
+            raise RankkitError(f"method '{method.name}': {method.unread_reason()} reads no {name}; drop it")
     for spec in fields(method):
         value = getattr(method, spec.name)
         if BOUNDS not in spec.metadata or value is None:
@@ -337,6 +340,11 @@ class Selection:
         return self.positions.tolist()
 
     @property
+    def per_head(self) -> bool:
+        """True for a set per KV head (KV-only methods), False for one set every head shares."""
+        return isinstance(self.positions, list) or self.positions.dim() == 2
+
+    @property
     def size(self) -> int:
         """Tokens kept (per KV head, the most any head keeps)."""
         if isinstance(self.positions, list):
@@ -356,6 +364,16 @@ class Method:
     name: ClassVar[str] = ""
     # A method whose offline face is this other one's (they differ only in how they prefill).
     ranks_like: ClassVar[type[Method] | None] = None
+
+    def unread_parameters(self) -> tuple[str, ...]:
+        """Parameters this configuration of the method never reads (the oracle's gemfilter mirror has
+        no layer): ``bind`` leaves them unset, and a value other than the default is refused
+        (``check_parameters``), since it would change nothing."""
+        return ()
+
+    def unread_reason(self) -> str:
+        """What makes ``unread_parameters`` unread, as a refusal names it."""
+        return ""
 
     def minimum_keep(self) -> int:
         """The fewest prompt tokens the method keeps whatever the budget (what it always keeps:
@@ -387,8 +405,9 @@ class Method:
         value set explicitly (``--layer``) is kept as given.
         """
         filled = {}
+        unread = self.unread_parameters()
         for spec in fields(self):
-            if AT_DEPTH in spec.metadata and getattr(self, spec.name) is None:
+            if AT_DEPTH in spec.metadata and getattr(self, spec.name) is None and spec.name not in unread:
                 value = spec.metadata[AT_DEPTH](num_layers)
                 filled[spec.name] = on_global_layers(value, layer_types) if spec.metadata[SELECTS] else value
         bound = replace(self, **filled)
@@ -403,8 +422,10 @@ class Method:
 
     @property
     def selection_parameter(self) -> str | None:
-        """The name of the parameter holding the selection layer, or None."""
-        return next((spec.name for spec in fields(self) if spec.metadata.get(SELECTION)), None)
+        """The name of the parameter holding the selection layer, or None (also where this
+        configuration selects at no layer: ``unread_parameters``)."""
+        name = next((spec.name for spec in fields(self) if spec.metadata.get(SELECTION)), None)
+        return None if name in self.unread_parameters() else name
 
     def with_layer(self, layer: int) -> Method:
         """This method with its selection layer set (``--layer``); methods without one refuse."""

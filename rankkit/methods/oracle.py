@@ -6,7 +6,8 @@ the attention of the model's own greedy answer; that ranking is computed offline
 of the method it bounds (``mirror``), with the oracle ranking in place of the probe:
 
 - ``gemfilter``: Listing 4's ``oracle_prefill``, one forward pass over the top tokens at
-  their original positions (no first pass: the ranking is already known);
+  their original positions (no first pass: the ranking is already known, so it selects at no
+  layer, and ``pruning_layer``, ``deferred_layers`` and ``window_size`` are refused);
 - ``fastkv``: layers before l_p compress their cache with the oracle ranking while all
   hidden states go on; at l_p the hidden states are pruned to the top tokens and l_p's
   cache is compressed with the same indices (Sec. 3.2);
@@ -22,7 +23,15 @@ import torch
 
 from rankkit import defaults
 from rankkit.errors import RankkitError
-from rankkit.methods.base import bounded, paper_count, paper_layer, register, reprefill_selected
+from rankkit.methods.base import (
+    Budget,
+    Selection,
+    bounded,
+    paper_count,
+    paper_layer,
+    register,
+    reprefill_selected,
+)
 from rankkit.methods.selection import (
     ORACLE_SCORES,
     Captured,
@@ -30,6 +39,7 @@ from rankkit.methods.selection import (
     PolicyMethod,
     forced_mask,
     top_k_with_forced,
+    with_forced,
 )
 from rankkit.runner import AttentionCall
 
@@ -61,6 +71,16 @@ class Oracle(PolicyMethod):
     def __post_init__(self):
         if self.mirror not in MIRRORS:
             raise RankkitError(f"oracle mirror must be one of {', '.join(MIRRORS)}, not '{self.mirror}'")
+
+    def unread_parameters(self) -> tuple[str, ...]:
+        """The gemfilter mirror ranks before any layer and keeps only the last token forced; only
+        the claa mirror defers compression."""
+        if self.mirror == "gemfilter":
+            return ("pruning_layer", "deferred_layers", "window_size")
+        return () if self.mirror == "claa" else ("deferred_layers",)
+
+    def unread_reason(self) -> str:
+        return f"mirror={self.mirror}"
 
     def oracle_settings(self) -> dict:
         """The identity of the oracle this method ranks by (``rankkit.oracle.oracle_params``): the greedy
@@ -98,14 +118,26 @@ class Oracle(PolicyMethod):
             raise RankkitError("the oracle method needs its ranking of this prompt: call prepare() first")
         if self.mirror != "gemfilter":
             return super().prefill(runner, input_ids, budget)
-        length = int(input_ids.numel())
-        keep = top_k_with_forced(
-            self.ranking, self.kept_tokens(budget, length), forced_mask(length, 1)
-        )
-        return reprefill_selected(runner, input_ids, keep, [], None)
+        return reprefill_selected(runner, input_ids, self._top_tokens(self.ranking, budget), [], None)
+
+    def _top_tokens(self, ranking: torch.Tensor, budget: Budget) -> torch.Tensor:
+        """The gemfilter mirror's kept positions: the ranking's top tokens, the last one forced."""
+        length = ranking.numel()
+        return top_k_with_forced(ranking, self.kept_tokens(budget, length), forced_mask(length, 1))
 
     def captured_inputs(self):
         return [ORACLE_SCORES]
+
+    def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
+        if self.mirror != "gemfilter":
+            return super().select_offline(captured, budget, layer=layer)
+        return Selection(None, self._top_tokens(captured.get(ORACLE_SCORES, self.name), budget))
+
+    def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
+        if self.mirror != "gemfilter":
+            return super().layer_rankings(captured, budget)
+        length = captured.num_tokens
+        return {None: with_forced(captured.get(ORACLE_SCORES, self.name), forced_mask(length, 1))}
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
         return captured.get(ORACLE_SCORES, self.name).expand(captured.num_layers, 1, -1)
