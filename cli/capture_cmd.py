@@ -117,12 +117,10 @@ def capture(
     A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
     """
     from rankkit.capture import capture as run_capture
-    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
     shown_as = output_format(table_format, as_json)
-    use_threads(threads)
     rank, _ = shard()
     options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
     with progress_bar("capture") as show:
@@ -140,6 +138,7 @@ def capture(
             allow_overlength=allow_overlength,
             score_dtype=score_dtype,
             device_map=device_map,
+            threads=threads,
         )
     if rank == 0:
         _print_summary(summary, shown_as, f"capture → {summary.out}")
@@ -175,12 +174,10 @@ def oracle(
     torchrun each rank adds the oracles of its share of the examples.
     """
     from rankkit.capture import add_oracle
-    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
     shown_as = output_format(table_format, as_json)
-    use_threads(threads)
     rank, _ = shard()
     with progress_bar("oracle") as show:
         summary = add_oracle(
@@ -191,6 +188,7 @@ def oracle(
             redo=redo,
             progress=show if rank == 0 else ignore,
             device_map=device_map,
+            threads=threads,
         )
     if rank == 0:
         _print_summary(summary, shown_as, f"oracle → {summary.out}")

@@ -45,12 +45,9 @@ def diffusion(
     Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
     """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
-    from rankkit.models import use_threads
     from rankkit.report.tables import frame_table, rows_text
 
     shown_as = output_format(table_format, as_json)
-    use_threads(threads)
-
     with progress_bar("diffusion") as show:
         frame = diffusion_probe(
             data,
@@ -62,6 +59,7 @@ def diffusion(
             overwrite=overwrite,
             allow_overlength=allow_overlength,
             progress=show,
+            threads=threads,
         )
     if out is not None:
         typer.echo(f"wrote {out}", err=True)

@@ -70,7 +70,6 @@ def overhead(
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.eval.stats import row_with_interval
-    from rankkit.models import use_threads
     from rankkit.overhead import SCENARIOS, run_overhead
     from rankkit.report.tables import frame_table, rows_text
 
@@ -85,7 +84,6 @@ def overhead(
     if scenario == "analysis":
         _analysis(examples, token_counts, workers, shown_as)
         return
-    use_threads(threads)  # both sides are timed in this process, on the same threads
     with progress_bar(f"{scenario} overhead") as show:
         rows = run_overhead(
             scenario,
@@ -99,6 +97,7 @@ def overhead(
             compile_decode=compile_decode,
             allow_overlength=allow_overlength,
             progress=show,
+            threads=threads,
         )
     if shown_as != "table":
         typer.echo(rows_text(rows, shown_as))

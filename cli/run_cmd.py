@@ -45,14 +45,12 @@ def generate(
     """Greedy answer through the layer-by-layer runner (full prefill); --format csv or json adds what it ran on."""
     from rankkit.data import read_context_file
     from rankkit.demo import answer
-    from rankkit.models import use_threads
     from rankkit.report.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
-    use_threads(threads)
 
     context = read_context_file(context_file) if context_file else ""
-    result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device)
+    result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device, threads=threads)
     if shown_as == "table":
         output().print(result["answer"])
     else:

@@ -62,14 +62,12 @@ def sweep(
     merges them and runs the others. Ctrl-C or SIGTERM keeps every finished unit and example
     and exits 130; the same command resumes.
     """
-    from rankkit.models import use_threads
     from rankkit.progress import ignore
     from rankkit.report.tables import rows_text
     from rankkit.shards import shard
     from rankkit.sweep import sweep as run_sweep
 
     shown_as = output_format(table_format, as_json)
-    use_threads(threads)
     rank, _ = shard()
 
     def announce(plan) -> None:
@@ -87,6 +85,7 @@ def sweep(
             dry_run=dry_run,
             max_units=max_units,
             announce=announce,
+            threads=threads,
         )
     if rank != 0:
         return

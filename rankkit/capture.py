@@ -326,6 +326,7 @@ def capture(
     allow_overlength: bool = False,
     score_dtype: str = defaults.SCORE_DTYPE,
     device_map: str | None = None,
+    threads: int | None = None,
 ) -> CaptureSummary:
     """Capture every probe at every layer for each example of ``data`` into the store ``out``.
 
@@ -337,10 +338,11 @@ def capture(
     model's positions is refused before any compute unless ``allow_overlength``.
     ``score_dtype`` "float16" stores the scores at half the size (see docs/benchmarks.md
     for what it changes in the metrics). ``device_map`` spreads the model over devices
-    (``models.parse_device_map``).
+    (``models.parse_device_map``). ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
     """
     import time
 
+    models.use_threads(threads)
     oracle = _oracle_options(oracle)
     if limit is not None:
         check_count(limit, "--limit")
@@ -468,15 +470,17 @@ def add_oracle(
     redo: bool = False,
     progress: ProgressCallback = ignore,
     device_map: str | None = None,
+    threads: int | None = None,
 ) -> CaptureSummary:
     """Add the Answer-Informed Oracle to every complete example of a store captured earlier.
 
     The model is the store's own (its weights hash must match) unless ``model`` names
     the folder or hub id it was captured from. Under ``torchrun`` each rank takes its
-    ``share`` of the examples, as ``capture`` does.
+    ``share`` of the examples, as ``capture`` does. ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
     """
     import time
 
+    models.use_threads(threads)
     rank, world = shard()
     store = stores.open(store_path)
     meta = store.meta

@@ -30,11 +30,14 @@ def answer(
     data: str | None = None,
     max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     device: str = defaults.DEVICE,
+    threads: int | None = None,
 ) -> dict:
     """Greedy answer through the runner, with the prompt's size: to (context, question), or, given a
-    data spec ``data``, to its first example (then ``context`` and ``question`` must be empty)."""
+    data spec ``data``, to its first example (then ``context`` and ``question`` must be empty).
+    ``threads`` sets torch's CPU threads for the process (``models.use_threads``)."""
     from rankkit.data import load_examples
 
+    models.use_threads(threads)
     if data is not None and (context or question):
         raise RankkitError("give either a data spec (--data) or --context-file/--question, not both")
     if data is None and not question:

@@ -219,6 +219,7 @@ def run_overhead(
     memory_in_process: bool = False,
     allow_overlength: bool = False,
     progress: ProgressCallback = ignore,
+    threads: int | None = None,
 ) -> list[dict]:
     """One row per length: median seconds of both sides (per token for ``decode``), their ratio (the
     median of the ratios of each interleaved repeat, as bench's, with its 95% interval over the
@@ -229,7 +230,10 @@ def run_overhead(
     ``cuda_graphs`` runs the runner's static decode, ``compile_decode`` its compiled step. Peak memory comes from a fresh process per side, or with
     ``memory_in_process`` from this one (a model loaded once serves every row: on CUDA the
     allocator's peak is the same, on CPU what earlier runs left allocated may count). A length past
-    the model's positions is refused unless ``allow_overlength``. ``progress`` gets an event per timed repeat."""
+    the model's positions is refused unless ``allow_overlength``. ``progress`` gets an event per timed
+    repeat. ``threads`` sets torch's CPU threads for the process, so both sides run on the same ones
+    (``models.use_threads``)."""
+    models.use_threads(threads)
     check_token_counts(lengths)  # before the model loads
     check_decode_options(cuda_graphs, compile_decode)
     if not (with_timing or with_memory):

@@ -490,6 +490,7 @@ def sweep(
     dry_run: bool = False,
     max_units: int | None = None,
     announce: Callable[[SweepPlan], None] = _ignore_plan,
+    threads: int | None = None,
 ) -> SweepSummary:
     """Run the experiment file ``experiment`` into the directory ``out`` (see the module docstring).
 
@@ -500,8 +501,10 @@ def sweep(
     nothing. A grid of more than ``max_units`` units of work (an example through a model stage,
     a unit of another stage; default ``MAX_UNITS``) is refused. ``progress`` gets ``Progress`` events whose ``stage`` is
     the sweep stage, counting this rank's examples (model stages) or units. ``workers`` processes
-    share the store-level analyses (their results do not depend on it).
+    share the store-level analyses (their results do not depend on it). ``threads`` sets torch's CPU
+    threads for the process (``models.use_threads``).
     """
+    models.use_threads(threads)
     experiment_path = Path(experiment)
     max_units = MAX_UNITS if max_units is None else max_units
     plan, text = read_experiment(experiment_path, max_units=max_units)

@@ -13,8 +13,8 @@ from conftest import tiny_model
 
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, make
-from rankkit.methods.selection import ORACLE_SCORES, Captured
 from rankkit.methods.measure import run_once
+from rankkit.methods.selection import ORACLE_SCORES, Captured
 from rankkit.runner import LayerHook, Runner, greedy_continue
 
 PROMPT_LENGTH = 40

@@ -389,6 +389,26 @@ def test_more_threads_than_cores_is_refused_before_the_model_loads(no_model_load
     ):
         assert refused(command, no_model_load) == message
     assert not (no_model_load / "s.zarr").exists()
+    # the Python API takes the same option under the same name, refused alike
+    from rankkit.capture import add_oracle, capture
+    from rankkit.demo import answer
+    from rankkit.eval.diffusion import diffusion_probe
+    from rankkit.overhead import run_overhead
+    from rankkit.sweep import sweep
+
+    model, data, threads = str(tiny_folder), "niah:n=1,length=200", cores + 1
+    for call in (
+        lambda: capture(model=model, data=data, out=no_model_load / "s.zarr", threads=threads),
+        lambda: add_oracle(no_model_load / "s.zarr", model=model, threads=threads),
+        lambda: diffusion_probe(data, model=model, threads=threads),
+        lambda: answer(model, "", "", data=data, threads=threads),
+        lambda: run_overhead("runner", [64], model_spec=model, threads=threads),
+        lambda: sweep(no_model_load / "experiment.toml", no_model_load / "sweep", threads=threads),
+    ):
+        with pytest.raises(RankkitError) as refusal:
+            call()
+        assert str(refusal.value) == message
+    assert not (no_model_load / "s.zarr").exists()
 
 
 def test_a_gpu_index_past_the_last_is_refused_naming_the_ones_there(monkeypatch):

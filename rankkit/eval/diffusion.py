@@ -281,6 +281,7 @@ def diffusion_probe(
     allow_overlength: bool = False,
     progress: ProgressCallback = ignore,
     shard: tuple[int, int] = (0, 1),
+    threads: int | None = None,
 ) -> pl.DataFrame:
     """The probe over the examples of a data spec (e.g. ``niah:n=4,length=1024``), one frame for all.
 
@@ -289,7 +290,9 @@ def diffusion_probe(
     SIGINT or SIGTERM stops with ``Interrupted`` naming what was kept, and the same call
     again resumes, skipping finished examples. ``progress`` gets an event per example.
     ``shard`` = (rank, world) probes only that rank's ``rankkit.shards.share`` of the examples.
+    ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
     """
+    models.use_threads(threads)
     refuse_timing_only_model(model)
     for count, option in ((limit, "--limit"), (max_new_tokens, "--max-new-tokens")):
         if count is not None:
