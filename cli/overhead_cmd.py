@@ -69,7 +69,6 @@ def overhead(
     measured); `analysis` times
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
-    from rankkit.eval.stats import row_with_interval
     from rankkit.overhead import SCENARIOS, run_overhead
     from rankkit.report.tables import frame_table, rows_text
 
@@ -108,7 +107,9 @@ def overhead(
                 "tokens": row["tokens"],
                 "baseline_s": row["baseline_s"],
                 "rankkit_s": row["rankkit_s"],
-                "time_ratio": row_with_interval(row, "time_ratio", digits=3),
+                "time_ratio": row["time_ratio"],
+                "time_ratio_ci_low": row["time_ratio_ci_low"],
+                "time_ratio_ci_high": row["time_ratio_ci_high"],
                 "baseline_peak_mib": _mib(row.get("baseline_peak_bytes")),
                 "rankkit_peak_mib": _mib(row.get("rankkit_peak_bytes")),
                 "memory_ratio": row.get("memory_ratio"),
@@ -120,7 +121,7 @@ def overhead(
     title = f"{scenario}: {rows[0]['rankkit']} vs {rows[0]['baseline']} ({rows[0]['device']}, {repeats} repeats)"
     if "bandwidth_source" in rows[0]:
         title += f", bound at the {rows[0]['bandwidth_source']} memory bandwidth"
-    output().print(frame_table(frame, title))
+    output().print(frame_table(frame, title, intervals_over="repeats", interval_digits=3))
 
 
 def _mib(value: int | None) -> float | None:

@@ -4,8 +4,9 @@ Probe ``window`` (Eq. 5, avg pooled with kernel 7) x ``CrossLayerMax`` x one-pas
 the first m layers keep their whole cache (deferred compression); layers m..l_p-1 keep,
 per KV head, their top tokens (as FastKV does); the scores of the last n layers up to
 l_p are buffered and at l_p the hidden states are pruned to the top tokens of their
-element-wise maximum, S^CLAA_i = max_{l' in l_p-n+1..l_p} S_i^(l'). The cache of l_p is
-compressed with the same indices, so layers >= l_p hold the selection.
+element-wise maximum, S^CLAA_i = max_{l' in l_p-n+1..l_p} S_i^(l'). The cache of l_p keeps
+its own per-head top tokens (Listing 5's ``compression_indices``, apart from its
+``pruning_indices``), so layers <= l_p hold the budget per head, layers > l_p the selection.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Probe ``window`` (CLAA Eq. 2 / Eq. 4: softmax attention of the last W queries, a
 pooled with kernel 7) x ``FixedLayer(TSP)`` x one-pass mode: every layer before the
 Token-Selective Propagation layer keeps, per KV head, its top tokens in the cache
 (SnapKV-style, Eq. 4) while all hidden states go on; at the TSP layer the hidden states
-are pruned to the top tokens of that layer's scores summed over heads (Eq. 2), and that
-layer's cache is compressed with the same indices, so layers >= TSP hold the selection.
+are pruned to the top tokens of that layer's scores summed over heads (Eq. 2), while that
+layer's cache keeps, like every layer before it, its own per-head top tokens (Listing 2
+compresses each layer's cache by its own scores, as FastKV's GQA-aware compression does).
+So layers <= TSP hold the budget per head, layers > TSP hold the selection.
 """
 
 from __future__ import annotations

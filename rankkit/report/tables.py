@@ -51,7 +51,7 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "examples": ("n", "examples averaged"),
     "baseline_s": ("base s", "plain transformers' seconds, median of the repeats"),
     "rankkit_s": ("rk s", "rankkit's seconds, median of the repeats"),
-    "time_ratio": ("time×", "rankkit's time over the baseline's"),
+    "time_ratio": ("time×", "rankkit's time over the baseline's, median of each repeat's ratio"),
     "baseline_peak_mib": ("base MiB", "plain transformers' peak memory"),
     "rankkit_peak_mib": ("rk MiB", "rankkit's peak memory"),
     "memory_ratio": ("mem×", "rankkit's peak memory over the baseline's"),
@@ -65,17 +65,20 @@ HEADERS: Mapping[str, tuple[str, str]] = {
 }
 
 
-def frame_table(frame: pl.DataFrame, title: str, digits: int = 3) -> Table:
+def frame_table(
+    frame: pl.DataFrame, title: str, digits: int = 3, *, intervals_over: str = "examples", interval_digits: int = 2
+) -> Table:
     """One row per frame row; floats rounded to ``digits``, missing values as '-'; short headers, legend below.
 
     A column with interval columns beside it (``rankkit.eval.stats.interval_columns``) shows
-    "0.62 [0.55, 0.69]" in two digits, and the interval columns are not shown on their own.
+    "0.62 [0.55, 0.69]" in ``interval_digits``, and the interval columns are not shown on their
+    own; the legend says what the interval resamples (``intervals_over``).
     """
-    frame, merged = _merge_intervals(frame)
+    frame, merged = _merge_intervals(frame, interval_digits)
     shown = [name for name in frame.columns if name in HEADERS]
     legend = "\n".join(f"{HEADERS[name][0]}: {HEADERS[name][1]}" for name in shown)
     if merged:
-        legend += "\n[low, high]: 95% interval over examples"
+        legend += f"\n[low, high]: 95% interval over {intervals_over}"
     # No rules and one space between columns: ten metric columns and a method name fit 80 columns.
     table = Table(
         title=Text(title),
@@ -101,7 +104,7 @@ def frame_table(frame: pl.DataFrame, title: str, digits: int = 3) -> Table:
     return table
 
 
-def _merge_intervals(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+def _merge_intervals(frame: pl.DataFrame, digits: int) -> tuple[pl.DataFrame, list[str]]:
     """``frame`` with each metric that has interval columns as one text column "mean [low, high]"."""
     from rankkit.eval.stats import interval_columns, with_interval
 
@@ -111,7 +114,10 @@ def _merge_intervals(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
     texts = {
         name: pl.Series(
             name,
-            [with_interval(*values) for values in frame.select(name, *interval_columns(name)).iter_rows()],
+            [
+                with_interval(*values, digits=digits)
+                for values in frame.select(name, *interval_columns(name)).iter_rows()
+            ],
             dtype=pl.String,
         )
         for name in merged
