@@ -407,6 +407,14 @@ class MethodOptions:
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
         options = {"specprefill": {"--draft": ("draft_model", self.draft)}, "oracle": {"--mirror": ("mirror", self.mirror)}}
+        named = {parse_method_spec(spec)[0] for spec in names}
+        for method_name, method_options in options.items():
+            ((option, (_, value)),) = method_options.items()
+            if value is not None and method_name not in named:
+                raise RankkitError(
+                    f"{option} sets {method_name}'s {option[2:]}, and no {method_name} is among the methods: "
+                    f"drop {option}, or add {method_name}"
+                )
         methods = [method_from_spec(spec, options=options.get(parse_method_spec(spec)[0])) for spec in names]
         for method in methods:
             check_parameters(method, num_layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import re
 
 import polars as pl
 import pytest
@@ -425,6 +426,22 @@ def test_an_option_contradicting_the_method_spec_is_refused_and_an_equal_one_pas
     assert getattr(method, parameter) == value
 
 
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"mirror": "claa"}, "--mirror sets oracle's mirror, and no oracle is among the methods: drop --mirror, or add oracle"),
+        ({"draft": "layers:4"}, "--draft sets specprefill's draft, and no specprefill is among the methods: drop --draft, or add specprefill"),
+    ],
+)
+def test_an_option_for_a_method_the_run_does_not_name_is_refused(options, refusal):
+    """bench ran full and claa to the end with --mirror claa, which set nothing."""
+    from rankkit.bench import MethodOptions
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+        MethodOptions(**options).build(["full", "claa"], 30, strict=False)
+
+
 def parse_spec_params(spec: str) -> list:
     from rankkit.eval.offline import parse_method_spec
 
@@ -435,10 +452,10 @@ def test_run_options_set_methods_whose_spec_leaves_them_out():
     from rankkit.bench import MethodOptions
 
     with pytest.warns(UserWarning, match="specprefill takes no layer"):
-        oracle, specprefill, claa = MethodOptions(10, "layers:4", "gemfilter").build(
+        oracle, specprefill, claa = MethodOptions(10, "layers:4", "claa").build(
             ["oracle", "specprefill", "claa"], 30, strict=False
         )
-    assert (oracle.mirror, oracle.pruning_layer) == ("gemfilter", 10)
+    assert (oracle.mirror, oracle.pruning_layer) == ("claa", 10)
     assert (specprefill.draft_model, claa.pruning_layer) == ("layers:4", 10)
     (default_oracle,) = MethodOptions().build(["oracle:pruning_layer=4"], 30, strict=True)
     assert (default_oracle.mirror, default_oracle.pruning_layer) == ("fastkv", 4)
