@@ -549,6 +549,15 @@ def prefill(
         raise RankkitError("give " + ", and ".join(missing))
     if context is not None and not question:
         raise RankkitError("--context-file needs --question")
+    if data is not None and question is not None:
+        raise RankkitError("--question goes with --context-file; an example of --data brings its own: drop --question")
+    if context is not None and example != 0:
+        raise RankkitError("--example picks an example of --data; with --context-file drop it")
+    if budget is not None and method.partition(":")[0] == FULL:
+        raise RankkitError(
+            "full keeps every token: drop --keep/--budget (or name the method they are for, "
+            "with --compare full)"
+        )
     budget = Budget.parse(budget) if budget is not None else Budget.from_keep(1.0)
     setup.check_timing(settings)
     config = setup.config()

@@ -295,6 +295,24 @@ def test_a_bare_prefill_names_everything_it_lacks_at_once(no_model_load, tiny_fo
     )
 
 
+def test_prefill_refuses_what_its_prompt_or_method_would_ignore(no_model_load, tiny_folder, tmp_path):
+    """A question beside --data, an example beside a context file and a budget for full were each
+    dropped without a word: the run answered another question, or reported budget keep=1."""
+    context = tmp_path / "context.txt"
+    context.write_text("The sky is green.")
+    data = ["--data", "niah:n=2,length=200", "--model", str(tiny_folder)]
+    own = ["--context-file", str(context), "--question", "What colour is the sky?", "--model", str(tiny_folder)]
+    for command, message in (
+        (["--method", "claa", "--keep", "0.2", *data, "--question", "Why?"],
+         "--question goes with --context-file; an example of --data brings its own: drop --question"),
+        (["--method", "claa", "--keep", "0.2", *own, "--example", "1"],
+         "--example picks an example of --data; with --context-file drop it"),
+        (["--method", "full", "--keep", "0.1", *data],
+         "full keeps every token: drop --keep/--budget (or name the method they are for, with --compare full)"),
+    ):  # fmt: skip
+        assert refused(["prefill", *command], no_model_load) == message
+
+
 def test_an_example_past_the_data_names_the_ones_there(tiny_folder):
     from rankkit.bench import Setup, prefill
     from rankkit.methods import Budget
