@@ -46,3 +46,17 @@ def test_the_python_snippets_run_as_written(tmp_path, monkeypatch, default_model
     assert (namespace["claa"]["method"], namespace["full"]["method"]) == ("claa", "full")
     assert namespace["claa"]["selection_layer"] == 12
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.integration
+def test_the_methods_guides_snippet_runs_as_written(default_model):
+    """docs/methods.md's "Using them" used an `input_ids` it never made."""
+    from pathlib import Path
+
+    guide = Path(__file__).resolve().parent.parent / "docs" / "methods.md"
+    (snippet,) = blocks("Using them", "python", readme=guide)
+    namespace: dict = {}
+    exec(compile(snippet, "docs/methods.md (Using them)", "exec"), namespace)
+    run = namespace["run"]
+    assert run.selection_layer == 15 and run.ttft_s > 0
+    assert "7214" in namespace["loaded"].tokenizer.decode(run.tokens)
