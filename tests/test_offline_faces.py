@@ -28,6 +28,8 @@ def test_a_layer_outside_the_model_or_none_is_refused_naming_the_range(name, lay
         method.select_offline(captured_for(method), Budget.from_tokens(6), layer=layer)
     assert str(refused.value) == (
         f"method '{name}' keeps a set per layer and KV head: name the layer with --layer (0..{LAYERS - 1})"
+        if layer is None
+        else f"--layer {layer} is not a layer of this model (0..{LAYERS - 1}); give one in that range"
     )
 
 

@@ -163,6 +163,8 @@ def test_the_store_must_hold_the_attention_per_query_head_and_name_a_layer(atten
             method.select_offline(captured, budget, layer=layer)
         assert str(refused.value) == (
             "method 'sage-kv' keeps a set per layer and KV head: name the layer with --layer (0..2)"
+            if layer is None
+            else f"--layer {layer} is not a layer of this model (0..2); give one in that range"
         )
     per_kv_head = (
         "method 'sage-kv' needs 'last_token_heads' per query head, which this store does not hold"

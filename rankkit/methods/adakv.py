@@ -15,12 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Selection, bounded, register
 from rankkit.methods.selection import (
     Captured,
     NeverSelect,
     SelectionHook,
+    check_head_layer,
     descending_order,
     forced_mask,
     one_pass,
@@ -104,11 +104,7 @@ class AdaKV(SnapKV):
         return run
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer: int | None = None) -> Selection:
-        if layer is None or not 0 <= layer < captured.num_layers:
-            raise RankkitError(
-                f"method '{self.name}' keeps a set per layer and KV head: "
-                f"name the layer with --layer (0..{captured.num_layers - 1})"
-            )
+        check_head_layer(self.name, layer, captured.num_layers)
         scores = self.captured_scores(captured)[layer]
         length = captured.num_tokens
         keep = self.kept_tokens(budget, length)

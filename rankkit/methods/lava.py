@@ -30,9 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, bounded, full_prefill, make_probe, register
-from rankkit.methods.selection import Captured, descending_order
+from rankkit.methods.selection import Captured, check_head_layer, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -270,11 +269,7 @@ class Lava(Method):
         return [with_window(scores[layer], self.window_size) for layer in range(captured.num_layers)]
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
-        if layer is None or not 0 <= layer < captured.num_layers:
-            raise RankkitError(
-                f"method 'lava' keeps a set per layer and KV head: name the layer with --layer "
-                f"(0..{captured.num_layers - 1})"
-            )
+        check_head_layer(self.name, layer, captured.num_layers)
         stored = self._stored(captured)
         keep = self.kept_tokens(budget, captured.num_tokens)
         if keep >= captured.num_tokens:

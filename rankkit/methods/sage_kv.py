@@ -36,7 +36,7 @@ import torch
 
 from rankkit.errors import RankkitError
 from rankkit.methods.base import Budget, Method, Selection, full_prefill, make_probe, register
-from rankkit.methods.selection import Captured, descending_order
+from rankkit.methods.selection import Captured, check_head_layer, descending_order
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
 
@@ -154,11 +154,7 @@ class SageKV(Method):
         return scores.reshape(layers, captured.kv_heads, rows // captured.kv_heads, length)
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
-        if layer is None or not 0 <= layer < captured.num_layers:
-            raise RankkitError(
-                f"method '{self.name}' keeps a set per layer and KV head: name the layer with --layer "
-                f"(0..{captured.num_layers - 1})"
-            )
+        check_head_layer(self.name, layer, captured.num_layers)
         attention = self._attention(captured)[layer]
         kv_heads, group_size, length = attention.shape
         keep = self.kept_tokens(budget, length)

@@ -88,6 +88,17 @@ class Captured:
         return self.arrays[key]
 
 
+def check_head_layer(method: str, layer: int | None, num_layers: int) -> int:
+    """The layer whose per-KV-head kept sets a per-head method reports (``--layer``): refused when
+    missing or outside the model, naming the range."""
+    layers = f"0..{num_layers - 1}"
+    if layer is None:
+        raise RankkitError(f"method '{method}' keeps a set per layer and KV head: name the layer with --layer ({layers})")
+    if not 0 <= layer < num_layers:
+        raise RankkitError(f"--layer {layer} is not a layer of this model ({layers}); give one in that range")
+    return layer
+
+
 DRAFT_SCORES = "draft_scores/lookahead"
 DRAFT_GROUP, DRAFT_ARRAY = DRAFT_SCORES.split("/")
 ORACLE_SCORES = "oracle"
@@ -407,11 +418,7 @@ class PolicyMethod(Method):
         selected = replay(bound.policy(captured.num_layers, keep), scores)
         if selected is not None:
             return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
-        if layer is None or not 0 <= layer < captured.num_layers:
-            raise RankkitError(
-                f"method '{self.name}' keeps a set per layer and KV head: "
-                f"name the layer with --layer (0..{captured.num_layers - 1})"
-            )
+        check_head_layer(self.name, layer, captured.num_layers)
         seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
         return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
 
