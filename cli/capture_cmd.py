@@ -69,7 +69,7 @@ def _print_summary(summary, shown_as: str, title: str) -> None:
 def capture(
     model: Model = defaults.MODEL,
     data: str = typer.Option(
-        "niah:n=8,length=2048", help="Data spec: niah:..., ruler:task=...,..., or a .jsonl path."
+        defaults.CAPTURE_DATA, help="Data spec: niah:..., ruler:task=...,..., or a .jsonl path."
     ),
     probes: str = typer.Option(
         "all",
@@ -78,7 +78,7 @@ def capture(
         "defaults plus every setting a registered method ranks by (window at W=8 and window:w=32).",
     ),
     out: Path = typer.Option(
-        Path("runs/capture.zarr"),
+        Path(defaults.CAPTURE_OUT),
         help="The zarr store to write; rerunning the same command resumes it (after Ctrl-C, SIGTERM "
         "or a crash), other settings are refused.",
     ),

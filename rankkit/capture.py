@@ -314,9 +314,9 @@ def _oracle_options(oracle) -> OracleOptions | None:
 def capture(
     *,
     model: str = defaults.MODEL,
-    data: str = "niah:n=8,length=2048",
+    data: str = defaults.CAPTURE_DATA,
     probes: str = "all",
-    out: str | os.PathLike = "runs/capture.zarr",
+    out: str | os.PathLike = defaults.CAPTURE_OUT,
     limit: int | None = None,
     device: str = defaults.DEVICE,
     overwrite: bool = False,

@@ -14,6 +14,8 @@ WARMUP = 0  # untimed runs before the timed ones: accuracy-only runs need none; 
 REPEATS = 1
 OVERHEAD_REPEATS = 6  # the fewest interleaved repeats that give a median ratio a 95% interval
 ORACLE_MIRROR = "fastkv"
+CAPTURE_DATA = "niah:n=8,length=2048"
+CAPTURE_OUT = "runs/capture.zarr"
 SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store
 
 
