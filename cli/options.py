@@ -12,6 +12,7 @@ import typer
 
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
+from rankkit.values import comma_list, read_number
 
 OVERWRITE_HELP = (
     "Replace an existing --out (written atomically: a reader sees the old file or the new one, never half)."
@@ -131,16 +132,6 @@ def output_format(table_format: str, as_json: bool = False) -> str:
     return "json" if as_json else table_format
 
 
-def comma_list(text: str | None, option: str) -> list[str]:
-    """The names in a comma-separated option value; an option given but naming nothing is refused."""
-    if text is None:
-        return []
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise RankkitError(f"{option} {text!r} names nothing; give comma-separated names, e.g. {option} a,b")
-    return names
-
-
 def budgets(keep: str | None, budget: str | None, *, required: bool = True):
     """The budgets of ``--keep`` (rates) or ``--budget`` (token counts), comma-separated; at most one of them."""
     from rankkit.methods.base import ONE_BUDGET, Budget, distinct_budgets
@@ -149,20 +140,13 @@ def budgets(keep: str | None, budget: str | None, *, required: bool = True):
         raise RankkitError(f"give {ONE_BUDGET}")
     if keep is not None:
         return distinct_budgets(
-            [Budget.from_keep(_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
+            [Budget.from_keep(read_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
              for value in comma_list(keep, "--keep")], "--keep"
         )  # fmt: skip
     if budget is not None:
         fix = "a token count; give e.g. --budget 2048, or --keep 0.1 for a share of the prompt"
         return distinct_budgets(
-            [Budget.from_tokens(_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")],
+            [Budget.from_tokens(read_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")],
             "--budget",
         )
     return []
-
-
-def _number(text: str, kind: type, option: str, fix: str):
-    try:
-        return kind(text)
-    except ValueError:
-        raise RankkitError(f"{option} {text!r} is not {fix}") from None

@@ -128,17 +128,11 @@ def prefill(
     _print_runs(rows, compare is not None)
 
 
-def _layer_list(text: str | None, as_json: bool) -> list[int]:
-    if text is None:
-        return []
-    if not as_json:
+def _layer_list(text: str | None, as_json: bool) -> str | tuple:
+    """``--kept-layers`` as given (the library reads the list); it lists positions only in JSON."""
+    if text is not None and not as_json:
         raise RankkitError("--kept-layers lists positions in the JSON output: add --json")
-    try:
-        return [int(part) for part in comma_list(text, "--kept-layers")]
-    except ValueError:
-        raise RankkitError(
-            f"--kept-layers takes comma-separated layer numbers, e.g. 0,15,29, not {text!r}"
-        ) from None
+    return text or ()
 
 
 def _print_runs(rows: list[dict], compared: bool) -> None:

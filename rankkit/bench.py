@@ -32,7 +32,6 @@ from rankkit import defaults, models, outputs
 from rankkit.cache import PADDING
 from rankkit.checks import (
     TIMING_ONLY,
-    check_count,
     check_layer,
     check_length,
     check_prompt_lengths,
@@ -64,6 +63,7 @@ from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner, check_decode_options
 from rankkit.shards import share
+from rankkit.values import as_list, check_count, check_number, int_or_float
 
 FULL = "full"
 COST_MODEL = "cost_model"  # the journal notes a resumed bench reuses
@@ -395,6 +395,10 @@ class MethodOptions:
     draft: str | None = None  # SpecPrefill's own default: layers:⌈L/4⌉
     mirror: str | None = None  # the oracle's own default: fastkv
 
+    def __post_init__(self):
+        if self.layer is not None:
+            check_number(self.layer, "--layer", whole=True)
+
     def build(self, names: list[str], num_layers: int, *, strict: bool) -> list[Method]:
         """The methods ``names`` (``NAME`` or ``NAME:PARAM=VALUE,...``) with these options, ``layer``
         checked against the model's depth.
@@ -529,7 +533,7 @@ def prefill(
     context: str | None = None,
     question: str | None = None,
     compare: str | None = None,
-    kept_layers: Sequence[int] = (),
+    kept_layers: Sequence[int] | str = (),
     options: MethodOptions = MethodOptions(),
     settings: BenchSettings = BenchSettings(),
     setup: Setup = Setup(),
@@ -538,8 +542,13 @@ def prefill(
 
     Returns one ``run_row`` per method: ``method`` first, then ``compare`` with the ratios
     of ``method`` to it. With ``kept_layers`` the method's row also holds
-    ``kept_positions_by_layer``. Every option is checked before the model loads.
+    ``kept_positions_by_layer``; they are a list or the ``--kept-layers`` text ("0,15"). ``example``
+    counts from 0. Every option is checked before the model loads.
     """
+    check_count(example, "--example", minimum=0)
+    kept_layers = as_list(kept_layers, "--kept-layers", int)
+    for layer in kept_layers:
+        check_number(layer, "--kept-layers", whole=True)
     missing = []  # said together, so a bare `rankkit prefill --method claa` is one try, not two
     if (data is None) == (context is None):
         missing.append("either --data SPEC or --context-file FILE with --question")
@@ -647,7 +656,7 @@ def prefill_json(rows: list[dict]) -> dict:
 
 def bench(
     methods: str | Sequence[str],
-    budgets: Sequence[Budget | float | int],
+    budgets: Sequence[Budget | float | int] | str | float,
     data: str,
     *,
     limit: int | None = None,
@@ -660,7 +669,8 @@ def bench(
     shard: tuple[int, int] = (0, 1),
 ) -> pl.DataFrame:
     """The methods x budgets grid over the examples of ``data``: one row per (example, method, budget).
-    ``methods`` as a list or as ``--methods`` writes them; each budget a ``Budget`` or its number (0.1, 2048).
+    ``methods`` as a list or as ``--methods`` writes them; ``budgets`` a list of ``Budget`` or their
+    numbers (0.1, 2048), one of them alone, or their comma-separated text ("0.1,0.2").
 
     Every option is checked before the model loads. With ``out`` each example's rows are
     kept as soon as they are measured (``outputs.Journal``): SIGINT or SIGTERM stops with
@@ -675,7 +685,7 @@ def bench(
     if limit is not None:
         check_count(limit, "--limit")
     methods = split_names(methods) if isinstance(methods, str) else list(methods)
-    budgets = [Budget.parse(budget) for budget in budgets]
+    budgets = [Budget.parse(budget) for budget in as_list(budgets, "--keep", int_or_float)]
     setup.check_timing(settings)
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ import polars as pl
 import torch
 
 from rankkit import defaults, models, outputs, stores
-from rankkit.checks import check_count, check_prompt_lengths, check_spec_length
+from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import METRICS, Example, data_fingerprint, load_examples
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -32,6 +32,7 @@ from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt, reference_answer
 from rankkit.runner import Runner, layer_types
 from rankkit.shards import rank_device, shard, share, share_size, wait_for_other_ranks
+from rankkit.values import check_count
 
 
 @dataclass(frozen=True)
@@ -300,15 +301,24 @@ def capture_probes(probes: str) -> list:
     return parse_probes(probes)
 
 
-def _oracle_options(oracle) -> OracleOptions | None:
-    """``capture``'s ``oracle``: its options, True for the defaults, or None (False) for none."""
+def _oracle_options(oracle, option: str = "oracle") -> OracleOptions | None:
+    """``capture``'s ``oracle`` and ``add_oracle``'s ``options``: OracleOptions, a dict of its
+    fields, True for the defaults, or None (False) for none."""
     if oracle is True:
         return OracleOptions()
     if oracle is False:
         return None
     if oracle is None or isinstance(oracle, OracleOptions):
         return oracle
-    raise RankkitError(f"oracle takes OracleOptions(...), True for its defaults, or None, not {oracle!r}")
+    if isinstance(oracle, dict):
+        known = [setting.name for setting in fields(OracleOptions)]
+        unknown = [str(key) for key in oracle if key not in known]
+        if unknown:
+            raise RankkitError(f"{option} has no setting {', '.join(unknown)}; its settings are {', '.join(known)}")
+        return OracleOptions(**oracle)
+    raise RankkitError(
+        f"{option} takes OracleOptions(...), a dict of its settings, True for its defaults, or None, not {oracle!r}"
+    )
 
 
 def capture(
@@ -464,7 +474,7 @@ def write_draft_scores(writer, runner: Runner, method, example_id: str, ids: tor
 def add_oracle(
     store_path: str | os.PathLike,
     *,
-    options: OracleOptions = OracleOptions(),
+    options: OracleOptions | dict | bool = OracleOptions(),
     model: str | None = None,
     device: str = "auto",
     redo: bool = False,
@@ -476,11 +486,15 @@ def add_oracle(
 
     The model is the store's own (its weights hash must match) unless ``model`` names
     the folder or hub id it was captured from. Under ``torchrun`` each rank takes its
-    ``share`` of the examples, as ``capture`` does. ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
+    ``share`` of the examples, as ``capture`` does. ``options`` takes what ``capture``'s ``oracle``
+    does (OracleOptions, a dict of its settings, True for the defaults). ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
     """
     import time
 
     models.use_threads(threads)
+    options = _oracle_options(options, "options")
+    if options is None:
+        raise RankkitError("add_oracle adds an oracle: give options=OracleOptions(...), a dict of its settings, or True")
     rank, world = shard()
     store = stores.open(store_path)
     meta = store.meta

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Any
 
 from rankkit.errors import RankkitError
-
-
-def check_count(value: Any, option: str, minimum: int = 1) -> None:
-    """A count (``--limit``, ``--repeats``) given through the Python API is refused as the command line
-    refuses it: a slice by -1 or a median of no rounds would run and print the wrong thing."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise RankkitError(f"{option} must be a whole number >= {minimum}, got {value!r}")
 
 
 def check_layer(layer: int, num_layers: int, method: str) -> None:

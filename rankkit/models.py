@@ -30,6 +30,7 @@ from rankkit import outputs
 from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
+from rankkit.values import check_count
 
 SUPPORTED_FAMILIES = (
     "llama",
@@ -91,6 +92,7 @@ def use_threads(threads: int | None) -> None:
     the cores this process may run on is refused: the threads would take turns on them."""
     if threads is None:
         return
+    check_count(threads, "--threads")
     cores = usable_cores()
     if not 1 <= threads <= cores:
         raise RankkitError(f"--threads {threads}: this process may run on {cores} CPU cores; give 1 to {cores}")

@@ -42,6 +42,7 @@ from rankkit import defaults
 from rankkit.errors import RankkitError
 from rankkit.pooling import check_pooling, pool_tokens
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, Runner, greedy_continue
+from rankkit.values import check_count, check_flag
 
 ANSWER_MODES = ("generated", "reference")
 
@@ -156,8 +157,10 @@ def oracle_params(answer: str, softmax: bool, kernel: int, max_new_tokens: int) 
     oracles made with other settings never mix in one store (``max_new_tokens`` counts only for
     a generated answer)."""
     if answer not in ANSWER_MODES:
-        raise RankkitError(f"--answer must be one of {', '.join(ANSWER_MODES)}, got '{answer}'")
+        raise RankkitError(f"--answer must be one of {', '.join(ANSWER_MODES)}, got {answer!r}")
+    check_flag(softmax, "--softmax")
     check_pooling("avg", kernel, "--kernel")
+    check_count(max_new_tokens, "--max-new-tokens")  # checked for any answer, as the command line does
     return {
         "answer": answer,
         "softmax": softmax,

@@ -135,7 +135,8 @@ def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_fol
     out = tmp_path / "later.zarr"
     capture(model=str(tiny_folder), data=DATA, out=out, device="cpu")
     assert not stores.open(out).example(stores.open(out).example_ids()[0]).has_oracle
-    summary = add_oracle(out, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
+    # a dict of the settings, as capture's oracle takes it (an AttributeError on .params once)
+    summary = add_oracle(out, options={"max_new_tokens": 4}, model=str(tiny_folder), device="cpu")
     assert summary.written == 4
     _same_store(out, reference_store)
 

@@ -140,8 +140,16 @@ def test_bad_method_and_budget_options_are_refused_before_the_model_loads(
         (lambda folder: _diffusion(folder, limit=-1), "--limit must be a whole number >= 1, got -1"),
         (lambda folder: _diffusion(folder, max_new_tokens=0), "--max-new-tokens must be a whole number >= 1"),
         # an AttributeError after the model loaded, and an empty store left behind
-        (lambda folder: _capture(folder, oracle="yes"), "oracle takes OracleOptions(...), True for its defaults, or None, not 'yes'"),
+        (lambda folder: _capture(folder, oracle="yes"), "oracle takes OracleOptions(...), a dict of its settings, True for its defaults, or None, not 'yes'"),
         (lambda folder: _bench(folder, budgets=[1.5]), "--keep 1.5 is neither a keep rate in (0, 1] nor a positive token count"),
+        # an IndexError after the store was made; "yes" written into the store's oracle_params
+        (lambda folder: _capture(folder, oracle=_oracle(max_new_tokens=0)), "--max-new-tokens must be a whole number >= 1, got 0"),
+        (lambda folder: _capture(folder, oracle={"softmax": "yes"}), "--softmax must be True or False, not str 'yes'"),
+        (lambda folder: _capture(folder, oracle={"max_tokens": 4}), "oracle has no setting max_tokens; its settings are answer, softmax"),
+        (lambda folder: _add_oracle(folder, options={"max_new_tokens": 0}), "--max-new-tokens must be a whole number >= 1, got 0"),
+        (lambda folder: _add_oracle(folder, options=None), "add_oracle adds an oracle: give options=OracleOptions(...)"),
+        # ran the last example
+        (lambda folder: _prefill(folder, example=-1), "--example must be a whole number >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_the_python_api_refuses_what_the_command_line_refuses(no_model_load, tiny_folder, call, message):
@@ -249,6 +257,24 @@ def test_the_python_api_takes_a_budget_as_its_number_methods_as_the_command_line
             oracle=True, device="cpu")  # fmt: skip
     (record,) = stores.open(tmp_path / "run.zarr").examples()
     assert record.has_oracle and record.attrs["oracle_params"]["kernel"] == OracleOptions().kernel
+
+
+def _oracle(**given):
+    from rankkit.capture import OracleOptions
+
+    return OracleOptions(**given)
+
+
+def _add_oracle(folder, **given):
+    from rankkit.capture import add_oracle
+
+    return add_oracle("run.zarr", model=str(folder), **given)
+
+
+def _prefill(folder, **given):
+    from rankkit.bench import Setup, prefill
+
+    return prefill("full", None, data="niah:n=2,length=200", setup=Setup(str(folder)), **given)
 
 
 def _capture(folder, **given):

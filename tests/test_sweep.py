@@ -386,6 +386,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             ("max_new_tokens = 4\n\n[bench]", "max_new_tokens = 4\nkernel = 4\n\n[bench]"),
             r"\[oracle\]: kernel must be a positive odd integer \(length-preserving pooling\), not 4$",
         ),
+        (  # OracleOptions's own check, as the Python API and the command line refuse it
+            ("max_new_tokens = 4\n\n[bench]", "max_new_tokens = 0\n\n[bench]"),
+            r"\[oracle\]: max_new_tokens must be a whole number >= 1, got 0$",
+        ),
         (
             ("[diffusion]", '[compare]\nmethods = ["sliminfer:gamma=5"]\n[diffusion]'),
             r"method 'sliminfer': gamma=5 is outside \[0, 1\]",

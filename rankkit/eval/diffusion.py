@@ -38,7 +38,6 @@ import torch
 from rankkit import defaults, models, outputs, prompting
 from rankkit.cache import KVCache
 from rankkit.checks import (
-    check_count,
     check_prompt_lengths,
     check_spec_length,
     check_unique_rows,
@@ -52,6 +51,7 @@ from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
 from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
 from rankkit.shards import share
+from rankkit.values import check_count
 
 SCHEMA = {
     "example": pl.String,

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-from rankkit.checks import check_count
 from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
+from rankkit.values import check_count
 
 Result = TypeVar("Result")
 

@@ -25,6 +25,7 @@ from rankkit.checks import first_repeated
 from rankkit.errors import RankkitError
 from rankkit.plugins import construct
 from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
+from rankkit.values import check_number
 
 REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
 
@@ -198,6 +199,9 @@ class Budget:
     def __post_init__(self):
         if (self.keep is None) == (self.tokens is None):
             raise RankkitError(f"a budget is {ONE_BUDGET}, got keep={self.keep!r}, tokens={self.tokens!r}")
+        for value, option in ((self.keep, "--keep"), (self.tokens, "--budget")):
+            if value is not None:  # the text "0.1" is no rate outside (0, 1]: say what it is
+                check_number(value, option)
         if self.keep is not None and not (_is_number(self.keep, Real) and 0 < self.keep <= 1):
             raise RankkitError(f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1")
         if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
@@ -224,6 +228,7 @@ class Budget:
         names ``option``."""
         if isinstance(value, Budget):
             return value
+        check_number(value, option)
         if isinstance(value, float) and 0 < value <= 1:
             return cls.from_keep(value)
         if _is_number(value, int) and value >= 1:
