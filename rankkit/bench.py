@@ -42,7 +42,7 @@ from rankkit.checks import (
     warn_clamped,
     warn_raised,
 )
-from rankkit.data import Example, data_fingerprint, load_examples, read_spec
+from rankkit.data import Example, data_fingerprint, load_examples, read_spec, spec_text
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.eval.offline import method_from_spec, parse_method_spec, split_names
@@ -528,7 +528,7 @@ def prefill(
     method: str,
     budget: Budget | float | int | None,
     *,
-    data: str | None = None,
+    data: str | os.PathLike | None = None,
     example: int = 0,
     context: str | None = None,
     question: str | None = None,
@@ -546,6 +546,7 @@ def prefill(
     counts from 0. Every option is checked before the model loads.
     """
     check_count(example, "--example", minimum=0)
+    data = None if data is None else spec_text(data)
     kept_layers = as_list(kept_layers, "--kept-layers", int)
     for layer in kept_layers:
         check_number(layer, "--kept-layers", whole=True)
@@ -657,7 +658,7 @@ def prefill_json(rows: list[dict]) -> dict:
 def bench(
     methods: str | Sequence[str],
     budgets: Sequence[Budget | float | int] | str | float,
-    data: str,
+    data: str | os.PathLike,
     *,
     limit: int | None = None,
     out: str | os.PathLike | None = None,
@@ -682,6 +683,7 @@ def bench(
     (every prompt is still checked), calibrating its own cost model on its first prompt;
     ``rankkit.shards.interleave`` of the ranks' rows by example restores the order.
     """
+    data = spec_text(data)
     if limit is not None:
         check_count(limit, "--limit")
     methods = split_names(methods) if isinstance(methods, str) else list(methods)

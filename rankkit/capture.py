@@ -22,7 +22,7 @@ import torch
 
 from rankkit import defaults, models, outputs, stores
 from rankkit.checks import check_prompt_lengths, check_spec_length
-from rankkit.data import METRICS, Example, data_fingerprint, load_examples
+from rankkit.data import METRICS, Example, data_fingerprint, load_examples, spec_text
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
@@ -324,7 +324,7 @@ def _oracle_options(oracle, option: str = "oracle") -> OracleOptions | None:
 def capture(
     *,
     model: str = defaults.MODEL,
-    data: str = defaults.CAPTURE_DATA,
+    data: str | os.PathLike = defaults.CAPTURE_DATA,
     probes: str = "all",
     out: str | os.PathLike = defaults.CAPTURE_OUT,
     limit: int | None = None,
@@ -353,6 +353,7 @@ def capture(
     import time
 
     models.use_threads(threads)
+    data = spec_text(data)
     oracle = _oracle_options(oracle)
     if limit is not None:
         check_count(limit, "--limit")

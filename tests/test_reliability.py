@@ -1098,3 +1098,25 @@ def test_a_full_disk_during_a_capture_is_one_line_and_keeps_what_was_written(
         f"written by this run (0 examples were complete before) in {out}; rerun the same command to resume"
     )
     assert stores.open(out).example_ids() == ["niah-128-s0-000"]
+
+
+def test_a_data_spec_given_as_a_path_is_its_file(tiny_folder, tmp_path, default_tokenizer):
+    """capture(data=Path("ex.jsonl")) and bench(..., Path("ex.jsonl")) ended in an AttributeError
+    ('PosixPath' object has no attribute 'strip'); the store and the journal record the spec's text."""
+    from rankkit import stores
+    from rankkit.bench import BenchSettings, Setup, bench
+    from rankkit.capture import capture
+    from rankkit.data import export_spec, read_spec
+
+    examples = tmp_path / "ex.jsonl"
+    assert export_spec("niah:n=1,length=200", default_tokenizer, examples) == 1
+    assert read_spec(examples).path == str(examples)
+    capture(model=str(tiny_folder), data=examples, probes="window", out=tmp_path / "run.zarr", device="cpu")
+    store = stores.open(tmp_path / "run.zarr")
+    assert store.meta["dataset"] == str(examples) and len(store.example_ids()) == 1
+    settings = BenchSettings(max_new_tokens=1, warmup=0, repeats=1)
+    rows = bench("full", [0.5], examples, setup=Setup(str(tiny_folder), device="cpu"), settings=settings,
+                 out=tmp_path / "bench.parquet")  # fmt: skip
+    assert rows["example_id"].to_list() == store.example_ids()
+    with pytest.raises(RankkitError, match=r"a data spec is a string or a path, not int 3; use niah:"):
+        read_spec(3)

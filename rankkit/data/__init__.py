@@ -16,6 +16,7 @@ from rankkit.data.spec import (
     load_examples,
     parse_spec,
     read_spec,
+    spec_text,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "read_spec",
     "DataSpec",
     "score",
+    "spec_text",
 ]

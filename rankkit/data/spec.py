@@ -13,6 +13,7 @@ left out; ``rankkit.data.niah``). ``seed`` defaults to 0; the same spec and toke
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,19 @@ _JSONL_SPEC = re.compile(r"(?P<path>.*?\.jsonl)(?::(?P<params>.*))?")
 USAGE = "use niah:length=N,n=K, ruler:task=NAME,length=N,n=K, or PATH.jsonl[:n=K]"
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+def spec_text(spec: str | os.PathLike) -> str:
+    """A data spec as text: a path (``Path("ex.jsonl")``) is the spec of its file. Every call taking a
+    spec reads it here first, so what it records (a store's meta, a journal's identity) is the text."""
+    if isinstance(spec, os.PathLike):
+        return os.fspath(spec)
+    if not isinstance(spec, str):
+        raise RankkitError(f"a data spec is a string or a path, not {type(spec).__name__} {spec!r}; {USAGE}")
+    return spec
+
+
+def parse_spec(spec: str | os.PathLike) -> tuple[str, dict[str, str]]:
     """(kind, parameters) of a spec, keys checked; a jsonl spec's parameters include its ``path``."""
-    spec = spec.strip()
+    spec = spec_text(spec).strip()
     if ".jsonl" in spec:
         jsonl = _JSONL_SPEC.fullmatch(spec)
         if jsonl is None:
@@ -198,7 +209,7 @@ def load_examples(spec: str, tokenizer) -> list[Example]:
 
 
 def export_spec(
-    spec: str,
+    spec: str | os.PathLike,
     tokenizer,
     path: str | Path,
     *,
@@ -212,6 +223,7 @@ def export_spec(
     ``config`` of the model ``tokenizer`` is of, a prompt longer than its positions is refused as
     capture refuses it (unless ``allow_overlength``), before the file is written.
     """
+    spec = spec_text(spec)
     outputs.claim([path], overwrite=overwrite, inputs=[read_spec(spec).path])
     if config is not None:
         check_spec_length(spec, config, allow_overlength=allow_overlength)

@@ -43,7 +43,7 @@ from rankkit.checks import (
     check_unique_rows,
     check_value_ranges,
 )
-from rankkit.data import Example, data_fingerprint, load_examples, read_spec, score
+from rankkit.data import Example, data_fingerprint, load_examples, read_spec, score, spec_text
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
 from rankkit.interrupts import keep_on_interrupt
@@ -270,7 +270,7 @@ def refuse_timing_only_model(model: str) -> None:
 
 
 def diffusion_probe(
-    data: str,
+    data: str | os.PathLike,
     *,
     model: str = defaults.MODEL,
     limit: int | None = None,
@@ -293,6 +293,7 @@ def diffusion_probe(
     ``threads`` sets torch's CPU threads for the process (``models.use_threads``).
     """
     models.use_threads(threads)
+    data = spec_text(data)
     refuse_timing_only_model(model)
     for count, option in ((limit, "--limit"), (max_new_tokens, "--max-new-tokens")):
         if count is not None:
