@@ -90,6 +90,7 @@ from rankkit.methods.measure import CostModel, cached_cost_model
 from rankkit.methods.specprefill import draft_problem
 from rankkit.progress import Progress, ProgressCallback, ignore
 from rankkit.shards import interleave, process_group, rank_device, shard, share_size, wait_for_other_ranks
+from rankkit.values import as_list
 
 EXPERIMENT_FILE = "experiment.toml"
 MANIFEST_FILE = "manifest.json"  # every path the sweep wrote in DIR: all that --overwrite removes
@@ -483,7 +484,7 @@ def sweep(
     experiment: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    stages: list[str] | None = None,
+    stages: list[str] | str | None = None,
     overwrite: bool = False,
     workers: int | None = None,
     progress: ProgressCallback = ignore,
@@ -508,7 +509,7 @@ def sweep(
     experiment_path = Path(experiment)
     max_units = MAX_UNITS if max_units is None else max_units
     plan, text = read_experiment(experiment_path, max_units=max_units)
-    running = _running(plan, stages, experiment_path)
+    running = _running(plan, None if stages is None else as_list(stages, "--stages"), experiment_path)
     layout = Layout(Path(out))
     rank, world = shard()
     # Every rank checks before the process group forms, so before rank 0 writes anything.

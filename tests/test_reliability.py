@@ -1120,3 +1120,82 @@ def test_a_data_spec_given_as_a_path_is_its_file(tiny_folder, tmp_path, default_
     assert rows["example_id"].to_list() == store.example_ids()
     with pytest.raises(RankkitError, match=r"a data spec is a string or a path, not int 3; use niah:"):
         read_spec(3)
+
+
+def test_a_list_parameter_takes_a_list_one_value_or_the_command_lines_comma_separated_text():
+    from rankkit.values import as_list, int_or_float
+
+    assert as_list("0.1, 0.2,2048", "--keep", int_or_float) == [0.1, 0.2, 2048]
+    assert as_list(0.1, "--keep", int_or_float) == [0.1]  # 'float' object is not iterable once
+    assert as_list((0, 15), "--kept-layers", int) == [0, 15]
+    assert as_list("capture,oracle", "--stages") == ["capture", "oracle"]  # read one letter at a time once
+    assert as_list("niah-512-s0-000", "--explore") == ["niah-512-s0-000"]
+    with pytest.raises(RankkitError, match=re.escape("--kept-layers 'x' is not a whole number; give e.g. --kept-layers 0,15")):
+        as_list("0,x", "--kept-layers", int)
+    with pytest.raises(RankkitError, match=re.escape("--stages ' , ' names nothing")):
+        as_list(" , ", "--stages")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # the text the command line reads as a number, refused naming its type: a raw TypeError
+        # ('<=' not supported) or a message calling it out of range before
+        (lambda folder: _budget(keep="0.1"), "--keep takes a number, not str '0.1'"),
+        (lambda folder: _parse_budget("0.1"), "--keep takes a number, not str '0.1'"),
+        (lambda folder: _method_options(layer="3"), "--layer takes a whole number, not str '3'"),
+        (lambda folder: _prefill(folder, kept_layers=["0"]), "--kept-layers takes a whole number, not str '0'"),
+        (lambda folder: _compare("missing.zarr", layer="3"), "--layer takes a whole number, not str '3'"),
+        (lambda folder: _variance("missing.zarr", thresholds=["0.1"]), "thresholds takes a number, not str '0.1'"),
+        (lambda folder: _setup(folder, threads="1").load(), "--threads must be a whole number >= 1, got '1'"),
+        (lambda folder: _capture(folder, threads="1"), "--threads must be a whole number >= 1, got '1'"),
+        (lambda folder: _add_oracle(folder, threads="1"), "--threads must be a whole number >= 1, got '1'"),
+        (lambda folder: _diffusion(folder, threads="1"), "--threads must be a whole number >= 1, got '1'"),
+        (lambda folder: _sweep("missing.toml", threads="1"), "--threads must be a whole number >= 1, got '1'"),
+        # comma-separated text read as the command line reads it, not letter by letter
+        (lambda folder: _bench(folder, budgets="0.5,x"), "--keep 'x' is not a number; give e.g. --keep 0.1,0.2"),
+        (lambda folder: _prefill(folder, kept_layers="0,15"), "--kept-layers 15 is not a layer of this model (0..2)"),
+        (lambda folder: _variance("missing.zarr", thresholds="0.1,x"), "thresholds 'x' is not a number"),
+    ],
+)  # fmt: skip
+def test_a_parameter_of_the_wrong_type_is_refused_naming_it(no_model_load, tiny_folder, call, message):
+    before = sorted(no_model_load.iterdir())
+    with pytest.raises(RankkitError, match=re.escape(message)):
+        call(tiny_folder)
+    assert sorted(no_model_load.iterdir()) == before
+
+
+def _parse_budget(value):
+    from rankkit.methods import Budget
+
+    return Budget.parse(value)
+
+
+def _method_options(**given):
+    from rankkit.bench import MethodOptions
+
+    return MethodOptions(**given)
+
+
+def _setup(folder, **given):
+    from rankkit.bench import Setup
+
+    return Setup(str(folder), **given)
+
+
+def _compare(path, **given):
+    from rankkit.eval.compare import compare_store
+
+    return compare_store(path, **given)
+
+
+def _variance(path, **given):
+    from rankkit.eval.variance import variance_store
+
+    return variance_store(path, **given)
+
+
+def _sweep(path, **given):
+    from rankkit.sweep import sweep
+
+    return sweep(path, "out", **given)

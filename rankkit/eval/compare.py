@@ -73,6 +73,7 @@ from rankkit.checks import first_repeated, refuse_timing_only_store, warn_timing
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
+from rankkit.values import as_list, check_number, int_or_float
 
 from .offline import (
     DRAFT_GROUP,
@@ -621,12 +622,13 @@ def write_results(
 
 
 def compare_keeps(
-    path: str | os.PathLike | Store, keeps: Sequence[float | int], **options: Any
+    path: str | os.PathLike | Store, keeps: Sequence[float | int] | str | float, **options: Any
 ) -> list[CompareResult]:
     """``compare_store`` of one store at each of ``keeps`` (``--keep 0.1,0.2``), with the same
     ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep."""
     from rankkit import stores
 
+    keeps = as_list(keeps, "--keep", int_or_float)
     if not keeps:
         raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
     store = stores.open(path)
@@ -718,6 +720,8 @@ def compare_store(
     from rankkit import stores
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
+    if layer is not None:
+        check_number(layer, "--layer", whole=True)
     needle_keep = keep if needle_keep is None else needle_keep
     budget = Budget.parse(keep)  # a bad keep fails before any reading, and so does a bad needle keep
     Budget.parse(needle_keep, "--needle-keep")

@@ -30,6 +30,7 @@ from rankkit.checks import warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl, is_fallback, selection_layer
+from rankkit.values import as_list, check_number
 
 from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
@@ -142,7 +143,7 @@ def variance_store(
     budget: float | int = DEFAULT_BUDGET,
     min_layer: int | None = None,
     observed_layers: int | None = None,
-    thresholds: Sequence[float] = THRESHOLDS,
+    thresholds: Sequence[float] | str | float = THRESHOLDS,
     workers: int | None = None,
 ) -> VarianceResult:
     """ASL curves and selection layers for every complete example of a store.
@@ -158,6 +159,9 @@ def variance_store(
     from .compare import scored_layers, with_clusters
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
+    thresholds = as_list(thresholds, "thresholds", float)
+    for threshold in thresholds:
+        check_number(threshold, "thresholds")
     asl = curve_method(method, min_layer, observed_layers)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)

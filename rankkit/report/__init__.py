@@ -45,6 +45,7 @@ from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
+from rankkit.values import as_list, int_or_float
 
 from . import figures
 from .html import Control, Page, Panel, encode_array, render, render_index
@@ -84,8 +85,8 @@ def write_dashboard(
     *,
     overwrite: bool = False,
     workers: int | None = None,
-    explore: Sequence[str] | None = None,
-    keeps: Sequence[float] = (KEEP_RATES[0],),
+    explore: Sequence[str] | str | None = None,
+    keeps: Sequence[float] | str | float = (KEEP_RATES[0],),
     needle_keep: float | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
@@ -107,6 +108,8 @@ def write_dashboard(
     from rankkit import stores
     from rankkit.report.joined import refuse_other_examples
 
+    keeps = as_list(keeps, "--keep", int_or_float)
+    explore = None if explore is None else as_list(explore, "--explore")
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
     twice = first_repeated([Path(each).resolve() for each in benches if not isinstance(each, pl.DataFrame)])
     if twice is not None:  # its rows would count twice in every panel
