@@ -4,8 +4,8 @@ the cost model's fit; and the CLI on the default model (integration)."""
 from __future__ import annotations
 
 import json
-import time
 import re
+import time
 
 import polars as pl
 import pytest
