@@ -173,9 +173,15 @@ def default_model():
     return models.load("default", device="cpu")
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    """Every test on the same threads, set again after it: a test whose --threads 1 stayed set made
+    the next module's fixtures compute on one thread, and a store compared exactly with one made on
+    two differed in its last bits."""
+    threads = max(1, min(2, os.cpu_count() or 1))
+    torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
