@@ -85,18 +85,9 @@ def compare(
         shared_workers(store, workers, now=True),
     ):
         with deferred_interrupts():
-            from rankkit import outputs
-            from rankkit.eval.compare import (
-                compare_keeps,
-                output_paths,
-                pairs_at_layer,
-                summary_table,
-                write_results,
-            )
+            from rankkit.eval.compare import compare_keeps, pairs_at_layer, summary_table
             from rankkit.report.tables import frame_table, rows_text
 
-        if out is not None:
-            outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
         results = compare_keeps(
             store,
             [each.number for each in _budgets_or_default(keep, budget)],
@@ -107,9 +98,10 @@ def compare(
             needle_keep=needle_keep,
             workers=workers,
             pairs=pairs,
+            out=out,
+            overwrite=overwrite,
+            written=written,
         )
-        if out is not None:
-            write_results(results, out, written=written)
         if shown_as != "table":
             rows = [{**row, "span": result.span} for result in results for row in result.summary.to_dicts()]
         else:
@@ -201,11 +193,8 @@ def variance(
 
     with shared_workers(store, workers, now=True):  # the workers import while this process does
         with deferred_interrupts():
-            from rankkit import outputs
             from rankkit.eval.variance import output_paths, variance_store
 
-        if out is not None:
-            outputs.claim(output_paths(out), overwrite=overwrite, inputs=[store])
         result = variance_store(
             store,
             method=method,
@@ -213,10 +202,11 @@ def variance(
             min_layer=min_layer,
             observed_layers=observed_layers,
             workers=workers,
+            out=out,
+            overwrite=overwrite,
         )
     if out is not None:
-        written = result.write(out)
-        typer.echo(f"wrote {', '.join(map(str, written))}", err=True)
+        typer.echo(f"wrote {', '.join(map(str, output_paths(out)))}", err=True)
     rows = result.by_example()
     if shown_as != "table":
         typer.echo(rows_text(rows, shown_as))

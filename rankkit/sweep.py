@@ -166,12 +166,13 @@ def units(experiment: Experiment, stage: str) -> list[Unit]:
 
 
 def _keyword_defaults(function: Callable) -> dict[str, Any]:
-    """The keywords of ``function`` with their defaults (``workers`` left out: it changes no result)."""
+    """The keywords of ``function`` with their defaults (``workers`` and where it writes left out: they
+    change no result)."""
     parameters = inspect.signature(function).parameters.values()
     return {
         each.name: each.default
         for each in parameters
-        if each.default is not inspect.Parameter.empty and each.name != "workers"
+        if each.default is not inspect.Parameter.empty and each.name not in ("workers", "out", "overwrite")
     }
 
 
@@ -1246,25 +1247,27 @@ def _store_stage(stage: str, run_unit: Callable[[Run, Unit], dict[str, Any]]):
 
 
 def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
-    result = compare.compare_store(
+    (result,) = compare.compare_keeps(
         run.layout.store(unit.cell),
+        [unit.budget.number],
         layer=unit.layer,
-        keep=unit.budget.number,
         workers=run.workers,
+        out=run.layout.part("compare", unit),
+        overwrite=True,  # frames written before an interrupt, before the unit's marker
         **run.plan.compare.kwargs(),
     )
-    result.write(run.layout.part("compare", unit))
     return {"pruning_layer": result.pruning_layer}
 
 
 def _variance_unit(run: Run, unit: Unit) -> dict[str, Any]:
-    result = variance.variance_store(
+    variance.variance_store(
         run.layout.store(unit.cell),
         budget=unit.budget.number,
         workers=run.workers,
+        out=run.layout.part("variance", unit),
+        overwrite=True,  # frames written before an interrupt, before the unit's marker
         **run.plan.variance.kwargs(),
     )
-    result.write(run.layout.part("variance", unit))
     return {}
 
 

@@ -644,6 +644,42 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     assert str(cli("compare", store_path, "--keep", "0.1", "--budget", "16").exception).startswith("give exactly one of --keep")
 
 
+def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
+    """CompareResult.write and VarianceResult.write replaced any file, the store's own zarr.json
+    included; they claim their paths as --out does, and so do compare_keeps' and variance_store's out."""
+    from rankkit.eval.compare import compare_keeps
+
+    store = write_store(tmp_path / "s.zarr", examples=1)
+    metadata = (store / "zarr.json").read_bytes()
+    own = tmp_path / "own.parquet"
+    pl.DataFrame({"mine": [1]}).write_parquet(own)
+    compared = compare_store(store, methods=["window"], workers=1)
+    curves = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1)
+    for write in (compared.write, curves.write):
+        with pytest.raises(RankkitError, match="zarr.json is one of this command's inputs"):
+            write(store / "zarr.json", overwrite=True)
+        with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} already exists; pass --overwrite"):
+            write(own)
+        with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} was not written by rankkit"):
+            write(own, overwrite=True)
+    with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} already exists"):
+        compare_keeps(store, [0.1], out=own, methods=["window"], workers=1)
+    with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} already exists"):
+        variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=own)
+    assert (store / "zarr.json").read_bytes() == metadata
+    assert pl.read_parquet(own).to_dict(as_series=False) == {"mine": [1]}
+    written = compared.write(tmp_path / "c.parquet")
+    assert [path.name for path in written] == ["c.parquet"] + [
+        f"c.{name}.parquet" for name in ("per_head", "sweep", "curve", "stability", "summary", "pairs")
+    ]
+    with pytest.raises(RankkitError, match="c.parquet already exists"):
+        compared.write(tmp_path / "c.parquet")
+    assert compared.write(tmp_path / "c.parquet", overwrite=True) == written
+    assert pl.read_parquet(written[0]).equals(compared.per_layer)
+    kept = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=tmp_path / "v.parquet")
+    assert pl.read_parquet(tmp_path / "v.parquet").equals(kept.curves)
+
+
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
     """Examples of one haystack or needle (meta["cluster"]) are one sample: intervals resample
     clusters, pairs test cluster means, and n_clusters says how many there are."""

@@ -579,6 +579,7 @@ class CompareResult:
     tested_pairs: Sequence[tuple[str, str]]  # the (method, baseline) pairs ``pairs`` tests
     keep: float | int  # the budget the methods ranked under
     needle_keep: float | int  # the budget needle recall counts the evidence in
+    store: Path  # the store compared: ``write`` keeps its outputs out of it
 
     def with_keeps(self, frame: pl.DataFrame) -> pl.DataFrame:
         """``frame`` with the keep and the needle keep its rows were made under, as columns."""
@@ -600,39 +601,72 @@ class CompareResult:
     def pairs(self) -> pl.DataFrame:
         return self.with_keeps(pairs_frame(self.per_layer, self.tested_pairs))
 
-    def write(self, path: str | os.PathLike) -> list[Path]:
-        """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the paths."""
-        return write_results([self], path)
+    def write(self, path: str | os.PathLike, *, overwrite: bool = False) -> list[Path]:
+        """``per_layer`` to ``path``, the other frames beside it as <stem>.<frame>.parquet; returns the
+        paths. Refused as ``rankkit compare --out`` is (``claim_outputs``)."""
+        return write_results([self], path, overwrite=overwrite)
+
+
+def claim_outputs(
+    paths: Sequence[Path], store: str | os.PathLike | Store, *, overwrite: bool = False
+) -> list[Path]:
+    """``paths``, the files drawn from ``store`` (compare's ``output_paths``, variance's), checked as
+    ``--out`` is, before any work and again before writing (``outputs.claim``): none may exist unless
+    ``overwrite``, none that rankkit did not write even then, none inside ``store`` or another store."""
+    from rankkit import stores
+
+    source = store.path if isinstance(store, stores.Store) else store
+    return outputs.claim(paths, overwrite=overwrite, inputs=[source])
 
 
 def write_results(
-    results: Sequence[CompareResult], path: str | os.PathLike, *, written: list[Path] | None = None
+    results: Sequence[CompareResult],
+    path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    written: list[Path] | None = None,
 ) -> list[Path]:
     """The frames of ``results`` (one per keep), each concatenated over them, written as
     ``CompareResult.write`` writes one: their ``keep`` and ``needle_keep`` columns tell them apart.
     Each path joins ``written`` as it is written, so an interrupt can name what was."""
+    (store,) = {result.store for result in results}
+    paths = claim_outputs(output_paths(path), store, overwrite=overwrite)
     frames = [
         pl.concat([getattr(result, name) for result in results], how="diagonal_relaxed")
         for name in ("per_layer", *SIBLING_FRAMES)
     ]
     written = [] if written is None else written
-    for frame, file in zip(frames, output_paths(path), strict=True):
+    for frame, file in zip(frames, paths, strict=True):
         written.append(outputs.write_parquet(frame, file))
     return written
 
 
 def compare_keeps(
-    path: str | os.PathLike | Store, keeps: Sequence[float | int] | str | float, **options: Any
+    path: str | os.PathLike | Store,
+    keeps: Sequence[float | int] | str | float,
+    *,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    written: list[Path] | None = None,
+    **options: Any,
 ) -> list[CompareResult]:
     """``compare_store`` of one store at each of ``keeps`` (``--keep 0.1,0.2``), with the same
-    ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep."""
+    ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep.
+    With ``out`` (``rankkit compare --out``) the frames of all are written there as ``write_results``
+    writes them, the path refused before any work unless it may be written (``claim_outputs``,
+    ``overwrite``); ``written`` gathers the paths as they are written."""
     from rankkit import stores
 
     keeps = as_list(keeps, "--keep", int_or_float)
     if not keeps:
         raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    if out is not None:
+        claim_outputs(output_paths(out), path, overwrite=overwrite)
     store = stores.open(path)
-    return [compare_store(store, keep=keep, **options) for keep in keeps]
+    results = [compare_store(store, keep=keep, **options) for keep in keeps]
+    if out is not None:
+        write_results(results, out, overwrite=overwrite, written=written)
+    return results
 
 
 SIBLING_FRAMES = ("per_head", "sweep", "curve", "stability", "summary", "pairs")
@@ -824,6 +858,7 @@ def compare_store(
         tested_pairs=list(pairs),
         keep=keep,
         needle_keep=needle_keep,
+        store=store.path,
     )
 
 

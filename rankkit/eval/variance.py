@@ -78,18 +78,21 @@ class VarianceResult:
     min_layer: int
     curves: pl.DataFrame
     selections: pl.DataFrame
+    store: Path  # the store the curves were drawn from: ``write`` keeps its outputs out of it
 
     @cached_property
     def means(self) -> pl.DataFrame:
         return mean_curves(self.curves)
 
-    def write(self, path: str | os.PathLike) -> list[Path]:
+    def write(self, path: str | os.PathLike, *, overwrite: bool = False) -> list[Path]:
         """``curves`` to ``path``, ``selections`` and ``means`` beside it as <stem>.selections.parquet
-        and <stem>.means.parquet; returns the paths."""
+        and <stem>.means.parquet; returns the paths. Refused as ``rankkit variance --out`` is
+        (``compare.claim_outputs``)."""
+        from .compare import claim_outputs
+
+        paths = claim_outputs(output_paths(path), self.store, overwrite=overwrite)
         frames = (self.curves, self.selections, self.means)
-        return [
-            outputs.write_parquet(frame, file) for frame, file in zip(frames, output_paths(path), strict=True)
-        ]
+        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over
@@ -145,6 +148,8 @@ def variance_store(
     observed_layers: int | None = None,
     thresholds: Sequence[float] | str | float = THRESHOLDS,
     workers: int | None = None,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> VarianceResult:
     """ASL curves and selection layers for every complete example of a store.
 
@@ -152,17 +157,21 @@ def variance_store(
     probe at W = 32, k = budget - W, ranks over every token outside the window), so at the
     method's tau (reported beside ``thresholds``) the layer chosen here is the one ``asl`` selects at.
     ``method`` may carry ASL's parameters (``asl:window_size=8``); ``min_layer``/``observed_layers``
-    set L_min/L_obs, refused where they contradict the spec's.
+    set L_min/L_obs, refused where they contradict the spec's. With ``out`` (``rankkit variance
+    --out``) the frames are written there (``VarianceResult.write``), the path refused before any
+    work unless it may be written (``compare.claim_outputs``, ``overwrite``).
     """
     from rankkit import stores
 
-    from .compare import scored_layers, with_clusters
+    from .compare import claim_outputs, scored_layers, with_clusters
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
     thresholds = as_list(thresholds, "thresholds", float)
     for threshold in thresholds:
         check_number(threshold, "thresholds")
     asl = curve_method(method, min_layer, observed_layers)
+    if out is not None:
+        claim_outputs(output_paths(out), path, overwrite=overwrite)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)
     store.warn_skipped()
@@ -191,7 +200,12 @@ def variance_store(
         "fallback": pl.Boolean,
     }
     curves = with_clusters(pl.concat(curve_frames), records, example="example")  # the means resample shared haystacks together
-    return VarianceResult(bound.min_layer, curves, pl.DataFrame(selection_rows, schema=selection_schema))
+    result = VarianceResult(
+        bound.min_layer, curves, pl.DataFrame(selection_rows, schema=selection_schema), store.path
+    )
+    if out is not None:
+        result.write(out, overwrite=overwrite)
+    return result
 
 
 def variance_example(
