@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .app import app, output
-from .options import Format, NeedleKeep, Overwrite, Workers, budgets, output_format
+from .options import Format, NeedleKeep, Overwrite, Workers, budgets, keep_or_tokens, output_format
 
 
 @app.command("compare")
@@ -90,12 +90,12 @@ def compare(
 
         results = compare_keeps(
             store,
-            [each.number for each in _budgets_or_default(keep, budget)],
+            _budgets_or_default(keep, budget),
             layer=layer,
             methods=methods,
             oracle=oracle,
             span=span,
-            needle_keep=needle_keep,
+            needle_keep=keep_or_tokens(needle_keep, "--needle-keep"),
             workers=workers,
             pairs=pairs,
             out=out,
@@ -117,7 +117,7 @@ def compare(
                 if result.stability.height:
                     tables.append(frame_table(result.stability, "Stability across layers (of the mean curve)"))
                 paired = pairs_at_layer(result.pairs, result.pruning_layer)
-                if paired.height and oracle:  # differences of Spearman with the oracle: none without it
+                if paired.height:  # differences of Spearman with the oracle: none without it
                     tables.append(
                         frame_table(
                             paired,
@@ -198,7 +198,7 @@ def variance(
         result = variance_store(
             store,
             method=method,
-            budget=_one_budget(keep, budget),
+            **_one_budget(keep, budget).keywords,
             min_layer=min_layer,
             observed_layers=observed_layers,
             workers=workers,
@@ -222,20 +222,20 @@ def variance(
 
 def _budgets_or_default(keep: str | None, budget: str | None) -> list:
     """The budgets of ``--keep`` or ``--budget``, else compare's and variance's default keep rate."""
-    from rankkit.experiment import DEFAULT_KEEP
+    from rankkit import defaults
     from rankkit.methods import Budget
 
-    return budgets(keep, budget, required=False) or [Budget.from_keep(DEFAULT_KEEP)]
+    return budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]
 
 
-def _one_budget(keep: str | None, budget: str | None) -> int | float:
-    """The one budget ``variance`` draws its curve under, as ``variance_store`` takes it."""
+def _one_budget(keep: str | None, budget: str | None):
+    """The one budget ``variance`` draws its curve under."""
     from rankkit.errors import RankkitError
 
     chosen = _budgets_or_default(keep, budget)
     if len(chosen) > 1:
         raise RankkitError("variance draws one curve: give one keep rate (e.g. --keep 0.1) or one --budget")
-    return chosen[0].number
+    return chosen[0]
 
 
 def _selection_cell(row: dict, threshold: str) -> Text:

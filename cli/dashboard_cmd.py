@@ -5,7 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .options import NeedleKeep, Overwrite, Workers, budgets, comma_list
+from .options import NeedleKeep, Overwrite, Workers, budgets, comma_list, keep_or_tokens
 
 
 @app.command("dashboard")
@@ -62,6 +62,6 @@ def dashboard(
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
             keeps=keeps,
-            needle_keep=needle_keep,
+            needle_keep=keep_or_tokens(needle_keep, "--needle-keep"),
         )
     typer.echo(written)

@@ -12,7 +12,7 @@ import typer
 
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
-from rankkit.values import comma_list, read_number
+from rankkit.values import comma_list, int_or_float, read_number
 
 OVERWRITE_HELP = (
     "Replace an existing --out (written atomically: a reader sees the old file or the new one, never half)."
@@ -53,9 +53,11 @@ Layer = Annotated[int | None, typer.Option("--layer", help=LAYER_HELP)]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy answer length limit.")]
 Draft = Annotated[str | None, typer.Option("--draft", help=DRAFT_HELP)]
 NeedleKeep = Annotated[
-    float | None,
+    str | None,
     typer.Option(
-        "--needle-keep", help="Keep rate needle recall counts the evidence tokens in. (default: each --keep given)"
+        "--needle-keep",
+        help="Keep rate (e.g. 0.1) or token count (a whole number, e.g. 2048) needle recall counts the "
+        "evidence tokens in. (default: each --keep or --budget given)",
     ),
 ]
 Mirror = Annotated[
@@ -150,3 +152,12 @@ def budgets(keep: str | None, budget: str | None, *, required: bool = True):
             "--budget",
         )
     return []
+
+
+def keep_or_tokens(text: str | None, option: str) -> float | int | None:
+    """A value that is a keep rate or a token count (``--needle-keep``), read as a sweep file's number
+    and the Python API read it: a whole number (2048) is a token count, a decimal (0.1) a keep rate;
+    the library checks its range (``Budget.parse``)."""
+    if text is None:
+        return None
+    return read_number(text, int_or_float, option, "a keep rate or a token count; give e.g. 0.1 or 2048")

@@ -17,6 +17,7 @@ ORACLE_MIRROR = "fastkv"
 CAPTURE_DATA = "niah:n=8,length=2048"
 CAPTURE_OUT = "runs/capture.zarr"
 SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store
+KEEP = 0.1  # the keep rate compare, variance and a sweep rank under where no --keep or --budget is given
 
 
 def usable_cores() -> int:

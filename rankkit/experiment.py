@@ -36,7 +36,6 @@ from rankkit.stores import check_score_dtype
 # rank takes its share of the examples), then those reading the stores (rank 0 alone).
 STAGES = ("capture", "oracle", "bench", "diffusion", "compare", "variance", "dashboard")
 MODEL_STAGES = ("capture", "oracle", "bench", "diffusion")
-DEFAULT_KEEP = 0.1  # compare's and variance's default keep rate
 # The most units of work a sweep takes on unless told (``--max-units``): an example through one
 # model stage, or one unit of a stage reading the stores. Past it a grid is a typo, not a plan.
 MAX_UNITS = 100_000
@@ -254,7 +253,7 @@ class Experiment:
     data: tuple[DataCell, ...]
     model: ModelSettings = ModelSettings()
     probes: str = "all"
-    budgets: tuple[Budget, ...] = (Budget.from_keep(DEFAULT_KEEP),)
+    budgets: tuple[Budget, ...] = (Budget.from_keep(defaults.KEEP),)
     layers: tuple[int | None, ...] = (None,)  # None: each method's own selection layer
     capture: CaptureSettings = CaptureSettings()
     oracle: OracleOptions = OracleOptions()
@@ -433,7 +432,7 @@ def _budgets(top: dict[str, Any], source: str) -> tuple[Budget, ...]:
         if "budget" in top:
             budgets = tuple(Budget.from_tokens(tokens) for tokens in top["budget"])
         else:
-            budgets = tuple(Budget.from_keep(rate) for rate in top.get("keep", (DEFAULT_KEEP,)))
+            budgets = tuple(Budget.from_keep(rate) for rate in top.get("keep", (defaults.KEEP,)))
     return tuple(distinct_budgets(budgets, f"{source}: {'budget' if 'budget' in top else 'keep'}"))
 
 

@@ -62,7 +62,7 @@ from typing import Any
 import polars as pl
 import torch
 
-from rankkit import __version__, models, outputs, stores
+from rankkit import __version__, defaults, models, outputs, stores
 from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
 from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
@@ -196,19 +196,17 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
     if stage == "diffusion":
         return {**data, **dataclasses.asdict(plan.diffusion)}
     if stage == "compare":
-        given = {"layer": unit.layer, "keep": unit.budget.number, **plan.compare.kwargs()}
+        given = {"layer": unit.layer, **unit.budget.keywords, **plan.compare.kwargs()}
         return {**_LIBRARY_DEFAULTS["compare"], **given}
     if stage == "variance":
-        return {**_LIBRARY_DEFAULTS["variance"], "budget": unit.budget.number, **plan.variance.kwargs()}
+        return {**_LIBRARY_DEFAULTS["variance"], **unit.budget.keywords, **plan.variance.kwargs()}
     # the dashboard shows bench's rows at the first layer setting, and compares at every keep rate
     return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan), "needle_keep": plan.compare.needle_keep}
 
 
 def _dashboard_keeps(plan: Experiment) -> list[float]:
     """The keep rates of the experiment's ``keep`` list (token budgets name none), or compare's default."""
-    from rankkit.eval.compare import KEEP_RATES
-
-    return [budget.keep for budget in plan.budgets if budget.tokens is None] or [KEEP_RATES[0]]
+    return [budget.keep for budget in plan.budgets if budget.tokens is None] or [defaults.KEEP]
 
 
 def unit_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
@@ -694,6 +692,7 @@ def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
             'oracle: compare ranks against the oracle, which no stage makes; add "oracle" to stages, '
             "or set oracle = false in [compare] for the reference-free metrics alone"
         )
+    compare.refuse_pairs_without_oracle(options.get("pairs"), options.get("oracle", True))
     captured = _captured_probes(plan, layout)
     if captured is None:
         return
@@ -1249,7 +1248,7 @@ def _store_stage(stage: str, run_unit: Callable[[Run, Unit], dict[str, Any]]):
 def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
     (result,) = compare.compare_keeps(
         run.layout.store(unit.cell),
-        [unit.budget.number],
+        [unit.budget],
         layer=unit.layer,
         workers=run.workers,
         out=run.layout.part("compare", unit),
@@ -1262,7 +1261,7 @@ def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
 def _variance_unit(run: Run, unit: Unit) -> dict[str, Any]:
     variance.variance_store(
         run.layout.store(unit.cell),
-        budget=unit.budget.number,
+        **unit.budget.keywords,
         workers=run.workers,
         out=run.layout.part("variance", unit),
         overwrite=True,  # frames written before an interrupt, before the unit's marker

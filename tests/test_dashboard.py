@@ -620,8 +620,22 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
     assert (low.keep, low.needle_keep, high.keep, high.needle_keep) == (0.1, 0.3, 0.2, 0.3)
     direct = compare_store(store, keep=0.2, needle_keep=0.3, workers=1, detailed=False)
     assert high.per_layer.equals(direct.per_layer)
+    # a token count, as compare_store's needle_keep=16 takes it (--needle-keep was a float, 16.0 refused)
+    arguments[-1] = "16"
+    result = CliRunner().invoke(app, [*arguments, "--workers", "1", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    low, high = handed[2]
+    assert (low.needle_keep, high.needle_keep) == (16, 16) and isinstance(high.needle_keep, int)
+    assert high.per_layer.equals(compare_store(store, keep=0.2, needle_keep=16, workers=1, detailed=False).per_layer)
     refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "1.5", "--overwrite"])
-    assert isinstance(refused.exception, RankkitError) and not handed[2:]  # refused before any comparison
+    assert isinstance(refused.exception, RankkitError) and not handed[3:]  # refused before any comparison
+    # Python's keeps= as --keep: keep rates, a token count refused before any comparison (it was compared at 100 tokens)
+    out.unlink()
+    message = r"^keep rate 100 is outside \(0, 1\]: use e.g. --keep 0.1, or --budget"
+    with pytest.raises(RankkitError, match=message):
+        rankkit.report.write_dashboard(store, out, keeps=[100], workers=1)
+    refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "100"])
+    assert re.match(message.replace("100", r"100\.0"), str(refused.exception)) and not handed[3:] and not out.exists()
 
 
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):

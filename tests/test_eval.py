@@ -630,16 +630,24 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     written = pl.read_parquet(both.with_name("both.summary.parquet"))
     assert written.filter(pl.col("keep") == 0.2).equals(alone.summary)
     assert pl.read_parquet(both).filter(pl.col("keep") == 0.2).equals(alone.per_layer)
+    # a token count, as compare_store's needle_keep=16 and a sweep file's take it (16.0 was refused)
+    tokens = json.loads(cli("compare", store_path, "--methods", "lava", "--needle-keep", "16", "--json").stdout)
+    assert [(row["keep"], row["needle_keep"]) for row in tokens] == [(0.1, 16)]
+    direct = compare_store(store_path, methods=["lava"], needle_keep=16).summary
+    assert [row["needle_recall"] for row in tokens] == direct["needle_recall"].to_list()
+    assert str(cli("compare", store_path, "--needle-keep", "all").exception) == (
+        "--needle-keep 'all' is not a keep rate or a token count; give e.g. 0.1 or 2048"
+    )
     refused = cli("compare", store_path, "--needle-keep", "1.5")
     assert str(refused.exception) == (
         "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048"
     )
-    # token counts as variance and select take them: --budget, as compare_store's keep=16
+    # token counts as variance and select take them: --budget, as compare_store's budget=16
     counted = cli("compare", store_path, "--methods", "lava", "--budget", "16,24", "--json")
     assert counted.exit_code == 0, counted.output
     rows = json.loads(counted.stdout)
     assert [row["keep"] for row in rows] == [16, 24]
-    sixteen = compare_store(store_path, methods=["lava"], keep=16).summary
+    sixteen = compare_store(store_path, methods=["lava"], budget=16).summary
     assert [row["needle_recall"] for row in rows if row["keep"] == 16] == sixteen["needle_recall"].to_list()
     assert str(cli("compare", store_path, "--keep", "0.1", "--budget", "16").exception).startswith("give exactly one of --keep")
 
@@ -735,6 +743,23 @@ def test_compare_without_oracle(tmp_path):
     window = free.summary.filter(pl.col("method") == "window").row(0, named=True)
     assert window["spearman"] is None and window["needle_recall"] == 1.0 and window["layer_to_layer"] == 1.0
     assert "specprefill" not in free.summary["method"]
+    assert free.pairs.height == 0  # the default pairs test Spearman: none without the oracle
+
+
+def test_pairs_without_an_oracle_are_refused(tmp_path, cli):
+    """compare_store(oracle=False, pairs=...) and compare --no-oracle --pairs gave a pairs frame of
+    nulls with n_examples 0, silently."""
+    path = write_store(tmp_path / "no-oracle.zarr", oracle=False, draft=False, examples=1)
+    message = (
+        "--pairs tests differences of Spearman with the oracle, which --no-oracle leaves out; "
+        "drop --pairs or compare with the oracle"
+    )
+    for pairs in ("window:lava", [("window", "lava")]):
+        with pytest.raises(RankkitError) as refused:
+            compare_store(path, methods="window,lava", oracle=False, pairs=pairs, workers=1)
+        assert str(refused.value) == message
+    shown = cli("compare", path, "--no-oracle", "--methods", "window,lava", "--pairs", "window:lava")
+    assert str(shown.exception) == message
 
 
 def test_compare_writes_every_frame(result, tmp_path):
@@ -795,7 +820,7 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
         scores = np.broadcast_to(scores[:, None], (12, 2, 200)).astype(np.float32)
         writer.write_example(f"ex{index}", attrs={}, tokens=np.arange(200), scores={"window:w=32": scores})
     # 0.001: no curve drops that low, so asl falls back to its last layer, and variance reports that layer
-    variance = variance_store(tmp_path / "asl.zarr", budget=0.3, thresholds=(0.001, 0.3))
+    variance = variance_store(tmp_path / "asl.zarr", keep=0.3, thresholds=(0.001, 0.3))
     store = stores.open(tmp_path / "asl.zarr")
     for tau, expected_fallback in ((0.001, True), (0.3, False)):
         chosen = variance.selections.filter(pl.col("tau") == tau)
@@ -804,6 +829,46 @@ def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
             captured = Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
             selected = make("asl", tau=tau).select_offline(captured, Budget.from_keep(0.3)).layer
             assert layer == selected and (selected == 11) == expected_fallback
+
+
+def test_compare_and_variance_read_keep_as_a_rate_and_budget_as_tokens(store_path):
+    """compare_store(keep=1) ranked under 1 token where --keep 1 keeps everything, and variance_store's
+    budget= stood for both; keep= and budget= now mean what --keep and --budget mean."""
+    whole = compare_store(store_path, methods=["lava"], keep=1, workers=1)
+    assert whole.keep == 1.0 and isinstance(whole.keep, float)
+    assert set(whole.per_layer["needle_recall"]) == {1.0}  # the top 100% holds every evidence token
+    assert whole.per_layer.equals(compare_store(store_path, methods=["lava"], keep=1.0, workers=1).per_layer)
+    one = compare_store(store_path, methods=["lava"], budget=1, workers=1)
+    assert one.keep == 1 and isinstance(one.keep, int) and max(one.per_layer["needle_recall"]) <= 0.25
+    with pytest.raises(RankkitError, match=r"^keep rate 2048 is outside \(0, 1\]: use e.g. --keep 0.1, or --budget"):
+        compare_store(store_path, keep=2048)
+    with pytest.raises(RankkitError, match="^budget 0.5 is not a positive token count"):
+        compare_store(store_path, budget=0.5)
+    with pytest.raises(RankkitError, match="^give exactly one of --keep"):
+        compare_store(store_path, keep=0.1, budget=16)
+    asl = {"method": "asl:window_size=8", "min_layer": 1, "workers": 1}
+    assert variance_store(store_path, keep=1, **asl).curves.equals(variance_store(store_path, budget=60, **asl).curves)
+    with pytest.raises(RankkitError, match=r"^keep rate 13 is outside \(0, 1\]"):
+        variance_store(store_path, keep=13, **asl)
+
+
+def test_compare_and_variance_warn_of_a_budget_raised_or_clamped(store_path):
+    """select warned of a budget below what a method always keeps and of one above the prompt;
+    compare and variance ranked under both silently."""
+    with pytest.warns(UserWarning) as warned:
+        compare_store(store_path, methods=["claa"], budget=1, workers=1)
+    assert [str(warning.message) for warning in warned] == [
+        f"budget=1 asks for 1 token(s), fewer than claa always keeps; it keeps {make('claa').minimum_keep()} "
+        "(in 3 of 3 prompts)"
+    ]
+    with pytest.warns(UserWarning) as warned:
+        compare_store(store_path, methods=["window"], budget=TOKENS + 1, workers=1)
+        variance_store(store_path, method="asl:window_size=8", budget=TOKENS + 1, min_layer=1, workers=1)
+    clamped = [
+        f"--budget {TOKENS + 1} is larger than example 'ex{index}' ({TOKENS} tokens); it keeps all of it"
+        for index in range(3)
+    ]
+    assert [str(warning.message) for warning in warned] == clamped * 2
 
 
 def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(store_path):
@@ -965,7 +1030,7 @@ def test_an_interrupt_while_compare_summarises_or_writes_is_one_line_naming_what
     from rankkit.errors import Interrupted
     from rankkit.eval import compare
 
-    def interrupted_after_the_first(results, path, *, written):
+    def interrupted_after_the_first(results, path, *, overwrite, written):
         written.append(compare.outputs.write_parquet(results[0].per_layer, path))
         raise KeyboardInterrupt
 
@@ -1023,7 +1088,7 @@ def test_cli_variance(cli, store_path):
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout
     # the mean curve per task and layer, each mean with its interval and n
-    means = variance_store(store_path, method="asl:window_size=8", budget=0.3).means
+    means = variance_store(store_path, method="asl:window_size=8", keep=0.3).means
     for row in means.iter_rows(named=True):
         shown = f"{row['relative_variance']:.2f} [{row['relative_variance_ci_low']:.2f}, {row['relative_variance_ci_high']:.2f}] {row['n_examples']}"
         assert re.search(rf"{row['task']}\s+{row['layer']}\s+{re.escape(shown)}", table.stdout), shown
@@ -1072,7 +1137,8 @@ def test_cli_compare_names_what_it_leaves_out_on_one_warning_line(tmp_path):
     path = write_store(tmp_path / "partial.zarr", draft=False)
     (path / "examples" / "ex9").mkdir()  # a capture killed before the example's metadata landed
     result = subprocess.run(
-        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--json"],
+        # keep 0.2: 12 of the 60 tokens, more than any method always keeps (keep 0.1 warns of that)
+        [sys.executable, "-m", "rankkit.cli", "compare", str(path), "--workers", "1", "--keep", "0.2", "--json"],
         capture_output=True,
         text=True,
     )

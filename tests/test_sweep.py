@@ -112,7 +112,7 @@ def test_compare_and_variance_parquets_are_the_library_calls_on_each_store(finis
         assert mine[""]["layer_setting"].is_null().all()
         assert_frame_equal(
             _untagged(curves.filter(pl.col("cell") == cell), "variance"),
-            variance_store(store, budget=0.2, workers=1).curves,
+            variance_store(store, keep=0.2, workers=1).curves,
         )
     first = compared[""].filter(pl.col("cell") == "niah-192").row(0, named=True)
     assert (first["dataset"], first["data_length"], first["data"]) == (
@@ -376,6 +376,11 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
         (
             ("[diffusion]", '[compare]\nmethods = ["claa:deferred_layers=50"]\n[diffusion]'),
             r"\[compare\]: method 'claa': deferred_layers=50 is outside \[0, 3\]",
+        ),
+        (
+            ("[diffusion]", '[compare]\noracle = false\npairs = ["claa:fastkv"]\n[diffusion]'),
+            r"\[compare\]: pairs tests differences of Spearman with the oracle, which oracle = false in \[compare\] "
+            "leaves out; drop pairs or compare with the oracle$",
         ),
         (
             ("[diffusion]", "[compare]\nneedle_keep = 1.5\n[diffusion]"),

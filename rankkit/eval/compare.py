@@ -68,8 +68,14 @@ import numpy as np
 import polars as pl
 import torch
 
-from rankkit import outputs
-from rankkit.checks import first_repeated, refuse_timing_only_store, warn_timing_only_store
+from rankkit import defaults, outputs
+from rankkit.checks import (
+    first_repeated,
+    refuse_timing_only_store,
+    warn_clamped,
+    warn_raised,
+    warn_timing_only_store,
+)
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, make
 from rankkit.methods.selection import DRAFT_SCORES
@@ -469,6 +475,15 @@ def parse_pairs(spec: str, labels: Sequence[str]) -> list[tuple[str, str]]:
     return checked_pairs(pairs, labels)
 
 
+def refuse_pairs_without_oracle(pairs: str | Sequence[tuple[str, str]] | None, oracle: bool) -> None:
+    """Pairs test differences of Spearman with the oracle: without one they would be a frame of nulls."""
+    if pairs and not oracle:
+        raise RankkitError(
+            "--pairs tests differences of Spearman with the oracle, which --no-oracle leaves out; "
+            "drop --pairs or compare with the oracle"
+        )
+
+
 def checked_pairs(pairs: Sequence[tuple[str, str]], labels: Sequence[str]) -> list[tuple[str, str]]:
     """(method, baseline) pairs, each of two compared ``labels`` and named once: a pair of a method not
     compared has no rows to test, and one named twice would be tested, and counted, twice. No pair
@@ -643,27 +658,27 @@ def write_results(
 
 def compare_keeps(
     path: str | os.PathLike | Store,
-    keeps: Sequence[float | int] | str | float,
+    budgets: Sequence[Budget | float | int] | Budget | str | float,
     *,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     written: list[Path] | None = None,
     **options: Any,
 ) -> list[CompareResult]:
-    """``compare_store`` of one store at each of ``keeps`` (``--keep 0.1,0.2``), with the same
-    ``options``; a ``needle_keep`` among them holds for all, else each counts at its own keep.
+    """``compare_store`` of one store under each of ``budgets`` (``--keep 0.1,0.2``, ``--budget 16,24``),
+    with the same ``options``; a ``needle_keep`` among them holds for all, else each counts at its own.
     With ``out`` (``rankkit compare --out``) the frames of all are written there as ``write_results``
     writes them, the path refused before any work unless it may be written (``claim_outputs``,
     ``overwrite``); ``written`` gathers the paths as they are written."""
     from rankkit import stores
 
-    keeps = as_list(keeps, "--keep", int_or_float)
-    if not keeps:
+    budgets = [Budget.parse(each) for each in as_list(budgets, "--keep", int_or_float)]
+    if not budgets:
         raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
     if out is not None:
         claim_outputs(output_paths(out), path, overwrite=overwrite)
     store = stores.open(path)
-    results = [compare_store(store, keep=keep, **options) for keep in keeps]
+    results = [compare_store(store, **budget.keywords, **options) for budget in budgets]
     if out is not None:
         write_results(results, out, overwrite=overwrite, written=written)
     return results
@@ -729,7 +744,8 @@ def compare_store(
     methods: str | Sequence[str] | None = None,
     oracle: bool = True,
     span: str = "prompt",
-    keep: float | int = KEEP_RATES[0],
+    keep: float | None = None,
+    budget: int | None = None,
     needle_keep: float | int | None = None,
     workers: int | None = None,
     pairs: str | Sequence[tuple[str, str]] | None = None,
@@ -740,14 +756,17 @@ def compare_store(
     ``methods`` are probe keys and method specs (``claa:aggregation_window=8``), or one string of
     them in the ``--probes`` syntax (``split_names``); ``layer`` is the
     selection layer of every method that has one and the layer probes and KV-only methods are
-    summarised at (default: CLAA's l_p for the model's depth). ``keep`` is the budget the rankings
-    are made under (it sets ASL's k and the size of forced sets); ``needle_keep`` the budget needle
-    recall counts the evidence in (default: ``keep``). With ``oracle`` only examples
+    summarised at (default: CLAA's l_p for the model's depth). The rankings are made under the keep
+    rate ``keep`` in (0, 1] (``--keep``) or the token count ``budget`` (``--budget``), one of them,
+    default keep ``defaults.KEEP`` (it sets ASL's k and the size of forced sets; a budget above an
+    example's prompt or below what a method always keeps is warned of, as ``select_store`` warns);
+    ``needle_keep`` is what needle recall counts the evidence in, a keep rate (a float in (0, 1]) or
+    a token count (an int), default the keep or budget ranked under. With ``oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
     baseline) pairs the ``pairs`` frame tests, or their ``--pairs`` string (``parse_pairs``);
-    default ``default_pairs``. Without ``detailed`` only the per-layer rows are made, with
+    default ``default_pairs``, none without ``oracle`` (which refuses any: they test Spearman). Without ``detailed`` only the per-layer rows are made, with
     ``kendall`` null, and ``per_head`` and ``sweep`` are empty: what the dashboard shows, at
     about half the cost.
     """
@@ -756,8 +775,10 @@ def compare_store(
     workers = checked_workers(workers)  # a bad --workers fails before any reading
     if layer is not None:
         check_number(layer, "--layer", whole=True)
+    # a bad keep or budget fails before any reading, and so does a bad needle keep
+    budget = Budget.one_of(keep, budget, default=Budget.from_keep(defaults.KEEP))
+    keep = budget.number
     needle_keep = keep if needle_keep is None else needle_keep
-    budget = Budget.parse(keep)  # a bad keep fails before any reading, and so does a bad needle keep
     Budget.parse(needle_keep, "--needle-keep")
     ranked_slice(None, span, 1)  # so does a bad span
     store = stores.open(path)
@@ -811,13 +832,18 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
+    for record in records:
+        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
+    for method in ranked_methods.values():
+        warn_raised(method, budget, [record.num_tokens for record in records])
     labels = [*probes, *ranked_methods]
     if pairs is None:
-        pairs = default_pairs(labels)
+        pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle
     elif isinstance(pairs, str):
         pairs = parse_pairs(pairs, labels)
     else:
         pairs = checked_pairs(pairs, labels)
+    refuse_pairs_without_oracle(pairs, oracle)
     evaluate = partial(
         compare_example,
         probes=tuple(probes),

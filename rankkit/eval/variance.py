@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from rankkit import outputs
-from rankkit.checks import warn_raised, warn_timing_only_store
+from rankkit import defaults, outputs
+from rankkit.checks import warn_clamped, warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl, is_fallback, selection_layer
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 # ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
 THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
-DEFAULT_BUDGET = 0.1
 DEFAULT_METHOD = "asl"
 
 
@@ -143,7 +142,8 @@ def variance_store(
     path: str | os.PathLike | Store,  # a path, or a store already open
     *,
     method: str = DEFAULT_METHOD,
-    budget: float | int = DEFAULT_BUDGET,
+    keep: float | None = None,
+    budget: int | None = None,
     min_layer: int | None = None,
     observed_layers: int | None = None,
     thresholds: Sequence[float] | str | float = THRESHOLDS,
@@ -154,7 +154,9 @@ def variance_store(
     """ASL curves and selection layers for every complete example of a store.
 
     The curve is the ``asl`` method's own (``Asl.variance_curve``, ASL Alg. 2: the window
-    probe at W = 32, k = budget - W, ranks over every token outside the window), so at the
+    probe at W = 32, k = budget - W, ranks over every token outside the window), made under the keep
+    rate ``keep`` (``--keep``) or the token count ``budget`` (``--budget``), one of them, default
+    keep ``defaults.KEEP``, warned of as ``compare_store`` warns of them; so at the
     method's tau (reported beside ``thresholds``) the layer chosen here is the one ``asl`` selects at.
     ``method`` may carry ASL's parameters (``asl:window_size=8``); ``min_layer``/``observed_layers``
     set L_min/L_obs, refused where they contradict the spec's. With ``out`` (``rankkit variance
@@ -169,6 +171,7 @@ def variance_store(
     thresholds = as_list(thresholds, "thresholds", float)
     for threshold in thresholds:
         check_number(threshold, "thresholds")
+    budget = Budget.one_of(keep, budget, default=Budget.from_keep(defaults.KEEP))
     asl = curve_method(method, min_layer, observed_layers)
     if out is not None:
         claim_outputs(output_paths(out), path, overwrite=overwrite)
@@ -180,7 +183,8 @@ def variance_store(
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
     bound = bound_curve_method(asl, scored_layers(records))
-    budget = Budget.parse(budget)
+    for record in records:
+        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
     warn_raised(asl, budget, [record.num_tokens for record in records])
     # the method's own tau among them, so the layer it selects is always reported
     reported = tuple(sorted({*thresholds, asl.tau}))

@@ -203,7 +203,9 @@ class Budget:
             if value is not None:  # the text "0.1" is no rate outside (0, 1]: say what it is
                 check_number(value, option)
         if self.keep is not None and not (_is_number(self.keep, Real) and 0 < self.keep <= 1):
-            raise RankkitError(f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1")
+            raise RankkitError(
+                f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1, or --budget for a token count"
+            )
         if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
             raise RankkitError(f"budget {_shown(self.tokens)} is not a positive token count: use e.g. --budget 2048")
 
@@ -216,8 +218,11 @@ class Budget:
         return cls(tokens=tokens)
 
     @classmethod
-    def one_of(cls, keep: float | None, tokens: int | None) -> Budget:
-        """The budget of ``--keep`` or of ``--budget``, exactly one of them given."""
+    def one_of(cls, keep: float | None, tokens: int | None, default: Budget | None = None) -> Budget:
+        """The budget of ``--keep`` (a rate) or of ``--budget`` (tokens), exactly one of them given, or
+        ``default`` where there is one and neither is given."""
+        if keep is None and tokens is None and default is not None:
+            return default
         if (keep is None) == (tokens is None):
             raise RankkitError(f"give {ONE_BUDGET}")
         return cls.from_keep(keep) if keep is not None else cls.from_tokens(tokens)
@@ -253,9 +258,15 @@ class Budget:
 
     @property
     def number(self) -> float | int:
-        """The keep rate or the token count: the budget as ``parse`` reads it back, and as compare and
-        variance take it."""
-        return self.keep if self.tokens is None else self.tokens
+        """The keep rate (a float, even for ``keep=1``) or the token count (an int): the budget as
+        ``parse`` reads it back, and as compare's ``keep`` and ``needle_keep`` columns hold it."""
+        return float(self.keep) if self.tokens is None else self.tokens
+
+    @property
+    def keywords(self) -> dict[str, float | int | None]:
+        """The budget as ``compare_store`` and ``variance_store`` take it: ``keep=`` (``--keep``) or
+        ``budget=`` (``--budget``)."""
+        return {"keep": self.keep, "budget": self.tokens}
 
     @property
     def printed(self) -> str:

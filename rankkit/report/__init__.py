@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rankkit import outputs
+from rankkit import defaults, outputs
 from rankkit.bench import (
     FIRST_RUNS_TIMED,
     SUMMARY_INPUTS,
@@ -45,7 +45,9 @@ from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
-from rankkit.values import as_list, int_or_float
+from rankkit.methods import Budget
+from rankkit.methods.base import distinct_budgets
+from rankkit.values import as_list
 
 from . import figures
 from .html import Control, Page, Panel, encode_array, render, render_index
@@ -86,8 +88,8 @@ def write_dashboard(
     overwrite: bool = False,
     workers: int | None = None,
     explore: Sequence[str] | str | None = None,
-    keeps: Sequence[float] | str | float = (KEEP_RATES[0],),
-    needle_keep: float | None = None,
+    keeps: Sequence[float] | str | float = (defaults.KEEP,),
+    needle_keep: float | int | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
 
@@ -95,9 +97,10 @@ def write_dashboard(
     (one per run, of any model), drawn side by side, each labelled with its run, model and weights
     (``_benches``); only a bench of the store's model is joined with the store's offline figures,
     in the report panel (``rankkit report``'s table); ``diffusion`` the
-    one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates the store is compared at (the
-    Spearman panel shows the first, the needle recall panel one heatmap each, counting at its keep
-    unless ``needle_keep`` names one for all); ``workers`` processes compute the rankings (see
+    one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates in (0, 1] the store is compared
+    at, as ``--keep`` takes them (the Spearman panel shows the first, the needle recall panel one
+    heatmap each, counting at its keep unless ``needle_keep``, a keep rate or a token count, names
+    one for all); ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
     evenly spaced sample of that many beyond, so a large store's page stays small and quick.
@@ -108,8 +111,13 @@ def write_dashboard(
     from rankkit import stores
     from rankkit.report.joined import refuse_other_examples
 
-    keeps = as_list(keeps, "--keep", int_or_float)
+    keeps = as_list(keeps, "--keep", float)
     explore = None if explore is None else as_list(explore, "--explore")
+    compared = distinct_budgets([Budget.from_keep(keep) for keep in keeps], "--keep")  # as the CLI reads them
+    if not compared:
+        raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    if needle_keep is not None:
+        Budget.parse(needle_keep, "--needle-keep")
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
     twice = first_repeated([Path(each).resolve() for each in benches if not isinstance(each, pl.DataFrame)])
     if twice is not None:  # its rows would count twice in every panel
@@ -136,7 +144,7 @@ def write_dashboard(
         check_same_model(diffusion_frame, store.meta.get("model") or {}, what, f"store {store_path}")
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
-        page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, keeps, needle_keep)
+        page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, compared, needle_keep)
     return outputs.write_text(render(page), out_path)
 
 
@@ -260,8 +268,8 @@ def _page(
     runs: Sequence[BenchRun],
     diffusion: pl.DataFrame | None,
     workers: int | None,
-    compared_keeps: Sequence[float],
-    needle_keep: float | None,
+    compared: Sequence[Budget],
+    needle_keep: float | int | None,
 ) -> Page:
     from rankkit.eval.compare import compare_keeps
     from rankkit.eval.offline import recorded_model
@@ -276,7 +284,7 @@ def _page(
     # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
     # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
     comparisons = (
-        compare_keeps(store, compared_keeps, workers=workers, detailed=False, needle_keep=needle_keep)
+        compare_keeps(store, compared, workers=workers, detailed=False, needle_keep=needle_keep)
         if has_oracle
         else []
     )
