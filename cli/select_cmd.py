@@ -34,12 +34,10 @@ def select(
 ) -> None:
     """Per example: the method's selection layer and the original positions it keeps there."""
     from rankkit.eval.offline import select_store
-    from rankkit.methods import Budget
     from rankkit.report.tables import rows_text
 
-    chosen = Budget.one_of(keep, budget)
     shown_as = output_format(table_format, as_json)
-    rows = select_store(store, method, chosen, layer=layer)
+    rows = select_store(store, method, keep=keep, budget=budget, layer=layer)
     if shown_as != "table":
         typer.echo(rows_text(rows, shown_as))
         return

@@ -190,16 +190,16 @@ def test_capture_with_a_draft_stores_its_lookahead_scores_and_a_resume_with_anot
     from rankkit.methods import Budget
 
     budget = Budget.from_keep(0.1)
-    (row,) = select_store(out, "specprefill:draft_model=layers:2", budget)
+    (row,) = select_store(out, "specprefill:draft_model=layers:2", **budget.keywords)
     mean_over_lookahead = stored.mean(axis=0)  # Eq. 3 of [k, T] scores; the last token always kept
     length = len(mean_over_lookahead)
     top = np.argsort(-mean_over_lookahead[:-1], kind="stable")[: -(-length // 10) - 1]
     assert row["selected_positions"] == sorted([*top.tolist(), length - 1])
     for other, made in (("specprefill", "draft_model=layers:1,lookahead=8"), ("specprefill:draft_model=layers:2,lookahead=4", "draft_model=layers:2,lookahead=4")):
         with pytest.raises(RankkitError, match=f"^the store's draft scores were made with draft_model=layers:2,lookahead=8, but method 'specprefill' ranks with {made}; rank with specprefill:draft_model=layers:2,lookahead=8"):
-            select_store(out, other, budget)
+            select_store(out, other, **budget.keywords)
     assert "specprefill:draft_model=layers:2,lookahead=8" in compare_store(out, oracle=False, workers=1).summary["method"].to_list()
-    assert select_store(out, "specprefill:draft_model=layers:2,kernel_size=3", budget)  # pooled offline: any kernel
+    assert select_store(out, "specprefill:draft_model=layers:2,kernel_size=3", **budget.keywords)  # pooled offline: any kernel
 
 
 def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_folder, tmp_path):

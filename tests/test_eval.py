@@ -461,9 +461,9 @@ def test_a_missing_probe_names_the_capture_that_adds_it_and_whether_the_default_
     budget = Budget.from_keep(0.5)
     lacks = "which example 'ex0' lacks: capture it with `rankkit capture --probes"
     with pytest.raises(RankkitError, match=re.escape(f"{lacks} last_token_raw:kernel=7 ...`") + "$"):
-        select_store(store_path, "gemfilter:kernel_size=7", budget)
+        select_store(store_path, "gemfilter:kernel_size=7", **budget.keywords)
     with pytest.raises(RankkitError, match=re.escape(f"{lacks} window:w=32 ...` (the default capture records it)") + "$"):
-        select_store(store_path, "snapkv", budget)
+        select_store(store_path, "snapkv", **budget.keywords)
 
 
 @pytest.fixture(scope="module")
@@ -880,7 +880,7 @@ def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(stor
 
     claa, asl = make("claa"), make("asl", window_size=8)
     with pytest.warns(UserWarning) as warned:
-        rows = select_store(store_path, "claa", Budget.from_tokens(1))
+        rows = select_store(store_path, "claa", budget=1)
         variance_store(store_path, method="asl:window_size=8", budget=5, workers=1)
     kept = claa.minimum_keep()
     assert [str(warning.message) for warning in warned] == [
@@ -890,7 +890,7 @@ def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(stor
     assert {row["budget_tokens"] for row in rows} == {kept}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a budget the method can keep says nothing
-        select_store(store_path, "claa", Budget.from_tokens(kept))
+        select_store(store_path, "claa", budget=kept)
 
 
 def test_oracles_made_with_other_settings_in_one_store_are_refused(tmp_path):
@@ -1175,7 +1175,7 @@ def test_variance_and_select_refuse_an_unreadable_example_as_compare_does(tmp_pa
     with pytest.raises(RankkitError, match=refused):
         variance_store(path, method="asl:window_size=8", budget=20, workers=1)
     with pytest.raises(RankkitError, match=refused):
-        select_store(path, "claa:window_size=8", Budget.from_keep(0.2))
+        select_store(path, "claa:window_size=8", keep=0.2)
 
 
 @pytest.mark.processes
@@ -1338,12 +1338,12 @@ def test_select_refuses_a_layer_for_a_method_that_keeps_one_set_it_selects_itsel
 
     store_path = write_store(tmp_path / "run.zarr", oracle_attrs={"oracle_params": make("oracle").oracle_settings()})
     budget = Budget.from_keep(0.5)
-    (row, *_) = select_store(store_path, spec, budget)
+    (row, *_) = select_store(store_path, spec, **budget.keywords)
     assert row["layer"] is None and len(row["selected_positions"]) == TOKENS // 2
     with pytest.raises(
         RankkitError,
         match=rf"^method '{spec}' keeps one set for every head, selected before any layer by its own rule: drop --layer$",
     ):
-        select_store(store_path, spec, budget, layer=1)
-    (per_head, *_) = select_store(store_path, "lava", budget, layer=1)
+        select_store(store_path, spec, **budget.keywords, layer=1)
+    (per_head, *_) = select_store(store_path, "lava", **budget.keywords, layer=1)
     assert per_head["layer"] == 1 and len(per_head["selected_positions"]) == HEADS

@@ -149,7 +149,7 @@ def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_i
             meta["model"] |= {"layer_types": layer_types, "sliding_window": WINDOW}
         writer = stores.create(tmp_path / f"{name}.zarr", meta)
         writer.write_example("ex0", attrs={}, tokens=random_ids.numpy(), scores=recorder.scores())
-        (row,) = select_store(tmp_path / f"{name}.zarr", "claa", Budget.from_keep(0.4))
+        (row,) = select_store(tmp_path / f"{name}.zarr", "claa", keep=0.4)
         assert row["layer"] == layer  # a store without layer types is all-global, as stores were
     online = claa.prefill(runner, random_ids, Budget.from_keep(0.4))
     assert row["selected_positions"] == online.kept_positions.tolist()

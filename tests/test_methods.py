@@ -892,7 +892,7 @@ def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
 
     params = ONLINE_SLIMINFER if name == "sliminfer" else {}
     spec = name + "".join(f"{',' if index else ':'}{k}={v}" for index, (k, v) in enumerate(params.items()))
-    (row,) = select_store(default_store, spec, Budget.from_keep(keep))
+    (row,) = select_store(default_store, spec, keep=keep)
     online = make(name, **params).prefill(default_runner, short_prompt, Budget.from_keep(keep))
     assert row["example_id"] == "ex0" and row["method"] == spec  # named with its parameters
     assert row["layer"] == online.selection_layer

@@ -243,11 +243,10 @@ def test_every_output_of_a_random_model_says_timing_only_and_leaves_scores_missi
     from rankkit.eval.compare import compare_store
     from rankkit.eval.offline import select_store
     from rankkit.eval.variance import variance_store
-    from rankkit.methods import Budget
 
     for drawn in (
         lambda: variance_store("store.zarr", method="asl:window_size=8"),
-        lambda: select_store("store.zarr", "fastkv", Budget.from_keep(0.5)),
+        lambda: select_store("store.zarr", "fastkv", keep=0.5),
         lambda: compare_store("store.zarr", oracle=False),
     ):
         with pytest.warns(UserWarning, match=r"store.zarr was captured with random:tiny: timing only: random weights"):

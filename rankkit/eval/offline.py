@@ -185,18 +185,27 @@ def captured(record, method: Method, layout: Mapping[str, Any] | None = None) ->
 
 
 def select_store(
-    path: str | os.PathLike, method_spec: str, budget: Budget, *, layer: int | None = None
+    path: str | os.PathLike,
+    method: str,
+    *,
+    keep: float | None = None,
+    budget: int | None = None,
+    layer: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Per example, the original positions ``method`` keeps at its selection layer, from the store alone:
-    ``{"example_id", "method", "layer", "budget_tokens", "selected_positions"}``; positions are a list,
-    or a list per KV head for per-head (KV-only) methods, which report the layer ``layer`` names."""
+    """Per example, the original positions ``method`` (a spec, ``claa:aggregation_window=8``) keeps at
+    its selection layer under the keep rate ``keep`` (``--keep``) or the token count ``budget``
+    (``--budget``), one of them, from the store alone: ``{"example_id", "method", "layer",
+    "budget_tokens", "selected_positions"}``; positions are a list, or a list per KV head for per-head
+    (KV-only) methods, which report the layer ``layer`` names."""
     from rankkit import stores
 
-    method = method_from_spec(method_spec)
-    (label,) = split_names(method_spec)  # named with its parameters, as compare names it
+    spec = method
+    chosen = Budget.one_of(keep, budget)
+    method = method_from_spec(spec)
+    (label,) = split_names(spec)  # named with its parameters, as compare names it
     shared_layer = layer if method.selection_parameter is None else None
     if shared_layer is None and layer is not None:
-        method = method_from_spec(method_spec, layer)
+        method = method_from_spec(spec, layer)
     store = stores.open(path)
     warn_timing_only_store(store.meta, store.path)
     store.warn_skipped()
@@ -205,12 +214,12 @@ def select_store(
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     check_inputs([method], records, store.meta)
     for record in records:
-        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
-    warn_raised(method, budget, [record.num_tokens for record in records])
+        warn_clamped(chosen, record.num_tokens, f"example {record.id!r}")
+    warn_raised(method, chosen, [record.num_tokens for record in records])
     rows = []
     for record in records:
         example = captured(record, method, recorded_model(store.meta))
-        selection = method.select_offline(example, budget, layer=shared_layer)
+        selection = method.select_offline(example, chosen, layer=shared_layer)
         if shared_layer is not None and not selection.per_head:
             where = "before any layer" if selection.layer is None else f"at layer {selection.layer} here"
             raise RankkitError(
