@@ -115,7 +115,8 @@ def compare(
                 )
                 tables.append(frame_table(summary_table(result.summary), title))
                 if result.stability.height:
-                    tables.append(frame_table(result.stability, "Stability across layers (of the mean curve)"))
+                    title = "Stability across layers: each example's mean over layers, averaged; sd, min, trough of the mean curve"
+                    tables.append(frame_table(result.stability, title))
                 paired = pairs_at_layer(result.pairs, result.pruning_layer)
                 if paired.height:  # differences of Spearman with the oracle: none without it
                     tables.append(

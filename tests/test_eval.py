@@ -499,8 +499,11 @@ def test_compare_frames_have_the_documented_columns(result):
         "example_id", "task", "method", "claa_layers", "layer",
         "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman", *keeps,
     ]  # fmt: skip
-    stability = ["mean_spearman", "std_spearman", "min_spearman", "trough_layer", "layer_to_layer"]
-    assert result.stability.columns == ["method", *stability, *keeps]
+    stability = [
+        "mean_spearman", "mean_spearman_ci_low", "mean_spearman_ci_high", "std_spearman", "min_spearman",
+        "trough_layer", "layer_to_layer", "layer_to_layer_ci_low", "layer_to_layer_ci_high",
+    ]  # fmt: skip
+    assert result.stability.columns == ["method", *stability, "n_examples", *keeps]
     with_intervals = [
         name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
     ]
@@ -1347,3 +1350,24 @@ def test_select_refuses_a_layer_for_a_method_that_keeps_one_set_it_selects_itsel
         select_store(store_path, spec, **budget.keywords, layer=1)
     (per_head, *_) = select_store(store_path, "lava", **budget.keywords, layer=1)
     assert per_head["layer"] == 1 and len(per_head["selected_positions"]) == HEADS
+
+
+def test_stability_means_are_over_examples_with_their_intervals(result):
+    """mean ρ and adjacent ρ were one number over the mean curve with no interval or n: each is now the
+    mean over examples of the example's own mean over its layers, with the bootstrap interval of those."""
+    from rankkit.eval.stats import bootstrap_means
+
+    stability = {row["method"]: row for row in result.stability.to_dicts()}
+    for method in ("lava", "window"):
+        rows = result.per_layer.filter(pl.col("method") == method)
+        per_example = []
+        for example_id in rows["example_id"].unique(maintain_order=True):
+            mine = rows.filter(pl.col("example_id") == example_id)
+            per_example.append([mine["spearman"].mean(), mine["adjacent_spearman"].drop_nulls().mean()])
+        means, low, high, counts = bootstrap_means(np.array(per_example, dtype=float))
+        row = stability[method]
+        assert row["n_examples"] == 3 == counts[0]
+        assert row["mean_spearman"] == pytest.approx(means[0]) and row["layer_to_layer"] == pytest.approx(means[1])
+        assert (row["mean_spearman_ci_low"], row["mean_spearman_ci_high"]) == pytest.approx((low[0], high[0]))
+        assert (row["layer_to_layer_ci_low"], row["layer_to_layer_ci_high"]) == pytest.approx((low[1], high[1]))
+    assert stability["lava"]["mean_spearman_ci_low"] < stability["lava"]["mean_spearman_ci_high"]

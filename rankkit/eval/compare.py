@@ -32,7 +32,8 @@ sweep      example_id, task, method, claa_layers, layer, spearman, recall_at_10,
 curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall, evidence_kept) its mean
            over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples (and
            n_clusters, the independent samples, where per_layer has clusters)
-stability  method, mean_spearman, std_spearman, min_spearman, trough_layer, layer_to_layer
+stability  method, mean_spearman with its interval, std_spearman, min_spearman, trough_layer,
+           layer_to_layer with its interval, n_examples (``stability_frame``)
 summary    method, layer, each metric with its interval as in ``curve``, n_examples, then the
            stability columns; each method at its own selection layer (``--layer`` sets it),
            probes and KV-only methods at CLAA's l_p (or ``--layer``), adaptive ones at the
@@ -373,19 +374,32 @@ def _rankings(
     return layers, torch.stack([rankings[layer] for layer in layers]).numpy()[..., ranked]
 
 
+STABILITY_MEANS = ("mean_spearman", "layer_to_layer")  # means over examples, with their intervals
+
+
 def stability_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
-    """Per method, over the example-mean Spearman curve across layers (CLAA Sec. 4.1, Fig. 2): its mean,
-    population standard deviation, deepest trough and the layer there, and the mean adjacent-layer Spearman."""
-    curve = per_layer.group_by("method", "layer", maintain_order=True).agg(
-        pl.col("spearman").mean(), pl.col("adjacent_spearman").mean()
-    )
+    """Per method, how steady its Spearman is across layers (CLAA Sec. 4.1, Fig. 2): ``mean_spearman``
+    and ``layer_to_layer`` (the adjacent-layer Spearman), each the mean over examples of the example's
+    mean over its layers, with their 95% intervals and n; and of the example-mean curve its population
+    standard deviation, deepest trough and the layer there."""
+    curve = per_layer.group_by("method", "layer", maintain_order=True).agg(pl.col("spearman").mean())
     spearman = pl.col("spearman")
-    return curve.group_by("method", maintain_order=True).agg(
-        spearman.mean().alias("mean_spearman"),
+    shape = curve.group_by("method", maintain_order=True).agg(
         spearman.std(ddof=0).alias("std_spearman"),
         spearman.min().alias("min_spearman"),
         pl.col("layer").filter(spearman == spearman.min()).first().alias("trough_layer"),
+    )
+    cluster = cluster_column(per_layer)
+    per_example = per_layer.group_by("method", EXAMPLE_ID, maintain_order=True).agg(
+        spearman.mean().alias("mean_spearman"),
         pl.col("adjacent_spearman").mean().alias("layer_to_layer"),
+        *([pl.col(cluster).first()] if cluster else []),
+    )
+    means = mean_intervals(per_example, ["method"], STABILITY_MEANS, cluster=cluster)
+    mean_spearman, layer_to_layer = ([name, *interval_columns(name)] for name in STABILITY_MEANS)
+    counts = [name for name in ("n_examples", "n_clusters") if name in means.columns]
+    return means.join(shape, on="method", maintain_order="left").select(
+        "method", *mean_spearman, "std_spearman", "min_spearman", "trough_layer", *layer_to_layer, *counts
     )
 
 
@@ -411,7 +425,8 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
         on="method",
         maintain_order="left",
     )
-    return means.join(stability_frame(per_layer), on="method", how="left", maintain_order="left")
+    stability = stability_frame(per_layer).drop("n_examples", "n_clusters", strict=False)  # the summary's own n
+    return means.join(stability, on="method", how="left", maintain_order="left")
 
 
 def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
