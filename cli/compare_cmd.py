@@ -6,6 +6,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from rankkit import defaults
+
 from .app import app, output
 from .options import Format, NeedleKeep, Overwrite, Workers, budgets, keep_or_tokens, output_format
 
@@ -151,7 +153,7 @@ def _cell(value: object) -> Text:
 def variance(
     store: Path = typer.Argument(..., help="Capture store, e.g. runs/capture.zarr."),
     method: str = typer.Option(
-        "asl",
+        defaults.VARIANCE_METHOD,
         "--method",
         help="The ASL method whose curve is drawn, with its parameters (asl:window_size=32).",
     ),
@@ -170,6 +172,12 @@ def variance(
         None,
         "--observed-layers",
         help="Layers whose ranks each point compares, L_obs. (default: 8 of 32, scaled)",
+    ),
+    thresholds: str = typer.Option(
+        ",".join(map(str, defaults.VARIANCE_THRESHOLDS)),
+        "--thresholds",
+        help="Comma-separated thresholds tau whose selection layer each example reports (ASL Sec. 5.5); "
+        "the method's own tau is always among them.",
     ),
     out: Path | None = typer.Option(
         None,
@@ -202,6 +210,7 @@ def variance(
             **_one_budget(keep, budget).keywords,
             min_layer=min_layer,
             observed_layers=observed_layers,
+            thresholds=thresholds,
             workers=workers,
             out=out,
             overwrite=overwrite,
@@ -223,7 +232,6 @@ def variance(
 
 def _budgets_or_default(keep: str | None, budget: str | None) -> list:
     """The budgets of ``--keep`` or ``--budget``, else compare's and variance's default keep rate."""
-    from rankkit import defaults
     from rankkit.methods import Budget
 
     return budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]

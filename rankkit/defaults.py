@@ -16,6 +16,8 @@ OVERHEAD_REPEATS = 6  # the fewest interleaved repeats that give a median ratio 
 ORACLE_MIRROR = "fastkv"
 CAPTURE_DATA = "niah:n=8,length=2048"
 CAPTURE_OUT = "runs/capture.zarr"
+VARIANCE_METHOD = "asl"
+VARIANCE_THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)  # ASL Sec. 5.5 sweeps tau over these; 0.3 is its default
 SCORE_DTYPE = "float32"  # capture --score-dtype; float16 halves a store
 KEEP = 0.1  # the keep rate compare, variance and a sweep rank under where no --keep or --budget is given
 

@@ -149,6 +149,7 @@ TABLE_FIELDS = {
         "method": Field(STRING, 'method = "asl:window_size=32"'),
         "min_layer": Field(INTEGER, "min_layer = 10", minimum=0),
         "observed_layers": Field(INTEGER, "observed_layers = 8", minimum=1),
+        "thresholds": Field(NUMBERS, "thresholds = [0.2, 0.3, 0.4]"),
     },
     "bench": {
         "methods": Field(STRINGS, 'methods = ["full", "gemfilter", "fastkv", "claa"]'),
@@ -222,9 +223,15 @@ class VarianceSettings:
     method: str | None = None
     min_layer: int | None = None
     observed_layers: int | None = None
+    thresholds: tuple[float, ...] | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        given = {"method": self.method, "min_layer": self.min_layer, "observed_layers": self.observed_layers}
+        given = {
+            "method": self.method,
+            "min_layer": self.min_layer,
+            "observed_layers": self.observed_layers,
+            "thresholds": self.thresholds,
+        }
         return {name: value for name, value in given.items() if value is not None}
 
 

@@ -1087,6 +1087,13 @@ def test_cli_variance(cli, store_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [row["example"] for row in rows] == ["ex0", "ex1", "ex2"] and rows[0]["min_layer"] == 1
+    assert list(rows[0]["selection_layer"]) == ["0.2", "0.3", "0.4", "0.5", "0.6"]  # ASL Sec. 5.5's taus
+    # --thresholds, as variance_store's thresholds: the method's own tau always among them
+    chosen = json.loads(
+        cli("variance", store_path, "--method", "asl:w=8,tau=0.45", "--budget", "13", "--min-layer", 1,
+            "--observed-layers", 2, "--thresholds", "0.25,0.5", "--json").stdout
+    )  # fmt: skip
+    assert list(chosen[0]["selection_layer"]) == ["0.25", "0.45", "0.5"]
     table = cli("variance", store_path, "--method", "asl:window_size=8", "--keep", "0.3")
     assert table.exit_code == 0, table.output
     assert "τ=0.3" in table.stdout

@@ -24,7 +24,7 @@ from rankkit.eval.compare import compare_store
 from rankkit.eval.variance import variance_store
 from rankkit.experiment import DATA_FIELDS, TABLE_FIELDS, TOP_FIELDS, parse_experiment
 from rankkit.shards import interleave, share
-from rankkit.sweep import sweep, tag_columns, units
+from rankkit.sweep import sweep, tag_columns, unit_settings, units
 
 EXPERIMENT = """
 name = "tiny"
@@ -919,3 +919,16 @@ def test_a_bench_interrupted_then_edited_reruns_that_unit_alone_with_its_new_set
     rows = pl.read_parquet(out / "bench.parquet")
     assert rows.height == 4 and set(rows["new_tokens"]) == {3}  # no row of the first settings
     assert (out / "experiment.toml").read_text() == edited.read_text()
+
+
+def test_variance_thresholds_are_a_field_as_they_are_an_option():
+    """variance_store's thresholds were the Python API's alone: the file and --thresholds name them too,
+    and a unit run with others is changed."""
+    grid = 'stages = ["variance"]\nkeep = [0.2]\n[[data]]\nspec = "niah:n=1,length=128"\n[variance]\n{}'
+    plan = parse_experiment(grid.format("thresholds = [0.25, 0.5]"), source="grid.toml", default_name="grid")
+    assert plan.variance.kwargs() == {"thresholds": (0.25, 0.5)}
+    (unit,) = units(plan, "variance")
+    default = parse_experiment(grid.format(""), source="grid.toml", default_name="grid")
+    assert unit_settings(plan, "variance", unit) != unit_settings(default, "variance", unit)
+    with pytest.raises(RankkitError, match="thresholds"):
+        parse_experiment(grid.format('thresholds = ["high"]'), source="grid.toml", default_name="grid")

@@ -40,11 +40,6 @@ if TYPE_CHECKING:
     from rankkit.stores import Store
 
 
-# ASL Sec. 5.5 sweeps the threshold over these values; 0.3 is its default.
-THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6)
-DEFAULT_METHOD = "asl"
-
-
 def output_paths(path: str | os.PathLike) -> list[Path]:
     """The files ``VarianceResult.write(path)`` writes: the curves at ``path``, the selections and
     the mean curves beside it."""
@@ -117,7 +112,7 @@ class VarianceResult:
 
 
 def curve_method(
-    method: str = DEFAULT_METHOD, min_layer: int | None = None, observed_layers: int | None = None
+    method: str = defaults.VARIANCE_METHOD, min_layer: int | None = None, observed_layers: int | None = None
 ) -> Asl:
     """The ASL method ``method`` (``asl:window_size=8``) whose curve ``variance_store`` draws, with
     L_min and L_obs set where given (refused where the spec gives others)."""
@@ -141,12 +136,12 @@ def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
 def variance_store(
     path: str | os.PathLike | Store,  # a path, or a store already open
     *,
-    method: str = DEFAULT_METHOD,
+    method: str = defaults.VARIANCE_METHOD,
     keep: float | None = None,
     budget: int | None = None,
     min_layer: int | None = None,
     observed_layers: int | None = None,
-    thresholds: Sequence[float] | str | float = THRESHOLDS,
+    thresholds: Sequence[float] | str | float = defaults.VARIANCE_THRESHOLDS,
     workers: int | None = None,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
