@@ -16,6 +16,7 @@ import difflib
 import json
 import re
 import tomllib
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -159,11 +160,24 @@ TABLE_FIELDS = {
         "draft": Field(STRING, 'draft = "layers:8"'),
         "mirror": Field(STRING, 'mirror = "claa"'),
         "limit": Field(INTEGER, "limit = 4", minimum=1),
+        "cuda_graphs": Field(BOOLEAN, "cuda_graphs = true"),
+        "compile_decode": Field(BOOLEAN, "compile_decode = true"),
     },
     "diffusion": {
         "max_new_tokens": Field(INTEGER, "max_new_tokens = 16", minimum=1),
         "limit": Field(INTEGER, "limit = 2", minimum=1),
     },
+}
+
+
+# the stages that read each table's settings (the dashboards draw needle recall at compare's needle keep)
+TABLE_READERS = {
+    "capture": {"capture"},
+    "oracle": {"oracle"},
+    "compare": {"compare", "dashboard"},
+    "variance": {"variance"},
+    "bench": {"bench"},
+    "diffusion": {"diffusion"},
 }
 
 
@@ -242,6 +256,8 @@ class BenchStage:
     draft: str | None = None
     mirror: str | None = None  # the oracle's own default, fastkv
     limit: int | None = None
+    cuda_graphs: bool = False  # ``Setup``'s, for the bench stage alone
+    compile_decode: bool = False
 
     def options(self, layer: int | None) -> MethodOptions:
         return MethodOptions(layer, self.draft, self.mirror)
@@ -297,6 +313,13 @@ def parse_experiment(text: str, *, source: str, default_name: str, max_units: in
         for name, fields in TABLE_FIELDS.items()
     }
     stages = _stages(top, source)
+    for table, readers in TABLE_READERS.items():
+        if table in tables and not readers & set(stages):  # kept while a stage is left out, say
+            warnings.warn(
+                f"{source} [{table}]: no stage of stages ({', '.join(stages)}) reads it, so its settings "
+                f"change nothing; add {' or '.join(sorted(readers))} to stages to use them",
+                stacklevel=2,
+            )
     if "data" not in tables:
         raise RankkitError(
             f"{source} names no data; add a [[data]] entry, e.g. {DATA_FIELDS['spec'].example}"

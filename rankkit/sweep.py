@@ -595,6 +595,12 @@ def check(
         Setup(device_map=plan.model.device_map)
         device = models.resolve_device(rank_device(plan.model.device))
         _refuse_meaningless_stages(plan)
+    with errors_in(f"{path} [bench]"):  # decoding over a static cache, on one device
+        Setup(
+            device_map=plan.model.device_map,
+            cuda_graphs=plan.bench.cuda_graphs,
+            compile_decode=plan.bench.compile_decode,
+        )
     num_layers = config.num_hidden_layers
     with errors_in(str(path)):
         for layer in plan.layers:
@@ -1117,6 +1123,8 @@ def _bench_unit(plan: Experiment, unit: Unit, out: Path, progress: ProgressCallb
             rank_device(plan.model.device),
             allow_overlength=plan.model.allow_overlength,
             device_map=plan.model.device_map,
+            cuda_graphs=plan.bench.cuda_graphs,
+            compile_decode=plan.bench.compile_decode,
         ),
         progress=progress,
         shard=shard(),

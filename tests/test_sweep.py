@@ -367,6 +367,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r"\[\[data\]\] #2: 'niah:length=192,depths=25;75' is a cell already; name each data spec once",
         ),
         (("limit = 1", "limit = 0"), r"\[diffusion\]: limit must be at least 1"),
+        (
+            ("warmup = 0", "warmup = 0\ncompile_decode = true"),
+            r"\[bench\]: compile_decode compiles the static-cache decode step: add cuda_graphs$",
+        ),
         (  # as capture would refuse it, after writing the sweep's files
             ("n=2,length=256", "n=2,length=10"),
             "cell niah-10: length=10 is too short for this task: its smallest prompt takes",
@@ -932,3 +936,13 @@ def test_variance_thresholds_are_a_field_as_they_are_an_option():
     assert unit_settings(plan, "variance", unit) != unit_settings(default, "variance", unit)
     with pytest.raises(RankkitError, match="thresholds"):
         parse_experiment(grid.format('thresholds = ["high"]'), source="grid.toml", default_name="grid")
+
+
+def test_a_table_no_stage_reads_is_warned_of_and_bench_takes_the_decode_options():
+    grid = 'stages = ["{}"]\nkeep = [0.2]\n[[data]]\nspec = "niah:n=1,length=128"\n[bench]\nmethods = ["full"]\n{}'
+    with pytest.warns(UserWarning, match=r"grid.toml \[bench\]: no stage of stages \(capture\) reads it"):
+        parse_experiment(grid.format("capture", ""), source="grid.toml", default_name="grid")
+    plan = parse_experiment(
+        grid.format("bench", "cuda_graphs = true\ncompile_decode = true"), source="grid.toml", default_name="grid"
+    )
+    assert (plan.bench.cuda_graphs, plan.bench.compile_decode) == (True, True)
