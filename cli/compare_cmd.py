@@ -88,6 +88,7 @@ def compare(
     ):
         with deferred_interrupts():
             from rankkit.eval.compare import compare_keeps, pairs_at_layer, summary_table
+            from rankkit.methods import Budget
             from rankkit.report.tables import frame_table, rows_text
 
         results = compare_keeps(
@@ -112,7 +113,8 @@ def compare(
                 title = (
                     f"Rankings {'vs oracle' if oracle else 'without an oracle'}, {store}, span {result.span}, "
                     f"probes at l_p = {result.pruning_layer}, "
-                    f"ranked at keep {result.keep:g}, needle recall in the top {result.needle_keep:g}: "
+                    f"ranked at {Budget.parse(result.keep).printed}, needle recall in the top "
+                    f"{Budget.parse(result.needle_keep, '--needle-keep').printed}: "
                     "means [95% interval] over n examples"
                 )
                 tables.append(frame_table(summary_table(result.summary), title))

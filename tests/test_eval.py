@@ -623,7 +623,7 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     assert {(row["keep"], row["needle_keep"]) for row in json.loads(result.stdout)} == {(0.2, 0.2)}
     out = tmp_path / "c.parquet"
     table = cli("compare", store_path, "--methods", "lava", "--needle-keep", "0.4", "--out", out)
-    assert "ranked at keep 0.1, needle recall in the top 0.4" in " ".join(table.stdout.split())
+    assert "ranked at keep=0.1, needle recall in the top keep=0.4" in " ".join(table.stdout.split())
     assert pl.read_parquet(out).select("keep", "needle_keep").unique().rows() == [(0.1, 0.4)]
     both = tmp_path / "both.parquet"
     two = cli("compare", store_path, "--methods", "lava", "--keep", "0.1,0.2", "--out", both, "--json")
@@ -636,6 +636,8 @@ def test_cli_compare_names_its_keep_and_needle_keep(cli, store_path, tmp_path):
     # a token count, as compare_store's needle_keep=16 and a sweep file's take it (16.0 was refused)
     tokens = json.loads(cli("compare", store_path, "--methods", "lava", "--needle-keep", "16", "--json").stdout)
     assert [(row["keep"], row["needle_keep"]) for row in tokens] == [(0.1, 16)]
+    titled = cli("compare", store_path, "--methods", "lava", "--budget", "24", "--needle-keep", "16").stdout
+    assert "ranked at budget=24, needle recall in the top budget=16" in " ".join(titled.split())  # not "keep 24"
     direct = compare_store(store_path, methods=["lava"], needle_keep=16).summary
     assert [row["needle_recall"] for row in tokens] == direct["needle_recall"].to_list()
     assert str(cli("compare", store_path, "--needle-keep", "all").exception) == (
