@@ -61,7 +61,7 @@ def dashboard(
             overwrite=overwrite,
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
-            keeps=keeps,
+            keep=keeps,
             needle_keep=keep_or_tokens(needle_keep, "--needle-keep"),
         )
     typer.echo(written)

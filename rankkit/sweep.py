@@ -1301,7 +1301,7 @@ def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
                 diffusion=_cell_rows(diffusion, unit.cell),
                 overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
-                keeps=_dashboard_keeps(plan),
+                keep=_dashboard_keeps(plan),
                 needle_keep=plan.compare.needle_keep,
             )
         )

@@ -629,11 +629,11 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
     assert high.per_layer.equals(compare_store(store, keep=0.2, needle_keep=16, workers=1, detailed=False).per_layer)
     refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "1.5", "--overwrite"])
     assert isinstance(refused.exception, RankkitError) and not handed[3:]  # refused before any comparison
-    # Python's keeps= as --keep: keep rates, a token count refused before any comparison (it was compared at 100 tokens)
+    # Python's keep= as --keep: keep rates, a token count refused before any comparison (it was compared at 100 tokens)
     out.unlink()
     message = r"^keep rate 100 is outside \(0, 1\]: use e.g. --keep 0.1, or --budget"
     with pytest.raises(RankkitError, match=message):
-        rankkit.report.write_dashboard(store, out, keeps=[100], workers=1)
+        rankkit.report.write_dashboard(store, out, keep=[100], workers=1)
     refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "100"])
     assert re.match(message.replace("100", r"100\.0"), str(refused.exception)) and not handed[3:] and not out.exists()
 
@@ -681,7 +681,7 @@ def test_every_panel_draws_in_headless_chromium_without_javascript_errors(tmp_pa
     from rankkit import stores
 
     page = write_dashboard(
-        store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame(), keeps=[0.1, 0.2]
+        store, tmp_path / "report.html", bench=bench_frame(), diffusion=diffusion_frame(), keep=[0.1, 0.2]
     )
     screenshot = tmp_path / "report.png"
     report = open_in_chromium(

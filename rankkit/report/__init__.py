@@ -81,23 +81,23 @@ __all__ = ["write_dashboard", "write_index"]
 
 def write_dashboard(
     store_path: str | os.PathLike,
-    out_path: str | os.PathLike,
+    out: str | os.PathLike,
     bench: BenchSource | Sequence[BenchSource] | None = None,
     diffusion: str | os.PathLike | pl.DataFrame | None = None,
     *,
     overwrite: bool = False,
     workers: int | None = None,
     explore: Sequence[str] | str | None = None,
-    keeps: Sequence[float] | str | float = (defaults.KEEP,),
+    keep: Sequence[float] | str | float = (defaults.KEEP,),
     needle_keep: float | int | None = None,
 ) -> Path:
-    """Write the dashboard of ``store_path`` to ``out_path`` and return that path.
+    """Write the dashboard of ``store_path`` to ``out`` and return that path.
 
     ``bench`` is the frame ``rankkit bench --out`` writes (or its parquet path), or several of them
     (one per run, of any model), drawn side by side, each labelled with its run, model and weights
     (``_benches``); only a bench of the store's model is joined with the store's offline figures,
     in the report panel (``rankkit report``'s table); ``diffusion`` the
-    one ``rankkit diffusion --out`` writes; ``keeps`` the keep rates in (0, 1] the store is compared
+    one ``rankkit diffusion --out`` writes; ``keep`` the keep rates in (0, 1] the store is compared
     at, as ``--keep`` takes them (the Spearman panel shows the first, the needle recall panel one
     heatmap each, counting at its keep unless ``needle_keep``, a keep rate or a token count, names
     one for all); ``workers`` processes compute the rankings (see
@@ -105,15 +105,16 @@ def write_dashboard(
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
     evenly spaced sample of that many beyond, so a large store's page stays small and quick.
     RankkitError names the fix for a missing store or a file that is not the expected parquet.
-    An existing ``out_path`` is replaced only with ``overwrite``; one inside the store or equal
+    An existing ``out`` is replaced only with ``overwrite``; one inside the store or equal
     to an input is refused (``outputs.claim``).
     """
     from rankkit import stores
     from rankkit.report.joined import refuse_other_examples
 
-    keeps = as_list(keeps, "--keep", float)
     explore = None if explore is None else as_list(explore, "--explore")
-    compared = distinct_budgets([Budget.from_keep(keep) for keep in keeps], "--keep")  # as the CLI reads them
+    compared = distinct_budgets(  # as the CLI reads them
+        [Budget.from_keep(rate) for rate in as_list(keep, "--keep", float)], "--keep"
+    )
     if not compared:
         raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
     if needle_keep is not None:
@@ -123,7 +124,7 @@ def write_dashboard(
     if twice is not None:  # its rows would count twice in every panel
         raise RankkitError(f"--bench names {twice} twice; give each bench once")
     sources = [each for each in (store_path, *benches, diffusion) if not isinstance(each, pl.DataFrame)]
-    outputs.claim([out_path], overwrite=overwrite, inputs=sources)
+    outputs.claim([out], overwrite=overwrite, inputs=sources)
     store = stores.open(store_path)
     refuse_timing_only_store(store.meta, store_path, "show its rankings against the oracle in a dashboard")
     records = list(store.examples())
@@ -145,7 +146,7 @@ def write_dashboard(
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
         page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, compared, needle_keep)
-    return outputs.write_text(render(page), out_path)
+    return outputs.write_text(render(page), out)
 
 
 def write_index(

@@ -40,12 +40,12 @@ class Joined:
 
 def join_store_and_bench(
     store_path: str | os.PathLike,
-    bench_path: str | os.PathLike,
+    bench: str | os.PathLike,
     *,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> Joined:
-    """The store's offline comparison at each keep rate of the bench ``bench_path``, joined with the
+    """The store's offline comparison at each keep rate of the bench ``bench``, joined with the
     bench's rows of the same examples. A bench of another model, or without rows for the store's
     examples or a keep rate, is refused. With ``out``, the per-example join is written there as
     parquet: refused before any work if it exists (unless ``overwrite``) or is one of the inputs."""
@@ -53,10 +53,10 @@ def join_store_and_bench(
     from rankkit.report import _bench_frame
 
     if out is not None:
-        outputs.claim([out], overwrite=overwrite, inputs=[store_path, bench_path])
+        outputs.claim([out], overwrite=overwrite, inputs=[store_path, bench])
     store = stores.open(store_path)
     refuse_timing_only_store(store.meta, store.path, "report its rankings beside a bench")
-    joined = join_bench_rows(store, _bench_frame(bench_path, store), f"bench {bench_path}")
+    joined = join_bench_rows(store, _bench_frame(bench, store), f"bench {bench}")
     if out is not None:
         outputs.write_parquet(joined.per_example, out)
     return joined
