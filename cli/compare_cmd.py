@@ -119,8 +119,9 @@ def compare(
                 )
                 tables.append(frame_table(summary_table(result.summary), title))
                 if result.stability.height:
-                    title = "Stability across layers: each example's mean over layers, averaged; sd, min, trough of the mean curve"
-                    tables.append(frame_table(result.stability, title))
+                    title = "Stability across layers (sd, min, trough: of the mean curve)"
+                    # keep and needle keep: as the rankings' title says
+                    tables.append(frame_table(result.stability.drop("keep", "needle_keep"), title))
                 paired = pairs_at_layer(result.pairs, result.pruning_layer)
                 if paired.height:  # differences of Spearman with the oracle: none without it
                     tables.append(

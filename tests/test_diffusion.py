@@ -242,6 +242,7 @@ def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
                 "out": out,
                 "overwrite": False,
                 "allow_overlength": False,
+                "threads": None,  # the library sets them, as --threads names them
             },
         )
     ]

@@ -23,11 +23,11 @@ from rich.text import Text
 HEADERS: Mapping[str, tuple[str, str]] = {
     "spearman": ("ρ", "Spearman with the oracle at the layer shown"),
     "kendall": ("τ_K", "Kendall's tau with the oracle at the layer shown"),
-    "mean_spearman": ("mean ρ", "ρ averaged over layers"),
+    "mean_spearman": ("mean ρ", "ρ averaged over layers per example, then over examples"),
     "std_spearman": ("sd ρ", "standard deviation of ρ over layers"),
     "min_spearman": ("min ρ", "lowest ρ over layers"),
     "trough_layer": ("trough", "layer of the lowest ρ"),
-    "layer_to_layer": ("adj ρ", "mean Spearman between adjacent layers' rankings"),
+    "layer_to_layer": ("adj ρ", "ρ of adjacent layers' rankings, averaged as mean ρ"),
     "recall_at_10": ("rec10", "share of the oracle's top 10% in the method's top 10%"),
     "recall_at_20": ("rec20", "same at 20%"),
     "recall_at_40": ("rec40", "same at 40%"),
