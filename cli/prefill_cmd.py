@@ -105,7 +105,6 @@ def prefill(
     """
     from rankkit.bench import prefill as run_prefill
     from rankkit.bench import prefill_json
-    from rankkit.data import read_context_file
     from rankkit.report.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
@@ -116,7 +115,7 @@ def prefill(
         chosen_budget,
         data=data,
         example=example,
-        context=read_context_file(context_file) if context_file else None,
+        context_file=context_file,
         question=question,
         compare=compare,
         kept_layers=_layer_list(kept_layers, shown_as == "json"),

@@ -43,14 +43,21 @@ def generate(
     table_format: Format = "table",
 ) -> None:
     """Greedy answer through the layer-by-layer runner (full prefill); --format csv or json adds what it ran on."""
-    from rankkit.data import read_context_file
     from rankkit.demo import answer
     from rankkit.report.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
 
-    context = read_context_file(context_file) if context_file else ""
-    result = answer(model, context, question, data=data, max_new_tokens=max_new_tokens, device=device, threads=threads)
+    result = answer(
+        model,
+        "",
+        question,
+        data=data,
+        context_file=context_file,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        threads=threads,
+    )
     if shown_as == "table":
         output().print(result["answer"])
     else:

@@ -42,7 +42,7 @@ from rankkit.checks import (
     warn_clamped,
     warn_raised,
 )
-from rankkit.data import Example, data_fingerprint, load_examples, read_spec, spec_text
+from rankkit.data import Example, context_text, data_fingerprint, load_examples, read_spec, spec_text
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.eval.offline import method_from_spec, parse_method_spec, split_names
@@ -531,6 +531,7 @@ def prefill(
     data: str | os.PathLike | None = None,
     example: int = 0,
     context: str | None = None,
+    context_file: str | os.PathLike | None = None,
     question: str | None = None,
     compare: str | None = None,
     kept_layers: Sequence[int] | str = (),
@@ -538,7 +539,8 @@ def prefill(
     settings: BenchSettings = BenchSettings(),
     setup: Setup = Setup(),
 ) -> list[dict]:
-    """One method end to end on one prompt (``data``'s example or ``context`` + ``question``).
+    """One method end to end on one prompt (``data``'s example, or ``question`` after the context:
+    the text ``context`` or the file ``context_file``, as ``--context-file`` reads it).
 
     Returns one ``run_row`` per method: ``method`` first, then ``compare`` with the ratios
     of ``method`` to it. With ``kept_layers`` the method's row also holds
@@ -546,6 +548,7 @@ def prefill(
     counts from 0. Every option is checked before the model loads.
     """
     check_count(example, "--example", minimum=0)
+    context = context_text(context, context_file)
     data = None if data is None else spec_text(data)
     kept_layers = as_list(kept_layers, "--kept-layers", int)
     for layer in kept_layers:

@@ -8,6 +8,7 @@ methods end to end against full prefill, and write the dashboard of it all.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -28,16 +29,19 @@ def answer(
     question: str,
     *,
     data: str | None = None,
+    context_file: str | os.PathLike | None = None,
     max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     device: str = defaults.DEVICE,
     threads: int | None = None,
 ) -> dict:
-    """Greedy answer through the runner, with the prompt's size: to (context, question), or, given a
-    data spec ``data``, to its first example (then ``context`` and ``question`` must be empty).
-    ``threads`` sets torch's CPU threads for the process (``models.use_threads``)."""
-    from rankkit.data import load_examples
+    """Greedy answer through the runner, with the prompt's size: to (context, question), the context
+    given as text or as ``context_file`` (``--context-file``), or, given a data spec ``data``, to its
+    first example (then the context and ``question`` must be empty). ``threads`` sets torch's CPU
+    threads for the process (``models.use_threads``)."""
+    from rankkit.data import context_text, load_examples
 
     models.use_threads(threads)
+    context = context_text(context, context_file) or ""
     if data is not None and (context or question):
         raise RankkitError("give either a data spec (--data) or --context-file/--question, not both")
     if data is None and not question:

@@ -339,6 +339,28 @@ def test_prefill_refuses_what_its_prompt_or_method_would_ignore(no_model_load, t
         assert refused(["prefill", *command], no_model_load) == message
 
 
+def test_the_python_api_takes_a_context_file_as_the_cli_does(no_model_load, tiny_folder):
+    """--context-file was the command line's alone: prefill and answer took the text only."""
+    from rankkit.bench import Setup, prefill
+    from rankkit.demo import answer
+
+    empty = no_model_load / "empty.txt"
+    empty.write_text("  \n")
+    setup = Setup(model=str(tiny_folder), device="cpu")
+    for call in (
+        lambda **given: prefill("claa", 0.2, question="Why?", setup=setup, **given),
+        lambda context="", **given: answer(str(tiny_folder), context, "Why?", device="cpu", **given),
+    ):
+        with pytest.raises(RankkitError) as refusal:
+            call(context="The sky is green.", context_file=empty)
+        assert str(refusal.value) == (
+            "give the context as text (context=) or as a file (context_file=, --context-file), not both"
+        )
+        with pytest.raises(RankkitError) as refusal:
+            call(context_file=empty)  # read as --context-file reads it, before any model loads
+        assert str(refusal.value) == f"--context-file {empty} is empty; give a file holding the context"
+
+
 def test_an_example_past_the_data_names_the_ones_there(tiny_folder):
     from rankkit.bench import Setup, prefill
     from rankkit.methods import Budget

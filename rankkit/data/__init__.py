@@ -6,7 +6,7 @@ metric that scores it.
 """
 
 from rankkit.data.example import Example
-from rankkit.data.jsonl import export_jsonl, load_jsonl, read_context_file
+from rankkit.data.jsonl import context_text, export_jsonl, load_jsonl, read_context_file
 from rankkit.data.metrics import METRICS, score
 from rankkit.data.spec import (
     DataSpec,
@@ -22,6 +22,7 @@ from rankkit.data.spec import (
 __all__ = [
     "data_fingerprint",
     "read_context_file",
+    "context_text",
     "METRICS",
     "Example",
     "export_jsonl",

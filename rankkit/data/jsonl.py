@@ -11,6 +11,7 @@ examples back.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,6 +73,16 @@ def read_context_file(path: str | Path) -> str:
     if not text.strip():
         raise RankkitError(f"--context-file {path} is empty; give a file holding the context")
     return text
+
+
+def context_text(context: str | None, context_file: str | os.PathLike | None) -> str | None:
+    """A prompt's context as the Python API takes it: the text ``context``, or the file ``context_file``
+    read as ``--context-file`` reads it (``read_context_file``); both at once is refused."""
+    if context_file is None:
+        return context
+    if context:
+        raise RankkitError("give the context as text (context=) or as a file (context_file=, --context-file), not both")
+    return read_context_file(context_file)
 
 
 def _numbered_lines(path: Path):
