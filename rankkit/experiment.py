@@ -12,6 +12,7 @@ Options left out keep the default of the library call (and the command) they mir
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -203,6 +204,13 @@ class ModelSettings:
     allow_overlength: bool = False
 
 
+def given_settings(settings: Any) -> dict[str, Any]:
+    """A settings table's fields as its library call's keywords, those left out (None) omitted so the
+    library's own defaults hold: every field is named as the call's parameter."""
+    values = {spec.name: getattr(settings, spec.name) for spec in dataclasses.fields(settings)}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 @dataclass(frozen=True)
 class CaptureSettings:
     draft: str | None = None  # SpecPrefill's draft scores are captured only when named
@@ -220,14 +228,7 @@ class CompareSettings:
     needle_keep: float | None = None  # None: each unit's keep
 
     def kwargs(self) -> dict[str, Any]:
-        given = {
-            "methods": self.methods,
-            "span": self.span,
-            "oracle": self.oracle,
-            "pairs": self.pairs,
-            "needle_keep": self.needle_keep,
-        }
-        return {name: value for name, value in given.items() if value is not None}
+        return given_settings(self)
 
 
 @dataclass(frozen=True)
@@ -240,13 +241,7 @@ class VarianceSettings:
     thresholds: tuple[float, ...] | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        given = {
-            "method": self.method,
-            "min_layer": self.min_layer,
-            "observed_layers": self.observed_layers,
-            "thresholds": self.thresholds,
-        }
-        return {name: value for name, value in given.items() if value is not None}
+        return given_settings(self)
 
 
 @dataclass(frozen=True)

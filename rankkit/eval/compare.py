@@ -73,8 +73,6 @@ from rankkit import defaults, outputs
 from rankkit.checks import (
     first_repeated,
     refuse_timing_only_store,
-    warn_clamped,
-    warn_raised,
     warn_timing_only_store,
 )
 from rankkit.errors import RankkitError
@@ -91,6 +89,7 @@ from .offline import (
     recorded_model,
     single_layer_methods,
     split_names,
+    warn_budget,
 )
 from .parallel import checked_workers, map_examples
 from .stats import (
@@ -847,10 +846,7 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
-    for record in records:
-        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
-    for method in ranked_methods.values():
-        warn_raised(method, budget, [record.num_tokens for record in records])
+    warn_budget(budget, ranked_methods.values(), records)
     labels = [*probes, *ranked_methods]
     if pairs is None:
         pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle

@@ -9,7 +9,7 @@ arrays after checking the store recorded them with the settings the method ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -184,6 +184,16 @@ def captured(record, method: Method, layout: Mapping[str, Any] | None = None) ->
     return Captured(arrays, num_layers, record.num_tokens, **(layout or {}))
 
 
+def warn_budget(budget: Budget, methods: Iterable[Method], records: Sequence[Any]) -> None:
+    """Warn of ``budget`` above an example's prompt (``warn_clamped``) or below what a method always
+    keeps (``warn_raised``), as select, compare and variance rank the store's ``records``."""
+    for record in records:
+        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
+    lengths = [record.num_tokens for record in records]
+    for method in methods:
+        warn_raised(method, budget, lengths)
+
+
 def select_store(
     path: str | os.PathLike,
     method: str,
@@ -213,9 +223,7 @@ def select_store(
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     check_inputs([method], records, store.meta)
-    for record in records:
-        warn_clamped(chosen, record.num_tokens, f"example {record.id!r}")
-    warn_raised(method, chosen, [record.num_tokens for record in records])
+    warn_budget(chosen, [method], records)
     rows = []
     for record in records:
         example = captured(record, method, recorded_model(store.meta))
