@@ -9,7 +9,7 @@ from rich.text import Text
 from rankkit import defaults
 
 from .app import app, output
-from .options import Format, NeedleKeep, Overwrite, Workers, budgets, keep_or_tokens, output_format
+from .options import Format, NeedleKeep, Overwrite, Workers, keep_or_tokens, output_format
 
 
 @app.command("compare")
@@ -93,7 +93,8 @@ def compare(
 
         results = compare_keeps(
             store,
-            _budgets_or_default(keep, budget),
+            keep=keep,
+            budget=budget,
             layer=layer,
             methods=methods,
             oracle=oracle,
@@ -210,7 +211,7 @@ def variance(
         result = variance_store(
             store,
             method=method,
-            **_one_budget(keep, budget).keywords,
+            **_one_budget(keep, budget),
             min_layer=min_layer,
             observed_layers=observed_layers,
             thresholds=thresholds,
@@ -233,21 +234,15 @@ def variance(
         output().print(frame_table(means, title))
 
 
-def _budgets_or_default(keep: str | None, budget: str | None) -> list:
-    """The budgets of ``--keep`` or ``--budget``, else compare's and variance's default keep rate."""
-    from rankkit.methods import Budget
-
-    return budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]
-
-
-def _one_budget(keep: str | None, budget: str | None):
-    """The one budget ``variance`` draws its curve under."""
+def _one_budget(keep: str | None, budget: str | None) -> dict:
+    """The one budget ``variance`` draws its curve under, as ``variance_store``'s keywords (none: its default)."""
     from rankkit.errors import RankkitError
+    from rankkit.methods import given_budgets
 
-    chosen = _budgets_or_default(keep, budget)
+    chosen = given_budgets(keep, budget, required=False)
     if len(chosen) > 1:
         raise RankkitError("variance draws one curve: give one keep rate (e.g. --keep 0.1) or one --budget")
-    return chosen[0]
+    return chosen[0].keywords if chosen else {}
 
 
 def _selection_cell(row: dict, threshold: str) -> Text:

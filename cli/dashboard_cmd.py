@@ -4,8 +4,10 @@ from pathlib import Path
 
 import typer
 
+from rankkit.values import comma_list
+
 from .app import app
-from .options import NeedleKeep, Overwrite, Workers, budgets, comma_list, keep_or_tokens
+from .options import NeedleKeep, Overwrite, Workers, keep_or_tokens
 
 
 @app.command("dashboard")
@@ -48,7 +50,6 @@ def dashboard(
     from rankkit.eval.parallel import shared_workers
     from rankkit.interrupts import deferred_interrupts
 
-    keeps = [each.keep for each in budgets(keep, None)]
     with shared_workers(store, workers, now=True):  # the workers import while this process does
         with deferred_interrupts():
             from rankkit.report import write_dashboard
@@ -61,7 +62,7 @@ def dashboard(
             overwrite=overwrite,
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
-            keep=keeps,
+            keep=keep,
             needle_keep=keep_or_tokens(needle_keep, "--needle-keep"),
         )
     typer.echo(written)

@@ -12,7 +12,7 @@ import typer
 
 from rankkit.errors import RankkitError
 from rankkit.shapes import PUBLISHED_SHAPES
-from rankkit.values import comma_list, int_or_float, read_number
+from rankkit.values import int_or_float, read_number
 
 OVERWRITE_HELP = (
     "Replace an existing --out (written atomically: a reader sees the old file or the new one, never half)."
@@ -132,26 +132,6 @@ def output_format(table_format: str, as_json: bool = False) -> str:
     if as_json and table_format not in ("table", "json"):
         raise RankkitError(f"--json is --format json: give it or --format {table_format}, not both")
     return "json" if as_json else table_format
-
-
-def budgets(keep: str | None, budget: str | None, *, required: bool = True):
-    """The budgets of ``--keep`` (rates) or ``--budget`` (token counts), comma-separated; at most one of them."""
-    from rankkit.methods.base import ONE_BUDGET, Budget, distinct_budgets
-
-    if keep is not None and budget is not None or (required and keep is None and budget is None):
-        raise RankkitError(f"give {ONE_BUDGET}")
-    if keep is not None:
-        return distinct_budgets(
-            [Budget.from_keep(read_number(value, float, "--keep", "a keep rate; give e.g. --keep 0.1"))
-             for value in comma_list(keep, "--keep")], "--keep"
-        )  # fmt: skip
-    if budget is not None:
-        fix = "a token count; give e.g. --budget 2048, or --keep 0.1 for a share of the prompt"
-        return distinct_budgets(
-            [Budget.from_tokens(read_number(value, int, "--budget", fix)) for value in comma_list(budget, "--budget")],
-            "--budget",
-        )
-    return []
 
 
 def keep_or_tokens(text: str | None, option: str) -> float | int | None:

@@ -26,12 +26,11 @@ from rankkit.cli.options import (
     Repeats,
     Threads,
     Warmup,
-    budgets,
-    comma_list,
     output_format,
 )
 from rankkit.cli.progress import progress_bar
 from rankkit.errors import RankkitError
+from rankkit.values import comma_list
 
 
 def _library_options(given: dict) -> dict:
@@ -109,10 +108,10 @@ def prefill(
 
     shown_as = output_format(table_format, as_json)
 
-    (chosen_budget,) = budgets(keep, budget, required=False) or [None]
     rows = run_prefill(
         method,
-        chosen_budget,
+        keep=keep,
+        budget=budget,
         data=data,
         example=example,
         context_file=context_file,
@@ -221,8 +220,9 @@ def bench(
     with progress_bar("bench") as show:
         frame = run_bench(
             comma_list(methods, "--methods"),
-            budgets(keep, budget),
             data,
+            keep=keep,
+            budget=budget,
             limit=limit,
             out=out,
             overwrite=overwrite,

@@ -8,8 +8,9 @@ import typer
 from rich.table import Table
 
 from rankkit.cli.app import app, output
-from rankkit.cli.options import AsJson, Format, Threads, Workers, comma_list, output_format
+from rankkit.cli.options import AsJson, Format, Threads, Workers, output_format
 from rankkit.cli.progress import stage_bars
+from rankkit.values import comma_list
 
 
 @app.command("sweep")

@@ -48,7 +48,7 @@ from rankkit.errors import RankkitError
 from rankkit.eval.offline import method_from_spec, parse_method_spec, split_names
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
-from rankkit.methods import Budget, Method, check_parameters, make
+from rankkit.methods import Budget, Method, check_parameters, given_budgets, make
 from rankkit.methods.base import ONE_BUDGET
 from rankkit.methods.measure import (
     CostModel,
@@ -63,7 +63,7 @@ from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, build_prompt
 from rankkit.runner import Runner, check_decode_options
 from rankkit.shards import share
-from rankkit.values import as_list, check_count, check_number, int_or_float
+from rankkit.values import as_list, check_count, check_number
 
 FULL = "full"
 COST_MODEL = "cost_model"  # the journal notes a resumed bench reuses
@@ -526,8 +526,9 @@ def _warn_raised(methods: Sequence[Method], budgets, prompt_lengths: list[int]) 
 
 def prefill(
     method: str,
-    budget: Budget | float | int | None,
     *,
+    keep: float | None = None,
+    budget: int | None = None,
     data: str | os.PathLike | None = None,
     example: int = 0,
     context: str | None = None,
@@ -540,7 +541,8 @@ def prefill(
     setup: Setup = Setup(),
 ) -> list[dict]:
     """One method end to end on one prompt (``data``'s example, or ``question`` after the context:
-    the text ``context`` or the file ``context_file``, as ``--context-file`` reads it).
+    the text ``context`` or the file ``context_file``, as ``--context-file`` reads it), keeping the
+    share ``keep`` of the prompt or ``budget`` tokens (``full`` takes neither).
 
     Returns one ``run_row`` per method: ``method`` first, then ``compare`` with the ratios
     of ``method`` to it. With ``kept_layers`` the method's row also holds
@@ -553,10 +555,14 @@ def prefill(
     kept_layers = as_list(kept_layers, "--kept-layers", int)
     for layer in kept_layers:
         check_number(layer, "--kept-layers", whole=True)
+    budgets = given_budgets(keep, budget, required=False)
+    if len(budgets) > 1:
+        raise RankkitError("prefill runs one budget: give one --keep or --budget (bench runs several)")
+    runs_full = method.partition(":")[0] == FULL
     missing = []  # said together, so a bare `rankkit prefill --method claa` is one try, not two
     if (data is None) == (context is None):
         missing.append("either --data SPEC or --context-file FILE with --question")
-    if budget is None and method.partition(":")[0] != FULL:
+    if not budgets and not runs_full:
         missing.append(ONE_BUDGET)
     if missing:
         raise RankkitError("give " + ", and ".join(missing))
@@ -566,12 +572,12 @@ def prefill(
         raise RankkitError("--question goes with --context-file; an example of --data brings its own: drop --question")
     if context is not None and example != 0:
         raise RankkitError("--example picks an example of --data; with --context-file drop it")
-    if budget is not None and method.partition(":")[0] == FULL:
+    if budgets and runs_full:
         raise RankkitError(
             "full keeps every token: drop --keep/--budget (or name the method they are for, "
             "with --compare full)"
         )
-    budget = Budget.parse(budget) if budget is not None else Budget.from_keep(1.0)
+    (budget,) = budgets or [Budget.from_keep(1.0)]
     setup.check_timing(settings)
     config = setup.config()
     if data is not None:
@@ -660,9 +666,10 @@ def prefill_json(rows: list[dict]) -> dict:
 
 def bench(
     methods: str | Sequence[str],
-    budgets: Sequence[Budget | float | int] | str | float,
     data: str | os.PathLike,
     *,
+    keep: Sequence[float] | float | str | None = None,
+    budget: Sequence[int] | int | str | None = None,
     limit: int | None = None,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
@@ -673,8 +680,8 @@ def bench(
     shard: tuple[int, int] = (0, 1),
 ) -> pl.DataFrame:
     """The methods x budgets grid over the examples of ``data``: one row per (example, method, budget).
-    ``methods`` as a list or as ``--methods`` writes them; ``budgets`` a list of ``Budget`` or their
-    numbers (0.1, 2048), one of them alone, or their comma-separated text ("0.1,0.2").
+    ``methods`` as a list or as ``--methods`` writes them; the budgets are the keep rates ``keep`` or
+    the token counts ``budget``, each a list, one value, or the comma-separated text ("0.1,0.2").
 
     Every option is checked before the model loads. With ``out`` each example's rows are
     kept as soon as they are measured (``outputs.Journal``): SIGINT or SIGTERM stops with
@@ -690,14 +697,12 @@ def bench(
     if limit is not None:
         check_count(limit, "--limit")
     methods = split_names(methods) if isinstance(methods, str) else list(methods)
-    budgets = [Budget.parse(budget) for budget in as_list(budgets, "--keep", int_or_float)]
+    budgets = given_budgets(keep, budget)
     setup.check_timing(settings)
     config = setup.config()
     check_spec_length(data, config, allow_overlength=setup.allow_overlength)
     chosen = options.build(methods, config.num_hidden_layers, strict=False)
     check_drafts(chosen, setup.model, config)
-    if not budgets:
-        raise RankkitError("no budget given; use e.g. --keep 0.1,0.2 or --budget 512,1024")
     if out is not None:
         outputs.claim([out], overwrite=overwrite, inputs=[read_spec(data).path])
     identity = {

@@ -1256,7 +1256,7 @@ def _store_stage(stage: str, run_unit: Callable[[Run, Unit], dict[str, Any]]):
 def _compare_unit(run: Run, unit: Unit) -> dict[str, Any]:
     (result,) = compare.compare_keeps(
         run.layout.store(unit.cell),
-        [unit.budget],
+        **unit.budget.keywords,
         layer=unit.layer,
         workers=run.workers,
         out=run.layout.part("compare", unit),

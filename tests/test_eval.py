@@ -676,7 +676,7 @@ def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
         with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} was not written by rankkit"):
             write(own, overwrite=True)
     with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} already exists"):
-        compare_keeps(store, [0.1], out=own, methods=["window"], workers=1)
+        compare_keeps(store, keep=0.1, out=own, methods=["window"], workers=1)
     with pytest.raises(RankkitError, match=f"^{re.escape(str(own))} already exists"):
         variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=own)
     assert (store / "zarr.json").read_bytes() == metadata

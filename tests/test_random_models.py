@@ -137,13 +137,12 @@ def test_random_model_refuses_a_device_map(tiny_shape):
 
 def test_prefill_on_a_random_model_reports_no_score(tiny_shape):
     from rankkit.bench import BenchSettings, Setup, prefill
-    from rankkit.methods import Budget
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         claa, full = prefill(
             "claa",
-            Budget.from_keep(0.5),
+            keep=0.5,
             data="niah:n=1,length=256",
             compare="full",
             settings=BenchSettings(max_new_tokens=4, repeats=1, warmup=0),

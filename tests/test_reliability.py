@@ -141,7 +141,15 @@ def test_bad_method_and_budget_options_are_refused_before_the_model_loads(
         (lambda folder: _diffusion(folder, max_new_tokens=0), "--max-new-tokens must be a whole number >= 1"),
         # an AttributeError after the model loaded, and an empty store left behind
         (lambda folder: _capture(folder, oracle="yes"), "oracle takes OracleOptions(...), a dict of its settings, True for its defaults, or None, not 'yes'"),
-        (lambda folder: _bench(folder, budgets=[1.5]), "--keep 1.5 is neither a keep rate in (0, 1] nor a positive token count"),
+        (lambda folder: _bench(folder, keep=[1.5]), "keep rate 1.5 is outside (0, 1]: use e.g. --keep 0.1, or --budget"),
+        # a rate and a count each by its own name, as on the command line: budget=0.5 kept half
+        (lambda folder: _bench(folder, keep=None, budget=0.5), "budget 0.5 is not a positive token count"),
+        (lambda folder: _bench(folder, keep=64), "keep rate 64 is outside (0, 1]"),
+        (lambda folder: _bench(folder, budget=64), "give exactly one of --keep (e.g. 0.1) or --budget"),
+        (lambda folder: _bench(folder, keep=[]), "--keep names no budget; a keep rate; give e.g. --keep 0.1"),
+        (lambda folder: _bench(folder, keep=[0.1, 0.1]), "--keep: two budgets both read keep=0.1; name each once"),
+        (lambda folder: _prefill(folder, method="claa", keep=[0.1, 0.2]), "prefill runs one budget: give one --keep or --budget"),
+        (lambda folder: _prefill(folder, keep=0.5), "full keeps every token: drop --keep/--budget"),
         # an IndexError after the store was made; "yes" written into the store's oracle_params
         (lambda folder: _capture(folder, oracle=_oracle(max_new_tokens=0)), "--max-new-tokens must be a whole number >= 1, got 0"),
         (lambda folder: _capture(folder, oracle={"softmax": "yes"}), "--softmax must be True or False, not str 'yes'"),
@@ -231,9 +239,8 @@ def _settings(**given):
 
 def _bench(folder, **given):
     from rankkit.bench import Setup, bench
-    from rankkit.methods import Budget
 
-    given = {"methods": ["full"], "budgets": [Budget(keep=0.5)], **given}
+    given = {"methods": ["full"], "keep": [0.5], **given}
     return bench(data="niah:n=2,length=200", setup=Setup(str(folder)), **given)
 
 
@@ -246,13 +253,13 @@ def test_the_python_api_takes_a_budget_as_its_number_methods_as_the_command_line
     from rankkit.capture import OracleOptions, capture
 
     setup, settings = Setup(str(tiny_folder), device="cpu"), BenchSettings(max_new_tokens=2, warmup=0)
-    rows = bench("full,claa", [0.5, 64], "niah:n=1,length=200", setup=setup, settings=settings)
+    rows = bench("full,claa", "niah:n=1,length=200", keep=0.5, setup=setup, settings=settings)
     length = rows["length"][0]  # the prompt fitted to 200 tokens
     assert rows.select("method", "budget", "budget_tokens").rows() == [
-        ("full", "keep=1", length), ("claa", "keep=0.5", -(-length // 2)), ("claa", "budget=64", 64)
+        ("full", "keep=1", length), ("claa", "keep=0.5", -(-length // 2))
     ]  # fmt: skip
-    (row,) = prefill("claa", 0.5, data="niah:n=1,length=200", setup=setup, settings=settings)
-    assert (row["budget"], row["budget_tokens"]) == ("keep=0.5", -(-length // 2))
+    (row,) = prefill("claa", budget=64, data="niah:n=1,length=200", setup=setup, settings=settings)
+    assert (row["budget"], row["budget_tokens"]) == ("budget=64", 64)
     capture(model=str(tiny_folder), data="niah:n=1,length=200", probes="window", out=tmp_path / "run.zarr",
             oracle=True, device="cpu")  # fmt: skip
     (record,) = stores.open(tmp_path / "run.zarr").examples()
@@ -274,7 +281,8 @@ def _add_oracle(folder, **given):
 def _prefill(folder, **given):
     from rankkit.bench import Setup, prefill
 
-    return prefill("full", None, data="niah:n=2,length=200", setup=Setup(str(folder)), **given)
+    given = {"method": "full", **given}
+    return prefill(data="niah:n=2,length=200", setup=Setup(str(folder)), **given)
 
 
 def _capture(folder, **given):
@@ -348,7 +356,7 @@ def test_the_python_api_takes_a_context_file_as_the_cli_does(no_model_load, tiny
     empty.write_text("  \n")
     setup = Setup(model=str(tiny_folder), device="cpu")
     for call in (
-        lambda **given: prefill("claa", 0.2, question="Why?", setup=setup, **given),
+        lambda **given: prefill("claa", keep=0.2, question="Why?", setup=setup, **given),
         lambda context="", **given: answer(str(tiny_folder), context, "Why?", device="cpu", **given),
     ):
         with pytest.raises(RankkitError) as refusal:
@@ -363,13 +371,12 @@ def test_the_python_api_takes_a_context_file_as_the_cli_does(no_model_load, tiny
 
 def test_an_example_past_the_data_names_the_ones_there(tiny_folder):
     from rankkit.bench import Setup, prefill
-    from rankkit.methods import Budget
 
     setup = Setup(model=str(tiny_folder), device="cpu")
     for count, choices in [(1, "--example 0"), (3, "--example 0..2")]:
         spec = f"niah:n={count},length=200"
         with pytest.raises(RankkitError) as refusal:
-            prefill("claa", Budget.from_keep(0.2), data=spec, example=5, setup=setup)
+            prefill("claa", keep=0.2, data=spec, example=5, setup=setup)
         assert str(refusal.value) == f"--example 5 is past the {count} example(s) of {spec}; give {choices}"
 
 
@@ -528,15 +535,14 @@ def test_a_jsonl_prompt_past_the_model_positions_is_refused_unless_forced(tmp_pa
 
 def test_a_budget_larger_than_the_prompt_warns_that_it_keeps_everything(tmp_path, tiny_folder):
     from rankkit.bench import BenchSettings, Setup, bench
-    from rankkit.methods import Budget
 
     with pytest.warns(
         UserWarning, match=r"--budget 5000 is larger than the prompt of example .* it keeps all"
     ):
         frame = bench(
             ["full", "claa"],
-            [Budget.from_tokens(5000)],
             "niah:n=1,length=200",
+            budget=5000,
             settings=BenchSettings(max_new_tokens=1, warmup=0),
             setup=Setup(model=str(tiny_folder), device="cpu"),
         )
@@ -548,13 +554,12 @@ def test_bench_progress_counts_calibration_warmups_and_repeats_and_ends_at_its_t
     tiny_folder, warmup, repeats
 ):
     from rankkit.bench import BenchSettings, Setup, bench
-    from rankkit.methods import Budget
 
     events = []
     bench(
         ["full", "claa", "fastkv"],
-        [Budget.from_keep(0.5), Budget.from_keep(0.25)],
         "niah:n=2,length=200",
+        keep=[0.5, 0.25],
         settings=BenchSettings(max_new_tokens=1, warmup=warmup, repeats=repeats),
         setup=Setup(model=str(tiny_folder), device="cpu"),
         progress=events.append,
@@ -725,7 +730,6 @@ def test_sigterm_stops_a_bench_saying_what_it_kept(tmp_path, tiny_folder):
 
 def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_path, tiny_folder):
     from rankkit.bench import BenchSettings, Setup, bench
-    from rankkit.methods import Budget
 
     out = tmp_path / "rows.parquet"
     status, last_line, kept = _interrupt_bench(tiny_folder, out, signal.SIGINT)
@@ -736,9 +740,9 @@ def test_an_interrupted_bench_resumes_to_the_rows_of_an_uninterrupted_run(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     assert out.is_file() and sorted(path.name for path in tmp_path.iterdir()) == ["rows.parquet"]
     uninterrupted = bench(
-        BENCH["methods"].split(","),
-        [Budget.from_keep(float(BENCH["keep"]))],
+        BENCH["methods"],
         BENCH["data"],
+        keep=BENCH["keep"],
         settings=BenchSettings(
             max_new_tokens=BENCH["max_new_tokens"], warmup=0, repeats=BENCH["repeats"]
         ),
@@ -1137,7 +1141,7 @@ def test_a_data_spec_given_as_a_path_is_its_file(tiny_folder, tmp_path, default_
     store = stores.open(tmp_path / "run.zarr")
     assert store.meta["dataset"] == str(examples) and len(store.example_ids()) == 1
     settings = BenchSettings(max_new_tokens=1, warmup=0, repeats=1)
-    rows = bench("full", [0.5], examples, setup=Setup(str(tiny_folder), device="cpu"), settings=settings,
+    rows = bench("full", examples, keep=0.5, setup=Setup(str(tiny_folder), device="cpu"), settings=settings,
                  out=tmp_path / "bench.parquet")  # fmt: skip
     assert rows["example_id"].to_list() == store.example_ids()
     with pytest.raises(RankkitError, match=r"a data spec is a string or a path, not int 3; use niah:"):
@@ -1175,7 +1179,7 @@ def test_a_list_parameter_takes_a_list_one_value_or_the_command_lines_comma_sepa
         (lambda folder: _diffusion(folder, threads="1"), "--threads must be a whole number >= 1, got '1'"),
         (lambda folder: _sweep("missing.toml", threads="1"), "--threads must be a whole number >= 1, got '1'"),
         # comma-separated text read as the command line reads it, not letter by letter
-        (lambda folder: _bench(folder, budgets="0.5,x"), "--keep 'x' is not a number; give e.g. --keep 0.1,0.2"),
+        (lambda folder: _bench(folder, keep="0.5,x"), "--keep 'x' is not a keep rate; give e.g. --keep 0.1"),
         (lambda folder: _prefill(folder, kept_layers="0,15"), "--kept-layers 15 is not a layer of this model (0..2)"),
         (lambda folder: _variance("missing.zarr", thresholds="0.1,x"), "thresholds 'x' is not a number"),
     ],

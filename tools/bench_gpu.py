@@ -35,7 +35,6 @@ import torch
 
 from rankkit import models, overhead
 from rankkit.bench import BenchSettings, Setup, bench, summary
-from rankkit.methods.base import Budget
 
 SHAPE = "random:llama-3.1-8b"
 SMALL = "random:smollm2-135m"  # the default model's architecture: its timings, without its 93 MB wheel
@@ -121,8 +120,8 @@ class Bench:
     def run(self, out: Path, name: str) -> list[dict]:
         frame = bench(
             list(self.methods),
-            [Budget.from_keep(KEEP)],
             self.data,
+            keep=KEEP,
             out=out / f"{name}.parquet",
             overwrite=True,
             settings=BenchSettings(max_new_tokens=self.max_new_tokens, warmup=self.warmup, repeats=self.repeats),

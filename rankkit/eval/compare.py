@@ -76,9 +76,9 @@ from rankkit.checks import (
     warn_timing_only_store,
 )
 from rankkit.errors import RankkitError
-from rankkit.methods import REGISTRY, Budget, Method, make
+from rankkit.methods import REGISTRY, Budget, Method, given_budgets, make
 from rankkit.methods.selection import DRAFT_SCORES
-from rankkit.values import as_list, check_number, int_or_float
+from rankkit.values import check_number
 
 from .offline import (
     DRAFT_GROUP,
@@ -672,23 +672,22 @@ def write_results(
 
 def compare_keeps(
     path: str | os.PathLike | Store,
-    budgets: Sequence[Budget | float | int] | Budget | str | float,
     *,
+    keep: Sequence[float] | float | str | None = None,
+    budget: Sequence[int] | int | str | None = None,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     written: list[Path] | None = None,
     **options: Any,
 ) -> list[CompareResult]:
-    """``compare_store`` of one store under each of ``budgets`` (``--keep 0.1,0.2``, ``--budget 16,24``),
-    with the same ``options``; a ``needle_keep`` among them holds for all, else each counts at its own.
+    """``compare_store`` of one store under each keep rate of ``keep`` (``--keep 0.1,0.2``) or each
+    token count of ``budget`` (``--budget 16,24``), by default at ``defaults.KEEP``, with the same ``options``; a ``needle_keep`` among them holds for all, else each counts at its own.
     With ``out`` (``rankkit compare --out``) the frames of all are written there as ``write_results``
     writes them, the path refused before any work unless it may be written (``claim_outputs``,
     ``overwrite``); ``written`` gathers the paths as they are written."""
     from rankkit import stores
 
-    budgets = [Budget.parse(each) for each in as_list(budgets, "--keep", int_or_float)]
-    if not budgets:
-        raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    budgets = given_budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]
     if out is not None:
         claim_outputs(output_paths(out), path, overwrite=overwrite)
     store = stores.open(path)

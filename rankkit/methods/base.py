@@ -25,7 +25,7 @@ from rankkit.checks import first_repeated
 from rankkit.errors import RankkitError
 from rankkit.plugins import construct
 from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
-from rankkit.values import check_number
+from rankkit.values import as_list, check_number, comma_list, read_number
 
 REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
 
@@ -292,6 +292,33 @@ def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
         alike = "" if labels[0] == labels[1] else f" ({labels[0]} and {labels[1]})"
         raise RankkitError(f"{where}: two budgets both read {same}{alike}; name each once")
     return list(budgets)
+
+
+# how a budget option's text is read, and what a refusal of it suggests
+_BUDGET_NUMBERS = {
+    "--keep": (float, "a keep rate; give e.g. --keep 0.1"),
+    "--budget": (int, "a token count; give e.g. --budget 2048, or --keep 0.1 for a share of the prompt"),
+}
+
+
+def given_budgets(keep=None, budget=None, *, required: bool = True) -> list[Budget]:
+    """The budgets of ``keep=`` (keep rates, ``--keep``) or ``budget=`` (token counts, ``--budget``),
+    each a list, one value, or the command line's comma-separated text; at most one of the two, and
+    one of them where ``required``. Every command and function that takes budgets reads them here."""
+    if keep is not None and budget is not None or (required and keep is None and budget is None):
+        raise RankkitError(f"give {ONE_BUDGET}")
+    option, values = ("--keep", keep) if keep is not None else ("--budget", budget)
+    if values is None:
+        return []
+    kind, fix = _BUDGET_NUMBERS[option]
+    if isinstance(values, str):
+        numbers = [read_number(text, kind, option, fix) for text in comma_list(values, option)]
+    else:
+        numbers = as_list(values, option)
+    if not numbers:
+        raise RankkitError(f"{option} names no budget; {fix}")
+    build = Budget.from_keep if option == "--keep" else Budget.from_tokens
+    return distinct_budgets([build(number) for number in numbers], option)
 
 
 LOOKAHEAD = "lookahead"  # the label of a draft's decode steps (SpecPrefill), one query per layer

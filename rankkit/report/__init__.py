@@ -45,8 +45,7 @@ from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
-from rankkit.methods import Budget
-from rankkit.methods.base import distinct_budgets
+from rankkit.methods import Budget, given_budgets
 from rankkit.values import as_list
 
 from . import figures
@@ -112,11 +111,7 @@ def write_dashboard(
     from rankkit.report.joined import refuse_other_examples
 
     explore = None if explore is None else as_list(explore, "--explore")
-    compared = distinct_budgets(  # as the CLI reads them
-        [Budget.from_keep(rate) for rate in as_list(keep, "--keep", float)], "--keep"
-    )
-    if not compared:
-        raise RankkitError("--keep names no keep rate; give e.g. --keep 0.1,0.2")
+    compared = given_budgets(keep)
     if needle_keep is not None:
         Budget.parse(needle_keep, "--needle-keep")
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
@@ -285,7 +280,7 @@ def _page(
     # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
     # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
     comparisons = (
-        compare_keeps(store, compared, workers=workers, detailed=False, needle_keep=needle_keep)
+        compare_keeps(store, keep=[budget.keep for budget in compared], workers=workers, detailed=False, needle_keep=needle_keep)
         if has_oracle
         else []
     )

@@ -24,7 +24,7 @@ from rankkit.errors import RankkitError
 from rankkit.eval.compare import available_methods, compare_keeps, scored_layers
 from rankkit.eval.offline import recorded_model
 from rankkit.eval.stats import CLUSTER, EXAMPLE_ID, cluster_column, mean_intervals
-from rankkit.methods import Budget, make
+from rankkit.methods import make
 from rankkit.probes import format_parameter
 
 OFFLINE_METRICS = ("spearman", "needle_recall", "evidence_kept_offline")
@@ -91,8 +91,7 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
     keeps = sorted(online["keep"].unique())
     offline = pl.DataFrame()
     if methods:
-        budgets = [Budget.from_keep(keep) for keep in keeps]  # bench's keep column: rates
-        results = compare_keeps(store, budgets, methods=methods, detailed=False, workers=workers)
+        results = compare_keeps(store, keep=keeps, methods=methods, detailed=False, workers=workers)
         offline = pl.concat([at_method_layers(result) for result in results], how="diagonal_relaxed")
     per_example = online.select(
         EXAMPLE_ID,
