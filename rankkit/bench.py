@@ -136,7 +136,7 @@ def run_row(
         "task": example.task if example is not None else "prompt",
         "length": run.prompt_length,
         "depth_percent": meta.get("depth_percent"),
-        "cluster": meta.get("cluster"),  # examples sharing a haystack or a needle (rankkit.data.niah)
+        "cluster": meta.get("cluster"),  # examples sharing a haystack or a needle (niah, ruler, jsonl)
         "method": run.method,
         "keep": budget.keep,
         "budget": budget.label,

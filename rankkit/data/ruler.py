@@ -17,11 +17,41 @@ Where rankkit differs, and why:
 - essays are split into sentences by a regular expression (RULER uses NLTK's punkt,
   whose model would have to be downloaded);
 - the ICL example of ``vt`` is drawn with fresh 3-letter names for every example
-  rather than renamed from one shared draw (the same distribution).
+  rather than renamed from one shared draw (the same distribution);
+- RULER puts every essay task's needles into the essay's first tokens, so its examples
+  share their haystack; here example i reads the i-th stretch of ``length`` tokens of the
+  essay (from a sentence start), so no two share text while the essay holds that many
+  stretches (SmolLM2 reads the essay as 654k tokens: 319 stretches at length 2048, 4 at
+  131072); after that the stretches come round again;
+- RULER asks SQuAD's questions in file order, so its first hundred examples all come from
+  one article; here the first question of every article comes first, then the second...
+
+Clusters (``meta["cluster"]``, resampled together by ``rankkit.eval.stats``): examples that
+share a haystack text or a needle are one cluster (``rankkit.data.clusters``), named by what
+they share, the same in every seed:
+
+- essay tasks: the stretch of essay (``ruler-essay-{length}-{stretch}``);
+- the other needle tasks, ``vt``, ``cwe`` and ``fwe``: the needle (``ruler-needle-{hash}``).
+  Their haystacks are one repeated sentence, distractor needles drawn afresh for every
+  example, or words of one shared pool, which carry nothing one example could share with
+  another, so only a needle drawn twice joins examples;
+- ``qa_1`` (SQuAD): the article (``ruler-squad-article{number}``), whose other paragraphs
+  fill each of its questions' haystack first and answer its other questions;
+- ``qa_2`` (HotpotQA): a question's own documents (``ruler-hotpotqa-doc{number}``), its
+  answer's and HotpotQA's distractors for it, joining questions that share any;
+- ``qa_1`` and ``qa_2``: the question too (``ruler-question-{hash}``). Every seed asks the same
+  questions, so examples of two seeds with one index share a cluster. The paragraphs drawn at
+  random from the whole pool to fill the length are filler: at long lengths every two
+  examples would share some, and none holds the question's answer.
+
+``RULER_VERSION`` counts the changes to what a spec makes; ``rankkit.data.data_fingerprint``
+records it, so a store or run made from an older generator's examples is told apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import random
@@ -33,10 +63,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from rankkit.data.clusters import digest, shared_clusters
 from rankkit.data.example import Example
 from rankkit.data.fitting import Piece, TokenizedText, fit_to_length, join_pieces, whole
 from rankkit.data.sources import ruler_file, wonderwords_list
 from rankkit.errors import RankkitError
+
+# Raised whenever a spec's examples change (2: each essay example reads its own stretch, SQuAD's
+# questions alternate articles, every example names its cluster).
+RULER_VERSION = 2
 
 # --- RULER's task table (synthetic.yaml) and templates (data/synthetic/constants.py) ---
 
@@ -142,6 +177,9 @@ class Draft:
     build: Build
     min_size: int
     max_size: int
+    # what other examples may share (haystack text, a needle, a question), the one to name the
+    # example's cluster by first: examples sharing any are one cluster (``rankkit.data.clusters``)
+    units: tuple[str, ...]
 
 
 def ruler_examples(tokenizer, *, task: str, n: int, length: int, seed: int) -> list[Example]:
@@ -149,14 +187,18 @@ def ruler_examples(tokenizer, *, task: str, n: int, length: int, seed: int) -> l
         raise RankkitError(f"unknown RULER task '{task}'; choose one of {', '.join(TASKS)}")
     kind, args = TASKS[task]
     make_draft = _DRAFT_MAKERS[kind](tokenizer, task, args, length, seed)
-    examples, guess = [], None
+    examples, units, guess = [], [], None
     for index in range(n):
         draft = make_draft(index)
         example, guess = fit_to_length(
             draft.build, tokenizer, length, min_size=draft.min_size, max_size=draft.max_size, guess=guess
         )
         examples.append(example)
-    return examples
+        units.append(draft.units)
+    return [
+        dataclasses.replace(example, meta={**example.meta, "cluster": cluster})
+        for example, (cluster, _) in zip(examples, shared_clusters(units), strict=True)
+    ]
 
 
 def _example_rng(task: str, seed: int, index: int, *salt: object) -> random.Random:
@@ -225,9 +267,7 @@ def _niah_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
     single = args["num_needle_q"] * args["num_needle_v"] == 1
     template = _singular_niah_template() if single else TEMPLATES["niah"]
     haystack = args["type_haystack"]
-    if haystack == "essay":
-        essay = TokenizedText.of(tokenizer, _essay_text(), min_tokens=length)
-        sentence_starts = [0] + [match.end() for match in _SENTENCE_BREAK.finditer(essay.text)]
+    stretches = _EssayStretches(tokenizer, length)
 
     def make_draft(index: int) -> Draft:
         rng = _example_rng(task, seed, index)
@@ -248,6 +288,13 @@ def _niah_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
         )
         depths = rng.sample(NIAH_DEPTHS, len(needles)) if haystack == "essay" else []
         distractors = _DistractorStream(_example_rng(task, seed, index, "haystack"), args)
+        # the filler of the other haystacks says nothing, and their distractor needles are drawn
+        # afresh for each example: only the essay is text that examples share
+        units = [_needle_unit(needle) for needle in needles]
+        if haystack == "essay":
+            number, essay = stretches[index]
+            sentence_starts = [0] + [match.end() for match in _SENTENCE_BREAK.finditer(essay.text)]
+            units.insert(0, f"ruler-essay-{length}-{number}")
 
         def build(size: int) -> Example:
             if haystack == "essay":
@@ -272,11 +319,59 @@ def _niah_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
                 meta={"haystack_size": size, **({"depths": sorted(depths)} if depths else {})},
             )
 
-        if haystack == "essay":
-            return Draft(build, 0, essay.num_tokens)
-        return Draft(build, len(needles), 10**6)
+        if haystack == "essay":  # the stretch's spare last token is the next stretch's first
+            return Draft(build, 0, essay.num_tokens - 1, tuple(units))
+        return Draft(build, len(needles), 10**6, tuple(units))
 
     return make_draft
+
+
+def _needle_unit(text: str) -> str:
+    return f"ruler-needle-{digest(text)}"
+
+
+class _EssayStretches:
+    """The essay cut into stretches of ``tokens`` tokens that do not overlap, each from a sentence
+    start: example i reads stretch i while the essay holds that many, then they come round again
+    (i modulo their number). An essay shorter than one stretch is repeated to fill it, as any
+    short haystack is (``TokenizedText.of``), and every example reads that one stretch."""
+
+    def __init__(self, tokenizer, tokens: int):
+        self._tokenizer, self._tokens = tokenizer, tokens
+        self._stretches: list[TokenizedText] = []
+        self._all = False  # every stretch the essay holds is cut
+
+    def __getitem__(self, index: int) -> tuple[int, TokenizedText]:
+        """(the stretch's number, its text) for example ``index``."""
+        if index >= len(self._stretches) and not self._all:
+            # doubling keeps the essay's tokenization linear in the examples asked for
+            self._cut(max(index + 1, 2 * len(self._stretches)))
+        number = index % len(self._stretches)
+        return number, self._stretches[number]
+
+    def _cut(self, count: int) -> None:
+        tokenized = TokenizedText.of(
+            self._tokenizer, _essay_text(), min_tokens=count * self._tokens, repeat=False
+        )
+        if tokenized.num_tokens <= count * self._tokens:  # the whole essay, too short for them all
+            self._all = True
+            count = (tokenized.num_tokens - 1) // self._tokens  # each stretch with its spare token
+            if count == 0:
+                self._stretches = [TokenizedText.of(self._tokenizer, _essay_text(), min_tokens=self._tokens)]
+                return
+        self._stretches = [self._stretch(tokenized, number) for number in range(count)]
+
+    def _stretch(self, tokenized: TokenizedText, number: int) -> TokenizedText:
+        """Tokens ``number * tokens`` to ``(number + 1) * tokens``, the last one spare (the next
+        stretch's first, there for ``prefix_chars``), from the first sentence that starts in them."""
+        first, last = number * self._tokens, (number + 1) * self._tokens
+        start, end = tokenized.token_start_char(first), tokenized.token_ends[last]
+        sentence = _SENTENCE_BREAK.search(tokenized.text, start, end) if number else None
+        if sentence is not None:
+            start = sentence.end()
+        start += len(tokenized.text[start:end]) - len(tokenized.text[start:end].lstrip())
+        ends = [token_end - start for token_end in tokenized.token_ends[first : last + 1] if token_end > start]
+        return TokenizedText(tokenized.text[start:end], ends)
 
 
 def _singular_niah_template() -> Template:
@@ -410,7 +505,9 @@ def _vt_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
                 meta={"haystack_size": num_noises},
             )
 
-        return Draft(build, num_hops + 1, 10**6)
+        # the noise is one fixed sentence: examples share only a chain drawn twice
+        chain_text = "\n".join(statement for chain in chains for statement in chain)
+        return Draft(build, num_hops + 1, 10**6, (_needle_unit(chain_text),))
 
     return make_draft
 
@@ -490,7 +587,9 @@ def _cwe_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
                 meta={"haystack_size": num_words},
             )
 
-        return Draft(build, num_common, len(pool))
+        # every example's list draws on the one word pool: examples share a needle only in the
+        # unlikely draw of the same common words
+        return Draft(build, num_common, len(pool), (_needle_unit(" ".join(sorted(order[:num_common]))),))
 
     return make_draft
 
@@ -541,7 +640,7 @@ def _fwe_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
             )
 
         # enough words that the fourth-ranked (the last answer) appears at least once
-        return Draft(build, math.ceil(4**alpha * normaliser), 10**7)
+        return Draft(build, math.ceil(4**alpha * normaliser), 10**7, (_needle_unit(" ".join(sorted(answers))),))
 
     return make_draft
 
@@ -555,6 +654,7 @@ class _QA:
     answers: tuple[str, ...]
     documents: tuple[int, ...]  # always in the context
     evidence: tuple[int, ...]  # the documents that hold the answer
+    units: tuple[str, ...]  # what questions share (``Draft.units``)
     related: tuple[int, ...] = ()  # preferred distractors (SQuAD: same article)
 
 
@@ -566,17 +666,23 @@ def _qa_data(dataset: str) -> tuple[list[_QA], list[str]]:
             {paragraph["context"] for article in data["data"] for paragraph in article["paragraphs"]}
         )
         index_of = {document: index for index, document in enumerate(documents)}
-        questions = []
-        for article in data["data"]:
+        by_article = []
+        for number, article in enumerate(data["data"]):
             article_docs = [index_of[paragraph["context"]] for paragraph in article["paragraphs"]]
+            # an article's other paragraphs are its questions' first distractors, and hold its other
+            # questions' answers: the questions of one article share their haystack
+            units = (f"ruler-squad-article{number}",)
+            by_article.append([])
             for paragraph in article["paragraphs"]:
                 gold = index_of[paragraph["context"]]
                 related = tuple(doc for doc in article_docs if doc != gold)
                 for qa in paragraph["qas"]:
                     if not qa["is_impossible"]:
                         answers = tuple(dict.fromkeys(answer["text"] for answer in qa["answers"]))
-                        questions.append(_QA(qa["question"], answers, (gold,), (gold,), related))
-        return questions, documents
+                        by_article[-1].append(_QA(qa["question"], answers, (gold,), (gold,), units, related))
+        # one question of each article in turn, so the first examples share no article
+        rounds = itertools.zip_longest(*by_article)
+        return [qa for round_ in rounds for qa in round_ if qa is not None], documents
 
     def text(title: str, sentences: list[str]) -> str:
         return f"{title}\n{''.join(sentences)}"
@@ -590,7 +696,9 @@ def _qa_data(dataset: str) -> tuple[list[_QA], list[str]]:
         evidence = tuple(
             doc for doc, (title, _) in zip(docs, item["context"], strict=True) if title in supporting
         )
-        questions.append(_QA(item["question"], (item["answer"],), docs, evidence))
+        # the item's own documents (its answer's and HotpotQA's distractors for it) are its haystack
+        units = tuple(f"ruler-hotpotqa-doc{doc}" for doc in docs)
+        questions.append(_QA(item["question"], (item["answer"],), docs, evidence, units))
     return questions, documents
 
 
@@ -601,7 +709,7 @@ def _qa_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
     def make_draft(index: int) -> Draft:
         if index >= len(questions):
             raise RankkitError(f"{task} has {len(questions)} questions; ask for n <= {len(questions)}")
-        qa = questions[index]  # RULER takes the questions in order; the seed picks the distractors
+        qa = questions[index]  # every seed asks the same questions; the seed picks the distractors
         rng = _example_rng(task, seed, index)
         related = list(qa.related)
         rng.shuffle(related)
@@ -636,7 +744,8 @@ def _qa_drafts(tokenizer, task: str, args: dict, length: int, seed: int):
                 meta={"haystack_size": num_docs},
             )
 
-        return Draft(build, len(qa.documents), len(order))
+        # the paragraphs drawn at random from the whole pool to fill the length count as filler
+        return Draft(build, len(qa.documents), len(order), (*qa.units, f"ruler-question-{digest(qa.query)}"))
 
     return make_draft
 

@@ -23,7 +23,7 @@ from rankkit.checks import check_prompt_lengths, check_spec_length, first_repeat
 from rankkit.data.example import Example
 from rankkit.data.jsonl import export_jsonl, load_jsonl
 from rankkit.data.niah import niah_examples
-from rankkit.data.ruler import TASKS, ruler_examples
+from rankkit.data.ruler import RULER_VERSION, TASKS, ruler_examples
 from rankkit.errors import RankkitError
 
 KEYS = {
@@ -166,11 +166,14 @@ def read_spec(spec: str) -> DataSpec:
     return DataSpec(kind, spec, n=n, length=length, task=params["task"], seed=seed)
 
 
-def data_fingerprint(spec: str) -> dict[str, str]:
+def data_fingerprint(spec: str) -> dict[str, str | int]:
     """What identifies a spec's examples beyond the spec itself: a jsonl file's content hash
     (``data_sha256``), since a run resumed after the file changed would mix two datasets under one
-    name; nothing for niah and ruler, whose spec makes its examples."""
+    name; the generator's version for ruler (``ruler_version``), whose same spec made other
+    examples before; nothing for niah, whose spec makes its examples."""
     parsed = read_spec(spec)
+    if parsed.kind == "ruler":
+        return {"ruler_version": RULER_VERSION}
     if parsed.kind != "jsonl":
         return {}
     path = Path(parsed.path)
