@@ -5,6 +5,7 @@ fast; the last ones use the real SmolLM2 tokenizer (with its chat template).
 """
 
 import ast
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -427,6 +428,30 @@ def test_jsonl_in_rankkit_schema_finds_the_needle(tmp_path):
     assert second.answers == ("y", "z") and second.task == "mine" and second.answer_prefix == "A:"
     assert score(second, "z") == 1.0
     assert load_examples(path + ":n=1", None) == [first]
+
+
+def test_jsonl_examples_sharing_a_context_or_a_question_and_answers_are_one_cluster(tmp_path):
+    """Lines naming no cluster are joined by a shared context, or a shared question and answers (in
+    any order), through chains of shares; a cluster named in meta is kept, one sharing nothing gets none."""
+    path = write_lines(
+        tmp_path / "mine.jsonl",
+        {"id": "a", "context": "Shared text.", "question": "Q1", "answers": "x"},
+        {"id": "b", "context": "Shared text.", "question": "Q2", "answers": "y"},
+        {"id": "c", "context": "Other text.", "question": "Q2", "answers": ["y"]},
+        {"id": "d", "context": "Third.", "question": "Q3", "answers": ["z", "w"]},
+        {"id": "e", "context": "Fourth.", "question": "Q3", "answers": ["w", "z"]},
+        {"id": "f", "context": "Shared text.", "question": "Q9", "answers": "v", "meta": {"cluster": "mine"}},
+        {"id": "g", "context": "Alone.", "question": "Q0", "answers": "u"},
+    )
+    examples = load_examples(path, None)
+    context = "jsonl-context-" + hashlib.sha256(b"Shared text.").hexdigest()[:12]
+    question = "jsonl-question-" + hashlib.sha256(json.dumps(["Q3", ["w", "z"]]).encode()).hexdigest()[:12]
+    assert [example.meta.get("cluster") for example in examples] == [
+        context, context, context, question, question, "mine", None
+    ]
+    assert load_examples(path + ":n=1", None)[0].meta == {}  # shares nothing among the lines loaded
+    export_jsonl(examples, tmp_path / "again.jsonl")
+    assert load_examples(str(tmp_path / "again.jsonl"), None) == examples
 
 
 @pytest.mark.parametrize(

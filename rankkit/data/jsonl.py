@@ -6,16 +6,24 @@ spans (``evidence``) or as text to find in the context (``needle``, one string o
 list), or a LongBench record ``{_id, context, input, answers, dataset}``.
 ``export_jsonl`` writes rankkit's schema in full, so loading the file gives the same
 examples back.
+
+Clusters: an example's ``meta.cluster`` names the examples it is one sample with (a shared
+haystack or needle; intervals resample clusters, ``rankkit.eval.stats``). Examples that name
+none but share their context, or their question and answers, get one (``jsonl-context-{hash}``
+or ``jsonl-question-{hash}``, from the shared text; ``rankkit.data.clusters``), joined through
+any chain of such shares among the examples loaded; one that shares nothing is its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from rankkit import outputs
+from rankkit.data.clusters import digest, shared_clusters
 from rankkit.data.example import Example
 from rankkit.data.longbench import is_longbench_record, longbench_example
 from rankkit.data.metrics import METRICS
@@ -63,7 +71,26 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
         examples.append(example)
     if not examples:
         raise RankkitError(f"{path} holds no example; give a file with one JSON object per line")
-    return examples
+    return _clustered(examples)
+
+
+def _clustered(examples: list[Example]) -> list[Example]:
+    """``examples`` with a cluster for those that name none but share a context or a question
+    and its answers with another (see the module's docstring)."""
+    unnamed = [index for index, example in enumerate(examples) if example.meta.get("cluster") is None]
+    units = [
+        (
+            f"jsonl-context-{digest(examples[index].context)}",
+            f"jsonl-question-{digest(json.dumps([examples[index].question, sorted(examples[index].answers)]))}",
+        )
+        for index in unnamed
+    ]
+    clustered = list(examples)
+    for index, (cluster, size) in zip(unnamed, shared_clusters(units), strict=True):
+        if size > 1:
+            example = examples[index]
+            clustered[index] = dataclasses.replace(example, meta={**example.meta, "cluster": cluster})
+    return clustered
 
 
 def read_context_file(path: str | Path) -> str:
