@@ -187,6 +187,44 @@ def test_the_numbers_under_the_spearman_plot_are_its_points_with_intervals_and_n
     assert numbers["spearman_ci_low"][2] is None  # one example gives no interval
 
 
+def test_spearman_curves_resample_clusters_as_compares_curve_does():
+    """Twelve examples, two needles of six: the examples of a needle are one sample. With two equal
+    clusters a resample is needle a twice, b twice or one each, so the 95% interval runs from a's mean
+    to b's; resampling the twelve examples alone gives a band a third as wide."""
+    from rankkit.eval.compare import METRIC_COLUMNS, curve_frame
+
+    per_layer = pl.DataFrame(
+        {
+            "example_id": [f"e{index}" for index in range(12)],
+            "task": ["niah"] * 12,
+            "method": ["claa"] * 12,
+            "layer": [0] * 12,
+            **{name: [None] * 12 for name in METRIC_COLUMNS},
+            "spearman": [(0.2 if index < 6 else 0.8) + 0.01 * (index % 6) for index in range(12)],
+            "cluster": ["needle-a"] * 6 + ["needle-b"] * 6,
+        },
+        schema_overrides=dict.fromkeys(METRIC_COLUMNS, pl.Float64),
+    )
+    numbers = figures.spearman_numbers(per_layer)
+    low, high = interval_columns("spearman")
+    assert numbers.select("spearman", low, high, "n_examples", "n_clusters").rows() == [
+        (pytest.approx(0.525), pytest.approx(0.225, abs=1e-6), pytest.approx(0.825, abs=1e-6), 12, 2)
+    ]
+    compared = curve_frame(per_layer).select("spearman", low, high, "n_examples", "n_clusters")
+    assert numbers.select(compared.columns).rows() == compared.rows()
+    figure = figures.spearman_figure(per_layer, pruning_layer=0, colors=figures.method_colors(["claa"]))
+    line = next(trace for trace in figure.data if trace.mode == "lines")
+    np.testing.assert_allclose(line.customdata[0], [0.225, 0.825, 12, 2], atol=1e-6)
+    assert "(n = %{customdata[2]} examples in %{customdata[3]} clusters)" in line.hovertemplate
+
+
+def test_spearman_curves_refuse_rankings_of_two_keeps():
+    per_layer = _two_tasks_per_layer()
+    both = pl.concat([per_layer.with_columns(keep=pl.lit(keep)) for keep in (0.1, 0.4)])
+    with pytest.raises(ValueError, match="keeps"):
+        figures.spearman_stats(both)
+
+
 def test_numbers_table_sorts_by_full_values_and_shows_missing_ones_as_a_dash():
     from rankkit.report.html import _numbers_html
 

@@ -420,7 +420,7 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
         pl.when(layer.n_unique() == 1).then(layer.first()).alias("layer")
     )
     means = layers.join(
-        mean_intervals(at_layer, ["method"], METRIC_COLUMNS, cluster=cluster_column(at_layer), scores=SHARES),
+        example_means(at_layer, ["method"], METRIC_COLUMNS),
         on="method",
         maintain_order="left",
     )
@@ -428,13 +428,20 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
     return means.join(stability, on="method", how="left", maintain_order="left")
 
 
+def example_means(per_layer: pl.DataFrame, by: Sequence[str], metrics: Sequence[str]) -> pl.DataFrame:
+    """Per group of ``by``: each of ``metrics`` averaged over the examples of ``per_layer`` with its 95%
+    interval and n, resampling clusters where the rows name them (then with ``n_clusters``), a share
+    (``SHARES``) Wilson's where its bootstrap collapses. Every mean compare or the dashboard draws
+    from compare's rows is this one, so a curve reads the same wherever it is shown."""
+    shares = [name for name in SHARES if name in metrics]
+    return mean_intervals(per_layer, by, metrics, cluster=cluster_column(per_layer), scores=shares)
+
+
 def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     """Per method and layer: each metric's mean over examples with its 95% interval, and n."""
     if not per_layer.height:
         return pl.DataFrame()
-    return mean_intervals(
-        per_layer, ["method", "layer"], METRIC_COLUMNS, cluster=cluster_column(per_layer), scores=SHARES
-    )
+    return example_means(per_layer, ["method", "layer"], METRIC_COLUMNS)
 
 
 def with_keeps(frame: pl.DataFrame, keep: float | int, needle_keep: float | int) -> pl.DataFrame:

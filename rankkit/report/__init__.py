@@ -387,7 +387,8 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     title = "Ranking quality per layer"
     caption = (
         "Spearman ρ between each method's token ranking and the answer-informed oracle at every layer, "
-        "averaged over the task's examples with a band for its 95% interval (bootstrap over examples; "
+        "averaged over the task's examples with a band for its 95% interval (bootstrap over examples, "
+        "resampling whole clusters where examples share a haystack or a needle: the hover's n names both; "
         "CLAA Fig. 2, Fig. 8). Stars mark layers where CLAA differs from a single-layer heuristic "
         "(Wilcoxon signed-rank p < 0.05 within the task; hover for the difference). The dotted line is the "
         "layer control; dashed curves have no layer (SpecPrefill). Methods whose rankings agree at every example "
@@ -401,6 +402,7 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
             caption,
             missing=f"The store has no oracle. Add it with {_code(f'rankkit oracle {store_path}')}.",
         )
+    caption += f" Rankings under {Budget.parse(comparison.keep).printed}, the first keep compared."
     stats = figures.spearman_stats(comparison.per_layer)  # the bootstrap, once for the plot and its numbers
     return Panel(
         "spearman",
@@ -421,7 +423,8 @@ def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_pat
     title = "Adaptive selection layer (ASL)"
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
-        "per example (thin; the picked example bold) and per task (mean, band: 95% interval over examples; "
+        "per example (thin; the picked example bold) and per task (mean, band: 95% interval over examples, "
+        "resampling whole clusters where examples share a haystack or a needle; "
         "ASL Fig. 6); right, how many examples each "
         "layer is the first below τ for (ASL Fig. 9). Probe: window:w=32, k = 10% of the prompt - W."
     )

@@ -21,7 +21,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 from rankkit.eval.ranking import descending_ranks, keep_count
-from rankkit.eval.stats import EXAMPLE_ID, interval_columns, mean_intervals
+from rankkit.eval.stats import EXAMPLE_ID, interval_columns
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
 KNOWN_METHOD_COLORS = {
@@ -205,14 +205,22 @@ def _by_task(per_layer: pl.DataFrame) -> pl.DataFrame:
 
 
 def spearman_stats(per_layer: pl.DataFrame) -> pl.DataFrame:
-    """Mean Spearman ρ per task, method and layer with its 95% interval and n, each task's resampled over
-    its own examples: the curves ``spearman_figure`` draws."""
+    """Mean Spearman ρ per task, method and layer with its 95% interval and n (and ``n_clusters`` where
+    examples share a haystack or a needle), each task's resampled over its own examples as compare's
+    curve is (``example_means``): the curves ``spearman_figure`` draws. ``per_layer`` holds the
+    rankings of one budget: a mean over two would be neither's."""
+    from rankkit.eval.compare import example_means
+
+    if "keep" in per_layer.columns and per_layer["keep"].n_unique() > 1:
+        keeps = sorted(per_layer["keep"].unique())
+        raise ValueError(f"per_layer holds the rankings of keeps {keeps}; give one keep's")
     frame = _by_task(per_layer)
     return pl.concat(
         [
-            mean_intervals(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
+            example_means(frame.filter(pl.col("task") == task), ["task", "method", "layer"], ["spearman"])
             for task in sorted(frame["task"].unique())
-        ]
+        ],
+        how="diagonal",  # a task without clusters has no n_clusters
     ).sort("task", "method", "layer", nulls_last=True)
 
 
@@ -230,11 +238,12 @@ def spearman_numbers(per_layer: pl.DataFrame, stats: pl.DataFrame | None = None)
             for names in [curve_labels(frame.filter(pl.col("task") == task))]
         ]
     )
+    stats = spearman_stats(frame) if stats is None else stats
     return (
-        (spearman_stats(frame) if stats is None else stats)
-        .join(labels, on=["task", "method"])
-        .select("task", pl.col("curve").alias("method"), "layer", "spearman", *interval_columns("spearman"), "n_examples")
-    )
+        stats.join(labels, on=["task", "method"])
+        .select("task", pl.col("curve").alias("method"), "layer", "spearman", *interval_columns("spearman"),
+                *_counts(stats))
+    )  # fmt: skip
 
 
 def spearman_figure(
@@ -293,9 +302,9 @@ def spearman_figure(
                 name=labels[method],
                 legendgroup=method,
                 showlegend=method not in shown_in_legend,
-                customdata=np.column_stack([lows, highs, curve["n_examples"].to_numpy()]),
+                customdata=np.column_stack([lows, highs, curve.select(_counts(curve)).to_numpy()]),
                 hovertemplate=f"<b>{labels[method]}</b> layer %{{x}}<br>ρ %{{y:.3f}} [%{{customdata[0]:.3f}}, "
-                "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
+                f"%{{customdata[1]:.3f}}] ({_counts_hover(curve, 2)})<extra></extra>",
             )
             shown_in_legend.add(method)
             figure.add_trace(band, row=row + 1, col=column + 1)
@@ -310,9 +319,25 @@ def spearman_figure(
     figure.update_yaxes(title_text="Spearman ρ vs oracle", col=1)
     return _style(
         figure,
-        "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean, 95% interval over examples)",
+        "Ranking quality per layer: Spearman ρ with the answer-informed oracle (mean, 95% interval)",
         360 * rows + 80,
     )
+
+
+COUNTS = ("n_examples", "n_clusters")  # a mean's n: its examples, and its clusters where they were resampled
+
+
+def _counts(means: pl.DataFrame) -> list[str]:
+    """The n columns of a frame of means (``mean_intervals``): ``n_clusters`` where it resampled clusters."""
+    return [name for name in COUNTS if name in means.columns]
+
+
+def _counts_hover(means: pl.DataFrame, first: int) -> str:
+    """A hover's n from ``_counts(means)`` held in customdata from index ``first`` on: the examples,
+    and the clusters they fall in where those were the resampled unit."""
+    examples = f"n = %{{customdata[{first}]}}"
+    clusters = f" examples in %{{customdata[{first + 1}]}} clusters" if len(_counts(means)) > 1 else ""
+    return examples + clusters
 
 
 def _interval_band(x: list, lows: np.ndarray, highs: np.ndarray, *, color: str, group: str) -> go.Scatter:
@@ -413,9 +438,9 @@ def variance_figure(
                 line={"color": colors[task], "width": 3},
                 name=task,
                 legendgroup=task,
-                customdata=np.column_stack([lows, highs, mean["n_examples"].to_numpy()]),
+                customdata=np.column_stack([lows, highs, mean.select(_counts(mean)).to_numpy()]),
                 hovertemplate=f"<b>{task}</b> mean<br>layer %{{x}}: %{{y:.3f}} [%{{customdata[0]:.3f}}, "
-                "%{customdata[1]:.3f}] (n = %{customdata[2]})<extra></extra>",
+                f"%{{customdata[1]:.3f}}] ({_counts_hover(mean, 2)})<extra></extra>",
             ),
             row=1,
             col=1,
