@@ -343,10 +343,10 @@ def test_kept_columns_holds_a_column_iff_one_of_its_tokens_is_in_the_top_k():
     np.testing.assert_array_equal(figures.kept_columns(pooled, 0, 2 / 6), [1, 0, 1])
 
 
-def test_needle_recall_heatmaps_are_means_over_examples_with_evidence_one_per_needle_keep():
+def test_needle_recall_heatmaps_are_means_over_examples_with_evidence_one_per_keep():
     per_layer = pl.DataFrame(
         {
-            "example": ["a", "b", "c", "a", "b", "a", "b", "a"],
+            "example_id": ["a", "b", "c", "a", "b", "a", "b", "a"],
             "method": ["claa", "claa", "claa", "claa", "claa", "fastkv", "fastkv", "claa"],
             "layer": [0, 0, 0, 1, 1, 0, 0, 0],
             "needle_recall": [0.5, 1.0, None, 0.25, 0.75, 0.0, 0.5, 1.0],
@@ -355,20 +355,74 @@ def test_needle_recall_heatmaps_are_means_over_examples_with_evidence_one_per_ne
         }
     )
     cells = figures.needle_recall_frame(per_layer)
-    assert cells.rows() == [
-        (0.1, "claa", 0, 0.75, 2),  # example c has no evidence: left out, not counted as 0
-        (0.1, "claa", 1, 0.5, 2),
-        (0.1, "fastkv", 0, 0.25, 2),
-        (0.2, "claa", 0, 1.0, 1),
+    assert cells.select("keep", "needle_keep", "method", "layer", "needle_recall", "n_examples").rows() == [
+        (0.1, 0.1, "claa", 0, 0.75, 2),  # example c has no evidence: left out, not counted as 0
+        (0.1, 0.1, "claa", 1, 0.5, 2),
+        (0.1, 0.1, "fastkv", 0, 0.25, 2),
+        (0.2, 0.2, "claa", 0, 1.0, 1),
     ]
     figure = figures.needle_recall_figure(cells)
     titles = [annotation.text for annotation in figure.layout.annotations]
-    assert titles == ["needle recall in each method's top 10%", "needle recall in each method's top 20%"]
+    assert titles == [
+        "ranked under keep 10%: needle recall in each method's top 10%",
+        "ranked under keep 20%: needle recall in each method's top 20%",
+    ]
     first, second = figure.data
     assert (list(first.x), list(first.y)) == ([0, 1], ["claa", "fastkv"])
     np.testing.assert_array_equal(first.z, [[0.75, 0.5], [0.25, np.nan]])
-    assert (list(second.y), second.meta) == (["claa"], {"needle_keep": 0.2})
+    assert (list(second.y), second.meta) == (["claa"], {"ranked_keep": 0.2, "needle_keep": 0.2})
     np.testing.assert_array_equal(second.z, [[1.0]])
+
+
+def _clustered_needle_rows(keep: float, recalls: list[float]) -> pl.DataFrame:
+    """compare's rows of one keep: claa's needle recall at layer 3 of six examples, a needle to each half."""
+    from rankkit.eval.compare import METRIC_COLUMNS
+
+    return pl.DataFrame(
+        {
+            "example_id": [f"e{index}" for index in range(6)],
+            "task": ["niah"] * 6,
+            "method": ["claa"] * 6,
+            "layer": [3] * 6,
+            **{name: [None] * 6 for name in METRIC_COLUMNS},
+            "spearman": [0.5] * 6,
+            "needle_recall": recalls,
+            "cluster": ["needle-a"] * 3 + ["needle-b"] * 3,
+            "keep": [keep] * 6,
+            "needle_keep": [0.1] * 6,
+        },
+        schema_overrides=dict.fromkeys(METRIC_COLUMNS, pl.Float64),
+    )
+
+
+def test_needle_recall_keeps_each_keeps_rankings_apart_with_compares_clustered_interval():
+    """Two keeps counting in one needle keep are two means, each over its own examples, not one over both;
+    each interval is compare's own, resampling the two needles: with two clusters of three, a resample
+    is needle a twice, b twice or one each, so the 95% interval runs from a's mean to b's."""
+    from rankkit.eval.compare import curve_frame
+
+    tight = _clustered_needle_rows(0.1, [0.1, 0.2, 0.3, 0.5, 0.6, 0.7])
+    loose = _clustered_needle_rows(0.4, [1.0] * 6)
+    cells = figures.needle_recall_frame(pl.concat([tight, loose]))
+    low, high = interval_columns("needle_recall")
+    assert cells.select("keep", "needle_recall", low, high, "n_examples", "n_clusters").rows() == [
+        (0.1, pytest.approx(0.4), pytest.approx(0.2, abs=1e-6), pytest.approx(0.6, abs=1e-6), 6, 2),
+        (0.4, 1.0, *(pytest.approx(bound) for bound in _wilson(2, 2)), 6, 2),  # a collapsed share: Wilson's
+    ]
+    for keep, rows in ((0.1, tight), (0.4, loose)):
+        compared = curve_frame(rows).select("needle_recall", low, high, "n_examples", "n_clusters")
+        assert cells.filter(pl.col("keep") == keep).select(compared.columns).rows() == compared.rows()
+    (trace,) = figures.needle_recall_figure(cells.filter(pl.col("keep") == 0.1)).data
+    np.testing.assert_allclose(trace.customdata[0][0], [0.2, 0.6, 6, 2], atol=1e-6)  # the hover's interval, n
+    assert "examples in %{customdata[3]} clusters" in trace.hovertemplate
+
+
+def _wilson(successes: int, samples: int) -> tuple[float, float]:
+    """scipy's Wilson interval: what a collapsed share gets over its independent samples."""
+    from scipy import stats
+
+    interval = stats.binomtest(successes, samples).proportion_ci(method="wilson")
+    return interval.low, interval.high
 
 
 def test_methods_of_one_ranking_are_one_needle_recall_row_named_as_in_the_spearman_plot():
@@ -391,11 +445,12 @@ def test_methods_of_one_ranking_are_one_needle_recall_row_named_as_in_the_spearm
     )  # fmt: skip
     assert figures.curve_labels(per_layer) == {"claa": "claa", "fastkv": "fastkv = window"}
     frame = figures.needle_recall_frame(per_layer)
-    assert frame.filter(pl.col("needle_keep") == 0.2).rows() == [
-        (0.2, "claa", 0, pytest.approx(0.45), 2),
-        (0.2, "claa", 1, pytest.approx(0.70), 2),
-        (0.2, "fastkv = window", 0, pytest.approx(0.40), 2),
-        (0.2, "fastkv = window", 1, pytest.approx(0.65), 2),
+    shown = frame.filter(pl.col("needle_keep") == 0.2).select("method", "layer", "needle_recall", "n_examples")
+    assert shown.rows() == [
+        ("claa", 0, pytest.approx(0.45), 2),
+        ("claa", 1, pytest.approx(0.70), 2),
+        ("fastkv = window", 0, pytest.approx(0.40), 2),
+        ("fastkv = window", 1, pytest.approx(0.65), 2),
     ]
     first = figures.needle_recall_figure(frame).data[0]
     assert list(first.y) == ["claa", "fastkv = window"]  # drawn once, named together

@@ -515,8 +515,10 @@ def _needle_recall_panel(comparisons, store_path) -> Panel:
     caption = (
         "Share of each example's evidence tokens in the method's top tokens at every layer, averaged over "
         "the examples with evidence; one heatmap per keep rate the store was compared at "
-        "(dashboard --keep 0.1,0.2; compare's needle_keep). Methods whose rankings are one, as in the "
-        "Spearman plot, are one row named together (fastkv = window)."
+        "(dashboard --keep 0.1,0.2), each the rankings made under it, counting in its top share "
+        "(compare's needle_keep). Hover a cell for its 95% interval and n (compare's curve: bootstrap over "
+        "examples, whole clusters where examples share a haystack or a needle). Methods whose rankings are "
+        "one, as in the Spearman plot, are one row named together (fastkv = window)."
     )
     if not comparisons:
         return Panel(

@@ -22,6 +22,7 @@ from plotly.subplots import make_subplots
 
 from rankkit.eval.ranking import descending_ranks, keep_count
 from rankkit.eval.stats import EXAMPLE_ID, interval_columns
+from rankkit.methods import Budget
 
 # The methods of the papers keep one colour in every panel; others take the rest of the palette.
 KNOWN_METHOD_COLORS = {
@@ -780,62 +781,110 @@ def needle_figure(
 
 
 def needle_recall_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
-    """Mean needle recall over the examples that have evidence, per needle keep, method and layer,
-    from ``CompareResult.per_layer`` frames of one or more keeps (``compare_keeps``); methods whose
-    rankings are one (``curve_labels``, the Spearman plot's rule) are one row, named together."""
+    """Mean needle recall over the examples that have evidence with its 95% interval and n, per keep
+    the rankings were made under, needle keep, method and layer, from ``CompareResult.per_layer``
+    frames of one or more keeps (``compare_keeps``): compare's own curve (``example_means``), each
+    keep's apart, as a keep-dependent method ranks otherwise at each. Methods whose rankings are one
+    (``curve_labels``, the Spearman plot's rule) are one row, named together."""
+    from rankkit.eval.compare import example_means
+
     labels = curve_labels(per_layer)
-    return (
+    rows = (
         per_layer.with_columns(pl.col("method").cast(pl.String))
-        .filter(pl.col("needle_recall").is_not_null() & pl.col("method").is_in(list(labels)))
+        .filter(pl.col("method").is_in(list(labels)))
         .with_columns(pl.col("method").replace_strict(labels))
-        .group_by("needle_keep", "method", "layer")
-        .agg(pl.col("needle_recall").mean(), pl.len().alias("n_examples"))
-        .sort("needle_keep", "method", "layer")
+    )
+    means = example_means(rows, ["keep", "needle_keep", "method", "layer"], ["needle_recall"])
+    # a group no example has evidence in has no mean to draw
+    return means.filter(pl.col("needle_recall").is_not_null()).sort("keep", "needle_keep", "method", "layer")
+
+
+def _share(budget: float | int) -> str:
+    """A budget as a share of the prompt ("10%") or a token count ("64 tokens")."""
+    parsed = Budget.parse(budget)
+    return f"{parsed.keep * 100:g}%" if parsed.tokens is None else f"{parsed.tokens} tokens"
+
+
+def _grids(
+    cells: pl.DataFrame, index: str, on: str, values: Sequence[str], columns: Sequence | None = None
+) -> tuple[list, list, np.ndarray]:
+    """``cells``' ``values`` as heatmap grids: the sorted values of ``index`` (rows) and of ``on``
+    (columns, or ``columns`` where subplots share them), and a [len(values), rows, columns] array,
+    NaN where no cell is."""
+    rows = sorted(cells[index].unique())
+    columns = sorted(cells[on].unique()) if columns is None else list(columns)
+    grids = np.full((len(values), len(rows), len(columns)), np.nan)
+    at_row = cells[index].replace_strict(rows, list(range(len(rows))), return_dtype=pl.Int64).to_numpy()
+    at_column = cells[on].replace_strict(columns, list(range(len(columns))), return_dtype=pl.Int64).to_numpy()
+    grids[:, at_row, at_column] = cells.select(pl.col(values).cast(pl.Float64).fill_null(np.nan)).to_numpy().T
+    return rows, columns, grids
+
+
+def _mean_heatmap(
+    cells: pl.DataFrame,
+    index: str,
+    on: str,
+    metric: str,
+    label: str,
+    where: str,
+    *,
+    columns: Sequence | None = None,
+    **style,
+) -> go.Heatmap:
+    """A heatmap of ``cells``' mean ``metric`` (a ``mean_intervals`` frame) over ``index`` x ``on``
+    (``_grids``), each cell's hover giving the mean with its 95% interval and n (``label`` names the
+    metric, ``where`` is markup heading the hover)."""
+    values = [metric, *interval_columns(metric), *_counts(cells)]
+    rows, columns, grids = _grids(cells, index, on, values, columns)
+    return go.Heatmap(
+        x=columns,
+        y=rows,
+        z=grids[0],
+        customdata=np.moveaxis(grids[1:], 0, -1),
+        zmin=0,
+        zmax=1,
+        colorscale="RdYlGn",
+        colorbar={"title": {"text": "mean over examples"}, "thickness": 12},
+        xgap=1,
+        ygap=1,
+        hovertemplate=f"{where}<br>{label} %{{z:.2f}} [%{{customdata[0]:.2f}}, %{{customdata[1]:.2f}}] "
+        f"({_counts_hover(cells, 2)})<extra></extra>",
+        **style,
     )
 
 
 def needle_recall_figure(cells: pl.DataFrame) -> go.Figure:
-    """Method x layer heatmap of ``needle_recall_frame``'s mean needle recall, one per needle keep,
-    each titled with the share of top tokens the evidence is counted in."""
-    needle_keeps = sorted(cells["needle_keep"].unique())
+    """Method x layer heatmap of ``needle_recall_frame``'s mean needle recall, one per keep the
+    rankings were made under and needle keep, each titled with both; a cell's hover gives its
+    interval and n."""
+    budgets = cells.select("keep", "needle_keep").unique().sort("keep", "needle_keep").rows()
     methods = sorted(cells["method"].unique())
     figure = make_subplots(
-        rows=len(needle_keeps),
+        rows=len(budgets),
         cols=1,
-        subplot_titles=[f"needle recall in each method's top {keep:.0%}" for keep in needle_keeps],
-        vertical_spacing=0.12 if len(needle_keeps) > 1 else 0.1,
+        subplot_titles=[
+            f"ranked under keep {_share(keep)}: needle recall in each method's top {_share(needle_keep)}"
+            for keep, needle_keep in budgets
+        ],
+        vertical_spacing=0.12 if len(budgets) > 1 else 0.1,
     )
-    for index, needle_keep in enumerate(needle_keeps):
-        grid = (
-            cells.filter(pl.col("needle_keep") == needle_keep)
-            .pivot(on="layer", index="method", values="needle_recall", sort_columns=True)
-            .sort("method")
-        )
-        layers = [int(name) for name in grid.columns if name != "method"]
+    for index, (keep, needle_keep) in enumerate(budgets):
+        shown = cells.filter((pl.col("keep") == keep) & (pl.col("needle_keep") == needle_keep))
         figure.add_trace(
-            go.Heatmap(
-                x=layers,
-                y=grid["method"].to_list(),
-                z=grid.drop("method").to_numpy().astype(np.float64),
-                zmin=0,
-                zmax=1,
-                colorscale="RdYlGn",
+            _mean_heatmap(
+                shown, "method", "layer", "needle_recall", "needle recall",
+                f"<b>%{{y}}</b>, ranked under keep {_share(keep)}, top {_share(needle_keep)}<br>layer %{{x}}",
                 showscale=index == 0,
-                colorbar={"title": {"text": "mean over examples"}, "thickness": 12},
-                name=f"needle keep {needle_keep:g}",
-                meta={"needle_keep": needle_keep},
-                xgap=1,
-                ygap=1,
-                hovertemplate=f"<b>%{{y}}</b>, top {needle_keep:.0%}<br>layer %{{x}}"
-                "<br>needle recall %{z:.2f}<extra></extra>",
+                name=f"keep {keep:g}, needle keep {needle_keep:g}",
+                meta={"ranked_keep": keep, "needle_keep": needle_keep},
             ),
             row=index + 1,
             col=1,
-        )
+        )  # fmt: skip
     figure.update_xaxes(title_text="layer")
     figure.update_yaxes(type="category", categoryorder="array", categoryarray=methods[::-1])
     return _style(
-        figure, "Needle recall per layer at each keep rate", (24 * len(methods) + 90) * len(needle_keeps) + 80
+        figure, "Needle recall per layer at each keep rate", (24 * len(methods) + 90) * len(budgets) + 80
     )
 
 
