@@ -851,22 +851,25 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     Ratios are means over examples of each example's paired median ratio; measured over ideal
     is each example's TTFT ratio over its ideal ratio.
     """
-    from rankkit.eval.stats import cluster_column, mean_intervals
-
     scored = frame.with_columns(
-        pl.col("score").cast(pl.Float64).alias("accuracy"),
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal"),
         # a bench written before these columns were kept has none
         *(pl.lit(None, pl.Float64).alias(column) for column in _LATER_COLUMNS if column not in frame.columns),
     )
     keeps = scored.group_by("method", "budget", maintain_order=True).agg(pl.col("keep").mean())
-    intervals = mean_intervals(
-        scored,
-        ["method", "budget"],
-        SUMMARY_METRICS,
-        example="example_id",
-        cluster=cluster_column(frame),
-        scores=["accuracy"],
-    )
+    intervals = example_means(scored, ["method", "budget"], SUMMARY_METRICS)
     table = intervals.join(keeps, on=["method", "budget"], maintain_order="left")
     return table.with_columns(pl.lit(True).alias("timing_only")) if is_timing_only(frame) else table
+
+
+def example_means(frame: pl.DataFrame, by: Sequence[str], metrics: Sequence[str]) -> pl.DataFrame:
+    """Per group of ``by`` (``budget`` among them: a mean over budgets is none of theirs), each of
+    ``metrics`` of bench rows ``frame`` averaged over examples with its 95% interval and n, resampling
+    clusters where the rows name them (then with ``n_clusters``); ``accuracy`` is the score, with
+    Wilson's interval for a right/wrong one. The one rule of every mean over a bench's examples."""
+    from rankkit.eval.stats import cluster_column, mean_intervals
+
+    scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
+    return mean_intervals(
+        scored, by, metrics, example="example_id", cluster=cluster_column(frame), scores=["accuracy"]
+    )

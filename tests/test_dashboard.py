@@ -490,6 +490,40 @@ def test_needle_figure_cells_are_mean_scores_per_depth_and_length():
     assert "keep" not in full.meta  # full runs at keep 1 only: shown beside every keep rate
 
 
+def test_needle_cells_keep_budgets_apart_with_clustered_intervals_and_n():
+    """Two token budgets (no keep rate) are two cells, not one mean over both; four examples of two
+    haystacks are two samples: the interval runs from one haystack's mean to the other's."""
+    rows = [
+        {"example_id": f"e{index}", "cluster": f"haystack-{index // 2}", "method": "claa", "budget": budget,
+         "keep": None, "length": 1019, "depth_percent": 50.0, "score": float(index // 2),
+         "evidence_kept": kept}
+        for budget, recalls in (("budget=16", (0.2, 0.2, 0.6, 0.6)), ("budget=64", (1.0,) * 4))
+        for index, kept in enumerate(recalls)
+    ]  # fmt: skip
+    cells = figures.needle_frame(pl.DataFrame(rows, schema_overrides={"keep": pl.Float64}))
+    accuracy, kept = (["accuracy", *interval_columns("accuracy")],
+                      ["evidence_kept", *interval_columns("evidence_kept")])
+    assert cells.select("budget", *accuracy, *kept, "n_examples", "n_clusters").rows() == [
+        ("budget=16", 0.5, 0.0, 1.0,
+         pytest.approx(0.4), pytest.approx(0.2, abs=1e-6), pytest.approx(0.6, abs=1e-6), 4, 2),
+        ("budget=64", 0.5, 0.0, 1.0, 1.0, 1.0, 1.0, 4, 2),
+    ]  # fmt: skip
+
+
+def test_needle_heatmap_cells_hover_with_their_interval_and_n():
+    bench = bench_frame()
+    cells = figures.needle_frame(bench)
+    figure = figures.needle_figure(bench, colors=figures.method_colors(bench["method"].unique()), keep=0.2)
+    claa = next(trace for trace in figure.data
+                if trace.name == "claa keep 0.2" and trace.meta["needle_metric"] == "needle recall")  # fmt: skip
+    cell = cells.filter((pl.col("method") == "claa") & (pl.col("keep") == 0.2)
+                        & (pl.col("length_bucket") == 2000) & (pl.col("depth_percent") == 50.0))  # fmt: skip
+    assert cell.height == 1 and cell["n_examples"].item() == 1  # one example a cell: no bootstrap interval
+    np.testing.assert_array_equal(claa.customdata[1][1], [np.nan, np.nan, 1])
+    assert claa.z[1][1] == pytest.approx(cell["evidence_kept"].item())
+    assert "[%{customdata[0]:.2f}, %{customdata[1]:.2f}] (n = %{customdata[2]})" in claa.hovertemplate
+
+
 def test_length_bucket_rounds_to_two_significant_figures():
     assert [figures.length_bucket(n) for n in (1019, 2041, 4090, 987, 131_000)] == [
         1000,

@@ -537,7 +537,9 @@ def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:
     title = "Needle in a haystack"
     caption = (
         "Mean accuracy (or the share of needle tokens the method kept) per needle depth and prompt length, one "
-        "heatmap per method, at the picked keep rate (CLAA Fig. 3). Lengths are rounded to two significant figures."
+        "heatmap per method, at the picked keep rate (CLAA Fig. 3); hover a cell for its 95% interval and n "
+        "(bootstrap over examples, whole clusters where examples share a haystack or a needle; Wilson's for "
+        "right/wrong accuracy). Lengths are rounded to two significant figures."
     )
     if bench is None:
         return Panel(
@@ -553,7 +555,9 @@ def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:
             caption,
             missing=f"The bench has no needle depths (not niah data). Run {_code(BENCH_COMMAND)}.",
         )
-    return Panel("needle", title, caption, figures.needle_figure(bench, colors=colors, keep=keep))
+    cells = figures.needle_frame(bench)  # the bootstrap, once for the plot and its numbers
+    figure = figures.needle_figure(bench, colors=colors, keep=keep, cells=cells)
+    return Panel("needle", title, caption, figure, numbers=cells)
 
 
 def _tradeoff_panel(bench, colors) -> Panel:

@@ -51,7 +51,8 @@ PALETTE = (
 )
 TASK_PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 FULL = "full"
-NEEDLE_METRICS = {"accuracy": "score", "needle recall": "evidence_kept"}
+# each needle metric as the page names it, and its column of needle_frame
+NEEDLE_METRICS = {"accuracy": "accuracy", "needle recall": "evidence_kept"}
 DIFFUSION_METRICS = {
     "answer_logprob": "answer log-prob",
     "first_token_kl": "first-token KL to unpruned",
@@ -697,27 +698,33 @@ def _length_label(length: int) -> str:
 
 
 def needle_frame(bench: pl.DataFrame) -> pl.DataFrame:
-    """Mean of each needle metric per method, keep rate, length bucket and depth (rows with a depth only)."""
-    rows = bench.filter(pl.col("depth_percent").is_not_null())
-    return (
-        rows.with_columns(
-            pl.col("length").map_elements(length_bucket, return_dtype=pl.Int64).alias("length_bucket")
-        )
-        .group_by("method", "keep", "length_bucket", "depth_percent")
-        .agg(*(pl.col(column).cast(pl.Float64).mean().alias(name) for name, column in NEEDLE_METRICS.items()))
-        .sort("method", "keep", "length_bucket", "depth_percent")
+    """Each needle metric's mean over examples with its 95% interval and n per method, budget, length
+    bucket and depth (rows with a depth only), as the bench's summary takes its means
+    (``rankkit.bench.example_means``)."""
+    from rankkit.bench import example_means
+
+    rows = bench.filter(pl.col("depth_percent").is_not_null()).with_columns(
+        pl.col("length").map_elements(length_bucket, return_dtype=pl.Int64).alias("length_bucket")
     )
+    cells = ["method", "budget", "keep", "length_bucket", "depth_percent"]
+    return example_means(rows, cells, list(NEEDLE_METRICS.values())).sort(cells)
 
 
 def needle_figure(
-    bench: pl.DataFrame, *, colors: Mapping[str, str], keep: float, metric: str = "accuracy"
+    bench: pl.DataFrame,
+    *,
+    colors: Mapping[str, str],
+    keep: float,
+    metric: str = "accuracy",
+    cells: pl.DataFrame | None = None,
 ) -> go.Figure:
-    """Depth x length heatmap per method (CLAA Fig. 3) of accuracy or needle recall, for one keep rate.
+    """Depth x length heatmap per method (CLAA Fig. 3) of accuracy or needle recall, for one keep rate;
+    a cell's hover gives its interval and n (``cells``: ``needle_frame(bench)`` when the caller has it).
 
     Traces are tagged with ``keep`` and ``needle_metric`` (both filters); ``full`` runs only at
     keep 1 and so carries no keep tag and shows beside every keep rate.
     """
-    cells = needle_frame(bench)
+    cells = needle_frame(bench) if cells is None else cells
     methods = sorted(cells["method"].unique(), key=lambda name: (name != FULL, name))
     rows, columns = _grid(len(methods), 4)
     figure = make_subplots(
@@ -729,7 +736,6 @@ def needle_figure(
         vertical_spacing=0.18 if rows > 1 else 0.1,
     )
     lengths = sorted(cells["length_bucket"].unique())
-    length_labels = [_length_label(length) for length in lengths]
     first_trace = True
     for index, method in enumerate(methods):
         row, column = divmod(index, columns)
@@ -737,42 +743,21 @@ def needle_figure(
         keeps = sorted(method_cells["keep"].unique())
         tag_keep = method != FULL
         for trace_keep in keeps:
-            for name in NEEDLE_METRICS:
-                values = (
-                    method_cells.filter(pl.col("keep") == trace_keep)
-                    .pivot(on="length_bucket", index="depth_percent", values=name, sort_columns=True)
-                    .sort("depth_percent")
-                )
-                z = np.array(
-                    [
-                        [row_values.get(str(length)) for length in lengths]
-                        for row_values in values.iter_rows(named=True)
-                    ],
-                    dtype=np.float64,
-                )
+            for name, column_name in NEEDLE_METRICS.items():
                 meta = {"needle_metric": name, **({"keep": trace_keep} if tag_keep else {})}
-                visible = name == metric and (not tag_keep or math.isclose(trace_keep, keep))
-                figure.add_trace(
-                    go.Heatmap(
-                        x=length_labels,
-                        y=[f"{depth:g}%" for depth in values["depth_percent"]],
-                        z=z,
-                        zmin=0,
-                        zmax=1,
-                        colorscale="RdYlGn",
-                        showscale=first_trace,
-                        colorbar={"title": {"text": "mean over examples"}, "thickness": 12},
-                        visible=visible,
-                        meta=meta,
-                        name=f"{method} keep {trace_keep:g}",
-                        xgap=1,
-                        ygap=1,
-                        hovertemplate=f"<b>{method}</b>, keep {trace_keep:g}<br>length %{{x}}, depth %{{y}}"
-                        f"<br>{name} %{{z:.2f}}<extra></extra>",
-                    ),
-                    row=row + 1,
-                    col=column + 1,
+                heatmap = _mean_heatmap(
+                    method_cells.filter(pl.col("keep") == trace_keep), "depth_percent", "length_bucket",
+                    column_name, name, f"<b>{method}</b>, keep {trace_keep:g}<br>length %{{x}}, depth %{{y}}",
+                    columns=lengths,
+                    showscale=first_trace,
+                    visible=name == metric and (not tag_keep or math.isclose(trace_keep, keep)),
+                    meta=meta,
+                    name=f"{method} keep {trace_keep:g}",
+                )  # fmt: skip
+                heatmap.update(
+                    x=[_length_label(length) for length in heatmap.x], y=[f"{depth:g}%" for depth in heatmap.y]
                 )
+                figure.add_trace(heatmap, row=row + 1, col=column + 1)
                 first_trace = False
     figure.update_xaxes(title_text="prompt length (tokens)", type="category")
     figure.update_yaxes(title_text="needle depth", col=1)
