@@ -490,6 +490,40 @@ def test_needle_figure_cells_are_mean_scores_per_depth_and_length():
     assert "keep" not in full.meta  # full runs at keep 1 only: shown beside every keep rate
 
 
+def test_full_shows_beside_every_keep_under_the_name_a_page_of_several_runs_gives_it():
+    """A page of two benches names full "full (8k, ...)": it was drawn as a pruning method at keep 1,
+    which the keep control never picks, so full's heatmap vanished."""
+    bench = bench_frame().with_columns(pl.format("{} (8k)", pl.col("method")).alias("method"))
+    figure = figures.needle_figure(bench, colors=figures.method_colors(bench["method"].unique()), keep=0.2)
+    full = [trace for trace in figure.data if trace.name == "full (8k) keep 1"]
+    assert len(full) == 2 and all("keep" not in trace.meta for trace in full)
+    assert [trace.visible for trace in full] == [True, False]  # accuracy shown, needle recall on demand
+    assert figure.layout.annotations[0].text.endswith("full (8k)")  # the reference's heatmap first
+
+
+def test_needle_panel_leaves_out_token_budget_runs_the_keep_control_cannot_pick():
+    """A bench run with --budget (keep null) ended the dashboard in a TypeError ('<' between None and
+    float)."""
+    from rankkit import report
+
+    bench = bench_frame()
+    colors = figures.method_colors(bench["method"].unique())
+    tokens = bench.filter(pl.col("method") == "claa").with_columns(
+        pl.lit(None, dtype=pl.Float64).alias("keep"), pl.format("budget={}", pl.col("length")).alias("budget")
+    )
+    only_tokens = pl.concat([bench.filter(pl.col("method") == "full"), tokens])
+    panel = report._needle_panel(only_tokens, True, colors, 0.1)
+    assert panel.figure is None and panel.missing == (
+        "The bench's runs under a token budget (--budget), which the keep rate control cannot pick, "
+        "are not shown: run it with --keep."
+    )
+    mixed = report._needle_panel(pl.concat([bench, tokens]), True, colors, 0.2)
+    assert mixed.caption.endswith("The bench's runs under a token budget (--budget), which the keep rate "
+                                  "control cannot pick, are not shown.")  # fmt: skip
+    assert {trace.name for trace in mixed.figure.data} == {trace.name for trace in report._needle_panel(
+        bench, True, colors, 0.2).figure.data}  # fmt: skip
+
+
 def test_needle_cells_keep_budgets_apart_with_clustered_intervals_and_n():
     """Two token budgets (no keep rate) are two cells, not one mean over both; four examples of two
     haystacks are two samples: the interval runs from one haystack's mean to the other's."""

@@ -280,7 +280,9 @@ def _page(
     # The page shows Spearman per layer and the paired tests, not Kendall or per-head rows.
     # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
     comparisons = (
-        compare_keeps(store, keep=[budget.keep for budget in compared], workers=workers, detailed=False, needle_keep=needle_keep)
+        compare_keeps(
+            store, keep=[budget.keep for budget in compared], workers=workers, detailed=False, needle_keep=needle_keep
+        )
         if has_oracle
         else []
     )
@@ -295,7 +297,8 @@ def _page(
     taus = sorted(variance.selections["tau"].unique()) if variance is not None else []
     tau = DEFAULT_TAU if DEFAULT_TAU in taus else (taus[0] if taus else DEFAULT_TAU)
     has_needles = bench is not None and bench["depth_percent"].drop_nulls().len() > 0
-    bench_keeps = sorted(keep for keep in bench["keep"].unique() if keep < 1.0) if has_needles else []
+    # a token budget's rows have no keep rate (null): the keep control cannot pick them
+    bench_keeps = sorted(keep for keep in bench["keep"].drop_nulls().unique() if keep < 1.0) if has_needles else []
     keeps = bench_keeps or list(KEEP_RATES)  # the explorer marks what a keep rate keeps, bench or not
     keep = keeps[0]
     diffusion_metrics = (
@@ -555,8 +558,14 @@ def _needle_panel(bench, has_needles: bool, colors, keep: float) -> Panel:
             caption,
             missing=f"The bench has no needle depths (not niah data). Run {_code(BENCH_COMMAND)}.",
         )
-    cells = figures.needle_frame(bench)  # the bootstrap, once for the plot and its numbers
-    figure = figures.needle_figure(bench, colors=colors, keep=keep, cells=cells)
+    rated = bench.filter(pl.col("keep").is_not_null())
+    if rated.height < bench.height:
+        unshown = "runs under a token budget (--budget), which the keep rate control cannot pick, are not shown"
+        if not rated["keep"].lt(1.0).any():
+            return Panel("needle", title, caption, missing=f"The bench's {unshown}: run it with --keep.")
+        caption += f" The bench's {unshown}."
+    cells = figures.needle_frame(rated)  # the bootstrap, once for the plot and its numbers
+    figure = figures.needle_figure(rated, colors=colors, keep=keep, cells=cells)
     return Panel("needle", title, caption, figure, numbers=cells)
 
 

@@ -721,11 +721,13 @@ def needle_figure(
     """Depth x length heatmap per method (CLAA Fig. 3) of accuracy or needle recall, for one keep rate;
     a cell's hover gives its interval and n (``cells``: ``needle_frame(bench)`` when the caller has it).
 
-    Traces are tagged with ``keep`` and ``needle_metric`` (both filters); ``full`` runs only at
-    keep 1 and so carries no keep tag and shows beside every keep rate.
+    Traces are tagged with ``keep`` and ``needle_metric`` (both filters); a method's rows at keep 1
+    (``full``'s, under whatever name a page of several runs gives it) carry no keep tag and show
+    beside every keep rate.
     """
     cells = needle_frame(bench) if cells is None else cells
-    methods = sorted(cells["method"].unique(), key=lambda name: (name != FULL, name))
+    unpruned = {name for name, keeps in cells.group_by("method").agg("keep").iter_rows() if min(keeps) == 1.0}
+    methods = sorted(cells["method"].unique(), key=lambda name: (name not in unpruned, name))
     rows, columns = _grid(len(methods), 4)
     figure = make_subplots(
         rows=rows,
@@ -740,9 +742,8 @@ def needle_figure(
     for index, method in enumerate(methods):
         row, column = divmod(index, columns)
         method_cells = cells.filter(pl.col("method") == method)
-        keeps = sorted(method_cells["keep"].unique())
-        tag_keep = method != FULL
-        for trace_keep in keeps:
+        for trace_keep in sorted(method_cells["keep"].unique()):
+            tag_keep = trace_keep < 1.0
             for name, column_name in NEEDLE_METRICS.items():
                 meta = {"needle_metric": name, **({"keep": trace_keep} if tag_keep else {})}
                 heatmap = _mean_heatmap(
