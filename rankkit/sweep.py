@@ -85,7 +85,7 @@ from rankkit.experiment import (
     read_experiment,
 )
 from rankkit.interrupts import keep_on_interrupt
-from rankkit.methods import Budget, check_parameters
+from rankkit.methods import Budget, budget_keywords, check_parameters
 from rankkit.methods.measure import CostModel, cached_cost_model
 from rankkit.methods.specprefill import draft_problem
 from rankkit.progress import Progress, ProgressCallback, ignore
@@ -1112,8 +1112,8 @@ def _sharded_stage(stage: str, run_unit: Callable[..., None]):
 def _bench_unit(plan: Experiment, unit: Unit, out: Path, progress: ProgressCallback) -> None:
     run_bench(
         list(plan.bench.methods),
-        list(plan.budgets),
         unit.cell.spec,
+        **budget_keywords(plan.budgets),
         limit=plan.bench.limit,
         out=out,
         options=plan.bench.options(unit.layer),

@@ -74,6 +74,27 @@ def test_a_budget_is_one_of_keep_or_tokens():
             Budget.one_of(*neither_or_both)
 
 
+def test_budgets_are_read_by_name_in_every_form_and_given_back_by_name():
+    """keep= holds rates and budget= token counts, as a list, one value or the options' comma text;
+    a sweep's budgets go back to the keywords they came from (the sweep's bench got them positionally)."""
+    from rankkit.errors import RankkitError
+    from rankkit.methods import budget_keywords, given_budgets
+
+    rates = [Budget.from_keep(0.1), Budget.from_keep(1)]
+    assert given_budgets(keep="0.1,1") == given_budgets(keep=[0.1, 1]) == rates
+    assert given_budgets(budget=64) == given_budgets(budget="64") == [Budget.from_tokens(64)]
+    assert given_budgets(required=False) == []
+    assert budget_keywords(rates) == {"keep": [0.1, 1]}
+    assert budget_keywords([Budget.from_tokens(64)]) == {"budget": [64]}
+    assert given_budgets(**budget_keywords(rates)) == rates
+    with pytest.raises(RankkitError, match=r"^exactly one of --keep .*, not both: give keep rates or token counts$"):
+        budget_keywords([Budget.from_keep(0.1), Budget.from_tokens(64)])
+    with pytest.raises(RankkitError, match=r"^--budget '0.5' is not a token count; give e.g. --budget 2048"):
+        given_budgets(budget="0.5")
+    with pytest.raises(RankkitError, match=r"^give exactly one of --keep"):
+        given_budgets()
+
+
 @pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa"])
 def test_pruned_tokens_keep_their_original_positions(name, random_ids):
     runner = _tiny()

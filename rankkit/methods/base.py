@@ -294,6 +294,16 @@ def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
     return list(budgets)
 
 
+def budget_keywords(budgets: Sequence[Budget]) -> dict[str, list]:
+    """``budgets``, all keep rates or all token counts, as the keywords ``bench`` and ``compare_keeps``
+    take them (``given_budgets``): ``keep=[...]`` or ``budget=[...]``."""
+    rates = [each.keep for each in budgets if each.tokens is None]
+    counts = [each.tokens for each in budgets if each.tokens is not None]
+    if rates and counts:
+        raise RankkitError(f"{ONE_BUDGET}, not both: give keep rates or token counts")
+    return {"budget": counts} if counts else {"keep": rates}
+
+
 # how a budget option's text is read, and what a refusal of it suggests
 _BUDGET_NUMBERS = {
     "--keep": (float, "a keep rate; give e.g. --keep 0.1"),

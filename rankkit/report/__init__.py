@@ -45,7 +45,7 @@ from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
-from rankkit.methods import Budget, given_budgets
+from rankkit.methods import Budget, budget_keywords, given_budgets
 from rankkit.values import as_list
 
 from . import figures
@@ -281,7 +281,7 @@ def _page(
     # one comparison per keep; the Spearman panel shows the first, the needle recall panel every one
     comparisons = (
         compare_keeps(
-            store, keep=[budget.keep for budget in compared], workers=workers, detailed=False, needle_keep=needle_keep
+            store, **budget_keywords(compared), workers=workers, detailed=False, needle_keep=needle_keep
         )
         if has_oracle
         else []
