@@ -327,6 +327,21 @@ def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_col
     )
 
 
+def test_a_score_over_one_independent_sample_has_no_interval():
+    """Five examples of one cluster (a niah depth sweep over one haystack and needle) are one
+    sample, as is one example alone: the Wilson interval over one trial ([0.08, 0.96] for 0.6)
+    would look precise where nothing is known of the spread."""
+    frame = pl.DataFrame(
+        {"example_id": [f"e{index}" for index in range(5)], "cluster": ["niah-s0-needle0"] * 5,
+         "accuracy": [1.0, 0.0, 1.0, 1.0, 0.0], "method": ["oracle"] * 5}
+    )
+    (row,) = mean_intervals(frame, ["method"], ["accuracy"], cluster="cluster", scores=["accuracy"]).to_dicts()
+    assert (row["accuracy"], row["n_examples"], row["n_clusters"]) == (pytest.approx(0.6), 5, 1)
+    assert (row["accuracy_ci_low"], row["accuracy_ci_high"]) == (None, None)
+    (alone,) = mean_intervals(frame.head(1), ["method"], ["accuracy"], scores=["accuracy"]).to_dicts()
+    assert (alone["accuracy"], alone["accuracy_ci_low"], alone["accuracy_ci_high"]) == (1.0, None, None)
+
+
 def test_paired_differences_over_clusters_test_each_clusters_mean():
     first = np.array([0.5, 0.6, 0.7, 0.2, 0.9, 0.4, 0.8])
     second = np.array([0.4, 0.4, 0.6, 0.3, 0.5, 0.3, 0.5])

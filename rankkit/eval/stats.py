@@ -204,8 +204,8 @@ def mean_intervals(
 
     A score (one of ``scores``) gets the Wilson interval over its independent samples when its
     values are all 0 or 1 and no two examples share a cluster (a right/wrong count), or when
-    its bootstrap interval collapses (a constant, e.g. a partial credit of 0 everywhere, or
-    one sample); every other metric the bootstrap (``bootstrap_means``, resampling the frame's
+    its bootstrap interval collapses (a constant, e.g. a partial credit of 0 everywhere), and
+    only over two or more samples (one cluster, or one example, gets no interval); every other metric the bootstrap (``bootstrap_means``, resampling the frame's
     examples, the same resamples for every group), even when its values happen to be 0 or 1
     (full prefill's TTFT ratio is 1 on every example: a constant, not a proportion).
     """
@@ -234,7 +234,8 @@ def mean_intervals(
         counted = clusters is None and is_binary(grids[:, index])
         for group in range(groups.height) if metric in scores else ():
             collapsed = not low[index, group] < high[index, group]  # equal, or NaN: one sample
-            if units[index, group] and (counted or collapsed):
+            # one independent sample has no interval, whatever its examples' scores: n is 1
+            if units[index, group] >= 2 and (counted or collapsed):
                 samples = units[index, group]
                 low[index, group], high[index, group] = wilson_interval(
                     means[index, group] * samples, samples
