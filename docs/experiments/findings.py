@@ -9,7 +9,8 @@ Three steps, each resumable:
    parquets and stores, into ``docs/experiments/results/*.parquet`` (committed beside the page);
 3. **render**: the whole of docs/findings.md from those tables. Every number on the page is
    filled in from them, and every "higher" or "lower" is a paired difference whose 95% interval
-   lies wholly on one side of zero (``rankkit.eval.stats.relation``); tests/test_findings.py
+   lies wholly on one side of zero and whose Wilcoxon p is below 0.05
+   (``rankkit.eval.stats.relation``); tests/test_findings.py
    renders the page from the committed tables and checks it is the file, word for word.
 
     python docs/experiments/findings.py --out runs/findings          # all three steps
@@ -161,6 +162,7 @@ PAIR_COLUMNS = (
     "layer",
     "difference",
     *interval_columns("difference"),
+    "p_value",
     "n_examples",
     "n_clusters",
 )
@@ -218,7 +220,7 @@ def score_pairs(rows: pl.DataFrame, budgets: Sequence[str]) -> pl.DataFrame:
             columns.append((both["score"].to_numpy(), both["score_b"].to_numpy()))
             clusters.append(both["unit"].to_list())
     found = paired_differences(columns, clusters)
-    return pl.DataFrame([{**key, **row} for key, row in zip(keys, found, strict=True)]).drop("p_value")
+    return pl.DataFrame([{**key, **row} for key, row in zip(keys, found, strict=True)])
 
 
 def collect(out: Path) -> dict[str, pl.DataFrame]:
@@ -252,7 +254,7 @@ def listing(items: Sequence[str]) -> str:
 
 def supported(row: dict) -> str | None:
     """What a paired-difference row supports: "higher", "lower" or None (``stats.relation``)."""
-    return relation(*(row[name] for name in interval_columns("difference")))
+    return relation(*(row[name] for name in interval_columns("difference")), row["p_value"])
 
 
 def claim(
@@ -295,8 +297,8 @@ def intro(tables: dict[str, pl.DataFrame]) -> list[str]:
         "those of the quantized model. Every mean carries its 95% interval and n; where examples share "
         "a needle or a haystack, the bootstrap resamples those clusters and n counts both. A method is "
         "called higher or lower than another only where the 95% interval of their paired difference "
-        "over the same examples lies wholly above or below zero; otherwise the two are not "
-        "distinguishable at this n. Read the numbers as what this model does on these prompts, not as "
+        "over the same examples lies wholly above or below zero and the Wilcoxon signed-rank test gives "
+        "p < 0.05; otherwise the two are not distinguishable at this n. Read the numbers as what this model does on these prompts, not as "
         "a verdict on the methods at scale.",
         "",
         "Everything below, prose included, is written by `make findings` "

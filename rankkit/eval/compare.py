@@ -95,6 +95,7 @@ from .parallel import checked_workers, map_examples
 from .stats import (
     CLUSTER,
     EXAMPLE_ID,
+    SIGNIFICANCE,
     cluster_column,
     interval_columns,
     made_ahead,
@@ -595,9 +596,6 @@ def pairs_at_layer(pairs: pl.DataFrame, layer: int) -> pl.DataFrame:
         .join(significant, on=["method", "baseline"], how="right", maintain_order="right")
         .select("method", "baseline", pl.all().exclude("method", "baseline"))
     )
-
-
-SIGNIFICANCE = 0.05  # the p-value below which a paired difference counts as significant
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ Every mean rankkit reports over examples comes with a 95% interval and its n:
   score in [0, 1] whose bootstrap interval collapses (every value the same, e.g. a partial
   credit of 0 everywhere) gets it too, over its independent samples.
 - ``paired_difference``: the mean difference of two rankings over the same examples, its
-  bootstrap interval and the Wilcoxon signed-rank p-value.
+  bootstrap interval and the Wilcoxon signed-rank p-value; ``relation`` calls one higher or
+  lower only where both agree (the interval excludes zero and p < 0.05).
 
 Fewer than two values give no interval (NaN): one example says nothing about spread. With
 fewer than about ten examples the percentile bootstrap is too narrow (it cannot see spread
@@ -357,11 +358,18 @@ def median_interval(values: Sequence[float]) -> tuple[float | None, float | None
     return ordered[widest - 1], ordered[count - widest]
 
 
-def relation(low: float | None, high: float | None) -> str | None:
+SIGNIFICANCE = 0.05  # the p-value below which a paired difference counts as significant
+
+
+def relation(low: float | None, high: float | None, p_value: float | None) -> str | None:
     """"higher" or "lower" when a paired difference's 95% interval [low, high] lies wholly above or
-    below zero, else None: the one rule by which rankkit's written findings call one method higher
-    or lower than another (an interval touching zero, or none, claims nothing)."""
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
+    below zero and its Wilcoxon p-value is below ``SIGNIFICANCE``, else None: the one rule by which
+    rankkit's written findings call one method higher or lower than another. The interval alone
+    is not enough: a difference equal on every example has a zero-width bootstrap interval (two
+    examples of +1 give [1, 1]) though the test cannot tell it from chance (p = 0.5)."""
+    if any(value is None or math.isnan(value) for value in (low, high, p_value)):
+        return None
+    if p_value >= SIGNIFICANCE:
         return None
     if low > 0:
         return "higher"

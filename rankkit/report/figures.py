@@ -360,7 +360,7 @@ def _interval_band(x: list, lows: np.ndarray, highs: np.ndarray, *, color: str, 
 
 def _significant_marks(pairs: pl.DataFrame, curves: pl.DataFrame) -> list[go.Scatter]:
     """Stars on each method's curve where it differs from a baseline significantly (``SIGNIFICANCE``)."""
-    from rankkit.eval.compare import SIGNIFICANCE
+    from rankkit.eval.stats import SIGNIFICANCE
 
     significant = pairs.filter(pl.col("p_value") < SIGNIFICANCE).join(
         curves.select("method", "layer", "spearman"), on=["method", "layer"]
