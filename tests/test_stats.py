@@ -342,6 +342,35 @@ def test_a_score_over_one_independent_sample_has_no_interval():
     assert (alone["accuracy"], alone["accuracy_ci_low"], alone["accuracy_ci_high"]) == (1.0, None, None)
 
 
+@pytest.mark.parametrize(
+    ("values", "units"),
+    [([0.1, 0.4, 0.6, 0.9], None), ([0.1, 0.4, 0.6, 0.9, 0.2, 0.3, 0.8, 0.7], [0, 0, 1, 2, 3, 4, 5, 6])],
+)
+def test_a_groups_interval_resamples_its_own_examples_whatever_else_the_frame_holds(values, units):
+    """A method on a few of the frame's examples: its interval is the bootstrap of its own values (or
+    clusters), worked out the slow way, not of a random number of them drawn among all the frame's
+    (4 values of 44 gave [0.10, 0.90] for [0.225, 0.775])."""
+    values = np.array(values)
+    size = values.size
+    names = [f"e{index}" for index in range(size)] if units is None else [f"c{unit}" for unit in units]
+    frame = pl.DataFrame(
+        {
+            "example_id": [f"e{index}" for index in range(40)] + [f"e{index}" for index in range(size)],
+            "cluster": names + [f"other{index}" for index in range(size, 40)] + names,
+            "method": ["window"] * 40 + ["asl"] * size,
+            "spearman": [0.5] * 40 + values.tolist(),
+        }
+    )
+    found = mean_intervals(frame, ["method"], ["spearman"], cluster=None if units is None else "cluster")
+    (row,) = found.filter(pl.col("method") == "asl").to_dicts()
+    units = np.arange(size) if units is None else np.array(units)
+    count = units.max() + 1
+    draws = np.random.default_rng(0).integers(0, count, size=(9999, count))
+    resampled = [np.concatenate([values[units == unit] for unit in drawn]).mean() for drawn in draws]
+    expected = np.percentile(resampled, [2.5, 97.5])
+    assert (row["spearman_ci_low"], row["spearman_ci_high"]) == pytest.approx(tuple(expected), abs=1e-6)
+
+
 def test_paired_differences_over_clusters_test_each_clusters_mean():
     first = np.array([0.5, 0.6, 0.7, 0.2, 0.9, 0.4, 0.8])
     second = np.array([0.4, 0.4, 0.6, 0.3, 0.5, 0.3, 0.5])

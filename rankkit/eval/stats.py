@@ -5,9 +5,9 @@ Every mean rankkit reports over examples comes with a 95% interval and its n:
 - ``bootstrap_means``: the percentile bootstrap, resampling examples (the unit that varies),
   or whole clusters of examples where examples share a haystack or a needle (the cluster
   bootstrap: a cluster is one sample however many examples it holds), for many quantities
-  at once. All quantities share the same resamples, so intervals of
-  rankings measured on the same examples move together, as they should. A quantity an
-  example lacks (NaN) leaves that example out of its mean; n counts the examples it has.
+  at once. A quantity an example lacks (NaN) leaves that example out of its mean and its
+  resamples; n counts the examples it has. Quantities on the same examples share their
+  resamples, so intervals of rankings measured on the same examples move together.
 - ``wilson_interval``: the Wilson score interval for a 0/1 score (accuracy), which stays
   inside [0, 1] and is not degenerate at 0 or 1 as a bootstrap of n identical scores is; a
   score in [0, 1] whose bootstrap interval collapses (every value the same, e.g. a partial
@@ -65,57 +65,58 @@ def bootstrap_means(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Mean, interval low, interval high and n of every column of ``values`` [examples, quantities].
 
-    NaN marks a value an example lacks. A resample's mean of a column is the weighted mean of
-    the examples it drew that have the value; the interval is the 2.5th and 97.5th percentile
-    of those means over ``RESAMPLES`` resamples (resamples without any such example are
-    skipped). ``clusters`` [examples] numbers each example's cluster 0..C-1: a resample then
-    draws C clusters with replacement and takes every example of a drawn cluster as often as
-    it is drawn. Columns with values in fewer than two examples (clusters) get a NaN interval.
+    NaN marks a value an example lacks. Each column is resampled over the examples that have it
+    alone: n draws with replacement from its n examples, as if the others were not in the frame
+    (drawing from every example would give a column on 4 of 44 a random number of its own
+    values, and an interval that depends on unrelated rows). Columns present on the same
+    examples share their resamples, so rankings measured on the same examples move together.
+    The interval is the 2.5th and 97.5th percentile of the resampled means over ``RESAMPLES``
+    resamples. ``clusters`` [examples] numbers each example's cluster: a resample then draws
+    the column's C clusters with replacement and takes every example of a drawn cluster as
+    often as it is drawn. Columns with values in fewer than two examples (clusters) get a NaN
+    interval.
     """
     values = np.asarray(values, dtype=np.float64)
     if values.ndim != 2:
         raise ValueError(f"values must be [examples, quantities], got shape {values.shape}")
     present = ~np.isnan(values)
     counts = present.sum(axis=0)
-    units = counts if clusters is None else cluster_counts(present, clusters)
     filled = np.where(present, values, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = filled.sum(axis=0) / counts
     low = np.full(values.shape[1], np.nan)
     high = np.full(values.shape[1], np.nan)
-    spread = units >= 2
-    if spread.any():
-        has = present[:, spread]
-        # Resample the deviations from each mean in float32, at twice float64's speed: their
-        # rounding is a millionth of the interval's width, and a constant stays exact.
-        deviations = np.where(has, filled[:, spread] - means[spread], 0.0).astype(np.float32)
-        gaps = ~has.all(axis=0)  # only columns with a missing value need their own denominators
+    # Resample the deviations from each mean in float32, at twice float64's speed: their
+    # rounding is a millionth of the interval's width, and a constant stays exact.
+    deviations = np.where(present, filled - means, 0.0).astype(np.float32)
+    has, sizes = present, None  # sizes: how many of a column's examples each unit holds (None: one)
+    if clusters is not None:  # a cluster's examples always enter together: resample their sums
+        grouped = np.argsort(clusters, kind="stable")
+        starts = np.flatnonzero(np.diff(clusters[grouped], prepend=-1))
+        deviations = np.add.reduceat(deviations[grouped], starts, axis=0)
+        sizes = np.add.reduceat(present[grouped].astype(np.float32), starts, axis=0)
+        has = sizes > 0
+    units = has.sum(axis=0)
+    spread = np.flatnonzero(units >= 2)
+    # Each column's own units first, in order (a stable sort of the missing ones to the end): a
+    # resample of C units then draws positions 0..C-1, the same positions for every column of C
+    # units, so columns on the same examples share their resamples and one product serves all.
+    order = np.argsort(~has[:, spread], axis=0, kind="stable")
+    tail = (1 - CONFIDENCE) / 2 * 100
+    for size in np.unique(units[spread]):
+        chosen = units[spread] == size
+        columns, rows = spread[chosen], order[:size, chosen]
+        own = np.take_along_axis(deviations[:, columns], rows, axis=0)
+        own_sizes = None if sizes is None else np.take_along_axis(sizes[:, columns], rows, axis=0)
         batches = []
-        for weights in _resample_batches(values.shape[0] if clusters is None else int(clusters.max()) + 1):
-            if clusters is not None:
-                weights = weights[:, clusters]  # each example drawn as often as its cluster
-            denominators = np.broadcast_to(
-                weights.sum(axis=1, keepdims=True), (weights.shape[0], deviations.shape[1])
-            ).copy()
-            denominators[:, gaps] = weights @ has[:, gaps].astype(np.float32)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                batches.append((weights @ deviations) / denominators)
-        resampled = np.concatenate(batches)
-        tail = (1 - CONFIDENCE) / 2 * 100
-        # A resample lacks a column's mean only where that column lacks values; numpy's
-        # percentile is vectorized, its NaN-skipping one goes column by column.
-        skipped = np.isnan(resampled).any(axis=0)
-        if skipped.any():
-            bounds = np.empty((2, resampled.shape[1]))
-            bounds[:, ~skipped] = np.percentile(resampled[:, ~skipped], [tail, 100 - tail], axis=0)
-            bounds[:, skipped] = np.nanpercentile(resampled[:, skipped], [tail, 100 - tail], axis=0)
-        else:  # no copy of the resamples
-            bounds = np.percentile(resampled, [tail, 100 - tail], axis=0)
-        # Every resample's mean lies within the column's values; the float32 rounding above can
-        # step a hair outside (a share's interval from -1e-9), so the bounds are held inside them.
-        lowest = np.where(has, filled[:, spread], np.inf).min(axis=0)
-        highest = np.where(has, filled[:, spread], -np.inf).max(axis=0)
-        low[spread], high[spread] = np.clip(bounds + means[spread], lowest, highest)
+        for weights in _resample_batches(int(size)):
+            drawn = weights.sum(axis=1, keepdims=True) if own_sizes is None else weights @ own_sizes
+            batches.append((weights @ own) / drawn)
+        low[columns], high[columns] = np.percentile(np.concatenate(batches), [tail, 100 - tail], axis=0)
+    # Every resample's mean lies within the column's values; the float32 rounding above can step
+    # a hair outside (a share's interval from -1e-9), so the bounds are held inside them.
+    low = np.maximum(low + means, np.where(present, values, np.inf).min(axis=0, initial=np.inf))
+    high = np.minimum(high + means, np.where(present, values, -np.inf).max(axis=0, initial=-np.inf))
     return means, low, high, counts
 
 
@@ -206,8 +207,8 @@ def mean_intervals(
     A score (one of ``scores``) gets the Wilson interval over its independent samples when its
     values are all 0 or 1 and no two examples share a cluster (a right/wrong count), or when
     its bootstrap interval collapses (a constant, e.g. a partial credit of 0 everywhere), and
-    only over two or more samples (one cluster, or one example, gets no interval); every other metric the bootstrap (``bootstrap_means``, resampling the frame's
-    examples, the same resamples for every group), even when its values happen to be 0 or 1
+    only over two or more samples (one cluster, or one example, gets no interval); every other metric the bootstrap (``bootstrap_means``, resampling the group's
+    examples that have the metric), even when its values happen to be 0 or 1
     (full prefill's TTFT ratio is 1 on every example: a constant, not a proportion).
     """
     if not frame.height:
