@@ -851,6 +851,8 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     Ratios are means over examples of each example's paired median ratio; measured over ideal
     is each example's TTFT ratio over its ideal ratio.
     """
+    # a sweep's bench holds each example once per layer setting: a mean mixing them is refused below
+    check_unique_rows(frame, ("example_id", "method", "budget", "layer_setting"), "the bench frame", "rankkit bench")
     scored = frame.with_columns(
         (pl.col("ttft_ratio") / pl.col("ideal_ratio")).alias("measured_over_ideal"),
         # a bench written before these columns were kept has none

@@ -1297,8 +1297,8 @@ def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
             write_dashboard(
                 layout.store(unit.cell),
                 layout.dashboard(unit.cell),
-                bench=_cell_rows(bench, unit.cell, first_layer=plan.layers[0]),
-                diffusion=_cell_rows(diffusion, unit.cell),
+                bench=cell_rows(bench, unit.cell, first_layer=plan.layers[0]),
+                diffusion=cell_rows(diffusion, unit.cell),
                 overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
                 keep=_dashboard_keeps(plan),
@@ -1334,11 +1334,11 @@ def _stage_frame(run: Run, stage: str) -> pl.DataFrame | None:
     return pl.read_parquet(path)
 
 
-def _cell_rows(
+def cell_rows(
     frame: pl.DataFrame | None, cell: DataCell, first_layer: int | None = None
 ) -> pl.DataFrame | None:
     """The rows of ``cell``; of bench's, those at the first layer setting, so each method and budget
-    appears once in the dashboard."""
+    appears once in the dashboard and in a summary (which refuses an example twice)."""
     if frame is None:
         return None
     rows = frame.filter(pl.col("cell") == cell.name)

@@ -363,6 +363,37 @@ def test_summary_resamples_the_clusters_of_examples_that_share_a_haystack_or_nee
     assert "n_clusters" not in summary(frame.drop("cluster")).columns
 
 
+def _bench_rows(layers: dict[int | None, float]) -> pl.DataFrame:
+    """Four examples of one method and budget at each layer setting, scored ``layers[setting]``."""
+    return pl.DataFrame(
+        [
+            {
+                "example_id": f"e{index}", "method": "claa", "budget": "keep=0.1", "keep": 0.1,
+                "layer_setting": layer, "score": score, "ttft_ratio": 0.5, "tpot_ratio": 1.0,
+                "kv_ratio": 0.1, "ideal_ratio": 0.5, "ttft_s": 1.0, "tpot_s": 0.1, "kv_bytes": 1.0,
+                "peak_mem_bytes": 1.0,
+            }
+            for layer, score in layers.items()
+            for index in range(4)
+        ]
+    )  # fmt: skip
+
+
+def test_summary_refuses_two_rows_of_one_example_instead_of_keeping_the_last():
+    """A sweep's bench at layers [12, 14] holds each example twice: its accuracy was the last rows'
+    alone (0.0 here), where the layers' own are 1.0 and 0.0."""
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(RankkitError, match="example_id e0 has more than one row in the group of method claa"):
+        summary(_bench_rows({12: 1.0, 14: 0.0}))
+    twice = _bench_rows({12: 1.0})
+    with pytest.raises(RankkitError, match="more than one row of example_id e0, method claa"):
+        summary(pl.concat([twice, twice]))
+    for layer, score in ((12, 1.0), (14, 0.0)):
+        (row,) = summary(_bench_rows({layer: score})).to_dicts()
+        assert (row["accuracy"], row["n_examples"]) == (score, 4)
+
+
 def test_every_method_fills_evidence_kept_kv_only_ones_from_the_cache_decoding_starts_with():
     """KV-only methods: the share of the evidence each KV head's cache holds after prefill, averaged
     over heads and layers (what ``kept_positions_by_layer`` reads off one more prefill); full: all."""

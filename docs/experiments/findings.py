@@ -39,7 +39,7 @@ from rankkit.eval.stats import (
 from rankkit.experiment import DataCell, Experiment, read_experiment
 from rankkit.methods import REGISTRY
 from rankkit.models import weights_quantization
-from rankkit.sweep import sweep, tag_columns
+from rankkit.sweep import cell_rows, sweep, tag_columns
 
 EXPERIMENTS = Path(__file__).resolve().parent
 FINDINGS = EXPERIMENTS.parent / "findings.md"
@@ -176,7 +176,7 @@ def collect_end_to_end(out: Path, end_to_end: Experiment) -> dict[str, pl.DataFr
     bench = pl.read_parquet(out / "bench.parquet")
     scores, pairs = [], []
     for cell in end_to_end.data:
-        rows = bench.filter(pl.col("cell") == cell.name)
+        rows = cell_rows(bench, cell, first_layer=end_to_end.layers[0])
         summed = summary(rows)
         if "n_clusters" not in summed.columns:
             summed = summed.with_columns(pl.col("n_examples").alias("n_clusters"))

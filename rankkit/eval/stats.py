@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rankkit.errors import RankkitError
+
 CONFIDENCE = 0.95
 RESAMPLES = 9999  # scipy.stats.bootstrap's default
 SEED = 0  # fixed: the same data give the same interval
@@ -200,15 +202,17 @@ def mean_intervals(
 ) -> pl.DataFrame:
     """Per group of ``by`` (in first-seen order): each metric's mean over the group's rows, its
     interval (``interval_columns``) and ``n_examples`` (rows with any metric). Rows are
-    examples; a group has at most one row per ``example``. ``cluster`` names the column holding
-    each example's cluster (examples sharing a haystack or a needle): the bootstrap then
-    resamples clusters, and ``n_clusters`` counts the independent samples beside ``n_examples``.
+    examples; a group with two rows of one ``example`` is refused (``RankkitError``).
+    ``cluster`` names the column holding each example's cluster (examples sharing a haystack or
+    a needle): the bootstrap then resamples clusters, and ``n_clusters`` counts the independent
+    samples beside ``n_examples``.
 
     A score (one of ``scores``) gets the Wilson interval over its independent samples when its
     values are all 0 or 1 and no two examples share a cluster (a right/wrong count), or when
     its bootstrap interval collapses (a constant, e.g. a partial credit of 0 everywhere), and
-    only over two or more samples (one cluster, or one example, gets no interval); every other metric the bootstrap (``bootstrap_means``, resampling the group's
-    examples that have the metric), even when its values happen to be 0 or 1
+    only over two or more samples (one cluster, or one example, gets no interval); every other
+    metric the bootstrap (``bootstrap_means``, resampling the group's examples that have the
+    metric), even when its values happen to be 0 or 1
     (full prefill's TTFT ratio is 1 on every example: a constant, not a proportion).
     """
     if not frame.height:
@@ -218,6 +222,14 @@ def mean_intervals(
     indexed = frame.join(groups, on=list(by), how="left", nulls_equal=True).join(
         examples, on=example, how="left", nulls_equal=True
     )
+    repeated = indexed.filter(pl.struct("_group", "_example").is_duplicated())
+    if repeated.height:  # the grid below would keep one of them, unseen
+        row = repeated.row(0, named=True)
+        group = ", ".join(f"{key} {row[key]}" for key in by)
+        raise RankkitError(
+            f"{example} {row[example]} has more than one row in the group of {group}: a mean counts each "
+            "example once; keep one row per example (one layer setting of a sweep, say)"
+        )
     rows, columns = indexed["_example"].to_numpy(), indexed["_group"].to_numpy()
     clusters = None
     if cluster is not None:
