@@ -241,6 +241,7 @@ def bench(
 
 def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = False) -> None:
     from rankkit.eval.stats import row_with_interval
+    from rankkit.report.tables import HEADERS
 
     def interval(metric: str, unit: float = 1.0, digits: int = 2):
         return lambda row: row_with_interval(row, metric, unit=unit, digits=digits)
@@ -249,11 +250,15 @@ def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = Fal
         return lambda row: str(row[key])
 
     title = "methods vs full: means [95% interval] over n examples"
+    if "n_clusters" in table.columns:
+        title += f" ({HEADERS['n_clusters'][0]} independent samples)"
     view = Table(title=f"{title}, timing only" if timing_only else title)
     columns = [
         ("method", plain("method")),
         ("budget", plain("budget")),
         ("n", plain("n_examples")),
+        # examples sharing a haystack or needle are one sample: the intervals' n, as compare shows it
+        *([(HEADERS["n_clusters"][0], plain("n_clusters"))] if "n_clusters" in table.columns else []),
         ("accuracy", interval("accuracy")),
         ("TTFT ratio", interval("ttft_ratio")),
         ("ideal", interval("ideal_ratio")),

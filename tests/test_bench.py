@@ -183,6 +183,30 @@ def test_bench_cli_prints_the_summary_rows_as_csv_or_as_its_json(monkeypatch):
     assert CliRunner().invoke(app, [*grid, "--format", "json"]).stdout == as_json
 
 
+def test_bench_table_shows_the_independent_samples_and_which_means_have_no_interval(monkeypatch):
+    """Four examples of one haystack are one sample: the table says so (ind. 1) and marks the mean
+    without an interval, which printed as a bare "0.75"."""
+    from typer.testing import CliRunner
+
+    import rankkit.bench
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    rows = summary(
+        _bench_rows({None: 1.0}).with_columns(
+            cluster=pl.lit("niah-s0-needle0"), score=pl.Series([1.0, 0.0, 1.0, 1.0])
+        )
+    )
+    monkeypatch.setattr(rankkit.bench, "bench", lambda *args, **options: None)
+    monkeypatch.setattr(rankkit.bench, "summary", lambda frame: rows)
+    grid = ["bench", "--methods", "claa", "--keep", "0.1", "--data", "niah:n=4,length=256"]
+    shown = CliRunner().invoke(app, grid)
+    assert shown.exit_code == 0, shown.output
+    assert "ind." in shown.stdout
+    line = next(line for line in shown.stdout.splitlines() if "claa" in line)
+    assert re.search(r"claa\W+keep=0\.1\W+4\W+1\W+0\.75 \[–\]", line), line
+
+
 @pytest.mark.integration
 def test_prefill_cli_compares_with_full_on_the_default_model(tmp_path, default_model):
     payload = _prefill_json(tmp_path, "--method", "claa", "--keep", "0.5", "--compare", "full")

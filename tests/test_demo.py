@@ -126,7 +126,7 @@ def test_demo_says_what_its_capture_did_on_a_first_run_and_on_a_rerun():
     assert captured_line(rerun) == "4 examples held from an earlier run, not captured again"
     resumed = CaptureSummary("niah.zarr", examples=4, written=1, skipped=3, tokens=1000, seconds=10.0, scored=scored(1.0))
     assert captured_line(resumed) == (
-        "captured 1 example (100 tok/s); the oracle's answers scored 1.00 (mean of 1, 95% interval); "
+        "captured 1 example (100 tok/s); the oracle's answers scored 1.00 [–] (mean of 1, 95% interval); "
         "3 examples held from an earlier run, not captured again"
     )
 

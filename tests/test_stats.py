@@ -18,6 +18,7 @@ from rankkit.eval.stats import (
     median_interval,
     paired_difference,
     paired_differences,
+    row_with_interval,
     wilcoxon_p_value,
     wilson_interval,
     with_interval,
@@ -175,7 +176,21 @@ def test_many_paired_differences_equal_one_call_each():
 
 def test_with_interval_formats_what_tables_show():
     assert with_interval(0.6213, 0.551, 0.6949) == "0.62 [0.55, 0.69]"
-    assert with_interval(0.5, None, None) == "0.50" and with_interval(None, None, None) == "–"
+    assert with_interval(0.5, None, None) == "0.50 [–]" and with_interval(None, None, None) == "–"
+
+
+def test_a_mean_without_an_interval_shows_that_it_has_none():
+    """One example, or examples of one cluster, give a mean and no interval: printed "0.56" it looked
+    as precise as any other figure."""
+    one = pl.DataFrame({"example_id": ["e0"], "method": ["claa"], "ttft_ratio": [0.5561234]})
+    assert row_with_interval(mean_intervals(one, ["method"], ["ttft_ratio"]).row(0, named=True), "ttft_ratio") == (
+        "0.56 [–]"
+    )
+    clustered = pl.DataFrame(
+        {"example_id": ["e0", "e1", "e2"], "cluster": ["c"] * 3, "method": ["claa"] * 3, "rho": [0.41, 0.45, 0.52]}
+    )
+    row = mean_intervals(clustered, ["method"], ["rho"], cluster="cluster").row(0, named=True)
+    assert row_with_interval(row, "rho") == f"{np.mean([0.41, 0.45, 0.52]):.2f} [–]"
 
 
 # -- where the intervals appear ------------------------------------------------------------------

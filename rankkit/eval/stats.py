@@ -391,12 +391,16 @@ def relation(low: float | None, high: float | None, p_value: float | None) -> st
     return None
 
 
+NO_INTERVAL = "[–]"  # beside a mean without an interval: a bare figure would look precise
+
+
 def with_interval(value: float | None, low: float | None, high: float | None, digits: int = 2) -> str:
-    """ "0.62 [0.55, 0.69]": a mean and its interval as tables show them; "–" when undefined."""
+    """ "0.62 [0.55, 0.69]": a mean and its interval as tables show them; "0.62 [–]" when the mean
+    has no interval (``NO_INTERVAL``); "–" when there is no mean."""
     if value is None:
         return "–"
     if low is None or high is None:
-        return f"{value:.{digits}f}"
+        return f"{value:.{digits}f} {NO_INTERVAL}"
     return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 

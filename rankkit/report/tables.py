@@ -71,7 +71,7 @@ def frame_table(
     """One row per frame row; floats rounded to ``digits``, missing values as '-'; short headers, legend below.
 
     A column with interval columns beside it (``rankkit.eval.stats.interval_columns``) shows
-    "0.62 [0.55, 0.69]" in ``interval_digits``, and the interval columns are not shown on their
+    "0.62 [0.55, 0.69]" in ``interval_digits`` ("0.62 [–]" without an interval), and the interval columns are not shown on their
     own; the legend says what the interval resamples (``intervals_over``).
     """
     frame, merged = _merge_intervals(frame, interval_digits)
