@@ -229,7 +229,7 @@ def variance(
     if result.means.height:
         from rankkit.report.tables import frame_table
 
-        means = result.means.drop("probe").rename({"n_examples": "examples"})
+        means = result.means.drop("probe")
         title = "Mean curve per task and layer"
         output().print(frame_table(means, title))
 

@@ -500,12 +500,13 @@ def test_compare_frames_have_the_documented_columns(result):
         "spearman", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "adjacent_spearman", *keeps,
     ]  # fmt: skip
     stability = [
-        "mean_spearman", "mean_spearman_ci_low", "mean_spearman_ci_high", "std_spearman", "min_spearman",
-        "trough_layer", "layer_to_layer", "layer_to_layer_ci_low", "layer_to_layer_ci_high",
+        "mean_spearman", "mean_spearman_ci_low", "mean_spearman_ci_high", "mean_spearman_n", "std_spearman",
+        "min_spearman", "trough_layer", "layer_to_layer", "layer_to_layer_ci_low", "layer_to_layer_ci_high",
+        "layer_to_layer_n",
     ]  # fmt: skip
     assert result.stability.columns == ["method", *stability, "n_examples", *keeps]
     with_intervals = [
-        name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high")
+        name for metric in metrics for name in (metric, f"{metric}_ci_low", f"{metric}_ci_high", f"{metric}_n")
     ]
     assert result.curve.columns == ["method", "layer", *with_intervals, "n_examples", *keeps]
     assert result.summary.columns == ["method", "layer", *with_intervals, "n_examples", *stability, *keeps]

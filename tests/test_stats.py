@@ -3,6 +3,7 @@ written out by hand, and their place in compare, bench, variance and the tables.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 
@@ -287,7 +288,7 @@ def test_variance_means_carry_intervals(tmp_path):
     means = result.means
     assert means.columns == [
         "task", "probe", "layer", "relative_variance", "relative_variance_ci_low", "relative_variance_ci_high",
-        "n_examples",
+        "relative_variance_n", "n_examples",
     ]  # fmt: skip
     slow = (
         result.curves.drop_nulls("relative_variance")
@@ -384,6 +385,31 @@ def test_a_groups_interval_resamples_its_own_examples_whatever_else_the_frame_ho
     resampled = [np.concatenate([values[units == unit] for unit in drawn]).mean() for drawn in draws]
     expected = np.percentile(resampled, [2.5, 97.5])
     assert (row["spearman_ci_low"], row["spearman_ci_high"]) == pytest.approx(tuple(expected), abs=1e-6)
+
+
+def test_each_metric_counts_the_examples_its_mean_is_over():
+    """Spearman is NaN on 4 of 6 examples (constant scores): its mean and count are over the other 2,
+    where n_examples counts the 6 rows with any metric; a table shows its own n beside it."""
+    from rich.console import Console
+
+    from rankkit.report.tables import frame_table
+
+    spearman = [None, None, None, None, 0.9, 1.0]
+    frame = pl.DataFrame(
+        {"example_id": [f"e{index}" for index in range(6)], "method": ["m"] * 6,
+         "spearman": spearman, "recall_at_10": [0.1 * index for index in range(6)]},
+        schema_overrides={"spearman": pl.Float64},
+    )  # fmt: skip
+    (row,) = mean_intervals(frame, ["method"], ["spearman", "recall_at_10"]).to_dicts()
+    had = [value for value in spearman if value is not None]
+    assert (row["spearman"], row["spearman_n"]) == (pytest.approx(np.mean(had)), len(had))
+    assert (row["recall_at_10_n"], row["n_examples"]) == (6, 6)
+    assert row_with_interval(row, "spearman").endswith(" n=2")
+    assert row_with_interval(row, "recall_at_10").endswith("]")  # its n is the row's
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(frame_table(pl.DataFrame([row]), "t"))
+    shown = console.export_text()
+    assert re.search(r"0\.95 \[0\.90, 1\.00\] n=2", shown) and "spearman_n" not in shown
 
 
 def test_paired_differences_over_clusters_test_each_clusters_mean():

@@ -30,10 +30,11 @@ per_head   example_id, task, method, layer, head, spearman                      
 sweep      example_id, task, method, claa_layers, layer, spearman, recall_at_10, recall_at_20,
            recall_at_40, needle_recall, adjacent_spearman                     (no kendall: it is the slow metric)
 curve      method, layer, then per metric (spearman, kendall, recall_at_X, needle_recall, evidence_kept) its mean
-           over examples and ``<metric>_ci_low``/``<metric>_ci_high``, then n_examples (and
+           over examples, ``<metric>_ci_low``/``<metric>_ci_high`` and ``<metric>_n`` (the examples
+           that have it), then n_examples (and
            n_clusters, the independent samples, where per_layer has clusters)
-stability  method, mean_spearman with its interval, std_spearman, min_spearman, trough_layer,
-           layer_to_layer with its interval, n_examples (``stability_frame``)
+stability  method, mean_spearman with its interval and n, std_spearman, min_spearman, trough_layer,
+           layer_to_layer with its interval and n, n_examples (``stability_frame``)
 summary    method, layer, each metric with its interval as in ``curve``, n_examples, then the
            stability columns; each method at its own selection layer (``--layer`` sets it),
            probes and KV-only methods at CLAA's l_p (or ``--layer``), adaptive ones at the
@@ -97,6 +98,7 @@ from .stats import (
     EXAMPLE_ID,
     SIGNIFICANCE,
     cluster_column,
+    count_column,
     interval_columns,
     made_ahead,
     mean_intervals,
@@ -396,7 +398,9 @@ def stability_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
         *([pl.col(cluster).first()] if cluster else []),
     )
     means = mean_intervals(per_example, ["method"], STABILITY_MEANS, cluster=cluster)
-    mean_spearman, layer_to_layer = ([name, *interval_columns(name)] for name in STABILITY_MEANS)
+    mean_spearman, layer_to_layer = (
+        [name, *interval_columns(name), count_column(name)] for name in STABILITY_MEANS
+    )
     counts = [name for name in ("n_examples", "n_clusters") if name in means.columns]
     return means.join(shape, on="method", maintain_order="left").select(
         "method", *mean_spearman, "std_spearman", "min_spearman", "trough_layer", *layer_to_layer, *counts
@@ -572,10 +576,12 @@ TABLE_METRICS = ("spearman", "recall_at_10", "needle_recall")  # what a terminal
 
 def summary_table(summary: pl.DataFrame) -> pl.DataFrame:
     """The summary columns a terminal table shows: method, layer, ``TABLE_METRICS`` with their
-    intervals, n_examples (``--json`` and ``--out`` carry every column)."""
+    intervals and own counts, n_examples (``--json`` and ``--out`` carry every column)."""
     if not summary.height:
         return summary
-    metrics = [column for name in TABLE_METRICS for column in (name, *interval_columns(name))]
+    metrics = [
+        column for name in TABLE_METRICS for column in (name, *interval_columns(name), count_column(name))
+    ]
     counts = [name for name in ("n_examples", "n_clusters") if name in summary.columns]
     return summary.select("method", "layer", *metrics, *counts)
 

@@ -181,6 +181,12 @@ def interval_columns(metric: str) -> tuple[str, str]:
     return f"{metric}_ci_low", f"{metric}_ci_high"
 
 
+def count_column(metric: str) -> str:
+    """The name of a metric's own count column, ``<metric>_n``: the examples its mean is over, which
+    ``n_examples`` (rows with any metric) overstates for a metric some examples lack."""
+    return f"{metric}_n"
+
+
 EXAMPLE_ID = "example_id"  # the column naming each example in every per-example frame a user joins
 CLUSTER = "cluster"  # the column naming each example's cluster: the examples sharing a haystack or a needle
 
@@ -201,7 +207,8 @@ def mean_intervals(
     scores: Sequence[str] = (),
 ) -> pl.DataFrame:
     """Per group of ``by`` (in first-seen order): each metric's mean over the group's rows, its
-    interval (``interval_columns``) and ``n_examples`` (rows with any metric). Rows are
+    interval (``interval_columns``), its own count (``count_column``) and ``n_examples`` (rows
+    with any metric). Rows are
     examples; a group with two rows of one ``example`` is refused (``RankkitError``).
     ``cluster`` names the column holding each example's cluster (examples sharing a haystack or
     a needle): the bootstrap then resamples clusters, and ``n_clusters`` counts the independent
@@ -259,6 +266,7 @@ def mean_intervals(
             pl.Series(metric, means[index]).fill_nan(None),
             pl.Series(low_name, low[index]).fill_nan(None),
             pl.Series(high_name, high[index]).fill_nan(None),
+            pl.Series(count_column(metric), counts[index], dtype=pl.Int32),
         )
     has_any = present.any(axis=1)
     result = result.with_columns(pl.Series("n_examples", has_any.sum(axis=0), dtype=pl.Int32))
@@ -406,6 +414,9 @@ def with_interval(value: float | None, low: float | None, high: float | None, di
 
 def row_with_interval(row: Mapping[str, Any], metric: str, *, unit: float = 1.0, digits: int = 2) -> str:
     """``with_interval`` of ``metric`` in ``row`` (a summary's row: the mean and its interval columns),
-    each value divided by ``unit`` (2**20 shows bytes in MiB)."""
+    each value divided by ``unit`` (2**20 shows bytes in MiB), and "n=2" after it where the metric's
+    own count (``count_column``) is not the row's ``n_examples``."""
     values = (row[column] for column in (metric, *interval_columns(metric)))
-    return with_interval(*(None if value is None else value / unit for value in values), digits=digits)
+    shown = with_interval(*(None if value is None else value / unit for value in values), digits=digits)
+    count = row.get(count_column(metric))
+    return shown if count is None or count == row.get("n_examples") else f"{shown} n={count}"

@@ -9,7 +9,7 @@ selections  example, task, probe, tau, selection_layer, fallback: the layer ``as
             (``rankkit.methods.asl.selection_layer``), and whether it is its last layer only because
             the curve never drops below tau
 means       task, probe, layer, relative_variance, relative_variance_ci_low, relative_variance_ci_high,
-            n_examples (and n_clusters): the mean curve per task with its 95% interval over the task's
+            relative_variance_n, n_examples (and n_clusters): the mean curve per task with its 95% interval over the task's
             examples, resampling clusters where they share one (``rankkit.eval.stats``), from L_min on
 """
 

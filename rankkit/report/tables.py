@@ -105,25 +105,20 @@ def frame_table(
 
 
 def _merge_intervals(frame: pl.DataFrame, digits: int) -> tuple[pl.DataFrame, list[str]]:
-    """``frame`` with each metric that has interval columns as one text column "mean [low, high]"."""
-    from rankkit.eval.stats import interval_columns, with_interval
+    """``frame`` with each metric that has interval columns as one text column "mean [low, high]",
+    its own count beside it where it is not the row's (``rankkit.eval.stats.row_with_interval``)."""
+    from rankkit.eval.stats import count_column, interval_columns, row_with_interval
 
     merged = [name for name in frame.columns if set(interval_columns(name)) <= set(frame.columns)]
     if not merged:
         return frame, merged
-    texts = {
-        name: pl.Series(
-            name,
-            [
-                with_interval(*values, digits=digits)
-                for values in frame.select(name, *interval_columns(name)).iter_rows()
-            ],
-            dtype=pl.String,
-        )
+    rows = frame.to_dicts()
+    texts = [
+        pl.Series(name, [row_with_interval(row, name, digits=digits) for row in rows], dtype=pl.String)
         for name in merged
-    }
-    hidden = {column for name in merged for column in interval_columns(name)}
-    return frame.with_columns(*texts.values()).drop(hidden), merged
+    ]
+    hidden = {column for name in merged for column in (*interval_columns(name), count_column(name))}
+    return frame.with_columns(texts).drop(hidden, strict=False), merged
 
 
 def _cell(value, digits: int) -> str:
