@@ -243,6 +243,10 @@ class VarianceSettings:
     def kwargs(self) -> dict[str, Any]:
         return given_settings(self)
 
+    def curve_kwargs(self) -> dict[str, Any]:
+        """The settings that draw the curve (``variance.curve_method``'s): the thresholds only read it."""
+        return {name: value for name, value in self.kwargs().items() if name != "thresholds"}
+
 
 @dataclass(frozen=True)
 class BenchStage:

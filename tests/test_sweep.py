@@ -938,6 +938,21 @@ def test_variance_thresholds_are_a_field_as_they_are_an_option():
         parse_experiment(grid.format('thresholds = ["high"]'), source="grid.toml", default_name="grid")
 
 
+def test_a_sweep_naming_variance_thresholds_is_checked_and_planned(tmp_path, tiny_folder):
+    """The check before any work passed the thresholds to the curve's method: a traceback (TypeError)
+    for every sweep that named them, --dry-run included."""
+    grid = _write(
+        tmp_path / "grid.toml",
+        f'stages = ["capture", "oracle", "variance"]\nkeep = [0.2]\n[model]\nname = "{tiny_folder}"\n'
+        '[[data]]\nspec = "niah:n=1,length=128"\n[variance]\nthresholds = [0.25, 0.5]\n',
+    )
+    plans = []
+    sweep(grid, tmp_path / "out", dry_run=True, announce=plans.append)
+    assert plans[0].lines()[1:4] == [f"  {stage}: 1 new, 0 changed, 0 kept" + tail for stage, tail in (
+        ("capture", "; 1 examples, 128 prompt tokens through the model"),
+        ("oracle", "; 1 examples, 128 prompt tokens through the model"), ("variance", ""))]  # fmt: skip
+
+
 def test_a_table_no_stage_reads_is_warned_of_and_bench_takes_the_decode_options():
     grid = 'stages = ["{}"]\nkeep = [0.2]\n[[data]]\nspec = "niah:n=1,length=128"\n[bench]\nmethods = ["full"]\n{}'
     with pytest.warns(UserWarning, match=r"grid.toml \[bench\]: no stage of stages \(capture\) reads it"):
