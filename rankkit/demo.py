@@ -135,8 +135,9 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
 
     with console.status("compare against the oracle, ASL variance curves"):
         comparison = compare_store(written["store"])
-        comparison.write(written["compare"])
-        variance_store(written["store"]).write(written["variance"])
+        # the folder is the demo's (claim_folder): a rerun rewrites what an earlier one wrote
+        comparison.write(written["compare"], overwrite=True)
+        variance_store(written["store"]).write(written["variance"], overwrite=True)
     console.print(frame_table(summary_table(comparison.summary), "rankings vs the oracle"))
 
     loaded = models.load("default", device=device)

@@ -154,6 +154,20 @@ def test_the_demo_never_writes_over_a_file_it_did_not_make(tmp_path):
     assert refused.returncode == 2 and "is a file, not a folder" in refused.stderr and a_file.read_text() == "mine"
 
 
+def test_a_rerun_of_the_demo_resumes_its_store_and_rewrites_its_files(demo_run):
+    """A second `make demo` ended in "compare.parquet already exists; pass --overwrite", an option the
+    demo does not have."""
+    out, first = demo_run
+    rankkit = Path(sys.executable).with_name("rankkit")
+    environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    rerun = subprocess.run([str(rankkit), "demo", "--out", str(out), "--device", "cpu"],
+                           capture_output=True, text=True, env=environment, timeout=900)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"{DEMO_EXAMPLES} examples held from an earlier run, not captured again" in rerun.stdout
+    assert _written(rerun.stdout) == _written(first)
+    assert (out / "notes.txt").read_text() == "a user's notes"
+
+
 def test_a_demo_folder_is_marked_as_the_demos(demo_run):
     out, _ = demo_run
     from rankkit.demo import DEMO_MARKER, claim_folder
