@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from rankkit.errors import RankkitError
-from rankkit.outputs import json_digest
+from rankkit.outputs import STORE_SCHEMA_KEY, json_digest
 
 MANIFEST = "manifest"
 ORACLE_MANIFEST = "oracle_manifest"
@@ -101,12 +101,18 @@ def _changed_attrs(recorded: dict[str, Any], attrs: dict[str, Any]) -> list[str]
 
 _COUNTS = ("num_layers", "num_attention_heads", "kv_heads")
 
+# The first schema version whose stores are created with a root manifest: one of it without its manifest was
+# edited by hand, where an older one never had a manifest to check its metadata against.
+ROOT_MANIFEST_SINCE = 3
+
 
 def meta_problem(meta: dict[str, Any]) -> str | None:
     """What is wrong with the store's run metadata ``meta`` (its root attributes), or None: a key edited
     since the store was created (its manifest's digests; stores created before it had one are not
     checked so), or a malformed field every example is checked against (``mismatch``); a field may be
     absent (stores written by hand, older ones), never malformed."""
+    if MANIFEST not in meta and meta.get(STORE_SCHEMA_KEY, 0) >= ROOT_MANIFEST_SINCE:
+        return f"its zarr.json has no manifest, which every store of schema version {ROOT_MANIFEST_SINCE} holds"
     changed = _changed_attrs(meta.get(MANIFEST) or {}, meta)
     if changed:
         return f"its metadata was changed after it was written ({', '.join(changed)} in its zarr.json)"

@@ -45,9 +45,12 @@ from zarr.storage import LocalStore, ZipStore
 from rankkit.errors import RankkitError
 from rankkit.outputs import STORE_SCHEMA_KEY
 
-from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST
+from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST, ROOT_MANIFEST_SINCE
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = ROOT_MANIFEST_SINCE
+# The version of the examples' layout (one zip per write), which schema version 3 kept. A resume
+# raises an older store to it, not to 3: it adds no root manifest, vouching for no metadata it did not write.
+LAYOUT_VERSION = 2
 
 # Root attributes the store sets itself; callers' run metadata never overrides them
 # and they are not part of the resume compatibility check.

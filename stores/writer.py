@@ -39,6 +39,7 @@ from .schema import (
     EXAMPLE_FLAGS,
     EXAMPLE_NODES,
     EXAMPLES,
+    LAYOUT_VERSION,
     ORACLE,
     ORACLE_COMPLETE,
     ORACLE_FILE,
@@ -260,10 +261,10 @@ def create(
     root, stored = open_root(store_path, read_only=False)
     _check_same_run(store_path, stored, run_meta_only)
     _take_lock(store_path, rank)
-    if stored[SCHEMA_VERSION_KEY] < SCHEMA_VERSION:
+    if stored[SCHEMA_VERSION_KEY] < LAYOUT_VERSION:
         # Resuming an older store adds examples in the current layout; readers of the old
         # version must then refuse the store rather than miss those examples.
-        update_attributes(root, {SCHEMA_VERSION_KEY: SCHEMA_VERSION})
+        update_attributes(root, {SCHEMA_VERSION_KEY: LAYOUT_VERSION})
     return StoreWriter(store_path, stored)
 
 

@@ -513,10 +513,16 @@ def test_run_metadata_the_examples_are_checked_against_is_refused_when_malformed
     was a TypeError traceback on the first example read (weights_hash 5) or compared nothing. A
     store created before its metadata had digests is checked so."""
     write(stores.create(path, RUN_META), "a", 0)
-    edit_root(path, lambda attrs: (attrs.pop("manifest"), attrs.update(damage)))
+    edit_root(path, lambda attrs: (as_before_digests(attrs), attrs.update(damage)))
     assert _one_line_error(lambda: stores.open(path)) == (
         f"store {path} is corrupt ({problem}); recapture it with --overwrite"
     )
+
+
+def as_before_digests(attrs: dict) -> None:
+    """Root attributes as rankkit wrote them before a store's metadata had digests: schema version 2."""
+    del attrs["manifest"]
+    attrs["schema_version"] = 2
 
 
 def edit_root(path: Path, edit) -> None:
@@ -552,12 +558,31 @@ def test_run_metadata_edited_after_it_was_written_is_refused_by_every_reader_and
 
 def test_a_store_created_before_its_metadata_had_digests_reads_and_resumes_as_before(path):
     write(stores.create(path, RUN_META), "a", 0)
-    edit_root(path, lambda attrs: attrs.pop("manifest"))
+    edit_root(path, as_before_digests)
     assert stores.open(path).meta["model"] == RUN_META["model"]
     assert stores.verify(path).counts()["good"] == 1
     write(stores.create(path, RUN_META), "b", 1)
     assert_example_matches(stores.open(path), "b", 1)
-    assert "manifest" not in stores.open(path).meta  # a resume vouches for nothing it did not write
+    resumed = stores.open(path).meta
+    # A resume vouches for nothing it did not write: neither a manifest nor the version that requires one.
+    assert "manifest" not in resumed and resumed["schema_version"] == 2
+
+
+def test_a_current_store_without_its_manifest_is_refused_so_its_edited_metadata_is_not_read(path):
+    """Removing the manifest along with an edit hid the edit: store verify counted the examples good
+    and store info printed the edited settings, as for a store created before the digests."""
+    write(stores.create(path, RUN_META), "a", 0)
+    edit_root(path, lambda attrs: (attrs.pop("manifest"), attrs["model"].update(id="Llama-3-8B")))
+    refusal = (
+        f"store {path} is corrupt (its zarr.json has no manifest, which every store of schema version "
+        f"{stores.SCHEMA_VERSION} holds); recapture it with --overwrite"
+    )
+    assert _one_line_error(lambda: stores.open(path)) == refusal
+    for command in ("verify", "info"):
+        result = subprocess.run(
+            [sys.executable, "-m", "rankkit.cli", "store", command, str(path)], capture_output=True, text=True
+        )
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", f"rankkit: error: {refusal}\n")
 
 
 def test_a_corrupt_example_is_refused_by_readers_and_redone_by_the_capture(path):
@@ -1054,7 +1079,7 @@ def test_a_schema_1_store_still_reads_verifies_by_decoding_and_resumes(path):
 
     writer = stores.create(path, RUN_META)  # resuming adds examples in the current layout
     write(writer, "c", 2)
-    assert stores.open(path).meta["schema_version"] == stores.SCHEMA_VERSION
+    assert stores.open(path).meta["schema_version"] == 2  # the layout its new examples have
     assert stores.open(path).example_ids() == ["a", "b", "c"]
     assert_example_matches(stores.open(path), "c", 2)
 
