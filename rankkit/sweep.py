@@ -897,6 +897,10 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             "whole; move it out first"
         )
     stores_folder = root / "stores"
+    if overwrite:  # every store is checked before any output is removed
+        for path in owned:
+            if path.parent == stores_folder:
+                stores.check_removable(path)
     for path in layout.paths(plan):
         if path in owned or not path.exists():
             continue
@@ -933,7 +937,7 @@ def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
     owned = _owned(layout)
     if overwrite:
         for path in owned - {layout.manifest}:
-            _remove(path)
+            _remove(path, layout)
         for folder in (layout.root / "stores", layout.root / "dashboards"):
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
@@ -953,8 +957,10 @@ def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
                 outputs.write_text(json.dumps(record), layout.started(stage, unit))
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
+def _remove(path: Path, layout: Layout) -> None:
+    if path.parent == layout.root / "stores":
+        stores.remove(path)  # the store's own rule: never what rankkit did not write in it
+    elif path.is_dir():
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)

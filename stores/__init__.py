@@ -13,7 +13,7 @@ read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole
 from .reader import ArrayGroup, ExampleRecord, ReadOnce, Store, describe, open
 from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
 from .verify import VerifyReport, verify
-from .writer import StoreWriter, create, is_rankkit_store, remove
+from .writer import StoreWriter, check_removable, create, is_rankkit_store, remove
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -24,6 +24,7 @@ __all__ = [
     "ReadOnce",
     "Store",
     "StoreWriter",
+    "check_removable",
     "check_score_dtype",
     "VerifyReport",
     "create",

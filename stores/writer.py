@@ -315,8 +315,17 @@ def is_rankkit_store(path: Path) -> bool:
 def remove(path: str | os.PathLike) -> None:
     """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
     path = Path(path)
-    if not _is_populated(path):
+    if not check_removable(path):
         return
+    _take_lock(path, 0)  # no writer may be at work in a store being deleted
+    shutil.rmtree(path)
+
+
+def check_removable(path: Path) -> bool:
+    """Whether there is a store at ``path`` for ``remove`` to delete; RankkitError naming what is in the way
+    where it would refuse. For a caller that removes several outputs to check each before removing any."""
+    if not _is_populated(path):
+        return False
     refusal = "refusing to delete it; move it away or choose another store path"
     if not is_rankkit_store(path):
         raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
@@ -327,8 +336,7 @@ def remove(path: str | os.PathLike) -> None:
     )
     if foreign:
         raise RankkitError(f"{path} holds {path / foreign[0]}, which rankkit did not write; {refusal}")
-    _take_lock(path, 0)  # no writer may be at work in a store being deleted
-    shutil.rmtree(path)
+    return True
 
 
 def _is_lock(entry: Path) -> bool:

@@ -545,6 +545,20 @@ def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
             sweep(small, out, overwrite=True)
         assert mine.read_text() == "mine"
         mine.unlink()
+    (cell / "x").rmdir()
+    # a store of the sweep's is removed by the store's rule, as capture --overwrite removes it: it was removed
+    # whole, a file of the user's in it included; refused before anything is removed
+    store = out / "stores" / "niah-128.zarr"
+    mine = store / "my_analysis.csv"
+    mine.write_text("mine")
+    with pytest.raises(RankkitError) as refused:
+        sweep(small, out, overwrite=True)
+    assert str(refused.value) == (
+        f"{store} holds {mine}, which rankkit did not write; refusing to delete it; move it away or choose "
+        "another store path"
+    )
+    assert mine.read_text() == "mine" and (out / "parts" / "capture").is_dir() and (store / "examples").is_dir()
+    mine.unlink()
     foreign = tmp_path / "foreign"
     (foreign / "parts").mkdir(parents=True)
     with pytest.raises(RankkitError) as refused:
