@@ -991,6 +991,39 @@ def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_
     assert alone.per_layer.equals(shared.per_layer) and alone.pairs.equals(shared.pairs)
 
 
+class _InterruptedPool:
+    """A pool whose every step of ending receives Ctrl-C, as a second one (or ``timeout``'s to the
+    process group) arrives while the workers end."""
+
+    def __init__(self):
+        self.steps: list[str] = []
+
+    def _step(self, name: str) -> None:
+        signal.raise_signal(signal.SIGINT)
+        self.steps.append(name)
+
+    def close(self):
+        self._step("close")
+
+    def join(self):
+        self._step("join")
+
+    def terminate(self):
+        self._step("terminate")
+
+
+@pytest.mark.parametrize(("finished", "steps"), [(True, ["close", "join"]), (False, ["terminate"])])
+def test_an_interrupt_while_the_workers_end_is_raised_once_they_have(finished, steps):
+    """Raised inside the pool's join, it left the pool's finalizer printing a traceback below compare's
+    one-line note."""
+    from rankkit.eval.parallel import _end_pool
+
+    pool = _InterruptedPool()
+    with pytest.raises(KeyboardInterrupt):
+        _end_pool(pool, finished=finished)
+    assert pool.steps == steps
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
+from rankkit.interrupts import deferred_interrupts
 from rankkit.values import check_count
 
 Result = TypeVar("Result")
@@ -106,12 +107,7 @@ def shared_workers(
     finally:
         started = _shared_pools.pop(key, None)
         if started is not None:
-            pool = started[1]
-            if finished:  # workers that end on their own; an error or interrupt ends them at once
-                pool.close()
-                pool.join()
-            else:
-                pool.terminate()
+            _end_pool(started[1], finished=finished)
 
 
 _shared_pools: dict[str, tuple[int, Any] | None] = {}  # by _pool_key
@@ -135,12 +131,27 @@ def _worker_pool(path: str, processes: int) -> Iterator[Any]:
         _shared_pools[key] = processes, pool
         yield pool
         return
-    with pool:
+    finished = False
+    try:
         yield pool
-        # Workers that end on their own release the pool's semaphores; the terminate that
-        # ``with`` ends in (kept for errors and interrupts) makes Python warn of leaked ones.
-        pool.close()
-        pool.join()
+        finished = True
+    finally:
+        _end_pool(pool, finished=finished)
+
+
+def _end_pool(pool: Any, *, finished: bool) -> None:
+    """Let the workers of a ``finished`` pool end on their own, which releases its semaphores (a terminate
+    makes Python warn of leaked ones); end them at once after an error or interrupt.
+
+    An interrupt arriving meanwhile (a second Ctrl-C; ``timeout`` signals the process and then its group)
+    is raised once they have ended: raised inside the pool's join, it left the pool's finalizer printing a
+    traceback below the command's one line."""
+    with deferred_interrupts():
+        if finished:
+            pool.close()
+            pool.join()
+        else:
+            pool.terminate()
 
 
 def _new_pool(path: str, processes: int) -> Any:
