@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from rankkit.errors import Interrupted, RankkitError
+from rankkit.interrupts import ignore_interrupts
 
 # the warnings of a command that has neither started its work nor printed; None once either happened
 _held_warnings: list[str] | None = None
@@ -96,14 +97,18 @@ def main() -> None:
         status = _invoke(command())
         if status == 0:  # else a usage error or an abort: its line is what to fix first
             release_warnings()
-        sys.exit(status)
     except RankkitError as error:
         print(f"rankkit: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        status = 2
     except Interrupted as interrupted:
         release_warnings()
         print(f"rankkit: {interrupted}", file=sys.stderr)
-        sys.exit(130)
+        status = 130
     except KeyboardInterrupt:  # while the command line itself loads: no command has started
         print("rankkit: interrupted before the command started; nothing written", file=sys.stderr)
-        sys.exit(130)
+        status = 130
+    # The command's last line is out and its status is set. Ctrl-C while the interpreter ends (the pool's
+    # finalizers, torch's teardown: a second or more) printed a traceback or, once Python had restored
+    # the default handler, killed a finished run silently with status 130.
+    ignore_interrupts()
+    sys.exit(status)

@@ -60,3 +60,11 @@ def deferred_interrupts() -> Iterator[None]:
             signal.signal(signum, handler)
     if arrived:  # to this thread, with the handlers of before: a KeyboardInterrupt, or what SIGTERM did
         signal.raise_signal(arrived[0])
+
+
+def ignore_interrupts() -> None:
+    """SIGINT and SIGTERM are ignored from now on, for a process that has finished its work and says
+    so: Python keeps an ignored signal ignored to its very end, where it restores any other handler to
+    the default that kills the process. SIGKILL still ends one that hangs as it exits."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)

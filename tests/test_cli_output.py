@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from rich.console import Console
 
+import rankkit
 from rankkit.progress import Progress
 
 RANKKIT = [sys.executable, "-c", "from rankkit.cli import main; main()"]
@@ -20,6 +21,16 @@ RANKKIT = [sys.executable, "-c", "from rankkit.cli import main; main()"]
 
 def _rankkit(*arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run([*RANKKIT, *arguments], capture_output=True, text=True, timeout=120)
+
+
+def test_ctrl_c_once_a_command_has_finished_leaves_its_status_and_prints_nothing():
+    """Arriving while the interpreter ended (the worker pool's finalizers, torch's teardown), it printed
+    a traceback below a finished compare's output, or killed it silently with status 130."""
+    ends_interrupted = "import atexit, signal; atexit.register(signal.raise_signal, signal.SIGINT); "
+    result = subprocess.run(
+        [sys.executable, "-c", ends_interrupted + RANKKIT[-1], "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"rankkit {rankkit.__version__}\n", "")
 
 
 def test_progress_off_a_terminal_is_one_line_per_finished_step_with_counts_and_eta():

@@ -825,6 +825,7 @@ def rankkit(*args) -> tuple[int, str, str]:
     """``rankkit ARGS`` in this process through the CLI's entry point: (exit status, stdout, stderr)."""
     import contextlib
     import io
+    import signal
     import sys
     import warnings
 
@@ -832,6 +833,8 @@ def rankkit(*args) -> tuple[int, str, str]:
 
     out, err, status = io.StringIO(), io.StringIO(), 0
     argv = sys.argv
+    # main ignores interrupts once it has finished, for the rest of its process: here, the tests'
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     sys.argv = ["rankkit", *map(str, args)]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
@@ -840,6 +843,8 @@ def rankkit(*args) -> tuple[int, str, str]:
         status = exit_status.code or 0
     finally:
         sys.argv = argv
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return status, out.getvalue(), err.getvalue()
 
 
