@@ -351,6 +351,11 @@ def parse_experiment(text: str, *, source: str, default_name: str, max_units: in
             ranked_slice(None, compare["span"], 1)
         if "needle_keep" in compare:
             Budget.parse(compare["needle_keep"], "--needle-keep")
+    with errors_in(f"{source} [variance]"):
+        if "thresholds" in given["variance"]:
+            from rankkit.eval.variance import checked_thresholds
+
+            checked_thresholds(given["variance"]["thresholds"])
     return Experiment(
         name=top.get("name", default_name),
         description=top.get("description", ""),

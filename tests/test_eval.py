@@ -1165,6 +1165,11 @@ def test_cli_variance(cli, store_path):
             "method 'claa': deferred_layers=50 is outside [0, 6]",
         ),
         (["variance", "--method", "asl:tau=nan"], "method 'asl': tau=nan is not a number"),
+        # thresholds are taus: a layer printed for tau NaN or -1 read as a result
+        (["variance", "--thresholds", "0.3,nan"], "--thresholds nan is not a number; give taus asl takes"),
+        (["variance", "--thresholds", "-1"], "--thresholds -1 is outside (0, inf) (τ, ASL Alg. 2); give taus"),
+        (["variance", "--thresholds", "0"], "--thresholds 0 is outside (0, inf)"),
+        (["variance", "--thresholds", "0.2,0.2"], "--thresholds names 0.2 twice; name each once"),
         # one name per option: --keep for a rate, --budget for tokens, as prefill, bench and sweep files
         (["variance", "--budget", "0.3"], "--budget '0.3' is not a token count; give e.g. --budget 2048, or --keep 0.1"),
         (["variance", "--keep", "0.1,0.2"], "variance draws one curve: give one keep rate (e.g. --keep 0.1)"),

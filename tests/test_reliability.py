@@ -1182,6 +1182,7 @@ def test_a_list_parameter_takes_a_list_one_value_or_the_command_lines_comma_sepa
         (lambda folder: _bench(folder, keep="0.5,x"), "--keep 'x' is not a keep rate; give e.g. --keep 0.1"),
         (lambda folder: _prefill(folder, kept_layers="0,15"), "--kept-layers 15 is not a layer of this model (0..2)"),
         (lambda folder: _variance("missing.zarr", thresholds="0.1,x"), "thresholds 'x' is not a number"),
+        (lambda folder: _variance("missing.zarr", thresholds=[]), "--thresholds names nothing; give e.g. --thresholds 0.2"),
     ],
 )  # fmt: skip
 def test_a_parameter_of_the_wrong_type_is_refused_naming_it(no_model_load, tiny_folder, call, message):

@@ -950,6 +950,11 @@ def test_variance_thresholds_are_a_field_as_they_are_an_option():
     assert unit_settings(plan, "variance", unit) != unit_settings(default, "variance", unit)
     with pytest.raises(RankkitError, match="thresholds"):
         parse_experiment(grid.format('thresholds = ["high"]'), source="grid.toml", default_name="grid")
+    # checked as --thresholds is, named as the file's field
+    with pytest.raises(RankkitError, match=re.escape("grid.toml [variance]: thresholds nan is not a number")):
+        parse_experiment(grid.format("thresholds = [0.3, nan]"), source="grid.toml", default_name="grid")
+    with pytest.raises(RankkitError, match=re.escape("grid.toml [variance]: thresholds -1 is outside (0, inf)")):
+        parse_experiment(grid.format("thresholds = [-1]"), source="grid.toml", default_name="grid")
 
 
 def test_a_sweep_naming_variance_thresholds_is_checked_and_planned(tmp_path, tiny_folder):

@@ -26,10 +26,11 @@ import numpy as np
 import polars as pl
 
 from rankkit import defaults, outputs
-from rankkit.checks import warn_timing_only_store
+from rankkit.checks import first_repeated, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl, is_fallback, selection_layer
+from rankkit.methods.base import declared_bounds
 from rankkit.values import as_list, check_number
 
 from .offline import captured, check_inputs, method_from_spec, warn_budget
@@ -133,6 +134,24 @@ def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
     return bound
 
 
+def checked_thresholds(thresholds: Sequence[float] | str | float) -> list[float]:
+    """``thresholds`` as a list, refused unless each is a value asl's tau takes and each is named
+    once: a layer printed for tau NaN or -1, which ``asl:tau=-1`` refuses, read as a result."""
+    values = as_list(thresholds, "--thresholds", float)
+    if not values:
+        raise RankkitError("--thresholds names nothing; give e.g. --thresholds 0.2,0.3")
+    tau = declared_bounds(Asl, "tau")
+    for value in values:
+        check_number(value, "--thresholds")
+        problem = tau.problem(value, None)
+        if problem is not None:
+            raise RankkitError(f"--thresholds {value:g} {problem}; give taus asl takes, e.g. --thresholds 0.2,0.3")
+    twice = first_repeated(values)
+    if twice is not None:
+        raise RankkitError(f"--thresholds names {twice:g} twice; name each once")
+    return values
+
+
 def variance_store(
     path: str | os.PathLike | Store,  # a path, or a store already open
     *,
@@ -163,9 +182,7 @@ def variance_store(
     from .compare import claim_outputs, scored_layers, with_clusters
 
     workers = checked_workers(workers)  # a bad --workers fails before any reading
-    thresholds = as_list(thresholds, "thresholds", float)
-    for threshold in thresholds:
-        check_number(threshold, "thresholds")
+    thresholds = checked_thresholds(thresholds)
     budget = Budget.one_of(keep, budget, default=Budget.from_keep(defaults.KEEP))
     asl = curve_method(method, min_layer, observed_layers)
     if out is not None:

@@ -128,6 +128,12 @@ def bounded(default: float, low: float, high: float = math.inf, **bounds):
     return field(default=default, metadata={BOUNDS: Bounds(low, high, integer=integer, **bounds)})
 
 
+def declared_bounds(method: type[Method], name: str) -> Bounds:
+    """The ``Bounds`` declared on ``method``'s parameter ``name``: for a value that is not passed
+    as that parameter yet must take the same values (``rankkit variance --thresholds``, asl's tau)."""
+    return next(spec.metadata[BOUNDS] for spec in fields(method) if spec.name == name)
+
+
 LAYER = Bounds(0, depth_high=-1)  # a layer index of the model
 LAYERS = Bounds(0, depth_high=-1, each=True)  # a list of layer indices
 
