@@ -49,7 +49,7 @@ from rankkit.eval.offline import method_from_spec, parse_method_spec, split_name
 from rankkit.interrupts import keep_on_interrupt
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, given_budgets, make
-from rankkit.methods.base import ONE_BUDGET
+from rankkit.methods.base import ONE_BUDGET, distinct_labels
 from rankkit.methods.measure import (
     CostModel,
     Measured,
@@ -422,13 +422,7 @@ class MethodOptions:
         methods = [method_from_spec(spec, options=options.get(parse_method_spec(spec)[0])) for spec in names]
         for method in methods:
             check_parameters(method, num_layers)
-        twice = first_repeated([method.name for method in methods])
-        if twice is not None:
-            given = ", ".join(spec for spec in names if parse_method_spec(spec)[0] == twice)
-            raise RankkitError(
-                f"{twice} is named twice ({given}): rows are labelled by method, so one setting's numbers "
-                "would stand for both; run each setting with its own --out"
-            )
+        distinct_labels([method.name for method in methods], names, "run each setting with its own --out")
         if self.layer is None:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]

@@ -71,7 +71,7 @@ from rankkit.data import data_fingerprint, load_examples
 from rankkit.errors import RankkitError
 from rankkit.eval import compare, variance
 from rankkit.eval.diffusion import diffusion_probe
-from rankkit.eval.offline import method_from_spec, split_names
+from rankkit.eval.offline import method_from_spec
 from rankkit.eval.parallel import checked_workers
 from rankkit.experiment import (
     MAX_UNITS,
@@ -704,7 +704,7 @@ def _check_compare(plan: Experiment, layout: Layout, num_layers: int) -> None:
         return
     probes, has_draft = captured
     labels = (
-        split_names(options["methods"])
+        compare.compared_labels(options["methods"])
         if "methods" in options
         else compare.available_methods(probes, has_draft)
     )

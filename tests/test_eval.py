@@ -1164,6 +1164,9 @@ def test_cli_variance(cli, store_path):
             ["select", "--method", "claa:deferred_layers=50", "--keep", "0.1"],
             "method 'claa': deferred_layers=50 is outside [0, 6]",
         ),
+        # deduplicated silently, where bench refuses it
+        (["compare", "--methods", "claa,fastkv,claa"],
+         "claa is named twice (claa, claa): rows are labelled by method, so one setting's numbers would stand for both; name each once"),
         (["variance", "--method", "asl:tau=nan"], "method 'asl': tau=nan is not a number"),
         # thresholds are taus: a layer printed for tau NaN or -1 read as a result
         (["variance", "--thresholds", "0.3,nan"], "--thresholds nan is not a number; give taus asl takes"),

@@ -1172,6 +1172,8 @@ def test_a_list_parameter_takes_a_list_one_value_or_the_command_lines_comma_sepa
         (lambda folder: _method_options(layer="3"), "--layer takes a whole number, not str '3'"),
         (lambda folder: _prefill(folder, kept_layers=["0"]), "--kept-layers takes a whole number, not str '0'"),
         (lambda folder: _compare("missing.zarr", layer="3"), "--layer takes a whole number, not str '3'"),
+        # an empty list compared every method, as --methods "" is refused
+        (lambda folder: _compare("missing.zarr", methods=[]), "--methods names nothing; give e.g. --methods window"),
         (lambda folder: _variance("missing.zarr", thresholds=["0.1"]), "thresholds takes a number, not str '0.1'"),
         (lambda folder: _setup(folder, threads="1").load(), "--threads must be a whole number >= 1, got '1'"),
         (lambda folder: _capture(folder, threads="1"), "--threads must be a whole number >= 1, got '1'"),

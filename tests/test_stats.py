@@ -256,6 +256,10 @@ def test_compare_pairs_option_names_methods_and_refuses_others(tmp_path):
         compare_store(store, methods="window,claa", pairs=[("claa", "nope")])
     with pytest.raises(RankkitError, match="--pairs names claa:window twice; name each pair once"):
         compare_store(store, methods="window,claa", pairs=[("claa", "window")] * 2)
+    # a method with itself: a zero difference on every example, printed as a finding
+    for pairs in ("claa:claa", [("claa", "claa")]):
+        with pytest.raises(RankkitError, match="^--pairs claa:claa pairs claa with itself; pair two different"):
+            compare_store(store, methods="window,claa", pairs=pairs)
     assert compare_store(store, methods="window,claa", pairs=[]).pairs.height == 0
 
 

@@ -386,6 +386,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             r"\[compare\]: pairs tests differences of Spearman with the oracle, which oracle = false in \[compare\] "
             "leaves out; drop pairs or compare with the oracle$",
         ),
+        (  # a zero difference on every example, tested and printed as a finding
+            ("[diffusion]", '[compare]\nmethods = ["claa", "fastkv"]\npairs = ["claa:claa"]\n[diffusion]'),
+            r"\[compare\]: pairs claa:claa pairs claa with itself; pair two different methods, e.g. pairs claa:fastkv$",
+        ),
         (
             ("[diffusion]", "[compare]\nneedle_keep = 1.5\n[diffusion]"),
             r"\[compare\]: needle_keep 1.5 is neither a keep rate in \(0, 1\] nor a positive token count; "

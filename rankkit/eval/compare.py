@@ -78,6 +78,7 @@ from rankkit.checks import (
 )
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Method, given_budgets, make
+from rankkit.methods.base import distinct_labels
 from rankkit.methods.selection import DRAFT_SCORES
 from rankkit.values import check_number
 
@@ -471,6 +472,16 @@ def with_clusters(per_layer: pl.DataFrame, records: Sequence[Any], example: str 
     return per_layer.with_columns(pl.col(example).cast(pl.String).replace_strict(clusters).alias(CLUSTER))
 
 
+def compared_labels(methods: str | Sequence[str]) -> list[str]:
+    """The probe keys and method specs ``methods`` names (``--methods``, or its list), each named once:
+    a list naming none would compare nothing, and one named twice has one label for two rows."""
+    labels = split_names(methods) if isinstance(methods, str) else list(methods)
+    if not labels:
+        raise RankkitError("--methods names nothing; give e.g. --methods window,claa,fastkv")
+    distinct_labels(labels, labels, "name each once")
+    return labels
+
+
 def default_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
     """CLAA against each single-layer heuristic among ``methods`` (CLAA's own comparison, Fig. 2)."""
     if CLAA not in methods:
@@ -521,6 +532,9 @@ def checked_pairs(pairs: Sequence[tuple[str, str]], labels: Sequence[str]) -> li
                 f"--pairs {pair!r} is not (method, baseline) of two compared methods ({', '.join(labels)}); "
                 "e.g. ('claa', 'fastkv')"
             )
+    same = next((method for method, baseline in pairs if method == baseline), None)
+    if same is not None:  # its difference is zero on every example, a row that reads as a finding
+        raise RankkitError(f"--pairs {same}:{same} pairs {same} with itself; pair two different methods, e.g. --pairs claa:fastkv")
     twice = first_repeated([f"{method}:{baseline}" for method, baseline in pairs])
     if twice is not None:
         raise RankkitError(f"--pairs names {twice} twice; name each pair once")
@@ -805,6 +819,7 @@ def compare_store(
     needle_keep = keep if needle_keep is None else needle_keep
     Budget.parse(needle_keep, "--needle-keep")
     ranked_slice(None, span, 1)  # so does a bad span
+    chosen = None if methods is None else compared_labels(methods)  # and an empty or repeated list
     store = stores.open(path)
     if oracle:
         refuse_timing_only_store(store.meta, store.path, "compare rankings with its oracle")
@@ -838,11 +853,8 @@ def compare_store(
 
     captured_probes = sorted({probe for record in records for probe in record.probes})
     has_draft = all(DRAFT_GROUP in record.groups for record in records)
-    if isinstance(methods, str):
-        methods = split_names(methods)
-        if not methods:
-            raise RankkitError("--methods names nothing; give e.g. --methods window,claa,fastkv")
-    chosen = list(methods) if methods else as_drafted(available_methods(captured_probes, has_draft), store.meta, num_layers)
+    if chosen is None:
+        chosen = as_drafted(available_methods(captured_probes, has_draft), store.meta, num_layers)
     unknown = [name for name in chosen if name not in captured_probes and not is_method(name)]
     if unknown:
         raise RankkitError(

@@ -300,6 +300,18 @@ def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:
     return list(budgets)
 
 
+def distinct_labels(labels: Sequence[str], specs: Sequence[str], fix: str) -> None:
+    """Refuse two of ``specs`` (as given) whose rows would carry one label (``labels``, in step):
+    one setting's numbers would stand for both. ``fix`` says how to run them apart."""
+    twice = first_repeated(labels)
+    if twice is not None:
+        given = ", ".join(spec for spec, label in zip(specs, labels, strict=True) if label == twice)
+        raise RankkitError(
+            f"{twice} is named twice ({given}): rows are labelled by method, so one setting's numbers "
+            f"would stand for both; {fix}"
+        )
+
+
 def budget_keywords(budgets: Sequence[Budget]) -> dict[str, list]:
     """``budgets``, all keep rates or all token counts, as the keywords ``bench`` and ``compare_keeps``
     take them (``given_budgets``): ``keep=[...]`` or ``budget=[...]``."""
