@@ -9,7 +9,15 @@ from rich.text import Text
 from rankkit import defaults
 
 from .app import app, output
-from .options import Format, NeedleKeep, Overwrite, Workers, keep_or_tokens, output_format
+from .options import (
+    OFFLINE_METHODS,
+    Format,
+    NeedleKeep,
+    Overwrite,
+    Workers,
+    keep_or_tokens,
+    output_format,
+)
 
 
 @app.command("compare")
@@ -32,9 +40,8 @@ def compare(
     methods: str | None = typer.Option(
         None,
         "--methods",
-        help="Comma-separated probes (store keys, e.g. window:w=32) and methods (gemfilter, fastkv, claa, "
-        "specprefill, asl, asl-2pass, snapkv, streamingllm, sage-kv, lava, sliminfer, oracle); a method's "
-        "own parameters follow it as claa:aggregation_window=8. (default: all the store offers)",
+        help=f"Comma-separated probes (store keys, e.g. window:w=32) and methods ({OFFLINE_METHODS}); a "
+        "method's own parameters follow it as claa:aggregation_window=8. (default: all the store offers)",
     ),
     span: str = typer.Option(
         "prompt",

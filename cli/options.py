@@ -23,6 +23,13 @@ LAYER_HELP = (
     "checked against the model's depth. A layer given here is used as is, even a sliding-window one, "
     "which cannot see keys older than its window."
 )
+# The built-in methods that rank a store's scores (all but full), as compare and select list them:
+# written out, as the help is printed without importing the methods (torch); a test holds it to
+# the registry.
+OFFLINE_METHODS = (
+    "gemfilter, fastkv, claa, asl, asl-2pass, snapkv, pyramidkv, adakv, sage-kv, lava, tova, streamingllm, "
+    "sliminfer, specprefill, oracle"
+)
 DRAFT_SPEC = (
     "layers:N (the target's first N layers, norm and LM head) or a model spec with the target's tokenizer"
 )
@@ -57,7 +64,7 @@ NeedleKeep = Annotated[
     typer.Option(
         "--needle-keep",
         help="Keep rate (e.g. 0.1) or token count (a whole number, e.g. 2048) needle recall counts the "
-        "evidence tokens in. (default: each --keep or --budget given)",
+        "evidence tokens in. (default: the keep rate or budget each comparison ranks under)",
     ),
 ]
 Mirror = Annotated[

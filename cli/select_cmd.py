@@ -5,7 +5,7 @@ from pathlib import Path
 import typer
 
 from .app import app
-from .options import Format, output_format
+from .options import OFFLINE_METHODS, Format, output_format
 
 
 @app.command("select")
@@ -14,9 +14,7 @@ def select(
     method: str = typer.Option(
         ...,
         "--method",
-        help="A method with its parameters, e.g. claa or claa:aggregation_window=8 (gemfilter, fastkv, "
-        "claa, asl, asl-2pass, snapkv, pyramidkv, adakv, sage-kv, lava, tova, streamingllm, sliminfer, "
-        "specprefill, oracle).",
+        help=f"A method with its parameters, e.g. claa or claa:aggregation_window=8 ({OFFLINE_METHODS}).",
     ),
     keep: float | None = typer.Option(None, "--keep", help="Keep rate in (0, 1], e.g. 0.1."),
     budget: int | None = typer.Option(

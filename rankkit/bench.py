@@ -406,7 +406,7 @@ class MethodOptions:
         ``strict`` (prefill) refuses ``layer`` when the method it studies, named last (after its
         ``--compare`` reference), has no selection layer; otherwise, as in a grid (bench), the
         layer is set on the methods that have one and the rest are warned of. ``full`` selects
-        nothing, so the layer never concerns it.
+        nothing, so the layer never concerns it. Two settings of one method are refused either way.
         """
         if not names:
             raise RankkitError("no method given; name them comma-separated, e.g. --methods full,claa,fastkv")
@@ -422,7 +422,9 @@ class MethodOptions:
         methods = [method_from_spec(spec, options=options.get(parse_method_spec(spec)[0])) for spec in names]
         for method in methods:
             check_parameters(method, num_layers)
-        distinct_labels([method.name for method in methods], names, "run each setting with its own --out")
+        # bench writes rows, prefill prints them: each command's own way to run the settings apart
+        fix = "run prefill once for each setting" if strict else "run each setting with its own --out"
+        distinct_labels([method.name for method in methods], names, fix)
         if self.layer is None:
             return methods
         layered = [method for method in methods if method.selection_parameter is not None]

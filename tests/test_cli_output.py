@@ -180,6 +180,53 @@ def test_the_oracle_kernel_help_says_it_is_odd():
         assert kernel.help.endswith("an odd width (the pooling keeps the length).")
 
 
+def _leaf_commands(group, path=()):
+    for name, each in group.commands.items():
+        if hasattr(each, "commands"):
+            yield from _leaf_commands(each, (*path, name))
+        else:
+            yield " ".join((*path, name)), each
+
+
+def test_help_and_refusals_name_only_options_the_command_takes():
+    """dashboard's --needle-keep help and its refusal of --keep 0 named --budget, which it lacks."""
+    import re
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import command
+    from rankkit.errors import RankkitError
+    from rankkit.report import write_dashboard
+
+    # --cuda-graphs' help says bench and prefill need --warmup; overhead shares the option, not the need
+    elsewhere = {("overhead", "--warmup")}
+    for name, each in _leaf_commands(command()):
+        own = {option for param in each.params for option in [*param.opts, *param.secondary_opts]}
+        for param in each.params:
+            for option in re.findall(r"--[a-z][a-z-]*", getattr(param, "help", None) or ""):
+                assert option in own or (name, option) in elsewhere, (name, param.name, option)
+    with pytest.raises(RankkitError) as refused:
+        write_dashboard("missing.zarr", "page.html", keep=0)
+    assert str(refused.value) == "keep rate 0 is outside (0, 1]: use e.g. --keep 0.1"
+
+
+def test_compare_and_select_help_list_every_built_in_method_they_take():
+    """compare --help left out pyramidkv, adakv and tova, which it takes: the list is one constant,
+    written out (the help imports no method), held here to the registry's methods with an offline face."""
+    from rankkit.cli.options import OFFLINE_METHODS
+    from rankkit.errors import RankkitError
+    from rankkit.methods import REGISTRY
+
+    def ranks_a_store(cls) -> bool:
+        try:
+            cls().captured_inputs()
+        except RankkitError:  # full: no offline face
+            return False
+        return True
+
+    built_in = {name for name, cls in REGISTRY.items() if cls.__module__.startswith("rankkit.methods.")}
+    assert set(OFFLINE_METHODS.split(", ")) == {name for name in built_in if ranks_a_store(REGISTRY[name])}
+
+
 def test_store_info_says_where_a_cut_value_is_whole():
     from rankkit.cli.store_cmd import _compact
 

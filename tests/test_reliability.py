@@ -104,6 +104,9 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
         (["bench", "--methods", "full,claa", "--budget", "64,64"], "--budget: two budgets both read budget=64"),
         (["bench", "--methods", "full,claa", "--keep", "0.1,0.10000001"],
          "--keep: two budgets both read keep=0.1 (keep=0.1 and keep=0.10000001); name each once"),
+        (["prefill", "--method", "claa:aggregation_window=2", "--keep", "0.2", "--compare", "claa"],
+         "claa is named twice (claa, claa:aggregation_window=2): rows are labelled by method, so one setting's "
+         "numbers would stand for both; run prefill once for each setting"),  # prefill has no --out
         (["prefill", "--method", "claa"], "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", "0,3"],
          "--kept-layers 3 is not a layer of this model (0..2); list layers in that range"),

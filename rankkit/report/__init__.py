@@ -45,7 +45,8 @@ from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import KEEP_RATES
 from rankkit.eval.parallel import map_examples, shared_workers
-from rankkit.methods import Budget, budget_keywords, given_budgets
+from rankkit.methods import Budget, budget_keywords
+from rankkit.methods.base import keep_rates
 from rankkit.values import as_list
 
 from . import figures
@@ -111,7 +112,7 @@ def write_dashboard(
     from rankkit.report.joined import refuse_other_examples
 
     explore = None if explore is None else as_list(explore, "--explore")
-    compared = given_budgets(keep)
+    compared = keep_rates(keep)
     if needle_keep is not None:
         Budget.parse(needle_keep, "--needle-keep")
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
