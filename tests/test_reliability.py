@@ -1175,6 +1175,7 @@ def test_a_list_parameter_takes_a_list_one_value_or_the_command_lines_comma_sepa
         (lambda folder: _method_options(layer="3"), "--layer takes a whole number, not str '3'"),
         (lambda folder: _prefill(folder, kept_layers=["0"]), "--kept-layers takes a whole number, not str '0'"),
         (lambda folder: _compare("missing.zarr", layer="3"), "--layer takes a whole number, not str '3'"),
+        (lambda folder: _select("missing.zarr", "snapkv", keep=0.1, layer="3"), "--layer takes a whole number, not str '3'"),
         # an empty list compared every method, as --methods "" is refused
         (lambda folder: _compare("missing.zarr", methods=[]), "--methods names nothing; give e.g. --methods window"),
         (lambda folder: _variance("missing.zarr", thresholds=["0.1"]), "thresholds takes a number, not str '0.1'"),
@@ -1213,6 +1214,12 @@ def _setup(folder, **given):
     from rankkit.bench import Setup
 
     return Setup(str(folder), **given)
+
+
+def _select(path, method, **given):
+    from rankkit.eval.offline import select_store
+
+    return select_store(path, method, **given)
 
 
 def _compare(path, **given):

@@ -19,6 +19,7 @@ from rankkit.checks import warn_clamped, warn_raised, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Captured, Method, default_capture_probes, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
+from rankkit.values import check_number
 
 
 def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -209,6 +210,8 @@ def select_store(
     (KV-only) methods, which report the layer ``layer`` names."""
     from rankkit import stores
 
+    if layer is not None:
+        check_number(layer, "--layer", whole=True)
     spec = method
     chosen = Budget.one_of(keep, budget)
     method = method_from_spec(spec)
