@@ -506,10 +506,10 @@ def _checked_prompts(
     tokenizer, examples: list[Example], config, setup: Setup, budgets, methods: Sequence[Method]
 ) -> list[Prompt]:
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
-    for example, prompt in zip(examples, prompts, strict=True):
-        for budget in budgets:
-            warn_clamped(budget, prompt.num_tokens, f"the prompt of example {example.id!r}")
-    _warn_raised(methods, budgets, [prompt.num_tokens for prompt in prompts])
+    lengths = [prompt.num_tokens for prompt in prompts]
+    for budget in budgets:
+        warn_clamped(budget, lengths)
+    _warn_raised(methods, budgets, lengths)
     return prompts
 
 
@@ -602,7 +602,7 @@ def prefill(
     else:
         picked, prompt = None, build_prompt(loaded.tokenizer, context, question)
         check_length(prompt.num_tokens, config, "the prompt", allow_overlength=setup.allow_overlength)
-        warn_clamped(budget, prompt.num_tokens, "the prompt")
+        warn_clamped(budget, [prompt.num_tokens])
         _warn_raised(chosen, [budget], [prompt.num_tokens])
     # full keeps everything whatever the budget
     entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]

@@ -540,7 +540,7 @@ def test_a_budget_larger_than_the_prompt_warns_that_it_keeps_everything(tmp_path
     from rankkit.bench import BenchSettings, Setup, bench
 
     with pytest.warns(
-        UserWarning, match=r"--budget 5000 is larger than the prompt of example .* it keeps all"
+        UserWarning, match=r"--budget 5000 is larger than the prompt \(\d+ tokens\); it keeps all of it \(in 1 of 1 prompts\)$"
     ):
         frame = bench(
             ["full", "claa"],

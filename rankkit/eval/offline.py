@@ -188,9 +188,8 @@ def captured(record, method: Method, layout: Mapping[str, Any] | None = None) ->
 def warn_budget(budget: Budget, methods: Iterable[Method], records: Sequence[Any]) -> None:
     """Warn of ``budget`` above an example's prompt (``warn_clamped``) or below what a method always
     keeps (``warn_raised``), as select, compare and variance rank the store's ``records``."""
-    for record in records:
-        warn_clamped(budget, record.num_tokens, f"example {record.id!r}")
     lengths = [record.num_tokens for record in records]
+    warn_clamped(budget, lengths)
     for method in methods:
         warn_raised(method, budget, lengths)
 
