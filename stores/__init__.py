@@ -10,8 +10,10 @@ Layout and crash-safety rules: ``rankkit.stores.schema`` and ``rankkit.stores.wr
 read checks: ``rankkit.stores.manifest``; ``stores.verify(path)`` checks a whole store.
 """
 
+from rankkit.names import decode_name, encode_name
+
 from .reader import ArrayGroup, ExampleRecord, ReadOnce, Store, describe, open
-from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype, decode_name, encode_name
+from .schema import SCHEMA_VERSION, SCORE_DTYPE_KEY, SCORE_DTYPES, check_score_dtype
 from .verify import VerifyReport, verify
 from .writer import StoreWriter, check_removable, create, is_rankkit_store, remove
 

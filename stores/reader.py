@@ -23,6 +23,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from rankkit.errors import RankkitError
+from rankkit.names import decode_name, encode_name
 
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
@@ -38,8 +39,6 @@ from .schema import (
     SCORES,
     STORE_MANAGED_KEYS,
     TOKENS,
-    decode_name,
-    encode_name,
     example_path,
     example_state,
     list_example_dirs,

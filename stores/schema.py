@@ -33,7 +33,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import zarr
@@ -43,6 +42,7 @@ from zarr.errors import GroupNotFoundError
 from zarr.storage import LocalStore, ZipStore
 
 from rankkit.errors import RankkitError
+from rankkit.names import encode_name
 from rankkit.outputs import STORE_SCHEMA_KEY
 
 from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST, ROOT_MANIFEST_SINCE
@@ -80,10 +80,6 @@ COMPLETE = "complete"
 # The flags and what each completed write holds (rankkit.stores.manifest) are the store's own.
 EXAMPLE_FLAGS = frozenset({COMPLETE, ORACLE_COMPLETE, MANIFEST, ORACLE_MANIFEST, ADDED_GROUPS})
 
-# File names are at most 255 bytes on common file systems; leave room for the
-# ".<uuid>.partial" suffix zarr's atomic writes add next to a file.
-MAX_ENCODED_NAME_BYTES = 200
-
 # Whole-array chunks up to this size: one file per array keeps writes and full reads
 # fast (4k tokens x 30 layers x 3 heads is 1.5 MB). Longer contexts split along layers.
 TARGET_CHUNK_BYTES = 8 * 2**20
@@ -95,42 +91,10 @@ TARGET_CHUNK_BYTES = 8 * 2**20
 FLOAT_COMPRESSORS = (BloscCodec(cname="lz4", clevel=5, shuffle=BloscShuffle.shuffle),)
 INTEGER_COMPRESSORS = (BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle),)
 
-_SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
-_SAFE_FIRST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
-
 
 def check_score_dtype(score_dtype: str) -> None:
     if score_dtype not in SCORE_DTYPES:
         raise RankkitError(f"--score-dtype must be one of {', '.join(SCORE_DTYPES)}, got {score_dtype!r}")
-
-
-def encode_name(name: str) -> str:
-    """A reversible, path-safe node name for an example id, probe or group name.
-
-    Keeps lower-case letters, digits, "_", "-", "." and percent-encodes every other
-    UTF-8 byte, upper-case letters included, so ids differing only in case stay apart
-    on case-insensitive file systems. The first character is always a letter, digit or
-    "%": no hidden files, no "." or "..", no zarr-reserved "__" prefix.
-    """
-    if not isinstance(name, str) or not name:
-        raise RankkitError(f"names in a store must be non-empty strings, got {name!r}")
-    encoded = "".join(
-        char if char in (_SAFE_FIRST_CHARS if position == 0 else _SAFE_CHARS) else _percent_encode(char)
-        for position, char in enumerate(name)
-    )
-    if len(encoded.encode()) > MAX_ENCODED_NAME_BYTES:
-        raise RankkitError(
-            f"name {name[:40]!r}... is too long for a store path once encoded; use a shorter id"
-        )
-    return encoded
-
-
-def _percent_encode(char: str) -> str:
-    return "".join(f"%{byte:02x}" for byte in char.encode())
-
-
-def decode_name(encoded: str) -> str:
-    return unquote(encoded, errors="strict")
 
 
 def example_path(example_id: str) -> str:

@@ -27,6 +27,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from rankkit.errors import RankkitError
+from rankkit.names import decode_name
 
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
@@ -39,7 +40,6 @@ from .schema import (
     ORACLE_LAYERS,
     SCORES,
     TOKENS,
-    decode_name,
     example_state,
     list_example_dirs,
     one_line,

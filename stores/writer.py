@@ -27,6 +27,7 @@ from zarr.storage import LocalStore
 
 from rankkit import __version__ as rankkit_version
 from rankkit.errors import RankkitError
+from rankkit.names import encode_name
 from rankkit.outputs import lock_exclusively
 
 from . import manifest
@@ -53,7 +54,6 @@ from .schema import (
     TOKENS,
     canonical_json,
     check_score_dtype,
-    encode_name,
     example_path,
     group_file,
     open_node,

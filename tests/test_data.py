@@ -493,6 +493,9 @@ GOOD_LINE = '{"id": "a", "context": "c", "question": "q", "answers": ["x"]}'
         (['{"id": "a", "context": "c", "question": "q", "answers": [1]}'], ":1: 'answers' must be a string or a list"),
         (['{"id": "a", "context": "c\\ud800", "question": "q", "answers": ["x"]}'], ":1: 'context' holds a lone surrogate (\\ud800 at character 1)"),
         (['{"id": "a", "context": "", "question": "q", "answers": ["x"]}'], ":1: the context of example 'a' is empty"),
+        # an id no store can hold, refused by every command that reads the file: data export wrote it, capture refused it
+        (['{"id": "", "context": "c", "question": "q", "answers": ["x"]}'], ":1: names in a store must be non-empty strings, got ''; give each example an id"),
+        ([GOOD_LINE.replace('"a"', f'"{"x" * 300}"')], ":1: name 'xxxx"),
         (['{"id": "a", "context": "c", "question": "q", "answers": ["x"], "evidence": [[0]]}'], ":1: 'evidence' must be a list of [start, end] integer pairs"),
         ([GOOD_LINE, '{"id": "b", "context": }'], ":2:24: not valid JSON (Expecting value)"),
         (['{"id": "a", "context": "cc", "question": "q", "answers": ["x"], "evidence": [[2, 1]]}'], ":1: evidence span [2, 1) ends before it starts"),

@@ -1013,11 +1013,11 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
         ([], "data.jsonl holds no example; give a file with one JSON object per line"),
         (
             [{"id": "", "context": "a b c", "question": "q?", "answers": ["x"]}],
-            "example 1 of 'data.jsonl' has an id no store can hold: names in a store must be non-empty strings",
+            "data.jsonl:1: names in a store must be non-empty strings, got ''; give each example an id",
         ),
         (
             [{"id": "x" * 300, "context": "a b c", "question": "q?", "answers": ["x"]}],
-            "example 1 of 'data.jsonl' has an id no store can hold: name 'xxxx",
+            "data.jsonl:1: name 'xxxx",
         ),
     ],
 )

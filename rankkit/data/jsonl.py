@@ -28,6 +28,7 @@ from rankkit.data.example import Example
 from rankkit.data.longbench import is_longbench_record, longbench_example
 from rankkit.data.metrics import METRICS
 from rankkit.errors import RankkitError
+from rankkit.names import encode_name
 
 REQUIRED_FIELDS = ("id", "context", "question", "answers")
 
@@ -171,6 +172,10 @@ def _check_types(record: dict, types: dict[str, tuple[str, ...]], where: str) ->
 
 
 def _check_example(example: Example, where: str) -> None:
+    try:  # refused here, not by capture alone: data export wrote a file every command then refused
+        encode_name(example.id)
+    except RankkitError as error:
+        raise RankkitError(f"{where}: {error}") from None
     if not example.context.strip():
         raise RankkitError(f"{where}: the context of example {example.id!r} is empty; give it text to read")
     texts = {
