@@ -251,7 +251,7 @@ def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = Fal
 
     title = "methods vs full: means [95% interval] over n examples"
     if "n_clusters" in table.columns:
-        title += f" ({HEADERS['n_clusters'][0]} independent samples)"
+        title += f" ({HEADERS['n_clusters'][0]}: independent samples)"
     view = Table(title=f"{title}, timing only" if timing_only else title)
     columns = [
         ("method", plain("method")),

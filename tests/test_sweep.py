@@ -961,7 +961,7 @@ def test_variance_thresholds_are_a_field_as_they_are_an_option():
         parse_experiment(grid.format("thresholds = [-1]"), source="grid.toml", default_name="grid")
 
 
-def test_a_sweep_naming_variance_thresholds_is_checked_and_planned(tmp_path, tiny_folder):
+def test_a_sweep_naming_variance_thresholds_is_checked_and_planned(tmp_path, tiny_folder, monkeypatch):
     """The check before any work passed the thresholds to the curve's method: a traceback (TypeError)
     for every sweep that named them, --dry-run included."""
     grid = _write(
@@ -969,6 +969,7 @@ def test_a_sweep_naming_variance_thresholds_is_checked_and_planned(tmp_path, tin
         f'stages = ["capture", "oracle", "variance"]\nkeep = [0.2]\n[model]\nname = "{tiny_folder}"\n'
         '[[data]]\nspec = "niah:n=1,length=128"\n[variance]\nthresholds = [0.25, 0.5]\n',
     )
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))  # no cost model cached: no time estimate
     plans = []
     sweep(grid, tmp_path / "out", dry_run=True, announce=plans.append)
     assert plans[0].lines()[1:4] == [f"  {stage}: 1 new, 0 changed, 0 kept" + tail for stage, tail in (
