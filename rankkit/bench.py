@@ -39,8 +39,7 @@ from rankkit.checks import (
     check_unique_rows,
     check_value_ranges,
     first_repeated,
-    warn_clamped,
-    warn_raised,
+    warn_budgets,
 )
 from rankkit.data import Example, context_text, data_fingerprint, load_examples, read_spec, spec_text
 from rankkit.data import score as score_answer
@@ -506,18 +505,13 @@ def _checked_prompts(
     tokenizer, examples: list[Example], config, setup: Setup, budgets, methods: Sequence[Method]
 ) -> list[Prompt]:
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=setup.allow_overlength)
-    lengths = [prompt.num_tokens for prompt in prompts]
-    for budget in budgets:
-        warn_clamped(budget, lengths)
-    _warn_raised(methods, budgets, lengths)
+    warn_budgets(budgets, _pruning(methods), [prompt.num_tokens for prompt in prompts])
     return prompts
 
 
-def _warn_raised(methods: Sequence[Method], budgets, prompt_lengths: list[int]) -> None:
-    for method in methods:
-        if method.name != FULL:  # full keeps everything whatever the budget
-            for budget in budgets:
-                warn_raised(method, budget, prompt_lengths)
+def _pruning(methods: Sequence[Method]) -> list[Method]:
+    """``methods`` but full, which keeps everything whatever the budget."""
+    return [method for method in methods if method.name != FULL]
 
 
 def prefill(
@@ -602,8 +596,7 @@ def prefill(
     else:
         picked, prompt = None, build_prompt(loaded.tokenizer, context, question)
         check_length(prompt.num_tokens, config, "the prompt", allow_overlength=setup.allow_overlength)
-        warn_clamped(budget, [prompt.num_tokens])
-        _warn_raised(chosen, [budget], [prompt.num_tokens])
+        warn_budgets([budget], _pruning(chosen), [prompt.num_tokens])
     # full keeps everything whatever the budget
     entries = [(each, Budget.from_keep(1.0) if each.name == FULL else budget) for each in chosen]
     with torch.inference_mode():

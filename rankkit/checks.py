@@ -88,6 +88,17 @@ def warn_raised(method, budget, prompt_lengths: Sequence[int]) -> None:
         )
 
 
+def warn_budgets(budgets, methods, prompt_lengths: Sequence[int]) -> None:
+    """Warn of each of ``budgets`` above a prompt of ``prompt_lengths`` (``warn_clamped``), then below
+    what each of ``methods`` always keeps (``warn_raised``): what every command that takes a budget says
+    of it before it runs, once for all its prompts."""
+    for budget in budgets:
+        warn_clamped(budget, prompt_lengths)
+    for method in methods:
+        for budget in budgets:
+            warn_raised(method, budget, prompt_lengths)
+
+
 # what every output of a ``random:<shape>`` run says of itself
 TIMING_ONLY = "timing only: random weights (random:<shape>), so answers, accuracy and rankings mean nothing"
 

@@ -74,6 +74,7 @@ from rankkit import defaults, outputs
 from rankkit.checks import (
     first_repeated,
     refuse_timing_only_store,
+    warn_budgets,
     warn_timing_only_store,
 )
 from rankkit.errors import RankkitError
@@ -91,7 +92,6 @@ from .offline import (
     recorded_model,
     single_layer_methods,
     split_names,
-    warn_budget,
 )
 from .parallel import checked_workers, map_examples
 from .stats import (
@@ -868,7 +868,7 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
-    warn_budget(budget, ranked_methods.values(), records)
+    warn_budgets([budget], ranked_methods.values(), [record.num_tokens for record in records])
     labels = [*probes, *ranked_methods]
     if pairs is None:
         pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle

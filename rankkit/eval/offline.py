@@ -9,13 +9,13 @@ arrays after checking the store recorded them with the settings the method ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from rankkit.checks import warn_clamped, warn_raised, warn_timing_only_store
+from rankkit.checks import warn_budgets, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import REGISTRY, Budget, Captured, Method, default_capture_probes, make
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP, DRAFT_SCORES, ORACLE_SCORES
@@ -185,15 +185,6 @@ def captured(record, method: Method, layout: Mapping[str, Any] | None = None) ->
     return Captured(arrays, num_layers, record.num_tokens, **(layout or {}))
 
 
-def warn_budget(budget: Budget, methods: Iterable[Method], records: Sequence[Any]) -> None:
-    """Warn of ``budget`` above an example's prompt (``warn_clamped``) or below what a method always
-    keeps (``warn_raised``), as select, compare and variance rank the store's ``records``."""
-    lengths = [record.num_tokens for record in records]
-    warn_clamped(budget, lengths)
-    for method in methods:
-        warn_raised(method, budget, lengths)
-
-
 def select_store(
     path: str | os.PathLike,
     method: str,
@@ -225,7 +216,7 @@ def select_store(
     if not records:
         raise RankkitError(f"store {path} has no complete example; capture into it first")
     check_inputs([method], records, store.meta)
-    warn_budget(chosen, [method], records)
+    warn_budgets([chosen], [method], [record.num_tokens for record in records])
     rows = []
     for record in records:
         example = captured(record, method, recorded_model(store.meta))

@@ -26,14 +26,14 @@ import numpy as np
 import polars as pl
 
 from rankkit import defaults, outputs
-from rankkit.checks import first_repeated, warn_timing_only_store
+from rankkit.checks import first_repeated, warn_budgets, warn_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.methods import Budget
 from rankkit.methods.asl import Asl, is_fallback, selection_layer
 from rankkit.methods.base import declared_bounds
 from rankkit.values import as_list, check_number
 
-from .offline import captured, check_inputs, method_from_spec, warn_budget
+from .offline import captured, check_inputs, method_from_spec
 from .parallel import checked_workers, map_examples
 from .stats import cluster_column, mean_intervals
 
@@ -195,7 +195,7 @@ def variance_store(
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
     bound = bound_curve_method(asl, scored_layers(records))
-    warn_budget(budget, [asl], records)
+    warn_budgets([budget], [asl], [record.num_tokens for record in records])
     # the method's own tau among them, so the layer it selects is always reported
     reported = tuple(sorted({*thresholds, asl.tau}))
     evaluate = partial(variance_example, asl=asl, budget=budget, thresholds=reported)
