@@ -61,16 +61,18 @@ def int_or_float(text: str) -> int | float:
         return float(text)
 
 
-def as_list(value: Any, option: str, kind: Callable[[str], Any] | None = None) -> list:
+def as_list(value: Any, option: str, kind: Callable[[str], Any] | None = None, fix: str | None = None) -> list:
     """A list parameter of the Python API, in each form its command-line option takes: a list or
     tuple (any iterable), or one comma-separated string read as the command line reads it (each
-    part by ``kind`` where it holds numbers); a single value alone (``0.1``) is a list of one."""
+    part by ``kind`` where it holds numbers, a part that is none refused as not ``fix``, by default
+    "a number; give e.g. ..."); a single value alone (``0.1``) is a list of one."""
     if isinstance(value, str):
         names = comma_list(value, option)
         if kind is None:
             return names
         what = "a whole number" if kind is int else "a number"
-        return [read_number(name, kind, option, f"{what}; give e.g. {option} {_example(kind)}") for name in names]
+        fix = fix or f"{what}; give e.g. {option} {_example(kind)}"
+        return [read_number(name, kind, option, fix) for name in names]
     if isinstance(value, Iterable):
         return list(value)
     return [value]

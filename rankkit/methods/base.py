@@ -25,7 +25,7 @@ from rankkit.checks import first_repeated
 from rankkit.errors import RankkitError
 from rankkit.plugins import construct
 from rankkit.runner import GLOBAL_ATTENTION, LayerHook, PrefillResult, Runner
-from rankkit.values import as_list, check_number, comma_list, read_number
+from rankkit.values import as_list, check_number
 
 REFERENCE_LAYERS = 32  # the papers' defaults are given for 32-layer Llama-3.1-8B
 
@@ -342,10 +342,7 @@ def given_budgets(keep=None, budget=None, *, required: bool = True) -> list[Budg
     if values is None:
         return []
     kind, fix = _BUDGET_NUMBERS[option]
-    if isinstance(values, str):
-        numbers = [read_number(text, kind, option, fix) for text in comma_list(values, option)]
-    else:
-        numbers = as_list(values, option)
+    numbers = as_list(values, option, kind, fix)
     if not numbers:
         raise RankkitError(f"{option} names no budget; {fix}")
     build = Budget.from_keep if option == "--keep" else Budget.from_tokens
