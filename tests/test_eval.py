@@ -1170,6 +1170,7 @@ def test_cli_variance(cli, store_path):
         (["variance", "--thresholds", "0.3,nan"], "--thresholds nan is not a number; give taus asl takes"),
         (["variance", "--thresholds", "-1"], "--thresholds -1 is outside (0, inf) (τ, ASL Alg. 2); give taus"),
         (["variance", "--thresholds", "0"], "--thresholds 0 is outside (0, inf)"),
+        (["variance", "--thresholds", "0.3,inf"], "--thresholds inf is outside (0, inf)"),
         (["variance", "--thresholds", "0.2,0.2"], "--thresholds names 0.2 twice; name each once"),
         # one name per option: --keep for a rate, --budget for tokens, as prefill, bench and sweep files
         (["variance", "--budget", "0.3"], "--budget '0.3' is not a token count; give e.g. --budget 2048, or --keep 0.1"),

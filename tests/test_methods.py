@@ -746,6 +746,8 @@ def test_layer_parameters_bind_to_the_model_depth():
         ("claa:window_size=2.5", "method 'claa': window_size=2.5 is not an integer"),
         ("asl:tau=nan", "method 'asl': tau=nan is not a number"),
         ("asl:tau=0", "method 'asl': tau=0 is outside (0, inf) (τ, ASL Alg. 2)"),
+        ("asl:tau=inf", "method 'asl': tau=inf is outside (0, inf) (τ, ASL Alg. 2)"),
+        ("snapkv:window_size=inf", "method 'snapkv': window_size=inf is not an integer"),
         ("streamingllm:sink_tokens=-4", "method 'streamingllm': sink_tokens=-4 is outside [0, inf)"),
         ("sliminfer:gamma=5", "method 'sliminfer': gamma=5 is outside [0, 1] (γ, SlimInfer Alg. 1)"),
         ("sliminfer:pruning_layers=3", "method 'sliminfer': pruning_layers=3 is not a list of layers"),

@@ -107,7 +107,8 @@ class Bounds:
             return f"is not {kind}"
         high = self.high if self.depth_high is None or num_layers is None else num_layers + self.depth_high
         below = value < self.low or (self.open_low and value == self.low)
-        above = value > high or (self.open_high and value == high)
+        # an unbounded end is printed open, "[0, inf)": inf itself is no setting (tau=inf selects like any huge tau, unseen)
+        above = value > high or ((self.open_high or math.isinf(high)) and value == high)
         if not (below or above):
             return None
         if self.depth_high is not None and num_layers is None:  # the model's depth L is not known yet
