@@ -13,6 +13,11 @@ import warnings
 from rankkit.errors import Interrupted, RankkitError
 from rankkit.interrupts import ignore_interrupts
 
+# typer returns this status, silently, for a KeyboardInterrupt that reaches it
+TYPER_INTERRUPTED = 130
+# every file rankkit writes is written whole or not at all, so an interrupt between writes loses none
+INTERRUPTED_OUTSIDE_WORK = "interrupted; every file written so far is whole"
+
 # the warnings of a command that has neither started its work nor printed; None once either happened
 _held_warnings: list[str] | None = None
 # every warning the command has given: one that comes again (a keep rate's pass over the same
@@ -85,6 +90,8 @@ def _invoke(root) -> int:
     except typer.Abort:  # end of input where a command read it
         print("rankkit: aborted", file=sys.stderr)
         return 1
+    if status == TYPER_INTERRUPTED:  # a Ctrl-C outside the library's interruptible work (while results print)
+        raise Interrupted(INTERRUPTED_OUTSIDE_WORK)
     return status if isinstance(status, int) else 0
 
 

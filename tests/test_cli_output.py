@@ -33,6 +33,30 @@ def test_ctrl_c_once_a_command_has_finished_leaves_its_status_and_prints_nothing
     assert (result.returncode, result.stdout, result.stderr) == (0, f"rankkit {rankkit.__version__}\n", "")
 
 
+def test_ctrl_c_while_a_command_prints_its_results_is_an_interrupt_not_an_abort(monkeypatch, capfd):
+    """typer turns a KeyboardInterrupt outside the library's interruptible work into status 130 and
+    prints nothing: the command ended without a word, as if it had finished."""
+    import signal
+
+    from rankkit import models
+    from rankkit.cli import main
+
+    def interrupted_while_printing():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "cached_models", interrupted_while_printing)
+    monkeypatch.setattr(sys, "argv", ["rankkit", "models"])
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main()
+    finally:  # main ignores both signals as it exits: the test process must not
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert exited.value.code == 130
+    assert capfd.readouterr().err.strip() == "rankkit: interrupted; every file written so far is whole"
+
+
 def test_progress_off_a_terminal_is_one_line_per_finished_step_with_counts_and_eta():
     from rankkit.cli.progress import ProgressLines
 
