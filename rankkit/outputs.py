@@ -61,11 +61,8 @@ def claim(
             raise RankkitError(
                 f"{path} already exists; pass --overwrite to replace it, or choose another --out"
             )
-        if path.exists() and not written_by_rankkit(path):
-            raise RankkitError(
-                f"{path} was not written by rankkit, and --overwrite replaces only what rankkit wrote; "
-                "move it away or choose another --out"
-            )
+        if path.exists():
+            check_replaceable(path)
     for folder in dict.fromkeys(path.parent for path in paths):
         check_writable(folder, needed_bytes)
     return paths
@@ -117,6 +114,16 @@ def written_by_rankkit(path: Path) -> bool:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return False
     return bool(entries) and all(isinstance(entry, dict) and {"id", "context"} <= entry.keys() for entry in entries)
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to replace or remove the existing file ``path`` unless rankkit wrote it: ``--overwrite``
+    only ever removes rankkit's own outputs."""
+    if not written_by_rankkit(path):
+        raise RankkitError(
+            f"{path} was not written by rankkit, and --overwrite replaces only what rankkit wrote; "
+            "move it away or choose another --out"
+        )
 
 
 def named_file(path: PathLike) -> Path:

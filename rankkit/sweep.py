@@ -93,6 +93,7 @@ from rankkit.shards import interleave, process_group, rank_device, shard, share_
 from rankkit.values import as_list
 
 EXPERIMENT_FILE = "experiment.toml"
+RESULT_SUFFIXES = (".parquet", ".html")  # the stages' tables and pages, each marked as rankkit's (outputs)
 MANIFEST_FILE = "manifest.json"  # every path the sweep wrote in DIR: all that --overwrite removes
 STORE_STAGES = ("oracle", "compare", "variance", "dashboard")  # read what capture wrote
 NEEDS = {  # the stages whose output a stage reads, when the experiment has them
@@ -897,10 +898,12 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             "whole; move it out first"
         )
     stores_folder = root / "stores"
-    if overwrite:  # every store is checked before any output is removed
+    if overwrite:  # every store and result is checked before any output is removed
         for path in owned:
             if path.parent == stores_folder:
                 stores.check_removable(path)
+            elif path.suffix in RESULT_SUFFIXES and path.is_file():  # one the user put in a result's place
+                outputs.check_replaceable(path)
     for path in layout.paths(plan):
         if path in owned or not path.exists():
             continue

@@ -574,6 +574,31 @@ def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
     assert sorted(path.name for path in foreign.iterdir()) == ["parts"]
 
 
+def test_overwrite_refuses_a_result_the_user_put_in_a_results_place_before_removing_anything(
+    finished, experiment, tmp_path
+):
+    """--overwrite removed every file the manifest lists, a table or page of the user's at that name
+    included, where every other command's --overwrite replaces only what rankkit wrote."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    page = next((out / "dashboards").glob("*.html"))
+    for mine in (out / "compare.parquet", page):
+        original = mine.read_bytes()
+        if mine.suffix == ".parquet":
+            pl.DataFrame({"mine": [1]}).write_parquet(mine)
+        else:
+            mine.write_text("<html>my notes</html>")
+        kept = mine.read_bytes()
+        with pytest.raises(RankkitError) as refused:
+            sweep(experiment, out, overwrite=True)
+        assert str(refused.value) == (
+            f"{mine} was not written by rankkit, and --overwrite replaces only what rankkit wrote; move it away "
+            "or choose another --out"
+        )
+        assert mine.read_bytes() == kept and (out / "variance.parquet").is_file() and (out / "stores").is_dir()
+        mine.write_bytes(original)
+
+
 def test_a_keep_rate_added_runs_at_that_rate_alone_and_reuses_the_stores(
     finished, experiment, tmp_path, monkeypatch
 ):
