@@ -36,11 +36,16 @@ def dashboard(
         help="Comma-separated example ids for the token explorer. (default: all, or an evenly spaced "
         "sample of at most 100 in larger stores, fewer when their score arrays would pass the page's budget)",
     ),
-    keep: str = typer.Option(
-        "0.1",
+    keep: str | None = typer.Option(
+        None,
         "--keep",
         help="Comma-separated keep rates the store is compared at, as compare --keep: the Spearman panel "
-        "shows the first, the needle recall panel one heatmap each.",
+        "shows the first, the needle recall panel one heatmap each. (default: 0.1)",
+    ),
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="Comma-separated budgets in tokens the store is compared under, e.g. 512,1024 (instead of --keep).",
     ),
     needle_keep: NeedleKeep = None,
     workers: Workers = None,
@@ -63,6 +68,7 @@ def dashboard(
             workers=workers,
             explore=comma_list(explore, "--explore") or None,
             keep=keep,
+            budget=budget,
             needle_keep=keep_or_tokens(needle_keep, "--needle-keep"),
         )
     typer.echo(written)

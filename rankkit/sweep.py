@@ -62,7 +62,7 @@ from typing import Any
 import polars as pl
 import torch
 
-from rankkit import __version__, defaults, models, outputs, stores
+from rankkit import __version__, models, outputs, stores
 from rankkit.bench import Setup
 from rankkit.bench import bench as run_bench
 from rankkit.capture import add_oracle, capture, capture_probes, store_bytes
@@ -201,13 +201,9 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
         return {**_LIBRARY_DEFAULTS["compare"], **given}
     if stage == "variance":
         return {**_LIBRARY_DEFAULTS["variance"], **unit.budget.keywords, **plan.variance.kwargs()}
-    # the dashboard shows bench's rows at the first layer setting, and compares at every keep rate
-    return {"bench_layer": plan.layers[0], "keeps": _dashboard_keeps(plan), "needle_keep": plan.compare.needle_keep}
-
-
-def _dashboard_keeps(plan: Experiment) -> list[float]:
-    """The keep rates of the experiment's ``keep`` list (token budgets name none), or compare's default."""
-    return [budget.keep for budget in plan.budgets if budget.tokens is None] or [defaults.KEEP]
+    # the dashboard shows bench's rows at the first layer setting, and compares under every budget
+    keeps = [budget.number for budget in plan.budgets]
+    return {"bench_layer": plan.layers[0], "keeps": keeps, "needle_keep": plan.compare.needle_keep}
 
 
 def unit_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
@@ -1310,7 +1306,7 @@ def _dashboard_stage(run: Run, step: _Counter, report: StageReport) -> None:
                 diffusion=cell_rows(diffusion, unit.cell),
                 overwrite=True,  # a page drawn before an interrupt, before its marker
                 workers=run.workers,
-                keep=_dashboard_keeps(plan),
+                **budget_keywords(plan.budgets),
                 needle_keep=plan.compare.needle_keep,
             )
         )

@@ -792,11 +792,19 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
     assert isinstance(refused.exception, RankkitError) and not handed[3:]  # refused before any comparison
     # Python's keep= as --keep: keep rates, a token count refused before any comparison (it was compared at 100 tokens)
     out.unlink()
-    message = r"^keep rate 100 is outside \(0, 1\]: use e.g. --keep 0.1$"  # the dashboard takes no --budget
+    message = r"^keep rate 100 is outside \(0, 1\]: use e.g. --keep 0.1, or --budget for a token count$"
     with pytest.raises(RankkitError, match=message):
         rankkit.report.write_dashboard(store, out, keep=[100], workers=1)
     refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--keep", "100"])
     assert re.match(message.replace("100", r"100\.0"), str(refused.exception)) and not handed[3:] and not out.exists()
+    # --budget, as compare takes it: token counts, each compared as compare --budget compares it
+    result = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--budget", "16,24", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    low, high = handed[3]
+    assert (low.keep, low.needle_keep, high.keep, high.needle_keep) == (16, 16, 24, 24)
+    assert high.per_layer.equals(compare_store(store, budget=24, workers=1, detailed=False).per_layer)
+    refused = CliRunner().invoke(app, ["dashboard", str(store), "--out", str(out), "--overwrite", "--keep", "0.1", "--budget", "16"])
+    assert str(refused.exception).startswith("give exactly one of --keep") and not handed[4:]
 
 
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):

@@ -695,6 +695,12 @@ def write_results(
     return written
 
 
+def compared_budgets(keep=None, budget=None) -> list[Budget]:
+    """The budgets a store is compared under: ``keep=`` or ``budget=`` as ``given_budgets`` reads them,
+    by default ``defaults.KEEP``."""
+    return given_budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]
+
+
 def compare_keeps(
     path: str | os.PathLike | Store,
     *,
@@ -712,7 +718,7 @@ def compare_keeps(
     ``overwrite``); ``written`` gathers the paths as they are written."""
     from rankkit import stores
 
-    budgets = given_budgets(keep, budget, required=False) or [Budget.from_keep(defaults.KEEP)]
+    budgets = compared_budgets(keep, budget)
     if out is not None:
         claim_outputs(output_paths(out), path, overwrite=overwrite)
     store = stores.open(path)

@@ -188,9 +188,6 @@ def check_parameters(method: Method, num_layers: int | None = None) -> None:
             raise RankkitError(f"method '{method.name}': {spec.name}={value!r} {problem}{hint}")
 
 
-# what a refused keep rate suggests where a token count was meant (--keep 64); a command without
-# --budget drops it (``keep_rates``)
-TOKENS_INSTEAD = ", or --budget for a token count"
 # what a command that needs a budget asks for when it has none, or two
 ONE_BUDGET = "exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"
 
@@ -214,7 +211,7 @@ class Budget:
                 check_number(value, option)
         if self.keep is not None and not (_is_number(self.keep, Real) and 0 < self.keep <= 1):
             raise RankkitError(
-                f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1{TOKENS_INSTEAD}"
+                f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1, or --budget for a token count"
             )
         if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
             raise RankkitError(f"budget {_shown(self.tokens)} is not a positive token count: use e.g. --budget 2048")
@@ -277,6 +274,11 @@ class Budget:
         """The budget as ``compare_store`` and ``variance_store`` take it: ``keep=`` (``--keep``) or
         ``budget=`` (``--budget``)."""
         return {"keep": self.keep, "budget": self.tokens}
+
+    @property
+    def share(self) -> str:
+        """How a caption's prose says the budget: a share of the prompt ("10%") or a count ("64 tokens")."""
+        return f"{self.keep * 100:g}%" if self.tokens is None else f"{self.tokens} tokens"
 
     @property
     def printed(self) -> str:
@@ -348,15 +350,6 @@ def given_budgets(keep=None, budget=None, *, required: bool = True) -> list[Budg
         raise RankkitError(f"{option} names no budget; {fix}")
     build = Budget.from_keep if option == "--keep" else Budget.from_tokens
     return distinct_budgets([build(number) for number in numbers], option)
-
-
-def keep_rates(keep) -> list[Budget]:
-    """``given_budgets(keep)`` for a command that takes keep rates alone (the dashboard): a refusal
-    names no --budget it does not have."""
-    try:
-        return given_budgets(keep)
-    except RankkitError as error:
-        raise RankkitError(str(error).replace(TOKENS_INSTEAD, "")) from None
 
 
 LOOKAHEAD = "lookahead"  # the label of a draft's decode steps (SpecPrefill), one query per layer

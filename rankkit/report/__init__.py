@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rankkit import defaults, outputs
+from rankkit import outputs
 from rankkit.bench import (
     FIRST_RUNS_TIMED,
     SUMMARY_INPUTS,
@@ -43,10 +43,9 @@ from rankkit.bench import (
 )
 from rankkit.checks import first_repeated, refuse_timing_only_store
 from rankkit.errors import RankkitError
-from rankkit.eval.compare import KEEP_RATES
+from rankkit.eval.compare import KEEP_RATES, compared_budgets
 from rankkit.eval.parallel import map_examples, shared_workers
 from rankkit.methods import Budget, budget_keywords
-from rankkit.methods.base import keep_rates
 from rankkit.values import as_list
 
 from . import figures
@@ -88,7 +87,8 @@ def write_dashboard(
     overwrite: bool = False,
     workers: int | None = None,
     explore: Sequence[str] | str | None = None,
-    keep: Sequence[float] | str | float = (defaults.KEEP,),
+    keep: Sequence[float] | str | float | None = None,
+    budget: Sequence[int] | str | int | None = None,
     needle_keep: float | int | None = None,
 ) -> Path:
     """Write the dashboard of ``store_path`` to ``out`` and return that path.
@@ -97,10 +97,10 @@ def write_dashboard(
     (one per run, of any model), drawn side by side, each labelled with its run, model and weights
     (``_benches``); only a bench of the store's model is joined with the store's offline figures,
     in the report panel (``rankkit report``'s table); ``diffusion`` the
-    one ``rankkit diffusion --out`` writes; ``keep`` the keep rates in (0, 1] the store is compared
-    at, as ``--keep`` takes them (the Spearman panel shows the first, the needle recall panel one
-    heatmap each, counting at its keep unless ``needle_keep``, a keep rate or a token count, names
-    one for all); ``workers`` processes compute the rankings (see
+    one ``rankkit diffusion --out`` writes; ``keep`` the keep rates in (0, 1] or ``budget`` the token
+    counts the store is compared under, as compare takes them (``compared_budgets``; the Spearman
+    panel shows the first, the needle recall panel one heatmap each, counting at its budget unless
+    ``needle_keep``, a keep rate or a token count, names one for all); ``workers`` processes compute the rankings (see
     ``rankkit.eval.parallel``). The aggregate panels cover every example; the token explorer
     shows ``explore`` (example ids), by default all examples up to ``EXPLORER_EXAMPLES`` and an
     evenly spaced sample of that many beyond, so a large store's page stays small and quick.
@@ -112,7 +112,7 @@ def write_dashboard(
     from rankkit.report.joined import refuse_other_examples
 
     explore = None if explore is None else as_list(explore, "--explore")
-    compared = keep_rates(keep)
+    compared = compared_budgets(keep, budget)
     if needle_keep is not None:
         Budget.parse(needle_keep, "--needle-keep")
     benches = [] if bench is None else list(bench) if isinstance(bench, list | tuple) else [bench]
@@ -518,9 +518,9 @@ def _needle_recall_panel(comparisons, store_path) -> Panel:
     title = "Needle recall per layer"
     caption = (
         "Share of each example's evidence tokens in the method's top tokens at every layer, averaged over "
-        "the examples with evidence; one heatmap per keep rate the store was compared at "
-        "(dashboard --keep 0.1,0.2), each the rankings made under it, counting in its top share "
-        "(compare's needle_keep). Hover a cell for its 95% interval and n (compare's curve: bootstrap over "
+        "the examples with evidence; one heatmap per budget the store was compared under "
+        "(dashboard --keep 0.1,0.2 or --budget 512,1024), each the rankings made under it, counting in its "
+        "top share (compare's needle_keep). Hover a cell for its 95% interval and n (compare's curve: bootstrap over "
         "examples, whole clusters where examples share a haystack or a needle). Methods whose rankings are "
         "one, as in the Spearman plot, are one row named together (fastkv = window)."
     )

@@ -785,12 +785,6 @@ def needle_recall_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     return means.filter(pl.col("needle_recall").is_not_null()).sort("keep", "needle_keep", "method", "layer")
 
 
-def _share(budget: float | int) -> str:
-    """A budget as a share of the prompt ("10%") or a token count ("64 tokens")."""
-    parsed = Budget.parse(budget)
-    return f"{parsed.keep * 100:g}%" if parsed.tokens is None else f"{parsed.tokens} tokens"
-
-
 def _grids(
     cells: pl.DataFrame, index: str, on: str, values: Sequence[str], columns: Sequence | None = None
 ) -> tuple[list, list, np.ndarray]:
@@ -849,7 +843,7 @@ def needle_recall_figure(cells: pl.DataFrame) -> go.Figure:
         rows=len(budgets),
         cols=1,
         subplot_titles=[
-            f"ranked under keep {_share(keep)}: needle recall in each method's top {_share(needle_keep)}"
+            f"ranked under keep {Budget.parse(keep).share}: needle recall in each method's top {Budget.parse(needle_keep).share}"
             for keep, needle_keep in budgets
         ],
         vertical_spacing=0.12 if len(budgets) > 1 else 0.1,
@@ -859,7 +853,7 @@ def needle_recall_figure(cells: pl.DataFrame) -> go.Figure:
         figure.add_trace(
             _mean_heatmap(
                 shown, "method", "layer", "needle_recall", "needle recall",
-                f"<b>%{{y}}</b>, ranked under keep {_share(keep)}, top {_share(needle_keep)}<br>layer %{{x}}",
+                f"<b>%{{y}}</b>, ranked under keep {Budget.parse(keep).share}, top {Budget.parse(needle_keep).share}<br>layer %{{x}}",
                 showscale=index == 0,
                 name=f"keep {keep:g}, needle keep {needle_keep:g}",
                 meta={"ranked_keep": keep, "needle_keep": needle_keep},
