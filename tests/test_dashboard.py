@@ -807,6 +807,25 @@ def test_dashboard_keep_compares_the_store_at_each_rate_for_the_needle_recall_pa
     assert str(refused.exception).startswith("give exactly one of --keep") and not handed[4:]
 
 
+def test_the_asl_panel_draws_its_curves_under_the_first_budget_compared(tmp_path, store, monkeypatch):
+    """It drew them at keep 0.1 whatever the page compared under, so a sweep of budget = [64] showed
+    another selection than its own variance stage."""
+    import rankkit.report
+    from rankkit.eval.variance import variance_store
+
+    handed = []
+    drawn = rankkit.report._variance_panel
+    monkeypatch.setattr(rankkit.report, "_variance_panel", lambda variance, *rest: handed.append((variance, rest[-1])) or drawn(variance, *rest))
+    rankkit.report.write_dashboard(store, tmp_path / "tokens.html", budget=[64, 48], workers=1)
+    rankkit.report.write_dashboard(store, tmp_path / "rate.html", keep=[0.3], workers=1)
+    for (variance, budget), keywords in zip(handed, ({"budget": 64}, {"keep": 0.3}), strict=True):
+        assert budget.keywords == {"keep": None, "budget": None} | keywords
+        assert variance.curves.equals(variance_store(store, **keywords, workers=1).curves)
+    assert not variance_store(store, keep=0.1, workers=1).curves.equals(handed[0][0].curves)  # the test can tell
+    page = (tmp_path / "tokens.html").read_text()
+    assert "Probe: window:w=32, k = 64 tokens - W (the first budget compared)." in page
+
+
 def test_several_benches_are_drawn_side_by_side_each_method_named_after_its_run(tmp_path, store):
     from typer.testing import CliRunner
 

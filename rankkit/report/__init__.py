@@ -290,7 +290,8 @@ def _page(
     comparison = comparisons[0] if comparisons else None
     if comparison is None:  # compare_store warns of what it leaves out itself
         store.warn_skipped()
-    variance = variance_store(store, workers=workers) if ASL_PROBE in probes else None
+    # ASL's curves under the first budget, as the Spearman panel's rankings: a sweep's variance stage draws them so
+    variance = variance_store(store, **compared[0].keywords, workers=workers) if ASL_PROBE in probes else None
     bench = _bench_rows(runs)
     methods = set(comparison.per_layer["method"].unique()) if comparison is not None else set()
     methods |= set(bench["method"].unique()) if bench is not None else set()
@@ -312,7 +313,7 @@ def _page(
 
     panels = [
         _spearman_panel(comparison, colors, layer, store_path),
-        _variance_panel(variance, tau, layer, num_layers, store_path, explored),
+        _variance_panel(variance, tau, layer, num_layers, store_path, explored, compared[0]),
         _explorer_panel(
             explored, probe, layer, keep, max_bins, _unexplored_note(records, explored, store_path)
         ),
@@ -423,14 +424,18 @@ def _spearman_panel(comparison, colors, layer: int, store_path) -> Panel:
     )
 
 
-def _variance_panel(variance, tau: float, layer: int, num_layers: int, store_path, explored) -> Panel:
+def _variance_panel(
+    variance, tau: float, layer: int, num_layers: int, store_path, explored, budget: Budget
+) -> Panel:
     title = "Adaptive selection layer (ASL)"
+    top = f"{budget.share} of the prompt" if budget.tokens is None else budget.share
     caption = (
         "Relative rank variance of the top tokens over the last L_obs layers, divided by its value at L_min, "
         "per example (thin; the picked example bold) and per task (mean, band: 95% interval over examples, "
         "resampling whole clusters where examples share a haystack or a needle; "
         "ASL Fig. 6); right, how many examples each "
-        "layer is the first below τ for (ASL Fig. 9). Probe: window:w=32, k = 10% of the prompt - W."
+        f"layer is the first below τ for (ASL Fig. 9). Probe: {ASL_PROBE}, k = {top} - W (the first budget "
+        "compared)."
     )
     if variance is None:
         command = f"rankkit capture --data SPEC --probes all --oracle --out {store_path} --overwrite"
