@@ -287,7 +287,7 @@ def _take_lock(path: Path, rank: int) -> None:
         os.close(handle)
         raise RankkitError(
             f"another process is writing {path} ({file.name} is locked); wait for it to finish, "
-            "then rerun to resume, or write to another store path"
+            "then rerun to resume, or choose another --out"
         )
     if held is not None:  # the lock of a store deleted and made again since
         os.close(held)
@@ -298,7 +298,7 @@ def _is_populated(path: Path) -> bool:
     if not path.exists():
         return False
     if not path.is_dir():
-        raise RankkitError(f"{path} is a file, not a store directory; choose another store path")
+        raise RankkitError(f"{path} is a file, not a store directory; choose another --out")
     with os.scandir(path) as entries:
         return any(True for _ in entries)
 
@@ -326,7 +326,7 @@ def check_removable(path: Path) -> bool:
     where it would refuse. For a caller that removes several outputs to check each before removing any."""
     if not _is_populated(path):
         return False
-    refusal = "refusing to delete it; move it away or choose another store path"
+    refusal = "refusing to delete it; move it away or choose another --out"
     if not is_rankkit_store(path):
         raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
     foreign = sorted(
@@ -380,7 +380,7 @@ def _check_same_run(path: Path, stored: dict[str, Any], run_meta: dict[str, Any]
         shown += f"; and {more} more"
     raise RankkitError(
         f"store {path} holds a different run ({shown}); rerun with --overwrite to replace it, "
-        "or choose another store path"
+        "or choose another --out"
     )
 
 

@@ -973,7 +973,7 @@ def test_a_second_writer_of_a_store_is_refused_in_one_line(tmp_path):
             stores.create(path, {"model": "m"})
         assert str(refused.value) == (
             f"another process is writing {path} (.writer-0.lock is locked); wait for it to finish, then "
-            "rerun to resume, or write to another store path"
+            "rerun to resume, or choose another --out"
         )
     finally:
         holder.kill()
@@ -990,7 +990,7 @@ def test_store_messages_speak_of_options_not_python(tmp_path):
         stores.create(path, {"model": "b"})
     assert str(refused.value) == (
         f"store {path} holds a different run (model: 'a' in the store, 'b' now); rerun with --overwrite to "
-        "replace it, or choose another store path"
+        "replace it, or choose another --out"
     )
     foreign = tmp_path / "foreign.zarr"
     foreign.mkdir()

@@ -559,7 +559,7 @@ def test_overwrite_removes_only_what_the_sweep_wrote(tiny_folder, tmp_path):
         sweep(small, out, overwrite=True)
     assert str(refused.value) == (
         f"{store} holds {mine}, which rankkit did not write; refusing to delete it; move it away or choose "
-        "another store path"
+        "another --out"
     )
     assert mine.read_text() == "mine" and (out / "parts" / "capture").is_dir() and (store / "examples").is_dir()
     mine.unlink()
