@@ -41,12 +41,6 @@ warmup = 0
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="the committed pair tables were collected before they kept the Wilcoxon p-value a claim "
-    "now needs (stats.relation); `make findings` (75 minutes) recollects them and rewrites the page",
-)
 def test_the_page_is_what_the_committed_tables_render_to():
     page = findings.FINDINGS.read_text(encoding="utf-8")
     assert findings.render(findings.read_results()) == page, (
