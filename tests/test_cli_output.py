@@ -213,7 +213,8 @@ def _leaf_commands(group, path=()):
 
 
 def test_help_and_refusals_name_only_options_the_command_takes():
-    """dashboard's --needle-keep help and its refusal of --keep 0 named --budget, which it lacks."""
+    """dashboard's --needle-keep help named --budget before the dashboard took it; its refusal of
+    --keep 0 names it now that it does."""
     import re
 
     from rankkit.cli import commands  # noqa: F401
@@ -230,7 +231,8 @@ def test_help_and_refusals_name_only_options_the_command_takes():
                 assert option in own or (name, option) in elsewhere, (name, param.name, option)
     with pytest.raises(RankkitError) as refused:
         write_dashboard("missing.zarr", "page.html", keep=0)
-    assert str(refused.value) == "keep rate 0 is outside (0, 1]: use e.g. --keep 0.1"
+    assert str(refused.value) == "keep rate 0 is outside (0, 1]: use e.g. --keep 0.1, or --budget for a token count"
+    assert "--budget" in {option for name, each in _leaf_commands(command()) if name == "dashboard" for param in each.params for option in param.opts}
 
 
 def test_compare_and_select_help_list_every_built_in_method_they_take():
