@@ -13,8 +13,9 @@ import warnings
 from rankkit.errors import Interrupted, RankkitError
 from rankkit.interrupts import ignore_interrupts
 
-# typer returns this status, silently, for a KeyboardInterrupt that reaches it
-TYPER_INTERRUPTED = 130
+# the status of an interrupted command, as a shell reports Ctrl-C; typer returns it too, silently, for a
+# KeyboardInterrupt that reaches it
+INTERRUPTED_STATUS = 130
 # every file rankkit writes is written whole or not at all, so an interrupt between writes loses none
 INTERRUPTED_OUTSIDE_WORK = "interrupted; every file written so far is whole"
 
@@ -90,7 +91,7 @@ def _invoke(root) -> int:
     except typer.Abort:  # end of input where a command read it
         print("rankkit: aborted", file=sys.stderr)
         return 1
-    if status == TYPER_INTERRUPTED:  # a Ctrl-C outside the library's interruptible work (while results print)
+    if status == INTERRUPTED_STATUS:  # a Ctrl-C outside the library's interruptible work (while results print)
         raise Interrupted(INTERRUPTED_OUTSIDE_WORK)
     return status if isinstance(status, int) else 0
 
@@ -110,10 +111,10 @@ def main() -> None:
     except Interrupted as interrupted:
         release_warnings()
         print(f"rankkit: {interrupted}", file=sys.stderr)
-        status = 130
+        status = INTERRUPTED_STATUS
     except KeyboardInterrupt:  # while the command line itself loads: no command has started
         print("rankkit: interrupted before the command started; nothing written", file=sys.stderr)
-        status = 130
+        status = INTERRUPTED_STATUS
     # The command's last line is out and its status is set. Ctrl-C while the interpreter ends (the pool's
     # finalizers, torch's teardown: a second or more) printed a traceback or, once Python had restored
     # the default handler, killed a finished run silently with status 130.

@@ -201,7 +201,8 @@ def _own_settings(plan: Experiment, stage: str, unit: Unit) -> dict[str, Any]:
         return {**_LIBRARY_DEFAULTS["compare"], **given}
     if stage == "variance":
         return {**_LIBRARY_DEFAULTS["variance"], **unit.budget.keywords, **plan.variance.kwargs()}
-    # the dashboard shows bench's rows at the first layer setting, and compares under every budget
+    # the dashboard shows bench's rows at the first layer setting, and compares under every budget ("keeps"
+    # holds token counts too: the key finished sweeps recorded, so their pages stay kept)
     keeps = [budget.number for budget in plan.budgets]
     return {"bench_layer": plan.layers[0], "keeps": keeps, "needle_keep": plan.compare.needle_keep}
 
@@ -237,8 +238,16 @@ class Layout:
     def index(self) -> Path:
         return self.root / "dashboard.html"
 
+    @property
+    def stores(self) -> Path:
+        return self.root / "stores"
+
     def store(self, cell: DataCell) -> Path:
-        return self.root / "stores" / f"{cell.name}.zarr"
+        return self.stores / f"{cell.name}.zarr"
+
+    def is_store(self, path: Path) -> bool:
+        """Whether ``path`` is where the sweep keeps a cell's store (removed by the store's own rule)."""
+        return path.parent == self.stores
 
     def dashboard(self, cell: DataCell) -> Path:
         return self.root / "dashboards" / f"{cell.name}.html"
@@ -893,17 +902,16 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
             f"{foreign} is in the sweep's parts but no sweep wrote it, and --overwrite removes the parts "
             "whole; move it out first"
         )
-    stores_folder = root / "stores"
     if overwrite:  # every store and result is checked before any output is removed
         for path in owned:
-            if path.parent == stores_folder:
+            if layout.is_store(path):
                 stores.check_removable(path)
             elif path.suffix in RESULT_SUFFIXES and path.is_file():  # one the user put in a result's place
                 outputs.check_replaceable(path)
     for path in layout.paths(plan):
         if path in owned or not path.exists():
             continue
-        if path.parent == stores_folder and stores.is_rankkit_store(path):
+        if layout.is_store(path) and stores.is_rankkit_store(path):
             continue  # an existing store seeds its cell: capture resumes it if it holds the same run
         raise RankkitError(
             f"{path} is in the way: the sweep writes there but did not make it; move it away, or choose "
@@ -937,7 +945,7 @@ def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
     if overwrite:
         for path in owned - {layout.manifest}:
             _remove(path, layout)
-        for folder in (layout.root / "stores", layout.root / "dashboards"):
+        for folder in (layout.stores, layout.root / "dashboards"):
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         owned = set()
@@ -957,7 +965,7 @@ def _prepare_directory(run: Run, text: str, overwrite: bool) -> None:
 
 
 def _remove(path: Path, layout: Layout) -> None:
-    if path.parent == layout.root / "stores":
+    if layout.is_store(path):
         stores.remove(path)  # the store's own rule: never what rankkit did not write in it
     elif path.is_dir():
         shutil.rmtree(path)

@@ -838,22 +838,22 @@ def needle_recall_figure(cells: pl.DataFrame) -> go.Figure:
     rankings were made under and needle keep, each titled with both; a cell's hover gives its
     interval and n."""
     budgets = cells.select("keep", "needle_keep").unique().sort("keep", "needle_keep").rows()
+    shares = [(Budget.parse(keep).share, Budget.parse(needle_keep).share) for keep, needle_keep in budgets]
     methods = sorted(cells["method"].unique())
     figure = make_subplots(
         rows=len(budgets),
         cols=1,
         subplot_titles=[
-            f"ranked under keep {Budget.parse(keep).share}: needle recall in each method's top {Budget.parse(needle_keep).share}"
-            for keep, needle_keep in budgets
+            f"ranked under keep {ranked}: needle recall in each method's top {counted}" for ranked, counted in shares
         ],
         vertical_spacing=0.12 if len(budgets) > 1 else 0.1,
     )
-    for index, (keep, needle_keep) in enumerate(budgets):
+    for index, ((keep, needle_keep), (ranked, counted)) in enumerate(zip(budgets, shares, strict=True)):
         shown = cells.filter((pl.col("keep") == keep) & (pl.col("needle_keep") == needle_keep))
         figure.add_trace(
             _mean_heatmap(
                 shown, "method", "layer", "needle_recall", "needle recall",
-                f"<b>%{{y}}</b>, ranked under keep {Budget.parse(keep).share}, top {Budget.parse(needle_keep).share}<br>layer %{{x}}",
+                f"<b>%{{y}}</b>, ranked under keep {ranked}, top {counted}<br>layer %{{x}}",
                 showscale=index == 0,
                 name=f"keep {keep:g}, needle keep {needle_keep:g}",
                 meta={"ranked_keep": keep, "needle_keep": needle_keep},
