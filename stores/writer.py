@@ -14,6 +14,7 @@ rankkit wrote (its root attributes and nothing inside it but its own files).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import uuid
@@ -219,14 +220,25 @@ class StoreWriter:
         return open_node(self._store, example_path(example_id))
 
 
+_REMOVING = ".removing-"  # the infix of a folder being deleted (``_remove_directory``)
+
+
 def _remove_directory(path: Path) -> None:
-    """Clear what an interrupted or replaced write left behind: renamed out of the listing first,
-    since a kill midway through deleting it could leave arrays without their zarr.json, which
-    readers refuse as damaged (``example_state``)."""
+    """Delete an example's folder or a whole store, renamed out of the way first: a kill midway
+    through deleting it in place could leave an example's arrays without their zarr.json, which
+    readers refuse as damaged (``example_state``), or a store without its own, which no command
+    then reads, resumes or removes."""
+    _clear_removal_leftovers(path)
     if path.exists():
-        hidden = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex}")
+        hidden = path.with_name(f".{path.name}{_REMOVING}{uuid.uuid4().hex}")
         os.rename(path, hidden)
         shutil.rmtree(hidden)
+
+
+def _clear_removal_leftovers(path: Path) -> None:
+    """Delete what a kill left of an earlier ``_remove_directory(path)``, out of sight but on disk."""
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}{_REMOVING}*"):
+        shutil.rmtree(leftover)
 
 
 def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
@@ -316,9 +328,10 @@ def remove(path: str | os.PathLike) -> None:
     """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
     path = Path(path)
     if not check_removable(path):
+        _clear_removal_leftovers(path)
         return
     _take_lock(path, 0)  # no writer may be at work in a store being deleted
-    shutil.rmtree(path)
+    _remove_directory(path)
 
 
 def check_removable(path: Path) -> bool:
