@@ -342,18 +342,44 @@ def check_removable(path: Path) -> bool:
     refusal = "refusing to delete it; move it away or choose another --out"
     if not is_rankkit_store(path):
         raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
-    foreign = sorted(
-        entry.name
-        for entry in path.iterdir()
-        if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
-    )
-    if foreign:
-        raise RankkitError(f"{path} holds {path / foreign[0]}, which rankkit did not write; {refusal}")
+    foreign = _foreign_entry(path)
+    if foreign is not None:
+        raise RankkitError(f"{path} holds {foreign}, which rankkit did not write; {refusal}")
     return True
+
+
+def _foreign_entry(path: Path) -> Path | None:
+    """The first entry of the store at ``path`` that rankkit did not write, looked for where a file of
+    one's own could be dropped: beside the store's metadata, among the examples and in each example's
+    folder (the arrays of a schema version 1 example are folders of zarr's own)."""
+    examples = path / EXAMPLES
+    for folder, written in ((path, _is_store_entry), (examples, _is_examples_entry)):
+        for entry in sorted(folder.iterdir()):
+            if not written(entry):
+                return entry
+    for example in sorted(entry for entry in examples.iterdir() if entry.is_dir() and not _is_leftover(entry)):
+        for entry in sorted(example.iterdir()):
+            if not (entry.is_dir() or entry.name == "zarr.json" or entry.suffix == ".zip" or _is_leftover(entry)):
+                return entry
+    return None
+
+
+def _is_store_entry(entry: Path) -> bool:
+    return entry.name in ("zarr.json", EXAMPLES) or _is_lock(entry) or _is_leftover(entry)
+
+
+def _is_examples_entry(entry: Path) -> bool:
+    return entry.name == "zarr.json" or entry.is_dir() or _is_leftover(entry)
 
 
 def _is_lock(entry: Path) -> bool:
     return entry.name.startswith(".writer-") and entry.name.endswith(".lock")
+
+
+def _is_leftover(entry: Path) -> bool:
+    """What a write killed midway leaves: a zip or zarr.json staged under a temporary name
+    (``write_zip``, zarr's own ``zarr.<hex>.partial``) or a folder being deleted (``_remove_directory``)."""
+    return entry.name.endswith(".partial") or (entry.name.startswith(".") and _REMOVING in entry.name)
 
 
 def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:
