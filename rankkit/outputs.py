@@ -175,14 +175,24 @@ def write_failure(path: PathLike, error: OSError) -> str:
     return f"cannot write {path} ({reason})"
 
 
-def write_atomic(path: PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(temporary)`` on a sibling file, then rename it to ``path``; returns ``path``."""
+def write_atomic(path: PathLike, write: Callable[[Path], None], *, overwrite: bool = True) -> Path:
+    """Call ``write(temporary)`` on a sibling file, then rename it to ``path``; returns ``path``.
+
+    Without ``overwrite`` a file that reached ``path`` after the command claimed it (another run
+    making the same output at the same time) is kept and this write refused: a rename would
+    replace it unasked."""
     target = Path(path)
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write(partial)
-        os.replace(partial, target)
+        if overwrite:
+            os.replace(partial, target)
+        elif not _published_new(partial, target):
+            raise RankkitError(
+                f"{target} was written by another run while this one worked; pass --overwrite to replace "
+                "it, or choose another --out"
+            )
     except OSError as error:
         raise RankkitError(f"{write_failure(target, error)}; the old file, if any, is unchanged") from None
     finally:
@@ -192,12 +202,32 @@ def write_atomic(path: PathLike, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def write_parquet(frame: pl.DataFrame, path: PathLike) -> Path:
-    return write_atomic(path, lambda partial: frame.write_parquet(partial, metadata=PARQUET_MARK))
+# what link raises on a filesystem without hard links (FAT, some FUSE and network mounts)
+NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
-def write_text(text: str, path: PathLike) -> Path:
-    return write_atomic(path, lambda partial: partial.write_text(text, encoding="utf-8"))
+def _published_new(partial: Path, target: Path) -> bool:
+    """Give the whole file ``partial`` the name ``target`` too, unless that exists (False): a hard link
+    never replaces. Without hard links, the check comes just before the rename instead."""
+    try:
+        os.link(partial, target)
+    except FileExistsError:
+        return False
+    except OSError as error:
+        if error.errno not in NO_LINKS:
+            raise
+        if target.exists():
+            return False
+        os.replace(partial, target)
+    return True
+
+
+def write_parquet(frame: pl.DataFrame, path: PathLike, *, overwrite: bool = True) -> Path:
+    return write_atomic(path, lambda partial: frame.write_parquet(partial, metadata=PARQUET_MARK), overwrite=overwrite)
+
+
+def write_text(text: str, path: PathLike, *, overwrite: bool = True) -> Path:
+    return write_atomic(path, lambda partial: partial.write_text(text, encoding="utf-8"), overwrite=overwrite)
 
 
 # what flock raises on a filesystem that has no locks (some network and FUSE mounts)

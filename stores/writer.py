@@ -14,6 +14,7 @@ rankkit wrote (its root attributes and nothing inside it but its own files).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import uuid
@@ -219,14 +220,25 @@ class StoreWriter:
         return open_node(self._store, example_path(example_id))
 
 
+_REMOVING = ".removing-"  # the infix of a folder being deleted (``_remove_directory``)
+
+
 def _remove_directory(path: Path) -> None:
-    """Clear what an interrupted or replaced write left behind: renamed out of the listing first,
-    since a kill midway through deleting it could leave arrays without their zarr.json, which
-    readers refuse as damaged (``example_state``)."""
+    """Delete an example's folder or a whole store, renamed out of the way first: a kill midway
+    through deleting it in place could leave an example's arrays without their zarr.json, which
+    readers refuse as damaged (``example_state``), or a store without its own, which no command
+    then reads, resumes or removes."""
+    _clear_removal_leftovers(path)
     if path.exists():
-        hidden = path.with_name(f".{path.name}.removing-{uuid.uuid4().hex}")
+        hidden = path.with_name(f".{path.name}{_REMOVING}{uuid.uuid4().hex}")
         os.rename(path, hidden)
         shutil.rmtree(hidden)
+
+
+def _clear_removal_leftovers(path: Path) -> None:
+    """Delete what a kill left of an earlier ``_remove_directory(path)``, out of sight but on disk."""
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}{_REMOVING}*"):
+        shutil.rmtree(leftover)
 
 
 def _mark_complete(group: zarr.Group, flags: dict[str, Any]) -> None:
@@ -316,9 +328,10 @@ def remove(path: str | os.PathLike) -> None:
     """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
     path = Path(path)
     if not check_removable(path):
+        _clear_removal_leftovers(path)
         return
     _take_lock(path, 0)  # no writer may be at work in a store being deleted
-    shutil.rmtree(path)
+    _remove_directory(path)
 
 
 def check_removable(path: Path) -> bool:
@@ -329,18 +342,44 @@ def check_removable(path: Path) -> bool:
     refusal = "refusing to delete it; move it away or choose another --out"
     if not is_rankkit_store(path):
         raise RankkitError(f"{path} exists and is not a rankkit store; {refusal}")
-    foreign = sorted(
-        entry.name
-        for entry in path.iterdir()
-        if entry.name not in ("zarr.json", EXAMPLES) and not _is_lock(entry)
-    )
-    if foreign:
-        raise RankkitError(f"{path} holds {path / foreign[0]}, which rankkit did not write; {refusal}")
+    foreign = _foreign_entry(path)
+    if foreign is not None:
+        raise RankkitError(f"{path} holds {foreign}, which rankkit did not write; {refusal}")
     return True
+
+
+def _foreign_entry(path: Path) -> Path | None:
+    """The first entry of the store at ``path`` that rankkit did not write, looked for where a file of
+    one's own could be dropped: beside the store's metadata, among the examples and in each example's
+    folder (the arrays of a schema version 1 example are folders of zarr's own)."""
+    examples = path / EXAMPLES
+    for folder, written in ((path, _is_store_entry), (examples, _is_examples_entry)):
+        for entry in sorted(folder.iterdir()):
+            if not written(entry):
+                return entry
+    for example in sorted(entry for entry in examples.iterdir() if entry.is_dir() and not _is_leftover(entry)):
+        for entry in sorted(example.iterdir()):
+            if not (entry.is_dir() or entry.name == "zarr.json" or entry.suffix == ".zip" or _is_leftover(entry)):
+                return entry
+    return None
+
+
+def _is_store_entry(entry: Path) -> bool:
+    return entry.name in ("zarr.json", EXAMPLES) or _is_lock(entry) or _is_leftover(entry)
+
+
+def _is_examples_entry(entry: Path) -> bool:
+    return entry.name == "zarr.json" or entry.is_dir() or _is_leftover(entry)
 
 
 def _is_lock(entry: Path) -> bool:
     return entry.name.startswith(".writer-") and entry.name.endswith(".lock")
+
+
+def _is_leftover(entry: Path) -> bool:
+    """What a write killed midway leaves: a zip or zarr.json staged under a temporary name
+    (``write_zip``, zarr's own ``zarr.<hex>.partial``) or a folder being deleted (``_remove_directory``)."""
+    return entry.name.endswith(".partial") or (entry.name.startswith(".") and _REMOVING in entry.name)
 
 
 def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:

@@ -673,6 +673,30 @@ def test_page_inlines_the_packaged_css_and_javascript_and_carries_no_test_code(t
     assert "selftest" not in page.lower()
 
 
+def test_a_page_another_run_wrote_meanwhile_is_kept_without_overwrite(tmp_path, monkeypatch):
+    """Two dashboards of one --out at once both passed the check for an existing page before their work:
+    the one finishing second replaced the other's page unasked."""
+    import rankkit.report
+    from rankkit.outputs import GENERATOR_TAG
+
+    store = write_synthetic_store(tmp_path / "run.zarr", examples=2, oracle=False, probes=("lava",))
+    out = tmp_path / "report.html"
+    render = rankkit.report.render
+    other = f"<html>{GENERATOR_TAG} the other run's page</html>"
+    rendered = []
+
+    def the_other_run_finishes_first(page):
+        out.write_text(other)
+        rendered.append(render(page))
+        return rendered[-1]
+
+    monkeypatch.setattr(rankkit.report, "render", the_other_run_finishes_first)
+    with pytest.raises(RankkitError, match=f"^{out} was written by another run while this one worked; pass --overwrite"):
+        write_dashboard(store, out, workers=1)
+    assert out.read_text() == other and sorted(path.name for path in tmp_path.iterdir()) == ["report.html", "run.zarr"]
+    assert write_dashboard(store, out, workers=1, overwrite=True).read_text() == rendered[-1] != other
+
+
 def test_bad_inputs_raise_one_line_errors_naming_the_fix(tmp_path, store):
     with pytest.raises(RankkitError, match="no store at .*capture into it first"):
         write_dashboard(tmp_path / "missing.zarr", tmp_path / "report.html")

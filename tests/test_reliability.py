@@ -911,6 +911,22 @@ def test_overwrite_replaces_only_a_file_rankkit_wrote(tmp_path):
             outputs.claim([tmp_path / name], overwrite=True)
 
 
+@pytest.mark.parametrize("links", [True, False])
+def test_a_file_that_reached_the_output_after_its_claim_is_replaced_only_with_overwrite(tmp_path, monkeypatch, links):
+    """Where the filesystem has no hard links, the same rule holds through a check before the rename."""
+    if not links:
+        monkeypatch.setattr(os, "link", lambda *_: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    out = tmp_path / "out.parquet"
+    assert outputs.claim([out]) == [out]
+    out.write_text("another run's")
+    with pytest.raises(RankkitError, match=f"^{out} was written by another run while this one worked; pass --overwrite"):
+        outputs.write_parquet(pl.DataFrame({"a": [1]}), out, overwrite=False)
+    assert out.read_text() == "another run's" and list(tmp_path.iterdir()) == [out]
+    outputs.write_parquet(pl.DataFrame({"a": [2]}), tmp_path / "new.parquet", overwrite=False)
+    outputs.write_parquet(pl.DataFrame({"a": [3]}), out, overwrite=True)
+    assert [pl.read_parquet(tmp_path / name)["a"].item() for name in ("new.parquet", "out.parquet")] == [2, 3]
+
+
 def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

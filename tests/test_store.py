@@ -423,6 +423,41 @@ def test_overwrite_refuses_to_delete_a_directory_that_is_not_a_store(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("inside", ["examples/notes.txt", "examples/a/notes.txt"])
+def test_overwrite_refuses_a_store_holding_a_file_of_yours_among_its_examples(path, inside):
+    """Only the store's top folder was looked at: a file of one's own among the examples was deleted."""
+    writer = stores.create(path, RUN_META)
+    write(writer, "a", 0)
+    (path / "examples" / "b").mkdir()
+    (path / "examples" / "b" / ".zarr.json.partial").write_text("")  # what a kill leaves is the store's own
+    (path / inside).write_text("mine")
+    with pytest.raises(RankkitError, match=f"^{path} holds {path / inside}, which rankkit did not write; refusing"):
+        stores.create(path, RUN_META, overwrite=True)
+    assert (path / inside).read_text() == "mine" and stores.open(path).example_ids() == ["a"]
+    (path / inside).unlink()
+    assert stores.create(path, RUN_META, overwrite=True).example_attrs("a") == {}
+
+
+def test_an_overwrite_killed_while_it_deletes_the_old_store_leaves_none_half_deleted(path, monkeypatch):
+    """A kill midway through deleting the old store (its zarr.json gone first, its examples not yet)
+    left a folder that was no store: every command refused it, --overwrite too."""
+    write(stores.create(path, RUN_META), "old", 0)
+    delete = shutil.rmtree
+
+    def killed_midway(target, *args, **kwargs):
+        (Path(target) / "zarr.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        stores.create(path, RUN_META, overwrite=True)
+    monkeypatch.setattr(shutil, "rmtree", delete)
+    assert not path.exists()
+    write(stores.create(path, RUN_META, overwrite=True), "new", 1)
+    assert stores.open(path).example_ids(complete_only=False) == ["new"]
+    assert sorted(entry.name for entry in path.parent.iterdir()) == [path.name]  # the killed deletion's leftover too
+
+
 def test_an_empty_directory_becomes_a_store(tmp_path):
     write(stores.create(tmp_path, RUN_META), "a", 0)
     assert stores.open(tmp_path).example_ids() == ["a"]

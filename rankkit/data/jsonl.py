@@ -33,9 +33,10 @@ from rankkit.names import encode_name
 REQUIRED_FIELDS = ("id", "context", "question", "answers")
 
 
-def export_jsonl(examples: Iterable[Example], path: str | Path) -> None:
+def export_jsonl(examples: Iterable[Example], path: str | Path, *, overwrite: bool = True) -> None:
+    """The examples as one JSON object a line at ``path``; without ``overwrite``, never over a file there."""
     lines = (json.dumps(example.to_record(), ensure_ascii=False) + "\n" for example in examples)
-    outputs.write_text("".join(lines), path)
+    outputs.write_text("".join(lines), path, overwrite=overwrite)
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:

@@ -233,5 +233,5 @@ def export_spec(
     examples = load_examples(spec, tokenizer)
     if config is not None:
         check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
-    export_jsonl(examples, path)
+    export_jsonl(examples, path, overwrite=overwrite)
     return len(examples)

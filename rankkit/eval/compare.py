@@ -691,7 +691,7 @@ def write_results(
     ]
     written = [] if written is None else written
     for frame, file in zip(frames, paths, strict=True):
-        written.append(outputs.write_parquet(frame, file))
+        written.append(outputs.write_parquet(frame, file, overwrite=overwrite))
     return written
 
 

@@ -87,7 +87,7 @@ class VarianceResult:
 
         paths = claim_outputs(output_paths(path), self.store, overwrite=overwrite)
         frames = (self.curves, self.selections, self.means)
-        return [outputs.write_parquet(frame, file) for frame, file in zip(frames, paths, strict=True)]
+        return [outputs.write_parquet(frame, file, overwrite=overwrite) for frame, file in zip(frames, paths, strict=True)]
 
     def by_example(self) -> list[dict[str, Any]]:
         """One plain dict per example: example, task, probe, min_layer, relative_variance (a list over

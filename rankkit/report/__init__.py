@@ -142,7 +142,7 @@ def write_dashboard(
     explored = _explorer_sample(records, explore, store_path)
     with shared_workers(store.path):  # compare, variance and the explorer: one start-up of the workers
         page = _page(store, records, explored, store_path, runs, diffusion_frame, workers, compared, needle_keep)
-    return outputs.write_text(render(page), out)
+    return outputs.write_text(render(page), out, overwrite=overwrite)
 
 
 def write_index(

@@ -58,7 +58,7 @@ def join_store_and_bench(
     refuse_timing_only_store(store.meta, store.path, "report its rankings beside a bench")
     joined = join_bench_rows(store, _bench_frame(bench, store), f"bench {bench}")
     if out is not None:
-        outputs.write_parquet(joined.per_example, out)
+        outputs.write_parquet(joined.per_example, out, overwrite=overwrite)
     return joined
 
 
