@@ -24,6 +24,7 @@ read such intervals as a lower bound on the uncertainty.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -284,7 +285,7 @@ def paired_difference(
     differences or when every difference is zero) and n. With ``clusters`` (each example's
     cluster name) the bootstrap resamples clusters and the test ranks each cluster's mean
     difference: examples of one cluster are one sample (``n_clusters``; ``n_examples`` without)."""
-    return paired_differences([(first, second)], None if clusters is None else [clusters])[0]
+    return paired_differences([(first, second)], [clusters])[0]
 
 
 def paired_differences(
@@ -295,7 +296,7 @@ def paired_differences(
     (the resamples depend only on that number), which costs as much as one."""
     differences, numbers = [], []
     for index, (first, second) in enumerate(pairs):
-        difference = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
+        difference = np.subtract(first, second, dtype=np.float64)  # bools too (a correct column)
         shared = ~np.isnan(difference)
         differences.append(difference[shared])
         names = None if clusters is None or clusters[index] is None else np.asarray(clusters[index])[shared]
@@ -342,7 +343,7 @@ def wilcoxon_p_value(differences: np.ndarray) -> float:
     tie correction, worked out here: importing scipy.stats takes longer than the whole tail of
     a thousand-example comparison. Smaller samples get scipy's exact or permutation test.
     """
-    differences = np.asarray(differences, dtype=np.float64)
+    differences = np.asarray(differences)
     if differences.size <= EXACT_WILCOXON_LIMIT:
         from scipy import stats  # imported when used, as in ``wilson_interval``
 
@@ -369,7 +370,7 @@ def median_interval(values: Sequence[float]) -> tuple[float | None, float | None
     count = len(ordered)
     below = 0  # P(Binomial(count, ½) < k) for the k tried, times 2**count
     widest = None
-    for k in range(1, count // 2 + 1):
+    for k in itertools.count(1):  # ends by k = count // 2 + 1, where below reaches half of 2**count
         below += math.comb(count, k - 1)
         if 2 * below / 2**count > 1 - CONFIDENCE:
             break
