@@ -12,7 +12,15 @@ from test_oracle import FILLER, QUESTION, CharTokenizer, passkey_prompt, record_
 
 from rankkit.data import Example
 from rankkit.errors import RankkitError
-from rankkit.eval.diffusion import DIFFUSION_MEANS, SCHEMA, diffusion_curve, example_diffusion, layer_summary
+from rankkit.eval.diffusion import (
+    DIFFUSION_MEANS,
+    ROUNDING,
+    SCHEMA,
+    check_diffusion_values,
+    diffusion_curve,
+    example_diffusion,
+    layer_summary,
+)
 from rankkit.eval.stats import interval_columns
 from rankkit.runner import Runner, greedy_continue
 
@@ -196,6 +204,26 @@ def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters
     # without clusters (a frame from before the probe kept them) every example is its own sample
     alone = layer_summary(frame.drop("cluster"))
     assert "n_clusters" not in alone.columns and interval(alone, "answer_logprob") == (-4.0, -2.0)
+
+
+@pytest.mark.parametrize(
+    ("column", "past"),
+    [("layer", -1), ("layer", 4), ("score", -0.01), ("score", 1.01), ("answer_logprob", 2 * ROUNDING),
+     ("first_token_kl", -2 * ROUNDING), ("evidence_attention", -0.01), ("evidence_attention", 1 + 2 * ROUNDING)],
+)  # fmt: skip
+def test_probe_rows_on_a_bound_pass_and_past_it_are_refused(column, past):
+    """The bounds are the probe's own: layers 0..L of the store's model, scores and attention shares in
+    [0, 1], log-probabilities at most 0 and KLs at least 0, each with a float's rounding to spare."""
+    on_bounds = pl.DataFrame(
+        {"example": ["e0", "e0"], "layer": [0, 3], "score": [0.0, 1.0], "answer_logprob": [ROUNDING, -40.0],
+         "first_token_kl": [-ROUNDING, 9.0], "evidence_attention": [0.0, 1 + ROUNDING]}
+    )  # fmt: skip
+    check_diffusion_values(on_bounds, "the frame", 3)
+    damaged = on_bounds.with_columns(pl.Series(column, [past, on_bounds[column][1]]))
+    with pytest.raises(RankkitError, match=rf"^the frame holds {column} .* not as rankkit diffusion on this store's 3-layer model"):
+        check_diffusion_values(damaged, "the frame", 3)
+    with pytest.raises(RankkitError, match="^the frame holds more than one row of example e0, layer 0"):
+        check_diffusion_values(pl.concat([on_bounds, on_bounds.head(1)]), "the frame", 3)
 
 
 def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
