@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import warnings
 
 import numpy as np
 import polars as pl
@@ -63,9 +64,19 @@ def test_bootstrap_is_deterministic_and_leaves_out_missing_values():
 
 
 def test_fewer_than_two_values_have_no_interval():
-    means, low, high, counts = bootstrap_means(np.array([[0.7, np.nan], [np.nan, np.nan]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a column no example has is no error to warn of
+        means, low, high, counts = bootstrap_means(np.array([[0.7, np.nan], [np.nan, np.nan]]))
     assert means[0] == 0.7 and math.isnan(means[1])
     assert np.isnan(low).all() and np.isnan(high).all() and counts.tolist() == [1, 0]
+    # two: a resample draws both, or one of them twice (each a quarter of the time), so [min, max]
+    assert bootstrap_means(np.array([[0.6], [0.2]]))[1:3] == ([0.2], [0.6])
+    # a pair of methods no example has both of: nothing to compare, no error
+    none_shared = paired_difference(np.array([0.5, np.nan]), np.array([np.nan, 0.4]))
+    assert none_shared == {
+        "difference": None, "difference_ci_low": None, "difference_ci_high": None, "p_value": None,
+        "n_examples": 0, "n_clusters": 0,
+    }  # fmt: skip
 
 
 def test_identical_values_have_a_zero_width_interval():
@@ -123,6 +134,13 @@ def test_mean_intervals_per_group_wilson_for_right_or_wrong_scores():
     assert rows["x"]["ratio"] == pytest.approx(0.5875)
     assert rows["x"]["ratio_ci_low"] < 0.5875 < rows["x"]["ratio_ci_high"]
     assert rows["x"]["n_examples"] == 4 and rows["y"]["n_examples"] == 4  # y has a ratio for d
+
+
+def test_a_group_named_by_a_missing_value_is_a_group():
+    """A store whose examples record no task: variance's means are per task, the task null."""
+    frame = pl.DataFrame({"example_id": ["a", "b", "c"], "task": [None, None, "qa"], "rho": [0.2, 0.4, 0.9]})
+    found = mean_intervals(frame, ["task"], ["rho"])
+    assert found.select("task", "rho", "n_examples").rows() == [(None, pytest.approx(0.3), 2), ("qa", 0.9, 1)]
 
 
 def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
@@ -371,6 +389,12 @@ def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_col
     assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(wilson_interval(0, 2))  # not [0, 0]
     assert row["score_ci_high"] > 0.6
     assert row["credit"] == 0.5 and row["credit_ci_low"] < row["credit_ci_high"]
+    # a 0/1 score of clustered examples is no count of independent trials: the cluster bootstrap
+    right = frame.with_columns(score=pl.Series([1.0, 0.0, 1.0, 1.0]))
+    (row,) = mean_intervals(right, ["method"], ["score"], cluster="cluster", scores=["score"]).to_dicts()
+    assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(
+        slow_cluster_interval(right["score"].to_numpy(), np.array([0, 0, 0, 1])), abs=1e-6
+    )
     (alone,) = mean_intervals(frame.drop("cluster"), ["method"], ["score"], scores=["score"]).to_dicts()
     assert "n_clusters" not in alone and (alone["score_ci_low"], alone["score_ci_high"]) == pytest.approx(
         wilson_interval(0, 4)

@@ -85,7 +85,7 @@ def bootstrap_means(
     present = ~np.isnan(values)
     counts = present.sum(axis=0)
     filled = np.where(present, values, 0.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore"):  # 0 / 0: a column no example has
         means = filled.sum(axis=0) / counts
     low = np.full(values.shape[1], np.nan)
     high = np.full(values.shape[1], np.nan)
@@ -94,10 +94,8 @@ def bootstrap_means(
     deviations = np.where(present, filled - means, 0.0).astype(np.float32)
     has, sizes = present, None  # sizes: how many of a column's examples each unit holds (None: one)
     if clusters is not None:  # a cluster's examples always enter together: resample their sums
-        grouped = np.argsort(clusters, kind="stable")
-        starts = np.flatnonzero(np.diff(clusters[grouped], prepend=-1))
-        deviations = np.add.reduceat(deviations[grouped], starts, axis=0)
-        sizes = np.add.reduceat(present[grouped].astype(np.float32), starts, axis=0)
+        deviations = _cluster_sums(deviations, clusters)
+        sizes = _cluster_sums(present, clusters).astype(np.float32)
         has = sizes > 0
     units = has.sum(axis=0)
     spread = np.flatnonzero(units >= 2)
@@ -132,11 +130,17 @@ def cluster_numbers(names: Sequence[Any]) -> np.ndarray | None:
     return np.array([numbers[name] for name in names]) if len(numbers) < len(names) else None
 
 
+def _cluster_sums(values: np.ndarray, clusters: np.ndarray) -> np.ndarray:
+    """Per cluster 0..C-1 (``clusters`` numbers each example's), the sum of its examples' rows of
+    ``values`` [examples, quantities] (of a bool, how many are true)."""
+    grouped = np.argsort(clusters)
+    _, starts = np.unique(clusters[grouped], return_index=True)
+    return np.add.reduceat(values[grouped], starts, axis=0)
+
+
 def cluster_counts(present: np.ndarray, clusters: np.ndarray) -> np.ndarray:
     """Per column of ``present`` [examples, quantities], how many clusters have a value."""
-    by_cluster = np.zeros((int(clusters.max()) + 1, present.shape[1]), dtype=bool)
-    np.logical_or.at(by_cluster, clusters, present)
-    return by_cluster.sum(axis=0)
+    return (_cluster_sums(present, clusters) > 0).sum(axis=0)
 
 
 @contextmanager
