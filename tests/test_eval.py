@@ -691,7 +691,8 @@ def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
     assert compared.write(tmp_path / "c.parquet", overwrite=True) == written
     assert pl.read_parquet(written[0]).equals(compared.per_layer)
     kept = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=tmp_path / "v.parquet")
-    assert pl.read_parquet(tmp_path / "v.parquet").equals(kept.curves)
+    for name, frame in (("v", kept.curves), ("v.selections", kept.selections), ("v.means", kept.means)):
+        assert pl.read_parquet(tmp_path / f"{name}.parquet").equals(frame), name
 
 
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):

@@ -471,6 +471,7 @@ def test_each_metric_counts_the_examples_its_mean_is_over():
     assert (row["recall_at_10_n"], row["n_examples"]) == (6, 6)
     assert row_with_interval(row, "spearman").endswith(" n=2")
     assert row_with_interval(row, "recall_at_10").endswith("]")  # its n is the row's
+    assert row_with_interval(row, "spearman", unit=0.5, digits=1) == "1.9 [1.8, 2.0] n=2"
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(frame_table(pl.DataFrame([row]), "t"))
     shown = console.export_text()
