@@ -21,7 +21,7 @@ from rankkit.eval.diffusion import (
     example_diffusion,
     layer_summary,
 )
-from rankkit.eval.stats import interval_columns
+from rankkit.eval.stats import interval_columns, wilson_interval
 from rankkit.runner import Runner, greedy_continue
 
 EVIDENCE = [(10, 14), (20, 22)]
@@ -201,9 +201,13 @@ def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters
     assert interval(summary, "answer_logprob") == (-3.0, -3.0)
     assert interval(summary, "first_token_kl") == (1.5, 3.0)
     assert summary.row(1, named=True)["evidence_attention_ci_low"] is None
+    # every answer right at layer 1: Wilson's interval over the two clusters, not the bootstrap's [1, 1]
+    row = summary.row(1, named=True)
+    assert (row["correct_ci_low"], row["correct_ci_high"]) == pytest.approx(wilson_interval(2, 2))
     # without clusters (a frame from before the probe kept them) every example is its own sample
     alone = layer_summary(frame.drop("cluster"))
     assert "n_clusters" not in alone.columns and interval(alone, "answer_logprob") == (-4.0, -2.0)
+    assert interval(alone, "correct") == pytest.approx(wilson_interval(2, 3))  # 2 of 3 right: a count
 
 
 @pytest.mark.parametrize(

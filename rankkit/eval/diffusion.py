@@ -365,11 +365,10 @@ def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
     or a needle), and ``n_examples`` (and ``n_clusters``)."""
     from rankkit.eval.stats import cluster_column, mean_intervals
 
-    scored = frame.with_columns(pl.col("correct").cast(pl.Float64))
-    summary = mean_intervals(
-        scored.sort("layer", maintain_order=True),
+    summary = mean_intervals(  # which reads correct's booleans as 0/1: its mean is the share right
+        frame.sort("layer", maintain_order=True),
         ["layer"],
-        [name for name in DIFFUSION_MEANS if name in scored.columns],  # a frame may hold only some
+        [name for name in DIFFUSION_MEANS if name in frame.columns],  # a frame may hold only some
         example="example",
         cluster=cluster_column(frame),  # none in frames written before the probe kept clusters
         scores=["correct", "score"],
