@@ -204,6 +204,7 @@ def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters
     # every answer right at layer 1: Wilson's interval over the two clusters, not the bootstrap's [1, 1]
     row = summary.row(1, named=True)
     assert (row["correct_ci_low"], row["correct_ci_high"]) == pytest.approx(wilson_interval(2, 2))
+    assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(wilson_interval(2, 2))  # full marks
     # without clusters (a frame from before the probe kept them) every example is its own sample
     alone = layer_summary(frame.drop("cluster"))
     assert "n_clusters" not in alone.columns and interval(alone, "answer_logprob") == (-4.0, -2.0)
@@ -228,6 +229,29 @@ def test_probe_rows_on_a_bound_pass_and_past_it_are_refused(column, past):
         check_diffusion_values(damaged, "the frame", 3)
     with pytest.raises(RankkitError, match="^the frame holds more than one row of example e0, layer 0 .* rankkit diffusion writes"):
         check_diffusion_values(pl.concat([on_bounds, on_bounds.head(1)]), "the frame", 3)
+
+
+def test_a_dataset_example_hands_the_probe_its_evidence_answer_metric_and_cluster(default_tokenizer, monkeypatch):
+    """example_diffusion's side of the default-model test, without the model: the evidence's tokens,
+    the answer as the prompt continues it after a prefix (with its space), the example's metric."""
+    import rankkit.eval.diffusion as diffusion
+
+    needle = "The pass key is 68247. Remember it."
+    example = Example(
+        id="passkey", task="niah", context=FILLER + needle + " " + FILLER, question=QUESTION, answers=("68247",),
+        answer_prefix="The pass key is", evidence=((len(FILLER), len(FILLER) + len(needle)),),
+        meta={"cluster": "haystack-0"},
+    )  # fmt: skip
+    calls = []
+    monkeypatch.setattr(diffusion, "diffusion_curve", lambda *args, **options: calls.append((args, options)))
+    example_diffusion("runner", default_tokenizer, example, max_new_tokens=8, layers=[1])
+    ((runner, tokenizer, ids, spans, answer), options) = calls[0]
+    assert (runner, tokenizer, answer) == ("runner", default_tokenizer, " 68247")
+    ((start, end),) = spans
+    assert default_tokenizer.decode(ids.reshape(-1)[start:end]).strip() == needle
+    score = options.pop("score_fn")
+    assert (score("it is 68247"), score("it is 6824")) == (1.0, 0.0)
+    assert options == {"max_new_tokens": 8, "layers": [1], "example_id": "passkey", "cluster": "haystack-0"}
 
 
 def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
