@@ -375,6 +375,22 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     assert row["answer_logprob"] > -2.0
 
 
+def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, monkeypatch):
+    import rankkit.eval.diffusion as diffusion
+
+    monkeypatch.setattr(diffusion.models, "load", lambda *args, **options: pytest.fail("the model was loaded"))
+    model, data = str(tiny_folder), "niah:n=1,length=128"
+    with pytest.raises(RankkitError, match="^--threads 999: "):
+        diffusion.diffusion_probe(data, model=model, threads=999)
+    with pytest.raises(RankkitError, match="^the diffusion probe measures answers, and random:tiny has random weights"):
+        diffusion.diffusion_probe(data, model="random:tiny")
+    for option, name in (("limit", "--limit"), ("max_new_tokens", "--max-new-tokens")):
+        with pytest.raises(RankkitError, match=f"^{name} "):
+            diffusion.diffusion_probe(data, model=model, **{option: 0})
+    with pytest.raises(RankkitError, match="length=100000"):  # past the model's positions, unless allowed
+        diffusion.diffusion_probe("niah:n=1,length=100000", model=model)
+
+
 def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_folder, tmp_path, monkeypatch):
     """They were reported as probed, so the ETA counted them as work done in no time."""
     import warnings
