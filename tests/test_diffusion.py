@@ -396,7 +396,9 @@ def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_
     import warnings
 
     import rankkit.eval.diffusion as diffusion
+    from rankkit.data import data_fingerprint
     from rankkit.errors import Interrupted
+    from rankkit.outputs import journal_path
     from rankkit.progress import SKIPPED
 
     real, calls = diffusion.example_diffusion, []
@@ -413,6 +415,11 @@ def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_
         warnings.simplefilter("ignore")  # a random model's answers are cut short of full marks
         with pytest.raises(Interrupted):
             diffusion.diffusion_probe("niah:n=3,length=128", **run)
+        # the settings a rerun must match to resume, as the journal's first line keeps them
+        identity = {"command": "diffusion", "data": "niah:n=3,length=128", **data_fingerprint("niah:n=3,length=128"),
+                    "model": str(tiny_folder), "limit": None, "max_new_tokens": 2}  # fmt: skip
+        kept = journal_path(run["out"]).read_text(encoding="utf-8").splitlines()[0]
+        assert json.loads(kept)["identity"] == json.loads(json.dumps(identity))
         events = []
         frame = diffusion.diffusion_probe("niah:n=3,length=128", progress=events.append, **run)
     assert [(event.stage, event.done, event.total) for event in events] == [
