@@ -440,6 +440,8 @@ def test_a_groups_interval_resamples_its_own_examples_whatever_else_the_frame_ho
     units = np.arange(size) if units is None else np.array(units)
     expected = slow_cluster_interval(values, units)
     assert (row["spearman_ci_low"], row["spearman_ci_high"]) == pytest.approx(expected, abs=1e-6)
+    if "n_clusters" in row:  # resampled by cluster: its own clusters, not the frame's
+        assert row["n_clusters"] == len(set(units))
 
 
 def slow_cluster_interval(values: np.ndarray, units: np.ndarray) -> tuple[float, float]:
