@@ -375,10 +375,17 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     assert row["answer_logprob"] > -2.0
 
 
-def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, monkeypatch):
+def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, monkeypatch, tmp_path):
     import rankkit.eval.diffusion as diffusion
+    from rankkit import outputs
 
-    monkeypatch.setattr(diffusion.models, "load", lambda *args, **options: pytest.fail("the model was loaded"))
+    class Loaded(Exception):
+        """The checks passed: the probe went on to load the model."""
+
+    def load(*args, **options):
+        raise Loaded
+
+    monkeypatch.setattr(diffusion.models, "load", load)
     model, data = str(tiny_folder), "niah:n=1,length=128"
     with pytest.raises(RankkitError, match="^--threads 999: "):
         diffusion.diffusion_probe(data, model=model, threads=999)
@@ -389,6 +396,13 @@ def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, mo
             diffusion.diffusion_probe(data, model=model, **{option: 0})
     with pytest.raises(RankkitError, match="length=100000"):  # past the model's positions, unless allowed
         diffusion.diffusion_probe("niah:n=1,length=100000", model=model)
+    with pytest.raises(Loaded):
+        diffusion.diffusion_probe("niah:n=1,length=100000", model=model, allow_overlength=True)
+    out = outputs.write_parquet(pl.DataFrame({"example": ["e0"]}), tmp_path / "d.parquet")
+    with pytest.raises(RankkitError, match="d.parquet already exists; pass --overwrite"):
+        diffusion.diffusion_probe(data, model=model, out=out)
+    with pytest.raises(Loaded):
+        diffusion.diffusion_probe(data, model=model, out=out, overwrite=True)
 
 
 def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_folder, tmp_path, monkeypatch):

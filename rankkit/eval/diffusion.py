@@ -89,7 +89,7 @@ class EvidenceAttention(LayerHook):
     def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
         self.cache = cache
         self.evidence_positions = evidence_positions.to(runner.device)
-        self.sums = torch.zeros(runner.num_layers, dtype=torch.float64)
+        self.sums = [0.0] * runner.num_layers  # Python floats: summed in double precision
         self.steps = 0
 
     def on_attention(self, call: AttentionCall) -> None:
@@ -108,8 +108,8 @@ class EvidenceAttention(LayerHook):
             self.steps += 1
 
     @property
-    def shares(self) -> torch.Tensor:
-        return self.sums / self.steps
+    def shares(self) -> list[float]:
+        return [total / self.steps for total in self.sums]
 
 
 def answer_logprob(prefill_logits: torch.Tensor, forced_logits: torch.Tensor, answer: Sequence[int]) -> float:
@@ -131,7 +131,7 @@ def _prefill_without_evidence(
 ) -> PrefillResult:
     """The prompt's prefill with the evidence's hidden states removed from ``layer`` on."""
     if layer == 0:
-        return runner.prefill(ids[keep], positions=keep, prompt_length=ids.shape[0])
+        return runner.prefill(ids[keep], positions=keep)  # keep holds the last token: decoding goes on after it
     return runner.prefill(ids, hooks=[RemoveAfter(layer - 1, keep)])
 
 
@@ -193,7 +193,7 @@ def diffusion_curve(
     forced = fork_prefill(unpruned)
     attention = EvidenceAttention(runner, forced.cache, torch.nonzero(evidence).reshape(-1))
     unpruned_forced_logits = teacher_force(runner, forced, answer, [attention])
-    evidence_shares = attention.shares.tolist()
+    evidence_shares = attention.shares
     unpruned_answer = greedy_continue(runner, fork_prefill(unpruned), limit)
     unpruned_prediction = tokenizer.decode(unpruned_answer, skip_special_tokens=True)
     cut = len(unpruned_answer) == limit and unpruned_answer[-1] not in runner.eos_ids()

@@ -135,7 +135,7 @@ def _cluster_sums(values: np.ndarray, clusters: np.ndarray) -> np.ndarray:
     ``values`` [examples, quantities] (of a bool, how many are true)."""
     grouped = np.argsort(clusters)
     _, starts = np.unique(clusters[grouped], return_index=True)
-    return np.add.reduceat(values[grouped], starts, axis=0)
+    return np.add.reduceat(values[grouped], starts)  # along the examples, numpy's default axis
 
 
 def cluster_counts(present: np.ndarray, clusters: np.ndarray) -> np.ndarray:
