@@ -119,6 +119,17 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
     assert frame["evidence_attention"].to_list()[:3] == pytest.approx(expected_shares, abs=1e-5)
 
 
+def test_a_sliding_window_layer_puts_no_attention_on_evidence_outside_its_window(random_ids):
+    """gemma2's local layers see the last 8 keys: the answer's queries (positions 40 on) cannot reach
+    the evidence (10..21) there, so its share is 0 exactly; the global layer reads it."""
+    runner = Runner(tiny_model("gemma2"))
+    frame = diffusion_curve(
+        runner, CharTokenizer(), random_ids, EVIDENCE, ANSWER, score_fn=lambda prediction: 1.0, max_new_tokens=5
+    )
+    local, full, local_again, _ = frame["evidence_attention"].to_list()
+    assert (local, local_again) == (0.0, 0.0) and full > 0.05
+
+
 def test_removal_at_the_embeddings_is_a_prefill_without_the_evidence(random_ids):
     """l = 0: the same as prefilling only the other tokens at their original positions."""
     runner = Runner(tiny_model("qwen2"))
@@ -410,6 +421,7 @@ def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_
     import warnings
 
     import rankkit.eval.diffusion as diffusion
+    from rankkit import models
     from rankkit.data import data_fingerprint
     from rankkit.errors import Interrupted
     from rankkit.outputs import journal_path
@@ -439,4 +451,8 @@ def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_
     assert [(event.stage, event.done, event.total) for event in events] == [
         (SKIPPED, 1, 3), ("probed", 2, 3), ("probed", 3, 3)
     ]
+    assert [event.detail for event in events] == frame["example"].unique(maintain_order=True).to_list()
     assert frame["example"].n_unique() == 3
+    # the model that answered, for the dashboard to draw them beside its stores only
+    loaded = models.load(str(tiny_folder), device="cpu")
+    assert frame.select("model", "weights_hash").unique().rows() == [(loaded.model_id, loaded.weights_hash)]

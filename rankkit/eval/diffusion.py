@@ -89,8 +89,7 @@ class EvidenceAttention(LayerHook):
     def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
         self.cache = cache
         self.evidence_positions = evidence_positions.to(runner.device)
-        self.sums = [0.0] * runner.num_layers  # Python floats: summed in double precision
-        self.steps = 0
+        self.seen: list[list[float]] = [[] for _ in range(runner.num_layers)]  # per layer, each step's share
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "decode":
@@ -103,13 +102,11 @@ class EvidenceAttention(LayerHook):
             logits = logits.masked_fill(~mask[0, :, -1, None, :], float("-inf"))
         on_evidence = torch.isin(call.key_positions, self.evidence_positions)  # [kv_heads, S]
         shares = (call.softmax(logits) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
-        self.sums[call.layer] += float(shares.mean())
-        if call.layer == 0:
-            self.steps += 1
+        self.seen[call.layer].append(float(shares.mean()))
 
     @property
     def shares(self) -> list[float]:
-        return [total / self.steps for total in self.sums]
+        return [sum(steps) / len(steps) for steps in self.seen]
 
 
 def answer_logprob(prefill_logits: torch.Tensor, forced_logits: torch.Tensor, answer: Sequence[int]) -> float:
