@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import polars as pl
 import pytest
@@ -12,8 +13,16 @@ from test_oracle import FILLER, QUESTION, CharTokenizer, passkey_prompt, record_
 
 from rankkit.data import Example
 from rankkit.errors import RankkitError
-from rankkit.eval.diffusion import DIFFUSION_MEANS, SCHEMA, diffusion_curve, example_diffusion, layer_summary
-from rankkit.eval.stats import interval_columns
+from rankkit.eval.diffusion import (
+    DIFFUSION_MEANS,
+    ROUNDING,
+    SCHEMA,
+    check_diffusion_values,
+    diffusion_curve,
+    example_diffusion,
+    layer_summary,
+)
+from rankkit.eval.stats import interval_columns, wilson_interval
 from rankkit.runner import Runner, greedy_continue
 
 EVIDENCE = [(10, 14), (20, 22)]
@@ -76,15 +85,18 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
     tokenizer = CharTokenizer()
     answer = tokenizer(ANSWER)["input_ids"]
     model = tiny_model(family_name)
-    frame = diffusion_curve(
-        Runner(model),
-        tokenizer,
-        random_ids,
-        EVIDENCE,
-        ANSWER,
-        score_fn=lambda prediction: 1.0,
-        max_new_tokens=5,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # answers cut at the limit with full marks: nothing to warn of
+        frame = diffusion_curve(
+            Runner(model),
+            tokenizer,
+            random_ids,
+            EVIDENCE,
+            ANSWER,
+            score_fn=lambda prediction: 1.0,
+            max_new_tokens=5,
+            cluster="haystack-0",
+        )
     assert frame.columns == [
         "example",
         "cluster",
@@ -97,6 +109,7 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
         "prediction",
     ]
     assert frame["layer"].to_list() == [0, 1, 2, 3]
+    assert frame.select("example", "cluster", "score", "correct").unique().rows() == [("example", "haystack-0", 1.0, True)]
 
     reference = tiny_model(family_name)
     _, unpruned_first = slow_row(reference, random_ids, answer, removed_from=3)
@@ -109,6 +122,17 @@ def test_curve_equals_a_slow_layer_loop(family_name, random_ids):
     assert last["first_token_kl"] == 0.0 and last["evidence_attention"] is None
     expected_shares = slow_evidence_attention(reference, random_ids, answer)
     assert frame["evidence_attention"].to_list()[:3] == pytest.approx(expected_shares, abs=1e-5)
+
+
+def test_a_sliding_window_layer_puts_no_attention_on_evidence_outside_its_window(random_ids):
+    """gemma2's local layers see the last 8 keys: the answer's queries (positions 40 on) cannot reach
+    the evidence (10..21) there, so its share is 0 exactly; the global layer reads it."""
+    runner = Runner(tiny_model("gemma2"))
+    frame = diffusion_curve(
+        runner, CharTokenizer(), random_ids, EVIDENCE, ANSWER, score_fn=lambda prediction: 1.0, max_new_tokens=5
+    )
+    local, full, local_again, _ = frame["evidence_attention"].to_list()
+    assert (local, local_again) == (0.0, 0.0) and full > 0.05
 
 
 def test_removal_at_the_embeddings_is_a_prefill_without_the_evidence(random_ids):
@@ -140,8 +164,9 @@ def test_bad_evidence_and_layers_are_refused(random_ids):
     tokenizer = CharTokenizer()
     with pytest.raises(RankkitError, match="no evidence"):
         diffusion_curve(runner, tokenizer, random_ids, [(5, 5)], ANSWER)
-    with pytest.raises(RankkitError, match="last prompt token"):
-        diffusion_curve(runner, tokenizer, random_ids, [(30, 40)], ANSWER)
+    for span in ((30, 40), (39, 40)):
+        with pytest.raises(RankkitError, match="last prompt token"):
+            diffusion_curve(runner, tokenizer, random_ids, [span], ANSWER)
     with pytest.raises(RankkitError, match="layers"):
         diffusion_curve(runner, tokenizer, random_ids, EVIDENCE, ANSWER, layers=[4])
 
@@ -193,9 +218,57 @@ def test_layer_summary_averages_over_examples_with_intervals_resampling_clusters
     assert interval(summary, "answer_logprob") == (-3.0, -3.0)
     assert interval(summary, "first_token_kl") == (1.5, 3.0)
     assert summary.row(1, named=True)["evidence_attention_ci_low"] is None
+    # every answer right at layer 1: Wilson's interval over the two clusters, not the bootstrap's [1, 1]
+    row = summary.row(1, named=True)
+    assert (row["correct_ci_low"], row["correct_ci_high"]) == pytest.approx(wilson_interval(2, 2))
+    assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(wilson_interval(2, 2))  # full marks
     # without clusters (a frame from before the probe kept them) every example is its own sample
     alone = layer_summary(frame.drop("cluster"))
     assert "n_clusters" not in alone.columns and interval(alone, "answer_logprob") == (-4.0, -2.0)
+    assert interval(alone, "correct") == pytest.approx(wilson_interval(2, 3))  # 2 of 3 right: a count
+
+
+@pytest.mark.parametrize(
+    ("column", "past"),
+    [("layer", -1), ("layer", 4), ("score", -0.01), ("score", 1.01), ("answer_logprob", 2 * ROUNDING),
+     ("first_token_kl", -2 * ROUNDING), ("evidence_attention", -0.01), ("evidence_attention", 1 + 2 * ROUNDING)],
+)  # fmt: skip
+def test_probe_rows_on_a_bound_pass_and_past_it_are_refused(column, past):
+    """The bounds are the probe's own: layers 0..L of the store's model, scores and attention shares in
+    [0, 1], log-probabilities at most 0 and KLs at least 0, each with a float's rounding to spare."""
+    on_bounds = pl.DataFrame(
+        {"example": ["e0", "e0"], "layer": [0, 3], "score": [0.0, 1.0], "answer_logprob": [ROUNDING, -40.0],
+         "first_token_kl": [-ROUNDING, 9.0], "evidence_attention": [0.0, 1 + ROUNDING]}
+    )  # fmt: skip
+    check_diffusion_values(on_bounds, "the frame", 3)
+    damaged = on_bounds.with_columns(pl.Series(column, [past, on_bounds[column][1]]))
+    with pytest.raises(RankkitError, match=rf"^the frame holds {column} .* not as rankkit diffusion on this store's 3-layer model"):
+        check_diffusion_values(damaged, "the frame", 3)
+    with pytest.raises(RankkitError, match="^the frame holds more than one row of example e0, layer 0 .* rankkit diffusion writes"):
+        check_diffusion_values(pl.concat([on_bounds, on_bounds.head(1)]), "the frame", 3)
+
+
+def test_a_dataset_example_hands_the_probe_its_evidence_answer_metric_and_cluster(default_tokenizer, monkeypatch):
+    """example_diffusion's side of the default-model test, without the model: the evidence's tokens,
+    the answer as the prompt continues it after a prefix (with its space), the example's metric."""
+    import rankkit.eval.diffusion as diffusion
+
+    needle = "The pass key is 68247. Remember it."
+    example = Example(
+        id="passkey", task="niah", context=FILLER + needle + " " + FILLER, question=QUESTION, answers=("68247",),
+        answer_prefix="The pass key is", evidence=((len(FILLER), len(FILLER) + len(needle)),),
+        meta={"cluster": "haystack-0"},
+    )  # fmt: skip
+    calls = []
+    monkeypatch.setattr(diffusion, "diffusion_curve", lambda *args, **options: calls.append((args, options)))
+    example_diffusion("runner", default_tokenizer, example, max_new_tokens=8, layers=[1])
+    ((runner, tokenizer, ids, spans, answer), options) = calls[0]
+    assert (runner, tokenizer, answer) == ("runner", default_tokenizer, " 68247")
+    ((start, end),) = spans
+    assert default_tokenizer.decode(ids.reshape(-1)[start:end]).strip() == needle
+    score = options.pop("score_fn")
+    assert (score("it is 68247"), score("it is 6824")) == (1.0, 0.0)
+    assert options == {"max_new_tokens": 8, "layers": [1], "example_id": "passkey", "cluster": "haystack-0"}
 
 
 def test_cli_prints_the_layer_table_and_writes_the_frame(tmp_path, monkeypatch):
@@ -319,12 +392,44 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     assert row["answer_logprob"] > -2.0
 
 
+def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, monkeypatch, tmp_path):
+    import rankkit.eval.diffusion as diffusion
+    from rankkit import outputs
+
+    class Loaded(Exception):
+        """The checks passed: the probe went on to load the model."""
+
+    def load(*args, **options):
+        raise Loaded
+
+    monkeypatch.setattr(diffusion.models, "load", load)
+    model, data = str(tiny_folder), "niah:n=1,length=128"
+    with pytest.raises(RankkitError, match="^--threads 999: "):
+        diffusion.diffusion_probe(data, model=model, threads=999)
+    with pytest.raises(RankkitError, match="^the diffusion probe measures answers, and random:tiny has random weights"):
+        diffusion.diffusion_probe(data, model="random:tiny")
+    for option, name in (("limit", "--limit"), ("max_new_tokens", "--max-new-tokens")):
+        with pytest.raises(RankkitError, match=f"^{name} "):
+            diffusion.diffusion_probe(data, model=model, **{option: 0})
+    with pytest.raises(RankkitError, match="length=100000"):  # past the model's positions, unless allowed
+        diffusion.diffusion_probe("niah:n=1,length=100000", model=model)
+    with pytest.raises(Loaded):
+        diffusion.diffusion_probe("niah:n=1,length=100000", model=model, allow_overlength=True)
+    out = outputs.write_parquet(pl.DataFrame({"example": ["e0"]}), tmp_path / "d.parquet")
+    with pytest.raises(RankkitError, match="d.parquet already exists; pass --overwrite"):
+        diffusion.diffusion_probe(data, model=model, out=out)
+    with pytest.raises(Loaded):
+        diffusion.diffusion_probe(data, model=model, out=out, overwrite=True)
+
+
 def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_folder, tmp_path, monkeypatch):
     """They were reported as probed, so the ETA counted them as work done in no time."""
-    import warnings
 
     import rankkit.eval.diffusion as diffusion
+    from rankkit import models
+    from rankkit.data import data_fingerprint
     from rankkit.errors import Interrupted
+    from rankkit.outputs import journal_path
     from rankkit.progress import SKIPPED
 
     real, calls = diffusion.example_diffusion, []
@@ -341,9 +446,18 @@ def test_a_resumed_probe_reports_the_examples_it_found_finished_as_skipped(tiny_
         warnings.simplefilter("ignore")  # a random model's answers are cut short of full marks
         with pytest.raises(Interrupted):
             diffusion.diffusion_probe("niah:n=3,length=128", **run)
+        # the settings a rerun must match to resume, as the journal's first line keeps them
+        identity = {"command": "diffusion", "data": "niah:n=3,length=128", **data_fingerprint("niah:n=3,length=128"),
+                    "model": str(tiny_folder), "limit": None, "max_new_tokens": 2}  # fmt: skip
+        kept = journal_path(run["out"]).read_text(encoding="utf-8").splitlines()[0]
+        assert json.loads(kept)["identity"] == json.loads(json.dumps(identity))
         events = []
         frame = diffusion.diffusion_probe("niah:n=3,length=128", progress=events.append, **run)
     assert [(event.stage, event.done, event.total) for event in events] == [
         (SKIPPED, 1, 3), ("probed", 2, 3), ("probed", 3, 3)
     ]
+    assert [event.detail for event in events] == frame["example"].unique(maintain_order=True).to_list()
     assert frame["example"].n_unique() == 3
+    # the model that answered, for the dashboard to draw them beside its stores only
+    loaded = models.load(str(tiny_folder), device="cpu")
+    assert frame.select("model", "weights_hash").unique().rows() == [(loaded.model_id, loaded.weights_hash)]

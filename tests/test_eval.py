@@ -691,7 +691,8 @@ def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
     assert compared.write(tmp_path / "c.parquet", overwrite=True) == written
     assert pl.read_parquet(written[0]).equals(compared.per_layer)
     kept = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=tmp_path / "v.parquet")
-    assert pl.read_parquet(tmp_path / "v.parquet").equals(kept.curves)
+    for name, frame in (("v", kept.curves), ("v.selections", kept.selections), ("v.means", kept.means)):
+        assert pl.read_parquet(tmp_path / f"{name}.parquet").equals(frame), name
 
 
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
@@ -796,6 +797,13 @@ def test_variance_store(store_path):
     record_curve = variance.by_example()[0]
     assert record_curve["relative_variance"][0] is None and record_curve["relative_variance"][1] == 0.0
     assert list(record_curve["selection_layer"]) == ["0.2", "0.3", "0.4", "0.5", "0.6"]
+    for row in variance.by_example():  # each example's own curve and selections, as the frames hold them
+        own = variance.selections.filter(pl.col("example") == row["example"])
+        curve = variance.curves.filter(pl.col("example") == row["example"])
+        assert (row["task"], row["probe"], row["min_layer"]) == (own["task"][0], own["probe"][0], 1)
+        assert row["relative_variance"] == curve["relative_variance"].to_list()
+        assert row["selection_layer"] == {f"{tau:g}": layer for tau, layer in own.select("tau", "selection_layer").rows()}
+        assert row["fallback"] == {f"{tau:g}": fallback for tau, fallback in own.select("tau", "fallback").rows()}
     with pytest.raises(RankkitError, match="window:w=32"):
         variance_store(store_path)
     with pytest.raises(RankkitError, match="asl"):

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from rankkit.eval.compare import with_example_id
-from rankkit.eval.stats import paired_difference, relation
+from rankkit.eval.stats import paired_difference
 from rankkit.sweep import sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "experiments"))
@@ -59,20 +59,6 @@ def _pair(low: float, high: float, difference: float = 0.1, task: str = "t", p_v
         "task": task, "difference": difference, "difference_ci_low": low, "difference_ci_high": high,
         "p_value": p_value,
     }
-
-
-@pytest.mark.parametrize(
-    ("low", "high", "p_value", "expected"),
-    [
-        (0.01, 0.2, 0.01, "higher"), (-0.3, -0.02, 0.01, "lower"), (-0.01, 0.4, 0.01, None),
-        (0.0, 0.2, 0.01, None), (None, None, None, None),
-        (0.01, 0.2, 0.05, None), (0.01, 0.2, None, None),  # the interval alone claims nothing
-    ],
-)  # fmt: skip
-def test_higher_or_lower_only_where_the_interval_excludes_zero_and_p_is_below_five_percent(
-    low, high, p_value, expected
-):
-    assert relation(low, high, p_value) == expected
 
 
 def test_a_difference_equal_on_every_example_is_no_claim_without_the_test():

@@ -215,6 +215,7 @@ def test_sliminfers_swaps_run_between_the_static_decodes_parts_prompt_after_prom
     assert len(static._static_decodes) == 1 and next(iter(static._static_decodes.values())).reuses == 1
 
 
+@pytest.mark.graphs
 def test_sliminfers_compiled_parts_trace_whole_and_choose_the_eager_tokens(random_ids):
     """``--compile-decode`` with SlimInfer: each part of the step compiles as one graph with no break
     (its scoring, ring of queries and choice included; the sort is torch's, as on CUDA), and the
@@ -338,6 +339,7 @@ def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids, 
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+@pytest.mark.graphs
 def test_tovas_eviction_compiles_into_the_static_step_whole(random_ids):
     """``--compile-decode`` with a hook a graph replays: TOVA's scoring and eviction trace into the one
     compiled step (no break), which chooses the eager dynamic cache's tokens, prompt after prompt."""
@@ -572,6 +574,7 @@ def test_the_oracle_decodes_over_the_static_cache_as_over_the_dynamic_one(random
     assert len(static._static_decodes) == 1
 
 
+@pytest.mark.graphs
 def test_a_self_draft_compiles_its_own_step_after_the_target_compiled_its(random_ids):
     """``--compile-decode``: the target's compiled step runs every layer, so a draft of its first layers,
     cut after the target compiled, compiles its own: the answer attention traces into it whole (one

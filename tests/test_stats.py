@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import warnings
 
 import numpy as np
 import polars as pl
@@ -19,6 +20,7 @@ from rankkit.eval.stats import (
     median_interval,
     paired_difference,
     paired_differences,
+    relation,
     row_with_interval,
     wilcoxon_p_value,
     wilson_interval,
@@ -62,9 +64,19 @@ def test_bootstrap_is_deterministic_and_leaves_out_missing_values():
 
 
 def test_fewer_than_two_values_have_no_interval():
-    means, low, high, counts = bootstrap_means(np.array([[0.7, np.nan], [np.nan, np.nan]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a column no example has is no error to warn of
+        means, low, high, counts = bootstrap_means(np.array([[0.7, np.nan], [np.nan, np.nan]]))
     assert means[0] == 0.7 and math.isnan(means[1])
     assert np.isnan(low).all() and np.isnan(high).all() and counts.tolist() == [1, 0]
+    # two: a resample draws both, or one of them twice (each a quarter of the time), so [min, max]
+    assert bootstrap_means(np.array([[0.6], [0.2]]))[1:3] == ([0.2], [0.6])
+    # a pair of methods no example has both of: nothing to compare, no error
+    none_shared = paired_difference(np.array([0.5, np.nan]), np.array([np.nan, 0.4]))
+    assert none_shared == {
+        "difference": None, "difference_ci_low": None, "difference_ci_high": None, "p_value": None,
+        "n_examples": 0, "n_clusters": 0,
+    }  # fmt: skip
 
 
 def test_identical_values_have_a_zero_width_interval():
@@ -124,6 +136,13 @@ def test_mean_intervals_per_group_wilson_for_right_or_wrong_scores():
     assert rows["x"]["n_examples"] == 4 and rows["y"]["n_examples"] == 4  # y has a ratio for d
 
 
+def test_a_group_named_by_a_missing_value_is_a_group():
+    """A store whose examples record no task: variance's means are per task, the task null."""
+    frame = pl.DataFrame({"example_id": ["a", "b", "c"], "task": [None, None, "qa"], "rho": [0.2, 0.4, 0.9]})
+    found = mean_intervals(frame, ["task"], ["rho"])
+    assert found.select("task", "rho", "n_examples").rows() == [(None, pytest.approx(0.3), 2), ("qa", 0.9, 1)]
+
+
 def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     rng = np.random.default_rng(3)
     first = rng.normal(0.6, 0.1, 12)
@@ -137,20 +156,29 @@ def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(differences).pvalue)
     assert found["difference_ci_low"] < found["difference"] < found["difference_ci_high"]
     assert paired_difference(np.ones(3), np.ones(3))["p_value"] is None  # no difference to test
+    assert paired_difference(np.ones(1), np.zeros(1))["p_value"] is None  # one difference: no test either
+    assert paired_difference(np.ones(2), np.zeros(2))["p_value"] == scipy_stats.wilcoxon([1.0, 1.0]).pvalue == 0.5
+    # right/wrong columns as booleans: a share's difference
+    correct = paired_difference(np.array([True, True, False, True]), np.array([False, True, False, False]))
+    assert (correct["difference"], correct["n_examples"]) == (0.5, 4)
 
 
-@pytest.mark.parametrize("shape", ["continuous", "ties", "zeros", "one_sided", "small"])
+@pytest.mark.parametrize(
+    "shape", ["continuous", "ties", "zeros", "one_sided", "lower", "small", "at_the_limit", "past_the_limit"]
+)
 def test_wilcoxon_p_value_equals_scipys(shape):
     """Past 50 differences the normal approximation with the tie correction is rankkit's own; it
-    must give scipy's p-value wherever scipy's "auto" picks that test, ties and zeros included."""
+    must give scipy's p-value wherever scipy's "auto" picks that test, ties and zeros included,
+    and scipy's exact test at 50 (a second below's lower side is as far from chance as above's)."""
     rng = np.random.default_rng(len(shape))
-    differences = rng.normal(0.02, 0.3, 40 if shape == "small" else 700)
+    size = {"small": 40, "at_the_limit": 50, "past_the_limit": 51}.get(shape, 700)
+    differences = rng.normal(0.02, 0.3, size)
     if shape in ("ties", "zeros"):
         differences = np.round(differences, 1)  # a few dozen distinct values
     if shape == "zeros":
         differences[:200] = 0.0
-    if shape == "one_sided":
-        differences = np.abs(differences) + 0.01
+    if shape in ("one_sided", "lower"):
+        differences = (np.abs(differences) + 0.01) * (1 if shape == "one_sided" else -1)
     expected = scipy_stats.wilcoxon(differences).pvalue
     assert wilcoxon_p_value(differences) == pytest.approx(expected, rel=1e-12, abs=1e-300)
 
@@ -325,6 +353,26 @@ def test_the_cluster_bootstrap_draws_whole_clusters_and_needs_two_of_them():
     assert np.isnan(low[0]) and np.isnan(high[0])
 
 
+def test_a_wilson_interval_stays_inside_zero_and_one():
+    """Its bounds at 0 and at n of n are 0 and 1 in exact arithmetic; in floats, unclamped, 0 of 27
+    gives a low below 0 and 16 of 16 a high above 1."""
+    assert wilson_interval(0, 27)[0] == 0.0 and wilson_interval(16, 16)[1] == 1.0
+    assert all(math.isnan(bound) for bound in wilson_interval(0, 0))  # no trials
+
+
+def test_a_right_or_wrong_score_over_examples_each_its_own_cluster_is_wilsons():
+    """RULER's tasks name a cluster per example: none shares one, so a 0/1 score counts independent
+    trials and gets the Wilson interval, as it does without the column."""
+    assert cluster_numbers(["c0", "c1", None]) is None
+    frame = pl.DataFrame(
+        {"example_id": ["a", "b", "c", "d"], "cluster": ["c0", "c1", "c2", "c3"], "method": ["m"] * 4,
+         "accuracy": [1.0, 0.0, 1.0, 1.0]}
+    )  # fmt: skip
+    (row,) = mean_intervals(frame, ["method"], ["accuracy"], cluster="cluster", scores=["accuracy"]).to_dicts()
+    assert (row["accuracy_ci_low"], row["accuracy_ci_high"]) == pytest.approx(wilson_interval(3, 4))
+    assert row["n_clusters"] == 4
+
+
 def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_collapse():
     frame = pl.DataFrame(
         {
@@ -341,6 +389,12 @@ def test_mean_intervals_count_clusters_and_a_partial_credit_of_zero_does_not_col
     assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(wilson_interval(0, 2))  # not [0, 0]
     assert row["score_ci_high"] > 0.6
     assert row["credit"] == 0.5 and row["credit_ci_low"] < row["credit_ci_high"]
+    # a 0/1 score of clustered examples is no count of independent trials: the cluster bootstrap
+    right = frame.with_columns(score=pl.Series([1.0, 0.0, 1.0, 1.0]))
+    (row,) = mean_intervals(right, ["method"], ["score"], cluster="cluster", scores=["score"]).to_dicts()
+    assert (row["score_ci_low"], row["score_ci_high"]) == pytest.approx(
+        slow_cluster_interval(right["score"].to_numpy(), np.array([0, 0, 0, 1])), abs=1e-6
+    )
     (alone,) = mean_intervals(frame.drop("cluster"), ["method"], ["score"], scores=["score"]).to_dicts()
     assert "n_clusters" not in alone and (alone["score_ci_low"], alone["score_ci_high"]) == pytest.approx(
         wilson_interval(0, 4)
@@ -384,11 +438,20 @@ def test_a_groups_interval_resamples_its_own_examples_whatever_else_the_frame_ho
     found = mean_intervals(frame, ["method"], ["spearman"], cluster=None if units is None else "cluster")
     (row,) = found.filter(pl.col("method") == "asl").to_dicts()
     units = np.arange(size) if units is None else np.array(units)
+    expected = slow_cluster_interval(values, units)
+    assert (row["spearman_ci_low"], row["spearman_ci_high"]) == pytest.approx(expected, abs=1e-6)
+    if "n_clusters" in row:  # resampled by cluster: its own clusters, not the frame's
+        assert row["n_clusters"] == len(set(units))
+
+
+def slow_cluster_interval(values: np.ndarray, units: np.ndarray) -> tuple[float, float]:
+    """The cluster bootstrap's percentile interval drawn the slow way: each resample draws C of the C
+    clusters (``units``: each value's, 0..C-1) from rankkit's seeded generator and averages every
+    value of each cluster drawn, as often as it is drawn."""
     count = units.max() + 1
     draws = np.random.default_rng(0).integers(0, count, size=(9999, count))
     resampled = [np.concatenate([values[units == unit] for unit in drawn]).mean() for drawn in draws]
-    expected = np.percentile(resampled, [2.5, 97.5])
-    assert (row["spearman_ci_low"], row["spearman_ci_high"]) == pytest.approx(tuple(expected), abs=1e-6)
+    return tuple(np.percentile(resampled, [2.5, 97.5]))
 
 
 def test_each_metric_counts_the_examples_its_mean_is_over():
@@ -410,6 +473,7 @@ def test_each_metric_counts_the_examples_its_mean_is_over():
     assert (row["recall_at_10_n"], row["n_examples"]) == (6, 6)
     assert row_with_interval(row, "spearman").endswith(" n=2")
     assert row_with_interval(row, "recall_at_10").endswith("]")  # its n is the row's
+    assert row_with_interval(row, "spearman", unit=0.5, digits=1) == "1.9 [1.8, 2.0] n=2"
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(frame_table(pl.DataFrame([row]), "t"))
     shown = console.export_text()
@@ -424,6 +488,15 @@ def test_paired_differences_over_clusters_test_each_clusters_mean():
     means = np.array([0.15, 0.1, -0.1, 0.4, 0.2])  # each cluster's mean difference
     assert (found["n_examples"], found["n_clusters"]) == (7, 5)
     assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(means).pvalue)
+    # a cluster of three whose mean ranks lowest but whose sum would rank highest
+    first, second = np.array([0.5, 0.5, 0.5, 0.1, 0.9, 0.6, 0.2]), np.array([0.4, 0.4, 0.4, 0.3, 0.6, 0.2, 0.7])
+    clusters = ["a", "a", "a", "b", "c", "d", "e"]
+    found = paired_difference(first, second, clusters)
+    means = np.array([0.1, -0.2, 0.3, 0.4, -0.5])
+    assert (found["n_examples"], found["n_clusters"]) == (7, 5)
+    assert found["p_value"] == pytest.approx(scipy_stats.wilcoxon(means).pvalue)
+    interval = slow_cluster_interval(first - second, np.array([0, 0, 0, 1, 2, 3, 4]))
+    assert (found["difference_ci_low"], found["difference_ci_high"]) == pytest.approx(interval, abs=1e-6)
     assert found["difference"] == pytest.approx((first - second).mean())
     assert paired_difference(first, second)["n_clusters"] == 7
 
@@ -440,7 +513,7 @@ def test_an_example_without_a_cluster_is_its_own():
     assert cluster_numbers(["a", None, "a", None]).tolist() == [0, 1, 0, 2]
 
 
-@pytest.mark.parametrize("count", [5, 6, 9, 10, 20])
+@pytest.mark.parametrize("count", [5, 6, 9, 10, 20, 100])
 def test_median_interval_is_the_widest_order_statistic_pair_short_of_five_percent(count):
     """Coverage worked out the slow way: the interval [x_(k), x_(n+1-k)] misses the median when k or
     more values lie above it or below it, each with probability P(Binomial(n, ½) < k)."""
@@ -458,3 +531,18 @@ def test_median_interval_is_the_widest_order_statistic_pair_short_of_five_percen
     k = max(covering)
     assert (low, high) == (ordered[k - 1], ordered[count - k])
     assert low <= np.median(values) <= high
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "p_value", "expected"),
+    [
+        (0.01, 0.2, 0.01, "higher"), (-0.3, -0.02, 0.01, "lower"), (-0.01, 0.4, 0.01, None),
+        (0.0, 0.2, 0.01, None), (-0.2, 0.0, 0.01, None), (None, None, None, None),
+        (0.01, 0.2, 0.05, None), (0.01, 0.2, None, None),  # the interval alone claims nothing
+        (0.01, 0.2, math.nan, None), (math.nan, -0.02, 0.01, None),  # nor does a NaN p-value or bound
+    ],
+)  # fmt: skip
+def test_higher_or_lower_only_where_the_interval_excludes_zero_and_p_is_below_five_percent(
+    low, high, p_value, expected
+):
+    assert relation(low, high, p_value) == expected

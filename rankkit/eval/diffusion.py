@@ -89,8 +89,7 @@ class EvidenceAttention(LayerHook):
     def __init__(self, runner: Runner, cache: KVCache, evidence_positions: torch.Tensor):
         self.cache = cache
         self.evidence_positions = evidence_positions.to(runner.device)
-        self.sums = torch.zeros(runner.num_layers, dtype=torch.float64)
-        self.steps = 0
+        self.seen: list[list[float]] = [[] for _ in range(runner.num_layers)]  # per layer, each step's share
 
     def on_attention(self, call: AttentionCall) -> None:
         if call.phase != "decode":
@@ -103,13 +102,11 @@ class EvidenceAttention(LayerHook):
             logits = logits.masked_fill(~mask[0, :, -1, None, :], float("-inf"))
         on_evidence = torch.isin(call.key_positions, self.evidence_positions)  # [kv_heads, S]
         shares = (call.softmax(logits) * on_evidence[:, None, :]).sum(dim=-1)  # [kv_heads, groups]
-        self.sums[call.layer] += float(shares.mean())
-        if call.layer == 0:
-            self.steps += 1
+        self.seen[call.layer].append(float(shares.mean()))
 
     @property
-    def shares(self) -> torch.Tensor:
-        return self.sums / self.steps
+    def shares(self) -> list[float]:
+        return [sum(steps) / len(steps) for steps in self.seen]
 
 
 def answer_logprob(prefill_logits: torch.Tensor, forced_logits: torch.Tensor, answer: Sequence[int]) -> float:
@@ -131,7 +128,7 @@ def _prefill_without_evidence(
 ) -> PrefillResult:
     """The prompt's prefill with the evidence's hidden states removed from ``layer`` on."""
     if layer == 0:
-        return runner.prefill(ids[keep], positions=keep, prompt_length=ids.shape[0])
+        return runner.prefill(ids[keep], positions=keep)  # keep holds the last token: decoding goes on after it
     return runner.prefill(ids, hooks=[RemoveAfter(layer - 1, keep)])
 
 
@@ -193,7 +190,7 @@ def diffusion_curve(
     forced = fork_prefill(unpruned)
     attention = EvidenceAttention(runner, forced.cache, torch.nonzero(evidence).reshape(-1))
     unpruned_forced_logits = teacher_force(runner, forced, answer, [attention])
-    evidence_shares = attention.shares.tolist()
+    evidence_shares = attention.shares
     unpruned_answer = greedy_continue(runner, fork_prefill(unpruned), limit)
     unpruned_prediction = tokenizer.decode(unpruned_answer, skip_special_tokens=True)
     cut = len(unpruned_answer) == limit and unpruned_answer[-1] not in runner.eos_ids()
@@ -365,11 +362,10 @@ def layer_summary(frame: pl.DataFrame) -> pl.DataFrame:
     or a needle), and ``n_examples`` (and ``n_clusters``)."""
     from rankkit.eval.stats import cluster_column, mean_intervals
 
-    scored = frame.with_columns(pl.col("correct").cast(pl.Float64))
-    summary = mean_intervals(
-        scored.sort("layer", maintain_order=True),
+    summary = mean_intervals(  # which reads correct's booleans as 0/1: its mean is the share right
+        frame.sort("layer", maintain_order=True),
         ["layer"],
-        [name for name in DIFFUSION_MEANS if name in scored.columns],  # a frame may hold only some
+        [name for name in DIFFUSION_MEANS if name in frame.columns],  # a frame may hold only some
         example="example",
         cluster=cluster_column(frame),  # none in frames written before the probe kept clusters
         scores=["correct", "score"],

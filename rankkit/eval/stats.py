@@ -24,6 +24,7 @@ read such intervals as a lower bound on the uncertainty.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -84,7 +85,7 @@ def bootstrap_means(
     present = ~np.isnan(values)
     counts = present.sum(axis=0)
     filled = np.where(present, values, 0.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore"):  # 0 / 0: a column no example has
         means = filled.sum(axis=0) / counts
     low = np.full(values.shape[1], np.nan)
     high = np.full(values.shape[1], np.nan)
@@ -93,10 +94,8 @@ def bootstrap_means(
     deviations = np.where(present, filled - means, 0.0).astype(np.float32)
     has, sizes = present, None  # sizes: how many of a column's examples each unit holds (None: one)
     if clusters is not None:  # a cluster's examples always enter together: resample their sums
-        grouped = np.argsort(clusters, kind="stable")
-        starts = np.flatnonzero(np.diff(clusters[grouped], prepend=-1))
-        deviations = np.add.reduceat(deviations[grouped], starts, axis=0)
-        sizes = np.add.reduceat(present[grouped].astype(np.float32), starts, axis=0)
+        deviations = _cluster_sums(deviations, clusters)
+        sizes = _cluster_sums(present, clusters).astype(np.float32)
         has = sizes > 0
     units = has.sum(axis=0)
     spread = np.flatnonzero(units >= 2)
@@ -131,11 +130,17 @@ def cluster_numbers(names: Sequence[Any]) -> np.ndarray | None:
     return np.array([numbers[name] for name in names]) if len(numbers) < len(names) else None
 
 
+def _cluster_sums(values: np.ndarray, clusters: np.ndarray) -> np.ndarray:
+    """Per cluster 0..C-1 (``clusters`` numbers each example's), the sum of its examples' rows of
+    ``values`` [examples, quantities] (of a bool, how many are true)."""
+    grouped = np.argsort(clusters)
+    _, starts = np.unique(clusters[grouped], return_index=True)
+    return np.add.reduceat(values[grouped], starts)  # along the examples, numpy's default axis
+
+
 def cluster_counts(present: np.ndarray, clusters: np.ndarray) -> np.ndarray:
     """Per column of ``present`` [examples, quantities], how many clusters have a value."""
-    by_cluster = np.zeros((int(clusters.max()) + 1, present.shape[1]), dtype=bool)
-    np.logical_or.at(by_cluster, clusters, present)
-    return by_cluster.sum(axis=0)
+    return (_cluster_sums(present, clusters) > 0).sum(axis=0)
 
 
 @contextmanager
@@ -284,7 +289,7 @@ def paired_difference(
     differences or when every difference is zero) and n. With ``clusters`` (each example's
     cluster name) the bootstrap resamples clusters and the test ranks each cluster's mean
     difference: examples of one cluster are one sample (``n_clusters``; ``n_examples`` without)."""
-    return paired_differences([(first, second)], None if clusters is None else [clusters])[0]
+    return paired_differences([(first, second)], [clusters])[0]
 
 
 def paired_differences(
@@ -295,7 +300,7 @@ def paired_differences(
     (the resamples depend only on that number), which costs as much as one."""
     differences, numbers = [], []
     for index, (first, second) in enumerate(pairs):
-        difference = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
+        difference = np.subtract(first, second, dtype=np.float64)  # bools too (a correct column)
         shared = ~np.isnan(difference)
         differences.append(difference[shared])
         names = None if clusters is None or clusters[index] is None else np.asarray(clusters[index])[shared]
@@ -342,7 +347,7 @@ def wilcoxon_p_value(differences: np.ndarray) -> float:
     tie correction, worked out here: importing scipy.stats takes longer than the whole tail of
     a thousand-example comparison. Smaller samples get scipy's exact or permutation test.
     """
-    differences = np.asarray(differences, dtype=np.float64)
+    differences = np.asarray(differences)
     if differences.size <= EXACT_WILCOXON_LIMIT:
         from scipy import stats  # imported when used, as in ``wilson_interval``
 
@@ -369,7 +374,7 @@ def median_interval(values: Sequence[float]) -> tuple[float | None, float | None
     count = len(ordered)
     below = 0  # P(Binomial(count, ½) < k) for the k tried, times 2**count
     widest = None
-    for k in range(1, count // 2 + 1):
+    for k in itertools.count(1):  # ends by k = count // 2 + 1, where below reaches half of 2**count
         below += math.comb(count, k - 1)
         if 2 * below / 2**count > 1 - CONFIDENCE:
             break
