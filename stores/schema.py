@@ -23,6 +23,7 @@ Every name below ``examples/`` is an encoded id (see ``encode_name``).
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import math
@@ -124,6 +125,9 @@ def write_zip(
     """A zarr group of ``arrays`` (keys are paths, e.g. "scores/<probe>") in one zip at ``path``,
     written beside it under a hidden name and renamed into place: readers never see half a zip.
     ``attrs`` are the group's attributes, ``array_attrs`` those of the arrays it names."""
+    # what a write of this zip killed midway left: only this store's one writer (its lock) stages here
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        stale.unlink(missing_ok=True)
     staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     try:
         store = ZipStore(staging, mode="w")

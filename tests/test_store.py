@@ -1270,6 +1270,20 @@ def test_cli_store_verify_exits_2_on_an_example_whose_metadata_no_longer_parses(
     )
 
 
+def test_a_zip_written_again_clears_what_a_killed_write_of_it_left(tmp_path):
+    """A kill while an oracle's zip was written left its hidden staging file in the example for good."""
+    from rankkit.stores import schema
+
+    path = tmp_path / "oracle.zip"
+    left = tmp_path / ".oracle.zip.0123abcd.partial"
+    other = tmp_path / ".scores.zip.0123abcd.partial"  # another zip's: cleared when that zip is written again
+    left.write_bytes(b"PK")
+    other.write_bytes(b"PK")
+    schema.write_zip(path, {"oracle": np.arange(4, dtype=np.float32)})
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == [other.name, "oracle.zip"]
+    np.testing.assert_array_equal(schema.read_zip_arrays(path, ["oracle"])["oracle"], np.arange(4))
+
+
 def test_zip_arrays_decode_as_zarr_reads_them_in_every_chunk_layout(tmp_path, monkeypatch):
     from rankkit.stores import schema
 
