@@ -11,7 +11,7 @@ import sys
 import warnings
 
 from rankkit.errors import Interrupted, RankkitError
-from rankkit.interrupts import ignore_interrupts
+from rankkit.interrupts import ignore_interrupts, interrupt_on_sigterm
 
 # the status of an interrupted command, as a shell reports Ctrl-C; typer returns it too, silently, for a
 # KeyboardInterrupt that reaches it
@@ -97,6 +97,7 @@ def _invoke(root) -> int:
 
 
 def main() -> None:
+    interrupt_on_sigterm()  # every command, not only the library's interruptible work
     try:
         from rankkit.cli import commands  # noqa: F401  (registers every command)
         from rankkit.cli.app import command

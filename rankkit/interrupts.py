@@ -62,6 +62,13 @@ def deferred_interrupts() -> Iterator[None]:
         signal.raise_signal(arrived[0])
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM from now on ends the command as Ctrl-C does (a KeyboardInterrupt): its cleanup runs and
+    it says so, where the default handler ends the process at once, silently, and leaves a write's
+    staging file behind. Worker pools are spawned, and a spawned process starts with the default."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def ignore_interrupts() -> None:
     """SIGINT and SIGTERM are ignored from now on, for a process that has finished its work and says
     so: Python keeps an ignored signal ignored to its very end, where it restores any other handler to

@@ -57,6 +57,20 @@ def test_ctrl_c_while_a_command_prints_its_results_is_an_interrupt_not_an_abort(
     assert capfd.readouterr().err.strip() == "rankkit: interrupted; every file written so far is whole"
 
 
+def test_sigterm_while_a_command_prints_its_results_is_an_interrupt_too():
+    """Outside the library's interruptible work (dashboard, demo, compare printing) SIGTERM ended the
+    process at once with no line (status -15), leaving any write's staging file behind."""
+    terminated_while_printing = (
+        "import os, signal, sys; from rankkit import models; "
+        "models.cached_models = lambda: os.kill(os.getpid(), signal.SIGTERM); "
+        "sys.argv = ['rankkit', 'models']; from rankkit.cli import main; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", terminated_while_printing], capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stderr.strip()) == (130, "rankkit: interrupted; every file written so far is whole")
+
+
 def test_progress_off_a_terminal_is_one_line_per_finished_step_with_counts_and_eta():
     from rankkit.cli.progress import ProgressLines
 
