@@ -14,7 +14,6 @@ rankkit wrote (its root attributes and nothing inside it but its own files).
 from __future__ import annotations
 
 import errno
-import glob
 import os
 import shutil
 import uuid
@@ -220,7 +219,7 @@ class StoreWriter:
         return open_node(self._store, example_path(example_id))
 
 
-_REMOVING = ".removing-"  # the infix of a folder being deleted (``_remove_directory``)
+_REMOVING = ".removing"  # the suffix of a folder being deleted (``_remove_directory``)
 
 
 def _remove_directory(path: Path) -> None:
@@ -228,16 +227,24 @@ def _remove_directory(path: Path) -> None:
     through deleting it in place could leave an example's arrays without their zarr.json, which
     readers refuse as damaged (``example_state``), or a store without its own, which no command
     then reads, resumes or removes."""
-    _clear_removal_leftovers(path)
+    _clear_removal_leftover(path)
     if path.exists():
-        hidden = path.with_name(f".{path.name}{_REMOVING}{uuid.uuid4().hex}")
+        hidden = _removal_name(path)
         os.rename(path, hidden)
         shutil.rmtree(hidden)
 
 
-def _clear_removal_leftovers(path: Path) -> None:
+def _removal_name(path: Path) -> Path:
+    # one name per folder, not a fresh one per removal: a leftover is then found without listing the
+    # folder's siblings (every example of a store, once per example written); one process at a time
+    # removes a given folder (the store's lock, or the rank that owns the example)
+    return path.with_name(f".{path.name}{_REMOVING}")
+
+
+def _clear_removal_leftover(path: Path) -> None:
     """Delete what a kill left of an earlier ``_remove_directory(path)``, out of sight but on disk."""
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}{_REMOVING}*"):
+    leftover = _removal_name(path)
+    if leftover.exists():
         shutil.rmtree(leftover)
 
 
@@ -328,7 +335,7 @@ def remove(path: str | os.PathLike) -> None:
     """Delete an existing store that rankkit wrote; anything else is refused, naming what is in the way."""
     path = Path(path)
     if not check_removable(path):
-        _clear_removal_leftovers(path)
+        _clear_removal_leftover(path)
         return
     _take_lock(path, 0)  # no writer may be at work in a store being deleted
     _remove_directory(path)
@@ -353,13 +360,15 @@ def _foreign_entry(path: Path) -> Path | None:
     one's own could be dropped: beside the store's metadata, among the examples and in each example's
     folder (the arrays of a schema version 1 example are folders of zarr's own)."""
     examples = path / EXAMPLES
-    for folder, written in ((path, _is_store_entry), (examples, _is_examples_entry)):
+    folders = [(path, _is_store_entry), (examples, _is_examples_entry)]
+    folders += [
+        (example, _is_example_entry)
+        for example in sorted(examples.iterdir())
+        if example.is_dir() and not _is_leftover(example)
+    ]
+    for folder, written in folders:
         for entry in sorted(folder.iterdir()):
             if not written(entry):
-                return entry
-    for example in sorted(entry for entry in examples.iterdir() if entry.is_dir() and not _is_leftover(entry)):
-        for entry in sorted(example.iterdir()):
-            if not (entry.is_dir() or entry.name == "zarr.json" or entry.suffix == ".zip" or _is_leftover(entry)):
                 return entry
     return None
 
@@ -372,6 +381,10 @@ def _is_examples_entry(entry: Path) -> bool:
     return entry.name == "zarr.json" or entry.is_dir() or _is_leftover(entry)
 
 
+def _is_example_entry(entry: Path) -> bool:
+    return _is_examples_entry(entry) or entry.suffix == ".zip"
+
+
 def _is_lock(entry: Path) -> bool:
     return entry.name.startswith(".writer-") and entry.name.endswith(".lock")
 
@@ -379,6 +392,7 @@ def _is_lock(entry: Path) -> bool:
 def _is_leftover(entry: Path) -> bool:
     """What a write killed midway leaves: a zip or zarr.json staged under a temporary name
     (``write_zip``, zarr's own ``zarr.<hex>.partial``) or a folder being deleted (``_remove_directory``)."""
+    # ".removing-<hex>": the name such a folder had before it had one per folder
     return entry.name.endswith(".partial") or (entry.name.startswith(".") and _REMOVING in entry.name)
 
 
