@@ -189,7 +189,7 @@ def write_atomic(path: PathLike, write: Callable[[Path], None], *, overwrite: bo
         if overwrite:
             os.replace(partial, target)
         elif not _published_new(partial, target):
-            raise RankkitError(
+            raise OutputTaken(
                 f"{target} was written by another run while this one worked; pass --overwrite to replace "
                 "it, or choose another --out"
             )
@@ -200,6 +200,10 @@ def write_atomic(path: PathLike, write: Callable[[Path], None], *, overwrite: bo
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
     return target
+
+
+class OutputTaken(RankkitError):
+    """A write without overwrite found its target made by another run meanwhile."""
 
 
 # what link raises on a filesystem without hard links (FAT, some FUSE and network mounts)
@@ -318,6 +322,7 @@ class Journal:
         self.out = None if out is None else Path(out)
         self.path = None if out is None else journal_path(self.out)
         self.identity = json.loads(json.dumps(identity))  # as it reads back from the file
+        self.overwrite = overwrite
         self.units: dict[str, list[dict]] = {}
         self.notes: dict[str, object] = {}
         self._file: BinaryIO | None = None
@@ -428,7 +433,13 @@ class Journal:
         if self.out is None:
             return
         try:
-            write_parquet(frame, self.out)
+            write_parquet(frame, self.out, overwrite=self.overwrite)
+        except OutputTaken:
+            raise RankkitError(
+                f"{self.out} was written by another run while this one worked; the {len(self.units)} finished "
+                f"units are kept in {self.path}: move {self.out} away and rerun the same command to write it "
+                "without recomputing them"
+            ) from None
         except RankkitError as error:
             raise RankkitError(
                 f"{error}; the {len(self.units)} finished units are kept in {self.path}: make room and "

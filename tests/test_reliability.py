@@ -957,7 +957,7 @@ def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, mo
 
 def test_a_failed_write_keeps_the_finished_rows_in_the_journal_to_resume(tmp_path):
     out = tmp_path / "bench.parquet"
-    journal = outputs.Journal(out, {"methods": ["full"]})
+    journal = outputs.Journal(out, {"methods": ["full"]}, overwrite=True)
     journal.record("ex-1", [{"example": "ex-1", "accuracy": 1.0}])
     out.mkdir()  # the rename into place fails, as on a full or read-only disk
     with pytest.raises(RankkitError) as failed:
@@ -971,6 +971,30 @@ def test_a_failed_write_keeps_the_finished_rows_in_the_journal_to_resume(tmp_pat
     out.rmdir()
     resumed = outputs.Journal(out, {"methods": ["full"]})
     assert resumed.done("ex-1") and resumed.rows == [{"example": "ex-1", "accuracy": 1.0}]
+
+
+def test_a_file_that_reached_a_journals_output_meanwhile_is_kept_and_the_rows_too(tmp_path):
+    out = tmp_path / "bench.parquet"
+    with outputs.Journal(out, {"methods": ["full"]}) as journal:
+        journal.record("ex-1", [{"example": "ex-1", "accuracy": 1.0}])
+        out.write_text("another run's")
+        with pytest.raises(RankkitError) as refused:
+            journal.finish(pl.DataFrame(journal.rows))
+    assert str(refused.value) == (
+        f"{out} was written by another run while this one worked; the 1 finished units are kept in "
+        f"{outputs.journal_path(out)}: move {out} away and rerun the same command to write it without "
+        "recomputing them"
+    )
+    assert out.read_text() == "another run's"
+    out.unlink()
+    with outputs.Journal(out, {"methods": ["full"]}) as resumed:
+        assert resumed.done("ex-1")
+        resumed.finish(pl.DataFrame(resumed.rows))
+    assert pl.read_parquet(out)["accuracy"].to_list() == [1.0] and not outputs.journal_path(out).exists()
+    with outputs.Journal(out, {"methods": ["full"]}, overwrite=True) as again:  # as after a claim with --overwrite
+        again.record("ex-1", [{"example": "ex-1", "accuracy": 0.0}])
+        again.finish(pl.DataFrame(again.rows))
+    assert pl.read_parquet(out)["accuracy"].to_list() == [0.0]
 
 
 def test_a_second_writer_of_a_store_is_refused_in_one_line(tmp_path):
