@@ -32,7 +32,7 @@ def _oracle_options(answer: str, softmax: bool, kernel: int, max_new_tokens: int
 
 def _print_summary(summary, shown_as: str, title: str) -> None:
     from rankkit.eval.stats import interval_columns, row_with_interval
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     accuracy = summary.accuracy or {}
     low, high = interval_columns("accuracy")

@@ -96,7 +96,7 @@ def compare(
         with deferred_interrupts():
             from rankkit.eval.compare import compare_keeps, pairs_at_layer, summary_table
             from rankkit.methods import Budget
-            from rankkit.report.tables import frame_table, rows_text
+            from rankkit.tables import frame_table, rows_text
 
         results = compare_keeps(
             store,
@@ -205,7 +205,7 @@ def variance(
     workers: Workers = None,
 ) -> None:
     """ASL relative rank-variance curves per example and the layer each threshold tau would select."""
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
     from rankkit.eval.parallel import shared_workers
@@ -234,7 +234,7 @@ def variance(
         return
     output().print(_variance_table(rows, store))
     if result.means.height:
-        from rankkit.report.tables import frame_table
+        from rankkit.tables import frame_table
 
         means = result.means.drop("probe")
         title = "Mean curve per task and layer"

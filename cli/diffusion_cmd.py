@@ -45,7 +45,7 @@ def diffusion(
     Ctrl-C or SIGTERM keeps every finished example (with --out) and exits 130.
     """
     from rankkit.eval.diffusion import diffusion_probe, layer_summary
-    from rankkit.report.tables import frame_table, rows_text
+    from rankkit.tables import frame_table, rows_text
 
     shown_as = output_format(table_format, as_json)
     with progress_bar("diffusion") as show:

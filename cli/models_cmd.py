@@ -17,7 +17,7 @@ def models_list(
 ) -> None:
     """List the converted model folders in $RANKKIT_CACHE with their weights hash and size."""
     from rankkit import models
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
     default = models.default_model_target()

@@ -132,7 +132,7 @@ Format = Annotated[
 
 def output_format(table_format: str, as_json: bool = False) -> str:
     """The format a command prints in: ``--format``, or json for ``--json`` (kept as its alias)."""
-    from rankkit.report.tables import FORMATS
+    from rankkit.tables import FORMATS
 
     if table_format not in FORMATS:
         raise RankkitError(f"--format {table_format!r}: give one of {', '.join(FORMATS)}")

@@ -70,7 +70,7 @@ def overhead(
     compare --oracle, variance and dashboard on a synthetic store of --examples x --lengths."""
     from rankkit.errors import RankkitError
     from rankkit.overhead import SCENARIOS, run_overhead
-    from rankkit.report.tables import frame_table, rows_text
+    from rankkit.tables import frame_table, rows_text
 
     shown_as = output_format(table_format, as_json)
     if scenario not in (*SCENARIOS, "analysis"):
@@ -130,7 +130,7 @@ def _mib(value: int | None) -> float | None:
 
 def _analysis(examples: int, token_counts: list[int], workers: int | None, shown_as: str) -> None:
     from rankkit.eval.cost import run_analysis_cost
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     with progress_bar("analysis cost") as show:
         rows = run_analysis_cost(examples, token_counts, workers=workers, progress=show)

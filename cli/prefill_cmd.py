@@ -104,7 +104,7 @@ def prefill(
     """
     from rankkit.bench import prefill as run_prefill
     from rankkit.bench import prefill_json
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
 
@@ -214,7 +214,7 @@ def bench(
     """
     from rankkit.bench import bench as run_bench
     from rankkit.bench import is_timing_only, summary
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
     with progress_bar("bench") as show:
@@ -241,7 +241,7 @@ def bench(
 
 def _print_summary(table, out: Path | None, warmup: int, timing_only: bool = False) -> None:
     from rankkit.eval.stats import row_with_interval
-    from rankkit.report.tables import HEADERS
+    from rankkit.tables import HEADERS
 
     def interval(metric: str, unit: float = 1.0, digits: int = 2):
         return lambda row: row_with_interval(row, metric, unit=unit, digits=digits)

@@ -24,7 +24,7 @@ def report(
     """Per method and keep rate: Spearman and needle recall at the method's layer, evidence kept offline
     and online, and accuracy, each with its 95% interval and n."""
     from rankkit.report.joined import join_store_and_bench
-    from rankkit.report.tables import frame_table, rows_text
+    from rankkit.tables import frame_table, rows_text
 
     shown_as = output_format(table_format, as_json)
     joined = join_store_and_bench(store, bench, out=out, overwrite=overwrite)

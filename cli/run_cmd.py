@@ -44,7 +44,7 @@ def generate(
 ) -> None:
     """Greedy answer through the layer-by-layer runner (full prefill); --format csv or json adds what it ran on."""
     from rankkit.demo import answer
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
 

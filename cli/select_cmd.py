@@ -32,7 +32,7 @@ def select(
 ) -> None:
     """Per example: the method's selection layer and the original positions it keeps there."""
     from rankkit.eval.offline import select_store
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
     rows = select_store(store, method, keep=keep, budget=budget, layer=layer)

@@ -31,7 +31,7 @@ def info(
     """Run metadata, example counts, tasks, probes with their shapes, oracles and added groups.
 
     --format csv prints one key,value line per entry, nested keys joined by dots (examples.complete)."""
-    from rankkit.report.tables import flat_rows, rows_text
+    from rankkit.tables import flat_rows, rows_text
 
     shown_as = output_format(table_format, as_json)
     summary = stores.describe(path)

@@ -64,9 +64,9 @@ def sweep(
     and exits 130; the same command resumes.
     """
     from rankkit.progress import ignore
-    from rankkit.report.tables import rows_text
     from rankkit.shards import shard
     from rankkit.sweep import sweep as run_sweep
+    from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
     rank, _ = shard()

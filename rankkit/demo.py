@@ -115,7 +115,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     from rankkit.eval.variance import variance_store
     from rankkit.methods import Budget, make
     from rankkit.report import write_dashboard
-    from rankkit.report.tables import frame_table
+    from rankkit.tables import frame_table
 
     console = console or Console()
     written = {

@@ -106,7 +106,7 @@ def test_a_resumed_run_extrapolates_only_the_steps_it_ran():
 
 def test_a_table_printed_to_a_pipe_cuts_and_wraps_no_cell(monkeypatch):
     from rankkit.cli.app import output
-    from rankkit.report.tables import frame_table
+    from rankkit.tables import frame_table
 
     sink = io.StringIO()
     monkeypatch.setattr(sys, "stdout", sink)
@@ -296,7 +296,7 @@ def test_generate_answers_the_first_example_of_a_data_spec(tiny_folder, tmp_path
 
 
 def test_rows_as_csv_keep_every_value_whole_and_json_what_the_command_prints():
-    from rankkit.report.tables import rows_text
+    from rankkit.tables import rows_text
 
     rows = [
         {"method": "window:w=32", "spearman": 0.123456789, "positions": [0, 1, 5]},
@@ -317,7 +317,7 @@ def test_rows_as_csv_keep_every_value_whole_and_json_what_the_command_prints():
 def test_a_figure_that_is_not_a_number_is_missing_in_json_and_csv():
     """NaN is not JSON: Python writes it, and jq, JavaScript and most parsers refuse the whole
     output. Every command's JSON writes an undefined figure as null, and CSV as an empty field."""
-    from rankkit.report.tables import json_text, rows_text
+    from rankkit.tables import json_text, rows_text
 
     rows = [{"method": "asl", "spearman": float("nan"), "curve": [0.5, float("inf"), None], "deep": {"x": (float("-inf"),)}}]
     expected = [{"method": "asl", "spearman": None, "curve": [0.5, None, None], "deep": {"x": [None]}}]
@@ -327,7 +327,7 @@ def test_a_figure_that_is_not_a_number_is_missing_in_json_and_csv():
 
 
 def test_nested_keys_flatten_to_dotted_key_value_rows():
-    from rankkit.report.tables import flat_rows
+    from rankkit.tables import flat_rows
 
     summary = {"path": "a.zarr", "examples": {"complete": 3, "incomplete": 0}, "groups": {}, "p": {"w": {"n": 2}}}
     assert flat_rows(summary) == [

@@ -1059,7 +1059,7 @@ def test_a_large_store_explores_a_sample_and_names_the_command_for_the_rest(tmp_
 def test_frame_table_fits_80_columns_with_short_headers_a_legend_and_no_cut_cells():
     from rich.console import Console
 
-    from rankkit.report.tables import HEADERS, frame_table
+    from rankkit.tables import HEADERS, frame_table
 
     methods = ["last_token_heads", "last_token_raw", "window"]
     metrics = ["spearman", "mean_spearman", "std_spearman", "min_spearman", "recall_at_10"]

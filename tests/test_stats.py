@@ -459,7 +459,7 @@ def test_each_metric_counts_the_examples_its_mean_is_over():
     where n_examples counts the 6 rows with any metric; a table shows its own n beside it."""
     from rich.console import Console
 
-    from rankkit.report.tables import frame_table
+    from rankkit.tables import frame_table
 
     spearman = [None, None, None, None, 0.9, 1.0]
     frame = pl.DataFrame(

@@ -923,6 +923,18 @@ def test_cli_store_info(filled):
         assert text in tables.output
 
 
+def test_cli_store_info_reads_without_torch(filled):
+    """Inspecting a store is a glance, not a model run: importing torch alone would take it from under a
+    second to three."""
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); "
+        f"sys.argv = ['rankkit', 'store', 'info', {str(filled.path)!r}]; from rankkit.cli import main; main()"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and "fastkv" in result.stdout, result.stderr
+    assert result.stderr == "False\n"
+
+
 def test_cli_store_info_on_a_bad_path_exits_2_with_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "rankkit.cli", "store", "info", str(tmp_path / "missing.zarr")],
