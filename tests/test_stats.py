@@ -35,6 +35,14 @@ def scipy_percentile_interval(values: np.ndarray) -> tuple[float, float]:
     return result.confidence_interval.low, result.confidence_interval.high
 
 
+def percentile_bootstrap_by_hand(values: np.ndarray) -> tuple[float, float]:
+    """The percentile bootstrap of a mean written out: 9,999 resamples, each n draws with replacement
+    among the n values from rankkit's seeded generator, and the 2.5th and 97.5th percentiles of
+    their means."""
+    draws = np.random.default_rng(0).integers(0, values.size, size=(9999, values.size))
+    return tuple(np.percentile(values[draws].mean(axis=1), [2.5, 97.5]))
+
+
 @pytest.mark.parametrize("size", [8, 40])
 def test_bootstrap_interval_agrees_with_scipys_percentile_bootstrap(size):
     rng = np.random.default_rng(size)
@@ -82,6 +90,57 @@ def test_fewer_than_two_values_have_no_interval():
 def test_identical_values_have_a_zero_width_interval():
     _, low, high, _ = bootstrap_means(np.full((5, 1), 0.25))
     assert low[0] == high[0] == 0.25
+
+
+def test_each_column_is_bootstrapped_over_its_own_values_in_their_order():
+    """Columns of 20, 13, 2, 1 and no values among 20 examples, worked out by hand: each interval is
+    the percentile bootstrap of the column's own values, drawn in the examples' order, over all
+    9,999 resamples. Twenty examples, because numpy's default sort keeps equal keys in order over
+    up to 16 of them and reorders them over more: the gapped column then drew other values."""
+    rng = np.random.default_rng(7)
+    values = rng.random((20, 5))
+    values[[1, 4, 5, 9, 12, 17, 18], 1] = np.nan
+    values[np.arange(20) % 10 != 4, 2] = np.nan  # values at examples 4 and 14 only
+    values[1:, 3] = np.nan
+    values[:, 4] = np.nan
+    means, low, high, counts = bootstrap_means(values)
+    assert counts.tolist() == [20, 13, 2, 1, 0]
+    for column in range(3):
+        own = values[~np.isnan(values[:, column]), column]
+        assert means[column] == pytest.approx(own.mean(), rel=1e-12)
+        # resampled in float32: a bound moves by a millionth of the interval's width
+        assert (low[column], high[column]) == pytest.approx(percentile_bootstrap_by_hand(own), abs=1e-6)
+    assert means[3] == values[0, 3] and math.isnan(means[4])
+    assert np.isnan(low[3:]).all() and np.isnan(high[3:]).all()
+
+
+def test_the_cluster_bootstrap_of_a_column_with_gaps_draws_the_clusters_it_has_with_their_values():
+    """Five clusters of eight examples; the second column lacks cluster 2 wholly and one of cluster
+    3's two examples, so it resamples four clusters, cluster 3 with its one value."""
+    values = np.array(
+        [[0.1, 0.3], [0.3, 0.5], [0.9, 0.7], [0.5, 0.1], [0.6, np.nan], [0.2, np.nan], [0.8, 0.6], [0.4, 0.9]]
+    )
+    clusters = np.array([0, 0, 1, 1, 2, 3, 3, 4])
+    means, low, high, counts = bootstrap_means(values, clusters)
+    assert counts.tolist() == [8, 6]
+    assert means == pytest.approx([0.475, 3.1 / 6], rel=1e-12)
+    assert (low[0], high[0]) == pytest.approx(slow_cluster_interval(values[:, 0], clusters), abs=1e-6)
+    kept = ~np.isnan(values[:, 1])
+    expected = slow_cluster_interval(values[kept, 1], np.array([0, 0, 1, 1, 2, 3]))
+    assert (low[1], high[1]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_scores_of_a_narrow_dtype_are_averaged_in_double_precision():
+    """A store written with --score-dtype float16: the mean of its values is not rounded to float16's
+    three digits."""
+    values = np.array([[0.1], [0.2], [0.4]], dtype=np.float16)
+    means, _, _, _ = bootstrap_means(values)
+    assert means[0] == pytest.approx(values.astype(np.float64).mean(), rel=1e-12)
+
+
+def test_values_must_be_examples_by_quantities():
+    with pytest.raises(ValueError, match=r"^values must be \[examples, quantities\], got shape \(3,\)$"):
+        bootstrap_means(np.zeros(3))
 
 
 @pytest.mark.parametrize("clustered", [False, True])
