@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from scipy import stats as scipy_stats
 
+from rankkit.errors import RankkitError
 from rankkit.eval.stats import (
     bootstrap_means,
     cluster_numbers,
@@ -202,6 +203,78 @@ def test_a_group_named_by_a_missing_value_is_a_group():
     assert found.select("task", "rho", "n_examples").rows() == [(None, pytest.approx(0.3), 2), ("qa", 0.9, 1)]
 
 
+def test_an_example_whose_id_is_missing_is_one_example_not_a_row_left_out():
+    frame = pl.DataFrame({"example_id": ["a", None, "c"], "task": ["qa"] * 3, "rho": [0.2, 0.4, 0.9]})
+    found = mean_intervals(frame, ["task"], ["rho"])
+    assert found.select("rho", "rho_n", "n_examples").rows() == [(pytest.approx(0.5), 3, 3)]
+
+
+def test_mean_intervals_bootstraps_each_groups_own_values_worked_out_by_hand():
+    """Two methods over twelve examples, rows in no order, one method lacking some examples and
+    some values: each group's mean, interval and counts are those of its own values, bootstrapped
+    by hand in the order in which the frame first names their examples (the order the resamples
+    draw them in)."""
+    rng = np.random.default_rng(11)
+    names = [f"e{index}" for index in rng.permutation(12)]
+    shuffled = [names[index] for index in (8, 3, 11, 0, 6, 1, 9, 4, 7)]  # y has 9 of the 12
+    rho = {"x": rng.random(12), "y": rng.random(9)}
+    ratio = {"x": rng.random(12), "y": rng.random(9)}
+    ratio["x"][[2, 5, 7]] = np.nan
+    rho["y"][4] = ratio["y"][4] = np.nan  # an example with a row but no metric
+    ratio["y"][6] = np.nan
+    frame = pl.DataFrame(
+        {
+            "example_id": names + shuffled,
+            "method": ["x"] * 12 + ["y"] * 9,
+            "rho": np.concatenate([rho["x"], rho["y"]]),
+            "ratio": np.concatenate([ratio["x"], ratio["y"]]),
+        }
+    ).with_columns(pl.col("rho", "ratio").fill_nan(None))
+    found = mean_intervals(frame, ["method"], ["rho", "ratio"])
+    assert found["method"].to_list() == ["x", "y"]
+    first_seen = {name: index for index, name in enumerate(names)}
+    for row, ids in zip(found.to_dicts(), (names, shuffled), strict=True):
+        for metric, values in (("rho", rho), ("ratio", ratio)):
+            by_example = dict(zip(ids, values[row["method"]], strict=True))
+            own = np.array([by_example[name] for name in sorted(ids, key=first_seen.get)])
+            own = own[~np.isnan(own)]
+            assert (row[metric], row[f"{metric}_n"]) == (pytest.approx(own.mean(), rel=1e-12), own.size)
+            expected = percentile_bootstrap_by_hand(own)
+            assert (row[f"{metric}_ci_low"], row[f"{metric}_ci_high"]) == pytest.approx(expected, abs=1e-6)
+    assert found["n_examples"].to_list() == [12, 8]
+
+
+def test_groups_come_in_the_order_the_frame_first_names_them():
+    """Twelve methods named out of order: a hash-ordered set of groups would shuffle the rows."""
+    methods = [f"m{(index * 5) % 12}" for index in range(12)]
+    frame = pl.DataFrame({"example_id": ["e0"] * 12, "method": methods, "rho": np.arange(12) / 10})
+    found = mean_intervals(frame, ["method"], ["rho"])
+    assert found.select("method", "rho").rows() == [
+        (method, pytest.approx(index / 10)) for index, method in enumerate(methods)
+    ]
+
+
+def test_an_example_with_two_rows_in_a_group_is_refused_naming_the_first_and_its_group():
+    frame = pl.DataFrame(
+        {"example_id": ["a", "b", "a", "b"], "method": ["m"] * 4, "layer": [3] * 4, "rho": [0.1, 0.2, 0.3, 0.4]}
+    )
+    with pytest.raises(RankkitError, match="^example_id a has more than one row in the group of method m, layer 3: "):
+        mean_intervals(frame, ["method", "layer"], ["rho"])
+
+
+def test_counts_are_int32_columns_as_in_every_frame_of_counts():
+    """compare's pairs frame declares its counts Int32: frames concatenated across runs (a sweep's)
+    must agree on the type."""
+    frame = pl.DataFrame(
+        {"example_id": ["a", "b", "c"], "cluster": ["c0", "c0", "c1"], "method": ["m"] * 3, "rho": [0.1, 0.2, 0.3]}
+    )
+    found = mean_intervals(frame, ["method"], ["rho"], cluster="cluster")
+    assert found.select("rho_n", "n_examples", "n_clusters").rows() == [(3, 3, 2)]
+    assert {name: found.schema[name] for name in ("rho_n", "n_examples", "n_clusters")} == dict.fromkeys(
+        ("rho_n", "n_examples", "n_clusters"), pl.Int32
+    )
+
+
 def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     rng = np.random.default_rng(3)
     first = rng.normal(0.6, 0.1, 12)
@@ -327,7 +400,6 @@ def test_compare_pairs_claa_with_each_single_layer_heuristic_by_wilcoxon(compari
 def test_compare_pairs_option_names_methods_and_refuses_others(tmp_path):
     from test_eval import write_store
 
-    from rankkit.errors import RankkitError
     from rankkit.eval.compare import compare_store
 
     store = write_store(tmp_path / "run.zarr")
