@@ -16,6 +16,7 @@ from scipy import stats as scipy_stats
 from rankkit.errors import RankkitError
 from rankkit.eval.stats import (
     bootstrap_means,
+    cluster_column,
     cluster_numbers,
     mean_intervals,
     median_interval,
@@ -275,6 +276,12 @@ def test_counts_are_int32_columns_as_in_every_frame_of_counts():
     )
 
 
+def test_a_frame_names_clusters_when_any_of_its_examples_has_one():
+    assert cluster_column(pl.DataFrame({"cluster": ["c0", None]})) == "cluster"
+    assert cluster_column(pl.DataFrame({"cluster": [None, None]}, schema={"cluster": pl.String})) is None
+    assert cluster_column(pl.DataFrame({"example_id": ["a"]})) is None
+
+
 def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
     rng = np.random.default_rng(3)
     first = rng.normal(0.6, 0.1, 12)
@@ -338,6 +345,7 @@ def test_many_paired_differences_equal_one_call_each():
 def test_with_interval_formats_what_tables_show():
     assert with_interval(0.6213, 0.551, 0.6949) == "0.62 [0.55, 0.69]"
     assert with_interval(0.5, None, None) == "0.50 [–]" and with_interval(None, None, None) == "–"
+    assert with_interval(0.5, 0.4, None) == "0.50 [–]"  # half an interval is none
 
 
 def test_a_mean_without_an_interval_shows_that_it_has_none():
