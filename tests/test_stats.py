@@ -13,8 +13,10 @@ import polars as pl
 import pytest
 from scipy import stats as scipy_stats
 
+from rankkit.errors import RankkitError
 from rankkit.eval.stats import (
     bootstrap_means,
+    cluster_column,
     cluster_numbers,
     mean_intervals,
     median_interval,
@@ -33,6 +35,14 @@ def scipy_percentile_interval(values: np.ndarray) -> tuple[float, float]:
         (values,), np.mean, method="percentile", n_resamples=9999, rng=np.random.default_rng(1)
     )
     return result.confidence_interval.low, result.confidence_interval.high
+
+
+def percentile_bootstrap_by_hand(values: np.ndarray) -> tuple[float, float]:
+    """The percentile bootstrap of a mean written out: 9,999 resamples, each n draws with replacement
+    among the n values from rankkit's seeded generator, and the 2.5th and 97.5th percentiles of
+    their means."""
+    draws = np.random.default_rng(0).integers(0, values.size, size=(9999, values.size))
+    return tuple(np.percentile(values[draws].mean(axis=1), [2.5, 97.5]))
 
 
 @pytest.mark.parametrize("size", [8, 40])
@@ -82,6 +92,57 @@ def test_fewer_than_two_values_have_no_interval():
 def test_identical_values_have_a_zero_width_interval():
     _, low, high, _ = bootstrap_means(np.full((5, 1), 0.25))
     assert low[0] == high[0] == 0.25
+
+
+def test_each_column_is_bootstrapped_over_its_own_values_in_their_order():
+    """Columns of 20, 13, 2, 1 and no values among 20 examples, worked out by hand: each interval is
+    the percentile bootstrap of the column's own values, drawn in the examples' order, over all
+    9,999 resamples. Twenty examples, because numpy's default sort keeps equal keys in order over
+    up to 16 of them and reorders them over more: the gapped column then drew other values."""
+    rng = np.random.default_rng(7)
+    values = rng.random((20, 5))
+    values[[1, 4, 5, 9, 12, 17, 18], 1] = np.nan
+    values[np.arange(20) % 10 != 4, 2] = np.nan  # values at examples 4 and 14 only
+    values[1:, 3] = np.nan
+    values[:, 4] = np.nan
+    means, low, high, counts = bootstrap_means(values)
+    assert counts.tolist() == [20, 13, 2, 1, 0]
+    for column in range(3):
+        own = values[~np.isnan(values[:, column]), column]
+        assert means[column] == pytest.approx(own.mean(), rel=1e-12)
+        # resampled in float32: a bound moves by a millionth of the interval's width
+        assert (low[column], high[column]) == pytest.approx(percentile_bootstrap_by_hand(own), abs=1e-6)
+    assert means[3] == values[0, 3] and math.isnan(means[4])
+    assert np.isnan(low[3:]).all() and np.isnan(high[3:]).all()
+
+
+def test_the_cluster_bootstrap_of_a_column_with_gaps_draws_the_clusters_it_has_with_their_values():
+    """Five clusters of eight examples; the second column lacks cluster 2 wholly and one of cluster
+    3's two examples, so it resamples four clusters, cluster 3 with its one value."""
+    values = np.array(
+        [[0.1, 0.3], [0.3, 0.5], [0.9, 0.7], [0.5, 0.1], [0.6, np.nan], [0.2, np.nan], [0.8, 0.6], [0.4, 0.9]]
+    )
+    clusters = np.array([0, 0, 1, 1, 2, 3, 3, 4])
+    means, low, high, counts = bootstrap_means(values, clusters)
+    assert counts.tolist() == [8, 6]
+    assert means == pytest.approx([0.475, 3.1 / 6], rel=1e-12)
+    assert (low[0], high[0]) == pytest.approx(slow_cluster_interval(values[:, 0], clusters), abs=1e-6)
+    kept = ~np.isnan(values[:, 1])
+    expected = slow_cluster_interval(values[kept, 1], np.array([0, 0, 1, 1, 2, 3]))
+    assert (low[1], high[1]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_scores_of_a_narrow_dtype_are_averaged_in_double_precision():
+    """A store written with --score-dtype float16: the mean of its values is not rounded to float16's
+    three digits."""
+    values = np.array([[0.1], [0.2], [0.4]], dtype=np.float16)
+    means, _, _, _ = bootstrap_means(values)
+    assert means[0] == pytest.approx(values.astype(np.float64).mean(), rel=1e-12)
+
+
+def test_values_must_be_examples_by_quantities():
+    with pytest.raises(ValueError, match=r"^values must be \[examples, quantities\], got shape \(3,\)$"):
+        bootstrap_means(np.zeros(3))
 
 
 @pytest.mark.parametrize("clustered", [False, True])
@@ -141,6 +202,84 @@ def test_a_group_named_by_a_missing_value_is_a_group():
     frame = pl.DataFrame({"example_id": ["a", "b", "c"], "task": [None, None, "qa"], "rho": [0.2, 0.4, 0.9]})
     found = mean_intervals(frame, ["task"], ["rho"])
     assert found.select("task", "rho", "n_examples").rows() == [(None, pytest.approx(0.3), 2), ("qa", 0.9, 1)]
+
+
+def test_an_example_whose_id_is_missing_is_one_example_not_a_row_left_out():
+    frame = pl.DataFrame({"example_id": ["a", None, "c"], "task": ["qa"] * 3, "rho": [0.2, 0.4, 0.9]})
+    found = mean_intervals(frame, ["task"], ["rho"])
+    assert found.select("rho", "rho_n", "n_examples").rows() == [(pytest.approx(0.5), 3, 3)]
+
+
+def test_mean_intervals_bootstraps_each_groups_own_values_worked_out_by_hand():
+    """Two methods over twelve examples, rows in no order, one method lacking some examples and
+    some values: each group's mean, interval and counts are those of its own values, bootstrapped
+    by hand in the order in which the frame first names their examples (the order the resamples
+    draw them in)."""
+    rng = np.random.default_rng(11)
+    names = [f"e{index}" for index in rng.permutation(12)]
+    shuffled = [names[index] for index in (8, 3, 11, 0, 6, 1, 9, 4, 7)]  # y has 9 of the 12
+    rho = {"x": rng.random(12), "y": rng.random(9)}
+    ratio = {"x": rng.random(12), "y": rng.random(9)}
+    ratio["x"][[2, 5, 7]] = np.nan
+    rho["y"][4] = ratio["y"][4] = np.nan  # an example with a row but no metric
+    ratio["y"][6] = np.nan
+    frame = pl.DataFrame(
+        {
+            "example_id": names + shuffled,
+            "method": ["x"] * 12 + ["y"] * 9,
+            "rho": np.concatenate([rho["x"], rho["y"]]),
+            "ratio": np.concatenate([ratio["x"], ratio["y"]]),
+        }
+    ).with_columns(pl.col("rho", "ratio").fill_nan(None))
+    found = mean_intervals(frame, ["method"], ["rho", "ratio"])
+    assert found["method"].to_list() == ["x", "y"]
+    first_seen = {name: index for index, name in enumerate(names)}
+    for row, ids in zip(found.to_dicts(), (names, shuffled), strict=True):
+        for metric, values in (("rho", rho), ("ratio", ratio)):
+            by_example = dict(zip(ids, values[row["method"]], strict=True))
+            own = np.array([by_example[name] for name in sorted(ids, key=first_seen.get)])
+            own = own[~np.isnan(own)]
+            assert (row[metric], row[f"{metric}_n"]) == (pytest.approx(own.mean(), rel=1e-12), own.size)
+            expected = percentile_bootstrap_by_hand(own)
+            assert (row[f"{metric}_ci_low"], row[f"{metric}_ci_high"]) == pytest.approx(expected, abs=1e-6)
+    assert found["n_examples"].to_list() == [12, 8]
+
+
+def test_groups_come_in_the_order_the_frame_first_names_them():
+    """Twelve methods named out of order: a hash-ordered set of groups would shuffle the rows."""
+    methods = [f"m{(index * 5) % 12}" for index in range(12)]
+    frame = pl.DataFrame({"example_id": ["e0"] * 12, "method": methods, "rho": np.arange(12) / 10})
+    found = mean_intervals(frame, ["method"], ["rho"])
+    assert found.select("method", "rho").rows() == [
+        (method, pytest.approx(index / 10)) for index, method in enumerate(methods)
+    ]
+
+
+def test_an_example_with_two_rows_in_a_group_is_refused_naming_the_first_and_its_group():
+    frame = pl.DataFrame(
+        {"example_id": ["a", "b", "a", "b"], "method": ["m"] * 4, "layer": [3] * 4, "rho": [0.1, 0.2, 0.3, 0.4]}
+    )
+    with pytest.raises(RankkitError, match="^example_id a has more than one row in the group of method m, layer 3: "):
+        mean_intervals(frame, ["method", "layer"], ["rho"])
+
+
+def test_counts_are_int32_columns_as_in_every_frame_of_counts():
+    """compare's pairs frame declares its counts Int32: frames concatenated across runs (a sweep's)
+    must agree on the type."""
+    frame = pl.DataFrame(
+        {"example_id": ["a", "b", "c"], "cluster": ["c0", "c0", "c1"], "method": ["m"] * 3, "rho": [0.1, 0.2, 0.3]}
+    )
+    found = mean_intervals(frame, ["method"], ["rho"], cluster="cluster")
+    assert found.select("rho_n", "n_examples", "n_clusters").rows() == [(3, 3, 2)]
+    assert {name: found.schema[name] for name in ("rho_n", "n_examples", "n_clusters")} == dict.fromkeys(
+        ("rho_n", "n_examples", "n_clusters"), pl.Int32
+    )
+
+
+def test_a_frame_names_clusters_when_any_of_its_examples_has_one():
+    assert cluster_column(pl.DataFrame({"cluster": ["c0", None]})) == "cluster"
+    assert cluster_column(pl.DataFrame({"cluster": [None, None]}, schema={"cluster": pl.String})) is None
+    assert cluster_column(pl.DataFrame({"example_id": ["a"]})) is None
 
 
 def test_paired_difference_is_the_mean_difference_with_wilcoxons_p():
@@ -206,6 +345,7 @@ def test_many_paired_differences_equal_one_call_each():
 def test_with_interval_formats_what_tables_show():
     assert with_interval(0.6213, 0.551, 0.6949) == "0.62 [0.55, 0.69]"
     assert with_interval(0.5, None, None) == "0.50 [–]" and with_interval(None, None, None) == "–"
+    assert with_interval(0.5, 0.4, None) == "0.50 [–]"  # half an interval is none
 
 
 def test_a_mean_without_an_interval_shows_that_it_has_none():
@@ -268,7 +408,6 @@ def test_compare_pairs_claa_with_each_single_layer_heuristic_by_wilcoxon(compari
 def test_compare_pairs_option_names_methods_and_refuses_others(tmp_path):
     from test_eval import write_store
 
-    from rankkit.errors import RankkitError
     from rankkit.eval.compare import compare_store
 
     store = write_store(tmp_path / "run.zarr")
