@@ -169,6 +169,12 @@ def _size(count: int) -> str:
     raise AssertionError("unreachable")
 
 
+def read_failure(path: PathLike, error: OSError) -> str:
+    """Why reading the input ``path`` failed, in words (no Python exception text), and the fix."""
+    reason = error.strerror or os.strerror(error.errno or errno.EIO)
+    return f"cannot read {path} ({reason}); check that it is a readable file, or give another"
+
+
 def write_failure(path: PathLike, error: OSError) -> str:
     """Why writing ``path`` failed, in words (no Python exception text)."""
     reason = error.strerror or os.strerror(error.errno or errno.EIO)

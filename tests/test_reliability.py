@@ -1078,6 +1078,38 @@ def test_a_context_file_is_read_like_jsonl(no_model_load, content, message):
     )
 
 
+def _unreadable(monkeypatch, name: str) -> None:
+    """Opening a file called ``name`` fails as an unreadable file does (chmod 000 for anyone but
+    root, an I/O error); every other file opens."""
+    real_open = Path.open
+
+    def refusing_open(self, *args, **kwargs):
+        if self.name == name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing_open)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["generate", "--context-file", "essay.txt", "--question", "q?"], "essay.txt"),
+        (["capture", "--data", "data.jsonl", "--out", "s.zarr"], "data.jsonl"),
+        (["bench", "--methods", "full,claa", "--keep", "0.5", "--data", "data.jsonl"], "data.jsonl"),
+        (["data", "export", "data.jsonl", "--out", "copy.jsonl"], "data.jsonl"),
+    ],
+)
+def test_an_input_file_that_cannot_be_read_is_one_line(no_model_load, tiny_folder, monkeypatch, args, name):
+    """A context or data file rankkit may not read (its permissions, an I/O error) ended the command
+    in an OSError traceback."""
+    row = {"id": "a", "context": "a b c", "question": "q?", "answers": ["x"]}
+    (no_model_load / name).write_text(json.dumps(row) + "\n", encoding="utf-8")
+    _unreadable(monkeypatch, name)
+    said = refused([*args, "--model", str(tiny_folder)], no_model_load)
+    assert said == f"cannot read {name} (Permission denied); check that it is a readable file, or give another"
+
+
 def test_compare_out_that_names_no_file_is_one_line(no_model_load):
     said = refused(["compare", "missing.zarr", "--out", ""], no_model_load)
     assert (

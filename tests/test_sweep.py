@@ -458,6 +458,18 @@ def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
     latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
     with pytest.raises(RankkitError, match=rf"^{latin} is not UTF-8 \(byte 33\); save it as UTF-8$"):
         sweep(latin, tmp_path / "out")
+    locked = _write(tmp_path / "locked.toml", 'stages = ["capture"]\n')
+    real_open = Path.open
+
+    def refusing_open(self, *args, **kwargs):  # chmod 000 refuses anyone but root
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:  # an OSError traceback before
+        patch.setattr(Path, "open", refusing_open)
+        with pytest.raises(RankkitError, match=rf"^cannot read {locked} \(Permission denied\); check that it is"):
+            sweep(locked, tmp_path / "out")
     empty = _write(tmp_path / "empty.toml", 'stages = ["capture"]\ndata = []\n')
     with pytest.raises(RankkitError, match="write each data entry as a \\[\\[data\\]\\] table"):
         sweep(empty, tmp_path / "out")

@@ -183,7 +183,10 @@ def data_fingerprint(spec: str) -> dict[str, str | int]:
     found = path.stat()
     identity = (str(path.resolve()), found.st_ino, found.st_size, found.st_mtime_ns)
     if identity not in _FILE_HASHES:
-        _FILE_HASHES[identity] = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            _FILE_HASHES[identity] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as error:
+            raise RankkitError(outputs.read_failure(path, error)) from None
     return {"data_sha256": _FILE_HASHES[identity]}
 
 
