@@ -538,7 +538,8 @@ def declared_examples(spec: str) -> int | None:
 def _cell(spec: str, name: str | None) -> DataCell:
     data = read_spec(spec)
     dataset = data.task or (Path(data.path).stem if data.kind == "jsonl" else data.kind)
-    name = name or (dataset if data.length is None else f"{dataset}-{data.length}")
+    if name is None:  # an empty name given is refused below, not replaced by this one
+        name = dataset if data.length is None else f"{dataset}-{data.length}"
     if not _CELL_NAME.fullmatch(name):
         raise RankkitError(
             f"cell name '{name[:40]}{'...' if len(name) > 40 else ''}' is not a file name; use at most 100 "

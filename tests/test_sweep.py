@@ -357,6 +357,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             ('spec = "niah:n=2,length=256"', f'spec = "niah:n=2,length=256"\nname = "{"x" * 300}"'),
             r"cell name 'x{40}\.\.\.' is not a file name; use at most 100 letters",
         ),
+        (  # an empty name was taken as none given: the cell ran under the default name
+            ('spec = "niah:n=2,length=256"', 'spec = "niah:n=2,length=256"\nname = ""'),
+            r"\[\[data\]\] #1: cell name '' is not a file name; use at most 100 letters",
+        ),
         (
             ("depths = [25, 75]", "n = 9223372036854775807"),
             "'niah:n=9223372036854775807,length=192' makes 9223372036854775807 examples, more than the "
