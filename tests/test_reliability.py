@@ -114,6 +114,8 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
          "draft 'layers:0' needs a layer count in 1..3: use e.g. --draft layers:1"),
         (["bench", "--methods", "specprefill", "--keep", "0.2", "--draft", "layers:4"],
          "draft 'layers:4' needs a layer count in 1..3"),
+        (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", ""],
+         "--kept-layers '' names nothing; give comma-separated names"),  # was dropped: no layer listed
         (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", "1,1"],
          "--kept-layers names layer 1 twice; name each layer once"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode"],
