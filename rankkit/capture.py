@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -299,6 +299,22 @@ def capture_probes(probes: str) -> list:
 
         return default_capture_probes()
     return parse_probes(probes)
+
+
+def requested_oracle(oracle: bool, options: OracleOptions) -> OracleOptions | None:
+    """The oracle ``capture --oracle`` makes with ``options`` (checked when they were made), or, without
+    ``--oracle``, none: then settings other than the defaults are refused, since the store would be
+    captured without the oracle they describe and a typo'd value (``--answer gold``) pass unseen."""
+    if oracle:
+        return options
+    default = asdict(OracleOptions())
+    given = {key: value for key, value in asdict(options).items() if value != default[key]}
+    if given:
+        raise RankkitError(
+            f"{_as_options(given)} set{'s' if len(given) == 1 else ''} how the oracle is made, and no oracle "
+            "is made: add --oracle, or drop them"
+        )
+    return None
 
 
 def _oracle_options(oracle, option: str = "oracle") -> OracleOptions | None:

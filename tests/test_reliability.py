@@ -526,6 +526,26 @@ def test_oracle_answer_is_checked_before_the_model_loads(no_model_load, tiny_fol
     assert message == "--answer must be one of generated, reference, got 'gold'"
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["--answer", "gold"], "--answer must be one of generated, reference, got 'gold'"),
+        (["--kernel", "4"], "--kernel must be a positive odd integer (length-preserving pooling), not 4"),
+        (["--softmax", "--kernel", "9"], "--softmax --kernel 9 set how the oracle is made, and no oracle is made: "
+         "add --oracle, or drop them"),
+        (["--answer", "reference"], "--answer reference sets how the oracle is made, and no oracle is made: "
+         "add --oracle, or drop them"),
+    ],
+)  # fmt: skip
+def test_oracle_settings_without_oracle_are_refused_before_the_model_loads(
+    no_model_load, tiny_folder, settings, message
+):
+    """Without --oracle these were never read: a typo'd --answer passed, and the store was captured
+    without the oracle they describe."""
+    capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--out", "store.zarr"]
+    assert refused([*capture, *settings], no_model_load) == message
+
+
 def test_a_jsonl_prompt_past_the_model_positions_is_refused_unless_forced(tmp_path, tiny_folder):
     data = tmp_path / "long.jsonl"
     long_line = {"id": "long", "context": "word " * 600, "question": "Which word?", "answers": ["word"]}
