@@ -395,6 +395,7 @@ def capture(
     tokens = sum(prompt.num_tokens for prompt in prompts)
     # a store being resumed holds some of it already: only a new one is held to the estimate
     needed = 0 if Path(out).exists() else store_bytes(config, len(probe_list), tokens, score_dtype)
+    outputs.check_outside_stores(out)
     outputs.check_writable(Path(out).parent, needed)
     loaded = models.load(model, device=device, device_map=device_map)
     runner = Runner(loaded.model)

@@ -89,9 +89,7 @@ def claim_folder(out: Path, written: dict[str, Path]) -> None:
     from rankkit.eval import compare, variance
 
     outputs.check_writable(out)
-    store = outputs.enclosing_store(out / DEMO_MARKER)  # out itself, or a folder above it
-    if store is not None:  # its files would land among the store's examples
-        raise RankkitError(f"--out {out} is inside the rankkit store {store}; choose a folder outside it")
+    outputs.check_outside_stores(out, itself=True)
     paths = [
         *(value for name, value in written.items() if name not in ("compare", "variance")),
         *compare.output_paths(written["compare"]),

@@ -88,6 +88,16 @@ def enclosing_store(path: Path) -> Path | None:
     return None
 
 
+def check_outside_stores(path: PathLike, *, itself: bool = False) -> None:
+    """Refuse a folder to write (a store, a sweep, the demo's) inside a rankkit store, or with
+    ``itself`` one that is a store: it would land among the store's examples, which only the
+    store's writer may add to."""
+    resolved = Path(path).resolve()
+    store = enclosing_store(resolved / "zarr.json" if itself else resolved)
+    if store is not None:
+        raise RankkitError(f"--out {path} is inside the rankkit store {store}; choose a path outside it")
+
+
 # What marks a file as rankkit's output: a parquet's key-value metadata, a page's generator tag.
 PARQUET_MARK = {"written_by": "rankkit"}
 GENERATOR_TAG = '<meta name="generator" content="rankkit">'

@@ -546,6 +546,17 @@ def test_oracle_settings_without_oracle_are_refused_before_the_model_loads(
     assert refused([*capture, *settings], no_model_load) == message
 
 
+def test_a_store_inside_another_store_is_refused_before_the_model_loads(no_model_load, tiny_folder):
+    """--out inside a capture store got a second store written among the first's examples."""
+    from rankkit import stores
+
+    stores.create(no_model_load / "s.zarr", {"model": "a"})
+    capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--probes", "window"]
+    message = refused([*capture, "--out", "s.zarr/inner.zarr"], no_model_load)
+    assert message == f"--out s.zarr/inner.zarr is inside the rankkit store {no_model_load / 's.zarr'}; choose a path outside it"
+    assert not (no_model_load / "s.zarr" / "inner.zarr").exists()
+
+
 def test_a_jsonl_prompt_past_the_model_positions_is_refused_unless_forced(tmp_path, tiny_folder):
     data = tmp_path / "long.jsonl"
     long_line = {"id": "long", "context": "word " * 600, "question": "Which word?", "answers": ["word"]}

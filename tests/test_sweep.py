@@ -457,6 +457,15 @@ def test_interleave_undoes_share():
     assert interleave([share(items, rank, 9) for rank in range(9)]) == items
 
 
+def test_a_sweep_inside_a_store_is_refused_before_it_writes(experiment, tmp_path):
+    """--out inside a capture store got the sweep's stores, parts and manifest written among its examples."""
+    store = tmp_path / "s.zarr"
+    stores.create(store, {"model": "a"})
+    with pytest.raises(RankkitError, match=rf"^--out {re.escape(str(store / 'sweep'))} is inside the rankkit store"):
+        sweep(experiment, store / "sweep")
+    assert not (store / "sweep").exists()
+
+
 def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
     latin = tmp_path / "latin.toml"
     latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
