@@ -179,6 +179,13 @@ def _size(count: int) -> str:
     raise AssertionError("unreachable")
 
 
+def missing_data_file(path: PathLike) -> str:
+    """Why a JSONL data file named in a spec cannot be used, and the fix."""
+    if Path(path).is_dir():
+        return f"{path} is a directory, not a JSONL file; give the path of the file"
+    return f"no such file: {path}; check the path, or write one with `rankkit data export SPEC --out {path}`"
+
+
 def read_failure(path: PathLike, error: OSError) -> str:
     """Why reading the input ``path`` failed, in words (no Python exception text), and the fix."""
     reason = error.strerror or os.strerror(error.errno or errno.EIO)

@@ -43,7 +43,7 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     """The examples in a JSONL file (the first ``limit`` of them when given)."""
     path = Path(path)
     if not path.is_file():
-        raise RankkitError(f"no such file: {path}")
+        raise RankkitError(outputs.missing_data_file(path))
     examples: list[Example] = []
     first_line: dict[str, int] = {}  # example id -> the line that gave it
     for number, line in _numbered_lines(path):

@@ -178,7 +178,7 @@ def data_fingerprint(spec: str) -> dict[str, str | int]:
         return {}
     path = Path(parsed.path)
     if not path.is_file():
-        raise RankkitError(f"no such file: {path}")
+        raise RankkitError(outputs.missing_data_file(path))
     # a sweep asks once per unit of every stage: the file is read again only once it changed
     found = path.stat()
     identity = (str(path.resolve()), found.st_ino, found.st_size, found.st_mtime_ns)
