@@ -117,12 +117,13 @@ def capture(
     A store's oracles are all made with the same --answer/--softmax/--kernel/--max-new-tokens.
     """
     from rankkit.capture import capture as run_capture
+    from rankkit.capture import requested_oracle
     from rankkit.progress import ignore
     from rankkit.shards import shard
 
     shown_as = output_format(table_format, as_json)
     rank, _ = shard()
-    options = _oracle_options(answer, softmax, kernel, max_new_tokens) if oracle else None
+    options = requested_oracle(oracle, _oracle_options(answer, softmax, kernel, max_new_tokens))
     with progress_bar("capture") as show:
         summary = run_capture(
             model=model,

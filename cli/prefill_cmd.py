@@ -130,7 +130,7 @@ def _layer_list(text: str | None, as_json: bool) -> str | tuple:
     """``--kept-layers`` as given (the library reads the list); it lists positions only in JSON."""
     if text is not None and not as_json:
         raise RankkitError("--kept-layers lists positions in the JSON output: add --json")
-    return text or ()
+    return () if text is None else text  # an empty one is the library's to refuse, not to drop
 
 
 def _print_runs(rows: list[dict], compared: bool) -> None:

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -301,6 +301,22 @@ def capture_probes(probes: str) -> list:
     return parse_probes(probes)
 
 
+def requested_oracle(oracle: bool, options: OracleOptions) -> OracleOptions | None:
+    """The oracle ``capture --oracle`` makes with ``options`` (checked when they were made), or, without
+    ``--oracle``, none: then settings other than the defaults are refused, since the store would be
+    captured without the oracle they describe and a typo'd value (``--answer gold``) pass unseen."""
+    if oracle:
+        return options
+    default = asdict(OracleOptions())
+    given = {key: value for key, value in asdict(options).items() if value != default[key]}
+    if given:
+        raise RankkitError(
+            f"{_as_options(given)} set{'s' if len(given) == 1 else ''} how the oracle is made, and no oracle "
+            "is made: add --oracle, or drop them"
+        )
+    return None
+
+
 def _oracle_options(oracle, option: str = "oracle") -> OracleOptions | None:
     """``capture``'s ``oracle`` and ``add_oracle``'s ``options``: OracleOptions, a dict of its
     fields, True for the defaults, or None (False) for none."""
@@ -379,6 +395,7 @@ def capture(
     tokens = sum(prompt.num_tokens for prompt in prompts)
     # a store being resumed holds some of it already: only a new one is held to the estimate
     needed = 0 if Path(out).exists() else store_bytes(config, len(probe_list), tokens, score_dtype)
+    outputs.check_outside_stores(out)
     outputs.check_writable(Path(out).parent, needed)
     loaded = models.load(model, device=device, device_map=device_map)
     runner = Runner(loaded.model)

@@ -89,6 +89,7 @@ def claim_folder(out: Path, written: dict[str, Path]) -> None:
     from rankkit.eval import compare, variance
 
     outputs.check_writable(out)
+    outputs.check_outside_stores(out, itself=True)
     paths = [
         *(value for name, value in written.items() if name not in ("compare", "variance")),
         *compare.output_paths(written["compare"]),
@@ -125,6 +126,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         "bench": out / "bench.parquet",
         "dashboard": out / "report.html",
     }
+    models.resolve_device(device)  # a bad --device is refused before the folder is claimed
     claim_folder(out, written)
 
     with console.status(f"capture: every probe at every layer + oracle, {DEMO_DATA}"):

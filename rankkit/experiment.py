@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rankkit import defaults
+from rankkit import defaults, outputs
 from rankkit.bench import BenchSettings, MethodOptions
 from rankkit.capture import OracleOptions, capture_probes
 from rankkit.checks import first_repeated
@@ -296,6 +296,8 @@ def read_experiment(path: str | Path, *, max_units: int = MAX_UNITS) -> tuple[Ex
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise RankkitError(f"{path} is not UTF-8 (byte {error.start + 1}); save it as UTF-8") from None
+    except OSError as error:
+        raise RankkitError(outputs.read_failure(path, error)) from None
     return parse_experiment(text, source=str(path), default_name=path.stem, max_units=max_units), text
 
 
@@ -536,7 +538,8 @@ def declared_examples(spec: str) -> int | None:
 def _cell(spec: str, name: str | None) -> DataCell:
     data = read_spec(spec)
     dataset = data.task or (Path(data.path).stem if data.kind == "jsonl" else data.kind)
-    name = name or (dataset if data.length is None else f"{dataset}-{data.length}")
+    if name is None:  # an empty name given is refused below, not replaced by this one
+        name = dataset if data.length is None else f"{dataset}-{data.length}"
     if not _CELL_NAME.fullmatch(name):
         raise RankkitError(
             f"cell name '{name[:40]}{'...' if len(name) > 40 else ''}' is not a file name; use at most 100 "

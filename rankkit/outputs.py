@@ -88,6 +88,16 @@ def enclosing_store(path: Path) -> Path | None:
     return None
 
 
+def check_outside_stores(path: PathLike, *, itself: bool = False) -> None:
+    """Refuse a folder to write (a store, a sweep, the demo's) inside a rankkit store, or with
+    ``itself`` one that is a store: it would land among the store's examples, which only the
+    store's writer may add to."""
+    resolved = Path(path).resolve()
+    store = enclosing_store(resolved / "zarr.json" if itself else resolved)
+    if store is not None:
+        raise RankkitError(f"--out {path} is inside the rankkit store {store}; choose a path outside it")
+
+
 # What marks a file as rankkit's output: a parquet's key-value metadata, a page's generator tag.
 PARQUET_MARK = {"written_by": "rankkit"}
 GENERATOR_TAG = '<meta name="generator" content="rankkit">'
@@ -167,6 +177,19 @@ def _size(count: int) -> str:
             return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+def missing_data_file(path: PathLike) -> str:
+    """Why a JSONL data file named in a spec cannot be used, and the fix."""
+    if Path(path).is_dir():
+        return f"{path} is a directory, not a JSONL file; give the path of the file"
+    return f"no such file: {path}; check the path, or write one with `rankkit data export SPEC --out {path}`"
+
+
+def read_failure(path: PathLike, error: OSError) -> str:
+    """Why reading the input ``path`` failed, in words (no Python exception text), and the fix."""
+    reason = error.strerror or os.strerror(error.errno or errno.EIO)
+    return f"cannot read {path} ({reason}); check that it is a readable file, or give another"
 
 
 def write_failure(path: PathLike, error: OSError) -> str:

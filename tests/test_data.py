@@ -382,7 +382,7 @@ def test_a_short_text_repeats_to_reach_the_tokens_asked_for():
         ("ruler:task=nope,length=500", "unknown RULER task 'nope'; choose one of niah_single_1"),
         ("ruler:length=500", "needs task=NAME"),
         ("ruler:task=vt,length=500,depths=10", "ruler does not take 'depths'"),
-        ("missing.jsonl", "no such file: missing.jsonl"),
+        ("missing.jsonl", "no such file: missing.jsonl; check the path, or write one with `rankkit data export"),
         ("x.jsonl.gz", "after .jsonl only ':n=K' may follow"),
     ],
 )
@@ -390,6 +390,12 @@ def test_bad_specs_raise_one_line_errors(spec, message):
     with pytest.raises(RankkitError) as raised:
         load_examples(spec, WORDS)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_folder_named_as_a_jsonl_file_is_called_a_folder(tmp_path):
+    (tmp_path / "data.jsonl").mkdir()
+    with pytest.raises(RankkitError, match=r"^.*data\.jsonl is a directory, not a JSONL file; give the path of the file$"):
+        load_examples(str(tmp_path / "data.jsonl"), WORDS)
 
 
 def test_a_missing_data_package_says_how_to_install_it(monkeypatch):

@@ -154,6 +154,25 @@ def test_the_demo_never_writes_over_a_file_it_did_not_make(tmp_path):
     assert refused.returncode == 2 and "is a file, not a folder" in refused.stderr and a_file.read_text() == "mine"
 
 
+def test_the_demo_refuses_a_store_folder_and_a_bad_device_before_it_writes(tmp_path):
+    """--out naming a capture store got the demo's store and marker written among its examples, and
+    a minute later a refusal; a bad --device left a marked, empty demo folder behind."""
+    from rankkit import stores
+    from rankkit.demo import run_demo
+    from rankkit.errors import RankkitError
+
+    store = tmp_path / "s.zarr"
+    stores.create(store, {"model": "a"})
+    before = sorted(path.relative_to(store) for path in store.rglob("*"))
+    for out in (store, store / "demo"):
+        with pytest.raises(RankkitError, match=rf"^--out {re.escape(str(out))} is inside the rankkit store {re.escape(str(store))};"):
+            run_demo(out, device="cpu")
+    assert sorted(path.relative_to(store) for path in store.rglob("*")) == before
+    with pytest.raises(RankkitError, match="^unknown device 'tpu': use auto, cpu, cuda or cuda:N$"):
+        run_demo(tmp_path / "demo", device="tpu")
+    assert not (tmp_path / "demo").exists()
+
+
 def test_a_rerun_of_the_demo_resumes_its_store_and_rewrites_its_files(demo_run):
     """A second `make demo` ended in "compare.parquet already exists; pass --overwrite", an option the
     demo does not have."""

@@ -114,6 +114,8 @@ def test_a_layer_outside_the_model_is_refused_before_it_loads(
          "draft 'layers:0' needs a layer count in 1..3: use e.g. --draft layers:1"),
         (["bench", "--methods", "specprefill", "--keep", "0.2", "--draft", "layers:4"],
          "draft 'layers:4' needs a layer count in 1..3"),
+        (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", ""],
+         "--kept-layers '' names nothing; give comma-separated names"),  # was dropped: no layer listed
         (["prefill", "--method", "claa", "--keep", "0.2", "--json", "--kept-layers", "1,1"],
          "--kept-layers names layer 1 twice; name each layer once"),
         (["prefill", "--method", "claa", "--keep", "0.2", "--cuda-graphs", "--compile-decode"],
@@ -522,6 +524,37 @@ def test_oracle_answer_is_checked_before_the_model_loads(no_model_load, tiny_fol
     capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--out", "store.zarr"]
     message = refused([*capture, "--oracle", "--answer", "gold"], no_model_load)
     assert message == "--answer must be one of generated, reference, got 'gold'"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["--answer", "gold"], "--answer must be one of generated, reference, got 'gold'"),
+        (["--kernel", "4"], "--kernel must be a positive odd integer (length-preserving pooling), not 4"),
+        (["--softmax", "--kernel", "9"], "--softmax --kernel 9 set how the oracle is made, and no oracle is made: "
+         "add --oracle, or drop them"),
+        (["--answer", "reference"], "--answer reference sets how the oracle is made, and no oracle is made: "
+         "add --oracle, or drop them"),
+    ],
+)  # fmt: skip
+def test_oracle_settings_without_oracle_are_refused_before_the_model_loads(
+    no_model_load, tiny_folder, settings, message
+):
+    """Without --oracle these were never read: a typo'd --answer passed, and the store was captured
+    without the oracle they describe."""
+    capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--out", "store.zarr"]
+    assert refused([*capture, *settings], no_model_load) == message
+
+
+def test_a_store_inside_another_store_is_refused_before_the_model_loads(no_model_load, tiny_folder):
+    """--out inside a capture store got a second store written among the first's examples."""
+    from rankkit import stores
+
+    stores.create(no_model_load / "s.zarr", {"model": "a"})
+    capture = ["capture", "--data", "niah:length=200", "--model", str(tiny_folder), "--probes", "window"]
+    message = refused([*capture, "--out", "s.zarr/inner.zarr"], no_model_load)
+    assert message == f"--out s.zarr/inner.zarr is inside the rankkit store {no_model_load / 's.zarr'}; choose a path outside it"
+    assert not (no_model_load / "s.zarr" / "inner.zarr").exists()
 
 
 def test_a_jsonl_prompt_past_the_model_positions_is_refused_unless_forced(tmp_path, tiny_folder):
@@ -1076,6 +1109,38 @@ def test_a_context_file_is_read_like_jsonl(no_model_load, content, message):
     assert message in said and said.startswith(
         ("essay.txt:1: not UTF-8", "--context-file essay.txt is empty")
     )
+
+
+def _unreadable(monkeypatch, name: str) -> None:
+    """Opening a file called ``name`` fails as an unreadable file does (chmod 000 for anyone but
+    root, an I/O error); every other file opens."""
+    real_open = Path.open
+
+    def refusing_open(self, *args, **kwargs):
+        if self.name == name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing_open)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (["generate", "--context-file", "essay.txt", "--question", "q?"], "essay.txt"),
+        (["capture", "--data", "data.jsonl", "--out", "s.zarr"], "data.jsonl"),
+        (["bench", "--methods", "full,claa", "--keep", "0.5", "--data", "data.jsonl"], "data.jsonl"),
+        (["data", "export", "data.jsonl", "--out", "copy.jsonl"], "data.jsonl"),
+    ],
+)
+def test_an_input_file_that_cannot_be_read_is_one_line(no_model_load, tiny_folder, monkeypatch, args, name):
+    """A context or data file rankkit may not read (its permissions, an I/O error) ended the command
+    in an OSError traceback."""
+    row = {"id": "a", "context": "a b c", "question": "q?", "answers": ["x"]}
+    (no_model_load / name).write_text(json.dumps(row) + "\n", encoding="utf-8")
+    _unreadable(monkeypatch, name)
+    said = refused([*args, "--model", str(tiny_folder)], no_model_load)
+    assert said == f"cannot read {name} (Permission denied); check that it is a readable file, or give another"
 
 
 def test_compare_out_that_names_no_file_is_one_line(no_model_load):

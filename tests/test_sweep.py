@@ -357,6 +357,10 @@ def test_a_stage_whose_input_is_missing_is_refused_before_any_work(experiment, t
             ('spec = "niah:n=2,length=256"', f'spec = "niah:n=2,length=256"\nname = "{"x" * 300}"'),
             r"cell name 'x{40}\.\.\.' is not a file name; use at most 100 letters",
         ),
+        (  # an empty name was taken as none given: the cell ran under the default name
+            ('spec = "niah:n=2,length=256"', 'spec = "niah:n=2,length=256"\nname = ""'),
+            r"\[\[data\]\] #1: cell name '' is not a file name; use at most 100 letters",
+        ),
         (
             ("depths = [25, 75]", "n = 9223372036854775807"),
             "'niah:n=9223372036854775807,length=192' makes 9223372036854775807 examples, more than the "
@@ -453,11 +457,32 @@ def test_interleave_undoes_share():
     assert interleave([share(items, rank, 9) for rank in range(9)]) == items
 
 
+def test_a_sweep_inside_a_store_is_refused_before_it_writes(experiment, tmp_path):
+    """--out inside a capture store got the sweep's stores, parts and manifest written among its examples."""
+    store = tmp_path / "s.zarr"
+    stores.create(store, {"model": "a"})
+    with pytest.raises(RankkitError, match=rf"^--out {re.escape(str(store / 'sweep'))} is inside the rankkit store"):
+        sweep(experiment, store / "sweep")
+    assert not (store / "sweep").exists()
+
+
 def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
     latin = tmp_path / "latin.toml"
     latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
     with pytest.raises(RankkitError, match=rf"^{latin} is not UTF-8 \(byte 33\); save it as UTF-8$"):
         sweep(latin, tmp_path / "out")
+    locked = _write(tmp_path / "locked.toml", 'stages = ["capture"]\n')
+    real_open = Path.open
+
+    def refusing_open(self, *args, **kwargs):  # chmod 000 refuses anyone but root
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:  # an OSError traceback before
+        patch.setattr(Path, "open", refusing_open)
+        with pytest.raises(RankkitError, match=rf"^cannot read {locked} \(Permission denied\); check that it is"):
+            sweep(locked, tmp_path / "out")
     empty = _write(tmp_path / "empty.toml", 'stages = ["capture"]\ndata = []\n')
     with pytest.raises(RankkitError, match="write each data entry as a \\[\\[data\\]\\] table"):
         sweep(empty, tmp_path / "out")

@@ -43,7 +43,7 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     """The examples in a JSONL file (the first ``limit`` of them when given)."""
     path = Path(path)
     if not path.is_file():
-        raise RankkitError(f"no such file: {path}")
+        raise RankkitError(outputs.missing_data_file(path))
     examples: list[Example] = []
     first_line: dict[str, int] = {}  # example id -> the line that gave it
     for number, line in _numbered_lines(path):
@@ -115,15 +115,19 @@ def context_text(context: str | None, context_file: str | os.PathLike | None) ->
 
 
 def _numbered_lines(path: Path):
-    """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are named by line."""
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise RankkitError(
-                    f"{path}:{number}: not UTF-8 (byte {error.start + 1}); save the file as UTF-8"
-                ) from None
+    """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are named by line, a file that
+    cannot be read (no permission, an I/O error) by its path."""
+    try:
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise RankkitError(
+                        f"{path}:{number}: not UTF-8 (byte {error.start + 1}); save the file as UTF-8"
+                    ) from None
+    except OSError as error:
+        raise RankkitError(outputs.read_failure(path, error)) from None
 
 
 # What each field may hold: JSON types by name; "strings" is one string or a list of strings.

@@ -178,12 +178,15 @@ def data_fingerprint(spec: str) -> dict[str, str | int]:
         return {}
     path = Path(parsed.path)
     if not path.is_file():
-        raise RankkitError(f"no such file: {path}")
+        raise RankkitError(outputs.missing_data_file(path))
     # a sweep asks once per unit of every stage: the file is read again only once it changed
     found = path.stat()
     identity = (str(path.resolve()), found.st_ino, found.st_size, found.st_mtime_ns)
     if identity not in _FILE_HASHES:
-        _FILE_HASHES[identity] = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            _FILE_HASHES[identity] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as error:
+            raise RankkitError(outputs.read_failure(path, error)) from None
     return {"data_sha256": _FILE_HASHES[identity]}
 
 
