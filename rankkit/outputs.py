@@ -54,9 +54,7 @@ def claim(
             raise RankkitError(
                 f"--out {path} is a directory; give a file path inside it, e.g. {path / 'out'}"
             )
-        store = enclosing_store(target)
-        if store is not None:  # a file there is not the store's: its --overwrite would then refuse the store
-            raise RankkitError(f"--out {path} is inside the rankkit store {store}; choose a path outside it")
+        check_outside_stores(path)  # a file there is not the store's: its --overwrite would then refuse the store
         if path.exists() and not overwrite:
             raise RankkitError(
                 f"{path} already exists; pass --overwrite to replace it, or choose another --out"
@@ -89,7 +87,7 @@ def enclosing_store(path: Path) -> Path | None:
 
 
 def check_outside_stores(path: PathLike, *, itself: bool = False) -> None:
-    """Refuse a folder to write (a store, a sweep, the demo's) inside a rankkit store, or with
+    """Refuse an output (a file, a store, a sweep, the demo's folder) inside a rankkit store, or with
     ``itself`` one that is a store: it would land among the store's examples, which only the
     store's writer may add to."""
     resolved = Path(path).resolve()
@@ -177,13 +175,6 @@ def _size(count: int) -> str:
             return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
-
-
-def missing_data_file(path: PathLike) -> str:
-    """Why a JSONL data file named in a spec cannot be used, and the fix."""
-    if Path(path).is_dir():
-        return f"{path} is a directory, not a JSONL file; give the path of the file"
-    return f"no such file: {path}; check the path, or write one with `rankkit data export SPEC --out {path}`"
 
 
 def read_failure(path: PathLike, error: OSError) -> str:

@@ -43,7 +43,7 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
     """The examples in a JSONL file (the first ``limit`` of them when given)."""
     path = Path(path)
     if not path.is_file():
-        raise RankkitError(outputs.missing_data_file(path))
+        raise RankkitError(missing_data_file(path))
     examples: list[Example] = []
     first_line: dict[str, int] = {}  # example id -> the line that gave it
     for number, line in _numbered_lines(path):
@@ -112,6 +112,13 @@ def context_text(context: str | None, context_file: str | os.PathLike | None) ->
     if context:
         raise RankkitError("give the context as text (context=) or as a file (context_file=, --context-file), not both")
     return read_context_file(context_file)
+
+
+def missing_data_file(path: Path) -> str:
+    """Why a JSONL data file named in a spec cannot be used, and the fix."""
+    if path.is_dir():
+        return f"{path} is a directory, not a JSONL file; give the path of the file"
+    return f"no such file: {path}; check the path, or write one with `rankkit data export SPEC --out {path}`"
 
 
 def _numbered_lines(path: Path):

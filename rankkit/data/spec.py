@@ -21,7 +21,7 @@ from pathlib import Path
 from rankkit import outputs
 from rankkit.checks import check_prompt_lengths, check_spec_length, first_repeated
 from rankkit.data.example import Example
-from rankkit.data.jsonl import export_jsonl, load_jsonl
+from rankkit.data.jsonl import export_jsonl, load_jsonl, missing_data_file
 from rankkit.data.niah import niah_examples
 from rankkit.data.ruler import RULER_VERSION, TASKS, ruler_examples
 from rankkit.errors import RankkitError
@@ -178,7 +178,7 @@ def data_fingerprint(spec: str) -> dict[str, str | int]:
         return {}
     path = Path(parsed.path)
     if not path.is_file():
-        raise RankkitError(outputs.missing_data_file(path))
+        raise RankkitError(missing_data_file(path))
     # a sweep asks once per unit of every stage: the file is read again only once it changed
     found = path.stat()
     identity = (str(path.resolve()), found.st_ino, found.st_size, found.st_mtime_ns)
