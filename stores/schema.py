@@ -274,6 +274,20 @@ def one_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+def _root_metadata_problem(metadata: Path) -> str | None:
+    """What makes a store's root ``zarr.json`` unreadable as a group's metadata, in words, before
+    zarr reads it: zarr's own errors for these speak of its code (``pop expected at most 1 argument``)."""
+    try:
+        document = json.loads(metadata.read_bytes())
+    except ValueError:
+        return "its zarr.json is not JSON"
+    if not isinstance(document, dict):
+        return "its zarr.json is not a JSON object"
+    if document.get("node_type") != "group":
+        return f"its zarr.json's node_type is {document.get('node_type')!r}, not 'group'"
+    return None
+
+
 def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any]]:
     """The root group and its attributes, checked to be a rankkit store this version reads."""
     if not path.exists():
@@ -281,12 +295,14 @@ def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any
     if not (path / "zarr.json").is_file():
         raise RankkitError(f"{path} is not a rankkit store (no zarr.json); check the path")
     try:
-        root = open_node(LocalStore(path, read_only=read_only))
-        attrs = root.attrs.asdict()
+        problem = _root_metadata_problem(path / "zarr.json")
+        if problem is None:
+            root = open_node(LocalStore(path, read_only=read_only))
+            attrs = root.attrs.asdict()
     except Exception as error:  # zarr raises many types for unreadable metadata
-        raise RankkitError(
-            f"store {path} is corrupt ({one_line(error)}); recapture it with --overwrite"
-        ) from error
+        problem = one_line(error)
+    if problem is not None:
+        raise RankkitError(f"store {path} is corrupt ({problem}); recapture it with --overwrite")
     version = attrs.get(SCHEMA_VERSION_KEY)
     if version is None:
         raise RankkitError(

@@ -522,15 +522,21 @@ def test_a_store_from_a_newer_schema_is_refused_with_the_fix(path):
         assert "pip install -U rankkit" in message
 
 
-@pytest.mark.parametrize("content", ["{ garbage", "[]", '{"zarr_format": 3, "node_type": "array"}'])
-def test_a_corrupt_root_is_refused_with_the_fix(path, content):
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{ garbage", "its zarr.json is not JSON"),
+        (b"\xff\xfe", "its zarr.json is not JSON"),
+        ("[]", "its zarr.json is not a JSON object"),
+        ('{"zarr_format": 3, "node_type": "array"}', "its zarr.json's node_type is 'array', not 'group'"),
+        ('{"zarr_format": 3}', "its zarr.json's node_type is None, not 'group'"),
+    ],
+)
+def test_a_corrupt_root_is_refused_with_the_fix(path, content, problem):
     write(stores.create(path, RUN_META), "a", 0)
-    (path / "zarr.json").write_text(content)
+    (path / "zarr.json").write_bytes(content if isinstance(content, bytes) else content.encode())
     for action in (lambda: stores.open(path), lambda: stores.create(path, RUN_META)):
-        message = _one_line_error(action)
-        assert message.startswith(f"store {path} is corrupt (") and message.endswith(
-            "recapture it with --overwrite"
-        )
+        assert _one_line_error(action) == f"store {path} is corrupt ({problem}); recapture it with --overwrite"
 
 
 @pytest.mark.parametrize(
