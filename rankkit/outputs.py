@@ -177,16 +177,19 @@ def _size(count: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _os_reason(error: OSError) -> str:
+    """An OSError in words, without Python's exception text."""
+    return error.strerror or os.strerror(error.errno or errno.EIO)
+
+
 def read_failure(path: PathLike, error: OSError) -> str:
-    """Why reading the input ``path`` failed, in words (no Python exception text), and the fix."""
-    reason = error.strerror or os.strerror(error.errno or errno.EIO)
-    return f"cannot read {path} ({reason}); check that it is a readable file, or give another"
+    """Why reading the input ``path`` failed, and the fix."""
+    return f"cannot read {path} ({_os_reason(error)}); check that it is a readable file, or give another"
 
 
 def write_failure(path: PathLike, error: OSError) -> str:
-    """Why writing ``path`` failed, in words (no Python exception text)."""
-    reason = error.strerror or os.strerror(error.errno or errno.EIO)
-    return f"cannot write {path} ({reason})"
+    """Why writing ``path`` failed."""
+    return f"cannot write {path} ({_os_reason(error)})"
 
 
 def write_atomic(path: PathLike, write: Callable[[Path], None], *, overwrite: bool = True) -> Path:

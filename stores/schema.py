@@ -279,6 +279,8 @@ def _root_metadata_problem(metadata: Path) -> str | None:
     zarr reads it: zarr's own errors for these speak of its code (``pop expected at most 1 argument``)."""
     try:
         document = json.loads(metadata.read_bytes())
+    except OSError as error:
+        return f"its zarr.json cannot be read: {error.strerror}"
     except ValueError:
         return "its zarr.json is not JSON"
     if not isinstance(document, dict):
@@ -294,13 +296,13 @@ def open_root(path: Path, *, read_only: bool) -> tuple[zarr.Group, dict[str, Any
         raise RankkitError(f"no store at {path}; check the path or capture into it first")
     if not (path / "zarr.json").is_file():
         raise RankkitError(f"{path} is not a rankkit store (no zarr.json); check the path")
-    try:
-        problem = _root_metadata_problem(path / "zarr.json")
-        if problem is None:
+    problem = _root_metadata_problem(path / "zarr.json")
+    if problem is None:
+        try:
             root = open_node(LocalStore(path, read_only=read_only))
             attrs = root.attrs.asdict()
-    except Exception as error:  # zarr raises many types for unreadable metadata
-        problem = one_line(error)
+        except Exception as error:  # zarr raises many types for unreadable metadata
+            problem = one_line(error)
     if problem is not None:
         raise RankkitError(f"store {path} is corrupt ({problem}); recapture it with --overwrite")
     version = attrs.get(SCHEMA_VERSION_KEY)
