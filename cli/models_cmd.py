@@ -16,12 +16,12 @@ def models_list(
     table_format: Format = "table",
 ) -> None:
     """List the converted model folders in $RANKKIT_CACHE with their weights hash and size."""
-    from rankkit import models
+    from rankkit import model_cache
     from rankkit.tables import rows_text
 
     shown_as = output_format(table_format, as_json)
-    default = models.default_model_target()
-    found = models.cached_models()
+    default = model_cache.default_model_target()
+    found = model_cache.cached_models()
     if shown_as != "table":
         rows = [
             asdict(entry) | {"folder": str(entry.folder), "default": entry.folder == default}
@@ -29,7 +29,7 @@ def models_list(
         ]
         typer.echo(rows_text(rows, shown_as, whole={"default_model": str(default), "models": rows}))
         return
-    table = Table(title=Text(f"Converted models in {models.cache_root() / 'models'}"))
+    table = Table(title=Text(f"Converted models in {model_cache.cache_root() / 'models'}"))
     for header in ("folder", "weights sha256", "MiB", "source"):
         table.add_column(header, justify="right" if header == "MiB" else "left", overflow="fold")
     for entry in found:

@@ -20,7 +20,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from rankkit import defaults, models, outputs, stores
+from rankkit import defaults, model_cache, models, outputs, stores
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import METRICS, Example, data_fingerprint, load_examples, spec_text
 from rankkit.errors import RankkitError
@@ -516,7 +516,7 @@ def add_oracle(
     rank, world = shard()
     store = stores.open(store_path)
     meta = store.meta
-    spec = model or ("default" if meta["model"]["id"] == models.DEFAULT_MODEL_NAME else meta["model"]["id"])
+    spec = model or ("default" if meta["model"]["id"] == model_cache.DEFAULT_MODEL_NAME else meta["model"]["id"])
     other_weights = (
         f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
     )

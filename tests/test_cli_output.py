@@ -38,13 +38,13 @@ def test_ctrl_c_while_a_command_prints_its_results_is_an_interrupt_not_an_abort(
     prints nothing: the command ended without a word, as if it had finished."""
     import signal
 
-    from rankkit import models
+    from rankkit import model_cache
     from rankkit.cli import main
 
     def interrupted_while_printing():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "cached_models", interrupted_while_printing)
+    monkeypatch.setattr(model_cache, "cached_models", interrupted_while_printing)
     monkeypatch.setattr(sys, "argv", ["rankkit", "models"])
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -61,8 +61,8 @@ def test_sigterm_while_a_command_prints_its_results_is_an_interrupt_too():
     """Outside the library's interruptible work (dashboard, demo, compare printing) SIGTERM ended the
     process at once with no line (status -15), leaving any write's staging file behind."""
     terminated_while_printing = (
-        "import os, signal, sys; from rankkit import models; "
-        "models.cached_models = lambda: os.kill(os.getpid(), signal.SIGTERM); "
+        "import os, signal, sys; from rankkit import model_cache; "
+        "model_cache.cached_models = lambda: os.kill(os.getpid(), signal.SIGTERM); "
         "sys.argv = ['rankkit', 'models']; from rankkit.cli import main; main()"
     )
     result = subprocess.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from rankkit import RankkitError, models
+from rankkit import RankkitError, model_cache, models
 from rankkit.runner import Runner
 
 
@@ -61,9 +62,9 @@ def test_unreachable_hub_id_fails_fast_with_a_clear_message():
 def test_weights_hash_follows_content(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "a")
     tiny_model("llama", seed=1).save_pretrained(tmp_path / "b")
-    first = models.folder_weights_hash(tmp_path / "a")
-    assert first == models.folder_weights_hash(tmp_path / "a")
-    assert first != models.folder_weights_hash(tmp_path / "b")
+    first = model_cache.folder_weights_hash(tmp_path / "a")
+    assert first == model_cache.folder_weights_hash(tmp_path / "a")
+    assert first != model_cache.folder_weights_hash(tmp_path / "b")
 
 
 def test_weights_hash_is_computed_once_per_folder_version(tmp_path, monkeypatch):
@@ -71,17 +72,17 @@ def test_weights_hash_is_computed_once_per_folder_version(tmp_path, monkeypatch)
     folder = tmp_path / "model"
     tiny_model("llama").save_pretrained(folder)
     reads = []
-    real_sha256 = models.file_sha256
-    monkeypatch.setattr(models, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
-    first = models.folder_weights_hash(folder)
-    assert models.folder_weights_hash(folder) == first
+    real_sha256 = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
+    first = model_cache.folder_weights_hash(folder)
+    assert model_cache.folder_weights_hash(folder) == first
     assert reads == ["model.safetensors"]
     weights = folder / "model.safetensors"
     tiny_model("llama", seed=1).save_pretrained(folder)  # new content, size equal: the mtime tells
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
-    changed = models.folder_weights_hash(folder)
+    changed = model_cache.folder_weights_hash(folder)
     assert changed != first and reads == ["model.safetensors"] * 2
-    assert changed == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
+    assert changed == hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
 
 
 def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed_from(
@@ -98,15 +99,15 @@ def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
     folder = shutil.copytree(tiny_folder, tmp_path / "cache" / "models" / "Tiny-0123456789ab")
     weights = folder / "model.safetensors"
-    record = {"sha256": "ab" * 32, "source": "tiny.gguf", "files": models.weight_files_identity([weights])}
-    (folder / models.WEIGHTS_HASH_FILE).write_text(json.dumps(record))
+    record = {"sha256": "ab" * 32, "source": "tiny.gguf", "files": model_cache.weight_files_identity([weights])}
+    (folder / model_cache.WEIGHTS_HASH_FILE).write_text(json.dumps(record))
     reads = []
-    real_sha256 = models.file_sha256
-    monkeypatch.setattr(models, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
+    real_sha256 = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda path: reads.append(path.name) or real_sha256(path))
 
-    assert models.folder_weights_hash(folder) == "ab" * 32
+    assert model_cache.folder_weights_hash(folder) == "ab" * 32
     assert models.known_weights_hash(str(folder), torch.device("cpu")) == "ab" * 32
-    assert [(found.weights_hash, found.source) for found in models.cached_models()] == [("ab" * 32, "tiny.gguf")]
+    assert [(found.weights_hash, found.source) for found in model_cache.cached_models()] == [("ab" * 32, "tiny.gguf")]
     assert reads == []
 
     tensors = load_file(weights)
@@ -114,16 +115,16 @@ def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed
     tensors["model.layers.0.mlp.down_proj.weight"].zero_()
     save_file(tensors, weights, metadata={"format": "pt"})
     assert weights.stat().st_size == size
-    tuned = models.folder_weights_hash(folder)
-    assert tuned == models.hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
+    tuned = model_cache.folder_weights_hash(folder)
+    assert tuned == hashlib.sha256(b"model.safetensors" + real_sha256(weights).encode()).hexdigest()
     assert reads == ["model.safetensors"]
-    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text()) == {
+    assert json.loads((folder / model_cache.WEIGHTS_HASH_FILE).read_text()) == {
         "sha256": tuned,
         "content_sha256": tuned,
-        "files": models.weight_files_identity([weights]),
+        "files": model_cache.weight_files_identity([weights]),
     }
-    assert models.folder_weights_hash(folder) == tuned
-    assert [(found.weights_hash, found.source) for found in models.cached_models()] == [(tuned, None)]
+    assert model_cache.folder_weights_hash(folder) == tuned
+    assert [(found.weights_hash, found.source) for found in model_cache.cached_models()] == [(tuned, None)]
     assert reads == ["model.safetensors"]
 
     # The original weights copied back over the tuned ones, mtime kept (cp -p): only the inode tells.
@@ -131,7 +132,7 @@ def test_a_recorded_weights_hash_holds_only_for_the_weight_files_it_was_computed
     shutil.copyfile(tiny_folder / "model.safetensors", original)
     os.utime(original, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns))
     os.replace(original, weights)
-    assert models.folder_weights_hash(folder) == models.folder_weights_hash(tiny_folder) != tuned
+    assert model_cache.folder_weights_hash(folder) == model_cache.folder_weights_hash(tiny_folder) != tuned
     assert reads == ["model.safetensors"] * 3
 
 
@@ -148,18 +149,18 @@ def test_a_weights_record_from_before_file_identities_were_kept_is_tied_to_its_f
     folder = tmp_path / "model"
     tiny_model("llama").save_pretrained(folder)
     weights = folder / "model.safetensors"
-    (folder / models.WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"}))
-    content = models.hashlib.sha256(b"model.safetensors" + models.file_sha256(weights).encode()).hexdigest()
-    assert models.recorded_weights_hash(folder) is None
-    assert models.folder_weights_hash(folder) == "ab" * 32
-    assert json.loads((folder / models.WEIGHTS_HASH_FILE).read_text()) == {
-        "sha256": "ab" * 32, "source": "tiny.gguf", "files": models.weight_files_identity([weights]),
+    (folder / model_cache.WEIGHTS_HASH_FILE).write_text(json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"}))
+    content = hashlib.sha256(b"model.safetensors" + model_cache.file_sha256(weights).encode()).hexdigest()
+    assert model_cache.recorded_weights_hash(folder) is None
+    assert model_cache.folder_weights_hash(folder) == "ab" * 32
+    assert json.loads((folder / model_cache.WEIGHTS_HASH_FILE).read_text()) == {
+        "sha256": "ab" * 32, "source": "tiny.gguf", "files": model_cache.weight_files_identity([weights]),
         "content_sha256": content,
     }  # fmt: skip
-    assert models.recorded_weights_hash(folder) == "ab" * 32
+    assert model_cache.recorded_weights_hash(folder) == "ab" * 32
     copy = shutil.copytree(folder, tmp_path / "copy")  # new inodes and times: rehashed, the same content
-    assert models.recorded_weights_hash(copy) is None
-    assert models.folder_weights_hash(copy) == "ab" * 32
+    assert model_cache.recorded_weights_hash(copy) is None
+    assert model_cache.folder_weights_hash(copy) == "ab" * 32
 
 
 def test_device_resolution():
@@ -202,7 +203,7 @@ def test_local_folder_loads_through_the_default_path(tmp_path, default_model):
     default_model.tokenizer.save_pretrained(folder)
     loaded = models.load(str(folder), device="cpu")
     assert loaded.model.config.model_type == "qwen3"
-    assert loaded.weights_hash == models.folder_weights_hash(folder)
+    assert loaded.weights_hash == model_cache.folder_weights_hash(folder)
 
 
 @pytest.mark.integration
@@ -225,7 +226,7 @@ def test_default_model_runner_matches_transformers(default_model):
     assert runner.generate(prompt.input_ids, 16).tokens == expected.tolist()
 
 
-_CONVERT = "from rankkit import models; print(models.default_model_folder())"
+_CONVERT = "from rankkit import model_cache; print(model_cache.default_model_folder())"
 
 
 @pytest.mark.integration
@@ -247,10 +248,10 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
         [sys.executable, "-c", _CONVERT], env=env, capture_output=True, text=True, check=True
     )
     folder = Path(done.stdout.strip().splitlines()[-1])
-    assert (folder / models.WEIGHTS_HASH_FILE).is_file()
+    assert (folder / model_cache.WEIGHTS_HASH_FILE).is_file()
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
-    assert models.default_model_folder() == folder
+    assert model_cache.default_model_folder() == folder
 
 
 def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_names_the_default(
@@ -260,7 +261,7 @@ def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_nam
 
     from typer.testing import CliRunner
 
-    from rankkit import models
+    from rankkit import model_cache
     from rankkit.cli import commands  # noqa: F401
     from rankkit.cli.app import app
 
@@ -269,19 +270,19 @@ def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_nam
     done.mkdir(parents=True)
     (done / "model.safetensors").write_bytes(b"\0" * 1000)
     # as a conversion records it: beside the weights' identity, which says they are unchanged since
-    weights = {"files": models.weight_files_identity([done / "model.safetensors"])}
+    weights = {"files": model_cache.weight_files_identity([done / "model.safetensors"])}
     record = json.dumps({"sha256": "ab" * 32, "source": "tiny.gguf"} | weights)
-    (done / models.WEIGHTS_HASH_FILE).write_text(record)
+    (done / model_cache.WEIGHTS_HASH_FILE).write_text(record)
     (tmp_path / "models" / ".Tiny-0123456789ab.partial-1-x").mkdir()  # a conversion killed half-way
     (tmp_path / "models" / "unfinished").mkdir()
-    (found,) = models.cached_models()
-    assert found == models.CachedModel(done, "ab" * 32, "tiny.gguf", 1000 + len(record))
+    (found,) = model_cache.cached_models()
+    assert found == model_cache.CachedModel(done, "ab" * 32, "tiny.gguf", 1000 + len(record))
 
     result = CliRunner().invoke(app, ["models", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["default_model"] == str(models.default_model_target())
-    assert payload["default_model"].startswith(str(tmp_path / "models" / models.DEFAULT_MODEL_NAME))
+    assert payload["default_model"] == str(model_cache.default_model_target())
+    assert payload["default_model"].startswith(str(tmp_path / "models" / model_cache.DEFAULT_MODEL_NAME))
     assert [row["folder"] for row in payload["models"]] == [str(done)]
     assert payload["models"][0]["default"] is False
     as_csv = CliRunner().invoke(app, ["models", "--format", "csv"])
@@ -289,3 +290,17 @@ def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_nam
         "folder,weights_hash,source,size_bytes,default",
         f"{done},{'ab' * 32},tiny.gguf,{1000 + len(record)},False",
     ]
+
+
+def test_cli_models_lists_the_cache_without_torch(tmp_path):
+    """Listing the cache reads file records: importing torch alone would take it from under a second
+    to two."""
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); "
+        "sys.argv = ['rankkit', 'models', '--json']; from rankkit.cli import main; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "RANKKIT_CACHE": str(tmp_path)}
+    )
+    assert result.returncode == 0 and str(tmp_path / "models") in result.stdout, result.stderr
+    assert result.stderr == "False\n"

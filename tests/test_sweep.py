@@ -851,7 +851,7 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
 ):
     from typer.testing import CliRunner
 
-    from rankkit import models
+    from rankkit import model_cache, models
     from rankkit.cli import commands  # noqa: F401  (registers every command)
     from rankkit.cli.app import app
     from rankkit.methods.measure import calibration_path
@@ -862,7 +862,7 @@ def test_dry_run_estimates_seconds_from_the_cached_cost_model_without_loading_a_
         f'stages = ["capture", "oracle", "variance"]\n[model]\nname = "{tiny_folder}"\n'
         '[[data]]\nspec = "niah:n=1,length=96"\n[[data]]\nspec = "niah:n=3,length=128"\n',  # 96: not too short
     )
-    weights_hash = models.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
+    weights_hash = model_cache.folder_weights_hash(tiny_folder)  # remembered in the cache, as a load leaves it
     monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("--dry-run loaded a model"))
     out = tmp_path / "out"
 

@@ -38,7 +38,7 @@ from rankkit.eval.stats import (
 )
 from rankkit.experiment import DataCell, Experiment, read_experiment
 from rankkit.methods import REGISTRY
-from rankkit.models import weights_quantization
+from rankkit.model_cache import weights_quantization
 from rankkit.sweep import cell_rows, sweep, tag_columns
 
 EXPERIMENTS = Path(__file__).resolve().parent

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline, counterbalanced, paired_ratios
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
-from rankkit.models import cache_root, write_atomically
+from rankkit.model_cache import cache_root, write_atomically
 from rankkit.runner import Runner, greedy_continue
 from rankkit.sorting import load_compiled
 
