@@ -77,13 +77,19 @@ def parse_named(spec: str, what: str = "probe") -> list[tuple[str, dict]]:
 
 def parse_probes(spec: str) -> list[Probe]:
     """Probes from ``"window:w=32,kernel=7,last_token_raw"`` (see ``parse_named``), or ``"all"``
-    (every registered probe at its defaults); a setting named twice is recorded once."""
+    (every registered probe at its defaults). A setting named twice, in any spelling, is refused as a
+    sweep file's list refuses a repeat: the second would be silently dropped from the store."""
     if spec.strip() == "all":
         return [make(name) for name in REGISTRY]
-    probes = {}
+    probes: dict[str, Probe] = {}
     for name, params in parse_named(spec):
         probe = make(name, **params)
-        probes.setdefault(probe.key, probe)
+        if probe.key in probes:
+            raise RankkitError(
+                f"{spec!r} names the probe setting {probe.key!r} twice (a parameter at its default is "
+                "the plain name); name each probe once"
+            )
+        probes[probe.key] = probe
     return list(probes.values())
 
 

@@ -83,14 +83,28 @@ def test_a_method_names_the_parameters_it_takes():
         make_method("full", keep=0.1)
 
 
-def test_parse_probes_all_and_repeats():
+def test_parse_probes_all_and_settings():
     assert parse_probes(" all ") == [make(name) for name in REGISTRY]
-    assert parse_probes("last_token_heads,window:w=8,window") == [LastTokenHeadsProbe(), WindowProbe()]
-    assert parse_probes("window:w=16,last_token_heads,window:w=16,window") == [
+    assert parse_probes("window:w=16,last_token_heads,window") == [
         WindowProbe(window_size=16),
         LastTokenHeadsProbe(),
         WindowProbe(),
     ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "key"),
+    [
+        ("window, last_token_raw,window", "window"),
+        ("window:w=8,window:window_size=8", "window"),  # w=8 is window's default
+        ("lava:w=16,lava:w=16,pooling=max", "lava:w=16"),
+    ],
+)
+def test_a_probe_setting_named_twice_is_refused_in_any_spelling(spec, key):
+    """A sweep file's probe list refuses a repeat; the command line kept the first and dropped the
+    second without a word, so two spellings of one setting recorded one array."""
+    with pytest.raises(RankkitError, match=rf"names the probe setting '{key}' twice .* name each probe once$"):
+        parse_probes(spec)
 
 
 def test_what_a_probe_records_beside_its_scores():

@@ -328,7 +328,7 @@ def test_bad_parameters_are_clear_errors(name, params):
 def test_make_and_parse_probes():
     assert set(REGISTRY) == {"window", "last_token_raw", "lava", "token_units", "last_token_heads"}
     assert make("window", window_size=32) == WindowProbe(window_size=32)
-    assert [p.name for p in parse_probes("window, last_token_raw,window")] == ["window", "last_token_raw"]
+    assert [p.name for p in parse_probes("window, last_token_raw")] == ["window", "last_token_raw"]
     assert {p.name for p in parse_probes("all")} == set(REGISTRY)
     assert make("lava").params() == {"probe": "lava", "window_size": 32, "kernel_size": 7, "pooling": "max"}
     with pytest.raises(RankkitError):
