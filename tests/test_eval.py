@@ -38,7 +38,7 @@ from rankkit.eval.ranking import (
     top_k_mask,
     topk_recall,
 )
-from rankkit.eval.variance import variance_store
+from rankkit.eval.variance import VarianceResult, variance_store
 from rankkit.methods import Budget, Captured, make
 from rankkit.methods.asl import RankVariance, is_fallback, relative_variance_curve, selection_layer
 from rankkit.methods.selection import DRAFT_SCORES, head_sums, replay
@@ -820,6 +820,121 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
         variance_store(store_path, method="asl:window_size=8,min_layer=1", budget=13, min_layer=2)
     same = variance_store(store_path, method="asl:window_size=8,min_layer=1", budget=13, min_layer=1)
     assert same.min_layer == 1
+
+
+def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
+    """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
+    L_min = 1), each selection as asl makes it: frames no capture can bend to a test's needs."""
+    curve_rows, selection_rows = [], []
+    for example, (task, curve) in curves.items():
+        named = {"example": example, "task": task, "probe": "window:w=8"}
+        curve_rows += [
+            {**named, "layer": layer, "relative_variance": None if np.isnan(value) else value}
+            for layer, value in enumerate(curve)
+        ]
+        selection_rows += [
+            {**named, "tau": tau, "selection_layer": selection_layer(curve, tau), "fallback": is_fallback(curve, tau)}
+            for tau in taus
+        ]
+    named_schema = {"example": pl.Categorical, "task": pl.String, "probe": pl.String}
+    return VarianceResult(
+        1,
+        pl.DataFrame(curve_rows, schema={**named_schema, "layer": pl.Int32, "relative_variance": pl.Float64}),
+        pl.DataFrame(
+            selection_rows,
+            schema={**named_schema, "tau": pl.Float64, "selection_layer": pl.Int32, "fallback": pl.Boolean},
+        ),
+        store,
+    )
+
+
+def falling_curves(tasks: list[str]) -> dict[str, tuple[str, list[float]]]:
+    """A curve for each of ``tasks``, each from 1 at L_min = 1 falling by its own factor a layer: the
+    first six select layers (and fall back) each their own way."""
+    return {
+        f"ex{index}": (task, [np.nan, *((0.88 - 0.07 * index) ** step for step in range(6))])
+        for index, task in enumerate(tasks)
+    }
+
+
+def test_variance_by_example_pairs_each_curve_with_its_own_selections(tmp_path):
+    """by_example groups the curves and the selections apart and pairs them in order: grouped out of
+    first-seen order (as polars' group_by is by default), a curve carried another example's
+    layers, which no store where every example selects L_min can show."""
+    curves = falling_curves(["niah"] * 6)
+    taus = (0.2, 0.5)
+    rows = hand_variance(curves, taus, tmp_path / "run.zarr").by_example()
+    expected = []
+    for example, (task, curve) in curves.items():
+        chosen, fallback = {}, {}
+        for tau in taus:
+            below = [layer for layer in range(1, len(curve)) if curve[layer] < tau]
+            chosen[f"{tau:g}"] = below[0] if below else len(curve) - 1
+            fallback[f"{tau:g}"] = not below
+        expected.append(
+            {
+                "example": example,
+                "task": task,
+                "probe": "window:w=8",
+                "relative_variance": [None, *curve[1:]],
+                "min_layer": 1,
+                "selection_layer": chosen,
+                "fallback": fallback,
+            }
+        )
+    assert rows == expected
+    assert len({tuple(row["selection_layer"].values()) for row in rows}) == 6  # no two alike
+    assert [row["fallback"]["0.2"] for row in rows] == [True, True, True, False, False, False]
+    assert [row["selection_layer"]["0.5"] for row in rows] == [6, 5, 4, 3, 3, 3]
+
+
+def test_variance_means_keep_the_tasks_in_first_seen_order_each_resampled_alone(tmp_path):
+    """A store of several tasks: means per task and layer, the tasks in the order the store first
+    names them (the CLI prints them so), each interval drawn from its own task's examples."""
+    from rankkit.eval.stats import bootstrap_means
+    from rankkit.eval.variance import mean_curves
+
+    tasks = ["qa", "niah", "code", "niah", "sum", "qa", "kv", "code", "sum", "kv"]
+    curves = falling_curves(tasks)
+    means = mean_curves(hand_variance(curves, (0.3,), tmp_path / "run.zarr").curves)
+    order, layers = list(dict.fromkeys(tasks)), range(1, 7)  # from L_min on
+    assert means["task"].to_list() == [task for task in order for _ in layers]
+    assert means["layer"].to_list() == [*layers] * len(order)
+    for row in means.iter_rows(named=True):
+        values = [curve[row["layer"]] for task, curve in curves.values() if task == row["task"]]
+        _, low, high, _ = bootstrap_means(np.array(values)[:, None])
+        assert row["relative_variance"] == pytest.approx(sum(values) / len(values), abs=1e-15)
+        assert (row["relative_variance_ci_low"], row["relative_variance_ci_high"]) == pytest.approx((low[0], high[0]))
+        assert (row["relative_variance_n"], row["n_examples"]) == (2, 2)
+
+
+def test_variance_write_replaces_a_file_only_with_overwrite_even_one_that_came_after_its_claim(tmp_path, monkeypatch):
+    """write claims its paths, then writes each with the overwrite it was given: a second write with
+    overwrite replaces the first, and a file another run wrote meanwhile is kept and refused without."""
+    import rankkit.eval.variance as variance
+    from rankkit.outputs import GENERATOR_TAG
+
+    out = tmp_path / "v.parquet"
+    first = hand_variance(falling_curves(["niah"] * 2), (0.3,), tmp_path / "run.zarr")
+    paths = first.write(out)
+    again = hand_variance(falling_curves(["qa"] * 2), (0.3,), tmp_path / "run.zarr")
+    assert again.write(out, overwrite=True) == paths
+    for path, frame in zip(paths, (again.curves, again.selections, again.means), strict=True):
+        assert pl.read_parquet(path).equals(frame), path.name
+    other = f"{GENERATOR_TAG} the other run's means"
+    mean_curves = variance.mean_curves
+
+    def the_other_run_finishes_first(curves):
+        paths[2].write_text(other)
+        return mean_curves(curves)
+
+    for path in paths:
+        path.unlink()
+    monkeypatch.setattr(variance, "mean_curves", the_other_run_finishes_first)
+    late = hand_variance(falling_curves(["code"] * 2), (0.3,), tmp_path / "run.zarr")
+    with pytest.raises(RankkitError, match=f"^{re.escape(str(paths[2]))} was written by another run while this one worked"):
+        late.write(out)
+    assert paths[2].read_text() == other
 
 
 def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
