@@ -53,7 +53,7 @@ def mean_curves(curves: pl.DataFrame) -> pl.DataFrame:
     defined = curves.filter(pl.col("relative_variance").is_not_null())
     if not defined.height:
         return pl.DataFrame()
-    by_task = defined.partition_by("task", maintain_order=True)  # resampled within each task
+    by_task = defined.partition_by("task")  # resampled within each task; in first-seen order, polars' default
     return pl.concat(
         [
             mean_intervals(
