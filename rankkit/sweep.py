@@ -627,7 +627,7 @@ def check(
             _check_compare(plan, layout, num_layers)
     if "variance" in plan.stages:
         with errors_in(f"{path} [variance]"):
-            asl = variance.bound_curve_method(variance.curve_method(**plan.variance.curve_kwargs()), num_layers)
+            asl = variance.curve_method(**plan.variance.curve_kwargs()).bind(num_layers)
             _check_captured(plan, asl.captured_inputs(), f"method {asl.name!r}")
     with errors_in(str(path)):
         sizes = _cell_sizes(plan, config)

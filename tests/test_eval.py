@@ -808,6 +808,11 @@ def test_variance_store(store_path):
         variance_store(store_path)
     with pytest.raises(RankkitError, match="asl"):
         variance_store(store_path, method="claa")
+    # L_min and L_obs past the store's depth, refused with the layers it has
+    with pytest.raises(RankkitError, match=rf"^method 'asl': min_layer={LAYERS} is outside \[0, {LAYERS - 1}\]$"):
+        variance_store(store_path, method="asl:window_size=8", budget=13, min_layer=LAYERS)
+    with pytest.raises(RankkitError, match=rf"^method 'asl': observed_layers={LAYERS + 1} is outside \[2, {LAYERS}\]$"):
+        variance_store(store_path, method="asl:window_size=8", budget=13, observed_layers=LAYERS + 1)
 
 
 def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradicting_its_spec(store_path):

@@ -123,17 +123,6 @@ def curve_method(
     return method_from_spec(method, options=options)
 
 
-def bound_curve_method(asl: Asl, num_layers: int) -> Asl:
-    """``asl`` bound to a model of ``num_layers`` layers, its L_min and L_obs checked against them."""
-    bound = asl.bind(num_layers)
-    if not 0 <= bound.min_layer < num_layers or bound.observed_layers < 1:
-        raise RankkitError(
-            f"L_min = {bound.min_layer} or L_obs = {bound.observed_layers} does not fit the model's "
-            f"{num_layers} layers; adjust --min-layer or --observed-layers"
-        )
-    return bound
-
-
 def checked_thresholds(thresholds: Sequence[float] | str | float) -> list[float]:
     """``thresholds`` as a list, refused unless each is a value asl's tau takes and each is named
     once: a layer printed for tau NaN or -1, which ``asl:tau=-1`` refuses, read as a result."""
@@ -194,7 +183,7 @@ def variance_store(
     if not records:
         raise RankkitError(f"store {store.path} has no complete example; capture into it first")
     check_inputs([asl], records, store.meta)
-    bound = bound_curve_method(asl, scored_layers(records))
+    bound = asl.bind(scored_layers(records))  # refuses an L_min or L_obs the model's depth cannot hold
     warn_budgets([budget], [asl], [record.num_tokens for record in records])
     # the method's own tau among them, so the layer it selects is always reported
     reported = tuple(sorted({*thresholds, asl.tau}))
