@@ -790,6 +790,9 @@ def test_variance_store(store_path):
     assert variance.curves.columns == ["example", "task", "probe", "layer", "relative_variance"]
     assert variance.selections.columns == ["example", "task", "probe", "tau", "selection_layer", "fallback"]
     assert variance.curves.height == 3 * LAYERS and variance.selections.height == 3 * 5
+    named = [(f"ex{index}", "niah", "window") for index in range(3)]  # window_size=8's probe
+    for frame in (variance.curves, variance.selections):
+        assert frame.select("example", "task", "probe").unique(maintain_order=True).rows() == named
     # window ranks identically at every layer: the variance is 0 from L_min on, which ASL reads as
     # settled (relative variance 0), so every threshold selects L_min
     assert variance.curves["relative_variance"].null_count() == 3 * 1
@@ -942,27 +945,65 @@ def test_variance_write_replaces_a_file_only_with_overwrite_even_one_that_came_a
     assert paths[2].read_text() == other
 
 
-def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
+def write_settling_store(path):
+    """Four examples of 12 layers and 200 tokens whose window rankings settle with depth: noise
+    shrinking around a fixed order, so each curve falls from L_min on."""
     from rankkit import stores
 
     rng = np.random.default_rng(7)
-    writer = stores.create(tmp_path / "asl.zarr", {"model": {"id": "synthetic"}})
+    writer = stores.create(path, {"model": {"id": "synthetic"}})
     for index in range(4):
-        # rankings that settle with depth: noise shrinking around a fixed order
         base = rng.random(200)
         scores = np.stack([base + rng.random(200) * 2.0 / (1 + layer) ** 2 for layer in range(12)])
         scores = np.broadcast_to(scores[:, None], (12, 2, 200)).astype(np.float32)
         writer.write_example(f"ex{index}", attrs={}, tokens=np.arange(200), scores={"window:w=32": scores})
+    return path
+
+
+def captured_window(record) -> Captured:
+    """A settling store's example as the asl method reads it."""
+    return Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
+
+
+def test_variance_and_the_asl_method_pick_the_same_layer(tmp_path):
+    from rankkit import stores
+
+    path = write_settling_store(tmp_path / "asl.zarr")
     # 0.001: no curve drops that low, so asl falls back to its last layer, and variance reports that layer
-    variance = variance_store(tmp_path / "asl.zarr", keep=0.3, thresholds=(0.001, 0.3))
-    store = stores.open(tmp_path / "asl.zarr")
+    variance = variance_store(path, keep=0.3, thresholds=(0.001, 0.3))
+    store = stores.open(path)
     for tau, expected_fallback in ((0.001, True), (0.3, False)):
         chosen = variance.selections.filter(pl.col("tau") == tau)
         assert chosen["fallback"].to_list() == [expected_fallback] * 4
         for record, layer in zip(store.examples(), chosen["selection_layer"], strict=True):
-            captured = Captured({"window:w=32": torch.from_numpy(record.scores("window:w=32"))}, 12, 200)
-            selected = make("asl", tau=tau).select_offline(captured, Budget.from_keep(0.3)).layer
+            selected = make("asl", tau=tau).select_offline(captured_window(record), Budget.from_keep(0.3)).layer
             assert layer == selected and (selected == 11) == expected_fallback
+
+
+def test_variance_curves_hold_the_asl_methods_own_curve_under_the_given_l_min_and_l_obs(tmp_path):
+    """curves holds, row by row, each example's id, its task (this store names none: nulls, still
+    text, as where one is named), the probe asl ranks by, its layers and asl's own curve there, null
+    before L_min: L_min and L_obs as given (neither the model's default here), the budget by default
+    keep defaults.KEEP (here raised to what asl always keeps, and said so)."""
+    from rankkit import defaults, stores
+
+    path = write_settling_store(tmp_path / "asl.zarr")
+    with pytest.warns(UserWarning, match=r"^keep=0\.1 asks for 20 token\(s\), fewer than asl always keeps; it keeps 33"):
+        variance = variance_store(path, min_layer=2, observed_layers=5, workers=1)
+    asl = make("asl", min_layer=2, observed_layers=5)
+    expected = []
+    for record in stores.open(path).examples():
+        curve = asl.variance_curve(captured_window(record), Budget.from_keep(defaults.KEEP))
+        expected += [
+            (record.id, None, "window:w=32", layer, None if np.isnan(value) else value)
+            for layer, value in enumerate(curve)
+        ]
+    assert variance.curves.rows() == expected
+    assert list(variance.curves.schema.items()) == [
+        ("example", pl.Categorical), ("task", pl.String), ("probe", pl.String), ("layer", pl.Int32),
+        ("relative_variance", pl.Float64),
+    ]  # fmt: skip
+    assert variance.min_layer == 2 and variance.curves["relative_variance"].null_count() == 4 * 2
 
 
 def test_compare_and_variance_read_keep_as_a_rate_and_budget_as_tokens(store_path):
