@@ -693,6 +693,12 @@ def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
     kept = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=tmp_path / "v.parquet")
     for name, frame in (("v", kept.curves), ("v.selections", kept.selections), ("v.means", kept.means)):
         assert pl.read_parquet(tmp_path / f"{name}.parquet").equals(frame), name
+    replaced = variance_store(
+        store, method="asl:window_size=8", budget=13, min_layer=1, thresholds=0.45, workers=1, out=tmp_path / "v.parquet",
+        overwrite=True,
+    )  # fmt: skip
+    assert pl.read_parquet(tmp_path / "v.selections.parquet").equals(replaced.selections)
+    assert not replaced.selections.equals(kept.selections)
 
 
 def test_compare_resamples_the_clusters_its_examples_share(tmp_path):
@@ -829,6 +835,24 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
     same = variance_store(store_path, method="asl:window_size=8,min_layer=1", budget=13, min_layer=1)
     assert same.min_layer == 1
 
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
+        ({"thresholds": ["0.3"]}, "--thresholds takes a number, not str '0.3'"),
+        ({"thresholds": "0.3,x"}, "--thresholds 'x' is not a number; give e.g. --thresholds 0.1,0.2"),
+        (
+            {"method": "asl:window_size=8,observed_layers=2", "observed_layers": 3},
+            "--observed-layers 3 contradicts asl:observed_layers=2; give one of them",
+        ),
+    ],
+)
+def test_variance_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, given, message):
+    """Each refusal names the command-line option and comes before the store (here none) is read."""
+    with pytest.raises(RankkitError) as refused:
+        variance_store(tmp_path / "missing.zarr", **given)
+    assert str(refused.value) == message
 
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
     """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
