@@ -693,6 +693,8 @@ def test_the_python_writes_refuse_what_the_cli_refuses(tmp_path):
     kept = variance_store(store, method="asl:window_size=8", budget=13, min_layer=1, workers=1, out=tmp_path / "v.parquet")
     for name, frame in (("v", kept.curves), ("v.selections", kept.selections), ("v.means", kept.means)):
         assert pl.read_parquet(tmp_path / f"{name}.parquet").equals(frame), name
+    with pytest.raises(RankkitError, match="zarr.json is one of this command's inputs"):
+        variance_store(store, method="asl:window_size=8", budget=13, workers=1, out=store / "zarr.json", overwrite=True)
     replaced = variance_store(
         store, method="asl:window_size=8", budget=13, min_layer=1, thresholds=0.45, workers=1, out=tmp_path / "v.parquet",
         overwrite=True,
@@ -969,13 +971,13 @@ def test_variance_write_replaces_a_file_only_with_overwrite_even_one_that_came_a
     assert paths[2].read_text() == other
 
 
-def write_settling_store(path):
+def write_settling_store(path, run_meta=None):
     """Four examples of 12 layers and 200 tokens whose window rankings settle with depth: noise
     shrinking around a fixed order, so each curve falls from L_min on."""
     from rankkit import stores
 
     rng = np.random.default_rng(7)
-    writer = stores.create(path, {"model": {"id": "synthetic"}})
+    writer = stores.create(path, run_meta or {"model": {"id": "synthetic"}})
     for index in range(4):
         base = rng.random(200)
         scores = np.stack([base + rng.random(200) * 2.0 / (1 + layer) ** 2 for layer in range(12)])
@@ -1029,6 +1031,14 @@ def test_variance_curves_hold_the_asl_methods_own_curve_under_the_given_l_min_an
     ]  # fmt: skip
     assert variance.min_layer == 2 and variance.curves["relative_variance"].null_count() == 4 * 2
 
+
+def test_variance_of_a_timing_only_store_says_what_its_curves_are_worth(tmp_path):
+    from rankkit.checks import TIMING_ONLY
+
+    path = write_settling_store(tmp_path / "random.zarr", {"model": {"id": "random:tiny"}, "timing_only": True})
+    with pytest.warns(UserWarning) as warned:
+        variance_store(path, keep=0.3, workers=1)
+    assert [str(warning.message) for warning in warned] == [f"store {path} was captured with random:tiny: {TIMING_ONLY}"]
 
 def test_compare_and_variance_read_keep_as_a_rate_and_budget_as_tokens(store_path):
     """compare_store(keep=1) ranked under 1 token where --keep 1 keeps everything, and variance_store's
