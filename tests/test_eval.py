@@ -842,6 +842,7 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
     ("given", "message"),
     [
         ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
+        ({"thresholds": []}, "--thresholds names nothing; give e.g. --thresholds 0.2,0.3"),
         ({"thresholds": ["0.3"]}, "--thresholds takes a number, not str '0.3'"),
         ({"thresholds": "0.3,x"}, "--thresholds 'x' is not a number; give e.g. --thresholds 0.1,0.2"),
         (
