@@ -857,6 +857,15 @@ def test_variance_refuses_an_argument_in_its_options_words_before_reading_the_st
         variance_store(tmp_path / "missing.zarr", **given)
     assert str(refused.value) == message
 
+def test_variance_of_a_store_without_a_complete_example_is_refused(tmp_path):
+    from rankkit import stores
+
+    path = tmp_path / "empty.zarr"
+    stores.create(path, {"model": {"id": "synthetic"}})
+    with pytest.raises(RankkitError) as refused:
+        variance_store(path, workers=1)
+    assert str(refused.value) == f"store {path} has no complete example; capture into it first"
+
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
     """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
     L_min = 1), each selection as asl makes it: frames no capture can bend to a test's needs."""
