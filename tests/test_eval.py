@@ -866,6 +866,19 @@ def test_variance_of_a_store_without_a_complete_example_is_refused(tmp_path):
         variance_store(path, workers=1)
     assert str(refused.value) == f"store {path} has no complete example; capture into it first"
 
+def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
+    """workers=1 ranks in this process however many examples there are: each worker would load its own
+    copy of the libraries."""
+    import rankkit.eval.parallel as parallel
+
+    def no_pool(*_):
+        raise AssertionError("a worker pool was started")
+
+    monkeypatch.setattr(parallel, "_worker_pool", no_pool)
+    path = write_store(tmp_path / "run.zarr", examples=5)  # two workers' worth, where two CPUs are free
+    variance = variance_store(path, method="asl:window_size=8", budget=13, workers=1)
+    assert variance.curves["example"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
+
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
     """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
     L_min = 1), each selection as asl makes it: frames no capture can bend to a test's needs."""
@@ -1040,6 +1053,10 @@ def test_variance_curves_hold_the_asl_methods_own_curve_under_the_given_l_min_an
         ("relative_variance", pl.Float64),
     ]  # fmt: skip
     assert variance.min_layer == 2 and variance.curves["relative_variance"].null_count() == 4 * 2
+    assert list(variance.selections.schema.items()) == [
+        ("example", pl.Categorical), ("task", pl.String), ("probe", pl.String), ("tau", pl.Float64),
+        ("selection_layer", pl.Int32), ("fallback", pl.Boolean),
+    ]  # fmt: skip
 
 
 def test_variance_of_a_timing_only_store_says_what_its_curves_are_worth(tmp_path):
