@@ -839,7 +839,7 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
 
 
 @pytest.mark.parametrize(
-    ("given", "message"),
+    ("arguments", "message"),
     [
         ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
         ({"thresholds": []}, "--thresholds names nothing; give e.g. --thresholds 0.2,0.3"),
@@ -851,11 +851,12 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
         ),
     ],
 )
-def test_variance_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, given, message):
+def test_variance_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, arguments, message):
     """Each refusal names the command-line option and comes before the store (here none) is read."""
     with pytest.raises(RankkitError) as refused:
-        variance_store(tmp_path / "missing.zarr", **given)
+        variance_store(tmp_path / "missing.zarr", **arguments)
     assert str(refused.value) == message
+
 
 def test_variance_of_a_store_without_a_complete_example_is_refused(tmp_path):
     from rankkit import stores
@@ -865,6 +866,7 @@ def test_variance_of_a_store_without_a_complete_example_is_refused(tmp_path):
     with pytest.raises(RankkitError) as refused:
         variance_store(path, workers=1)
     assert str(refused.value) == f"store {path} has no complete example; capture into it first"
+
 
 def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
     """workers=1 ranks in this process however many examples there are: each worker would load its own
@@ -878,6 +880,7 @@ def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
     path = write_store(tmp_path / "run.zarr", examples=5)  # two workers' worth, where two CPUs are free
     variance = variance_store(path, method="asl:window_size=8", budget=13, workers=1)
     assert variance.curves["example"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
+
 
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
     """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
@@ -1066,6 +1069,7 @@ def test_variance_of_a_timing_only_store_says_what_its_curves_are_worth(tmp_path
     with pytest.warns(UserWarning) as warned:
         variance_store(path, keep=0.3, workers=1)
     assert [str(warning.message) for warning in warned] == [f"store {path} was captured with random:tiny: {TIMING_ONLY}"]
+
 
 def test_compare_and_variance_read_keep_as_a_rate_and_budget_as_tokens(store_path):
     """compare_store(keep=1) ranked under 1 token where --keep 1 keeps everything, and variance_store's
