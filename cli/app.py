@@ -2,6 +2,8 @@
 
 import inspect
 import sys
+import typing
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -62,6 +64,9 @@ def command():
         for param in [*current.params, current.get_help_option(current.context_class(current))]:
             if isinstance(param, typer.core.TyperOption):
                 param.metavar = ""
+        for param in current.params:
+            if isinstance(param, typer.core._TyperParameter) and _takes_paths(param.type_descriptor.annotation):
+                _refuse_empty_path(param)
         if not hasattr(current, "commands"):
             _refuse_repeated_options(current)
         pending.extend(getattr(current, "commands", {}).values())
@@ -71,6 +76,26 @@ def command():
 def click_errors():
     """The exceptions module of the click typer runs on (its own copy since typer 0.25)."""
     return sys.modules[typer.BadParameter.__module__]
+
+
+def _takes_paths(annotation) -> bool:
+    """Whether a parameter of type ``annotation`` (``Path``, ``list[Path]``) takes paths."""
+    return Path in (annotation, *typing.get_args(annotation))
+
+
+def _refuse_empty_path(param) -> None:
+    """Make the path parameter ``param`` refuse an empty value: '' reads as '.', so `--out "$OUT"` with
+    OUT unset wrote a demo's files into the current folder, or a refusal named '.', never typed."""
+    process_value = param.process_value
+
+    def refusing_empty(ctx, value):
+        given = value if isinstance(value, tuple | list) else [value]
+        empty = next((each for each in given if isinstance(each, str) and not each.strip()), None)
+        if empty is not None:
+            raise click_errors().BadParameter(f"{empty!r} names no path; give one", ctx=ctx, param=param)
+        return process_value(ctx, value)
+
+    param.process_value = refusing_empty
 
 
 def _refuse_repeated_options(command) -> None:

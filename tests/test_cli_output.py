@@ -180,6 +180,31 @@ def test_a_usage_error_is_one_line_naming_the_help_and_exit_2(arguments, line):
     assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", line + "\n")
 
 
+@pytest.mark.parametrize(
+    ("arguments", "parameter"),
+    [
+        (["demo", "--out", ""], "--out"),
+        (["capture", "--data", "niah:n=1,length=128", "--out", ""], "--out"),
+        (["data", "export", "niah:n=1,length=256", "--out", " "], "--out"),
+        (["store", "info", ""], "path"),
+        (["dashboard", "--bench", "", "s.zarr"], "--bench"),
+        (["prefill", "--context-file", "", "--question", "q", "--keep", "0.1"], "--context-file"),
+    ],
+)
+def test_an_empty_path_is_refused_naming_its_parameter(tmp_path, arguments, parameter):
+    """'' reads as '.', the current folder: `--out "$OUT"` with OUT unset wrote the demo's files there,
+    and a refusal named '.', which was never typed."""
+    refused = subprocess.run([*RANKKIT, *arguments], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    command = " ".join(arguments[: 2 if arguments[0] in ("data", "store") else 1])
+    given = arguments[arguments.index(parameter) + 1] if parameter.startswith("--") else ""
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"rankkit: error: invalid value for '{parameter}': {given!r} names no path; give one; "
+        f"see 'rankkit {command} --help'\n",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_command_group_without_a_command_shows_its_help_and_exit_2():
     shown = _rankkit("data")
     assert shown.returncode == 2 and "export" in shown.stdout and shown.stderr == ""
