@@ -64,7 +64,6 @@ def command():
         for param in [*current.params, current.get_help_option(current.context_class(current))]:
             if isinstance(param, typer.core.TyperOption):
                 param.metavar = ""
-        for param in current.params:
             if isinstance(param, typer.core._TyperParameter) and _takes_paths(param.type_descriptor.annotation):
                 _refuse_empty_path(param)
         if not hasattr(current, "commands"):

@@ -177,19 +177,19 @@ def _size(count: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _os_reason(error: OSError) -> str:
+def os_reason(error: OSError) -> str:
     """An OSError in words, without Python's exception text."""
     return error.strerror or os.strerror(error.errno or errno.EIO)
 
 
 def read_failure(path: PathLike, error: OSError) -> str:
     """Why reading the input ``path`` failed, and the fix."""
-    return f"cannot read {path} ({_os_reason(error)}); check that it is a readable file, or give another"
+    return f"cannot read {path} ({os_reason(error)}); check that it is a readable file, or give another"
 
 
 def write_failure(path: PathLike, error: OSError) -> str:
     """Why writing ``path`` failed."""
-    return f"cannot write {path} ({_os_reason(error)})"
+    return f"cannot write {path} ({os_reason(error)})"
 
 
 def write_atomic(path: PathLike, write: Callable[[Path], None], *, overwrite: bool = True) -> Path:

@@ -44,7 +44,7 @@ from zarr.storage import LocalStore, ZipStore
 
 from rankkit.errors import RankkitError
 from rankkit.names import encode_name
-from rankkit.outputs import STORE_SCHEMA_KEY
+from rankkit.outputs import STORE_SCHEMA_KEY, os_reason
 
 from .manifest import MANIFEST, ORACLE_COMPLETE, ORACLE_MANIFEST, ROOT_MANIFEST_SINCE
 
@@ -280,7 +280,7 @@ def _root_metadata_problem(metadata: Path) -> str | None:
     try:
         document = json.loads(metadata.read_bytes())
     except OSError as error:
-        return f"its zarr.json cannot be read: {error.strerror}"
+        return f"its zarr.json cannot be read: {os_reason(error)}"
     except ValueError:
         return "its zarr.json is not JSON"
     if not isinstance(document, dict):
