@@ -4,7 +4,10 @@ the cost model's fit; and the CLI on the default model (integration)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import polars as pl
@@ -125,6 +128,40 @@ def test_cpu_timeline_and_measure_time_the_work_between_marks_and_report_no_allo
         time.sleep(0.02)
     assert 0.02 <= block.seconds < 1.0
     assert block.peak_bytes is None
+
+
+# Five 10 MB blocks from the C heap (where torch's CPU tensors come from), touched and freed together,
+# as a prefill's layer frees its tensors; the pages five more rounds fault in, in a fresh process (the
+# allocator's settings are the process's). Called through ctypes: no other allocation interleaves.
+ROUNDS_FAULTS = """
+import ctypes, resource, sys, torch
+from rankkit.measure import Timeline
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+def layer_like():
+    blocks = [libc.malloc(10 * 2**20) for _ in range(5)]
+    for block in blocks:
+        ctypes.memset(block, 1, 10 * 2**20)
+    for block in blocks:
+        libc.free(block)
+if sys.argv[1] == "timed":
+    Timeline(torch.device("cpu"))
+layer_like()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    layer_like()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif("CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}), reason="glibc's allocator")
+def test_a_cpu_timeline_keeps_freed_memory_so_later_runs_fault_no_pages_in():
+    faults = {}
+    for arm in ("untimed", "timed"):
+        ran = subprocess.run([sys.executable, "-c", ROUNDS_FAULTS, arm], capture_output=True, text=True, check=True)
+        faults[arm] = int(ran.stdout)
+    assert faults["untimed"] > 5 * 50 * 2**20 // 4096 * 0.9  # glibc gave the heap's top back: every page again
+    assert faults["timed"] < 50
 
 
 def test_memory_tracker_counts_new_storages_until_they_are_freed():
