@@ -1,8 +1,11 @@
 """``rankkit.methods.measure``: the compute model's arithmetic against hand-computed values, and
-``run_once`` / ``measure`` reducing scripted (never wall-clock) durations to TTFT, TPOT and E2E."""
+``run_once`` / ``measure`` reducing scripted (never wall-clock) durations to TTFT, TPOT and E2E; the
+FFNs' timing against pauses of known length."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -14,7 +17,16 @@ from rankkit.measure import Measurement
 from rankkit.methods import Budget, Pass, make
 from rankkit.methods import measure as measure_module
 from rankkit.methods.base import LOOKAHEAD
-from rankkit.methods.measure import CostModel, Measured, MethodRun, calibrate, measure, run_once, warm_up
+from rankkit.methods.measure import (
+    CostModel,
+    Measured,
+    MethodRun,
+    calibrate,
+    measure,
+    run_once,
+    timed_block,
+    warm_up,
+)
 from rankkit.runner import Runner
 
 # a = 2 s per token per layer (3/4 of it the FFN's), b = 3 s per query-key pair per layer, an LM head
@@ -73,13 +85,25 @@ def test_ideal_ratio_prices_passes_over_a_full_prefill_and_charges_lookahead_lay
         ("qwen2_moe", 2 * (64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 48 + 64)),
     ],
 )
-def test_flop_shares_are_the_ffns_of_a_layer_and_the_heads_in_layers_for_one_token(family, ffn_flops):
+def test_head_layers_are_the_lm_heads_flops_for_one_token_in_layers_worth(family, ffn_flops):
     # per token: q and o 64x64, k and v 64x32 (2 KV heads of 16); CPU's fused kernel for attention
     # over the one key reports no FLOPs (a CUDA kernel's 4 x 4 heads x 16 would move the share 0.4%)
     layer_flops = 2 * (2 * 64 * 64 + 2 * 64 * 32) + ffn_flops
-    ffn_share, head_layers = measure_module.flop_shares(Runner(tiny_model(family)))
-    assert ffn_share == ffn_flops / layer_flops
+    head_layers = measure_module.head_layers(Runner(tiny_model(family)))
     assert head_layers == pytest.approx(2 * 64 * 97 / layer_flops, rel=1e-12)
+
+
+def test_ffn_seconds_are_the_time_inside_every_layers_ffn_and_nothing_else(monkeypatch):
+    model = tiny_model("llama")  # 3 layers; each FFN made to take 50 ms more, each attention 30 ms more
+    for layer in model.model.layers:
+        for module, pause in ((layer.mlp, 0.05), (layer.self_attn, 0.03)):
+            module.register_forward_hook(lambda module, args, output, pause=pause: time.sleep(pause))
+    runner, ids = Runner(model), torch.arange(16).reshape(1, 16)
+    seconds = measure_module.ffn_seconds(runner, ids)
+    assert 3 * 0.05 <= seconds < 3 * 0.05 + 0.03
+    with timed_block(runner.device) as prefill:  # the hooks are gone: the FFNs' marks, not a whole prefill
+        runner.prefill(ids)
+    assert prefill.seconds >= 3 * (0.05 + 0.03) > seconds
 
 
 def test_grouped_products_count_two_flops_per_multiply_add_in_each_layout():
@@ -238,6 +262,7 @@ class RecordingRunner:
 
 def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(monkeypatch):
     durations = iter([9.0, 5.0, 1.0, 8.0, 4.0, 3.0, 7.0, 6.0, 2.0])  # rounds of lengths 8, 4, 1
+    in_ffns = iter([3.0, 1.5, 2.5])  # a round's FFNs in a prefill of the whole prompt
 
     @contextmanager
     def scripted_block(device):
@@ -246,13 +271,23 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
         block.seconds = next(durations)
 
     monkeypatch.setattr(measure_module, "timed_block", scripted_block)
-    monkeypatch.setattr(measure_module, "flop_shares", lambda runner: (0.5, 2.0))
+    monkeypatch.setattr(measure_module, "head_layers", lambda runner: 2.0)
+    monkeypatch.setattr(measure_module, "ffn_seconds", lambda runner, ids: (ids.numel() == 8) * next(in_ffns))
     runner = RecordingRunner()
     fitted = calibrate(runner, torch.arange(8).reshape(1, 8), fractions=(1.0, 0.5, 0.1))
     # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
     assert runner.lengths == [8] + [8, 4, 1] * 3
     assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
-    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=0.5, head_layers=2.0)
+    by_prefills = CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=1.0, head_layers=2.0)
+    # the fastest round's FFNs: 1.5 s over 2 layers x 8 tokens, per token and layer, over a
+    assert fitted == dataclasses.replace(by_prefills, ffn_share=1.5 / (2 * 8) / by_prefills.linear)
+    assert 0 < fitted.ffn_share < 1
+
+
+def test_calibrate_takes_the_whole_of_a_for_ffns_timed_above_it(monkeypatch):
+    monkeypatch.setattr(measure_module, "head_layers", lambda runner: 2.0)
+    monkeypatch.setattr(measure_module, "ffn_seconds", lambda runner, ids: 1e6)
+    assert calibrate(RecordingRunner(), torch.arange(8).reshape(1, 8), repeats=1).ffn_share == 1.0
 
 
 def _run(ttft: float, tpot: float | None, e2e: float, peak: int | None = None) -> MethodRun:

@@ -10,9 +10,9 @@ Compute model (rankkit's own, docs/methods.md): a layer that runs n queries over
 keys costs a·n + b·n·m (a·n + b·n² in a prefill). ``CostModel.fit`` calibrates a and b from timed full
 prefills at a few prompt lengths; a method's ideal TTFT ratio is the cost of the layers
 it ran (every pass) over the cost of a full prefill. Where a layer's FFN ran on fewer tokens
-than its attention, the FFN's share of a (``ffn_share``, from the model's FLOPs) is charged
-for the tokens it ran on. A draft's lookahead steps are priced from full's measured decode
-step, the LM head counted in layers' worth (``head_layers``, from the same FLOPs).
+than its attention, the FFN's share of a (``ffn_share``, from the FFNs' timed share of a
+prefill) is charged for the tokens it ran on. A draft's lookahead steps are priced from full's
+measured decode step, the LM head counted in layers' worth (``head_layers``, from its FLOPs).
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ class CostModel:
 
     linear: float  # a: seconds per token per layer
     quadratic: float  # b: seconds per query-key pair per layer
-    ffn_share: float  # the share of a the FFN spends (``flop_shares``); the rest is attention's side
-    head_layers: float  # the LM head's cost for one token, in decoder layers (``flop_shares``)
+    ffn_share: float  # the share of a the FFN spends (``ffn_seconds``); the rest is attention's side
+    head_layers: float  # the LM head's cost for one token, in decoder layers (``head_layers``)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
     @classmethod
@@ -302,43 +302,65 @@ class CostModel:
 def calibrate(
     runner: Runner, input_ids: torch.Tensor, fractions=(1.0, 0.5, 0.25), repeats: int = 3
 ) -> CostModel:
-    """Fit the cost model from full prefills of prefixes of ``input_ids``.
+    """Fit the cost model from full prefills of prefixes of ``input_ids``, and the FFN's share of a
+    from the FFNs' own time in a prefill of the whole prompt (``ffn_seconds``).
 
-    The lengths are timed in interleaved rounds and each keeps its fastest time: on a
+    The lengths, and the FFNs, are timed in interleaved rounds and each keeps its fastest time: on a
     shared machine the fastest run is the one least disturbed by other work.
     """
     ids = input_ids.reshape(-1)
     prefixes = [ids[: max(1, int(ids.numel() * fraction))] for fraction in fractions]
     runner.prefill(ids)  # warm-up
     timed: list[tuple[torch.Tensor, list[float]]] = [(prefix, []) for prefix in prefixes]
+    in_ffns = []
     for _ in range(repeats):
         for prefix, seconds in timed:
             with timed_block(runner.device) as block:
                 runner.prefill(prefix)
             seconds.append(block.seconds)
+        in_ffns.append(ffn_seconds(runner, ids))
     samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
-    return CostModel.fit(samples, runner.num_layers, *flop_shares(runner))
+    fitted = CostModel.fit(samples, runner.num_layers, ffn_share=1.0, head_layers=head_layers(runner))
+    per_token = min(in_ffns) / (runner.num_layers * ids.numel())
+    return dataclasses.replace(fitted, ffn_share=min(1.0, per_token / fitted.linear) if fitted.linear > 0 else 1.0)
 
 
-def flop_shares(runner: Runner) -> tuple[float, float]:
-    """From the FLOPs of one token through the model: the FFNs' share of the decoder layers' (how a,
-    per token and layer, splits between a layer's attention side and its FFN: ``CostModel.ffn_share``)
-    and the LM head's, in layers' worth (``CostModel.head_layers``). Counted on a one-token prefill,
-    whose attention over one key adds next to nothing; an MoE block counts the experts the token
-    runs, not all of them."""
+def ffn_seconds(runner: Runner, input_ids: torch.Tensor) -> float:
+    """Seconds every layer's FFN takes in a full prefill of ``input_ids``: marks around each FFN call,
+    on CUDA events read once at the end. The FFN's share of a is its time, not its FLOPs: on the
+    default model on a CPU the FFNs are 0.75 of a layer's per-token FLOPs but about 0.6 of a."""
+    timeline = Timeline(runner.device)
+    handles = []
+    for layer in runner.body.layers:
+        handles += [
+            layer.mlp.register_forward_pre_hook(lambda module, args: timeline.mark()),
+            layer.mlp.register_forward_hook(lambda module, args, output: timeline.mark()),
+        ]
+    try:
+        runner.prefill(input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    timeline.finish()
+    return sum(timeline.seconds(start, start + 1) for start in range(0, len(timeline.marks), 2))
+
+
+def head_layers(runner: Runner) -> float:
+    """The LM head's FLOPs for one token, in decoder layers' worth (``CostModel.head_layers``). Counted
+    on a one-token prefill, whose attention over one key adds next to nothing; an MoE block counts
+    the experts the token runs, not all of them."""
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
-    spent = {"layers": 0, "ffn": 0, "head": 0}
+    spent = {"layers": 0, "head": 0}
     handles = _count_flops_inside(runner.model.lm_head, counter, spent, "head")
     for layer in runner.body.layers:
-        for module, part in ((layer, "layers"), (layer.mlp, "ffn")):
-            handles += _count_flops_inside(module, counter, spent, part)
+        handles += _count_flops_inside(layer, counter, spent, "layers")
     try:
         with counter:
             runner.prefill(torch.zeros(1, dtype=torch.long))
     finally:
         for handle in handles:
             handle.remove()
-    return spent["ffn"] / spent["layers"], spent["head"] * runner.num_layers / spent["layers"]
+    return spent["head"] * runner.num_layers / spent["layers"]
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
@@ -389,4 +411,5 @@ def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | No
 def calibration_path(weights_hash: str, device: torch.device) -> Path:
     """Where the fit for these weights, this device and the current torch thread count is remembered."""
     key = f"{weights_hash[:16]}-{device.type}{device.index if device.index is not None else ''}"
-    return cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads.json"
+    # "-timed-ffn": the FFN's share is timed since 2026-11-30; a fit cached with its FLOP share is not reused
+    return cache_root() / "calibration" / f"{key}-{torch.get_num_threads()}threads-timed-ffn.json"
