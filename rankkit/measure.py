@@ -69,9 +69,9 @@ class Timeline:
         self.marks: list = []
 
     def mark(self) -> None:
-        if self.cuda:
+        if self.cuda:  # on this device's stream, where a model spread over GPUs runs a layer elsewhere
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())

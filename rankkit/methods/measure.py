@@ -326,23 +326,26 @@ def calibrate(
 
 
 def ffn_seconds(runner: Runner, input_ids: torch.Tensor) -> float:
-    """Seconds every layer's FFN takes in a full prefill of ``input_ids``: marks around each FFN call,
-    on CUDA events read once at the end. The FFN's share of a is its time, not its FLOPs: on the
-    default model on a CPU the FFNs are 0.75 of a layer's per-token FLOPs but about 0.6 of a."""
-    timeline = Timeline(runner.device)
-    handles = []
+    """Seconds every layer's FFN takes in a full prefill of ``input_ids``: marks around each FFN call on
+    the FFN's own device, on CUDA events read once at the end. The FFN's share of a is its time, not
+    its FLOPs: on the default model on a CPU the FFNs are 0.75 of a layer's per-token FLOPs but
+    about 0.6 of a."""
+    timelines, handles = [], []
     for layer in runner.body.layers:
+        timeline = Timeline(next(layer.mlp.parameters()).device)
+        timelines.append(timeline)
         handles += [
-            layer.mlp.register_forward_pre_hook(lambda module, args: timeline.mark()),
-            layer.mlp.register_forward_hook(lambda module, args, output: timeline.mark()),
+            layer.mlp.register_forward_pre_hook(lambda module, args, timeline=timeline: timeline.mark()),
+            layer.mlp.register_forward_hook(lambda module, args, output, timeline=timeline: timeline.mark()),
         ]
     try:
         runner.prefill(input_ids)
     finally:
         for handle in handles:
             handle.remove()
-    timeline.finish()
-    return sum(timeline.seconds(start, start + 1) for start in range(0, len(timeline.marks), 2))
+    for timeline in timelines:
+        timeline.finish()
+    return sum(timeline.seconds(0, 1) for timeline in timelines)
 
 
 def head_layers(runner: Runner) -> float:
