@@ -47,10 +47,11 @@ def hold_freed_memory() -> bool:
     """Keep the memory a CPU run frees for the next run, so a timed run does not pay the kernel to map
     pages again: glibc returns the heap's free top to the kernel past a threshold that moves with
     the sizes freed, and a prefill's next tensors then fault their pages in afresh. A 2k-token
-    prefill of the default model took 0 to 400,000 such faults and 4.0-4.7 s from run to run; with
-    this, at most 10,000 and 3.9-4.3 s. Blocks up to glibc's largest heap block come from the heap, and the
-    heap is never trimmed; larger ones are mapped for each use, as before. Done once per process,
-    for the process (its resident size stays at its peak); False where the C library is not glibc."""
+    prefill of the default model took 0 to 400,000 such faults and 4.0-4.7 s from run to run;
+    with this, at most 10,000 and 3.9-4.3 s. Blocks up to glibc's largest heap block come from
+    the heap, and the heap is never trimmed; larger ones are mapped for each use, as before.
+    Done once per process, for the process (its resident size stays at its peak); False where
+    the C library is not glibc."""
     if "CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}):
         return False
     mallopt = ctypes.CDLL(None).mallopt
