@@ -164,6 +164,16 @@ def test_a_cpu_timeline_keeps_freed_memory_so_later_runs_fault_no_pages_in():
     assert faults["timed"] < 50
 
 
+def test_freed_memory_is_left_to_a_c_library_other_than_glibc(monkeypatch):
+    import ctypes
+
+    from rankkit.measure import hold_freed_memory
+
+    monkeypatch.setattr(os, "confstr_names", {}, raising=False)  # as on musl or macOS
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: pytest.fail("no C library is loaded"))
+    assert hold_freed_memory.__wrapped__() is False
+
+
 def test_memory_tracker_counts_new_storages_until_they_are_freed():
     weights = torch.ones(1000)
     with TensorMemoryTracker() as tracker:
