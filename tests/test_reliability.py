@@ -40,6 +40,7 @@ TIMING_COLUMNS = (
     "ttft_min_s",
     "cost_linear",
     "cost_quadratic",
+    "cost_ffn_share",
     "bandwidth_bytes_per_s",
     "tpot_bound_s",
     "tpot_over_bound",
