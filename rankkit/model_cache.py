@@ -158,6 +158,11 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def model_name(spec: str) -> str:
+    """The name the model of ``spec`` goes by: the default model's for "default", else the spec as given."""
+    return DEFAULT_MODEL_NAME if spec == "default" else spec
+
+
 def default_model_folder() -> Path:
     """The dequantized default model as an HF folder, built once and published atomically.
 

@@ -346,7 +346,7 @@ def check_layout(layout: dict, config, spec: str) -> None:
     """Refuse a module -> device map that names a module ``spec`` lacks or leaves a parameter without
     a device: transformers loads such a map onto the CPU without a word."""
     model = _meta_model(config)
-    spec = model_cache.DEFAULT_MODEL_NAME if spec == "default" else spec
+    spec = model_cache.model_name(spec)
     modules = dict(model.named_modules())
     unknown = [name for name in layout if name not in modules]
     if unknown:
@@ -517,5 +517,4 @@ def _load(
     else:
         target = model.get_input_embeddings().weight.device
     frozen_for_inference(model)
-    model_id = model_cache.DEFAULT_MODEL_NAME if spec == "default" else spec
-    return LoadedModel(model, tokenizer, model_id, model_cache.folder_weights_hash(folder), target)
+    return LoadedModel(model, tokenizer, model_cache.model_name(spec), model_cache.folder_weights_hash(folder), target)

@@ -93,13 +93,15 @@ def test_head_layers_are_the_lm_heads_flops_for_one_token_in_layers_worth(family
     assert head_layers == pytest.approx(2 * 64 * 97 / layer_flops, rel=1e-12)
 
 
-def test_ffn_seconds_are_the_time_inside_every_layers_ffn_and_nothing_else(monkeypatch):
+def test_ffns_timed_are_the_time_inside_every_layers_ffn_and_nothing_else(monkeypatch):
     model = tiny_model("llama")  # 3 layers; each FFN made to take 50 ms more, each attention 30 ms more
     for layer in model.model.layers:
         for module, pause in ((layer.mlp, 0.05), (layer.self_attn, 0.03)):
             module.register_forward_hook(lambda module, args, output, pause=pause: time.sleep(pause))
     runner, ids = Runner(model), torch.arange(16).reshape(1, 16)
-    seconds = measure_module.ffn_seconds(runner, ids)
+    with measure_module.ffns_timed(runner) as ffns:
+        runner.prefill(ids)
+    seconds = ffns.seconds
     assert 3 * 0.05 <= seconds < 3 * 0.05 + 0.03
     with timed_block(runner.device) as prefill:  # the hooks are gone: the FFNs' marks, not a whole prefill
         runner.prefill(ids)
@@ -260,19 +262,26 @@ class RecordingRunner:
         self.lengths.append(int(input_ids.numel()))
 
 
-def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(monkeypatch):
-    durations = iter([9.0, 5.0, 1.0, 8.0, 4.0, 3.0, 7.0, 6.0, 2.0])  # rounds of lengths 8, 4, 1
-    in_ffns = iter([3.0, 1.5, 2.5])  # a round's FFNs in a prefill of the whole prompt
+def scripted_blocks(seconds):
+    """A ``timed_block`` or ``ffns_timed`` whose block takes the next of ``seconds`` each time."""
 
     @contextmanager
-    def scripted_block(device):
+    def timed(device_or_runner):
         block = Measurement()
         yield block
-        block.seconds = next(durations)
+        block.seconds = next(seconds)
 
-    monkeypatch.setattr(measure_module, "timed_block", scripted_block)
+    return timed
+
+
+def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(monkeypatch):
+    durations = iter([9.0, 5.0, 1.0, 8.0, 4.0, 3.0, 7.0, 6.0, 2.0])  # rounds of lengths 8, 4, 1
+    # the FFNs in each prefill, rounds of lengths 8, 4, 1: the whole prompt's are the ones read
+    in_ffns = iter([3.0, 0.1, 0.1, 1.5, 0.1, 0.1, 2.5, 0.1, 0.1])
+
+    monkeypatch.setattr(measure_module, "timed_block", scripted_blocks(durations))
     monkeypatch.setattr(measure_module, "head_layers", lambda runner: 2.0)
-    monkeypatch.setattr(measure_module, "ffn_seconds", lambda runner, ids: (ids.numel() == 8) * next(in_ffns))
+    monkeypatch.setattr(measure_module, "ffns_timed", scripted_blocks(in_ffns))
     runner = RecordingRunner()
     fitted = calibrate(runner, torch.arange(8).reshape(1, 8), fractions=(1.0, 0.5, 0.1))
     # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
@@ -286,7 +295,7 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
 
 def test_calibrate_takes_the_whole_of_a_for_ffns_timed_above_it(monkeypatch):
     monkeypatch.setattr(measure_module, "head_layers", lambda runner: 2.0)
-    monkeypatch.setattr(measure_module, "ffn_seconds", lambda runner, ids: 1e6)
+    monkeypatch.setattr(measure_module, "ffns_timed", scripted_blocks(iter([1e6, 1e6, 1e6])))
     assert calibrate(RecordingRunner(), torch.arange(8).reshape(1, 8), repeats=1).ffn_share == 1.0
 
 

