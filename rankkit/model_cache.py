@@ -120,13 +120,68 @@ def recorded_weights_hash(folder: Path) -> str | None:
     # ``folder_weights_hash``.
     if record is not None and record.get("files") == identity:
         return record["sha256"]
-    remembered = _remembered_hash(folder, identity)
-    return json.loads(remembered.read_text())["sha256"] if remembered.is_file() else None
+    try:  # a damaged memo is only forgotten: the weights are hashed again and it is written anew
+        remembered = read_cache_json(_remembered_hash(folder, identity))
+    except DamagedCacheFile:
+        return None
+    return remembered["sha256"] if isinstance(remembered, dict) and _is_sha256(remembered.get("sha256")) else None
 
 
 def _record_beside_weights(folder: Path) -> dict | None:
+    """The record ``folder_weights_hash`` keeps beside the weights, or None where there is none.
+
+    A damaged one is refused: it holds the hash every figure of these weights is filed under (for
+    the default model's conversion, its GGUF file's), which hashing the weights cannot give back."""
     recorded = folder / WEIGHTS_HASH_FILE
-    return json.loads(recorded.read_text()) if recorded.is_file() else None
+    try:
+        record = read_cache_json(recorded)
+        problem = None if record is None else _record_problem(record)
+    except DamagedCacheFile as damage:
+        problem = str(damage)
+    if problem is None:
+        return record
+    # a conversion without its record is never trusted (``default_model_folder``): the folder goes whole
+    if folder.parent == cache_root() / "models":
+        fix = f"delete {folder}, and rankkit converts the model again"
+    else:
+        fix = "delete it, and rankkit hashes the weights again"
+    raise RankkitError(f"{recorded} is damaged ({problem}); {fix}")
+
+
+def _record_problem(record) -> str | None:
+    """What is wrong with a record beside the weights, or None: the fields ``folder_weights_hash`` reads."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if not _is_sha256(record.get("sha256")):
+        return "no sha256 hash"
+    if "content_sha256" in record and not _is_sha256(record["content_sha256"]):
+        return "its content_sha256 is not a hash"
+    if "files" in record and not isinstance(record["files"], dict):
+        return "its files are not an object"
+    if "source" in record and not isinstance(record["source"], str):
+        return "its source is not a file name"
+    return None
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(char in "0123456789abcdef" for char in value)
+
+
+class DamagedCacheFile(ValueError):
+    """A file under the cache (or beside converted weights) that does not read as the JSON rankkit wrote."""
+
+
+def read_cache_json(path: Path):
+    """The JSON value of a file rankkit keeps (``write_atomically``), None where there is none;
+    ``DamagedCacheFile`` saying why where it cannot be read as JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise DamagedCacheFile(f"cannot be read: {outputs.os_reason(error)}") from None
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise DamagedCacheFile(f"not JSON: {error}") from None
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import polars as pl
 import pytest
@@ -373,6 +374,56 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     assert measure_module.cached_calibration(runner, torch.arange(45), "ab" * 32) == longer
     assert measure_module.cached_calibration(runner, ids, "ab" * 32) == longer
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        '{"linear": 2e-06, "quadratic"',  # cut short
+        "[]",
+        '{"linear": -2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
+        '{"linear": 2e-06, "quadratic": NaN, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
+        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 1.5, "head_layers": 2.0, "samples": [[40, 0.001]]}',
+        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": true, "samples": [[40, 0.001]]}',
+        '{"linear": "2e-06", "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
+        '{"linear": 0, "quadratic": 0, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
+        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": []}',
+        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[0, 0.001]]}',
+        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001, 1]]}',
+    ],
+)
+def test_a_damaged_cached_calibration_is_not_used_and_the_next_one_replaces_it(tmp_path, monkeypatch, damaged):
+    """Every ideal ratio is priced from the cached fit: one no calibration gives (cut short, a value out
+    of its range, no samples) is set aside with a warning and timed anew, never priced from."""
+    from rankkit.methods import measure as measure_module
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    fitted = CostModel(2e-6, 3e-9, 0.8, 2.0, [(40, 0.001), (10, 0.0002)])
+    calls = []
+    monkeypatch.setattr(measure_module, "calibrate", lambda *args, **kwargs: calls.append(args) or fitted)
+    path = measure_module.calibration_path("ab" * 32, torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    path.write_text(damaged)
+    with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))} is damaged \(.+\): not used; the next"):
+        assert measure_module.cached_cost_model("ab" * 32, torch.device("cpu")) is None
+    with pytest.warns(UserWarning, match="is damaged"):
+        assert measure_module.cached_calibration(Runner(tiny_model("llama")), torch.arange(40), "ab" * 32) == fitted
+    assert len(calls) == 1
+    assert CostModel.from_record(json.loads(path.read_text())) == fitted
+
+
+def test_a_cached_calibration_of_an_older_rankkit_is_timed_anew_without_a_warning(tmp_path, monkeypatch):
+    from rankkit.methods import measure as measure_module
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    path = measure_module.calibration_path("ab" * 32, torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"linear": 2e-06, "quadratic": 3e-09, "samples": [[40, 0.001]]}')  # no shares
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert measure_module.cached_cost_model("ab" * 32, torch.device("cpu")) is None
+    fitted = {"linear": 2e-06, "quadratic": 0, "ffn_share": 1, "head_layers": 0, "samples": [[40, 1]]}
+    assert CostModel.from_record(fitted | {"from_a_later_rankkit": 1}) == CostModel(2e-6, 0, 1, 0, [(40, 1)])
 
 
 def test_kept_positions_by_layer_are_each_kv_heads_cache_after_the_prefill():

@@ -163,6 +163,47 @@ def test_a_weights_record_from_before_file_identities_were_kept_is_tied_to_its_f
     assert model_cache.folder_weights_hash(copy) == "ab" * 32
 
 
+@pytest.mark.parametrize(
+    "damaged",
+    ['{"sha256": "abab', "[]", '{"source": "tiny.gguf"}', '{"sha256": "ab"}', '{"sha256": "%s", "files": []}' % ("ab" * 32)],
+)
+@pytest.mark.parametrize("converted", [True, False], ids=["conversion", "own folder"])
+def test_a_damaged_weights_record_is_refused_in_one_line_naming_what_to_delete(
+    tmp_path, monkeypatch, tiny_folder, damaged, converted
+):
+    """The record beside the weights holds the hash every figure of them is filed under (a conversion's
+    is its source file's), which hashing the weights cannot give back: damaged, it is refused before
+    any figure, naming what to delete (a conversion goes whole: one without its record is not trusted)."""
+    import shutil
+
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    place = tmp_path / "cache" / "models" / "Tiny-0123456789ab" if converted else tmp_path / "mine"
+    folder = shutil.copytree(tiny_folder, place)
+    record = folder / model_cache.WEIGHTS_HASH_FILE
+    record.write_text(damaged)
+    fix = f"delete {folder}, and rankkit converts the model again" if converted else "delete it, and rankkit hashes"
+    for read in (model_cache.folder_weights_hash, model_cache.recorded_weights_hash):
+        with pytest.raises(RankkitError, match=rf"^{re.escape(str(record))} is damaged \(.+\); {re.escape(fix)}"):
+            read(folder)
+    if converted:
+        with pytest.raises(RankkitError, match="is damaged"):
+            model_cache.cached_models()
+    assert record.read_text() == damaged
+
+
+def test_a_damaged_remembered_weights_hash_is_hashed_again_and_remembered_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    first = model_cache.folder_weights_hash(folder)
+    (memo,) = (tmp_path / "cache" / "weights-hashes").iterdir()
+    for damaged in ('{"sha256": "ab', '{"sha256": 7}', "[]"):
+        memo.write_text(damaged)
+        assert model_cache.recorded_weights_hash(folder) is None
+        assert model_cache.folder_weights_hash(folder) == first
+        assert model_cache.recorded_weights_hash(folder) == first
+
+
 def test_device_resolution():
     assert models.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():

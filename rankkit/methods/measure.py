@@ -40,7 +40,7 @@ from rankkit.measure import (
 )
 from rankkit.measure import measure as timed_block
 from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
-from rankkit.model_cache import cache_root, write_atomically
+from rankkit.model_cache import DamagedCacheFile, cache_root, read_cache_json, write_atomically
 from rankkit.runner import Runner, greedy_continue
 from rankkit.sorting import load_compiled
 
@@ -246,10 +246,15 @@ class CostModel:
     @classmethod
     def from_record(cls, recorded: dict | None) -> CostModel | None:
         """The model a record holds (``dataclasses.asdict`` of one, as a cache file or a resumed run's
-        journal keeps it); None for no record, or an older rankkit's without the FLOP shares."""
-        if recorded is None or not {each.name for each in dataclasses.fields(cls)} <= recorded.keys():
+        journal keeps it); None for no record, or an older rankkit's without the FLOP shares.
+        ``DamagedCacheFile`` names a value no fit gives: every ideal ratio is priced from them."""
+        names = [each.name for each in dataclasses.fields(cls)]
+        if recorded is None or (isinstance(recorded, dict) and not set(names) <= recorded.keys()):
             return None
-        return cls(**recorded | {"samples": [tuple(pair) for pair in recorded["samples"]]})
+        problem = _record_problem(recorded)
+        if problem is not None:
+            raise DamagedCacheFile(problem)
+        return cls(**{name: recorded[name] for name in names} | {"samples": [tuple(pair) for pair in recorded["samples"]]})
 
     def covers(self, tokens: int) -> bool:
         """Whether the fit was timed on prompts long enough to price one of ``tokens``: a fit on short
@@ -363,6 +368,36 @@ def ffns_timed(runner: Runner) -> Iterator[Measurement]:
     spent.seconds = sum(timeline.seconds(0, 1) for timeline in timelines)
 
 
+def _record_problem(recorded) -> str | None:
+    """What makes a recorded cost model one no ``calibrate`` gives, or None."""
+    if not isinstance(recorded, dict):
+        return "not a JSON object"
+    for name in ("linear", "quadratic", "ffn_share", "head_layers"):
+        value = recorded[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            return f"its {name} is {json.dumps(value)}, not a number >= 0"
+    if recorded["ffn_share"] > 1:
+        return f"its ffn_share is {recorded['ffn_share']}, above 1"
+    if recorded["linear"] == recorded["quadratic"] == 0:
+        return "it prices a prefill at 0 s"
+    samples = recorded["samples"]
+    if not isinstance(samples, list) or not samples or not all(_is_sample(pair) for pair in samples):
+        return "its samples are not [tokens, seconds] pairs of positive numbers"
+    return None
+
+
+def _is_sample(pair) -> bool:
+    """A calibration sample: a prompt's length and its full prefill's seconds."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        return False
+    tokens, seconds = pair
+    return (
+        isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
+        and isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        and math.isfinite(seconds) and seconds > 0
+    )
+
+
 def head_layers(runner: Runner) -> float:
     """The LM head's FLOPs for one token, in decoder layers' worth (``CostModel.head_layers``). Counted
     on a one-token prefill, whose attention over one key adds next to nothing; an MoE block counts
@@ -421,9 +456,13 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
 def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | None:
     """The fit ``cached_calibration`` remembered for these weights, this device and the current torch
     thread count, or None where none was made (or an older rankkit made one without the FLOP shares);
-    nothing loads or runs."""
+    nothing loads or runs. A damaged one is None too, with a warning: the next calibration replaces it."""
     path = calibration_path(weights_hash, device)
-    return CostModel.from_record(json.loads(path.read_text()) if path.is_file() else None)
+    try:
+        return CostModel.from_record(read_cache_json(path))
+    except DamagedCacheFile as damage:
+        warnings.warn(f"{path} is damaged ({damage}): not used; the next calibration replaces it", stacklevel=2)
+        return None
 
 
 def calibration_path(weights_hash: str, device: torch.device) -> Path:
