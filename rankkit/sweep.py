@@ -808,19 +808,34 @@ def _status(layout: Layout, plan: Experiment, stage: str, unit: Unit) -> str:
     settings = unit_settings(plan, stage, unit)
     marker, started = layout.marker(stage, unit), layout.started(stage, unit)
     if marker.is_file():
-        return KEPT if _recorded_settings(marker) == settings else CHANGED
+        return KEPT if _recorded_settings(marker, marker=True) == settings else CHANGED
     if started.is_file() and _recorded_settings(started) != settings:
         return CHANGED
     return NEW
 
 
-def _recorded_settings(path: Path) -> Any:
+def _recorded_settings(path: Path, *, marker: bool = False) -> Any:
     """The settings a marker (or a started unit's record) holds; None for one of an older rankkit, or
-    damaged."""
+    damaged: a marker's ``kept`` too, the values the merge tags its unit's rows with."""
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("settings")
-    except (ValueError, AttributeError):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if marker and not _are_tags(record["kept"]):
+            return None
+        return record.get("settings")
+    except (ValueError, AttributeError, KeyError, TypeError):
         return None
+
+
+def _are_tags(kept: Any) -> bool:
+    """Whether ``kept`` holds tag columns only, each with a value its column's type holds."""
+    python_types = {pl.String: str, pl.Float64: int | float}  # the rest are integers
+    return isinstance(kept, dict) and all(
+        name in TAG_TYPES
+        and not isinstance(value, bool)
+        and isinstance(value, python_types.get(TAG_TYPES[name], int))
+        and (not isinstance(value, int) or value >= 0)
+        for name, value in kept.items()
+    )
 
 
 def _plan(run: Run) -> SweepPlan:
@@ -1232,8 +1247,12 @@ def _write_stage_outputs(run: Run, stage: str) -> list[Path]:
 
 
 def _read_json(path: Path) -> Any:
-    """A file rankkit wrote as JSON, or None when it is not there."""
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    """A file rankkit wrote as JSON, or None when it is not there or damaged: a record of what an
+    output was made of, so the output is made again."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _library_paths(stage: str, part: Path) -> list[Path]:

@@ -171,6 +171,40 @@ def test_a_unit_lost_is_redone_alone_and_the_stage_output_rewritten(finished, ex
     assert_frame_equal(pl.read_parquet(finished / "compare.summary.parquet"), expected)
 
 
+@pytest.mark.parametrize(
+    "kept",
+    [{"pruning_layer": "1"}, {"pruning_layer": -1}, {"pruning_layer": True}, {"layer": 1}, [1], None],
+)
+def test_a_marker_whose_kept_tags_are_damaged_reruns_its_unit(finished, experiment, tmp_path, kept):
+    """A marker keeps what the merge tags its unit's rows with (compare's pruning layer): one that no
+    rankkit wrote is damaged, and its unit is redone, never merged under the tag it holds."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    expected = pl.read_parquet(out / "compare.summary.parquet")
+    (path, *_) = sorted((out / "parts/compare/niah-192").glob("*.done"))
+    marker = json.loads(path.read_text())
+    assert marker["kept"] == {"pruning_layer": 1}
+    path.write_text(json.dumps({**marker, "kept": kept}))
+    summary = sweep(experiment, out, stages=["compare"], workers=1)
+    assert [(report.stage, report.ran, report.skipped) for report in summary.stages] == [("compare", 1, 1)]
+    assert_frame_equal(pl.read_parquet(out / "compare.summary.parquet"), expected)
+    assert json.loads(path.read_text()) == marker
+
+
+@pytest.mark.parametrize("stage", ["compare", "dashboard"])
+def test_a_damaged_record_of_what_an_output_was_made_of_remakes_the_output(finished, experiment, tmp_path, stage):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    record = out / "parts" / stage / "merged.json"
+    written = record.read_text()
+    record.write_text(written[: len(written) // 2])
+    summary = sweep(experiment, out, stages=[stage], workers=1)
+    assert [(report.ran, report.skipped, len(report.outputs) > 0) for report in summary.stages] == [(0, 2, True)]
+    assert record.read_text() == written
+    if stage == "compare":
+        assert_frame_equal(pl.read_parquet(out / "compare.parquet"), pl.read_parquet(finished / "compare.parquet"))
+
+
 def test_an_interrupt_keeps_the_finished_units_and_the_rerun_finishes(
     finished, experiment, tmp_path, monkeypatch
 ):
