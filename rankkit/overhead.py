@@ -188,7 +188,13 @@ def _peak_in_subprocess(
         f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "
         f"from rankkit.overhead import peak_memory; print(json.dumps({call}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:  # out of memory, say: the child's last line says why
+        reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise RankkitError(
+            f"measuring the {side} side's peak memory at {length} tokens in a fresh process failed ({reason}); "
+            "pass --no-memory to time it alone"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

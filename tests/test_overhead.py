@@ -372,3 +372,17 @@ def test_the_time_ratio_is_the_median_of_each_repeats_ratio_with_its_interval(ti
     baseline.pop(), rankkit.pop()
     (row,) = run_overhead("runner", [64], model_spec=str(tiny_folder), device="cpu", with_memory=False, repeats=5)
     assert row["time_ratio"] == 1.0 and row["time_ratio_ci_low"] is row["time_ratio_ci_high"] is None
+
+
+def test_a_memory_run_that_fails_in_its_fresh_process_is_one_line_naming_the_fix(tiny_folder):
+    """The peak of each side is measured in a process of its own; one that dies there (out of memory,
+    say) is refused in the child's own last words, not a traceback of the parent's."""
+    from rankkit import overhead
+    from rankkit.errors import RankkitError
+
+    with pytest.raises(
+        RankkitError,
+        match=r"^measuring the rankkit side's peak memory at 40 tokens in a fresh process failed "
+        r"\(rankkit.errors.RankkitError: model '.*missing': no such folder; .*\); pass --no-memory to time it alone$",
+    ):
+        overhead._peak_in_subprocess("runner", "rankkit", 40, str(tiny_folder / "missing"), "cpu", False, False)
