@@ -252,14 +252,28 @@ def default_model_folder() -> Path:
         # the content's own hash too: a copy of these weights is still the GGUF's conversion
         record = {"sha256": source_hash, "source": gguf.name, "files": identity, "content_sha256": content_hash(weight_files)}
         (partial / WEIGHTS_HASH_FILE).write_text(json.dumps(record))
-        try:
-            partial.rename(target)
-        except OSError:  # another process published it first; theirs is as good as ours
-            shutil.rmtree(partial, ignore_errors=True)
+        _publish(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return target
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Rename a finished conversion into place. Another process's, published first, is as good as
+    this one; a folder there without its record (deleted by hand) is never trusted, so it is replaced,
+    where it would have been converted again at every load."""
+    try:
+        partial.rename(target)
+        return
+    except OSError:
+        if not (target / WEIGHTS_HASH_FILE).is_file():
+            untrusted = Path(tempfile.mkdtemp(prefix=f".{target.name}.untrusted-", dir=target.parent))
+            with contextlib.suppress(OSError):  # another process may have set it aside, or published, first
+                target.rename(untrusted / target.name)
+                partial.rename(target)
+            shutil.rmtree(untrusted, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)  # where another process's conversion was published
 
 
 def default_model_target(source_hash: str | None = None) -> Path:

@@ -204,6 +204,33 @@ def test_a_damaged_remembered_weights_hash_is_hashed_again_and_remembered_anew(t
         assert model_cache.recorded_weights_hash(folder) == first
 
 
+def test_a_conversion_is_published_once_and_replaces_a_folder_without_its_record(tmp_path):
+    """A finished conversion takes the target's place; another process's, published first, stands; a
+    folder there without its record (deleted by hand) is never trusted and is replaced, where every
+    load converted the model again and filed it under its content's hash."""
+
+    def converted(name: str, content: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(content)
+        (folder / model_cache.WEIGHTS_HASH_FILE).write_text("{}")
+        return folder
+
+    target = tmp_path / "models" / "Tiny-0123456789ab"
+    target.parent.mkdir()
+    model_cache._publish(converted(".first", "first"), target)
+    assert (target / "model.safetensors").read_text() == "first"
+    model_cache._publish(converted(".second", "second"), target)  # published first: it stands
+    assert (target / "model.safetensors").read_text() == "first"
+    (target / model_cache.WEIGHTS_HASH_FILE).unlink()
+    model_cache._publish(converted(".third", "third"), target)
+    assert (target / "model.safetensors").read_text() == "third"
+    assert (target / model_cache.WEIGHTS_HASH_FILE).is_file()
+    assert sorted(path.name for path in tmp_path.rglob("*")) == sorted(
+        ["models", target.name, "model.safetensors", model_cache.WEIGHTS_HASH_FILE]
+    )
+
+
 def test_device_resolution():
     assert models.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
