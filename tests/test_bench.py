@@ -107,8 +107,9 @@ def test_bench_rows_hold_every_measurement_and_ratios_to_full():
 def test_cost_model_fit_recovers_linear_and_quadratic_terms():
     true = CostModel(linear=2e-4, quadratic=3e-8, ffn_share=0.6, head_layers=2.0)
     samples = [(n, 30 * true.layer_cost(n, n)) for n in (1000, 2000, 4000)]
-    fitted = CostModel.fit(samples, num_layers=30, ffn_share=0.6, head_layers=2.0)
+    fitted = CostModel.fit(samples, num_layers=30, ffn_seconds=0.6 * 2e-4, head_layers=2.0)
     assert fitted.linear == pytest.approx(2e-4) and fitted.quadratic == pytest.approx(3e-8)
+    assert fitted.ffn_share == pytest.approx(0.6)
     half_depth = [Pass.prefill("main", [4000] * 15 + [400] * 15)]
     expected = (15 * true.layer_cost(4000, 4000) + 15 * true.layer_cost(400, 400)) / (
         30 * true.layer_cost(4000, 4000)
@@ -316,6 +317,7 @@ def test_measure_interleaved_warms_every_entry_up_then_times_them_in_counterbala
     assert [[run.method for run in result.runs] for result in measured] == [[name] * 3 for name in warm]
     assert [run.kv_bytes for run in measured[2].runs] == [measured[2].runs[0].kv_bytes] * 3
     assert measured[0].warmup_peak_bytes > measured[1].run.kv_bytes
+    assert [result.warmup_runs for result in measured] == [1, 1, 1]  # what says the runs carry no one-time costs
 
 
 def test_the_compiled_sort_is_ready_before_the_first_run_on_a_cpu(random_ids, monkeypatch):

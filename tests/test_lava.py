@@ -179,6 +179,8 @@ def test_lava_on_a_hybrid_model_shares_the_budget_among_the_keys_each_layer_sees
     for layer in range(len(HYBRID)):
         assert held(run, layer) == expected[layer], layer
         assert method.select_offline(stored, budget, layer=layer).as_lists() == expected[layer], layer
+        # each cut cache is as wide as its widest head: no entries of padding beyond it
+        assert run.result.cache.positions[layer].shape[1] == max(map(len, expected[layer])), layer
 
 
 def test_lava_at_the_whole_prompt_keeps_every_key_even_those_a_local_layer_cannot_see(hybrid):

@@ -4,7 +4,6 @@ FFNs' timing against pauses of known length."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from contextlib import contextmanager
 
@@ -89,8 +88,18 @@ def test_head_layers_are_the_lm_heads_flops_for_one_token_in_layers_worth(family
     # per token: q and o 64x64, k and v 64x32 (2 KV heads of 16); CPU's fused kernel for attention
     # over the one key reports no FLOPs (a CUDA kernel's 4 x 4 heads x 16 would move the share 0.4%)
     layer_flops = 2 * (2 * 64 * 64 + 2 * 64 * 32) + ffn_flops
-    head_layers = measure_module.head_layers(Runner(tiny_model(family)))
+    runner = Runner(tiny_model(family))
+    head_layers = measure_module.head_layers(runner)
     assert head_layers == pytest.approx(2 * 64 * 97 / layer_flops, rel=1e-12)
+    hooked = [
+        name for name, module in runner.model.named_modules() if module._forward_hooks or module._forward_pre_hooks
+    ]
+    assert hooked == []  # every counting hook is gone: later prefills run as they did
+
+
+def test_a_fit_prices_prompts_up_to_a_tenth_past_its_longest_sample():
+    fitted = CostModel(1e-5, 1e-8, 0.5, 2.0, samples=[(10, 0.1), (45, 1.0)])
+    assert fitted.covers(50) and not fitted.covers(51)  # 45 >= 0.9 x 50, 45 < 0.9 x 51
 
 
 def test_ffns_timed_are_the_time_inside_every_layers_ffn_and_nothing_else(monkeypatch):
@@ -131,24 +140,30 @@ def test_grouped_products_count_two_flops_per_multiply_add_in_each_layout():
 
 def test_fit_falls_back_to_one_term_when_least_squares_makes_the_other_negative():
     # per layer (L = 2): 1 s at n = 1, 1 s at n = 2 -> lstsq wants b < 0: all cost is linear
-    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_share=0.75, head_layers=4.0)
+    linear_only = CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_seconds=0.5, head_layers=4.0)
     assert linear_only.linear == pytest.approx(2 / 3) and linear_only.quadratic == 0.0
-    # per layer: 1 s at n = 1, 8 s at n = 2 -> lstsq wants a < 0: all cost is quadratic
-    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2, ffn_share=0.75, head_layers=4.0)
+    assert linear_only.ffn_share == pytest.approx(0.5 / (2 / 3)) and linear_only.head_layers == 4.0
+    # per layer: 1 s at n = 1, 8 s at n = 2 -> lstsq wants a < 0: all cost is quadratic, and the FFN's
+    # share of an a of 0 is all of it
+    quadratic_only = CostModel.fit([(1, 2.0), (2, 16.0)], num_layers=2, ffn_seconds=0.5, head_layers=4.0)
     assert quadratic_only.linear == 0.0 and quadratic_only.quadratic == pytest.approx((1 + 8 * 4) / (1 + 16))
-    assert quadratic_only.samples == [(1, 2.0), (2, 16.0)]
+    assert quadratic_only.samples == [(1, 2.0), (2, 16.0)] and quadratic_only.ffn_share == 1.0
+    # FFNs timed above a (noise, or a timer's cost) take the whole of it
+    assert CostModel.fit([(1, 2.0), (2, 2.0)], num_layers=2, ffn_seconds=0.7, head_layers=4.0).ffn_share == 1.0
 
 
 def test_fit_is_exact_in_float64_for_long_prompts_and_numpy_typed_samples():
     # per layer (L = 3): 1 s at 60k tokens, 8 s at 120k -> a < 0 -> b = sum(t n^2) / sum(n^4), where
     # n^4 (2e20 at 120k) is past the int64 range: the lengths must be floats before any power
-    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3, ffn_share=0.75, head_layers=4.0)
+    fitted = CostModel.fit([(60000, 3.0), (120000, 24.0)], num_layers=3, ffn_seconds=1e-9, head_layers=4.0)
     assert fitted.linear == 0.0
     assert fitted.quadratic == (1.0 * 60000.0**2 + 8.0 * 120000.0**2) / (60000.0**4 + 120000.0**4)
     # lengths and seconds as a numpy frame hands them (int32, float32) fit as the same Python numbers
     typed = [(np.int32(60000), np.float32(3.1)), (np.int32(120000), np.float32(24.7))]
     plain = [(int(tokens), float(seconds)) for tokens, seconds in typed]
-    assert CostModel.fit(typed, num_layers=7, ffn_share=0.75, head_layers=4.0) == CostModel.fit(plain, num_layers=7, ffn_share=0.75, head_layers=4.0)
+    assert CostModel.fit(typed, num_layers=7, ffn_seconds=1e-9, head_layers=4.0) == CostModel.fit(
+        plain, num_layers=7, ffn_seconds=1e-9, head_layers=4.0
+    )
 
 
 class ScriptedTimeline:
@@ -190,7 +205,7 @@ PROMPT = torch.arange(3, 11)  # 8 tokens
 
 
 def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runner):
-    scripted.scripts = [[5.0, 1.0, 3.0, 2.0], [4.0]]  # 4 tokens; then a one-token answer
+    scripted.scripts = [[5.0, 1.0, 3.0, 2.0], [2.0, 1.5], [4.0]]  # 4 tokens; 2 tokens; a one-token answer
     run = run_once(runner, make("full"), PROMPT, Budget.from_keep(1.0), 4)
     assert len(run.tokens) == 4 and run.prompt_length == 8 and run.budget == "keep=1"
     assert (run.ttft_s, run.e2e_s, run.tpot_s) == (5.0, 11.0, 2.0)
@@ -201,6 +216,9 @@ def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runn
     assert run.passes == [Pass.prefill("main", [8, 8, 8])] and run.live_tokens == [8, 8, 8]
     assert (run.kept_positions, run.selection_layer, run.peak_mem_bytes) == (None, None, None)
 
+    one_step = run_once(runner, make("full"), PROMPT, Budget.from_keep(1.0), 2)
+    assert (one_step.ttft_s, one_step.tpot_s, one_step.first_step_s, one_step.later_steps_s) == (2.0, 1.5, 1.5, None)
+
     single = run_once(runner, make("gemfilter"), PROMPT, Budget.from_tokens(4), 1)
     assert (single.ttft_s, single.e2e_s, single.tpot_s) == (4.0, 4.0, None)
     assert (single.first_step_s, single.later_steps_s) == (None, None)
@@ -210,6 +228,30 @@ def test_run_once_times_the_first_token_then_the_mean_decode_step(scripted, runn
     assert [positions.tolist() for positions in single.cache_positions] == [[kept] * 2] * 3
     assert single.kv_bytes == 3 * 2 * 2 * 4 * 16 * 4 and single.kv_tokens_per_layer == [4.0, 4.0, 4.0]
     assert single.passes == [Pass.prefill("selection", [8, 8]), Pass.prefill("main", [4, 4, 4])]
+
+
+def test_run_once_records_the_parameters_the_model_resolves_them_to_and_reused_buffers_as_memory(
+    scripted, monkeypatch
+):
+    """On a model with local layers a method's default layers move to global ones: the run records
+    what ran. On a device with an allocator peak, the kept decode buffers the run reused are its memory."""
+    runner = Runner(tiny_model("gemma2"))
+    method, layers = make("sliminfer"), runner.num_layers
+    assert method.resolved(layers, runner.layer_types) != method.resolved(layers)  # else this checks nothing
+
+    class DevicePeak:
+        def __init__(self, device):
+            pass
+
+        def bytes(self):
+            return 1000
+
+    monkeypatch.setattr(measure_module, "PeakMemory", DevicePeak)
+    monkeypatch.setattr(runner, "reused_static_bytes", lambda kept: 24)
+    scripted.scripts = [[1.0, 1.0]]
+    run = run_once(runner, method, PROMPT, Budget.from_tokens(4), 2)
+    assert run.params == method.resolved(layers, runner.layer_types)
+    assert run.peak_mem_bytes == 1024
 
 
 def test_measure_prepares_then_reports_the_median_of_the_timed_runs(scripted, runner):
@@ -287,9 +329,8 @@ def test_calibrate_times_prefixes_in_rounds_and_fits_each_length_fastest_time(mo
     # one untimed warm-up of the whole prompt, then three rounds; 0.1 of 8 tokens is still one token
     assert runner.lengths == [8] + [8, 4, 1] * 3
     assert fitted.samples == [(8, 7.0), (4, 4.0), (1, 1.0)]
-    by_prefills = CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_share=1.0, head_layers=2.0)
-    # the fastest round's FFNs: 1.5 s over 2 layers x 8 tokens, per token and layer, over a
-    assert fitted == dataclasses.replace(by_prefills, ffn_share=1.5 / (2 * 8) / by_prefills.linear)
+    # the fastest round's FFNs: 1.5 s over 2 layers x 8 tokens, per token and layer
+    assert fitted == CostModel.fit([(8, 7.0), (4, 4.0), (1, 1.0)], num_layers=2, ffn_seconds=1.5 / 16, head_layers=2.0)
     assert 0 < fitted.ffn_share < 1
 
 

@@ -952,3 +952,31 @@ def test_the_oracle_methods_offline_face_refuses_an_oracle_made_with_other_setti
         problem = missing_inputs(method, record, {})
         assert problem.startswith("example 'a' holds an oracle made with") and "\n" not in problem
         assert "rankkit oracle STORE --redo --max-new-tokens 16 --kernel 7" in problem
+
+
+PROBE_SETTINGS = {"window_size": 16, "kernel_size": 3, "block_size": 32, "unit_size": 4}  # none a default
+
+
+def _probe_settings() -> list[tuple[str, str]]:
+    """(method, setting) for each setting a method's probe shares with it."""
+    import dataclasses
+
+    pairs = []
+    for name in sorted(REGISTRY):
+        probe = getattr(make(name), "probe", lambda: None)()
+        if dataclasses.is_dataclass(probe):
+            pairs += [(name, spec.name) for spec in dataclasses.fields(probe) if spec.name in PROBE_SETTINGS]
+    return pairs
+
+
+@pytest.mark.parametrize(("name", "setting"), _probe_settings())
+def test_a_methods_probe_takes_the_methods_own_settings_of_what_they_share(name, setting):
+    """The probe a method scores with (and ``rankkit compare`` reads its store array by) is built from
+    the method's settings: one set off its default reaches the probe."""
+    value = PROBE_SETTINGS[setting]
+    assert getattr(make(name), setting) != value
+    assert getattr(make(name, **{setting: value}).probe(), setting) == value
+
+
+def test_every_probe_setting_of_the_ranking_methods_is_checked():
+    assert {name for name, _ in _probe_settings()} >= {"snapkv", "adakv", "lava", "claa", "fastkv", "gemfilter", "sliminfer", "asl"}

@@ -155,3 +155,33 @@ def test_chosen_blocks_are_the_first_eligible_then_the_best_others_with_minus_on
     later = torch.tensor([False, True, True, True, False])  # block 0 gone: block 1 leads
     assert chosen_blocks(blocks, scores, 2, later).tolist() == [1, 2]
     assert [block_count(tokens, 8) for tokens in (0, 3, 8, 9)] == [1, 1, 1, 2]
+
+
+def test_a_decode_step_chooses_among_every_block_a_kept_token_lies_in_even_a_lone_one():
+    """The pool each decode step chooses from (Alg. 1) is every block the governed layers hold a token
+    of: the chosen blocks and the query window's. A prompt of 5 x 8 + 1 tokens ends in a block of one
+    token, and the window of 2 reaches one token into the block before it: each holds one kept token."""
+    from rankkit.methods.sliminfer import SlimInferHook
+
+    ids = torch.randint(0, 97, (41,), generator=torch.Generator().manual_seed(3))
+    run = make("sliminfer", **PARAMS).prefill(Runner(tiny_model("llama")), ids, Budget.from_tokens(8))
+    (hook,) = [each for each in run.decode_hooks if isinstance(each, SlimInferHook)]
+    for entry in hook.schedule.values():
+        choice = entry.decode_choice
+        eligible = choice.others.clone().index_fill_(0, choice.first, True)
+        pool = {int(block) for block in choice.blocks[eligible]}
+        assert pool == entry.chosen | {39 // BLOCK, 40 // BLOCK}
+        assert not {39 // BLOCK, 40 // BLOCK} & entry.chosen  # else a lone token's block was chosen anyway
+
+
+def test_the_papers_schedule_keeps_4x_2x_1x_and_each_pruning_layer_governs_up_to_the_next():
+    """Sec. 5 on 32 layers: pruning at layers 10, 20 and 30 with the 8k/4k/2k budgets; each governs
+    the caches after it up to and with the next pruning layer's (built from its kept tokens)."""
+    method = make("sliminfer", pruning_layers=(10, 20, 30))
+    schedule = method._schedule(32, 32768, Budget.from_tokens(2048))
+    assert [(entry.layer, entry.keep_tokens, entry.governed) for entry in schedule] == [
+        (10, 8192, list(range(11, 21))),
+        (20, 4096, list(range(21, 31))),
+        (30, 2048, [31]),
+    ]
+    assert [entry.keep_tokens for entry in method._schedule(32, 5000, Budget.from_tokens(2048))] == [5000, 4096, 2048]

@@ -299,9 +299,10 @@ class CostModel:
 
     @classmethod
     def fit(
-        cls, samples: list[tuple[int, float]], num_layers: int, ffn_share: float, head_layers: float
+        cls, samples: list[tuple[int, float]], num_layers: int, ffn_seconds: float, head_layers: float
     ) -> CostModel:
-        """Least squares of t/L = a·n + b·n² over (n, t) samples, with a, b >= 0."""
+        """Least squares of t/L = a·n + b·n² over (n, t) samples, with a, b >= 0; the FFN's share of a
+        is ``ffn_seconds`` (an FFN's time per token) over a, capped at 1 (1 where a is 0)."""
         n = np.array([tokens for tokens, _ in samples], dtype=np.float64)
         per_layer = np.array([seconds for _, seconds in samples], dtype=np.float64) / num_layers
         design = np.stack([n, n**2], axis=1)
@@ -310,7 +311,9 @@ class CostModel:
             linear, quadratic = float(per_layer.sum() / n.sum()), 0.0
         elif linear < 0:
             linear, quadratic = 0.0, float((per_layer * n**2).sum() / (n**4).sum())
-        return cls(float(linear), float(quadratic), ffn_share, head_layers, list(samples))
+        linear, quadratic = float(linear), float(quadratic)
+        ffn_share = min(1.0, ffn_seconds / linear) if linear > 0 else 1.0
+        return cls(linear, quadratic, ffn_share, head_layers, list(samples))
 
 
 def calibrate(
@@ -337,9 +340,8 @@ def calibrate(
             if prefix.numel() == longest:
                 in_ffns.append(ffns.seconds)
     samples = [(int(prefix.numel()), min(seconds)) for prefix, seconds in timed]
-    fitted = CostModel.fit(samples, runner.num_layers, ffn_share=1.0, head_layers=head_layers(runner))
-    per_token = min(in_ffns) / (runner.num_layers * longest)
-    return dataclasses.replace(fitted, ffn_share=min(1.0, per_token / fitted.linear) if fitted.linear > 0 else 1.0)
+    ffn_seconds = min(in_ffns) / (runner.num_layers * longest)
+    return CostModel.fit(samples, runner.num_layers, ffn_seconds=ffn_seconds, head_layers=head_layers(runner))
 
 
 @contextmanager
