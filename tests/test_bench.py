@@ -378,23 +378,32 @@ def test_calibration_is_cached_per_model_device_and_thread_count(tmp_path, monke
     assert len(calls) == 3
 
 
+def _record(**changed) -> str:
+    """A cached cost model's JSON with ``changed`` values (a valid one without)."""
+    record = {"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}
+    return json.dumps(record | changed)
+
+
 @pytest.mark.parametrize(
-    "damaged",
+    ("damaged", "reason"),
     [
-        '{"linear": 2e-06, "quadratic"',  # cut short
-        "[]",
-        '{"linear": -2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
-        '{"linear": 2e-06, "quadratic": NaN, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
-        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 1.5, "head_layers": 2.0, "samples": [[40, 0.001]]}',
-        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": true, "samples": [[40, 0.001]]}',
-        '{"linear": "2e-06", "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
-        '{"linear": 0, "quadratic": 0, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001]]}',
-        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": []}',
-        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[0, 0.001]]}',
-        '{"linear": 2e-06, "quadratic": 3e-09, "ffn_share": 0.8, "head_layers": 2.0, "samples": [[40, 0.001, 1]]}',
+        ('{"linear": 2e-06, "quadratic"', "not JSON: Expecting ':' delimiter: line 1 column 30 (char 29)"),
+        ("[]", "not a JSON object"),
+        (_record(linear=-2e-06), "its linear is -2e-06, not a number >= 0"),
+        (_record(quadratic=float("nan")), "its quadratic is NaN, not a number >= 0"),
+        (_record(ffn_share=1.5), "its ffn_share is 1.5, above 1"),
+        (_record(head_layers=True), "its head_layers is true, not a number >= 0"),
+        (_record(linear="2e-06"), 'its linear is "2e-06", not a number >= 0'),
+        (_record(linear=0, quadratic=0), "it prices a prefill at 0 s"),
+        *[
+            (_record(samples=samples), "its samples are not [tokens, seconds] pairs of positive numbers")
+            for samples in ([], [[0, 0.001]], [[40, 0]], [[40, 0.001, 1]], [[40.0, 0.001]], [[40, float("inf")]])
+        ],
     ],
 )
-def test_a_damaged_cached_calibration_is_not_used_and_the_next_one_replaces_it(tmp_path, monkeypatch, damaged):
+def test_a_damaged_cached_calibration_is_not_used_and_the_next_one_replaces_it(
+    tmp_path, monkeypatch, damaged, reason
+):
     """Every ideal ratio is priced from the cached fit: one no calibration gives (cut short, a value out
     of its range, no samples) is set aside with a warning and timed anew, never priced from."""
     from rankkit.methods import measure as measure_module
@@ -406,7 +415,8 @@ def test_a_damaged_cached_calibration_is_not_used_and_the_next_one_replaces_it(t
     path = measure_module.calibration_path("ab" * 32, torch.device("cpu"))
     path.parent.mkdir(parents=True)
     path.write_text(damaged)
-    with pytest.warns(UserWarning, match=rf"^{re.escape(str(path))} is damaged \(.+\): not used; the next"):
+    message = f"{path} is damaged ({reason}): not used; the next calibration replaces it"
+    with pytest.warns(UserWarning, match=f"^{re.escape(message)}$"):
         assert measure_module.cached_cost_model("ab" * 32, torch.device("cpu")) is None
     with pytest.warns(UserWarning, match="is damaged"):
         assert measure_module.cached_calibration(Runner(tiny_model("llama")), torch.arange(40), "ab" * 32) == fitted
@@ -424,8 +434,9 @@ def test_a_cached_calibration_of_an_older_rankkit_is_timed_anew_without_a_warnin
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert measure_module.cached_cost_model("ab" * 32, torch.device("cpu")) is None
-    fitted = {"linear": 2e-06, "quadratic": 0, "ffn_share": 1, "head_layers": 0, "samples": [[40, 1]]}
-    assert CostModel.from_record(fitted | {"from_a_later_rankkit": 1}) == CostModel(2e-6, 0, 1, 0, [(40, 1)])
+    fitted = {"linear": 2e-06, "quadratic": 0, "ffn_share": 1, "head_layers": 0, "samples": [[1, 1]]}
+    # the least of every value a fit may hold, and a field of a later rankkit's beside them
+    assert CostModel.from_record(fitted | {"from_a_later_rankkit": 1}) == CostModel(2e-6, 0, 1, 0, [(1, 1)])
 
 
 def test_kept_positions_by_layer_are_each_kv_heads_cache_after_the_prefill():

@@ -163,13 +163,24 @@ def test_a_weights_record_from_before_file_identities_were_kept_is_tied_to_its_f
     assert model_cache.folder_weights_hash(copy) == "ab" * 32
 
 
+HASH = "ab" * 32
+
+
 @pytest.mark.parametrize(
-    "damaged",
-    ['{"sha256": "abab', "[]", '{"source": "tiny.gguf"}', '{"sha256": "ab"}', '{"sha256": "%s", "files": []}' % ("ab" * 32)],
+    ("damaged", "reason"),
+    [
+        ('{"sha256": "abab', "not JSON: Unterminated string starting at: line 1 column 12 (char 11)"),
+        ("[]", "not a JSON object"),
+        ('{"source": "tiny.gguf"}', "no sha256 hash"),
+        ('{"sha256": "AB"}', "no sha256 hash"),
+        (f'{{"sha256": "{HASH}", "content_sha256": 7}}', "its content_sha256 is not a hash"),
+        (f'{{"sha256": "{HASH}", "files": []}}', "its files are not an object"),
+        (f'{{"sha256": "{HASH}", "source": null}}', "its source is not a file name"),
+    ],
 )
 @pytest.mark.parametrize("converted", [True, False], ids=["conversion", "own folder"])
 def test_a_damaged_weights_record_is_refused_in_one_line_naming_what_to_delete(
-    tmp_path, monkeypatch, tiny_folder, damaged, converted
+    tmp_path, monkeypatch, tiny_folder, damaged, reason, converted
 ):
     """The record beside the weights holds the hash every figure of them is filed under (a conversion's
     is its source file's), which hashing the weights cannot give back: damaged, it is refused before
@@ -183,7 +194,7 @@ def test_a_damaged_weights_record_is_refused_in_one_line_naming_what_to_delete(
     record.write_text(damaged)
     fix = f"delete {folder}, and rankkit converts the model again" if converted else "delete it, and rankkit hashes"
     for read in (model_cache.folder_weights_hash, model_cache.recorded_weights_hash):
-        with pytest.raises(RankkitError, match=rf"^{re.escape(str(record))} is damaged \(.+\); {re.escape(fix)}"):
+        with pytest.raises(RankkitError, match=f"^{re.escape(f'{record} is damaged ({reason}); {fix}')}"):
             read(folder)
     if converted:
         with pytest.raises(RankkitError, match="is damaged"):
