@@ -135,7 +135,7 @@ def _record_beside_weights(folder: Path) -> dict | None:
     recorded = folder / WEIGHTS_HASH_FILE
     try:
         record = read_cache_json(recorded)
-        problem = None if record is None else _record_problem(record)
+        problem = None if record is None else _weights_record_problem(record)
     except DamagedCacheFile as damage:
         problem = str(damage)
     if problem is None:
@@ -148,7 +148,7 @@ def _record_beside_weights(folder: Path) -> dict | None:
     raise RankkitError(f"{recorded} is damaged ({problem}); {fix}")
 
 
-def _record_problem(record) -> str | None:
+def _weights_record_problem(record) -> str | None:
     """What is wrong with a record beside the weights, or None: the fields ``folder_weights_hash`` reads."""
     if not isinstance(record, dict):
         return "not a JSON object"

@@ -251,7 +251,7 @@ class CostModel:
         names = [each.name for each in dataclasses.fields(cls)]
         if recorded is None or (isinstance(recorded, dict) and not set(names) <= recorded.keys()):
             return None
-        problem = _record_problem(recorded)
+        problem = _cost_record_problem(recorded)
         if problem is not None:
             raise DamagedCacheFile(problem)
         return cls(**{name: recorded[name] for name in names} | {"samples": [tuple(pair) for pair in recorded["samples"]]})
@@ -370,7 +370,7 @@ def ffns_timed(runner: Runner) -> Iterator[Measurement]:
     spent.seconds = sum(timeline.seconds(0, 1) for timeline in timelines)
 
 
-def _record_problem(recorded) -> str | None:
+def _cost_record_problem(recorded) -> str | None:
     """What makes a recorded cost model one no ``calibrate`` gives, or None."""
     if not isinstance(recorded, dict):
         return "not a JSON object"
