@@ -246,7 +246,7 @@ class CostModel:
     @classmethod
     def from_record(cls, recorded: dict | None) -> CostModel | None:
         """The model a record holds (``dataclasses.asdict`` of one, as a cache file or a resumed run's
-        journal keeps it); None for no record, or an older rankkit's without the FLOP shares.
+        journal keeps it); None for no record, or an older rankkit's without the FFN and LM-head shares.
         ``DamagedCacheFile`` names a value no fit gives: every ideal ratio is priced from them."""
         names = [each.name for each in dataclasses.fields(cls)]
         if recorded is None or (isinstance(recorded, dict) and not set(names) <= recorded.keys()):
@@ -457,7 +457,7 @@ def cached_calibration(runner: Runner, input_ids: torch.Tensor, weights_hash: st
 
 def cached_cost_model(weights_hash: str, device: torch.device) -> CostModel | None:
     """The fit ``cached_calibration`` remembered for these weights, this device and the current torch
-    thread count, or None where none was made (or an older rankkit made one without the FLOP shares);
+    thread count, or None where none was made (or an older rankkit made one without the FFN and LM-head shares);
     nothing loads or runs. A damaged one is None too, with a warning: the next calibration replaces it."""
     path = calibration_path(weights_hash, device)
     try:
