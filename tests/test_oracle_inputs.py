@@ -92,6 +92,19 @@ def test_each_mirror_forces_its_own_tokens_offline(mirror, kept):
     assert method.select_offline(_captured(LOW_SIX), Budget.from_tokens(3)).positions.tolist() == kept
 
 
+def test_the_gemfilter_mirror_ranks_by_the_oracle_with_the_last_token_forced_and_always_keeps_one():
+    """Listing 4 forces the last token alone, online, offline and in ``rankkit compare``'s ranking (one
+    ranking, not one per layer: its selection runs before any layer)."""
+    method = make("oracle", mirror="gemfilter")
+    expected = LOW_SIX.clone()
+    expected[-1] = float("inf")
+    rankings = method.layer_rankings(_captured(LOW_SIX), Budget.from_tokens(3))
+    assert list(rankings) == [None] and torch.equal(rankings[None], expected)
+    assert method.minimum_keep() == 1 and make("oracle", window_size=2).minimum_keep() == 2
+    with pytest.raises(RankkitError, match="method 'oracle' needs captured 'oracle'"):
+        method.select_offline(Captured({}, num_layers=3, num_tokens=8), Budget.from_tokens(3))
+
+
 def test_only_the_claa_mirror_defers_compression_by_its_m_layers():
     assert make("oracle", mirror="claa", deferred_layers=2).compress_from() == 2
     assert make("oracle", mirror="fastkv").compress_from() == 0  # m given to it is refused

@@ -143,3 +143,22 @@ def test_a_default_capture_records_the_probe_of_every_method_that_has_an_offline
         "window:w=32",
     ]
     assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"unit_size": 0}, r"^block_size \(64\) must be a positive multiple of unit_size \(0\)$"),
+        ({"unit_size": 3}, r"^block_size \(64\) must be a positive multiple of unit_size \(3\)$"),
+        ({"block_size": 12, "unit_size": 8}, r"^block_size \(12\) must be a positive multiple of unit_size \(8\)$"),
+        ({"head_mean": "mean"}, r"^head_mean must be one of all, group, not 'mean'$"),
+    ],
+)
+def test_token_units_refuses_units_that_do_not_tile_a_block_and_unknown_head_means(params, message):
+    with pytest.raises(RankkitError, match=message):
+        make("token_units", **params)
+
+
+def test_token_units_takes_units_of_one_token_and_blocks_of_one_unit():
+    probe = make("token_units", unit_size=1, block_size=1)
+    assert (probe.unit_size, probe.block_size) == (1, 1)

@@ -123,7 +123,8 @@ class Oracle(PolicyMethod):
     def _top_tokens(self, ranking: torch.Tensor, budget: Budget) -> torch.Tensor:
         """The gemfilter mirror's kept positions: the ranking's top tokens, the last one forced."""
         length = ranking.numel()
-        return top_k_with_forced(ranking, self.kept_tokens(budget, length), forced_mask(length, 1))
+        keep = self.kept_tokens(budget, length)
+        return top_k_with_forced(ranking, keep, forced_mask(length, *self.forced(keep)))
 
     def captured_inputs(self):
         return [ORACLE_SCORES]
@@ -136,8 +137,8 @@ class Oracle(PolicyMethod):
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         if self.mirror != "gemfilter":
             return super().layer_rankings(captured, budget)
-        length = captured.num_tokens
-        return {None: with_forced(captured.get(ORACLE_SCORES, self.name), forced_mask(length, 1))}
+        forced = forced_mask(captured.num_tokens, *self.forced(self.kept_tokens(budget, captured.num_tokens)))
+        return {None: with_forced(captured.get(ORACLE_SCORES, self.name), forced)}
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
         return captured.get(ORACLE_SCORES, self.name).expand(captured.num_layers, 1, -1)

@@ -44,7 +44,7 @@ class AllHeads:
         return self.probe.score(call).sum(0).expand(call.key.shape[1], -1)
 
 
-def least_attended(scores: torch.Tensor, positions: torch.Tensor, padded: bool = False) -> torch.Tensor:
+def least_attended(scores: torch.Tensor, positions: torch.Tensor, padded: bool) -> torch.Tensor:
     """The entry [1] with the lowest of ``scores`` [S], among ties the latest of ``positions`` [S] (a
     NaN, a key a local layer does not see, is never the lowest; nor, where the cache is ``padded``,
     an empty slot): on the device, whatever the order of the entries."""
