@@ -817,13 +817,10 @@ def _status(layout: Layout, plan: Experiment, stage: str, unit: Unit) -> str:
 def _recorded_settings(path: Path, *, marker: bool = False) -> Any:
     """The settings a marker (or a started unit's record) holds; None for one of an older rankkit, or
     damaged: a marker's ``kept`` too, the values the merge tags its unit's rows with."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        if marker and not _are_tags(record["kept"]):
-            return None
-        return record.get("settings")
-    except (ValueError, AttributeError, KeyError, TypeError):
+    record = _read_json(path)
+    if not isinstance(record, dict) or (marker and not _are_tags(record.get("kept"))):
         return None
+    return record.get("settings")
 
 
 def _are_tags(kept: Any) -> bool:

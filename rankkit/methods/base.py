@@ -209,11 +209,11 @@ class Budget:
         for value, option in ((self.keep, "--keep"), (self.tokens, "--budget")):
             if value is not None:  # the text "0.1" is no rate outside (0, 1]: say what it is
                 check_number(value, option)
-        if self.keep is not None and not (_is_number(self.keep, Real) and 0 < self.keep <= 1):
+        if self.keep is not None and not (is_number(self.keep, Real) and 0 < self.keep <= 1):
             raise RankkitError(
                 f"keep rate {_shown(self.keep)} is outside (0, 1]: use e.g. --keep 0.1, or --budget for a token count"
             )
-        if self.tokens is not None and not (_is_number(self.tokens, Integral) and self.tokens >= 1):
+        if self.tokens is not None and not (is_number(self.tokens, Integral) and self.tokens >= 1):
             raise RankkitError(f"budget {_shown(self.tokens)} is not a positive token count: use e.g. --budget 2048")
 
     @classmethod
@@ -243,7 +243,7 @@ class Budget:
         check_number(value, option)
         if isinstance(value, float) and 0 < value <= 1:
             return cls.from_keep(value)
-        if _is_number(value, int) and value >= 1:
+        if is_number(value, int) and value >= 1:
             return cls.from_tokens(value)
         raise RankkitError(
             f"{option} {_shown(value)} is neither a keep rate in (0, 1] nor a positive token count; "
@@ -286,13 +286,14 @@ class Budget:
         return f"keep={self.keep:g}" if self.tokens is None else self.label
 
 
-def _is_number(value, kind: type) -> bool:
+def is_number(value, kind: type) -> bool:
+    """Whether ``value`` is of the numeric ``kind``, a bool not counted (Python's True is an int)."""
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _shown(value) -> str:
     """A number as typed (1.5, not np.float64(1.5)); anything else quoted, so "0.1" reads as text."""
-    return str(value) if _is_number(value, Real) else repr(value)
+    return str(value) if is_number(value, Real) else repr(value)
 
 
 def distinct_budgets(budgets: Sequence[Budget], where: str) -> list[Budget]:

@@ -39,7 +39,7 @@ from rankkit.measure import (
     paired_ratios,
 )
 from rankkit.measure import measure as timed_block
-from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass
+from rankkit.methods.base import LOOKAHEAD, Budget, Method, Pass, is_number
 from rankkit.model_cache import DamagedCacheFile, cache_root, read_cache_json, write_atomically
 from rankkit.runner import Runner, greedy_continue
 from rankkit.sorting import load_compiled
@@ -376,7 +376,7 @@ def _cost_record_problem(recorded) -> str | None:
         return "not a JSON object"
     for name in ("linear", "quadratic", "ffn_share", "head_layers"):
         value = recorded[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        if not (is_number(value, int | float) and math.isfinite(value) and value >= 0):
             return f"its {name} is {json.dumps(value)}, not a number >= 0"
     if recorded["ffn_share"] > 1:
         return f"its ffn_share is {recorded['ffn_share']}, above 1"
@@ -393,11 +393,7 @@ def _is_sample(pair) -> bool:
     if not isinstance(pair, list) or len(pair) != 2:
         return False
     tokens, seconds = pair
-    return (
-        isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
-        and isinstance(seconds, int | float) and not isinstance(seconds, bool)
-        and math.isfinite(seconds) and seconds > 0
-    )
+    return is_number(tokens, int) and tokens > 0 and is_number(seconds, int | float) and math.isfinite(seconds) and seconds > 0
 
 
 def head_layers(runner: Runner) -> float:
