@@ -297,3 +297,17 @@ def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, rand
         assert kept == offline, layer
         total += sum(len(head) for head in kept)
     assert total == 10 * 2 * 6  # the whole budget of entries is spent, on keys the layers see
+
+
+def test_a_local_window_reaching_past_the_sinks_rolls_all_it_holds(random_ids):
+    """A local layer whose window reaches the first position after the sinks holds that position,
+    and no sink: its decode window is all of its cache, so that position is the first to go. Counted
+    as a sink, it would stay for good."""
+    runner = hybrid_runner(window=36)  # local layers see positions 4..39 of the 40
+    run = make("streamingllm").prefill(runner, random_ids, Budget.from_tokens(36))
+    assert cached(run, 0) == [list(range(4, 40))] * 2 and cached(run, 2) == [[0, 1, 2, 3, *range(8, 40)]] * 2
+    windows = run.result.cache.windows
+    assert [windows[layer].size for layer in range(6)] == [37, 37, 33, 37, 37, 33]
+    for position in range(40, 43):
+        runner.decode_step(5, position, run.result.cache, run.decode_hooks)
+    assert cached(run, 0) == [list(range(6, 43))] * 2 and cached(run, 2) == [[0, 1, 2, 3, *range(10, 43)]] * 2
