@@ -93,6 +93,31 @@ def test_a_rolling_window_rolls_the_static_cache_as_the_dynamic_one(name, keep, 
                 torch.testing.assert_close(key, reference)
 
 
+def test_a_static_cache_made_mid_window_writes_where_the_dynamic_ring_left_off(random_ids):
+    """A static cache loaded from a dynamic one whose rings have rolled (steps written in the window)
+    takes each ring up at the slot the dynamic cache writes next, not at the window's first."""
+    from dataclasses import replace
+
+    eager, static = _both("llama")
+    run = make("streamingllm").prefill(eager, random_ids, Budget.from_keep(0.2))  # 4 sinks, a ring of 5
+    cache = run.result.cache
+    token = torch.argmax(run.result.logits)
+    for position in range(40, 43):  # the first step fills the ring, the next two write its first slots
+        token = torch.argmax(eager.decode_step(token, position, cache))
+    assert [cache.next_slot(layer) for layer in range(eager.num_layers)] == [6] * eager.num_layers
+    step = static.decoder(replace(run.result, cache=cache.fork()), NEW_TOKENS)
+    for position in range(43, 43 + NEW_TOKENS):  # round the ring and more
+        expected = eager.decode_step(token, position, cache)
+        torch.testing.assert_close(step(token, position), expected, rtol=1e-5, atol=1e-5)
+        token = torch.argmax(expected)
+
+
+def test_a_static_cache_refuses_to_be_compressed(random_ids):
+    cache = StaticKVCache(Runner(tiny_model("llama")).prefill(random_ids).cache, NEW_TOKENS)
+    with pytest.raises(RuntimeError, match="a static cache is for decoding only; compress the cache before"):
+        cache.compress(0, torch.zeros(2, 1, dtype=torch.long))
+
+
 def _live_positions(cache, layer, head) -> list[int]:
     return sorted(p for p in cache.positions[layer][head].tolist() if p != -1)
 
@@ -306,6 +331,7 @@ def test_compile_decode_without_cuda_graphs_is_refused_before_anything_loads():
             make_it()
 
 
+@pytest.mark.graphs
 def test_the_static_decode_step_traces_as_one_graph_with_no_break(family, random_ids):
     """What ``--compile-decode`` compiles: every family's whole static step, so the fusion spans it."""
     import torch._dynamo
@@ -318,6 +344,7 @@ def test_the_static_decode_step_traces_as_one_graph_with_no_break(family, random
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("split", [False, True])  # SDPA's masked kernel, or the split path CUDA takes
 def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids, split):
     """``--compile-decode``: the static step compiled by torch.compile (inductor's C++ kernels on CPU,
