@@ -207,9 +207,8 @@ class KVCache:
 
     def declare_padding(self, layer: int, padded: bool) -> None:
         """Whether any of the layer's slots is padding, as the host knows: a layer with none is attended
-        by a decode step with no mask."""
+        by a decode step with no mask. The padding itself is unchanged, so a decode mask made for it stays."""
         self.padded[layer] = padded
-        self._real.pop(layer, None)
 
     def write(
         self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor

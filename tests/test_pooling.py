@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,15 @@ def test_average_pooling_leaves_the_padding_and_unseen_keys_out():
     row = torch.tensor([1.0, 2.0, float("nan"), 6.0, 3.0])
     pooled = pool_tokens(row, "avg", 3).tolist()
     assert pooled[:2] == [1.5, 1.5] and pooled[2:] == [4.0, 4.5, 4.5]
+
+
+def test_padded_average_pooling_counts_the_padding_and_unseen_keys_as_zeros():
+    """avg_padded (SnapKV's pooling, count_include_pad): every window divides by the kernel; an unseen
+    (NaN) key adds nothing to its neighbours and stays NaN itself."""
+    row = torch.tensor([1.0, 2.0, float("nan"), 6.0, 3.0])
+    pooled = pool_tokens(row, "avg_padded", 3).tolist()
+    assert pooled[:2] == pytest.approx([1.0, 1.0]) and pooled[3:] == pytest.approx([3.0, 3.0])
+    assert math.isnan(pooled[2])
 
 
 @pytest.mark.parametrize(

@@ -210,6 +210,138 @@ def test_compress_gathers_per_head_entries_and_counts_bytes():
     assert mask[0, :, 0].tolist() == [[True, True], [True, False]]
 
 
+def test_one_token_appends_write_in_place_until_the_headroom_is_spent():
+    """Decoding's appends are amortized O(1): the first copies a layer into a buffer with room for
+    max(128, an eighth of its entries) more, each later one writes into that buffer, and only the
+    append that finds it full copies the layer again."""
+    cache = KVCache(2)
+    for layer, length in enumerate((40, 2040)):
+        cache.begin_step(torch.arange(length))
+        cache.update(torch.zeros(1, 2, length, 4), torch.zeros(1, 2, length, 4), layer)
+
+    def capacity(layer: int) -> int:  # entries the keys' storage holds
+        return cache.keys[layer].untyped_storage().nbytes() // (2 * 4 * 4)
+
+    buffers = []
+    for position in range(2040, 2040 + 130):
+        cache.begin_step(torch.tensor([position]))
+        for layer in range(2):
+            key = torch.full((1, 2, 1, 4), float(position))
+            cache.update(key, -key, layer)
+        buffers.append(cache.keys[0].data_ptr())
+        if position == 2040:
+            assert [capacity(0), capacity(1)] == [41 + 128, 2041 + 2041 // 8]
+    assert len(set(buffers[:129])) == 1 and buffers[129] != buffers[128]  # 169 entries fill the first
+    assert capacity(0) == 170 + 128 and cache.get_seq_length(0) == 170
+    assert cache.positions[0][:, 38:42].tolist() == [[38, 39, 2040, 2041]] * 2
+    assert cache.values[1][0, 1, -1].tolist() == [-2169.0] * 4 and cache.keys[0][0, 0, 40, 0] == 2040.0
+    cache.compress(0, torch.tensor([[0, 169], [1, 169]]))  # a gathered copy: the old buffer is no longer its
+    cache.begin_step(torch.tensor([2170]))
+    cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), 0)
+    assert cache.positions[0].tolist() == [[0, 2169, 2170], [1, 2169, 2170]]
+
+
+def _padded_cache() -> KVCache:
+    """One layer of six entries compressed per head to four and two: head 1 holds two of padding."""
+    cache = KVCache(1)
+    keys = torch.zeros(1, 2, 6, 2)
+    cache.begin_step(torch.arange(6))
+    cache.update(keys, keys, 0)
+    cache.compress(0, [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])])
+    return cache
+
+
+def _decode_mask(cache: KVCache) -> list[list[bool]]:
+    return cache.attention_mask(0, torch.tensor([6]))[0, :, 0].tolist()
+
+
+def test_a_decode_mask_made_at_one_step_follows_each_later_change_of_the_padding():
+    """A padded layer's decode mask is made once and reused (``_decode_mask``); every operation that
+    moves padding (clear, write, truncate, compress) makes the next step's mask anew."""
+    cache = _padded_cache()
+    assert _decode_mask(cache) == [[True] * 4, [True, True, False, False]]
+    cache.clear(0, 0, 1)  # slot 0 of each head is padding now
+    assert _decode_mask(cache) == [[False, True, True, True], [False, True, False, False]]
+    entry = torch.ones(1, 2, 1, 2)
+    cache.write(0, 2, entry, entry, torch.tensor([[2], [3]]))  # head 1's slot 2 is real again
+    assert _decode_mask(cache) == [[False, True, True, True], [False, True, True, False]]
+    cache.truncate(0, 3)
+    assert _decode_mask(cache) == [[False, True, True], [False, True, True]]
+    cache.begin_step(torch.tensor([6]))  # into slot 3, which was padding in head 1 before the cut
+    cache.update(entry, entry, 0)
+    assert _decode_mask(cache) == [[False, True, True, True], [False, True, True, True]]
+    cache.rearrange(0, torch.tensor([3, 0, 1, 2]), 4)  # the entry in slot 0 moves to 3, the rest down one
+    assert _decode_mask(cache) == [[True, True, True, False], [True, True, True, False]]
+    cache.compress(0, [torch.tensor([1, 2]), torch.tensor([2])])
+    assert _decode_mask(cache) == [[True, True], [True, False]]
+
+
+def test_a_local_layers_mask_is_per_head_over_a_cache_compressed_per_head():
+    """Heads compressed apart hold different positions, padded or not: a sliding window's decode mask,
+    and any mask of several queries, is made per head (not from the first head's positions)."""
+    padded = _padded_cache()  # positions [[0, 1, 2, 3], [4, 5, -1, -1]]
+    local = padded.attention_mask(0, torch.tensor([6]), sliding_window=4)[0, :, 0].tolist()
+    assert local == [[False, False, False, True], [True, True, False, False]]
+    cache = KVCache(1)
+    cache.begin_step(torch.arange(6))
+    cache.update(torch.zeros(1, 2, 6, 2), torch.zeros(1, 2, 6, 2), 0)
+    cache.compress(0, torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]))  # as many per head: no padding
+    local = cache.attention_mask(0, torch.tensor([6]), sliding_window=4)[0, :, 0].tolist()
+    assert local == [[False, False, False, True], [False, True, True, True]]
+    two_queries = cache.attention_mask(0, torch.tensor([3, 4]))
+    assert two_queries[0, :, :, :].tolist() == [
+        [[True, True, True, True], [True, True, True, True]],
+        [[True, True, False, False], [True, True, True, False]],
+    ]
+
+
+def test_an_empty_cache_holds_nothing_and_layer_0_is_the_default_length():
+    cache = KVCache(2)
+    assert cache.get_seq_length() == cache.get_seq_length(1) == 0
+    assert cache.kept_tokens_per_layer() == [] and cache.nbytes() == 0
+    cache.begin_step(torch.arange(3))
+    cache.update(torch.zeros(1, 2, 3, 2), torch.zeros(1, 2, 3, 2), 1)
+    assert (cache.get_seq_length(), cache.get_seq_length(1), cache.kept_tokens_per_layer()) == (0, 3, [[3, 3]])
+
+
+def test_a_window_or_a_held_size_the_layer_cannot_keep_is_refused():
+    cache = _padded_cache()  # four entries
+    for size, full_length in ((0, 5), (3, 2), (2, 4)):
+        with pytest.raises(ValueError, match=f"layer 0: a window of {size} in {full_length} entries"):
+            cache.keep_recent_window(0, size, full_length)
+    cache.keep_recent_window(0, 1, 5)  # the step's own token alone: the smallest window
+    with pytest.raises(ValueError, match="layer 0 holds 4 entries, more than 3"):
+        cache.hold_size(0, 3)
+
+
+def test_rearranged_entries_leave_their_empty_slots_as_padding_no_step_attends():
+    cache = KVCache(1)
+    keys = torch.arange(8.0).reshape(1, 2, 4, 1)
+    cache.begin_step(torch.arange(4))
+    cache.update(keys, -keys, 0)
+    cache.rearrange(0, torch.tensor([2, 0, 4, 1]), 4)  # entry 2 dropped (slot 4), slot 3 left empty
+    assert cache.positions[0].tolist() == [[1, 3, 0, PADDING]] * 2
+    assert cache.keys[0][0, :, :3, 0].tolist() == [[1.0, 3.0, 0.0], [5.0, 7.0, 4.0]]
+    assert cache.values[0][0, 1, :3, 0].tolist() == [-5.0, -7.0, -4.0]
+    assert cache.attention_mask(0, torch.tensor([4]))[0, :, 0].tolist() == [[True, True, True, False]] * 2
+
+
+def test_a_fork_decodes_over_the_padding_and_the_ring_slot_it_was_made_with():
+    cache = _padded_cache()
+    cache.keep_recent_window(0, 2, 5)  # slots 3 and 4 of the five are the ring
+    for position in (6, 7):  # the first fills the layer, the second writes the ring's first slot
+        cache.begin_step(torch.tensor([position]))
+        cache.update(torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2), 0)
+    assert _decode_mask(cache) == [[True] * 5, [True, True, False, True, True]]
+    in_place = cache.keys[0].data_ptr()
+    cache.begin_step(torch.tensor([8]))  # the ring's second slot, in the buffer the first write made
+    cache.update(torch.zeros(1, 2, 1, 2), torch.zeros(1, 2, 1, 2), 0)
+    assert cache.keys[0].data_ptr() == in_place and cache.positions[0][:, 3:].tolist() == [[7, 8]] * 2
+    twin = cache.fork()
+    assert _decode_mask(twin) == _decode_mask(cache) and twin.next_slot(0) == cache.next_slot(0) == 3
+    assert twin.positions[0].tolist() == [[0, 1, 2, 7, 8], [4, 5, PADDING, 7, 8]]
+
+
 def test_a_decode_steps_mask_hides_padding_and_a_local_layers_old_keys():
     from rankkit.cache import allowed_keys
 
