@@ -257,7 +257,8 @@ def _decode_mask(cache: KVCache) -> list[list[bool]]:
 
 def test_a_decode_mask_made_at_one_step_follows_each_later_change_of_the_padding():
     """A padded layer's decode mask is made once and reused (``_decode_mask``); every operation that
-    moves padding (clear, write, truncate, compress) makes the next step's mask anew."""
+    moves padding (clear, write, truncate and the append after it, rearrange, compress) makes the
+    next step's mask anew."""
     cache = _padded_cache()
     assert _decode_mask(cache) == [[True] * 4, [True, True, False, False]]
     cache.clear(0, 0, 1)  # slot 0 of each head is padding now
@@ -326,7 +327,7 @@ def test_rearranged_entries_leave_their_empty_slots_as_padding_no_step_attends()
     assert cache.attention_mask(0, torch.tensor([4]))[0, :, 0].tolist() == [[True, True, True, False]] * 2
 
 
-def test_a_fork_decodes_over_the_padding_and_the_ring_slot_it_was_made_with():
+def test_a_fork_keeps_the_padding_mask_and_the_ring_slot_it_was_made_with():
     cache = _padded_cache()
     cache.keep_recent_window(0, 2, 5)  # slots 3 and 4 of the five are the ring
     for position in (6, 7):  # the first fills the layer, the second writes the ring's first slot
