@@ -265,7 +265,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = {tensor.untyped_storage().data_ptr() for tensor in _operator_tensors((*args, *kwargs.values()))}
-        for tensor in _operator_tensors(out if isinstance(out, (tuple, list)) else (out,)):
+        for tensor in _operator_tensors((out,)):
             self._track(tensor.untyped_storage(), inputs)
         return out
 

@@ -195,11 +195,16 @@ def test_ragged_compression_equals_masking_the_dropped_entries(random_ids):
     assert compressed.cache.kept_tokens(0).tolist() == [6, 15]
 
 
+def _prefill(cache: KVCache, layer: int, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+    """Fill an empty layer as a prefill does: ``keys`` [1, kv_heads, S, d] at positions 0..S-1."""
+    cache.begin_step(torch.arange(keys.shape[2]))
+    cache.update(keys, keys if values is None else values, layer)
+
+
 def test_compress_gathers_per_head_entries_and_counts_bytes():
     cache = KVCache(1)
     keys = torch.arange(2 * 6 * 2, dtype=torch.float32).reshape(1, 2, 6, 2)
-    cache.begin_step(torch.arange(6))
-    cache.update(keys, keys + 100, 0)
+    _prefill(cache, 0, keys, keys + 100)
     cache.compress(0, [torch.tensor([1, 4]), torch.tensor([5])])
     assert cache.positions[0].tolist() == [[1, 4], [5, PADDING]]
     assert cache.keys[0][0, 0].tolist() == [[2.0, 3.0], [8.0, 9.0]]
@@ -216,8 +221,7 @@ def test_one_token_appends_write_in_place_until_the_headroom_is_spent():
     append that finds it full copies the layer again."""
     cache = KVCache(2)
     for layer, length in enumerate((40, 2040)):
-        cache.begin_step(torch.arange(length))
-        cache.update(torch.zeros(1, 2, length, 4), torch.zeros(1, 2, length, 4), layer)
+        _prefill(cache, layer, torch.zeros(1, 2, length, 4))
 
     def capacity(layer: int) -> int:  # entries the keys' storage holds
         return cache.keys[layer].untyped_storage().nbytes() // (2 * 4 * 4)
@@ -245,8 +249,7 @@ def _padded_cache() -> KVCache:
     """One layer of six entries compressed per head to four and two: head 1 holds two of padding."""
     cache = KVCache(1)
     keys = torch.zeros(1, 2, 6, 2)
-    cache.begin_step(torch.arange(6))
-    cache.update(keys, keys, 0)
+    _prefill(cache, 0, keys)
     cache.compress(0, [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])])
     return cache
 
@@ -284,8 +287,7 @@ def test_a_local_layers_mask_is_per_head_over_a_cache_compressed_per_head():
     local = padded.attention_mask(0, torch.tensor([6]), sliding_window=4)[0, :, 0].tolist()
     assert local == [[False, False, False, True], [True, True, False, False]]
     cache = KVCache(1)
-    cache.begin_step(torch.arange(6))
-    cache.update(torch.zeros(1, 2, 6, 2), torch.zeros(1, 2, 6, 2), 0)
+    _prefill(cache, 0, torch.zeros(1, 2, 6, 2))
     cache.compress(0, torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]))  # as many per head: no padding
     local = cache.attention_mask(0, torch.tensor([6]), sliding_window=4)[0, :, 0].tolist()
     assert local == [[False, False, False, True], [False, True, True, True]]
@@ -300,8 +302,7 @@ def test_an_empty_cache_holds_nothing_and_layer_0_is_the_default_length():
     cache = KVCache(2)
     assert cache.get_seq_length() == cache.get_seq_length(1) == 0
     assert cache.kept_tokens_per_layer() == [] and cache.nbytes() == 0
-    cache.begin_step(torch.arange(3))
-    cache.update(torch.zeros(1, 2, 3, 2), torch.zeros(1, 2, 3, 2), 1)
+    _prefill(cache, 1, torch.zeros(1, 2, 3, 2))
     assert (cache.get_seq_length(), cache.get_seq_length(1), cache.kept_tokens_per_layer()) == (0, 3, [[3, 3]])
 
 
@@ -318,8 +319,7 @@ def test_a_window_or_a_held_size_the_layer_cannot_keep_is_refused():
 def test_rearranged_entries_leave_their_empty_slots_as_padding_no_step_attends():
     cache = KVCache(1)
     keys = torch.arange(8.0).reshape(1, 2, 4, 1)
-    cache.begin_step(torch.arange(4))
-    cache.update(keys, -keys, 0)
+    _prefill(cache, 0, keys, -keys)
     cache.rearrange(0, torch.tensor([2, 0, 4, 1]), 4)  # entry 2 dropped (slot 4), slot 3 left empty
     assert cache.positions[0].tolist() == [[1, 3, 0, PADDING]] * 2
     assert cache.keys[0][0, :, :3, 0].tolist() == [[1.0, 3.0, 0.0], [5.0, 7.0, 4.0]]

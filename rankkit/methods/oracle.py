@@ -123,11 +123,12 @@ class Oracle(PolicyMethod):
     def _top_tokens(self, ranking: torch.Tensor, budget: Budget) -> torch.Tensor:
         """The gemfilter mirror's kept positions: the ranking's top tokens, the last one forced."""
         length = ranking.numel()
-        return top_k_with_forced(ranking, self.kept_tokens(budget, length), self._forced_mask(length, budget))
+        keep = self.kept_tokens(budget, length)
+        return top_k_with_forced(ranking, keep, self._forced_mask(length, keep))
 
-    def _forced_mask(self, length: int, budget: Budget) -> torch.Tensor:
+    def _forced_mask(self, length: int, keep: int) -> torch.Tensor:
         """The tokens ``forced`` keeps whatever the ranking (Listing 4's mirror: the last one)."""
-        return forced_mask(length, *self.forced(self.kept_tokens(budget, length)))
+        return forced_mask(length, *self.forced(keep))
 
     def captured_inputs(self):
         return [ORACLE_SCORES]
@@ -140,7 +141,8 @@ class Oracle(PolicyMethod):
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         if self.mirror != "gemfilter":
             return super().layer_rankings(captured, budget)
-        forced = self._forced_mask(captured.num_tokens, budget)
+        length = captured.num_tokens
+        forced = self._forced_mask(length, self.kept_tokens(budget, length))
         return {None: with_forced(captured.get(ORACLE_SCORES, self.name), forced)}
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
