@@ -243,8 +243,9 @@ def launches_of(work: Callable[[], object]) -> int:
 
 def _operator_tensors(values) -> Iterator[torch.Tensor]:
     """The tensors among an operator's arguments or results: each a tensor or a list of them (an
-    ATen schema nests no deeper). Torch's general tree walk was half the tracker's cost: a tracked
-    1k-token generation of the default model took 1.28x an untracked one, and takes 1.16x."""
+    ATen schema nests no deeper). Torch's general tree walk was a third of the tracker's cost: a
+    tracked 1k-token generation of the default model took 1.38x an untracked one, and takes 1.28x
+    (``tools/tracker_cost.py``, docs/benchmarks.md)."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
