@@ -23,6 +23,7 @@ def function(body: str) -> str:
         ('raise ValueError("bad x")', 'raise ValueError("XXbad xXX")', "error message"),
         ("return x.to(device=a)", "return x.to(device=None)", "device="),
         ("return x.to(device=a)", "return x.to()", "device="),
+        ("return x[:, b.to(x.device)]", "return x[:, b.to(None)]", "device="),  # a move to another tensor's device
         ('return x.fill(float("inf"))', 'return x.fill(float("INF"))', "same number"),
         ('return x.fill(float("-inf"))', 'return x.fill(float("-INF"))', "same number"),
         ('return x.fill(float("nan"))', 'return x.fill(float("NAN"))', "same number"),
@@ -46,6 +47,10 @@ def test_each_rule_names_the_mutants_it_covers(original, mutant, reason):
         ("return list(zip(a, b, strict=True))", "return list(zip(b, a, strict=False))"),
         ("return x.to(device=a)", "return x.to(device=b)"),
         ("return x.to(device=a, dtype=b)", "return x.to(device=a)"),
+        ("return x.to(a.device)", "return x.to(b.device)"),  # another device
+        ("return x.to(a.dtype)", "return x.to(None)"),  # a dtype, not a device
+        ("return x.to(a.device)", "return x.to(a.device, b)"),
+        ("return x.to(a.device)", "return y.to(a.device)"),
         ('raise ValueError("bad x")', 'raise TypeError("bad x")'),
         ('return "inf"', 'return "INF"'),  # a string the code returns, not one float() reads
         ("return a", "return a"),  # no change is no mutant

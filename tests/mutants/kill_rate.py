@@ -10,9 +10,10 @@ show NAME`` prints its diff) and each equivalent mutant with its reason. The rat
   the tests can see such a mutant (``mutmut_harness.py`` records these functions);
 * by rule, when it changes only the text of a string inside a ``raise`` statement or a
   ``warnings.warn`` call (an error message: the tests check the error, not its wording);
-* by rule, when it only drops a call's ``device=`` argument or makes it ``None``: the tests run
-  on the CPU, where torch's default device is every tensor's own, so only a GPU run can tell
-  (the report names these apart so that a GPU run of ``make mutants`` can be read against it);
+* by rule, when it only drops a call's ``device=`` argument or makes it ``None`` (or the device
+  of a move to another tensor's, ``x.to(y.device)``): the tests run on the CPU, where torch's
+  default device is every tensor's own, so only a GPU run can tell (the report names these
+  apart so that a GPU run of ``make mutants`` can be read against it);
 * by rule, when it only respells a ``float()`` literal as one Python reads as the same number
   (``float("INF")`` is ``float("inf")``);
 * by rule, when it only loosens a ``zip(..., strict=True)`` (to ``False``, ``None`` or no

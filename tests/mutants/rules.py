@@ -54,7 +54,21 @@ def without_device_arguments(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             node.keywords = [keyword for keyword in node.keywords if keyword.arg != "device"]
+            if _moves_to_a_device(node):
+                node.args = []
     return tree
+
+
+def _moves_to_a_device(node: ast.Call) -> bool:
+    """``x.to(y.device)`` or ``x.to(None)``: a move whose one argument is another tensor's device (or none)."""
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "to" and len(node.args) == 1):
+        return False
+    (argument,) = node.args
+    return _is_none(argument) or (isinstance(argument, ast.Attribute) and argument.attr == "device")
+
+
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
 
 
 def with_float_literals_read(tree: ast.AST) -> ast.AST:
@@ -97,19 +111,20 @@ def changes_only(original: str, mutant: str, normalized) -> bool:
 
 
 def _devices_named(tree: ast.AST) -> list[str]:
-    """The ``device=`` arguments that name a device (not ``None``), in order."""
-    return [
-        ast.dump(keyword.value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        for keyword in node.keywords
-        if keyword.arg == "device"
-        and not (isinstance(keyword.value, ast.Constant) and keyword.value.value is None)
-    ]
+    """The ``device=`` arguments and ``.to(y.device)`` moves that name a device (not ``None``), in order."""
+    named = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        named += [ast.dump(keyword.value) for keyword in node.keywords if keyword.arg == "device"]
+        if _moves_to_a_device(node):
+            named.append(ast.dump(node.args[0]))
+    return [device for device in named if device != ast.dump(ast.Constant(None))]
 
 
 def changes_only_a_device(original: str, mutant: str) -> bool:
-    """Whether the mutant differs from the original only in a ``device=`` argument it drops or nulls."""
+    """Whether the mutant differs from the original only in a ``device=`` argument (or the device of a
+    ``.to(y.device)`` move) it drops or nulls."""
     before, after = _devices_named(ast.parse(original)), _devices_named(ast.parse(mutant))
     dropped_only = all(before.count(device) >= after.count(device) for device in after)
     return dropped_only and changes_only(original, mutant, without_device_arguments)
@@ -131,7 +146,7 @@ RULES = (
     (changes_only_a_message, "changes only an error message's text"),
     (
         changes_only_a_device,
-        "drops a device= argument, the CPU either way on the CPU (a GPU run tells)",
+        "drops a device= argument or a .to(y.device) move's device, the CPU either way on the CPU (a GPU run tells)",
     ),
     (
         changes_only_a_float_spelling,
