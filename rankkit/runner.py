@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -333,7 +334,7 @@ def split_decode_attention(
     the product in the model's dtype and the softmax runs in float32, as the families' eager code
     computes them. Returns [1, kv_heads, group, d].
     """
-    logits = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scaling)
+    logits = torch.matmul(query, key.mT).float().mul_(scaling)
     if mask is not None:
         logits.masked_fill_(~mask, float("-inf"))
     weights = logits.softmax(dim=-1).to(value.dtype)[0]
@@ -396,10 +397,10 @@ class Runner:
         # a device map may put each layer elsewhere: only then do the step's tensors follow the layers
         self._layer_devices = [next(layer.parameters()).device for layer in self.body.layers]
         self.spread = len(set(self._layer_devices)) > 1
-        self._flash = _flash_attn_func() if self.device.type == "cuda" else None
+        on_cuda = self.device.type == "cuda"
+        self._flash = _flash_attn_func() if on_cuda else None
         # the keys from which a decode step is split, where SDPA would leave a GPU mostly idle, eagerly
         # and inside a captured graph; None: SDPA's kernels serve (CPU; a test lowers them to 0 there)
-        on_cuda = self.device.type == "cuda"
         self.split_decode_from = SPLIT_DECODE_FROM if on_cuda else None
         self.split_decode_from_in_graphs = SPLIT_DECODE_FROM_IN_GRAPHS if on_cuda else None
         self._capturing = False
@@ -607,7 +608,7 @@ class Runner:
         """A decode step's stretches of layers, cut after each layer of the hooks' ``decode_breaks``."""
         cuts = sorted({layer + 1 for hook in hooks for layer in hook.decode_breaks} - {self.num_layers})
         bounds = [0, *cuts, self.num_layers]
-        return [range(start, stop) for start, stop in zip(bounds, bounds[1:], strict=False)]
+        return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
 
     def _decode_part(
         self, part: range, carried: torch.Tensor, positions: torch.Tensor, cache: KVCache, hooks
@@ -737,7 +738,8 @@ def greedy_continue(
         last = token in eos or len(tokens) == max_new_tokens
         if last and (token in eos or not feed_last):
             return tokens
-        step = step or runner.decoder(prefill, max_new_tokens, hooks)
+        if step is None:
+            step = runner.decoder(prefill, max_new_tokens, hooks)
         logits = step(chosen, position)
         position += 1
         if last:

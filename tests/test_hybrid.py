@@ -83,7 +83,7 @@ def test_default_layers_move_to_the_nearest_global_layer_ties_to_the_earlier():
 
 
 def test_runner_reads_layer_types_only_when_some_layer_is_local(runner):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Llama4TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     from rankkit.runner import layer_types
 
@@ -91,6 +91,14 @@ def test_runner_reads_layer_types_only_when_some_layer_is_local(runner):
     assert layer_types(LlamaConfig()) is None and layer_types(MistralConfig(sliding_window=8)) is None
     assert layer_types(Qwen2Config(num_hidden_layers=2)) is None  # named types, no window: all global
     assert layer_types(Qwen2Config(num_hidden_layers=2, layer_types=[GLOBAL, LOCAL])) is None
+    # a window on every layer, and on none
+    windowed = {"num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 8}
+    assert layer_types(Qwen2Config(**windowed, layer_types=[LOCAL, LOCAL])) == (LOCAL, LOCAL)
+    assert layer_types(Qwen2Config(**windowed, layer_types=[GLOBAL, GLOBAL])) is None
+    # Llama 4's chunked layers have a chunk size, no sliding window
+    chunked = Llama4TextConfig(num_hidden_layers=4)
+    assert chunked.attention_chunk_size and not getattr(chunked, "sliding_window", None)
+    assert layer_types(chunked) == ("chunked_attention",) * 3 + (GLOBAL,)
 
 
 @pytest.mark.parametrize("name", ["fastkv", "claa", "gemfilter", "sliminfer"])

@@ -409,3 +409,179 @@ def test_multimodal_gemma3_runs_its_text_decoder_alone(random_ids):
     with torch.inference_mode():
         expected = model(input_ids=ids[None]).logits[0]
     assert torch.allclose(Runner(model).prefill(ids, logits_at="all").logits, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("queries", [1, 2, 5, 7])  # one decode query (every key), then causal rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_attention_is_the_capped_causal_softmax_with_sinks_worked_out_per_head(queries, dtype):
+    """The attention Gemma 2/3 (soft-capping) and GPT-OSS (sinks) run, against each output worked out one
+    query head and one query at a time: query i of ``queries`` new ones over 7 keys sees the keys up to
+    its own position, and a sink takes its share of the softmax without a value."""
+    import math
+
+    from rankkit.runner import AttentionCall, eager_attention
+
+    generator = torch.Generator().manual_seed(queries)
+    kv_heads, group, keys, dim, scaling, softcap = 2, 3, 7, 4, 0.5, 2.0
+    query = torch.randn(1, kv_heads * group, queries, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(1, kv_heads, keys, dim, generator=generator).to(dtype) for _ in range(2))
+    sinks = torch.randn(kv_heads * group, generator=generator)
+    call = AttentionCall(
+        0, "prefill", query, key, value, torch.arange(keys - queries, keys),
+        torch.arange(keys).expand(kv_heads, -1), scaling, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    got = eager_attention(call, None)
+    assert got.shape == (1, queries, kv_heads * group, dim) and got.dtype == dtype
+    expected = torch.zeros(queries, kv_heads * group, dim, dtype=torch.float64)
+    for head in range(kv_heads * group):
+        for row in range(queries):
+            seen = range(keys - queries + row + 1)
+            logits = [
+                softcap * math.tanh(float(query[0, head, row].double() @ key[0, head // group, at].double()) * scaling / softcap)
+                for at in seen
+            ]  # fmt: skip
+            normalizer = sum(map(math.exp, logits)) + math.exp(float(sinks[head]))
+            for at, logit in zip(seen, logits, strict=True):
+                expected[row, head] += math.exp(logit) / normalizer * value[0, head // group, at].double()
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bfloat16 logits, as the family's eager code has them
+    torch.testing.assert_close(got[0].double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_a_bfloat16_model_prefills_and_decodes_as_transformers_does(random_ids):
+    """Half precision reaches SDPA's causal prefill, a masked prefill after pruning and the one-query
+    decode (flash-attn's path is CUDA's alone: on the CPU every half-precision call is SDPA's)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(random_ids[None]).logits[0]
+    runner = Runner(model)
+    result = runner.prefill(random_ids, logits_at="all")
+    assert result.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(result.logits, expected, rtol=0.02, atol=0.02)
+    generated = model.generate(random_ids[None], max_new_tokens=6, do_sample=False)[0, 40:].tolist()
+    assert runner.generate(random_ids, 6).tokens == generated
+    keep = torch.arange(0, 40, 2)
+    pruned = runner.prefill(random_ids, hooks=[PruneAfter(0, keep)], logits_at="all")
+    assert pruned.live_tokens == [40, 20, 20] and torch.isfinite(pruned.logits).all()
+
+
+def test_two_prompt_tokens_attend_causally(random_ids):
+    """The shortest causal prefill: the first token must not see the second."""
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        expected = model(random_ids[None, :2]).logits[0]
+    torch.testing.assert_close(Runner(model).prefill(random_ids[:2], logits_at="all").logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_decoding_reports_each_token_as_chosen_and_stops_at_any_eos_the_model_names(random_ids):
+    from rankkit.runner import greedy_continue
+
+    model = tiny_model("llama")
+    runner = Runner(model)
+    seen = []
+    tokens = greedy_continue(runner, runner.prefill(random_ids), 5, on_token=seen.append, stop_at_eos=False)
+    assert seen == tokens and len(tokens) == 5
+    assert greedy_continue(runner, runner.prefill(random_ids), 0) == [] == runner.generate(random_ids, 0).tokens
+    # the generation config's EOS ids (one or a list, as Llama 3 has), else the model config's, else none
+    model.generation_config.eos_token_id, model.config.eos_token_id = [tokens[1], 96], 3
+    assert runner.eos_ids() == {tokens[1], 96}
+    assert runner.generate(random_ids, 5).tokens == tokens[:2]  # the EOS ends the answer and is kept
+    model.generation_config.eos_token_id = None
+    assert runner.eos_ids() == {3}
+    model.config.eos_token_id = None
+    assert runner.eos_ids() == set()
+
+
+@pytest.mark.parametrize("queries", [1, 3])  # a decode step (its query heads folded per KV head), a prefill
+@pytest.mark.parametrize("mask_heads", [0, 1, 2])  # no mask, one for every head, one per KV head
+def test_attention_is_each_query_heads_softmax_over_the_keys_its_kv_head_may_see(queries, mask_heads):
+    """``Runner.attention`` against each query head and query worked out alone, in the layout the
+    attention modules expect: [1, queries, query heads, head_dim]."""
+    import math
+
+    runner = Runner(tiny_model("llama"))
+    generator = torch.Generator().manual_seed(queries + mask_heads)
+    kv_heads, group, keys, dim, scaling = 2, 3, 6, 4, 0.5
+    query = torch.randn(1, kv_heads * group, queries, dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, keys, dim, generator=generator) for _ in range(2))
+    if mask_heads:
+        mask = torch.rand(1, mask_heads, queries, keys, generator=generator) < 0.6
+        mask[..., -1] = True  # each query sees itself
+    else:
+        mask = None  # causal over a fresh prompt's keys; one query sees every key
+        if queries > 1:
+            key, value = key[:, :, :queries], value[:, :, :queries]
+    got = runner.attention(query, key, value, mask, scaling)
+    assert got.shape == (1, queries, kv_heads * group, dim)
+    for head in range(kv_heads * group):
+        kv_head = head // group
+        for row in range(queries):
+            seen = [at for at in range(key.shape[2]) if (mask[0, kv_head % mask_heads, row, at] if mask_heads else at <= row + key.shape[2] - queries)]
+            weights = [math.exp(float(query[0, head, row] @ key[0, kv_head, at]) * scaling) for at in seen]
+            expected = sum(weight * value[0, kv_head, at] for weight, at in zip(weights, seen, strict=True)) / sum(weights)
+            torch.testing.assert_close(got[0, row, head], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_over_cached_keys_without_a_mask_is_refused():
+    """Plain causal attention aligns queries with the first keys; over a cache they are the last ones."""
+    runner = Runner(tiny_model("llama"))
+    query, key = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="^causal attention over a cache needs an explicit mask$"):
+        runner.attention(query, key, key, None, 1.0)
+
+
+def test_flash_attentions_call_takes_its_layout_scale_and_causality(random_ids):
+    """flash-attn runs only on CUDA; here a stand-in with ``flash_attn_func``'s contract (``[batch, seq,
+    heads, dim]`` in and out, grouped KV heads, ``softmax_scale``, ``causal``) shows the runner hands it
+    the prefill's and the decode's attention as SDPA computes them."""
+
+    def flash_attn_func(query, key, value, softmax_scale, causal):
+        assert query.shape[1] == key.shape[1] or not causal  # a fresh prompt, or one decode query
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            is_causal=causal, scale=softmax_scale, enable_gqa=True,
+        )  # fmt: skip
+        calls.append(causal)
+        return out.transpose(1, 2)
+
+    calls = []
+    model = tiny_model("llama").to(torch.bfloat16)
+    plain, flash = Runner(model), Runner(model)
+    flash._flash = flash_attn_func
+    assert torch.equal(flash.prefill(random_ids, logits_at="all").logits, plain.prefill(random_ids, logits_at="all").logits)
+    assert calls == [True] * flash.num_layers
+    assert flash.generate(random_ids, 4).tokens == plain.generate(random_ids, 4).tokens
+    assert calls[flash.num_layers * 2 :] == [False] * flash.num_layers * 3  # the decode steps: one query each
+
+
+def test_a_decode_step_cut_in_parts_runs_each_layer_as_the_whole_step_does(random_ids):
+    """Host work after a layer (``decode_breaks``) cuts a decode step in parts; the layers of a later part
+    keep their own index: Gemma 3's local and global layers rotate with their own RoPE there too."""
+
+    class HostWorkAfter(LayerHook):
+        def __init__(self, *layers):
+            self.decode_breaks, self.seen = layers, []
+
+        def after_decode_layer(self, layer, cache):
+            self.seen.append(layer)
+
+    runner = Runner(tiny_model("gemma3_text"))  # local, global, local layers
+    hook = HostWorkAfter(0)
+    assert runner.decode_parts([hook]) == [range(0, 1), range(1, 3)]
+    assert runner.decode_parts([HostWorkAfter(2)]) == [range(0, 3)]  # after the last layer: the step's end
+    assert runner.decode_parts([HostWorkAfter(1), HostWorkAfter(0, 1)]) == [range(0, 1), range(1, 2), range(2, 3)]
+    whole, cut = runner.prefill(random_ids), runner.prefill(random_ids)
+    token = torch.argmax(whole.logits)
+    torch.testing.assert_close(runner.decode_step(token, 40, cut.cache, [hook]), runner.decode_step(token, 40, whole.cache))
+    assert hook.seen == [0]
+
+
+def test_rankkits_attention_outside_a_runners_step_is_refused(random_ids):
+    """The registered attention has no cache or hooks outside a prefill or decode step: a model call
+    made while it is installed fails in one line instead of attending wrongly."""
+    from rankkit.errors import RankkitError
+
+    model = tiny_model("llama")
+    runner = Runner(model)
+    with runner._installed(), pytest.raises(RankkitError, match=r"^rankkit's attention runs only inside Runner\.prefill and decode_step$"):
+        model(random_ids[None])
+    assert model.config._attn_implementation != "rankkit"

@@ -174,6 +174,46 @@ def test_interleaved_shapes_each_keep_their_decode_while_their_share_of_memory_a
     assert len(runner._static_decodes) == decodes_that_fit
 
 
+def test_kept_static_decodes_fill_their_share_to_the_byte_and_the_least_recently_used_goes_first(monkeypatch):
+    """Decodes of a three-bucket (X), a one-bucket (Y) and a two-bucket (Z) cache, X reused before Z comes:
+    a share of exactly X + Y + Z keeps all three; of exactly X + Z, Y goes (used least recently); a byte
+    less and X must go too."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (3 * STATIC_BUCKET,), generator=torch.Generator().manual_seed(3))
+    cut = {"X": 3, "Y": 1, "Z": 2}  # buckets per layer, each filled to its last slot by the decode's tokens
+    prefills = {name: Runner(model).prefill(ids[: buckets * STATIC_BUCKET - NEW_TOKENS]) for name, buckets in cut.items()}
+    shape = {name: StaticKVCache.shape_of(prefill.cache, NEW_TOKENS) for name, prefill in prefills.items()}
+    size = {name: StaticKVCache.buffer_bytes(shape[name]) for name in shape}
+    assert size["Y"] < size["Z"] < size["X"]
+    for share, kept in (
+        (size["X"] + size["Y"] + size["Z"], "YXZ"),
+        (size["X"] + size["Z"], "XZ"),
+        (size["X"] + size["Z"] - 1, "Z"),
+    ):
+        runner = Runner(model, cuda_graphs=True)
+        monkeypatch.setattr(runner, "_static_decodes_bytes", lambda share=share: share)
+        for name in "XYXZ":
+            runner.decoder(prefills[name], NEW_TOKENS)
+        assert [key.shape for key in runner._static_decodes] == [shape[name] for name in kept], share
+
+
+def test_a_decode_part_is_compiled_once_per_runner_and_part_and_a_cut_of_the_layers_compiles_its_own(monkeypatch):
+    """``--compile-decode``: each part's step is compiled once and kept; ``first_layers`` cuts (a
+    self-draft) keep their own, whose steps end at their own last layer (the target's would not)."""
+    monkeypatch.setattr(torch, "compile", lambda step: ("compiled", step))
+    runner = Runner(tiny_model("llama"), cuda_graphs=True, compile_decode=True)
+    whole = runner.static_part(range(3))
+    assert whole is runner.static_part(range(3)) and whole != runner.static_part(range(1))
+    assert whole[1].func == runner._decode_part and whole[1].args == (range(3),)
+    draft = runner.first_layers(2)
+    assert draft is runner.first_layers(2) and draft.num_layers == 2 and runner.num_layers == 3
+    (_, step) = draft.static_part(range(2))
+    assert step.func.__self__ is draft and step.args == (range(2),)
+    assert draft.first_layers(1).num_layers == 1
+    eager = Runner(runner.model, cuda_graphs=True)
+    assert eager.static_part(range(3)).func == eager._decode_part  # not compiled
+
+
 def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids):
     runner = Runner(tiny_model("llama"))
     cache = runner.prefill(random_ids).cache
@@ -448,9 +488,10 @@ def test_an_unmasked_decode_step_over_many_keys_splits_them_too(random_ids, monk
     """A dynamic cache's step (no mask) over ``split_decode_from`` keys or more: the split path, SDPA's logits."""
     calls = _counting_splits(monkeypatch)
     eager, split = Runner(tiny_model("llama")), Runner(tiny_model("llama"))
-    split.split_decode_from = 0
+    split.split_decode_from = 43  # the steps over 43 keys and more: all but the first two (41 and 42 keys)
     assert split.generate(random_ids, NEW_TOKENS).tokens == eager.generate(random_ids, NEW_TOKENS).tokens
-    assert len(calls) == (NEW_TOKENS - 1) * split.num_layers
+    assert len(calls) == (NEW_TOKENS - 1 - 2) * split.num_layers
+    split.split_decode_from = 0
     token = torch.argmax(eager.prefill(random_ids).logits)
     torch.testing.assert_close(
         split.decode_step(token, 40, split.prefill(random_ids).cache),
