@@ -30,7 +30,7 @@ from rankkit.oracle import EmptyAnswer, answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.prompting import Prompt, example_prompt, reference_answer
-from rankkit.runner import Runner, layer_types
+from rankkit.runner import PrefillResult, Runner, layer_types
 from rankkit.shards import rank_device, shard, share, share_size, wait_for_other_ranks
 from rankkit.values import check_count
 
@@ -261,12 +261,13 @@ def oracle_for(
     ids: torch.Tensor,
     attrs: dict,
     options: OracleOptions,
-    prefill=None,
+    prefill: PrefillResult | None,
     *,
-    scored: bool = True,
+    scored: bool,
 ):
     """The oracle of one example and the attrs recording its answer, correctness (unless not
-    ``scored``: random weights' answers mean nothing) and options."""
+    ``scored``: random weights' answers mean nothing) and options; ``prefill``, the example's full
+    prefill where the capture made one, is continued instead of made again."""
     result = answer_informed_oracle(
         runner,
         ids,
@@ -477,7 +478,7 @@ def specprefill_for(draft: str, runner: Runner):
     from rankkit.methods.specprefill import draft_runner
 
     method = make("specprefill", draft_model=draft)
-    draft_runner(method.bind(runner.num_layers).draft_model, runner)
+    draft_runner(method.draft_model, runner)  # given, so no depth of the target's fills it in
     return method
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import run_on_two_gloo_ranks
+from conftest import run_on_two_gloo_ranks, tiny_model
 
 from rankkit import stores
 from rankkit.capture import OracleOptions, add_oracle, capture
@@ -62,7 +62,8 @@ def reference_store(tiny_folder, tmp_path_factory):
     summary = capture(
         model=str(tiny_folder), data=DATA, out=out, device="cpu", oracle=OracleOptions(max_new_tokens=4)
     )
-    assert summary.written == 4 and summary.accuracy["n_examples"] == 4
+    assert (summary.written, summary.captures, summary.oracles) == (4, 4, 4)
+    assert summary.accuracy["n_examples"] == 4
     return out
 
 
@@ -91,6 +92,96 @@ def test_store_holds_every_probe_at_every_layer_with_spans(reference_store):
     assert record.oracle.shape == (record.num_tokens,)
     assert record.oracle_layers.shape == (3, record.num_tokens)
     assert record.attrs["oracle_params"]["max_new_tokens"] == 4
+
+
+def test_each_examples_attrs_hold_what_it_asks_and_where_its_parts_are(reference_store, default_tokenizer):
+    """What a reader of the store has without the model, against the data spec's own examples: the task,
+    question, answers and metric as the data gave them, one text per token, and spans whose characters
+    are the context and the question of the prompt, and whose tokens read them and the needle."""
+    import json
+
+    from rankkit.data import METRICS, load_examples
+    from rankkit.prompting import example_prompt
+
+    store = stores.open(reference_store)
+    examples = {example.id: example for example in load_examples(DATA, default_tokenizer)}
+    assert sorted(store.example_ids()) == sorted(examples)
+    for example_id, example in examples.items():
+        record = store.example(example_id)
+        attrs, tokens, text = record.attrs, record.tokens.tolist(), example_prompt(default_tokenizer, example).text
+        assert {key: attrs[key] for key in ("task", "question", "answers", "answer_prefix", "metric", "meta")} == {
+            "task": example.task,
+            "question": example.question,
+            "answers": list(example.answers),
+            "answer_prefix": example.answer_prefix,
+            "metric": example.metric,
+            "meta": json.loads(json.dumps(example.meta)),
+        }
+        assert attrs["num_tokens"] == len(tokens) == record.num_tokens
+        assert attrs["token_text"] == [default_tokenizer.decode([token]) for token in tokens]
+        spans = attrs["spans"]
+        assert set(spans) == {"context_chars", "question_chars", "context_tokens", "question_tokens",
+                              "evidence_chars", "evidence_tokens"}  # fmt: skip
+        assert text[slice(*spans["context_chars"])] == example.context
+        assert text[slice(*spans["question_chars"])] == example.question
+        assert spans["evidence_chars"] == [list(span) for span in example.evidence] != []
+        read = {name: default_tokenizer.decode(tokens[slice(*spans[name])]) for name in ("context_tokens", "question_tokens")}
+        assert example.context.strip() in read["context_tokens"] and example.question.strip() in read["question_tokens"]
+        assert spans["context_tokens"][1] <= spans["question_tokens"][0]
+        for (start, end), (first, last) in zip(example.evidence, spans["evidence_tokens"], strict=True):
+            assert spans["context_tokens"][0] <= first < last <= spans["context_tokens"][1]
+            assert example.context[start:end].strip() in default_tokenizer.decode(tokens[first:last])
+        # the oracle ranked by the model's own answer, which is scored by the example's metric
+        assert attrs["oracle_params"]["answer"] == "generated" and attrs["prediction"] == attrs["oracle_answer"]
+        assert attrs["correct"] == float(METRICS[example.metric](attrs["prediction"], example.answers))
+
+
+def test_capture_prefills_each_example_once_and_a_reference_oracle_decodes_from_that_prefill(
+    tiny_folder, tmp_path, monkeypatch
+):
+    """The oracle's decode continues the capture's prefill (a second prefill would double the cost); an
+    oracle of the reference answer records that answer, and no prediction to score."""
+    from rankkit.prompting import reference_answer
+    from rankkit.runner import Runner
+
+    prefills = []
+    real = Runner.prefill
+    monkeypatch.setattr(Runner, "prefill", lambda self, *args, **kwargs: prefills.append(1) or real(self, *args, **kwargs))
+    out = tmp_path / "reference.zarr"
+    options = OracleOptions(answer="reference", max_new_tokens=4)
+    summary = capture(model=str(tiny_folder), data="niah:n=2,length=256", out=out, device="cpu", oracle=options)
+    assert len(prefills) == summary.captures == summary.oracles == 2
+    store = stores.open(out)
+    for example_id in store.example_ids():
+        attrs = store.example(example_id).attrs
+        assert attrs["oracle_params"] == options.params()
+        assert attrs["oracle_answer"] == reference_answer(attrs["answers"], attrs["answer_prefix"]) != ""
+        assert not {"prediction", "correct"} & set(attrs)
+
+
+def test_a_runs_metadata_names_its_model_tokenizer_probes_and_data(reference_store, tiny_folder, default_tokenizer):
+    """What a resumed capture must match, and what every figure read from the store is labelled with."""
+    from rankkit.capture import run_meta
+    from rankkit.models import LoadedModel
+    from rankkit.probes import parse_probes
+
+    meta = stores.open(reference_store).meta
+    assert {key: meta["model"][key] for key in ("id", "family", "dtype")} == {
+        "id": str(tiny_folder), "family": "llama", "dtype": "float32"
+    }  # fmt: skip
+    assert re.fullmatch("[0-9a-f]{64}", meta["model"]["weights_hash"])  # the weights' sha256
+    assert not {"layer_types", "sliding_window"} & set(meta["model"]) and "timing_only" not in meta  # every layer global
+    assert (meta["num_layers"], meta["num_attention_heads"], meta["kv_heads"]) == (3, 4, 2)
+    assert meta["tokenizer"] == {"class": type(default_tokenizer).__name__, "vocab_size": len(default_tokenizer)}
+    assert meta["dataset"] == DATA
+    # a model with local layers records them and their window; random weights are marked timing only
+    hybrid = tiny_model("gemma2")
+    loaded = LoadedModel(hybrid.to(torch.bfloat16), default_tokenizer, "random:gemma2", "0" * 64, torch.device("cpu"), True)
+    made = run_meta(loaded, parse_probes("window"), DATA)
+    assert made["model"]["layer_types"] == list(hybrid.config.layer_types) and "sliding_attention" in made["model"]["layer_types"]
+    assert made["model"]["sliding_window"] == hybrid.config.sliding_window > 0
+    assert (made["model"]["family"], made["model"]["dtype"], made["timing_only"]) == ("gemma2", "bfloat16", True)
+    assert made["probes"] == {"window": parse_probes("window")[0].params()}
 
 
 def test_rerun_skips_complete_examples(reference_store, tiny_folder):
@@ -232,6 +323,27 @@ def test_oracle_settings_are_part_of_the_store_identity(reference_store, tiny_fo
         add_oracle(redone, options=OracleOptions(max_new_tokens=4), model=str(tiny_folder), device="cpu")
 
 
+def test_an_oracle_unflagged_midway_through_its_redo_holds_no_setting_and_is_redone(reference_store, tiny_folder, tmp_path):
+    """A crash while an oracle is rewritten leaves it unflagged, its attrs still naming the settings of
+    the redo: those are not settings the store holds, and adding oracles redoes that one alone."""
+    import zarr
+
+    from rankkit.capture import check_oracle_settings
+    from rankkit.stores.schema import example_path, update_attributes
+
+    crashed = tmp_path / "crashed.zarr"
+    shutil.copytree(reference_store, crashed)
+    options = OracleOptions(max_new_tokens=4)  # the reference store's
+    first = stores.open(crashed).example_ids()[0]
+    group = zarr.open_group(crashed / example_path(first), mode="r+")
+    update_attributes(group, {"oracle_complete": False, "oracle_params": OracleOptions(kernel=3).params()})
+    check_oracle_settings(crashed, options)  # only the flagged oracles' settings count
+    summary = add_oracle(crashed, options=options, model=str(tiny_folder), device="cpu")
+    assert summary.oracles == 1 and summary.complete_before == 3
+    records = stores.open(crashed).examples()
+    assert all(record.has_oracle and record.attrs["oracle_params"] == options.params() for record in records)
+
+
 def test_an_interrupted_redo_resumes_redoing_only_the_oracles_of_the_old_settings(
     reference_store, tiny_folder, tmp_path, monkeypatch
 ):
@@ -340,3 +452,44 @@ def test_a_capture_resumed_after_its_jsonl_file_changed_is_refused(tiny_folder, 
     with pytest.raises(RankkitError, match=r"holds a different run \(data_sha256: "):
         capture(model=str(tiny_folder), data=str(data), out=out, device="cpu")
     assert stores.open(out).example_ids() and len(stores.open(out)) == 1
+
+
+def test_oracle_settings_without_an_oracle_are_refused_by_their_options_and_the_defaults_pass():
+    from rankkit.capture import requested_oracle
+    from rankkit.errors import RankkitError
+
+    chosen = OracleOptions(softmax=True, kernel=9)
+    assert requested_oracle(True, chosen) is chosen
+    assert requested_oracle(False, OracleOptions()) is None
+    for options, given in (
+        (chosen, "--softmax --kernel 9 set"),
+        (OracleOptions(answer="reference"), "--answer reference sets"),
+        (OracleOptions(softmax=False, max_new_tokens=4), "--max-new-tokens 4 sets"),  # a default is not named
+    ):
+        with pytest.raises(RankkitError) as refused:
+            requested_oracle(False, options)
+        assert str(refused.value) == f"{given} how the oracle is made, and no oracle is made: add --oracle, or drop them"
+
+
+def test_what_an_interrupted_capture_kept_names_oracles_to_redo_only_when_it_had_some():
+    from rankkit.capture import CaptureSummary
+
+    summary = CaptureSummary(out="store.zarr", captures=2, oracles=1, complete_before=3)
+    assert summary.kept() == (
+        "interrupted: kept 2 captures and 1 oracles written by this run (3 examples were complete before) "
+        "in store.zarr; rerun the same command to resume"
+    )
+    summary.outdated_before = 4
+    assert "(3 examples were complete before, 4 with oracles of other settings to redo) in store.zarr" in summary.kept()
+
+
+def test_a_stores_size_is_one_score_per_layer_kv_head_probe_and_token():
+    """What a capture checks the disk for before it writes (float32 scores by default, float16 on request)."""
+    from types import SimpleNamespace
+
+    from rankkit.capture import store_bytes
+
+    config = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3)  # the default model's shape
+    assert store_bytes(config, 6, 1000, "float16") == 30 * 3 * 6 * 1000 * 2 == 1_080_000
+    assert store_bytes(config, 6, 1000, "float32") == 2_160_000
+    assert store_bytes(config, 1, 7, "float16") == 30 * 3 * 7 * 2
