@@ -230,7 +230,8 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, _rankkit_attention)
 
 
-def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _rankkit_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    # the mask is the cache's (``_Step.attend``); dropout, in kwargs, is a training setting
     step = kwargs.get("rankkit_step")
     if step is None:
         raise RankkitError("rankkit's attention runs only inside Runner.prefill and decode_step")
@@ -509,7 +510,6 @@ class Runner:
                 hidden, cos, sin = hidden.to(device), cos.to(device), sin.to(device)
             hidden = layer(
                 hidden,
-                attention_mask=None,
                 position_ids=positions[None],
                 cache=cache,
                 use_cache=True,

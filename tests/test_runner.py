@@ -545,6 +545,8 @@ def test_flash_attentions_call_takes_its_layout_scale_and_causality(random_ids):
 
     calls = []
     model = tiny_model("llama").to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 0.7  # not SDPA's and flash-attn's default, 1/sqrt(head_dim)
     plain, flash = Runner(model), Runner(model)
     flash._flash = flash_attn_func
     assert torch.equal(flash.prefill(random_ids, logits_at="all").logits, plain.prefill(random_ids, logits_at="all").logits)
@@ -585,3 +587,25 @@ def test_rankkits_attention_outside_a_runners_step_is_refused(random_ids):
     with runner._installed(), pytest.raises(RankkitError, match=r"^rankkit's attention runs only inside Runner\.prefill and decode_step$"):
         model(random_ids[None])
     assert model.config._attn_implementation != "rankkit"
+
+
+def test_feed_last_feeds_back_the_last_token_unless_it_is_eos(random_ids):
+    """The oracle and SpecPrefill's lookahead score with the query of every answer token, the last one
+    too; an EOS ends the answer unfed."""
+    from rankkit.runner import greedy_continue
+
+    class StepPositions(LayerHook):
+        def __init__(self):
+            self.positions = []
+
+        def after_decode_step(self, cache, position):
+            self.positions.append(position)
+
+    model = tiny_model("llama")
+    runner, hook = Runner(model), StepPositions()
+    tokens = greedy_continue(runner, runner.prefill(random_ids), 3, [hook], feed_last=True, stop_at_eos=False)
+    assert len(tokens) == 3 and hook.positions == [40, 41, 42]
+    model.generation_config.eos_token_id = tokens[1]
+    hook = StepPositions()
+    assert greedy_continue(runner, runner.prefill(random_ids), 3, [hook], feed_last=True) == tokens[:2]
+    assert hook.positions == [40]
