@@ -161,6 +161,10 @@ def test_capture_prefills_each_example_once_and_a_reference_oracle_decodes_from_
 
 def test_a_runs_metadata_names_its_model_tokenizer_probes_and_data(reference_store, tiny_folder, default_tokenizer):
     """What a resumed capture must match, and what every figure read from the store is labelled with."""
+    from types import SimpleNamespace
+
+    from transformers import Llama4TextConfig
+
     from rankkit.capture import run_meta
     from rankkit.models import LoadedModel
     from rankkit.probes import parse_probes
@@ -182,6 +186,10 @@ def test_a_runs_metadata_names_its_model_tokenizer_probes_and_data(reference_sto
     assert made["model"]["sliding_window"] == hybrid.config.sliding_window > 0
     assert (made["model"]["family"], made["model"]["dtype"], made["timing_only"]) == ("gemma2", "bfloat16", True)
     assert made["probes"] == {"window": parse_probes("window")[0].params()}
+    # Llama 4's chunked layers: local, with no sliding window to record
+    chunked = SimpleNamespace(config=Llama4TextConfig(num_hidden_layers=4), dtype=torch.bfloat16)
+    made = run_meta(LoadedModel(chunked, default_tokenizer, "llama4", "0" * 64, torch.device("cpu")), [], DATA)
+    assert made["model"]["layer_types"][0] == "chunked_attention" and made["model"]["sliding_window"] is None
 
 
 def test_rerun_skips_complete_examples(reference_store, tiny_folder):
@@ -368,9 +376,14 @@ def test_an_interrupted_redo_resumes_redoing_only_the_oracles_of_the_old_setting
         f"4 with oracles of other settings to redo) in {redone}; rerun the same command to resume"
     )
     monkeypatch.setattr(StoreWriter, "add_oracle", real)
-    with pytest.raises(RankkitError, match=f"holds oracles made with 2 settings .*; finish it with `rankkit oracle "
-                       f"{redone} --redo` and the settings it was given"):  # fmt: skip
+    first, second = stores.open(redone).example_ids()[:2]  # redone first, and one the redo had not reached
+    with pytest.raises(RankkitError) as refused:
         add_oracle(redone, options=new, model=str(tiny_folder), device="cpu")
+    assert str(refused.value) == (
+        f"{redone} holds oracles made with 2 settings (answer=generated, softmax=False, kernel=7, max_new_tokens=2 "
+        f"(example {first!r}); answer=generated, softmax=False, kernel=7, max_new_tokens=4 (example {second!r})), "
+        f"as an interrupted --redo leaves it; finish it with `rankkit oracle {redone} --redo` and the settings it was given"
+    )
     resumed = add_oracle(redone, options=new, model=str(tiny_folder), device="cpu", redo=True)
     assert (resumed.written, resumed.skipped) == (3, 1)
     settings = [record.attrs["oracle_params"]["max_new_tokens"] for record in stores.open(redone).examples()]
@@ -493,3 +506,74 @@ def test_a_stores_size_is_one_score_per_layer_kv_head_probe_and_token():
     assert store_bytes(config, 6, 1000, "float16") == 30 * 3 * 6 * 1000 * 2 == 1_080_000
     assert store_bytes(config, 6, 1000, "float32") == 2_160_000
     assert store_bytes(config, 1, 7, "float16") == 30 * 3 * 7 * 2
+
+
+def test_a_captures_summary_books_written_and_skipped_examples_their_tokens_and_scores():
+    """What the summary prints and the accuracy interval resamples (by the example's cluster), and the
+    progress a front end draws: a resumed example is ``skipped``, taking no time."""
+    from rankkit.capture import CaptureSummary
+    from rankkit.progress import SKIPPED, Progress
+
+    events = []
+    summary = CaptureSummary(out="store.zarr", total=3)
+    for example_id, tokens, attrs in (
+        ("a", 100, {"meta": {"cluster": "needle-1"}, "correct": 1.0}),
+        ("b", None, {"meta": {}, "correct": 0.0}),  # found complete: skipped, its stored score still counts
+        ("c", 50, {"meta": None}),  # no score: random weights, or an oracle without an answer
+    ):
+        summary.examples += 1
+        summary.count(events.append, example_id, tokens, attrs)
+    assert (summary.written, summary.skipped, summary.tokens) == (2, 1, 150)
+    assert summary.scored == [
+        {"example_id": "a", "cluster": "needle-1", "accuracy": 1.0},
+        {"example_id": "b", "cluster": None, "accuracy": 0.0},
+    ]
+    assert events == [Progress("written", 1, 3, "a"), Progress(SKIPPED, 2, 3, "b"), Progress("written", 3, 3, "c")]
+
+
+def test_the_python_apis_oracle_argument_takes_options_a_dict_of_them_true_or_none():
+    from rankkit.capture import _oracle_options
+    from rankkit.errors import RankkitError
+
+    chosen = OracleOptions(kernel=3)
+    assert _oracle_options(True) == OracleOptions() and _oracle_options(chosen) is chosen
+    assert _oracle_options(False) is None and _oracle_options(None) is None
+    assert _oracle_options({"kernel": 3, "softmax": True}) == OracleOptions(kernel=3, softmax=True)
+    with pytest.raises(RankkitError) as refused:
+        _oracle_options({"kernal": 3, "depth": 1}, "options")
+    assert str(refused.value) == "options has no setting kernal, depth; its settings are answer, softmax, kernel, max_new_tokens"
+    with pytest.raises(RankkitError) as refused:
+        _oracle_options("yes")
+    assert str(refused.value) == (
+        "oracle takes OracleOptions(...), a dict of its settings, True for its defaults, or None, not 'yes'"
+    )
+
+
+def test_an_oracles_answer_is_scored_against_the_examples_answers_and_a_reference_follows_its_prefix(tiny_folder):
+    """The generated answer counts as correct exactly when the example's metric says so (a random model's
+    answer is wrong for any real question, so the test makes its own answer the gold one); the reference
+    answer is the first gold answer, after the prompt's answer prefix with its space."""
+    from rankkit import models
+    from rankkit.capture import oracle_for
+    from rankkit.runner import Runner
+
+    loaded = models.load(str(tiny_folder), device="cpu")
+    runner, tokenizer, ids = Runner(loaded.model), loaded.tokenizer, torch.arange(3, 40)
+    options = OracleOptions(max_new_tokens=4)
+    _, wrong = oracle_for(runner, tokenizer, ids, {"answers": ["Dolores Park"], "metric": "string_match_all"}, options, None, scored=True)
+    assert wrong["correct"] == 0.0 and wrong["prediction"] == wrong["oracle_answer"] != ""
+    own = {"answers": [wrong["prediction"].strip()], "metric": "string_match_all"}
+    _, right = oracle_for(runner, tokenizer, ids, own, options, None, scored=True)
+    assert right["correct"] == 1.0 and right["prediction"] == wrong["prediction"]
+    _, unscored = oracle_for(runner, tokenizer, ids, own, options, None, scored=False)
+    assert "correct" not in unscored and unscored["prediction"] == wrong["prediction"]
+    softmax = OracleOptions(softmax=True, max_new_tokens=4)  # made and recorded as asked
+    assert oracle_for(runner, tokenizer, ids, own, softmax, None, scored=True)[1]["oracle_params"] == softmax.params()
+    reference = OracleOptions(answer="reference", max_new_tokens=4)
+    no_answers = {"answers": [], "metric": "string_match_all"}  # the generated answer needs no gold one
+    assert oracle_for(runner, tokenizer, ids, no_answers, options, None, scored=False)[1]["prediction"] == wrong["prediction"]
+    for prefix, expected in (("Answer:", " Paris"), ("", "Paris"), (None, "Paris")):  # None: a store from before prefixes
+        attrs = {"answers": ["Paris", "Lyon"], "metric": "string_match_all"} | ({} if prefix is None else {"answer_prefix": prefix})
+        _, made = oracle_for(runner, tokenizer, ids, attrs, reference, None, scored=True)
+        assert made["oracle_answer"] == expected and made["oracle_params"] == reference.params()
+        assert not {"prediction", "correct"} & set(made)
