@@ -510,6 +510,7 @@ class Runner:
                 hidden, cos, sin = hidden.to(device), cos.to(device), sin.to(device)
             hidden = layer(
                 hidden,
+                attention_mask=None,
                 position_ids=positions[None],
                 cache=cache,
                 use_cache=True,
