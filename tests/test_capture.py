@@ -577,3 +577,55 @@ def test_an_oracles_answer_is_scored_against_the_examples_answers_and_a_referenc
         _, made = oracle_for(runner, tokenizer, ids, attrs, reference, None, scored=True)
         assert made["oracle_answer"] == expected and made["oracle_params"] == reference.params()
         assert not {"prediction", "correct"} & set(made)
+
+
+def test_float16_scores_are_recorded_as_the_stores_and_float32_ones_as_the_default(tiny_folder, tmp_path):
+    """``--score-dtype float16`` halves a store: the store says so (a resume must match it) and holds the
+    float32 capture's scores rounded; a float32 store names no dtype, as stores made before the option."""
+    half, whole = tmp_path / "half.zarr", tmp_path / "whole.zarr"
+    for out, score_dtype in ((half, "float16"), (whole, "float32")):
+        capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", score_dtype=score_dtype)
+    store, full = stores.open(half), stores.open(whole)
+    assert store.meta["score_dtype"] == "float16" and "score_dtype" not in full.meta
+    (example_id,) = store.example_ids()
+    for probe in store.example(example_id).probes:
+        expected = full.example(example_id).scores(probe).astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(store.example(example_id).scores(probe), expected)
+
+
+def test_a_prompt_longer_than_the_model_is_refused_before_it_loads_unless_allowed(tiny_folder, tmp_path, monkeypatch):
+    from rankkit import models
+    from rankkit.errors import RankkitError
+
+    class Loading(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr(models, "load", load)
+    with pytest.raises(RankkitError) as refused:
+        capture(model=str(tiny_folder), data="niah:n=1,length=600", out=tmp_path / "long.zarr", device="cpu")
+    assert str(refused.value) == (
+        "'niah:n=1,length=600' has 600 tokens, more than the model's 512 positions; shorten it, or pass "
+        "--allow-overlength to run it anyway"
+    )
+    assert not (tmp_path / "long.zarr").exists()
+    with pytest.warns(UserWarning, match="more than the model's 512 positions; running it anyway"), pytest.raises(Loading):
+        capture(model=str(tiny_folder), data="niah:n=1,length=600", out=tmp_path / "long.zarr", device="cpu", allow_overlength=True)
+
+
+def test_an_unreadable_example_holds_no_oracle_setting(reference_store, tmp_path):
+    """A resumed capture redoes an example whose metadata is damaged, so its oracle's settings (unknown)
+    cannot refuse the run."""
+    from rankkit.capture import check_oracle_settings
+    from rankkit.errors import RankkitError
+    from rankkit.stores.schema import example_path
+
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(reference_store, damaged)
+    first = stores.open(damaged).example_ids()[0]
+    (damaged / example_path(first) / "zarr.json").write_text("{ not json")
+    check_oracle_settings(damaged, OracleOptions(max_new_tokens=4))
+    with pytest.raises(RankkitError, match="holds oracles made with answer=generated, softmax=False, kernel=7, max_new_tokens=4 "):
+        check_oracle_settings(damaged, OracleOptions(max_new_tokens=2))  # the readable ones still count
