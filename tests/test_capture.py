@@ -139,7 +139,7 @@ def test_each_examples_attrs_hold_what_it_asks_and_where_its_parts_are(reference
 def test_capture_prefills_each_example_once_and_a_reference_oracle_decodes_from_that_prefill(
     tiny_folder, tmp_path, monkeypatch
 ):
-    """The oracle's decode continues the capture's prefill (a second prefill would double the cost); an
+    """The oracle's decode continues the capture's prefill (a second would cost as much again); an
     oracle of the reference answer records that answer, and no prediction to score."""
     from rankkit.prompting import reference_answer
     from rankkit.runner import Runner
