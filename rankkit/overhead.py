@@ -198,7 +198,9 @@ def _peak_in_subprocess(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _interleaved_times(sides: Sides, device, repeats: int, on_repeat: Callable[[], None]) -> dict[str, list[float]]:
+def interleaved_times(sides: Sides, device, repeats: int, on_repeat: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds of each side per repeat, after one warm-up of each, the sides' order alternating
+    (``counterbalanced``) so that their times pair round by round (``paired_ratios``)."""
     times = {"baseline": [], "rankkit": []}
     with torch.inference_mode():
         sides.baseline(), sides.rankkit()  # warm-up, excluded
@@ -257,7 +259,7 @@ def run_overhead(
         seconds = dict.fromkeys(("baseline", "rankkit"))
         ratios = []
         if with_timing:
-            times = _interleaved_times(
+            times = interleaved_times(
                 sides,
                 loaded.device,
                 repeats,

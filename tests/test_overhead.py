@@ -295,7 +295,7 @@ def test_an_option_the_scenario_does_not_use_is_refused(arguments, unused):
 def test_the_two_sides_alternate_which_runs_first():
     """A repeat's second run meets what the first left (allocator, caches): each side runs first in
     every other repeat, after one warm-up each, and each side's times are its own."""
-    from rankkit.overhead import Sides, _interleaved_times
+    from rankkit.overhead import Sides, interleaved_times
 
     order = []
     sides = Sides(
@@ -303,7 +303,7 @@ def test_the_two_sides_alternate_which_runs_first():
         rankkit=lambda: order.append("rankkit"),
     )
     repeats = []
-    times = _interleaved_times(sides, torch.device("cpu"), 4, lambda: repeats.append(len(order)))
+    times = interleaved_times(sides, torch.device("cpu"), 4, lambda: repeats.append(len(order)))
     assert order == ["baseline", "rankkit"] + ["baseline", "rankkit", "rankkit", "baseline"] * 2
     assert repeats == [4, 6, 8, 10]  # reported after each repeat's two runs
     assert len(times["rankkit"]) == 4 and max(times["rankkit"]) < 0.02 <= min(times["baseline"])
@@ -362,7 +362,7 @@ def test_the_time_ratio_is_the_median_of_each_repeats_ratio_with_its_interval(ti
     baseline = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     rankkit = [2.0, 2.0, 3.0, 8.0, 5.0, 6.0]
     monkeypatch.setattr(
-        overhead, "_interleaved_times", lambda *args, **kwargs: {"baseline": baseline, "rankkit": rankkit}
+        overhead, "interleaved_times", lambda *args, **kwargs: {"baseline": baseline, "rankkit": rankkit}
     )
     (row,) = run_overhead("runner", [64], model_spec=str(tiny_folder), device="cpu", with_memory=False)
     assert row["repeats"] == 6 and (row["baseline_s"], row["rankkit_s"]) == (3.5, 4.0)

@@ -2,7 +2,7 @@
 method and prompt runs under ``TensorMemoryTracker``, so its cost is paid once per grid cell.
 
 Greedy generation of ``--new-tokens`` tokens after a random ``--length``-token prompt on the default
-model, untracked and tracked in interleaved rounds (``counterbalanced``); prints the median times,
+model, untracked and tracked in interleaved rounds (``overhead.interleaved_times``); prints the median times,
 the median of the rounds' paired ratios (``paired_ratios``, as every rankkit ratio) and the peak.
 Usage: ``python tools/tracker_cost.py [--length 1024] [--new-tokens 16] [--rounds 4]``.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from rankkit import models
-from rankkit.measure import TensorMemoryTracker, counterbalanced, hold_freed_memory, paired_ratios
+from rankkit.measure import TensorMemoryTracker, hold_freed_memory, paired_ratios
+from rankkit.overhead import Sides, interleaved_times
 from rankkit.runner import Runner
 
 
@@ -30,24 +30,21 @@ def main() -> None:
     runner = Runner(models.load("default", device="cpu").model)
     ids = torch.randint(0, 1000, (arguments.length,), generator=torch.Generator().manual_seed(0))
 
-    def generate() -> None:
-        with torch.inference_mode():
-            runner.generate(ids, arguments.new_tokens)
+    peaks = []
 
-    generate()  # warm-up, excluded
-    seconds: dict[str, list[float]] = {"untracked": [], "tracked": []}
-    for round_index in range(arguments.rounds):
-        for side in counterbalanced(list(seconds), round_index):
-            started = time.perf_counter()
-            if side == "tracked":
-                with TensorMemoryTracker() as tracker:
-                    generate()
-            else:
-                generate()
-            seconds[side].append(time.perf_counter() - started)
-    untracked, tracked = (statistics.median(times) for times in seconds.values())
-    ratio = statistics.median(paired_ratios(seconds["tracked"], seconds["untracked"]))
-    print(f"untracked {untracked:.3f} s, tracked {tracked:.3f} s: {ratio:.3f}x; peak {tracker.peak} bytes")
+    def generate() -> None:
+        runner.generate(ids, arguments.new_tokens)
+
+    def tracked() -> None:
+        with TensorMemoryTracker() as tracker:
+            generate()
+        peaks.append(tracker.peak)
+
+    # the untracked run is the baseline side, the tracked one the side measured against it
+    seconds = interleaved_times(Sides(baseline=generate, rankkit=tracked), torch.device("cpu"), arguments.rounds, lambda: None)
+    untracked, with_tracker = (statistics.median(seconds[side]) for side in ("baseline", "rankkit"))
+    ratio = statistics.median(paired_ratios(seconds["rankkit"], seconds["baseline"]))
+    print(f"untracked {untracked:.3f} s, tracked {with_tracker:.3f} s: {ratio:.3f}x; peak {peaks[-1]} bytes")
 
 
 if __name__ == "__main__":

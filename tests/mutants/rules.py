@@ -116,10 +116,10 @@ def _devices_named(tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        named += [ast.dump(keyword.value) for keyword in node.keywords if keyword.arg == "device"]
+        named += [keyword.value for keyword in node.keywords if keyword.arg == "device"]
         if _moves_to_a_device(node):
-            named.append(ast.dump(node.args[0]))
-    return [device for device in named if device != ast.dump(ast.Constant(None))]
+            named.append(node.args[0])
+    return [ast.dump(device) for device in named if not _is_none(device)]
 
 
 def changes_only_a_device(original: str, mutant: str) -> bool:
