@@ -391,7 +391,7 @@ def capture(
     device_map = models.parse_device_map(device_map)
     models.resolve_device(device)
     tokenizer = models.load_tokenizer(model)
-    examples = storable_examples(load_examples(data, tokenizer)[:limit], data)
+    examples = load_examples(data, tokenizer)[:limit]
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
     tokens = sum(prompt.num_tokens for prompt in prompts)
     # a store being resumed holds some of it already: only a new one is held to the estimate
@@ -457,19 +457,6 @@ def store_bytes(config, probe_count: int, tokens: int, score_dtype: str) -> int:
     layer, KV head and token (they barely compress, docs/benchmarks.md)."""
     per_token = config.num_hidden_layers * config.num_key_value_heads * probe_count
     return tokens * per_token * np.dtype(score_dtype).itemsize
-
-
-def storable_examples(examples: list[Example], data: str) -> list[Example]:
-    """``examples``, refused before anything is written when there is none or an id cannot name
-    an example in a store (empty, too long)."""
-    if not examples:
-        raise RankkitError(f"'{data}' holds no example; give a data spec or a file with at least one")
-    for number, example in enumerate(examples, start=1):
-        try:
-            stores.encode_name(example.id)
-        except RankkitError as error:
-            raise RankkitError(f"example {number} of '{data}' has an id no store can hold: {error}") from None
-    return examples
 
 
 def specprefill_for(draft: str, runner: Runner):

@@ -728,7 +728,6 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
     a synthetic cell's from its spec (its prompts are fitted to its length; only the first example
     of each task's shortest cell is built, to refuse a length too short for the task), a jsonl
     file's by reading it with the model's tokenizer."""
-    from rankkit.capture import storable_examples
     from rankkit.data import read_spec
 
     sizes, tokenizer, shortest = {}, None, _shortest_of_each_task(plan)
@@ -746,7 +745,7 @@ def _cell_sizes(plan: Experiment, config) -> dict[str, CellSize]:
                     sizes[cell.name] = CellSize(count, count * spec.length, count * spec.length**2, spec.length, 0)
                     continue
                 tokenizer = tokenizer or models.load_tokenizer(plan.model.name)
-                examples = storable_examples(load_examples(cell.spec, tokenizer), cell.spec)
+                examples = load_examples(cell.spec, tokenizer)
                 prompts = check_prompt_lengths(
                     tokenizer, examples, config, allow_overlength=plan.model.allow_overlength
                 )

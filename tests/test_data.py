@@ -23,6 +23,7 @@ from rankkit.data.niah import NEEDLE, NEEDLES, QUESTION
 from rankkit.data.ruler import NIAH_DEPTHS, NIAH_REPEAT_HAYSTACK, RULER_VERSION, TASKS, TEMPLATES
 from rankkit.data.sources import package_file
 from rankkit.errors import RankkitError
+from rankkit.names import encode_name
 from rankkit.prompting import build_prompt
 
 
@@ -56,6 +57,7 @@ def test_niah_n_gives_independent_examples_a_haystack_and_a_needle_each():
     examples share nothing, so each is its own cluster (a needle used twice joins its examples)."""
     examples = load_examples("niah:n=10,length=600,seed=3", WORDS)
     assert [example.meta["seed"] for example in examples] == list(range(3, 13))
+    assert len({encode_name(example.id) for example in examples}) == 10  # ten ids a store can hold
     assert [example.meta["needle"] for example in examples] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     assert [example.meta["cluster"] for example in examples] == [
         f"niah-needle{k}" for k in (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
@@ -154,6 +156,8 @@ def check_ruler_evidence(task: str, example: Example) -> None:
 def test_ruler_task_fits_the_length_and_marks_its_evidence(task):
     examples = load_examples(f"ruler:task={task},n=2,length=3000", WORDS)
     assert len(examples) == 2 and examples[0].id != examples[1].id
+    for example in examples:  # a store can hold each id: capture checks no further
+        encode_name(example.id)
     for example in examples:
         assert example.task == f"ruler/{task}"
         assert example.metric == ("string_match_part" if task.startswith("qa") else "string_match_all")

@@ -194,7 +194,8 @@ _FILE_HASHES: dict[tuple[str, int, int, int], str] = {}  # a data file's sha256 
 
 
 def load_examples(spec: str, tokenizer) -> list[Example]:
-    """The examples a spec names; ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
+    """The examples a spec names, at least one, each with an id a store can hold (a JSONL file's are
+    checked as it is read); ``tokenizer`` (a HF tokenizer) measures synthetic lengths."""
     data = read_spec(spec)
     if data.kind == "jsonl":
         examples = load_jsonl(data.path, limit=data.n)
