@@ -231,13 +231,54 @@ def test_killed_capture_then_rerun_equals_an_uninterrupted_run(reference_store, 
 
 
 def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_folder, tmp_path):
-    out = tmp_path / "later.zarr"
+    from rankkit.errors import RankkitError
+    from rankkit.progress import SKIPPED, Progress
+
+    out, events = tmp_path / "later.zarr", []
     capture(model=str(tiny_folder), data=DATA, out=out, device="cpu")
-    assert not stores.open(out).example(stores.open(out).example_ids()[0]).has_oracle
-    # a dict of the settings, as capture's oracle takes it (an AttributeError on .params once)
-    summary = add_oracle(out, options={"max_new_tokens": 4}, model=str(tiny_folder), device="cpu")
-    assert summary.written == 4
+    ids = stores.open(out).example_ids()
+    assert not stores.open(out).example(ids[0]).has_oracle
+    with pytest.raises(RankkitError) as refused:
+        add_oracle(out, options={"kernal": 3}, model=str(tiny_folder), device="cpu")
+    assert str(refused.value) == "options has no setting kernal; its settings are answer, softmax, kernel, max_new_tokens"
+    # a dict of the settings, as capture's oracle takes it (an AttributeError on .params once); without
+    # --model, the model the store names
+    summary = add_oracle(out, options={"max_new_tokens": 4}, device="cpu", progress=events.append)
+    assert (summary.written, summary.oracles, summary.total, summary.complete_before, summary.outdated_before) == (4, 4, 4, 0, 0)
+    assert events == [Progress("written", number, 4, example_id) for number, example_id in enumerate(ids, start=1)]
+    assert summary.out == str(out) and not summary.timing_only and 0 < summary.seconds < 600
     _same_store(out, reference_store)
+    events.clear()
+    again = add_oracle(out, options={"max_new_tokens": 4}, device="cpu", progress=events.append)
+    assert (again.skipped, again.written, again.complete_before) == (4, 0, 4)
+    assert events == [Progress(SKIPPED, number, 4, example_id) for number, example_id in enumerate(ids, start=1)]
+
+
+def test_add_oracle_loads_the_default_model_by_its_name_and_refuses_other_weights(tiny_folder, tmp_path, monkeypatch):
+    """A store of the default model names its hub id, which a machine without a hub cannot load: the
+    oracle loads it as ``default``, the embedded model. Weights other than the store's are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from rankkit import model_cache, models
+    from rankkit.errors import RankkitError
+
+    out = tmp_path / "run.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="window")
+    other = tmp_path / "other-weights"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(models.load_config(str(tiny_folder))).save_pretrained(other)
+    shutil.copy(tiny_folder / "tokenizer.json", other)
+    with pytest.raises(RankkitError) as refused:  # not known before it loads: refused once loaded
+        add_oracle(out, options={"max_new_tokens": 2}, model=str(other), device="cpu")
+    assert str(refused.value) == (
+        f"the store was captured with other weights than '{other}' has now; pass --model with the original model"
+    )
+    asked, real_load = [], models.load
+    monkeypatch.setattr(model_cache, "DEFAULT_MODEL_NAME", str(tiny_folder))  # the store's model is the default
+    monkeypatch.setattr(models, "known_weights_hash", lambda spec, device: asked.append(spec))
+    monkeypatch.setattr(models, "load", lambda spec, **kwargs: asked.append(spec) or real_load(str(tiny_folder), **kwargs))
+    assert add_oracle(out, options={"max_new_tokens": 2}, device="cpu").oracles == 1
+    assert asked == ["default", "default"]
 
 
 @pytest.mark.processes
@@ -272,6 +313,8 @@ def test_capture_with_a_draft_stores_its_lookahead_scores_and_a_resume_with_anot
 
     out = tmp_path / "draft.zarr"
     capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", draft="layers:2")
+    # complete with its draft's scores: a rerun has nothing to do
+    assert capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", draft="layers:2").skipped == 1
     store = stores.open(out)
     example = store.example(store.example_ids()[0])
     stored = example.group("draft_scores")["lookahead"]
@@ -629,3 +672,77 @@ def test_an_unreadable_example_holds_no_oracle_setting(reference_store, tmp_path
     check_oracle_settings(damaged, OracleOptions(max_new_tokens=4))
     with pytest.raises(RankkitError, match="holds oracles made with answer=generated, softmax=False, kernel=7, max_new_tokens=4 "):
         check_oracle_settings(damaged, OracleOptions(max_new_tokens=2))  # the readable ones still count
+
+
+def test_a_capture_books_each_example_as_it_goes_and_a_rerun_skips_what_the_store_holds(tiny_folder, tmp_path):
+    """The progress a front end draws (one event per example, counted against the run's total), what
+    the summary says, and a rerun of a capture without an oracle: its examples are complete without one."""
+    from rankkit.progress import SKIPPED, Progress
+
+    out, events = tmp_path / "plain.zarr", []
+    summary = capture(model=str(tiny_folder), data="niah:n=2,length=256", out=out, device="cpu", progress=events.append)
+    ids = stores.open(out).example_ids()
+    assert events == [Progress("written", 1, 2, ids[0]), Progress("written", 2, 2, ids[1])]
+    assert (summary.examples, summary.total, summary.captures, summary.oracles, summary.complete_before) == (2, 2, 2, 0, 0)
+    assert summary.out == str(out) and not summary.timing_only and 0 < summary.seconds < 600
+    events.clear()
+    again = capture(model=str(tiny_folder), data="niah:n=2,length=256", out=out, device="cpu", progress=events.append)
+    assert events == [Progress(SKIPPED, 1, 2, ids[0]), Progress(SKIPPED, 2, 2, ids[1])]
+    assert (again.skipped, again.written, again.captures, again.complete_before) == (2, 0, 0, 2)
+    # the store's writer lock is its rank's (torchrun ranks write one store, each under its own lock)
+    assert sorted(path.name for path in out.glob(".writer-*.lock")) == [".writer-0.lock"]
+
+
+def test_overwrite_replaces_a_store_of_another_run_that_a_resume_refuses(tiny_folder, tmp_path):
+    from rankkit.errors import RankkitError
+
+    out = tmp_path / "run.zarr"
+    capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="window")
+    with pytest.raises(RankkitError, match="holds a different run .*; rerun with --overwrite to replace it"):
+        capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="last_token_raw")
+    assert set(stores.open(out).meta["probes"]) == {"window"}
+    summary = capture(
+        model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="last_token_raw", overwrite=True
+    )
+    assert summary.written == 1 and set(stores.open(out).meta["probes"]) == {"last_token_raw"}
+
+
+def test_a_new_store_needs_the_space_its_scores_take_and_a_resume_needs_none(tiny_folder, tmp_path, monkeypatch):
+    """Refused before any work: one score per layer, KV head, probe and token at the asked dtype."""
+    from types import SimpleNamespace
+
+    from rankkit import outputs
+    from rankkit.capture import store_bytes
+    from rankkit.errors import RankkitError
+    from rankkit.models import load_config
+
+    held = tmp_path / "held.zarr"
+    run = dict(model=str(tiny_folder), data="niah:n=1,length=256", device="cpu", probes="window", score_dtype="float16")
+    capture(out=held, **run)
+    (record,) = stores.open(held).examples()
+    needed = store_bytes(load_config(str(tiny_folder)), 1, record.num_tokens, "float16")
+    assert needed == record.num_tokens * 3 * 2 * 2 > 1000
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: SimpleNamespace(free=needed - 1))
+    with pytest.raises(RankkitError) as refused:
+        capture(out=tmp_path / "new.zarr", **run)
+    assert str(refused.value) == (
+        f"{tmp_path} needs about {outputs._size(needed)} but {tmp_path} has {outputs._size(needed - 1)} free; "
+        "free some space or choose another --out"
+    )
+    assert not (tmp_path / "new.zarr").exists()
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+    assert capture(out=held, **run).skipped == 1  # its scores are written: nothing more to hold
+
+
+def test_a_device_map_reaches_the_load_of_capture_and_of_add_oracle(tiny_folder, tmp_path):
+    """A map that leaves a module without a device is refused by the load (transformers would put it on
+    the CPU without a word), so the refusal shows that the map was handed on."""
+    from rankkit.errors import RankkitError
+
+    missing_a_layer = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "lm_head", "model.layers.0", "model.layers.1")}
+    out = tmp_path / "run.zarr"
+    with pytest.raises(RankkitError, match="^--device-map gives no device to model.layers.2.self_attn.q_proj.weight"):
+        capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", device_map=missing_a_layer)
+    capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="window")
+    with pytest.raises(RankkitError, match="^--device-map gives no device to model.layers.2.self_attn.q_proj.weight"):
+        add_oracle(out, model=str(tiny_folder), device="cpu", device_map=missing_a_layer)
