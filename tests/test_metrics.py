@@ -2,8 +2,12 @@
 
 import sys
 import types
+import warnings
 
 import pytest
+from hypothesis import example as known_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rankkit.data import METRICS, Example, score
 from rankkit.errors import RankkitError
@@ -116,3 +120,40 @@ def test_score_uses_the_example_metric_and_longbench_conventions():
 def test_score_rejects_an_unknown_metric():
     with pytest.raises(RankkitError, match="unknown metric 'bleu'"):
         score(example(metric="bleu"), "yes")
+
+
+# Sentences of a few words, where a longest common subsequence repeats words and ties (which of two
+# the package traces back changes the distinct words counted), and text of odd spacing, newlines,
+# full stops and comment marks: what the metrics must split, count and break as the packages
+# LongBench scores with do.
+_SENTENCES = st.lists(st.lists(st.sampled_from(["a", "b", "c", "cat"]), max_size=6).map(" ".join), max_size=3).map(". ".join)
+_ODD_TEXT = st.lists(st.sampled_from(["a", "b", "cat", "The", " ", "  ", ".", "\n", "#", "`", "//"]), max_size=14).map("".join)
+_TEXT = st.one_of(_SENTENCES, _ODD_TEXT)
+
+
+def _longbench_rouge_l(prediction: str, reference: str) -> float:
+    """LongBench's ROUGE-L: the rouge package's F of one pair, 0 where the package refuses the pair."""
+    from rouge import Rouge
+
+    try:
+        return Rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"]
+    except ValueError:  # "Hypothesis is empty." or "Reference is empty."
+        return 0.0
+
+
+def _longbench_code_sim(prediction: str, reference: str) -> float:
+    """LongBench's code similarity: fuzzywuzzy's ratio of the first line without a fence or a comment."""
+    with warnings.catch_warnings():  # fuzzywuzzy warns that it runs without python-Levenshtein, as LongBench's does
+        warnings.simplefilter("ignore")
+        from fuzzywuzzy import fuzz
+    lines = prediction.lstrip("\n").split("\n")
+    first = next((line for line in lines if "`" not in line and "#" not in line and "//" not in line), "")
+    return fuzz.ratio(first, reference) / 100
+
+
+@settings(max_examples=500, deadline=None)
+@given(prediction=_TEXT, reference=_TEXT)
+@known_case(prediction="b c a a", reference="a a b c")  # LCS "a a" or "b c": the package traces back "b c"
+def test_rouge_l_and_code_sim_equal_the_packages_longbench_scores_with(prediction, reference):
+    assert metric("rouge_l", prediction, reference) == pytest.approx(_longbench_rouge_l(prediction, reference), abs=1e-12)
+    assert metric("code_sim", prediction, reference) == _longbench_code_sim(prediction, reference)
