@@ -15,9 +15,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rankkit.data import Example, data_fingerprint, export_jsonl, load_examples, parse_spec, score
-from rankkit.data.clusters import digest
+from rankkit.data.clusters import digest, shared_clusters
 from rankkit.data.fitting import TokenizedText, prompt_tokens
 from rankkit.data.niah import NEEDLE, NEEDLES, QUESTION
 from rankkit.data.ruler import NIAH_DEPTHS, NIAH_REPEAT_HAYSTACK, RULER_VERSION, TASKS, TEMPLATES
@@ -227,6 +229,31 @@ def test_ruler_length_below_the_fixed_text_is_refused():
 
 
 # --- RULER's clusters: examples share a cluster exactly when they share haystack text or a needle ---
+
+
+def _components_by_merging(units: list[list[str]]) -> list[set[int]]:
+    """The examples that share a unit, directly or through others: groups merged while two share one."""
+    components = [{item} for item in range(len(units))]
+    merged = True
+    while merged:
+        merged = False
+        for first, second in itertools.combinations(range(len(components)), 2):
+            if any(set(units[i]) & set(units[j]) for i in components[first] for j in components[second]):
+                components[first] |= components.pop(second)
+                merged = True
+                break
+    return components
+
+
+@given(st.lists(st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=3), max_size=9))
+def test_shared_clusters_are_the_components_of_shared_units_named_by_their_first_shared_unit(units):
+    users = Counter(name for names in units for name in set(names))
+    expected = []
+    for item, names in enumerate(units):
+        component = next(found for found in _components_by_merging(units) if item in found)
+        shared = [name for member in sorted(component) for name in units[member] if users[name] > 1]
+        expected.append((shared[0] if shared else names[0], len(component)))
+    assert shared_clusters(units) == expected
 
 
 def haystack_shingles(example: Example, words: int = 12) -> set[tuple[str, ...]]:
