@@ -247,6 +247,7 @@ def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_fol
     assert (summary.written, summary.oracles, summary.total, summary.complete_before, summary.outdated_before) == (4, 4, 4, 0, 0)
     assert events == [Progress("written", number, 4, example_id) for number, example_id in enumerate(ids, start=1)]
     assert summary.out == str(out) and not summary.timing_only and 0 < summary.seconds < 600
+    assert sorted(path.name for path in out.glob(".writer-*.lock")) == [".writer-0.lock"]  # the capture's, rank 0
     _same_store(out, reference_store)
     events.clear()
     again = add_oracle(out, options={"max_new_tokens": 4}, device="cpu", progress=events.append)
