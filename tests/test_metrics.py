@@ -64,12 +64,16 @@ def test_classification_splits_credit_and_drops_classes_inside_the_reference():
     # LongBench removes while iterating, skipping the class after a dropped one:
     # [ab, abc, abcd] -> drop ab, skip abc -> [abc, abcd] -> 1/2
     assert METRICS["classification"]("abcd", ("abcd",), ("ab", "abc", "abcd")) == 0.5
+    # the first class matched is checked too: "Human", inside "Human being", goes
+    assert METRICS["classification"]("Human being", ("Human being",), ("Human", "Human being")) == 1.0
+    assert METRICS["classification"]("Human being", ()) == 0.0  # no answer: nothing to credit
 
 
 def test_retrieval_and_count_reward_the_right_number_among_all_numbers():
     assert metric("retrieval", "Paragraph 12", "Paragraph 12") == 1.0
     assert metric("retrieval", "Paragraph 12 or Paragraph 3", "Paragraph 12") == 0.5
     assert metric("retrieval", "I do not know", "Paragraph 12") == 0.0
+    assert metric("retrieval", "Paragraph 12", "the twelfth") == 0.0  # a reference naming no paragraph
     assert metric("retrieval_zh", "段落5", "段落5") == 1.0
     assert metric("count", "There are 7 unique paragraphs.", "7") == 1.0
     assert metric("count", "7 or 8", "7") == 0.5
@@ -82,16 +86,30 @@ def test_code_sim_takes_the_first_code_line_and_rounds_to_a_percent():
     assert metric("code_sim", "abcd", "abce") == 0.75
     assert metric("code_sim", "abc", "abd") == 0.67
     assert metric("code_sim", "# only a comment", "x = 1") == 0.0
+    assert metric("code_sim", "\n\nXY = 1", "XY = 1") == 1.0  # only newlines are stripped before the first line
 
 
 def test_chinese_metrics_segment_with_jieba(monkeypatch):
-    one_char_words = types.SimpleNamespace(cut=lambda text, cut_all=False: iter(text))
-    monkeypatch.setitem(sys.modules, "jieba", one_char_words)
+    def one_char_words(text, cut_all):
+        assert cut_all is False  # jieba's accurate mode, as LongBench's: its full mode adds overlapping words
+        return iter(text)
+
+    monkeypatch.setitem(sys.modules, "jieba", types.SimpleNamespace(cut=one_char_words))
     # punctuation is dropped after segmentation: [北, 京] against [北, 京]
     assert metric("qa_f1_zh", "北京。", "北京") == 1.0
     # [北, 京, 市] against [北, 京]: P = 2/3, R = 1 -> F1 = 0.8
     assert metric("qa_f1_zh", "北京市", "北京") == pytest.approx(0.8)
     assert metric("rouge_l_zh", "北京", "北京") == pytest.approx(1.0, abs=1e-7)
+
+
+def test_chinese_words_lose_their_punctuation_and_spaces_and_are_lower_cased(monkeypatch):
+    """Words of several characters, segmented at "|": each normalised whole (LongBench's normalize_zh_answer)."""
+    monkeypatch.setitem(sys.modules, "jieba", types.SimpleNamespace(cut=lambda text, cut_all: iter(text.split("|"))))
+    assert metric("qa_f1_zh", "北 京，|市", "北京|市") == 1.0
+    # [北京, 市] against [北京]: P = 1/2, R = 1 -> F1 = 2/3; a word of punctuation alone is dropped
+    assert metric("qa_f1_zh", "北京|市|。", "北京") == pytest.approx(2 / 3)
+    # lower case, not upper: "ß" stays itself where upper case would make it "SS", as "ss" is
+    assert metric("qa_f1_zh", "Beijing", "beijing") == 1.0 and metric("qa_f1_zh", "ß", "ss") == 0.0
 
 
 def test_chinese_metrics_without_jieba_say_how_to_install_it(monkeypatch):
@@ -110,11 +128,16 @@ def test_score_uses_the_example_metric_and_longbench_conventions():
     # few-shot LongBench tasks are scored on the first line only
     first_line = example(metric="qa_f1", answers=("Paris",), meta={"first_line_only": True})
     assert score(first_line, "\nParis\nQuestion: what is the capital of Spain?") == 1.0
+    # only leading newlines go: a first line of spaces is the line scored; the line is scored whole
+    assert score(first_line, " \nParis") == 0.0
+    tower = example(metric="qa_f1", answers=("Xavier tower",), meta={"first_line_only": True})
+    assert score(tower, "\nXavier tower\nmore") == 1.0
     # classification reads its classes from the example
     classified = example(
         metric="classification", answers=("Location",), meta={"all_classes": ["Location", "Entity"]}
     )
     assert score(classified, "Location or Entity") == 0.5
+    assert score(classified, "Entity") == 0.0  # a class that is not the answer earns nothing
 
 
 def test_score_rejects_an_unknown_metric():
@@ -154,6 +177,7 @@ def _longbench_code_sim(prediction: str, reference: str) -> float:
 @settings(max_examples=500, deadline=None)
 @given(prediction=_TEXT, reference=_TEXT)
 @known_case(prediction="b c a a", reference="a a b c")  # LCS "a a" or "b c": the package traces back "b c"
+@known_case(prediction="", reference="")
 def test_rouge_l_and_code_sim_equal_the_packages_longbench_scores_with(prediction, reference):
     assert metric("rouge_l", prediction, reference) == pytest.approx(_longbench_rouge_l(prediction, reference), abs=1e-12)
     assert metric("code_sim", prediction, reference) == _longbench_code_sim(prediction, reference)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 def digest(text: str) -> str:
     """A short content name for a unit's text."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def shared_clusters(units: Sequence[Sequence[str]]) -> list[tuple[str, int]]:

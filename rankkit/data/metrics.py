@@ -165,10 +165,7 @@ def _count(prediction: str, reference: str) -> float:
 
 
 def _fuzz_ratio(first: str, second: str) -> int:
-    if first == second:
-        return 100
-    if not first or not second:
-        return 0
+    """fuzzywuzzy's ``fuzz.ratio``: its checks for equal and empty strings give what difflib does."""
     return int(round(100 * difflib.SequenceMatcher(None, first, second).ratio()))
 
 
