@@ -747,3 +747,40 @@ def test_a_device_map_reaches_the_load_of_capture_and_of_add_oracle(tiny_folder,
     capture(model=str(tiny_folder), data="niah:n=1,length=256", out=out, device="cpu", probes="window")
     with pytest.raises(RankkitError, match="^--device-map gives no device to model.layers.2.self_attn.q_proj.weight"):
         add_oracle(out, model=str(tiny_folder), device="cpu", device_map=missing_a_layer)
+
+
+def test_a_draft_that_cannot_draft_for_the_model_is_refused_before_its_weights_load(tiny_folder, tmp_path, monkeypatch):
+    from rankkit import models
+    from rankkit.errors import RankkitError
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the weights loaded before the draft was checked")
+
+    monkeypatch.setattr(models, "load", forbidden)
+    with pytest.raises(RankkitError) as refused:
+        capture(model=str(tiny_folder), data="niah:n=1,length=256", out=tmp_path / "s.zarr", device="cpu", draft="layers:4")
+    assert str(refused.value) == "draft 'layers:4' needs a layer count in 1..3: use e.g. --draft layers:1"
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_an_interrupted_capture_says_what_it_kept(tiny_folder, tmp_path, monkeypatch):
+    """Ctrl-C between examples: the first is whole in the store, and the one line says so."""
+    from rankkit.errors import Interrupted
+    from rankkit.runner import Runner
+
+    out, real, prefills = tmp_path / "cut.zarr", Runner.prefill, []
+
+    def interrupt_the_second(self, *args, **kwargs):
+        prefills.append(1)
+        if len(prefills) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "prefill", interrupt_the_second)
+    with pytest.raises(Interrupted) as interrupted:
+        capture(model=str(tiny_folder), data="niah:n=2,length=256", out=out, device="cpu", probes="window")
+    assert str(interrupted.value) == (
+        f"interrupted: kept 1 captures and 0 oracles written by this run (0 examples were complete before) in {out}; "
+        "rerun the same command to resume"
+    )
+    assert [record.has_oracle for record in stores.open(out).examples()] == [False]
