@@ -784,3 +784,13 @@ def test_an_interrupted_capture_says_what_it_kept(tiny_folder, tmp_path, monkeyp
         "rerun the same command to resume"
     )
     assert [record.has_oracle for record in stores.open(out).examples()] == [False]
+
+
+def test_a_capture_with_an_oracle_adds_oracles_to_the_examples_a_plain_one_wrote(tiny_folder, tmp_path, reference_store):
+    """Examples held whole without an oracle are not captured again: each gets its oracle from a
+    prefill of its own, the same oracle as the reference store's capture made."""
+    out = tmp_path / "plain-then-oracle.zarr"
+    capture(model=str(tiny_folder), data=DATA, out=out, device="cpu")
+    summary = capture(model=str(tiny_folder), data=DATA, out=out, device="cpu", oracle=OracleOptions(max_new_tokens=4))
+    assert (summary.captures, summary.oracles, summary.complete_before) == (0, 4, 0)
+    _same_store(out, reference_store)
