@@ -184,6 +184,19 @@ def _threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_model_load(monkeypatch, tmp_path):
+    """Any weight loading fails the test: the refusals must come before it. Runs in ``tmp_path``."""
+    import rankkit.models
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(rankkit.models, "load", forbidden)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from rankkit import models

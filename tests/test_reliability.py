@@ -56,18 +56,6 @@ def refused(args: list[str], cwd: Path) -> str:
     return str(result.exception)
 
 
-@pytest.fixture
-def no_model_load(monkeypatch, tmp_path):
-    """Any weight loading fails the test: the refusals must come before it."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the model was loaded before the options were checked")
-
-    monkeypatch.setattr(rankkit.models, "load", forbidden)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 @pytest.mark.parametrize("method", ["claa", "fastkv", "oracle", "gemfilter"])
 @pytest.mark.parametrize("layer", ["99", "-1"])
 @pytest.mark.parametrize("command", ["prefill", "bench"])
