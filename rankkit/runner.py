@@ -313,10 +313,13 @@ def check_decode_options(cuda_graphs: bool, compile_decode: bool) -> None:
 
 
 DECODE_SPLIT = 256  # keys per split of a decode step (a static buffer grows in such steps too)
-# From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", H100,
-# 8 KV heads of 128): eagerly the split path's launches cost more than one SDPA kernel below about
-# 11k keys; replayed from a CUDA graph, where launches cost nothing, it is faster from about 1.5k.
-SPLIT_DECODE_FROM = 16384
+# From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", 8 KV
+# heads of 128). Replayed from a CUDA graph, where launches cost nothing, the split is faster from
+# about 1.5k keys. An eager step is host-bound: the host launches a layer's operators in about 1.2 ms
+# (an 8B shape, H200 run 4), which hides SDPA's device time up to about 64k keys (0.65 ms a layer at
+# 32k), while the split's extra launches add about 0.2 ms a layer to the host's time at any length
+# (a split 32k step took 48.0 ms against model.generate's 40.5 ms, 8k's unsplit 39.7 ms).
+SPLIT_DECODE_FROM = 65536
 SPLIT_DECODE_FROM_IN_GRAPHS = 2048
 
 

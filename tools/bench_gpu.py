@@ -189,7 +189,7 @@ class SplitThreshold:
     per call: eagerly (launches included) and replayed from a graph of ``calls`` calls (a layer's
     worth each), for where ``SPLIT_DECODE_FROM`` should lie in each mode."""
 
-    key_counts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+    key_counts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
     calls: int = 32
     kv_heads: int = 8
     group: int = 4
@@ -264,6 +264,8 @@ STEPS = {
         ),
     ),
     "decode": (90, Overhead("decode", (8192, 32768))),
+    # where an eager step starts to split its keys (SPLIT_DECODE_FROM): the first length that does
+    "decode-long": (90, Overhead("decode", (65536,))),
     "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
     "methods-32k-compiled": (
         240,
@@ -274,10 +276,11 @@ STEPS = {
     "runner": (60, Overhead("runner", (8192, 32768))),
     "methods-128k": (200, Bench(PROMPT_PRUNING, 131072, repeats=1)),
     "decode-graphs": (120, Overhead("decode", (8192, 32768), cuda_graphs=True)),
-    # where the time goes: decode attention per call, a decode step at 32k, a capture at 8k
+    # where the time goes: decode attention per call, a decode step at 32k, a capture and the runner's prefill at 8k
     "split-threshold": (30, SplitThreshold()),
     "profile-decode": (90, Profile("decode", 32768)),
     "profile-capture": (60, Profile("capture", 8192, sides=("baseline", "rankkit"))),
+    "profile-runner": (60, Profile("runner", 8192, sides=("baseline", "rankkit"))),
 }
 
 
