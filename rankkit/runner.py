@@ -313,24 +313,25 @@ def check_decode_options(cuda_graphs: bool, compile_decode: bool) -> None:
 
 
 DECODE_SPLIT = 256  # keys per split of a decode step (a static buffer grows in such steps too)
-# From this many keys a decode step on CUDA splits them (docs/benchmarks.md, "split-threshold", 8 KV
-# heads of 128). Replayed from a CUDA graph, where launches cost nothing, the split is faster from
-# about 1.5k keys. An eager step is host-bound: the host launches a layer's operators in about 1.2 ms
-# (an 8B shape, H200 run 4), which hides SDPA's device time up to about 64k keys (0.65 ms a layer at
-# 32k), while the split's extra launches add about 0.2 ms a layer to the host's time at any length
-# (a split 32k step took 48.0 ms against model.generate's 40.5 ms, 8k's unsplit 39.7 ms).
+# From this many keys a masked decode step on CUDA splits them (docs/benchmarks.md, "split-threshold",
+# 8 KV heads of 128): SDPA runs a masked step in one block per KV head. Replayed from a CUDA graph,
+# where launches cost nothing, the split is faster from about 1.5k keys. An eager step is host-bound:
+# the host launches a layer's operators in about a millisecond (an 8B shape, H200 run 4), which hides
+# the masked kernel's device time up to about 64k keys (1.27 ms a layer there), while the split's
+# launches add to the host's time at any length. An unmasked step (a dynamic cache) is left to SDPA's
+# unmasked kernels, faster than its masked one: split at 32k and 64k it took 1.30x model.generate's.
 SPLIT_DECODE_FROM = 65536
 SPLIT_DECODE_FROM_IN_GRAPHS = 2048
 
 
 def split_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """One query per head over a cache, its keys split as flash-decoding splits them.
 
     ``query`` [1, kv_heads, group, d] (each KV head's query heads folded into the query axis),
-    ``key``/``value`` [1, kv_heads, S, d], ``mask`` bool [1, kv_heads or 1, 1, S] (True = attend),
-    or None (every key). SDPA's kernels parallelise over heads and query blocks: one block per KV
+    ``key``/``value`` [1, kv_heads, S, d], ``mask`` bool [1, kv_heads or 1, 1, S] (True = attend).
+    SDPA's kernels parallelise over heads and query blocks: one block per KV
     head for a decode step, a few of a GPU's SMs reading the whole cache. Here the logits are
     one batched product over every key, the softmax is taken over the whole row, and the values
     are summed per split of ``DECODE_SPLIT`` keys, a batch of KV heads x splits, then over the
@@ -338,9 +339,7 @@ def split_decode_attention(
     the product in the model's dtype and the softmax runs in float32, as the families' eager code
     computes them. Returns [1, kv_heads, group, d].
     """
-    logits = torch.matmul(query, key.mT).float().mul_(scaling)
-    if mask is not None:
-        logits.masked_fill_(~mask, float("-inf"))
+    logits = torch.matmul(query, key.mT).float().mul_(scaling).masked_fill_(~mask, float("-inf"))
     weights = logits.softmax(dim=-1).to(value.dtype)[0]
     kv_heads, group, keys = weights.shape
     whole = keys - keys % DECODE_SPLIT
@@ -403,8 +402,8 @@ class Runner:
         self.spread = len(set(self._layer_devices)) > 1
         on_cuda = self.device.type == "cuda"
         self._flash = _flash_attn_func() if on_cuda else None
-        # the keys from which a decode step is split, where SDPA would leave a GPU mostly idle, eagerly
-        # and inside a captured graph; None: SDPA's kernels serve (CPU; a test lowers them to 0 there)
+        # the keys from which a masked decode step is split, where SDPA would leave a GPU mostly idle,
+        # eagerly and inside a captured graph; None: SDPA's kernels serve (CPU; a test lowers them to 0 there)
         self.split_decode_from = SPLIT_DECODE_FROM if on_cuda else None
         self.split_decode_from_in_graphs = SPLIT_DECODE_FROM_IN_GRAPHS if on_cuda else None
         self._capturing = False
@@ -484,7 +483,7 @@ class Runner:
             # so keys and values are read once per KV head and never repeated.
             folded = query.reshape(1, kv_heads, groups, query.shape[-1])
             split_from = self.split_decode_from_in_graphs if self._capturing else self.split_decode_from
-            if split_from is not None and key.shape[2] >= split_from:
+            if mask is not None and split_from is not None and key.shape[2] >= split_from:
                 out = split_decode_attention(folded, key, value, mask, scaling)
             else:
                 out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)

@@ -264,7 +264,7 @@ STEPS = {
         ),
     ),
     "decode": (90, Overhead("decode", (8192, 32768))),
-    # where an eager step starts to split its keys (SPLIT_DECODE_FROM): the first length that does
+    # an unmasked step over 64k keys, left to SDPA (split there in run 5, it took 1.30x model.generate's)
     "decode-long": (90, Overhead("decode", (65536,))),
     "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
     "methods-32k-compiled": (
