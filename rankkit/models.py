@@ -25,6 +25,7 @@ import torch
 from rankkit import model_cache
 from rankkit.defaults import usable_cores
 from rankkit.errors import RankkitError
+from rankkit.model_cache import default_model_folder  # here too: the GPU staging script reads it
 from rankkit.shapes import PUBLISHED_SHAPES
 from rankkit.values import check_count
 
@@ -130,7 +131,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 def resolve_folder(spec: str) -> Path:
     """Turn a model spec into a local HF folder: default, a folder, or a hub id fetched into the HF cache."""
     if spec == "default":
-        return model_cache.default_model_folder()
+        return default_model_folder()
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -238,7 +239,7 @@ def random_tokenizer_folder() -> Path:
             f"random:<shape> encodes prompts with the default model's tokenizer: {model_cache.DEFAULT_MODEL_INSTALL}, "
             f"or set {TOKENIZER_VARIABLE} to a folder of its tokenizer files"
         )
-    return model_cache.default_model_folder()
+    return default_model_folder()
 
 
 def tokenizer_difference(tokenizer, target) -> str | None:

@@ -245,12 +245,23 @@ class SplitThreshold:
 
 
 # name: (time limit in seconds, the step), in the order a lease should measure them, since its time
-# may run out: first the rows whose targets were missed and whose fixes no lease has measured (the
-# eager TPOT of the KV methods, their graphed TPOT, the small model's prefill), then decode against
-# model.generate (met; kept so), the compiled static step (minutes of compiling), capture at 64k and
-# 128k, the rest, and where the time goes
+# may run out (docs/benchmarks.md, "GPU"): first what no lease has measured since the change it
+# checks (an unmasked 64k step left to SDPA; the bench's full step at 32k unsplit; the compiled
+# static step, minutes of compiling; the 128k rows, run 1's), then the rows whose targets were
+# missed (the runner's 8k prefill, eager decode at 8k, the graphed KV methods, the small model),
+# then the rest, and where the time goes
 STEPS = {
+    # an unmasked step over 64k keys, left to SDPA (split there in run 5, it took 1.30x model.generate's)
+    "decode-long": (90, Overhead("decode", (65536,))),
     "methods-32k": (200, Bench(PROMPT_PRUNING + KV_METHODS, 32768)),
+    "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
+    "methods-32k-compiled": (
+        240,
+        Bench(("snapkv", "streamingllm", "lava"), 32768, cuda_graphs=True, compile_decode=True),
+    ),
+    "methods-128k": (200, Bench(PROMPT_PRUNING, 131072, repeats=1)),
+    "runner": (60, Overhead("runner", (8192, 32768))),
+    "decode": (90, Overhead("decode", (8192, 32768))),
     "methods-32k-graphs": (120, Bench(KV_METHODS, 32768, cuda_graphs=True)),
     "small-4k": (
         90,
@@ -263,18 +274,8 @@ STEPS = {
             repeats=3,
         ),
     ),
-    "decode": (90, Overhead("decode", (8192, 32768))),
-    # an unmasked step over 64k keys, left to SDPA (split there in run 5, it took 1.30x model.generate's)
-    "decode-long": (90, Overhead("decode", (65536,))),
-    "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
-    "methods-32k-compiled": (
-        240,
-        Bench(("snapkv", "streamingllm", "lava"), 32768, cuda_graphs=True, compile_decode=True),
-    ),
     "capture-long": (150, Overhead("capture", (65536, 131072), repeats=1, memory=True)),
     "capture": (90, Overhead("capture", (8192, 32768), memory=True)),
-    "runner": (60, Overhead("runner", (8192, 32768))),
-    "methods-128k": (200, Bench(PROMPT_PRUNING, 131072, repeats=1)),
     "decode-graphs": (120, Overhead("decode", (8192, 32768), cuda_graphs=True)),
     # where the time goes: decode attention per call, a decode step at 32k, a capture and the runner's prefill at 8k
     "split-threshold": (30, SplitThreshold()),
