@@ -499,7 +499,7 @@ def test_a_masked_decode_step_splits_from_its_modes_threshold_and_an_unmasked_on
     the split attends as SDPA does, and an unmasked step stays with SDPA at any length."""
     calls = _counting_splits(monkeypatch)
     runner = Runner(tiny_model("llama"), cuda_graphs=True)
-    runner.split_decode_from, runner.split_decode_from_in_graphs = (600, 100) if capturing else (100, 600)
+    runner.split_decode_from, runner.split_decode_from_in_graphs = (600, 300) if capturing else (300, 600)
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(1, 6, 1, 16, generator=generator)  # 3 query heads per KV head
     key, value = (torch.randn(1, 2, 300, 16, generator=generator) for _ in range(2))
@@ -510,7 +510,7 @@ def test_a_masked_decode_step_splits_from_its_modes_threshold_and_an_unmasked_on
     ).transpose(1, 2)
     with runner.capturing() if capturing else nullcontext():
         torch.testing.assert_close(runner.attention(query, key, value, mask, 0.25), expected, rtol=1e-5, atol=1e-5)
-        assert len(calls) == 1  # 300 keys: past this mode's threshold of 100, short of the other's 600
+        assert len(calls) == 1  # 300 keys: this mode's threshold exactly, short of the other's 600
         runner.split_decode_from = runner.split_decode_from_in_graphs = 0
         runner.attention(query, key, value, None, 0.25)
     assert len(calls) == 1

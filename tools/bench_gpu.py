@@ -249,10 +249,11 @@ class SplitThreshold:
 # checks (an unmasked 64k step left to SDPA; the bench's full step at 32k unsplit; the compiled
 # static step, minutes of compiling; the 128k rows, run 1's), then the rows whose targets were
 # missed (the runner's 8k prefill, eager decode at 8k, the graphed KV methods, the small model),
-# then the rest, and where the time goes
+# then the rest, and where the time goes. The rows whose target is a ratio near 1 (the runner, eager
+# decode) take 6 repeats, the fewest whose median ratio has an interval (eval.stats.median_interval).
 STEPS = {
     # an unmasked step over 64k keys, left to SDPA (split there in run 5, it took 1.30x model.generate's)
-    "decode-long": (90, Overhead("decode", (65536,))),
+    "decode-long": (150, Overhead("decode", (65536,), repeats=6)),
     "methods-32k": (200, Bench(PROMPT_PRUNING + KV_METHODS, 32768)),
     "decode-compiled": (240, Overhead("decode", (32768,), cuda_graphs=True, compile_decode=True)),
     "methods-32k-compiled": (
@@ -260,8 +261,8 @@ STEPS = {
         Bench(("snapkv", "streamingllm", "lava"), 32768, cuda_graphs=True, compile_decode=True),
     ),
     "methods-128k": (200, Bench(PROMPT_PRUNING, 131072, repeats=1)),
-    "runner": (60, Overhead("runner", (8192, 32768))),
-    "decode": (90, Overhead("decode", (8192, 32768))),
+    "runner": (90, Overhead("runner", (8192, 32768), repeats=6)),
+    "decode": (150, Overhead("decode", (8192, 32768), repeats=6)),
     "methods-32k-graphs": (120, Bench(KV_METHODS, 32768, cuda_graphs=True)),
     "small-4k": (
         90,
