@@ -90,3 +90,36 @@ def test_every_step_of_the_gpu_table_runs_at_smoke_size_on_the_cpu(tmp_path):
         if isinstance(step, bench_gpu.Overhead):
             assert [row["tokens"] for row in record["rows"]] == [bench_gpu.SMOKE_LENGTH]
             assert all(row["model"] == bench_gpu.SMOKE_MODEL and row["time_ratio"] > 0 for row in record["rows"])
+
+
+def test_an_interrupted_step_is_recorded_and_ends_the_run(tmp_path, monkeypatch):
+    """A lease's ``timeout -s INT`` reaches a bench step as ``Interrupted``: the step's record says so
+    and no later step starts (run 4 went on compiling the next step until the lease killed it)."""
+    from rankkit.errors import Interrupted
+
+    started = []
+
+    class Step:
+        needs_cuda = False
+
+        def __init__(self, name, interrupt):
+            self.name, self.interrupt = name, interrupt
+
+        def command(self, out, name):
+            return ["rankkit", name]
+
+        def run(self, out, name):
+            started.append(name)
+            if self.interrupt:
+                raise Interrupted("interrupted: kept 0 finished")
+            return [{"row": name}]
+
+    steps = {name: (10, Step(name, name == "second")) for name in ("first", "second", "third")}
+    monkeypatch.setattr(bench_gpu, "STEPS", steps)
+    with pytest.raises(SystemExit) as stopped:
+        bench_gpu.main(tmp_path, list(steps))
+    assert stopped.value.code == 130 and started == ["first", "second"]
+    records = [json.loads(line) for line in (tmp_path / "gpu-table.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == ["environment", "first", "second"]
+    assert records[1]["rows"] == [{"row": "first"}]
+    assert records[2]["interrupted"] and records[2]["error"] == "interrupted: kept 0 finished"

@@ -8,9 +8,10 @@ running the lines one by one: every model is built once and shared by the steps
 (``models.loaded_once``), and an overhead step's peak memory is the CUDA allocator's, read in
 this process (``run_overhead(memory_in_process=True)``), where the command starts a fresh
 process per side. Steps run in the order given, each under its own time limit; a step that
-fails or runs out of time is recorded and the next one starts. One JSON object per step goes to
+fails or runs out of time is recorded and the next one starts, one interrupted (Ctrl-C, or the
+SIGINT of a lease's ``timeout -s INT``) is recorded and ends the run (exit status 130). One JSON object per step goes to
 ``OUT/gpu-table.jsonl`` as it finishes, a bench step's rows also to ``OUT/<step>.parquet``. The
-``profile-*`` steps record where a decode step's and a capture's device time goes
+``profile-*`` steps record where a decode step's, a capture's and the runner's prefill's device time goes
 (torch.profiler); ``split-threshold`` times one decode attention call both ways, on CUDA only.
 
 ``--smoke`` runs every step at a size a CPU finishes in minutes (the default model's architecture,
@@ -35,6 +36,7 @@ import torch
 
 from rankkit import models, overhead
 from rankkit.bench import BenchSettings, Setup, bench, summary
+from rankkit.errors import Interrupted
 
 SHAPE = "random:llama-3.1-8b"
 SMALL = "random:smollm2-135m"  # the default model's architecture: its timings, without its 93 MB wheel
@@ -304,6 +306,8 @@ def _run_step(name: str, limit: int, step, out: Path) -> dict:
         record["rows"] = step.run(out, name)
     except StepTimeout:
         record["error"] = f"out of time after {limit} s"
+    except Interrupted as error:  # Ctrl-C or the lease's own timeout: what was kept, then no further step
+        record |= {"error": str(error), "interrupted": True}
     except Exception as error:  # one step's failure is a finding, not the end of the lease
         record |= {"error": repr(error), "traceback": traceback.format_exc()}
     finally:
@@ -334,6 +338,8 @@ def main(out: Path, names: list[str], smoke: bool = False) -> None:
             journal.write(json.dumps(record, default=str) + "\n")
             journal.flush()
             print(json.dumps(record, default=str)[:3000], flush=True)
+            if record.get("interrupted"):
+                sys.exit(130)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
