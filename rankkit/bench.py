@@ -45,7 +45,7 @@ from rankkit.data import Example, context_text, data_fingerprint, load_examples,
 from rankkit.data import score as score_answer
 from rankkit.errors import RankkitError
 from rankkit.eval.offline import method_from_spec, parse_method_spec, split_names
-from rankkit.interrupts import keep_on_interrupt
+from rankkit.interrupts import keep_on_interrupt, stop_if_interrupted
 from rankkit.measure import Bandwidth, decode_step_bytes, memory_bandwidth
 from rankkit.methods import Budget, Method, check_parameters, given_budgets, make
 from rankkit.methods.base import ONE_BUDGET, distinct_labels
@@ -767,6 +767,7 @@ def run_bench(
         journal.note(BANDWIDTH, dataclasses.asdict(memory_bandwidth(runner.device)))
     bandwidth = Bandwidth(**journal.notes[BANDWIDTH])
     for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        stop_if_interrupted()
         done = calibrating + index * per_example
         if journal.done(example.id):
             progress(Progress(SKIPPED, done + per_example, total, f"{example.id} (finished before)"))

@@ -24,7 +24,7 @@ from rankkit import defaults, model_cache, models, outputs, stores
 from rankkit.checks import check_prompt_lengths, check_spec_length
 from rankkit.data import METRICS, Example, data_fingerprint, load_examples, spec_text
 from rankkit.errors import RankkitError
-from rankkit.interrupts import keep_on_interrupt
+from rankkit.interrupts import keep_on_interrupt, stop_if_interrupted
 from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import EmptyAnswer, answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
@@ -423,6 +423,7 @@ def capture(
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for example in examples:
+            stop_if_interrupted()
             summary.examples += 1
             if complete(example.id):
                 summary.count(progress, example.id, None, writer.example_attrs(example.id))
@@ -530,6 +531,7 @@ def add_oracle(
     started = time.perf_counter()
     with keep_on_interrupt(summary.kept), summary.kept_on_write_failure():
         for record in records:
+            stop_if_interrupted()
             summary.examples += 1
             if record.id in done:
                 summary.count(progress, record.id, None, record.attrs)

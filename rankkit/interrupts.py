@@ -14,6 +14,24 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+# Signals that arrived inside ``keep_on_interrupt`` and have not yet become its ``Interrupted``. Python
+# raises a handler's KeyboardInterrupt wherever the main thread is, and where it is in a weakref
+# callback or a ``__del__`` that the garbage collector runs, the exception is printed ("Exception
+# ignored in ...") and dropped: without this note the command would go on as if never interrupted.
+_noted: list[int] = []
+
+
+def _note_and_interrupt(signum, frame) -> None:
+    _noted.append(signum)
+    raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    """Between a long loop's items: the KeyboardInterrupt of a signal whose own was dropped (``_noted``)."""
+    if _noted:
+        raise KeyboardInterrupt
+
+
 @contextmanager
 def keep_on_interrupt(kept: Callable[[], str]) -> Iterator[None]:
     """Turn SIGINT or SIGTERM inside the block into ``Interrupted(kept())``.
@@ -21,17 +39,20 @@ def keep_on_interrupt(kept: Callable[[], str]) -> Iterator[None]:
     ``kept()`` is asked only after the signal, so it describes the work finished by then. Blocks
     nest (a sweep's bench): the outermost one's ``kept()`` describes the whole command's work, so
     its message replaces the inner one's. SIGTERM is treated like Ctrl-C (a KeyboardInterrupt) only
-    in the main thread, where Python delivers signals.
+    in the main thread, where Python delivers signals. A signal whose KeyboardInterrupt was dropped
+    stops the block at the next ``stop_if_interrupted`` of its loop, or else as the block ends.
     """
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {signum: signal.signal(signum, _note_and_interrupt) for signum in signals}
     try:
         yield
+        stop_if_interrupted()
     except (KeyboardInterrupt, Interrupted):
+        _noted.clear()  # the Interrupted raised here carries it
         raise Interrupted(kept()) from None
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager

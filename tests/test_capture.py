@@ -695,6 +695,28 @@ def test_a_capture_books_each_example_as_it_goes_and_a_rerun_skips_what_the_stor
     assert [path.name for path in out.glob(".writer-*.lock")] == [lock_file(out, 0).name]
 
 
+def test_a_signal_whose_keyboard_interrupt_was_dropped_stops_capture_and_add_oracle_at_the_next_example(
+    tiny_folder, tmp_path, monkeypatch
+):
+    """Python drops a KeyboardInterrupt raised in a finaliser (CI saw a Ctrl-C'd capture run to its end,
+    exit 0): the signal noted, each loop stops before its next example, saying what it kept."""
+    from rankkit import interrupts
+    from rankkit.errors import Interrupted
+
+    def dropped_after_first(event):
+        if event.done == 1:
+            monkeypatch.setattr(interrupts, "_noted", [signal.SIGINT])  # what the handler notes
+
+    out = tmp_path / "stopped.zarr"
+    with pytest.raises(Interrupted, match=r"^interrupted: kept 1 captures and 0 oracles written by this run"):
+        capture(model=str(tiny_folder), data="niah:n=3,length=256", out=out, device="cpu", progress=dropped_after_first)
+    assert len(stores.open(out).example_ids()) == 1
+    capture(model=str(tiny_folder), data="niah:n=3,length=256", out=out, device="cpu")
+    with pytest.raises(Interrupted, match=r"^interrupted: kept 0 captures and 1 oracles written by this run"):
+        add_oracle(out, options={"max_new_tokens": 2}, device="cpu", progress=dropped_after_first)
+    assert [stores.open(out).example(each).has_oracle for each in stores.open(out).example_ids()] == [True, False, False]
+
+
 def test_overwrite_replaces_a_store_of_another_run_that_a_resume_refuses(tiny_folder, tmp_path):
     from rankkit.errors import RankkitError
 

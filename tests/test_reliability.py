@@ -812,6 +812,34 @@ def test_an_interrupt_inside_nested_blocks_says_what_the_outermost_kept():
             time.sleep(1)  # the signal arrives at the next bytecode; never waited out
 
 
+class SignalledWhileCollected:
+    """Raises SIGINT from its finaliser: the handler's KeyboardInterrupt is raised inside ``__del__``,
+    where Python prints it ("Exception ignored in ...") and drops it, as in a weakref callback that
+    the garbage collector runs (a capture on CI went on to its end, exit 0, that way)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_whose_keyboard_interrupt_was_dropped_stops_the_loop_at_its_next_item():
+    from rankkit.errors import Interrupted
+    from rankkit.interrupts import keep_on_interrupt, stop_if_interrupted
+
+    items = []
+    with pytest.raises(Interrupted, match="^kept 1$"), keep_on_interrupt(lambda: f"kept {len(items)}"):
+        for item in range(3):
+            stop_if_interrupted()
+            items.append(item)
+            SignalledWhileCollected()  # collected at once: the signal arrives inside its __del__
+    assert items == [0]
+    with pytest.raises(Interrupted, match="^kept all$"), keep_on_interrupt(lambda: "kept all"):
+        SignalledWhileCollected()  # no item left to stop before: the block ends interrupted
+    with keep_on_interrupt(lambda: "never said"):  # what was noted went with its Interrupted
+        stop_if_interrupted()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_path):
     out = tmp_path / "rows.parquet"
     with outputs.Journal(out, {"methods": ["full", "claa"]}) as first:

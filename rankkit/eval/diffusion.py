@@ -46,7 +46,7 @@ from rankkit.checks import (
 from rankkit.data import Example, data_fingerprint, load_examples, read_spec, score, spec_text
 from rankkit.data.metrics import string_match_all
 from rankkit.errors import RankkitError
-from rankkit.interrupts import keep_on_interrupt
+from rankkit.interrupts import keep_on_interrupt, stop_if_interrupted
 from rankkit.oracle import fork_prefill, teacher_force, tokenize_answer
 from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
 from rankkit.runner import AttentionCall, LayerHook, PrefillResult, PrefillState, Runner, greedy_continue
@@ -317,6 +317,7 @@ def diffusion_probe(
     with outputs.Journal(out, identity, overwrite=overwrite) as journal:
         with keep_on_interrupt(journal.kept):
             for done, example in enumerate(examples, start=1):
+                stop_if_interrupted()
                 finished = journal.done(example.id)
                 if not finished:
                     frame = example_diffusion(runner, loaded.tokenizer, example, max_new_tokens=max_new_tokens)
