@@ -41,6 +41,7 @@ from rankkit.eval.ranking import (
 from rankkit.eval.variance import VarianceResult, variance_store
 from rankkit.methods import Budget, Captured, make
 from rankkit.methods.asl import RankVariance, is_fallback, relative_variance_curve, selection_layer
+from rankkit.methods.base import Selection
 from rankkit.methods.selection import DRAFT_SCORES, head_sums, replay
 
 # Few distinct values, so most draws have ties.
@@ -1655,3 +1656,125 @@ def test_stability_means_are_over_examples_with_their_intervals(result):
         assert (row["mean_spearman_ci_low"], row["mean_spearman_ci_high"]) == pytest.approx((low[0], high[0]))
         assert (row["layer_to_layer_ci_low"], row["layer_to_layer_ci_high"]) == pytest.approx((low[1], high[1]))
     assert stability["lava"]["mean_spearman_ci_low"] < stability["lava"]["mean_spearman_ci_high"]
+
+
+class GivenSelection:
+    """A method whose offline selection is given, recording the ``Captured`` it was handed: what
+    ``with_evidence_kept`` reads of a method (a registered one keeps one set [k] or refuses without
+    a layer; one written elsewhere may keep a set per head, [kv_heads, k] or a list of them)."""
+
+    def __init__(self, layer, positions):
+        self.selection = None if positions is None else Selection(layer, positions)
+        self.handed = []
+
+    def captured_inputs(self):
+        return ()
+
+    def select_offline(self, captured, budget, *, layer=None):
+        self.handed.append((captured, budget))
+        if self.selection is None:
+            raise RankkitError("keeps a set per layer and KV head: name the layer")
+        return self.selection
+
+
+class OneProbeRecord:
+    probes = ("window",)
+    num_tokens = 12
+
+    def score_shape(self, probe):
+        return (3, 1, self.num_tokens)
+
+
+def test_evidence_kept_is_the_share_of_the_evidence_inside_the_ranked_tokens_the_selection_keeps():
+    """Ranked tokens 2-9 of 12, evidence at 2-4 (ranked 0-2): a selection of positions 1, 2, 4 and 10
+    keeps 2 and 4 of the ranked tokens (1 lies before them, 10 past them), 2 of the 3 evidence tokens,
+    at its layer alone; a set per head, no set, no evidence or a layer not ranked leave every row NaN."""
+    from rankkit.eval.compare import with_evidence_kept
+
+    ranked, layers = slice(2, 10), [0, 1, 2]
+    evidence = np.zeros(8, dtype=bool)
+    evidence[:3] = True
+    reference = Reference(None, evidence, 0.25)
+    columns = {"spearman": np.arange(3.0), "evidence_kept": np.full(3, np.nan)}
+    layout = {"layer_types": ["sliding_attention", "full_attention", "full_attention"], "sliding_window": 4}
+    kept = with_evidence_kept(GivenSelection(1, torch.tensor([1, 2, 4, 10])), OneProbeRecord(), reference, ranked, layout, layers, columns)
+    np.testing.assert_array_equal(kept["evidence_kept"], [np.nan, 2 / 3, np.nan])
+    assert kept["spearman"] is columns["spearman"] and np.isnan(columns["evidence_kept"]).all()  # shared: not written into
+    method = GivenSelection(0, torch.tensor([3]))
+    assert with_evidence_kept(method, OneProbeRecord(), reference, ranked, layout, layers, columns)["evidence_kept"][0] == 1 / 3
+    ((captured, budget),) = method.handed
+    assert (captured.layer_types, captured.sliding_window, captured.num_tokens) == (layout["layer_types"], 4, 12)
+    assert budget == Budget.parse(0.25)
+    for unchanged in (
+        GivenSelection(1, torch.tensor([[2, 3], [3, 4]])),  # a set per KV head
+        GivenSelection(1, [torch.tensor([2, 3]), torch.tensor([4])]),  # heads keeping different counts
+        GivenSelection(None, None),  # refuses without a layer
+        GivenSelection(5, torch.tensor([2, 3])),  # at a layer the rows do not rank
+    ):
+        assert with_evidence_kept(unchanged, OneProbeRecord(), reference, ranked, layout, layers, columns) is columns
+    none = Reference(None, np.zeros(8, dtype=bool), 0.25)
+    assert with_evidence_kept(GivenSelection(1, torch.tensor([2])), OneProbeRecord(), none, ranked, layout, layers, columns) is columns
+
+
+def test_a_methods_rankings_come_in_layer_order_cut_to_the_ranked_tokens_from_the_stores_layout():
+    from rankkit.eval.compare import _rankings
+
+    handed = []
+
+    class GivenRankings(GivenSelection):
+        def layer_rankings(self, captured, budget):
+            handed.append((captured, budget))
+            return {2: torch.arange(12.0) * 2, None: torch.arange(12.0), 0: -torch.arange(12.0)}
+
+    layout = {"kv_heads": 1, "query_heads": 3}
+    layers, rankings = _rankings(GivenRankings(None, None), OneProbeRecord(), Budget.from_keep(0.5), slice(2, 5), layout)
+    assert layers == [None, 0, 2]  # before any layer first (a draft's), then the model's layers in order
+    np.testing.assert_array_equal(rankings, [[2.0, 3.0, 4.0], [-2.0, -3.0, -4.0], [4.0, 6.0, 8.0]])
+    ((captured, budget),) = handed
+    assert (captured.kv_heads, captured.query_heads, budget) == (1, 3, Budget.from_keep(0.5))
+
+
+def test_pairs_split_at_commas_and_at_the_one_colon_that_leaves_a_compared_label_on_each_side():
+    from rankkit.eval.compare import parse_pairs
+
+    labels = ["claa", "fastkv", "window:w=32", "a", "b:c", "a:b", "c"]
+    assert parse_pairs(" claa:fastkv, ,window:w=32:claa,", labels) == [("claa", "fastkv"), ("window:w=32", "claa")]
+    for spec, refusal in (
+        ("a:b:c", "--pairs 'a:b:c' is not METHOD:BASELINE of two compared methods"),  # a | b:c, or a:b | c
+        ("claa:h2o", "--pairs 'claa:h2o' is not METHOD:BASELINE of two compared methods"),
+        (" , ", "--pairs names no pair"),
+        ("claa:claa", "--pairs claa:claa pairs claa with itself"),
+    ):
+        with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}"):
+            parse_pairs(spec, labels)
+
+
+def test_specprefill_is_offered_by_the_draft_the_store_holds_and_every_other_method_as_named():
+    from rankkit.eval.compare import as_drafted
+
+    methods = ["window", "specprefill", "claa"]
+    drafted = {"draft": {"draft_model": "layers:3", "lookahead": 8}}
+    assert as_drafted(methods, drafted, 6) == ["window", "specprefill:draft_model=layers:3,lookahead=8", "claa"]
+    default = make("specprefill").draft_settings(6)
+    for meta in ({}, {"draft": None}, {"draft": default}):  # no draft, or the one its defaults rank by
+        assert as_drafted(methods, meta, 6) == methods
+
+
+def test_results_at_two_keeps_are_written_as_one_frame_each_naming_its_paths_as_it_goes(result, tmp_path):
+    """A keep where no method kept one set has evidence_kept all null (polars' Null type): its rows
+    still join the other keep's. An existing file is refused unless overwritten."""
+    import dataclasses
+
+    from rankkit.eval.compare import output_paths, write_results
+
+    per_layer = result.per_layer.with_columns(evidence_kept=None, keep=pl.lit(0.3))
+    nowhere = dataclasses.replace(result, keep=0.3, per_layer=per_layer)
+    out, written = tmp_path / "compare.parquet", []
+    paths = write_results([result, nowhere], out, written=written)
+    assert written == paths and [path.name for path in paths] == [path.name for path in output_paths(out)]
+    both = pl.read_parquet(out)
+    assert both.height == 2 * result.per_layer.height and sorted(set(both["keep"])) == [0.1, 0.3]
+    assert both.filter(pl.col("keep") == 0.3)["evidence_kept"].null_count() == result.per_layer.height
+    with pytest.raises(RankkitError, match="already exists"):
+        write_results([result], out)
+    assert write_results([result], out, overwrite=True) == paths
