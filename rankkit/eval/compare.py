@@ -217,10 +217,10 @@ class Reference:
         }
 
     def head_spearman(self, scores: np.ndarray) -> np.ndarray | None:
-        """Spearman per (layer, head) of scores [L, H, T]; None without an oracle."""
+        """Spearman per (layer, head) of scores [L, H, T], in that order [L·H]; None without an oracle."""
         if self.oracle is None:
             return None
-        return row_metrics(scores, self.oracle_ranked)["spearman"].reshape(scores.shape[:-1])
+        return row_metrics(scores, self.oracle_ranked)["spearman"]
 
 
 def evaluate_example(
@@ -252,7 +252,7 @@ def evaluate_example(
                 probe,
                 layer=np.repeat(np.arange(num_layers), num_heads),
                 head=np.tile(np.arange(num_heads), num_layers),
-                spearman=head_rho.reshape(-1),
+                spearman=head_rho,
             )
     num_layers = scored_layers([record])
     layer_types = (layout or {}).get("layer_types")
