@@ -1778,3 +1778,41 @@ def test_results_at_two_keeps_are_written_as_one_frame_each_naming_its_paths_as_
     with pytest.raises(RankkitError, match="already exists"):
         write_results([result], out)
     assert write_results([result], out, overwrite=True) == paths
+
+
+def test_the_ranked_tokens_are_the_prompt_but_its_window_or_the_context_span_inside_the_prompt():
+    from rankkit.eval.compare import observation_window, ranked_slice
+
+    window = observation_window()
+    assert window == make("claa").window_size
+    assert ranked_slice(None, "prompt", window + 12) == slice(0, 12)
+    assert ranked_slice({"context_tokens": [2, 5]}, "prompt", window + 12) == slice(0, 12)  # the prompt's, whatever spans say
+    assert ranked_slice(None, "prompt", window) == slice(0, 1)  # a prompt no longer than the window: its first token
+    assert ranked_slice({"context_tokens": [2, 10]}, "context", 12) == slice(2, 10)
+    assert ranked_slice({"context_tokens": [0, 12]}, "context", 12) == slice(0, 12)  # the whole prompt
+    for spans in (None, {}, {"evidence_tokens": [[3, 4]]}):  # no context recorded: the prompt's tokens
+        assert ranked_slice(spans, "context", window + 12) == slice(0, 12)
+    for start, end in ((5, 5), (6, 4), (-1, 4), (3, 13)):
+        with pytest.raises(RankkitError, match=rf"^span context_tokens = \[{start}, {end}\) is empty or outside the 12 tokens"):
+            ranked_slice({"context_tokens": [start, end]}, "context", 12)
+    with pytest.raises(RankkitError, match="^span 'needle' is not one of prompt, context; use --span prompt or context$"):
+        ranked_slice(None, "needle", 12)
+
+
+def test_examples_sharing_a_cluster_are_named_by_it_and_the_others_by_themselves():
+    from rankkit.eval.compare import with_clusters
+
+    class Record:
+        def __init__(self, id, cluster=None, meta=True):
+            self.id = id
+            self.attrs = {"meta": {"cluster": cluster} if cluster else {}} if meta else {}
+
+    rows = pl.DataFrame({"example_id": ["a", "b", "c", "a"], "spearman": [0.1, 0.2, 0.3, 0.4]})
+    records = [Record("a", "haystack-1"), Record("b", "haystack-1"), Record("c", meta=False)]
+    clustered = with_clusters(rows, records)
+    assert clustered["cluster"].to_list() == ["haystack-1", "haystack-1", "c", "haystack-1"]
+    assert clustered.drop("cluster").equals(rows)
+    assert with_clusters(rows, [Record("a"), Record("b"), Record("c", meta=False)]) is rows  # none named: as is
+    assert with_clusters(rows.clear(), records) is not None and "cluster" not in with_clusters(rows.clear(), records).columns
+    renamed = rows.rename({"example_id": "example"})
+    assert with_clusters(renamed, records, example="example")["cluster"].to_list() == clustered["cluster"].to_list()
