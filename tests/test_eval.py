@@ -1816,3 +1816,36 @@ def test_examples_sharing_a_cluster_are_named_by_it_and_the_others_by_themselves
     assert with_clusters(rows.clear(), records) is not None and "cluster" not in with_clusters(rows.clear(), records).columns
     renamed = rows.rename({"example_id": "example"})
     assert with_clusters(renamed, records, example="example")["cluster"].to_list() == clustered["cluster"].to_list()
+
+
+def test_the_terminal_summary_is_method_layer_the_table_metrics_with_intervals_and_counts(result):
+    from rankkit.eval.compare import summary_table
+
+    shown = [
+        *("method", "layer"),
+        *(f"{metric}{suffix}" for metric in ("spearman", "recall_at_10", "needle_recall") for suffix in ("", "_ci_low", "_ci_high", "_n")),
+    ]
+    summary = result.summary
+    assert summary_table(summary).columns == [*shown, "n_examples"]
+    assert summary_table(summary).equals(summary.select(*shown, "n_examples"))
+    clustered = summary.with_columns(n_clusters=pl.lit(2))
+    assert summary_table(clustered).columns == [*shown, "n_examples", "n_clusters"]
+    assert summary_table(summary.clear()).equals(summary.clear())  # nothing compared: every column, no rows
+
+
+def test_outputs_are_claimed_outside_the_compared_store_open_or_named_and_never_over_a_file_by_default(result, tmp_path):
+    from rankkit import stores
+    from rankkit.eval.compare import claim_outputs, compared_labels
+
+    inside = result.store / "compare.parquet"
+    for store in (result.store, stores.open(result.store)):
+        refusal = f"--out {inside} is one of this command's inputs ({result.store}); choose another path"
+        with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+            claim_outputs([inside], store)
+    existing = tmp_path / "compare.parquet"
+    existing.write_bytes(b"someone's")
+    with pytest.raises(RankkitError, match="already exists"):
+        claim_outputs([existing], result.store)
+    with pytest.raises(RankkitError, match=r"^--methods names nothing; give e\.g\. --methods window,claa,fastkv$"):
+        compared_labels([])
+    assert compared_labels("window,claa") == compared_labels(["window", "claa"]) == ["window", "claa"]
