@@ -1849,3 +1849,202 @@ def test_outputs_are_claimed_outside_the_compared_store_open_or_named_and_never_
     with pytest.raises(RankkitError, match=r"^--methods names nothing; give e\.g\. --methods window,claa,fastkv$"):
         compared_labels([])
     assert compared_labels("window,claa") == compared_labels(["window", "claa"]) == ["window", "claa"]
+
+
+def per_layer_rows(values: dict, **constant) -> pl.DataFrame:
+    """A per-layer frame from {(method, example): [spearman per layer]}, layers from 0, with the
+    ``constant`` columns given per (method, example) as {key: value} or one value for all."""
+    rows = []
+    for (method, example), spearmans in values.items():
+        for layer, value in enumerate(spearmans):
+            extra = {name: column.get((method, example)) if isinstance(column, dict) else column for name, column in constant.items()}
+            rows.append({"method": method, "example_id": example, "layer": layer, "spearman": value, **extra})
+    return pl.DataFrame(rows)
+
+
+def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_spread_and_first_trough():
+    """CLAA Sec. 4.1's stability: per method (in first-seen order) the example means of each example's
+    mean over layers, and of the example-mean curve its population deviation, least value and the
+    first layer reaching it."""
+    from rankkit.eval.compare import STABILITY_MEANS, stability_frame
+    from rankkit.eval.stats import mean_intervals
+
+    spearman = {
+        ("b", "e1"): [0.5, 0.1, 0.3, 0.6],  # curve 0.4, 0.2, 0.2, 0.5: the trough's first layer is 1
+        ("b", "e2"): [0.3, 0.3, 0.1, 0.4],
+        ("a", "e1"): [0.9, 0.8, 0.7, 0.6],  # curve 0.8, 0.7, 0.6, 0.7
+        ("a", "e2"): [0.7, 0.6, 0.5, 0.8],
+    }
+    adjacent = {
+        ("b", "e1"): [None, 0.2, 0.4, 0.9],  # mean 0.5 over the layers that have one
+        ("b", "e2"): [None, 0.0, 0.6, 0.3],
+        ("a", "e1"): [None, 1.0, 1.0, 1.0],
+        ("a", "e2"): [None, 0.5, 0.5, 0.5],
+    }
+    per_layer = per_layer_rows(spearman).with_columns(
+        adjacent_spearman=pl.Series([value for values in adjacent.values() for value in values], dtype=pl.Float64)
+    )
+    found = stability_frame(per_layer)
+    assert found.columns == [
+        "method", "mean_spearman", "mean_spearman_ci_low", "mean_spearman_ci_high", "mean_spearman_n",
+        "std_spearman", "min_spearman", "trough_layer",
+        "layer_to_layer", "layer_to_layer_ci_low", "layer_to_layer_ci_high", "layer_to_layer_n", "n_examples",
+    ]
+    assert found["method"].to_list() == ["b", "a"]
+    assert np.allclose(found["mean_spearman"], [0.325, 0.7])
+    assert np.allclose(found["layer_to_layer"], [0.4, 0.75])
+    assert np.allclose(found["std_spearman"], [np.std([0.4, 0.2, 0.2, 0.5]), np.std([0.8, 0.7, 0.6, 0.7])])
+    assert np.allclose(found["min_spearman"], [0.2, 0.6])
+    assert found["trough_layer"].to_list() == [1, 2]
+    assert found["n_examples"].to_list() == [2, 2]
+    per_example = pl.DataFrame({
+        "method": ["b", "b", "a", "a"],
+        "example_id": ["e1", "e2", "e1", "e2"],
+        "mean_spearman": [0.375, 0.275, 0.75, 0.65],
+        "layer_to_layer": [0.5, 0.3, 1.0, 0.5],
+    })
+    intervals = [column for name in STABILITY_MEANS for column in (f"{name}_ci_low", f"{name}_ci_high", f"{name}_n")]
+    expected = mean_intervals(per_example, ["method"], STABILITY_MEANS)
+    assert np.allclose(found.select(intervals).to_numpy(), expected.select(intervals).to_numpy())
+
+    one_haystack = per_layer.with_columns(cluster=pl.lit("haystack"))
+    clustered = stability_frame(one_haystack)
+    assert clustered.columns[-2:] == ["n_examples", "n_clusters"]
+    assert clustered["n_clusters"].to_list() == [1, 1]
+    assert clustered["mean_spearman_ci_low"].is_null().all()  # one independent sample has no interval
+    assert np.allclose(clustered["mean_spearman"], [0.325, 0.7])
+
+
+def test_pairs_by_hand_the_paired_difference_per_shared_layer_in_layer_order_with_layerless_rows_last():
+    from rankkit.eval.compare import pairs_frame
+    from rankkit.eval.stats import paired_difference
+
+    first = {("m", "e1"): [0.9, 0.5, 0.1], ("m", "e2"): [0.8, 0.6, 0.2], ("m", "e3"): [0.7, 0.2, 0.3]}
+    second = {("base", "e1"): [0.5, 0.5], ("base", "e2"): [0.6, 0.7], ("base", "e3"): [0.1, 0.4]}  # no layer 2
+    per_layer = pl.concat([per_layer_rows(first), per_layer_rows(second)])
+    layerless = pl.DataFrame({
+        "method": ["x", "x", "y", "y"],
+        "example_id": ["e1", "e2", "e1", "e2"],
+        "layer": pl.Series([None] * 4, dtype=pl.Int64),
+        "spearman": [0.4, 0.3, 0.1, 0.2],
+    })
+    per_layer = pl.concat([per_layer.reverse(), layerless])  # rows in no order
+    found = pairs_frame(per_layer, [("m", "base"), ("x", "y")])
+    assert found.columns == [
+        "method", "baseline", "layer", "difference", "difference_ci_low", "difference_ci_high",
+        "p_value", "n_examples", "n_clusters",
+    ]
+    assert found.select("method", "baseline", "layer").rows() == [("m", "base", 0), ("m", "base", 1), ("x", "y", None)]
+    assert np.allclose(found["difference"], [(0.4 + 0.2 + 0.6) / 3, (0.0 - 0.1 - 0.2) / 3, (0.3 + 0.1) / 2])
+    for row, (a, b) in zip(
+        found.iter_rows(named=True),
+        [([0.7, 0.8, 0.9], [0.1, 0.6, 0.5]), ([0.2, 0.6, 0.5], [0.4, 0.7, 0.5]), ([0.3, 0.4], [0.2, 0.1])],
+        strict=True,
+    ):
+        expected = paired_difference(np.array(a), np.array(b))  # examples in the frame's order: e3, e2, e1
+        assert {name: row[name] for name in expected} == pytest.approx(expected)
+
+    needle = per_layer.with_columns(needle_recall=pl.col("spearman") * 2)
+    assert np.allclose(pairs_frame(needle, [("m", "base")], "needle_recall")["difference"], found["difference"][:2] * 2)
+    clustered = pairs_frame(per_layer.with_columns(cluster=pl.lit("one")), [("m", "base")])
+    assert clustered["n_clusters"].to_list() == [1, 1]
+    assert clustered["n_examples"].to_list() == [3, 3]
+    assert pairs_frame(per_layer, []).columns == found.columns
+
+
+def test_pairs_at_a_layer_count_the_layers_significantly_higher_and_lower_below_the_level():
+    from rankkit.eval.compare import pairs_at_layer
+
+    pairs = pl.DataFrame({
+        "method": ["m"] * 4 + ["k"] * 2,
+        "baseline": ["b"] * 4 + ["b"] * 2,
+        "layer": [0, 1, 2, 3, 0, 1],
+        "difference": [0.1, 0.5, -0.2, 0.3, -0.4, 0.2],
+        "p_value": [0.01, 0.2, 0.03, 0.05, 0.001, None],  # 0.05 is not below the level
+        "n_examples": [5] * 6,
+    })
+    found = pairs_at_layer(pairs, 1)
+    assert found.columns == ["method", "baseline", "difference", "p_value", "n_examples", "higher_layers", "lower_layers"]
+    assert found.rows() == [("m", "b", 0.5, 0.2, 5, "1/4", "1/4"), ("k", "b", 0.2, None, 5, "0/2", "1/2")]
+    missing = pairs_at_layer(pairs, 3)  # a pair without the layer keeps its counts, its difference null
+    assert missing.rows() == [("m", "b", 0.3, 0.05, 5, "1/4", "1/4"), ("k", "b", None, None, None, "0/2", "1/2")]
+    assert pairs_at_layer(pairs.clear(), 1).equals(pairs.clear())
+
+
+def test_rows_gather_each_examples_rows_under_its_id_and_task_typed_as_documented():
+    from rankkit.eval.compare import _Rows
+
+    first, second, empty, total = _Rows(), _Rows(), _Rows(), _Rows()
+    first.add("a", layer=range(2), spearman=np.array([0.5, np.nan]))
+    first.add("b", layer=[0], spearman=np.array([0.25]))
+    second.add("a", layer=[1], spearman=np.array([1.0]))
+    total.extend(first, "e1", "niah")
+    total.extend(empty, "nothing", "niah")  # an example without rows adds none
+    total.extend(second, "e2", None)
+    found = total.frame()
+    assert found.columns == ["example_id", "task", "method", "layer", "spearman"]
+    assert found.dtypes == [pl.Categorical(), pl.String, pl.String, pl.Int32, pl.Float64]
+    assert found.rows() == [
+        ("e1", "niah", "a", 0, 0.5), ("e1", "niah", "a", 1, None), ("e1", "niah", "b", 0, 0.25), ("e2", None, "a", 1, 1.0),
+    ]
+    assert first.frame().columns == ["method", "layer", "spearman"]  # one example's rows: no example columns
+    assert first.frame()["method"].to_list() == ["a", "a", "b"]
+    assert empty.frame().equals(pl.DataFrame())
+
+
+def test_claa_is_paired_by_default_with_each_single_layer_heuristic_compared_and_nothing_without_it():
+    from rankkit.eval.compare import default_pairs
+
+    assert default_pairs(["window", "fastkv", "claa", "snapkv", "gemfilter", "asl"]) == [("claa", "fastkv"), ("claa", "gemfilter")]
+    assert default_pairs(["gemfilter", "claa"]) == [("claa", "gemfilter")]  # in the order compared
+    assert default_pairs(["fastkv", "gemfilter"]) == []
+    assert default_pairs(["claa"]) == []
+
+
+def test_pairs_without_the_oracle_are_refused_and_no_pairs_need_none():
+    from rankkit.eval.compare import refuse_pairs_without_oracle
+
+    refusal = (
+        "--pairs tests differences of Spearman with the oracle, which --no-oracle leaves out; "
+        "drop --pairs or compare with the oracle"
+    )
+    for pairs in ("claa:fastkv", [("claa", "fastkv")]):
+        with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+            refuse_pairs_without_oracle(pairs, oracle=False)
+        refuse_pairs_without_oracle(pairs, oracle=True)
+    for nothing in (None, "", []):
+        refuse_pairs_without_oracle(nothing, oracle=False)
+
+
+class _Example:
+    def __init__(self, id, oracle_params, layers=4):
+        self.id, self.attrs, self.probes, self.layers = id, {"oracle_params": oracle_params}, ["window", "last_token"], layers
+
+    def score_shape(self, probe):
+        return (self.layers, 3, 50) if probe == "window" else (0,)
+
+
+def test_examples_whose_oracles_were_made_alike_pass_and_a_mix_is_refused_naming_both():
+    from rankkit.eval.compare import refuse_mixed_oracles, scored_layers
+
+    made = {"answer": "gold", "softmax": "full"}
+    refuse_mixed_oracles([_Example("a", made), _Example("b", dict(made)), _Example("c", made)], "s.zarr")
+    refuse_mixed_oracles([_Example("a", None), _Example("b", None)], "s.zarr")  # no oracles: nothing to mix
+    other = {"answer": "gold", "softmax": "top"}
+    refusal = (
+        f"store s.zarr holds oracles made with other settings: example 'a' {made}, example 'c' {other}; "
+        "remake them alike with `rankkit oracle s.zarr --redo`"
+    )
+    with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+        refuse_mixed_oracles([_Example("a", made), _Example("b", made), _Example("c", other)], "s.zarr")
+    with pytest.raises(RankkitError, match="example 'a' None, example 'b'"):
+        refuse_mixed_oracles([_Example("a", None), _Example("b", made)], "s.zarr")
+    assert scored_layers([_Example("a", made, layers=7), _Example("b", made, layers=9)]) == 7  # the first's first probe
+
+
+def test_a_frame_with_keeps_carries_the_keep_and_needle_keep_of_its_rows():
+    from rankkit.eval.compare import with_keeps
+
+    frame = pl.DataFrame({"method": ["a", "b"]})
+    assert with_keeps(frame, 0.1, 16).rows() == [("a", 0.1, 16), ("b", 0.1, 16)]
+    assert with_keeps(frame, 0.1, 16).columns == ["method", "keep", "needle_keep"]
