@@ -1884,7 +1884,15 @@ def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_s
     per_layer = per_layer_rows(spearman).with_columns(
         adjacent_spearman=pl.Series([value for values in adjacent.values() for value in values], dtype=pl.Float64)
     )
-    found = stability_frame(per_layer)
+    # two more methods, so that an order not kept shows: b, a, d, c
+    per_layer = pl.concat([
+        per_layer,
+        per_layer.filter(pl.col("method") == "b").with_columns(method=pl.lit("d")),
+        per_layer.filter(pl.col("method") == "a").with_columns(method=pl.lit("c")),
+    ])
+    found = stability_frame(per_layer).filter(pl.col("method").is_in(["b", "a"]))
+    assert stability_frame(per_layer)["method"].to_list() == ["b", "a", "d", "c"]
+    assert stability_frame(per_layer).drop("method").equals(pl.concat([found, found]).drop("method"))
     assert found.columns == [
         "method", "mean_spearman", "mean_spearman_ci_low", "mean_spearman_ci_high", "mean_spearman_n",
         "std_spearman", "min_spearman", "trough_layer",
@@ -1908,7 +1916,7 @@ def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_s
     assert np.allclose(found.select(intervals).to_numpy(), expected.select(intervals).to_numpy())
 
     one_haystack = per_layer.with_columns(cluster=pl.lit("haystack"))
-    clustered = stability_frame(one_haystack)
+    clustered = stability_frame(one_haystack).filter(pl.col("method").is_in(["b", "a"]))
     assert clustered.columns[-2:] == ["n_examples", "n_clusters"]
     assert clustered["n_clusters"].to_list() == [1, 1]
     assert clustered["mean_spearman_ci_low"].is_null().all()  # one independent sample has no interval
@@ -1951,23 +1959,38 @@ def test_pairs_by_hand_the_paired_difference_per_shared_layer_in_layer_order_wit
     assert clustered["n_examples"].to_list() == [3, 3]
     assert pairs_frame(per_layer, []).columns == found.columns
 
+    # many layers and a layer-less example in one pair: layers in order, the layer-less row last
+    rng = np.random.default_rng(0)
+    layered = {(method, f"e{index}"): rng.random(8) for method in ("m", "base") for index in range(3)}
+    layerless = {"m": 0.9, "base": 0.4}
+    rows = pl.concat([
+        per_layer_rows(layered),
+        pl.DataFrame({"method": list(layerless), "example_id": "e3", "layer": None, "spearman": list(layerless.values())}),
+    ], how="vertical_relaxed")
+    found = pairs_frame(rows.sample(fraction=1.0, shuffle=True, seed=3), [("m", "base")])
+    assert found["layer"].to_list() == [*range(8), None]
+    difference = np.mean([layered["m", example] - layered["base", example] for example in ("e0", "e1", "e2")], axis=0)
+    assert np.allclose(found["difference"], [*difference, 0.9 - 0.4])
+    assert found["n_examples"].to_list() == [3] * 8 + [1]
+
 
 def test_pairs_at_a_layer_count_the_layers_significantly_higher_and_lower_below_the_level():
     from rankkit.eval.compare import pairs_at_layer
 
     pairs = pl.DataFrame({
-        "method": ["m"] * 4 + ["k"] * 2,
-        "baseline": ["b"] * 4 + ["b"] * 2,
-        "layer": [0, 1, 2, 3, 0, 1],
-        "difference": [0.1, 0.5, -0.2, 0.3, -0.4, 0.2],
-        "p_value": [0.01, 0.2, 0.03, 0.05, 0.001, None],  # 0.05 is not below the level
-        "n_examples": [5] * 6,
+        "method": ["m"] * 5 + ["k"] * 2,
+        "baseline": ["b"] * 5 + ["b"] * 2,
+        "layer": [0, 1, 2, 3, 4, 0, 1],
+        "difference": [0.1, 0.5, -0.2, 0.3, 0.0, -0.4, 0.2],
+        # 0.05 is not below the level; a significant difference of 0 is neither higher nor lower
+        "p_value": [0.01, 0.2, 0.03, 0.05, 0.01, 0.001, None],
+        "n_examples": [5] * 7,
     })
     found = pairs_at_layer(pairs, 1)
     assert found.columns == ["method", "baseline", "difference", "p_value", "n_examples", "higher_layers", "lower_layers"]
-    assert found.rows() == [("m", "b", 0.5, 0.2, 5, "1/4", "1/4"), ("k", "b", 0.2, None, 5, "0/2", "1/2")]
+    assert found.rows() == [("m", "b", 0.5, 0.2, 5, "1/5", "1/5"), ("k", "b", 0.2, None, 5, "0/2", "1/2")]
     missing = pairs_at_layer(pairs, 3)  # a pair without the layer keeps its counts, its difference null
-    assert missing.rows() == [("m", "b", 0.3, 0.05, 5, "1/4", "1/4"), ("k", "b", None, None, None, "0/2", "1/2")]
+    assert missing.rows() == [("m", "b", 0.3, 0.05, 5, "1/5", "1/5"), ("k", "b", None, None, None, "0/2", "1/2")]
     assert pairs_at_layer(pairs.clear(), 1).equals(pairs.clear())
 
 
@@ -1987,6 +2010,9 @@ def test_rows_gather_each_examples_rows_under_its_id_and_task_typed_as_documente
     assert found.rows() == [
         ("e1", "niah", "a", 0, 0.5), ("e1", "niah", "a", 1, None), ("e1", "niah", "b", 0, 0.25), ("e2", None, "a", 1, 1.0),
     ]
+    untasked = _Rows()
+    untasked.extend(second, "e2", None)
+    assert untasked.frame()["task"].dtype == pl.String  # a task column even where no example names one
     assert first.frame().columns == ["method", "layer", "spearman"]  # one example's rows: no example columns
     assert first.frame()["method"].to_list() == ["a", "a", "b"]
     assert empty.frame().equals(pl.DataFrame())
@@ -2017,8 +2043,8 @@ def test_pairs_without_the_oracle_are_refused_and_no_pairs_need_none():
 
 
 class _Example:
-    def __init__(self, id, oracle_params, layers=4):
-        self.id, self.attrs, self.probes, self.layers = id, {"oracle_params": oracle_params}, ["window", "last_token"], layers
+    def __init__(self, id, oracle_params, layers=4, probes=("window", "last_token")):
+        self.id, self.attrs, self.probes, self.layers = id, {"oracle_params": oracle_params}, list(probes), layers
 
     def score_shape(self, probe):
         return (self.layers, 3, 50) if probe == "window" else (0,)
@@ -2039,7 +2065,9 @@ def test_examples_whose_oracles_were_made_alike_pass_and_a_mix_is_refused_naming
         refuse_mixed_oracles([_Example("a", made), _Example("b", made), _Example("c", other)], "s.zarr")
     with pytest.raises(RankkitError, match="example 'a' None, example 'b'"):
         refuse_mixed_oracles([_Example("a", None), _Example("b", made)], "s.zarr")
-    assert scored_layers([_Example("a", made, layers=7), _Example("b", made, layers=9)]) == 7  # the first's first probe
+    second = _Example("b", made, layers=9, probes=("last_token", "window"))
+    assert scored_layers([_Example("a", made, layers=7), second]) == 7  # the first's first probe
+    assert scored_layers([_Example("a", made, layers=7)]) == 7
 
 
 def test_a_frame_with_keeps_carries_the_keep_and_needle_keep_of_its_rows():
@@ -2048,3 +2076,150 @@ def test_a_frame_with_keeps_carries_the_keep_and_needle_keep_of_its_rows():
     frame = pl.DataFrame({"method": ["a", "b"]})
     assert with_keeps(frame, 0.1, 16).rows() == [("a", 0.1, 16), ("b", 0.1, 16)]
     assert with_keeps(frame, 0.1, 16).columns == ["method", "keep", "needle_keep"]
+
+
+def test_one_examples_rows_by_hand_each_probe_per_layer_and_head_and_claa_with_its_sweep(store_path):
+    """``evaluate_example`` against scipy on the ranked tokens: a probe's per-layer rows rank its head
+    sum (CLAA Eq. 1, 2 and 5 sum over heads), its per-head rows each (layer, head) in that order, a
+    method's rows its ``layer_rankings``, and CLAA's sweep each n of CLAA_SWEEP within the depth."""
+    from rankkit import stores
+    from rankkit.eval.compare import evaluate_example
+
+    record = stores.open(store_path).example("ex2")
+    ranked = slice(3, 45)
+    oracle = record.oracle[ranked]
+    evidence = spans_mask([(20 - 3, 24 - 3)], 42)
+    budget = Budget.from_keep(0.1)
+    methods = {"claa": make("claa"), "fastkv": make("fastkv")}
+
+    def rho(ranking):
+        return stats.spearmanr(ranking, oracle).statistic
+
+    per_layer, per_head, sweep = (
+        rows.frame() for rows in evaluate_example(record, Reference(oracle, evidence, 0.1), ["lava", "window"], methods, budget, ranked)
+    )
+    lava = record.scores("lava")[..., ranked]
+    rows = per_layer.filter(pl.col("method") == "lava")
+    assert rows["layer"].to_list() == list(range(LAYERS))
+    assert np.allclose(rows["spearman"], [rho(lava[layer].sum(0)) for layer in range(LAYERS)])
+    assert np.allclose(rows["kendall"], [stats.kendalltau(lava[layer].sum(0), oracle).statistic for layer in range(LAYERS)])
+    heads = per_head.filter(pl.col("method") == "lava")
+    assert heads.select("layer", "head").rows() == [(layer, head) for layer in range(LAYERS) for head in range(HEADS)]
+    assert np.allclose(heads["spearman"], [rho(lava[layer, head]) for layer in range(LAYERS) for head in range(HEADS)])
+    assert per_head["method"].to_list() == ["lava"] * (LAYERS * HEADS) + ["window"] * (LAYERS * HEADS)
+
+    captured = Captured({"window": torch.from_numpy(record.scores("window"))}, LAYERS, TOKENS)
+    for label, method in methods.items():
+        rankings = method.layer_rankings(captured, budget)
+        rows = per_layer.filter(pl.col("method") == label)
+        assert rows["layer"].to_list() == sorted(rankings)
+        assert np.allclose(rows["spearman"], [rho(rankings[layer].numpy()[ranked]) for layer in sorted(rankings)])
+    assert sweep["method"].unique(maintain_order=True).to_list() == [f"claa-n{n}" for n in CLAA_SWEEP if n <= LAYERS]
+    for n in (n for n in CLAA_SWEEP if n <= LAYERS):
+        rankings = make("claa", aggregation_window=n).layer_rankings(captured, budget)
+        rows = sweep.filter(pl.col("method") == f"claa-n{n}")
+        assert rows["claa_layers"].to_list() == [n] * len(rankings)
+        assert rows["layer"].to_list() == sorted(rankings)
+        assert np.allclose(rows["spearman"], [rho(rankings[layer].numpy()[ranked]) for layer in sorted(rankings)])
+    assert "kendall" not in sweep.columns and "evidence_kept" not in sweep.columns
+
+    light = [rows.frame() for rows in evaluate_example(record, Reference(oracle, evidence, 0.1), ["lava"], methods, budget, ranked, detailed=False)]
+    assert light[0]["kendall"].null_count() == light[0].height
+    assert light[0].drop("kendall").equals(per_layer.filter(pl.col("method") != "window").drop("kendall"))
+    assert light[1].is_empty() and light[2].is_empty()
+
+
+def test_an_example_is_compared_on_its_span_with_its_evidence_moved_into_it_and_its_oracle_or_none(store_path):
+    """``compare_example``, the unit a worker runs: the span's tokens ranked, the evidence spans
+    counted from the span's start, the oracle over the span (or none: reference-free metrics only)."""
+    from rankkit import stores
+    from rankkit.eval.compare import compare_example, evaluate_example, observation_window
+
+    record = stores.open(store_path).example("ex1")
+    budget = Budget.from_keep(0.1)
+    methods = {"claa": make("claa")}
+    context = slice(*CONTEXT)
+    example_id, task, found = compare_example(
+        record, probes=("lava",), methods=methods, budget=budget, span="context", needle_keep=8
+    )
+    assert (example_id, task) == ("ex1", "niah")
+    shifted = spans_mask([(EVIDENCE[0][0] - CONTEXT[0], EVIDENCE[0][1] - CONTEXT[0])], CONTEXT[1] - CONTEXT[0])
+    reference = Reference(record.oracle[context], shifted, 8)
+    expected = evaluate_example(record, reference, ("lava",), methods, budget, context)
+    for got, made in zip(found, expected, strict=True):
+        assert got.frame().equals(made.frame())
+
+    _, _, free = compare_example(
+        record, probes=("lava",), methods=methods, budget=budget, span="prompt", oracle=False, needle_keep=0.1
+    )
+    rows = free[0].frame()
+    assert rows["spearman"].null_count() == rows.height  # no reference: the oracle's metrics are null
+    prompt = slice(0, TOKENS - observation_window())
+    assert rows.filter(pl.col("method") == "lava")["adjacent_spearman"].to_list()[1:] == pytest.approx(
+        [stats.spearmanr(*record.scores("lava")[[layer - 1, layer]][..., prompt].sum(1)).statistic for layer in range(1, LAYERS)]
+    )
+    assert free[1].frame().is_empty()  # per head: Spearman with the oracle only
+
+
+def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_the_models_depth(tmp_path):
+    """On scores that differ by layer, of a model with local layers whose depth is one of CLAA_SWEEP:
+    each method ranks as its offline face does given the store's layout (``recorded_model``: the local
+    layers, the KV heads), with Kendall; CLAA's evidence kept is counted at its selection layer on that
+    layout, and its sweep runs every n up to the depth, each n its own ranking."""
+    from rankkit import stores
+    from rankkit.eval.compare import compare_example, evaluate_example
+    from rankkit.eval.offline import recorded_model
+
+    layers, local, full = 8, "sliding_attention", "full_attention"
+    model = {"id": "synthetic", "layer_types": [local, local, full, local, local, full, local, full], "sliding_window": 16}
+    rng = np.random.default_rng(7)
+    writer = stores.create(tmp_path / "hybrid.zarr", {"model": model, "kv_heads": HEADS, "num_attention_heads": HEADS})
+    window = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
+    per_query_head = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
+    scores = {"window": window, "last_token_heads": per_query_head}
+    writer.write_example("ex0", attrs={"task": "niah"}, tokens=np.arange(TOKENS), scores=scores)
+    writer.add_oracle("ex0", oracle=rng.random(TOKENS).astype(np.float32), oracle_layers=rng.random((layers, TOKENS)), attrs={})
+    store = stores.open(tmp_path / "hybrid.zarr")
+    record, layout = store.example("ex0"), recorded_model(store.meta)
+    assert layout == {"layer_types": model["layer_types"], "sliding_window": 16, "kv_heads": HEADS, "query_heads": HEADS}
+    ranked = slice(0, TOKENS - 8)
+    oracle, budget = record.oracle[ranked], Budget.from_keep(0.2)
+    methods = {"claa": make("claa"), "fastkv": make("fastkv"), "tova": make("tova")}
+    evidence = spans_mask([(30, 34)], TOKENS - 8)
+    reference = Reference(oracle, evidence, 0.2)
+    per_layer, _, sweep = (rows.frame() for rows in evaluate_example(record, reference, [], methods, budget, ranked, layout))
+
+    arrays = {key: torch.from_numpy(values) for key, values in scores.items()}
+    captured, unaware = Captured(arrays, layers, TOKENS, **layout), Captured(arrays, layers, TOKENS)
+    tova = make("tova").layer_rankings(captured, budget)  # its heads summed by the recorded grouping
+    assert not np.array_equal(tova[0], make("tova").layer_rankings(unaware, budget)[0])
+    for label, method in methods.items():
+        rankings = method.layer_rankings(captured, budget)
+        rows = per_layer.filter(pl.col("method") == label)
+        assert rows["layer"].to_list() == sorted(rankings)
+        made = [rankings[layer].numpy()[ranked] for layer in sorted(rankings)]
+        assert np.allclose(rows["spearman"], [stats.spearmanr(ranking, oracle).statistic for ranking in made])
+        assert np.allclose(rows["kendall"], [stats.kendalltau(ranking, oracle).statistic for ranking in made])
+    # the evidence CLAA's selection keeps, at its layer on the layout: a global one (5), not l_p = 4
+    selection = make("claa").select_offline(captured, Budget.from_keep(0.2))
+    assert selection.layer == 5 and make("claa").select_offline(unaware, Budget.from_keep(0.2)).layer == 4
+    kept = np.isin(np.arange(30, 34), selection.positions.numpy()).mean()
+    claa = per_layer.filter(pl.col("method") == "claa")
+    assert claa["evidence_kept"].to_list() == [None] * 5 + [kept] + [None] * 2
+    assert sweep["method"].unique(maintain_order=True).to_list() == [f"claa-n{n}" for n in CLAA_SWEEP]  # 8 included
+    spearmans = set()
+    for n in CLAA_SWEEP:
+        rankings = make("claa", aggregation_window=n).layer_rankings(captured, budget)
+        rows = sweep.filter(pl.col("method") == f"claa-n{n}")
+        assert rows["layer"].to_list() == sorted(rankings)
+        assert np.allclose(rows["spearman"], [stats.spearmanr(rankings[layer].numpy()[ranked], oracle).statistic for layer in sorted(rankings)])
+        spearmans.add(tuple(rows["spearman"].round(6)))
+    assert len(spearmans) == len(CLAA_SWEEP)  # each n ranks apart
+
+    # compare's unit on this example, which names no spans: the prompt span, no evidence, the layout
+    _, _, found = compare_example(record, probes=(), methods=methods, budget=budget, needle_keep=0.2, layout=layout)
+    unspanned = evaluate_example(record, Reference(oracle, np.zeros(TOKENS - 8, dtype=bool), 0.2), (), methods, budget, ranked, layout)
+    for got, made in zip(found, unspanned, strict=True):
+        assert got.frame().equals(made.frame())
+    _, _, light = compare_example(record, probes=(), methods=methods, budget=budget, needle_keep=0.2, layout=layout, detailed=False)
+    assert light[0].frame()["kendall"].null_count() == light[0].frame().height and light[2].frame().is_empty()

@@ -387,7 +387,7 @@ def stability_frame(per_layer: pl.DataFrame) -> pl.DataFrame:
     standard deviation, deepest trough and the layer there."""
     curve = per_layer.group_by("method", "layer", maintain_order=True).agg(pl.col("spearman").mean())
     spearman = pl.col("spearman")
-    shape = curve.group_by("method", maintain_order=True).agg(
+    shape = curve.group_by("method").agg(  # in any order: the join keeps the means' order
         spearman.std(ddof=0).alias("std_spearman"),
         spearman.min().alias("min_spearman"),
         pl.col("layer").filter(spearman == spearman.min()).first().alias("trough_layer"),
@@ -686,7 +686,7 @@ def write_results(
     (store,) = {result.store for result in results}
     paths = claim_outputs(output_paths(path), store, overwrite=overwrite)
     frames = [
-        pl.concat([getattr(result, name) for result in results], how="diagonal_relaxed")
+        pl.concat([getattr(result, name) for result in results])
         for name in ("per_layer", *SIBLING_FRAMES)
     ]
     written = [] if written is None else written
