@@ -2176,23 +2176,27 @@ def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_
     writer = stores.create(tmp_path / "hybrid.zarr", {"model": model, "kv_heads": HEADS, "num_attention_heads": HEADS})
     window = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
     per_query_head = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
-    scores = {"window": window, "last_token_heads": per_query_head}
-    writer.write_example("ex0", attrs={"task": "niah"}, tokens=np.arange(TOKENS), scores=scores)
-    writer.add_oracle("ex0", oracle=rng.random(TOKENS).astype(np.float32), oracle_layers=rng.random((layers, TOKENS)), attrs={})
+    scores = {"window": window, "last_token_heads": per_query_head, "lava": rng.random((layers, HEADS, TOKENS)).astype(np.float32)}
+    truth = rng.random(TOKENS).astype(np.float32)
+    for example, attrs in (("ex0", {"spans": {"evidence_tokens": [[30, 34]]}}), ("ex1", {})):  # ex1 names no spans
+        writer.write_example(example, attrs={"task": "niah", **attrs}, tokens=np.arange(TOKENS), scores=scores)
+        writer.add_oracle(example, oracle=truth, oracle_layers=np.tile(truth, (layers, 1)), attrs={})
     store = stores.open(tmp_path / "hybrid.zarr")
     record, layout = store.example("ex0"), recorded_model(store.meta)
     assert layout == {"layer_types": model["layer_types"], "sliding_window": 16, "kv_heads": HEADS, "query_heads": HEADS}
     ranked = slice(0, TOKENS - 8)
     oracle, budget = record.oracle[ranked], Budget.from_keep(0.2)
-    methods = {"claa": make("claa"), "fastkv": make("fastkv"), "tova": make("tova")}
+    methods = {"claa": make("claa"), "fastkv": make("fastkv"), "tova": make("tova"), "lava": make("lava")}
     evidence = spans_mask([(30, 34)], TOKENS - 8)
     reference = Reference(oracle, evidence, 0.2)
     per_layer, _, sweep = (rows.frame() for rows in evaluate_example(record, reference, [], methods, budget, ranked, layout))
 
     arrays = {key: torch.from_numpy(values) for key, values in scores.items()}
     captured, unaware = Captured(arrays, layers, TOKENS, **layout), Captured(arrays, layers, TOKENS)
-    tova = make("tova").layer_rankings(captured, budget)  # its heads summed by the recorded grouping
-    assert not np.array_equal(tova[0], make("tova").layer_rankings(unaware, budget)[0])
+    lava, blind = (make("lava").layer_rankings(made, budget) for made in (captured, unaware))
+    for layer in range(layers):  # LAVa leaves out the keys a local layer cannot see (``Captured.hide_unseen``)
+        differs = stats.spearmanr(lava[layer], blind[layer], nan_policy="omit").statistic < 1
+        assert differs == (model["layer_types"][layer] == local), layer
     for label, method in methods.items():
         rankings = method.layer_rankings(captured, budget)
         rows = per_layer.filter(pl.col("method") == label)
@@ -2216,10 +2220,78 @@ def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_
         spearmans.add(tuple(rows["spearman"].round(6)))
     assert len(spearmans) == len(CLAA_SWEEP)  # each n ranks apart
 
-    # compare's unit on this example, which names no spans: the prompt span, no evidence, the layout
+    # compare's unit on these examples: by default the prompt span, the evidence its spans name, the layout
     _, _, found = compare_example(record, probes=(), methods=methods, budget=budget, needle_keep=0.2, layout=layout)
-    unspanned = evaluate_example(record, Reference(oracle, np.zeros(TOKENS - 8, dtype=bool), 0.2), (), methods, budget, ranked, layout)
-    for got, made in zip(found, unspanned, strict=True):
+    for got, made in zip(found, (per_layer, pl.DataFrame(), sweep), strict=True):  # no probes: no per-head rows
+        assert got.frame().equals(made)
+    unspanned = store.example("ex1")
+    _, _, found = compare_example(unspanned, probes=(), methods=methods, budget=budget, needle_keep=0.2, layout=layout)
+    nothing_to_find = Reference(oracle, np.zeros(TOKENS - 8, dtype=bool), 0.2)
+    for got, made in zip(found, evaluate_example(unspanned, nothing_to_find, (), methods, budget, ranked, layout), strict=True):
         assert got.frame().equals(made.frame())
     _, _, light = compare_example(record, probes=(), methods=methods, budget=budget, needle_keep=0.2, layout=layout, detailed=False)
     assert light[0].frame()["kendall"].null_count() == light[0].frame().height and light[2].frame().is_empty()
+
+
+def test_a_references_metric_columns_by_hand_with_the_oracle_and_without():
+    """Each column of ``Reference.metrics`` row by row against the metrics one at a time (scipy,
+    ``topk_recall``, ``needle_recall``); without an oracle its columns are NaN, float like the rest."""
+    rng = np.random.default_rng(11)
+    scores, oracle = rng.random((3, 40)), rng.random(40)
+    evidence = spans_mask([(5, 8)], 40)
+    columns = Reference(oracle, evidence, 6).metrics(scores)
+    assert list(columns) == [
+        "spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "needle_recall", "evidence_kept", "adjacent_spearman",
+    ]
+    assert all(values.dtype == np.float64 and values.shape == (3,) for values in columns.values())
+    assert np.allclose(columns["spearman"], [stats.spearmanr(row, oracle).statistic for row in scores])
+    assert np.allclose(columns["kendall"], [stats.kendalltau(row, oracle).statistic for row in scores])
+    for name, rate in (("recall_at_10", 0.1), ("recall_at_20", 0.2), ("recall_at_40", 0.4)):
+        assert np.allclose(columns[name], [topk_recall(row, oracle, rate) for row in scores]), name
+    assert np.allclose(columns["needle_recall"], [needle_recall(row, evidence, 6) for row in scores])
+    assert len(set(columns["needle_recall"])) > 1  # the rows find different shares of the evidence
+    assert np.isnan(columns["evidence_kept"]).all()
+    assert np.isnan(columns["adjacent_spearman"][0])
+    assert np.allclose(columns["adjacent_spearman"][1:], [stats.spearmanr(scores[i - 1], scores[i]).statistic for i in (1, 2)])
+
+    free = Reference(None, evidence, 6).metrics(scores)
+    assert all(values.dtype == np.float64 for values in free.values())
+    for name in ("spearman", "kendall", "recall_at_10", "recall_at_20", "recall_at_40", "evidence_kept"):
+        assert np.isnan(free[name]).all(), name
+    assert np.array_equal(free["needle_recall"], columns["needle_recall"])
+    assert np.array_equal(free["adjacent_spearman"], columns["adjacent_spearman"], equal_nan=True)
+
+
+def test_compare_at_several_keeps_is_one_comparison_per_keep_with_the_same_options_each_frame_naming_its_keep(store_path, tmp_path):
+    from rankkit import defaults
+    from rankkit.eval.compare import compare_keeps, output_paths
+
+    results = compare_keeps(store_path, keep="0.2,0.5", methods=["window", "claa"], pairs="claa:window", workers=1)
+    assert [result.keep for result in results] == [0.2, 0.5] and [result.needle_keep for result in results] == [0.2, 0.5]
+    assert [result.tested_pairs for result in results] == [[("claa", "window")]] * 2
+    for result, keep in zip(results, (0.2, 0.5), strict=True):
+        assert result.per_layer["method"].unique(maintain_order=True).to_list() == ["window", "claa"]
+        for frame in (result.per_layer, result.curve, result.stability, result.summary, result.pairs):
+            assert frame["keep"].to_list() == [keep] * frame.height and frame["needle_keep"].to_list() == [keep] * frame.height
+        assert result.per_layer.equals(compare_store(store_path, keep=keep, methods=["window", "claa"], workers=1).per_layer)
+
+    (counted,) = compare_keeps(store_path, budget=12, needle_keep=6, methods=["window"], workers=1)
+    assert (counted.keep, counted.needle_keep) == (12, 6)
+    (default,) = compare_keeps(store_path, methods=["window"], workers=1)
+    assert default.keep == defaults.KEEP
+
+    out, written = tmp_path / "both.parquet", []
+    compare_keeps(store_path, keep=[0.1, 0.5], out=out, methods=["window"], workers=1, written=written)
+    assert written == output_paths(out)
+    assert sorted(pl.read_parquet(out)["keep"].unique()) == [0.1, 0.5]
+    with pytest.raises(RankkitError, match="exists"):
+        compare_keeps(store_path, keep=0.1, out=out, methods=["window"], workers=1)
+    again = compare_keeps(store_path, keep=0.2, out=out, methods=["window"], workers=1, overwrite=True)
+    assert pl.read_parquet(out)["keep"].unique().to_list() == [0.2] and again[0].keep == 0.2
+
+
+def test_a_summary_of_no_rows_is_an_empty_frame():
+    from rankkit.eval.compare import summary_frame
+
+    per_layer = pl.DataFrame(schema={"method": pl.String, "example_id": pl.String, "layer": pl.Int32, "spearman": pl.Float64})
+    assert summary_frame(per_layer, {"window": 3, "specprefill": None}).equals(pl.DataFrame())
