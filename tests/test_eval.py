@@ -227,6 +227,9 @@ def test_a_ranking_scored_before_is_not_scored_again():
     other = scores.copy()
     other[2, 7] += 1  # a value the fingerprint's sampled columns miss
     assert reference.metrics(other) is not full
+    unseen = scores.copy()
+    unseen[1, :50] = np.nan  # a local layer's keys it could not see (LAVa, SAGE-KV)
+    assert reference.metrics(unseen.copy()) is reference.metrics(unseen)
 
 
 def test_keep_count_takes_a_rate_or_a_count():
@@ -2288,6 +2291,17 @@ def test_compare_at_several_keeps_is_one_comparison_per_keep_with_the_same_optio
         compare_keeps(store_path, keep=0.1, out=out, methods=["window"], workers=1)
     again = compare_keeps(store_path, keep=0.2, out=out, methods=["window"], workers=1, overwrite=True)
     assert pl.read_parquet(out)["keep"].unique().to_list() == [0.2] and again[0].keep == 0.2
+
+
+def test_compare_at_several_keeps_refuses_an_out_inside_the_store_before_any_work(store_path, monkeypatch):
+    from rankkit.eval import compare
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("compared before the output was claimed")
+
+    monkeypatch.setattr(compare, "compare_store", no_work)
+    with pytest.raises(RankkitError, match="is one of this command's inputs"):
+        compare.compare_keeps(store_path, keep="0.1,0.2", out=store_path / "inside.parquet", methods=["window"])
 
 
 def test_a_summary_of_no_rows_is_an_empty_frame():
