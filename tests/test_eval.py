@@ -213,6 +213,20 @@ def test_row_metrics_equal_one_metric_at_a_time(drawn):
 # ---------------------------------------------------------------- top-k and needle recall
 
 
+def test_row_metrics_refuse_inputs_over_other_tokens_than_the_rankings():
+    """The compiled pass would read a shorter input past its end: a crash or a wrong number."""
+    rng = np.random.default_rng(2)
+    scores = rng.random((2, 30))
+    for keywords, name, length in (
+        ({"reference": Ranked(rng.random(29))}, "reference", 29),
+        ({"reference": None, "evidence": np.ones(31, bool)}, "evidence", 31),
+        ({"reference": None, "top_sets": np.ones((1, 20), bool), "top_ks": [3]}, "top_sets", 20),
+    ):
+        with pytest.raises(ValueError, match=f"^row_metrics: {name} covers {length} tokens, the rankings 30$"):
+            row_metrics(scores, **keywords)
+    assert row_metrics(scores, Ranked(rng.random(30)), evidence=np.ones(30, bool), top_sets=np.ones((1, 30), bool), top_ks=[3])
+
+
 def test_a_ranking_scored_before_is_not_scored_again():
     """Methods that rank by a probe's own scores (fastkv by window's) reuse its metrics, in any
     dtype; a ranking scored without Kendall is scored again when Kendall is asked for."""
