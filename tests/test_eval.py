@@ -2323,3 +2323,20 @@ def test_a_summary_of_no_rows_is_an_empty_frame():
 
     per_layer = pl.DataFrame(schema={"method": pl.String, "example_id": pl.String, "layer": pl.Int32, "spearman": pl.Float64})
     assert summary_frame(per_layer, {"window": 3, "specprefill": None}).equals(pl.DataFrame())
+
+
+def test_results_never_replace_a_file_made_after_they_were_claimed(result, tmp_path, monkeypatch):
+    """A file another process writes between the claim and the write is refused there too."""
+    from rankkit.eval import compare
+
+    claim = compare.claim_outputs
+
+    def claimed_then_taken(paths, store, **options):
+        claimed = claim(paths, store, **options)
+        claimed[0].write_bytes(b"someone's")
+        return claimed
+
+    monkeypatch.setattr(compare, "claim_outputs", claimed_then_taken)
+    with pytest.raises(RankkitError):
+        compare.write_results([result], tmp_path / "compare.parquet")
+    assert (tmp_path / "compare.parquet").read_bytes() == b"someone's"
