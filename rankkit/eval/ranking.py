@@ -199,7 +199,7 @@ def row_metrics(
     top_sets = np.asarray(np.zeros((0, num_tokens)) if top_sets is None else top_sets, bool)
     evidence = np.asarray(np.zeros(num_tokens) if evidence is None else evidence, bool)
     # the compiled pass reads every input at each row's token indices: a shorter one is read past its end
-    lengths = {"evidence": evidence.shape[0], "top_sets": top_sets.shape[-1]}
+    lengths = {"evidence": evidence.shape[0], "top_sets": top_sets.shape[1]}
     if reference is not None:
         lengths["reference"] = reference.average_ranks.shape[0]
     for name, length in lengths.items():
