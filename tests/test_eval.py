@@ -1886,7 +1886,7 @@ def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_s
     from rankkit.eval.compare import STABILITY_MEANS, stability_frame
     from rankkit.eval.stats import mean_intervals
 
-    spearman = {
+    by_layer = {
         ("b", "e1"): [0.5, 0.1, 0.3, 0.6],  # curve 0.4, 0.2, 0.2, 0.5: the trough's first layer is 1
         ("b", "e2"): [0.3, 0.3, 0.1, 0.4],
         ("a", "e1"): [0.9, 0.8, 0.7, 0.6],  # curve 0.8, 0.7, 0.6, 0.7
@@ -1898,7 +1898,7 @@ def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_s
         ("a", "e1"): [None, 1.0, 1.0, 1.0],
         ("a", "e2"): [None, 0.5, 0.5, 0.5],
     }
-    per_layer = per_layer_rows(spearman).with_columns(
+    per_layer = per_layer_rows(by_layer).with_columns(
         adjacent_spearman=pl.Series([value for values in adjacent.values() for value in values], dtype=pl.Float64)
     )
     # two more methods, so that an order not kept shows: b, a, d, c
@@ -2178,27 +2178,45 @@ def test_an_example_is_compared_on_its_span_with_its_evidence_moved_into_it_and_
     assert free[1].frame().is_empty()  # per head: Spearman with the oracle only
 
 
+HYBRID_LAYERS = 8  # one of CLAA_SWEEP
+
+
+def write_hybrid_store(path):
+    """A store of a model with local layers (Gemma-like, 16-token window), scores random per layer and
+    head: ex0 names its evidence, ex1 no spans. Returns the open store, its model entry and the scores."""
+    from rankkit import stores
+
+    local, full = "sliding_attention", "full_attention"
+    model = {"id": "synthetic", "layer_types": [local, local, full, local, local, full, local, full], "sliding_window": 16}
+    rng = np.random.default_rng(7)
+    writer = stores.create(path, {"model": model, "kv_heads": HEADS, "num_attention_heads": HEADS})
+    scores = {key: rng.random((HYBRID_LAYERS, HEADS, TOKENS)).astype(np.float32) for key in ("window", "last_token_heads", "lava")}
+    truth = rng.random(TOKENS).astype(np.float32)
+    for example, attrs in (("ex0", {"spans": {"evidence_tokens": [[30, 34]]}}), ("ex1", {})):
+        writer.write_example(example, attrs={"task": "niah", **attrs}, tokens=np.arange(TOKENS), scores=scores)
+        writer.add_oracle(example, oracle=truth, oracle_layers=np.tile(truth, (HYBRID_LAYERS, 1)), attrs={})
+    return stores.open(path), model, scores
+
+
+def test_compare_summarises_a_model_with_local_layers_at_claas_global_layer(tmp_path):
+    """CLAA's l_p (round(15 L / 32) = 4 of 8) is a local layer here: the default summary layer is the
+    global one CLAA prunes at on this layout (5), for probes and methods alike."""
+    store, _, _ = write_hybrid_store(tmp_path / "hybrid.zarr")
+    compared = compare_store(store.path, methods=["window", "claa"], keep=0.2, workers=1)
+    assert compared.pruning_layer == 5
+    assert compared.summary.select("method", "layer").rows() == [("window", 5), ("claa", 5)]
+
+
 def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_the_models_depth(tmp_path):
     """On scores that differ by layer, of a model with local layers whose depth is one of CLAA_SWEEP:
     each method ranks as its offline face does given the store's layout (``recorded_model``: the local
     layers, the KV heads), with Kendall; CLAA's evidence kept is counted at its selection layer on that
     layout, and its sweep runs every n up to the depth, each n its own ranking."""
-    from rankkit import stores
     from rankkit.eval.compare import compare_example, evaluate_example
     from rankkit.eval.offline import recorded_model
 
-    layers, local, full = 8, "sliding_attention", "full_attention"
-    model = {"id": "synthetic", "layer_types": [local, local, full, local, local, full, local, full], "sliding_window": 16}
-    rng = np.random.default_rng(7)
-    writer = stores.create(tmp_path / "hybrid.zarr", {"model": model, "kv_heads": HEADS, "num_attention_heads": HEADS})
-    window = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
-    per_query_head = rng.random((layers, HEADS, TOKENS)).astype(np.float32)
-    scores = {"window": window, "last_token_heads": per_query_head, "lava": rng.random((layers, HEADS, TOKENS)).astype(np.float32)}
-    truth = rng.random(TOKENS).astype(np.float32)
-    for example, attrs in (("ex0", {"spans": {"evidence_tokens": [[30, 34]]}}), ("ex1", {})):  # ex1 names no spans
-        writer.write_example(example, attrs={"task": "niah", **attrs}, tokens=np.arange(TOKENS), scores=scores)
-        writer.add_oracle(example, oracle=truth, oracle_layers=np.tile(truth, (layers, 1)), attrs={})
-    store = stores.open(tmp_path / "hybrid.zarr")
+    layers, local = HYBRID_LAYERS, "sliding_attention"
+    store, model, scores = write_hybrid_store(tmp_path / "hybrid.zarr")
     record, layout = store.example("ex0"), recorded_model(store.meta)
     assert layout == {"layer_types": model["layer_types"], "sliding_window": 16, "kv_heads": HEADS, "query_heads": HEADS}
     ranked = slice(0, TOKENS - 8)
@@ -2340,3 +2358,13 @@ def test_results_never_replace_a_file_made_after_they_were_claimed(result, tmp_p
     with pytest.raises(RankkitError):
         compare.write_results([result], tmp_path / "compare.parquet")
     assert (tmp_path / "compare.parquet").read_bytes() == b"someone's"
+
+
+def test_compare_summarises_probes_at_any_layer_of_the_model_and_refuses_one_past_it(store_path):
+    summary = compare_store(store_path, layer=0, methods=["window"], workers=1).summary
+    assert summary.select("method", "layer").rows() == [("window", 0)]
+    last = compare_store(store_path, layer=LAYERS - 1, methods=["window"], workers=1).summary
+    assert last["layer"].to_list() == [LAYERS - 1]
+    refusal = f"layer {LAYERS} (--layer) is outside the model's layers 0..{LAYERS - 1}"
+    with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+        compare_store(store_path, layer=LAYERS, methods=["window"], workers=1)
