@@ -1868,15 +1868,13 @@ def test_outputs_are_claimed_outside_the_compared_store_open_or_named_and_never_
     assert compared_labels("window,claa") == compared_labels(["window", "claa"]) == ["window", "claa"]
 
 
-def per_layer_rows(values: dict, **constant) -> pl.DataFrame:
-    """A per-layer frame from {(method, example): [spearman per layer]}, layers from 0, with the
-    ``constant`` columns given per (method, example) as {key: value} or one value for all."""
-    rows = []
-    for (method, example), spearmans in values.items():
-        for layer, value in enumerate(spearmans):
-            extra = {name: column.get((method, example)) if isinstance(column, dict) else column for name, column in constant.items()}
-            rows.append({"method": method, "example_id": example, "layer": layer, "spearman": value, **extra})
-    return pl.DataFrame(rows)
+def per_layer_rows(values: dict) -> pl.DataFrame:
+    """A per-layer frame from {(method, example): [spearman per layer]}, layers from 0."""
+    return pl.DataFrame([
+        {"method": method, "example_id": example, "layer": layer, "spearman": float(value)}
+        for (method, example), spearmans in values.items()
+        for layer, value in enumerate(spearmans)
+    ])
 
 
 def test_stability_by_hand_the_mean_of_each_examples_layer_mean_and_the_curves_spread_and_first_trough():
