@@ -2093,12 +2093,24 @@ def test_a_frame_with_keeps_carries_the_keep_and_needle_keep_of_its_rows():
     assert with_keeps(frame, 0.1, 16).columns == ["method", "keep", "needle_keep"]
 
 
+def assert_rows_rank_as(rows: pl.DataFrame, rankings: dict, ranked: slice, oracle: np.ndarray, with_kendall: bool = False):
+    """One method's rows hold, layer by layer in order, scipy's Spearman (and Kendall) of its
+    ``rankings`` cut to the ``ranked`` tokens against ``oracle``."""
+    layers = sorted(rankings)
+    assert rows["layer"].to_list() == layers
+    made = [rankings[layer].numpy()[ranked] for layer in layers]
+    assert np.allclose(rows["spearman"], [stats.spearmanr(ranking, oracle).statistic for ranking in made])
+    if with_kendall:
+        assert np.allclose(rows["kendall"], [stats.kendalltau(ranking, oracle).statistic for ranking in made])
+
+
 def test_one_examples_rows_by_hand_each_probe_per_layer_and_head_and_claa_with_its_sweep(store_path):
     """``evaluate_example`` against scipy on the ranked tokens: a probe's per-layer rows rank its head
     sum (CLAA Eq. 1, 2 and 5 sum over heads), its per-head rows each (layer, head) in that order, a
     method's rows its ``layer_rankings``, and CLAA's sweep each n of CLAA_SWEEP within the depth."""
     from rankkit import stores
     from rankkit.eval.compare import evaluate_example
+    from rankkit.eval.offline import captured
 
     record = stores.open(store_path).example("ex2")
     ranked = slice(3, 45)
@@ -2123,19 +2135,16 @@ def test_one_examples_rows_by_hand_each_probe_per_layer_and_head_and_claa_with_i
     assert np.allclose(heads["spearman"], [rho(lava[layer, head]) for layer in range(LAYERS) for head in range(HEADS)])
     assert per_head["method"].to_list() == ["lava"] * (LAYERS * HEADS) + ["window"] * (LAYERS * HEADS)
 
-    captured = Captured({"window": torch.from_numpy(record.scores("window"))}, LAYERS, TOKENS)
     for label, method in methods.items():
-        rankings = method.layer_rankings(captured, budget)
-        rows = per_layer.filter(pl.col("method") == label)
-        assert rows["layer"].to_list() == sorted(rankings)
-        assert np.allclose(rows["spearman"], [rho(rankings[layer].numpy()[ranked]) for layer in sorted(rankings)])
+        rankings = method.layer_rankings(captured(record, method), budget)
+        assert_rows_rank_as(per_layer.filter(pl.col("method") == label), rankings, ranked, oracle)
     assert sweep["method"].unique(maintain_order=True).to_list() == [f"claa-n{n}" for n in CLAA_SWEEP if n <= LAYERS]
     for n in (n for n in CLAA_SWEEP if n <= LAYERS):
-        rankings = make("claa", aggregation_window=n).layer_rankings(captured, budget)
+        claa = make("claa", aggregation_window=n)
+        rankings = claa.layer_rankings(captured(record, claa), budget)
         rows = sweep.filter(pl.col("method") == f"claa-n{n}")
         assert rows["claa_layers"].to_list() == [n] * len(rankings)
-        assert rows["layer"].to_list() == sorted(rankings)
-        assert np.allclose(rows["spearman"], [rho(rankings[layer].numpy()[ranked]) for layer in sorted(rankings)])
+        assert_rows_rank_as(rows, rankings, ranked, oracle)
     assert "kendall" not in sweep.columns and "evidence_kept" not in sweep.columns
 
     light = [rows.frame() for rows in evaluate_example(record, Reference(oracle, evidence, 0.1), ["lava"], methods, budget, ranked, detailed=False)]
@@ -2231,12 +2240,8 @@ def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_
         differs = stats.spearmanr(lava[layer], blind[layer], nan_policy="omit").statistic < 1
         assert differs == (model["layer_types"][layer] == local), layer
     for label, method in methods.items():
-        rankings = method.layer_rankings(captured, budget)
         rows = per_layer.filter(pl.col("method") == label)
-        assert rows["layer"].to_list() == sorted(rankings)
-        made = [rankings[layer].numpy()[ranked] for layer in sorted(rankings)]
-        assert np.allclose(rows["spearman"], [stats.spearmanr(ranking, oracle).statistic for ranking in made])
-        assert np.allclose(rows["kendall"], [stats.kendalltau(ranking, oracle).statistic for ranking in made])
+        assert_rows_rank_as(rows, method.layer_rankings(captured, budget), ranked, oracle, with_kendall=True)
     # the evidence CLAA's selection keeps, at its layer on the layout: a global one (5), not l_p = 4
     selection = make("claa").select_offline(captured, Budget.from_keep(0.2))
     assert selection.layer == 5 and make("claa").select_offline(unaware, Budget.from_keep(0.2)).layer == 4
@@ -2246,10 +2251,8 @@ def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_
     assert sweep["method"].unique(maintain_order=True).to_list() == [f"claa-n{n}" for n in CLAA_SWEEP]  # 8 included
     spearmans = set()
     for n in CLAA_SWEEP:
-        rankings = make("claa", aggregation_window=n).layer_rankings(captured, budget)
         rows = sweep.filter(pl.col("method") == f"claa-n{n}")
-        assert rows["layer"].to_list() == sorted(rankings)
-        assert np.allclose(rows["spearman"], [stats.spearmanr(rankings[layer].numpy()[ranked], oracle).statistic for layer in sorted(rankings)])
+        assert_rows_rank_as(rows, make("claa", aggregation_window=n).layer_rankings(captured, budget), ranked, oracle)
         spearmans.add(tuple(rows["spearman"].round(6)))
     assert len(spearmans) == len(CLAA_SWEEP)  # each n ranks apart
 
