@@ -185,6 +185,12 @@ class KVCache:
             owned.index_copy_(dim, slot, owned.narrow(dim, last, 1).clone())  # the slot may be the last one
             entries[layer] = owned.narrow(dim, 0, last)
 
+    def evictable(self, layer: int) -> tuple[int, float | None]:
+        """The slots an ``evict`` of ``layer`` chooses among (its first this many), and the score an empty
+        one of them (position ``PADDING``) ranks by: here every entry, padding never dropped (None:
+        the layer has none)."""
+        return self.positions[layer].shape[1], torch.inf if self.padded[layer] else None
+
     def rearrange(self, layer: int, slots: torch.Tensor, size: int) -> None:
         """Move every entry of ``layer`` to its slot of ``slots`` [S] (on the device) among ``size`` slots;
         the slots no entry takes are padding, and an entry whose slot is ``size`` is dropped. Nothing
@@ -385,9 +391,9 @@ class StaticKVCache(KVCache):
 
     def __init__(self, cache: KVCache, room: int):
         super().__init__(cache.num_layers)
-        for layer in range(cache.num_layers):
+        for layer, buckets in enumerate(self.buckets(cache, room)):
             keys, positions = cache.keys[layer], cache.positions[layer]
-            capacity = -(-(positions.shape[1] + room) // STATIC_BUCKET) * STATIC_BUCKET
+            capacity = buckets * STATIC_BUCKET
             self.keys[layer] = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
             self.values[layer] = self.keys[layer].clone()
             self.positions[layer] = positions.new_full((positions.shape[0], capacity), PADDING)
@@ -399,33 +405,45 @@ class StaticKVCache(KVCache):
         self.load(cache)
 
     @staticmethod
+    def buckets(cache: KVCache, room: int) -> list[int]:
+        """Each layer's buffer, in ``STATIC_BUCKET``s: its entries and ``room`` more, and a held layer
+        (``hold_size``) its size and the one slot a step writes before its eviction, which may be
+        more where a local layer starts under its size."""
+        slots = [
+            max(positions.shape[1] + room, cache.held.get(layer, -1) + 1)
+            for layer, positions in enumerate(cache.positions)
+        ]
+        return [-(-count // STATIC_BUCKET) for count in slots]
+
+    @staticmethod
     def shape_of(cache: KVCache, room: int) -> tuple:
         """What decides whether a static cache (and a graph captured over it) can take ``cache``."""
-        lengths = [-(-(positions.shape[1] + room) // STATIC_BUCKET) for positions in cache.positions]
-        return (tuple(lengths), tuple(cache.keys[0].shape[1::2]), cache.keys[0].dtype, cache.keys[0].device)
+        buckets = StaticKVCache.buckets(cache, room)
+        held = tuple(sorted(cache.held.items()))  # a graph's eviction chooses among a held size's slots
+        return (tuple(buckets), tuple(cache.keys[0].shape[1::2]), cache.keys[0].dtype, cache.keys[0].device, held)
 
     @staticmethod
     def buffer_bytes(shape: tuple) -> int:
         """Bytes the buffers of a static cache of ``shape`` (``shape_of``) hold: keys, values, positions."""
-        lengths, (kv_heads, head_dim), dtype, _ = shape
+        lengths, (kv_heads, head_dim), dtype, _, _ = shape
         slots = sum(lengths) * STATIC_BUCKET * kv_heads
         return slots * (2 * head_dim * dtype.itemsize + torch.long.itemsize)
 
     def load(self, cache: KVCache) -> None:
-        """Copy ``cache``'s entries into these buffers (every slot after them padding), and the slots its
-        steps write: a window's ring, a held layer's one slot after its entries, else the buffer."""
+        """Copy ``cache``'s entries into these buffers (every slot after them padding), the sizes its
+        layers hold, and the slots its steps write: a window's ring, else the buffer (a held layer's
+        from its first eviction on: the slot it freed)."""
         slots = []
+        self.held = dict(cache.held)
         for layer in range(self.num_layers):
             length = cache.positions[layer].shape[1]
             self.keys[layer][:, :, :length].copy_(cache.keys[layer])
             self.values[layer][:, :, :length].copy_(cache.values[layer])
             self.positions[layer][:, :length].copy_(cache.positions[layer])
             self.positions[layer][:, length:].fill_(PADDING)
-            window, held = cache.windows.get(layer), cache.held.get(layer)
+            window = cache.windows.get(layer)
             if window is not None:
                 start, end = window.first_slot, window.full_length
-            elif held is not None:  # appends up to slot ``held``, then a ring of it: evicted back
-                start, end = held, held + 1
             else:
                 start, end = 0, self.positions[layer].shape[1]
             slots.append((cache.next_slot(layer) - 1, start, end))  # a step writes one past the last
@@ -449,19 +467,20 @@ class StaticKVCache(KVCache):
         return allowed_keys(self.positions[layer], query_positions, sliding_window, per_head=True)
 
     def evict(self, layer: int, slot: torch.Tensor) -> None:
-        """``KVCache.evict`` over fixed buffers, for a layer that holds a size (``hold_size``), once the
-        step brought it past that size (the step wrote slot ``size``): the step's entry takes the
-        place of the one at ``slot`` (a one-element index on the device), and the written slot is
-        padding until the next step writes it. Below its size the layer keeps every entry, as the
-        dynamic cache, which only evicts past it, does. Decided on the device; the entries lie in the
-        slots the dynamic cache gives them, nothing is read."""
-        written = self._written[layer : layer + 1]
-        past = written == self._window_starts[layer : layer + 1]  # a held layer's ring is slot ``size``
-        slot = torch.where(past, slot, written)  # below its size the entry stays where it was written
-        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
-            entries[layer].index_copy_(dim, slot, entries[layer].index_select(dim, written))
-        kept = self.positions[layer].index_select(1, written)
-        self.positions[layer].index_copy_(1, written, torch.where(past, PADDING, kept))
+        """``KVCache.evict`` over fixed buffers, for a layer that holds a size (``hold_size``): the
+        entry at ``slot`` (a one-element index on the device) becomes padding, and the next step
+        writes its token there. ``slot`` is one of the layer's first size + 1 (``evictable``), an
+        empty one ranked lowest: so while the layer is under its size, a step fills an empty slot
+        and drops nothing, as the dynamic cache, which only evicts past it, does. Two operators,
+        decided on the device; an entry's slot may differ from the dynamic cache's (entry order is
+        free: masks come from positions)."""
+        self.positions[layer].index_fill_(1, slot, PADDING)
+        torch.sub(slot, 1, out=self._written[layer : layer + 1])  # ``begin_step`` moves on by one
+
+    def evictable(self, layer: int) -> tuple[int, float | None]:
+        """A held layer's size + 1 first slots, where its entries lie, an empty one ranked lowest: the
+        slot the next step writes."""
+        return self.held[layer] + 1, -torch.inf
 
     def _owned(self, entries: list, layer: int) -> torch.Tensor:
         return entries[layer]  # every buffer is this cache's own

@@ -269,8 +269,8 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
 STEERING_DECODE = {"sliminfer", "tova"}
 
 
-def _launches_per_decode_step(name: str, cuda_graphs: bool) -> float:
-    runner, method = _prepared(name, 2, 2)
+def _launches_per_decode_step(name: str, cuda_graphs: bool, layers: int = 2) -> float:
+    runner, method = _prepared(name, layers, 2)
     runner.cuda_graphs = cuda_graphs
     with torch.inference_mode():
         run = method.prefill(runner, PROMPT, Budget.from_keep(0.5 if name != "full" else 1.0))
@@ -291,6 +291,23 @@ def test_a_pruned_or_compressed_cache_decodes_with_no_more_launches_than_full(cu
     full = _launches_per_decode_step("full", cuda_graphs)
     launches = {name: _launches_per_decode_step(name, cuda_graphs) for name in sorted(set(REGISTRY) - STEERING_DECODE)}
     assert full > 0 and all(count <= full for count in launches.values()), (full, launches)
+
+
+# TOVA's decode step beyond full's, per layer. Eagerly: the new token's attention over a cache with no
+# padding (logits, scale, softmax, the window and head sums: 5), its least attended entry (5) and the
+# layer's last entry moved into its slot (keys, values, positions: 6). Over the static cache: the
+# attention with the mask of the buffer's padding (3 to make, 1 to apply), the least attended entry
+# with an empty slot first (7), and that slot freed for the next step to write (2), where moving the
+# step's entry into it took 11.
+TOVA_STEP_LAUNCHES_PER_LAYER = {False: 16, True: 18}
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_tovas_step_launches_a_fixed_few_operators_a_layer_beyond_fulls(cuda_graphs):
+    def beyond(layers: int) -> float:
+        return _launches_per_decode_step("tova", cuda_graphs, layers) - _launches_per_decode_step("full", cuda_graphs, layers)
+
+    assert _per_layer(beyond) == TOVA_STEP_LAUNCHES_PER_LAYER[cuda_graphs]
 
 
 def _per_layer(launches: Callable[[int], int]) -> float:

@@ -173,6 +173,30 @@ def test_tova_keeps_the_last_tokens_favourites_and_evicts_one_entry_per_decode_s
             assert snapshot.after_steps[step][layer] == [survivors, survivors]
 
 
+def test_the_least_attended_entry_is_the_lowest_score_then_the_latest_and_an_empty_slot_as_told():
+    """``least_attended`` on 300 random rows of tied scores, shuffled positions and empty slots, against
+    the rule picked out by hand: an empty slot never goes where it scores +inf (the dynamic cache's
+    padding), the first empty one goes where it scores -inf (the static cache's free slot), and
+    otherwise the lowest score, among ties the latest position."""
+    from rankkit.methods.tova import least_attended
+
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        length = int(torch.randint(2, 12, (1,), generator=generator))
+        scores = torch.randint(0, 3, (length,), generator=generator).float()  # ties, often
+        positions = torch.randperm(length, generator=generator)
+        empty = torch.rand(length, generator=generator) < 0.3
+        empty[int(torch.randint(0, length, (1,), generator=generator))] = False  # an entry at least
+        positions[empty] = -1
+        entries = [i for i in range(length) if not empty[i]]
+        latest_lowest = max(entries, key=lambda i: (-scores[i], positions[i]))
+        assert int(least_attended(scores, positions, torch.inf)) == latest_lowest
+        first_empty = next((i for i in range(length) if empty[i]), latest_lowest)
+        assert int(least_attended(scores, positions, -torch.inf)) == first_empty
+        if not empty.any():
+            assert int(least_attended(scores, positions, None)) == latest_lowest
+
+
 def test_trimming_a_cache_cut_to_a_bound_leaves_what_one_cut_to_the_widest_head_leaves():
     from rankkit.cache import KVCache
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from rankkit.cache import STATIC_BUCKET, StaticKVCache
+from rankkit.cache import STATIC_BUCKET, KVCache, StaticKVCache
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.measure import run_once
 from rankkit.runner import LayerHook, Runner, greedy_continue
@@ -225,7 +225,7 @@ def test_static_cache_pads_each_layer_to_a_bucket_and_masks_the_tail(random_ids)
     assert static.nbytes() == cache.nbytes()
     mask = static.attention_mask(1, torch.tensor([40]))
     assert mask[0, :, 0, :4].tolist() == [[True, True, True, False], [True, True, False, False]]
-    assert StaticKVCache.shape_of(cache, 4) == ((1, 1, 1), (2, 16), torch.float32, cache.keys[0].device)
+    assert StaticKVCache.shape_of(cache, 4) == ((1, 1, 1), (2, 16), torch.float32, cache.keys[0].device, ())
 
 
 SLIMINFER_SMALL_BLOCKS = {"block_size": 8, "unit_size": 2, "window_size": 2, "pruning_layers": (0,)}
@@ -304,11 +304,12 @@ def test_sliminfers_compiled_parts_trace_whole_and_choose_the_eager_tokens(rando
 
 @pytest.mark.parametrize(("family", "keep"), [("llama", 0.5), ("llama", 0.2), ("gemma2", 0.2), ("gemma2", 0.5)])
 def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(family, keep, random_ids):
-    """TOVA evicts at every step from every layer past the budget, which a graph replays: each step's
-    entry takes the evicted one's slot in both caches, so after every step each head holds the same
-    entries in the same slots, and the static cache's written slot is padding. gemma2's local layers
-    see 8 keys: at the budget at 0.2, under it at 0.5, where they grow a slot a step until they reach
-    it, in both caches, the static one deciding on the device whether the step evicts."""
+    """TOVA evicts at every step from every layer past the budget, which a graph replays: after every
+    step each head of both caches holds the same entries (positions, keys and values), the static
+    cache's among its first budget + 1 slots (the one it freed is what the next step writes), the rest
+    padding. gemma2's local layers see 8 keys: at the budget at 0.2, under it at 0.5, where they grow
+    by an entry a step until they reach it, in both caches, the static one deciding on the device
+    whether the step evicts."""
     eager, static = _both(family)
     budget = Budget.from_keep(keep)
     runs = [make("tova").prefill(runner, random_ids, budget) for runner in (eager, static)]
@@ -328,10 +329,14 @@ def test_tovas_eviction_runs_over_the_static_cache_as_over_the_dynamic_one(famil
         for layer in range(eager.num_layers):
             length = dynamic.get_seq_length(layer)
             assert length == min(keep_tokens, prefilled[layer] + position - 39)
-            assert torch.equal(fixed.positions[layer][:, :length], dynamic.positions[layer])  # slot for slot
-            assert (fixed.positions[layer][:, length:] == -1).all()
-            torch.testing.assert_close(fixed.keys[layer][:, :, :length], dynamic.keys[layer])
-            torch.testing.assert_close(fixed.values[layer][:, :, :length], dynamic.values[layer])
+            assert (fixed.positions[layer][:, keep_tokens + 1 :] == -1).all()
+            for head, positions in enumerate(fixed.positions[layer]):
+                slots = torch.nonzero(positions != -1)[:, 0]
+                slots = slots[torch.argsort(positions[slots])]
+                order = torch.argsort(dynamic.positions[layer][head])
+                assert torch.equal(positions[slots], dynamic.positions[layer][head, order])
+                torch.testing.assert_close(fixed.keys[layer][0, head, slots], dynamic.keys[layer][0, head, order])
+                torch.testing.assert_close(fixed.values[layer][0, head, slots], dynamic.values[layer][0, head, order])
 
 
 def test_a_static_decode_is_kept_by_its_hooks_work_too(random_ids, monkeypatch):
@@ -342,7 +347,33 @@ def test_a_static_decode_is_kept_by_its_hooks_work_too(random_ids, monkeypatch):
     full = [run_once(runner, make("full"), random_ids, Budget.from_keep(1.0), NEW_TOKENS) for runner in (eager, static)]
     assert [tova[1].tokens, full[1].tokens] == [tova[0].tokens, full[0].tokens]
     keys = list(static._static_decodes)
-    assert [key.hooks for key in keys] == [("tova-eviction",), ()] and keys[0].shape == keys[1].shape
+    assert [key.hooks for key in keys] == [("tova-eviction",), ()] and keys[0].shape[:4] == keys[1].shape[:4]
+
+
+def test_a_held_layer_under_its_size_gets_a_buffer_for_its_size_and_the_slot_a_step_writes():
+    """A local layer that saw fewer keys than TOVA's budget fills up to it and then writes one slot more
+    before each eviction: its buffer takes budget + 1 slots, more than its entries and the steps need."""
+    cache = KVCache(2)
+    cache.begin_step(torch.arange(100))
+    for layer in range(2):
+        cache.update(torch.zeros(1, 2, 100, 16), torch.zeros(1, 2, 100, 16), layer)
+    cache.hold_size(0, 300)
+    assert StaticKVCache.buckets(cache, 4) == [2, 1]  # 301 slots, and 104
+    assert [keys.shape[2] for keys in StaticKVCache(cache, 4).keys] == [2 * STATIC_BUCKET, STATIC_BUCKET]
+
+
+def test_tovas_static_decodes_at_two_budgets_are_two_graphs(random_ids, monkeypatch):
+    """A graph's eviction chooses among the first budget + 1 slots, a host number it was captured
+    with: TOVA at 20 and at 16 entries a layer, over buffers of one size, keeps two static decodes,
+    and each replays the eager dynamic cache's tokens."""
+    eager, static = _both("llama")
+    monkeypatch.setattr(static, "_static_decodes_bytes", lambda: float("inf"))
+    for keep in (0.5, 0.4, 0.5):
+        runs = [run_once(runner, make("tova"), random_ids, Budget.from_keep(keep), NEW_TOKENS) for runner in (eager, static)]
+        assert runs[1].tokens == runs[0].tokens, keep
+    shapes = [key.shape for key in static._static_decodes]
+    assert [shape[4] for shape in shapes] == [tuple((layer, 16) for layer in range(3)), tuple((layer, 20) for layer in range(3))]
+    assert shapes[0][:4] == shapes[1][:4]
 
 
 def test_greedy_decoding_past_eos_when_asked(random_ids):

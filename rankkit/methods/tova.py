@@ -11,8 +11,9 @@ query's attention per query head) summed over the heads: the sum ranks as the av
 
 The eviction is device work of fixed shapes: the prefill leaves every layer at the budget, or
 under it where a local layer saw fewer keys (``KVCache.hold_size``), so over a static cache every
-step writes one slot and evicts from every layer past the budget, decided on the device, and a
-CUDA graph replays it (``TovaEviction.replay_key``).
+step writes one slot and frees one among the budget's and that one (an empty one first, so a layer
+under the budget drops nothing), decided on the device, and a CUDA graph replays it
+(``TovaEviction.replay_key``).
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ class AllHeads:
         return self.probe.score(call).sum(0).expand(call.key.shape[1], -1)
 
 
-def least_attended(scores: torch.Tensor, positions: torch.Tensor, padded: bool) -> torch.Tensor:
-    """The entry [1] with the lowest of ``scores`` [S], among ties the latest of ``positions`` [S] (a
-    NaN, a key a local layer does not see, is never the lowest; nor, where the cache is ``padded``,
-    an empty slot): on the device, whatever the order of the entries."""
+def least_attended(scores: torch.Tensor, positions: torch.Tensor, padding_score: float | None) -> torch.Tensor:
+    """The entry [1] with the lowest of ``scores`` [S], among ties the latest of ``positions`` [S], on
+    the device, whatever the order of the entries. A NaN (a key a local layer does not see) is never
+    the lowest; an empty slot (position ``PADDING``) scores ``padding_score`` (None: there is none),
+    and among empty slots tied lowest the first is taken."""
     scores = scores.nan_to_num(torch.inf)
-    if padded:
-        scores = scores.masked_fill(positions == PADDING, torch.inf)
+    if padding_score is not None:
+        scores = scores.masked_fill(positions == PADDING, padding_score)
     lowest = scores == scores.min()
-    return torch.where(lowest, positions, -1).argmax()[None]
+    return torch.where(lowest, positions, PADDING - 1).argmax()[None]
 
 
 class TovaEviction(LayerHook):
@@ -73,7 +75,9 @@ class TovaEviction(LayerHook):
     def after_decode_step(self, cache: KVCache, position: int) -> None:
         for layer, scores in self.step_scores.items():
             if scores.shape[0] > self.keep:  # over a static cache the scores span its buffer: it decides
-                cache.evict(layer, least_attended(scores, cache.positions[layer][0], cache.padded[layer]))
+                slots, padding_score = cache.evictable(layer)
+                positions = cache.positions[layer][0, :slots]
+                cache.evict(layer, least_attended(scores[:slots], positions, padding_score))
         self.step_scores.clear()
 
 
