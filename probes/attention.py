@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rankkit.cache import PADDING
+from rankkit.cache import allowed_keys
 from rankkit.errors import RankkitError
 from rankkit.runner import AttentionCall
 
@@ -72,7 +72,8 @@ def window_logits(call: AttentionCall, window_size: int) -> torch.Tensor:
 
 
 def hidden_keys(call: AttentionCall, window: int) -> torch.Tensor:
-    """Bool [kv_heads or 1, W, S]: True where one of the last ``window`` queries cannot see a key.
+    """Bool [kv_heads or 1, W, S]: True where one of the last ``window`` queries cannot see a key, the
+    model's own mask (``allowed_keys``) turned over.
 
     Made once for the layers of a step that read the same positions (``AttentionCall.per_step``):
     at every scoring layer but the first, one operator applies it where four made it.
@@ -81,13 +82,8 @@ def hidden_keys(call: AttentionCall, window: int) -> torch.Tensor:
 
     def make() -> torch.Tensor:
         # every head reads the same keys when the positions are one row expanded (a prefill's)
-        rows = key_positions[:1] if key_positions.stride(0) == 0 else key_positions
-        # padding counts as lying after every query, so one comparison builds the whole mask
-        rows = rows.masked_fill(rows == PADDING, torch.iinfo(rows.dtype).max)[:, None, :]
-        hidden = rows > query_positions[None, :, None]
-        if call.sliding_window is not None:
-            hidden |= rows <= query_positions[None, :, None] - call.sliding_window
-        return hidden
+        per_head = key_positions.stride(0) != 0
+        return ~allowed_keys(key_positions, query_positions, call.sliding_window, per_head)[0]
 
     return call.per_step("hidden_keys", (key_positions, query_positions), (call.sliding_window,), make)
 
