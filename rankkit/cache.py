@@ -137,10 +137,10 @@ class KVCache:
 
     def hold_size(self, layer: int, size: int) -> None:
         """Declare that every decode step of ``layer`` that brings it past ``size`` entries is followed
-        by an ``evict``, so the layer grows by one entry a step until it holds ``size`` between steps,
-        and from then on each step's token lands in slot ``size``: what a static cache needs to write
-        it there (TOVA's fixed number of states; a local layer that saw fewer keys starts below it).
-        The dynamic cache appends and evicts as it would without this."""
+        by an ``evict``, so the layer grows by one entry a step until it holds ``size`` between steps
+        (TOVA's fixed number of states; a local layer that saw fewer keys starts below it): what lets
+        a static cache keep the layer in its first ``size`` + 1 slots (``StaticKVCache.evict``). The
+        dynamic cache appends and evicts as it would without this."""
         if self.get_seq_length(layer) > size:
             raise ValueError(f"layer {layer} holds {self.get_seq_length(layer)} entries, more than {size}")
         self.held[layer] = size
