@@ -436,13 +436,13 @@ CONTEXT = (5, 50)
 EVIDENCE = [[20, 24]]
 
 
-def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None, oracle_attrs=None):
+def write_store(path, *, oracle=True, draft=True, examples=3, clusters=None, oracle_attrs=None, run_meta=None):
     """Probes with known answers: ``window`` ranks exactly like the oracle, ``last_token_raw``
     exactly against it, ``lava`` at random; the oracle peaks on the evidence."""
     from rankkit import stores
 
     rng = np.random.default_rng(4)
-    writer = stores.create(path, {"model": {"id": "synthetic"}})
+    writer = stores.create(path, run_meta or {"model": {"id": "synthetic"}})
     for index in range(examples):
         example_id = f"ex{index}"
         truth = rng.random(TOKENS).astype(np.float32)
@@ -777,6 +777,77 @@ def test_compare_without_oracle(tmp_path):
     assert window["spearman"] is None and window["needle_recall"] == 1.0 and window["layer_to_layer"] == 1.0
     assert "specprefill" not in free.summary["method"]
     assert free.pairs.height == 0  # the default pairs test Spearman: none without the oracle
+
+
+def test_compare_leaves_out_the_examples_without_an_oracle_and_says_so_where_it_was_called(tmp_path):
+    """Two of three examples without an oracle: compared with the oracle, the one that has it counts,
+    and the warning names the two, the store and the fix, pointing at compare_store's caller."""
+    from rankkit import stores
+
+    path = write_store(tmp_path / "partly.zarr", oracle=False, draft=False, examples=3)
+    truth = np.linspace(0, 1, TOKENS, dtype=np.float32)
+    stores.create(path, {"model": {"id": "synthetic"}}).add_oracle(
+        "ex1", oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={}
+    )
+    with pytest.warns(UserWarning) as warned:
+        compared = compare_store(path, methods="window", workers=1)
+    assert [str(warning.message) for warning in warned] == [
+        f"left out 2 example(s) without an oracle; `rankkit oracle {path}` adds them"
+    ]
+    assert warned[0].filename == __file__
+    assert set(compared.per_layer["example_id"]) == {"ex1"} and compared.summary["n_examples"].to_list() == [1]
+
+
+def test_compare_refuses_a_timing_only_store_with_the_oracle_and_warns_without_it(tmp_path):
+    from rankkit.checks import TIMING_ONLY
+
+    path = write_store(tmp_path / "real.zarr", draft=False, examples=1)
+    random_meta = {"model": {"id": "random:tiny"}, "timing_only": True}
+    timing_only = write_store(tmp_path / "timing.zarr", draft=False, examples=1, run_meta=random_meta)
+    with pytest.raises(RankkitError) as refused:
+        compare_store(timing_only, workers=1)
+    assert str(refused.value) == (
+        f"store {timing_only} was captured with random:tiny, {TIMING_ONLY}: capture a real model to compare "
+        "rankings with its oracle"
+    )
+    with pytest.warns(UserWarning) as warned:
+        free = compare_store(timing_only, oracle=False, methods="window", workers=1)
+    assert [str(warning.message) for warning in warned] == [f"store {timing_only} was captured with random:tiny: {TIMING_ONLY}"]
+    assert warned[0].filename == __file__
+    assert free.per_layer.equals(compare_store(path, oracle=False, methods="window", workers=1).per_layer)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
+        ({"layer": 1.5}, "--layer takes a whole number, not float 1.5"),
+        ({"layer": True}, "--layer takes a whole number, not bool True"),
+        (
+            {"needle_keep": 1.5},
+            "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048",
+        ),
+        ({"span": "nowhere"}, "span 'nowhere' is not one of prompt, context; use --span prompt or context"),
+        ({"keep": 0.1, "budget": 3}, "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
+        ({"methods": []}, "--methods names nothing; give e.g. --methods window,claa,fastkv"),
+    ],
+)
+def test_compare_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, arguments, message):
+    """Each refusal names the command-line option and comes before the store (here none) is read."""
+    with pytest.raises(RankkitError) as refused:
+        compare_store(tmp_path / "missing.zarr", **arguments)
+    assert str(refused.value) == message
+
+
+def test_an_unknown_method_is_refused_with_every_name_compare_takes(store_path):
+    from rankkit.methods import REGISTRY
+
+    with pytest.raises(RankkitError) as refused:
+        compare_store(store_path, methods="nothing,window,none", workers=1)
+    assert str(refused.value) == (
+        f"nothing, none is neither a probe {store_path} holds nor a method; choose from "
+        f"{', '.join(['last_token_raw', 'lava', 'window', *sorted(REGISTRY)])}"
+    )
 
 
 def test_pairs_without_an_oracle_are_refused(tmp_path, cli):
