@@ -839,6 +839,17 @@ def test_compare_refuses_an_argument_in_its_options_words_before_reading_the_sto
     assert str(refused.value) == message
 
 
+def test_compare_of_a_store_without_a_complete_example_is_refused(tmp_path):
+    from rankkit import stores
+
+    path = tmp_path / "empty.zarr"
+    stores.create(path, {"model": {"id": "synthetic"}})
+    for oracle in (True, False):
+        with pytest.raises(RankkitError) as refused:
+            compare_store(path, oracle=oracle, workers=1)
+        assert str(refused.value) == f"store {path} has no complete example; capture into it first"
+
+
 def test_an_unknown_method_is_refused_with_every_name_compare_takes(store_path):
     from rankkit.methods import REGISTRY
 
