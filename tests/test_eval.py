@@ -779,22 +779,31 @@ def test_compare_without_oracle(tmp_path):
     assert free.pairs.height == 0  # the default pairs test Spearman: none without the oracle
 
 
-def test_compare_leaves_out_the_examples_without_an_oracle_and_says_so_where_it_was_called(tmp_path):
-    """Two of three examples without an oracle: compared with the oracle, the one that has it counts,
-    and the warning names the two, the store and the fix, pointing at compare_store's caller."""
+def write_partly_oracled_store(path):
+    """Three examples, the oracle of one (ex1)."""
     from rankkit import stores
 
-    path = write_store(tmp_path / "partly.zarr", oracle=False, draft=False, examples=3)
+    write_store(path, oracle=False, draft=False, examples=3)
     truth = np.linspace(0, 1, TOKENS, dtype=np.float32)
     stores.create(path, {"model": {"id": "synthetic"}}).add_oracle(
         "ex1", oracle=truth, oracle_layers=np.tile(truth, (LAYERS, 1)), attrs={}
     )
+    return path
+
+
+def write_timing_only_store(path):
+    return write_store(path, draft=False, examples=1, run_meta={"model": {"id": "random:tiny"}, "timing_only": True})
+
+
+def test_compare_leaves_out_the_examples_without_an_oracle_and_says_so(tmp_path):
+    """Two of three examples without an oracle: compared with the oracle, the one that has it counts,
+    and the warning names the two, the store and the fix."""
+    path = write_partly_oracled_store(tmp_path / "partly.zarr")
     with pytest.warns(UserWarning) as warned:
         compared = compare_store(path, methods="window", workers=1)
     assert [str(warning.message) for warning in warned] == [
         f"left out 2 example(s) without an oracle; `rankkit oracle {path}` adds them"
     ]
-    assert warned[0].filename == __file__
     assert set(compared.per_layer["example_id"]) == {"ex1"} and compared.summary["n_examples"].to_list() == [1]
 
 
@@ -802,8 +811,7 @@ def test_compare_refuses_a_timing_only_store_with_the_oracle_and_warns_without_i
     from rankkit.checks import TIMING_ONLY
 
     path = write_store(tmp_path / "real.zarr", draft=False, examples=1)
-    random_meta = {"model": {"id": "random:tiny"}, "timing_only": True}
-    timing_only = write_store(tmp_path / "timing.zarr", draft=False, examples=1, run_meta=random_meta)
+    timing_only = write_timing_only_store(tmp_path / "timing.zarr")
     with pytest.raises(RankkitError) as refused:
         compare_store(timing_only, workers=1)
     assert str(refused.value) == (
@@ -813,8 +821,19 @@ def test_compare_refuses_a_timing_only_store_with_the_oracle_and_warns_without_i
     with pytest.warns(UserWarning) as warned:
         free = compare_store(timing_only, oracle=False, methods="window", workers=1)
     assert [str(warning.message) for warning in warned] == [f"store {timing_only} was captured with random:tiny: {TIMING_ONLY}"]
-    assert warned[0].filename == __file__
     assert free.per_layer.equals(compare_store(path, oracle=False, methods="window", workers=1).per_layer)
+
+
+@pytest.mark.frames
+def test_compares_warnings_point_at_its_caller(tmp_path):
+    """Examples left out for want of an oracle, and a timing-only store compared without one."""
+    for path, oracle in (
+        (write_partly_oracled_store(tmp_path / "partly.zarr"), True),
+        (write_timing_only_store(tmp_path / "timing.zarr"), False),
+    ):
+        with pytest.warns(UserWarning) as warned:
+            compare_store(path, oracle=oracle, methods="window", workers=1)
+        assert [warning.filename for warning in warned] == [__file__]
 
 
 @pytest.mark.parametrize(
