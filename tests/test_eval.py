@@ -1001,6 +1001,19 @@ def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
     assert variance.curves["example"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
 
 
+def test_compare_with_one_worker_starts_no_process(tmp_path, monkeypatch):
+    """workers=1 compares in this process however many examples there are, as variance does."""
+    import rankkit.eval.parallel as parallel
+
+    def no_pool(*_):
+        raise AssertionError("a worker pool was started")
+
+    monkeypatch.setattr(parallel, "_worker_pool", no_pool)
+    path = write_store(tmp_path / "run.zarr", examples=5)  # two workers' worth, where two CPUs are free
+    compared = compare_store(path, methods="window", workers=1)
+    assert compared.per_layer["example_id"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
+
+
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
     """variance_store's result for curves given by hand ({example: (task, curve)}, NaN before
     L_min = 1), each selection as asl makes it: frames no capture can bend to a test's needs."""
@@ -2309,10 +2322,23 @@ def write_hybrid_store(path):
 def test_compare_summarises_a_model_with_local_layers_at_claas_global_layer(tmp_path):
     """CLAA's l_p (round(15 L / 32) = 4 of 8) is a local layer here: the default summary layer is the
     global one CLAA prunes at on this layout (5), for probes and methods alike."""
+    from rankkit.eval.compare import compare_example
+    from rankkit.eval.offline import recorded_model
+
     store, _, _ = write_hybrid_store(tmp_path / "hybrid.zarr")
-    compared = compare_store(store.path, methods=["window", "claa"], keep=0.2, workers=1)
+    lava = "lava:kernel_size=7"  # the method, not the store's probe of that name
+    with pytest.warns(UserWarning, match="fewer than lava always keeps; it keeps 32"):
+        compared = compare_store(store.path, methods=["window", "claa", lava], keep=0.2, workers=1)
     assert compared.pruning_layer == 5
-    assert compared.summary.select("method", "layer").rows() == [("window", 5), ("claa", 5)]
+    assert compared.summary.select("method", "layer").rows() == [("window", 5), ("claa", 5), (lava, 5)]
+    # each example ranked on the store's layout: LAVa leaves out the keys a local layer cannot see
+    layout = recorded_model(store.meta)
+    for example in ("ex0", "ex1"):
+        _, _, (rows, _, _) = compare_example(
+            store.example(example), probes=(), methods={lava: make("lava")}, budget=Budget.from_keep(0.2), needle_keep=0.2, layout=layout
+        )
+        got = compared.per_layer.filter((pl.col("example_id") == example) & (pl.col("method") == lava))
+        assert got["spearman"].to_list() == rows.frame()["spearman"].to_list()
 
 
 def test_one_examples_rows_follow_the_models_local_layers_and_the_sweep_reaches_the_models_depth(tmp_path):
