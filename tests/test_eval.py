@@ -1001,6 +1001,13 @@ def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
     assert variance.curves["example"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
 
 
+def test_a_method_is_summarised_at_its_own_selection_layer_and_probes_at_claas(store_path):
+    """Without --layer, a method named with its selection layer is summarised there, the probes and
+    the other methods at CLAA's l_p (3 of 6)."""
+    compared = compare_store(store_path, methods=["window", "fastkv:tsp_layer=4", "claa"], keep=0.5, workers=1)
+    assert compared.summary.select("method", "layer").rows() == [("window", 3), ("fastkv:tsp_layer=4", 4), ("claa", 3)]
+
+
 def test_compare_with_one_worker_starts_no_process(tmp_path, monkeypatch):
     """workers=1 compares in this process however many examples there are, as variance does."""
     import rankkit.eval.parallel as parallel
@@ -2434,8 +2441,12 @@ def test_compare_at_several_keeps_is_one_comparison_per_keep_with_the_same_optio
     assert [result.tested_pairs for result in results] == [[("claa", "window")]] * 2
     for result, keep in zip(results, (0.2, 0.5), strict=True):
         assert result.per_layer["method"].unique(maintain_order=True).to_list() == ["window", "claa"]
-        for frame in (result.per_layer, result.curve, result.stability, result.summary, result.pairs):
-            assert frame["keep"].to_list() == [keep] * frame.height and frame["needle_keep"].to_list() == [keep] * frame.height
+        frames = (result.per_layer, result.per_head, result.sweep, result.curve, result.stability, result.summary, result.pairs)
+        for frame in frames:
+            assert frame.height and frame["keep"].to_list() == [keep] * frame.height
+            assert frame["needle_keep"].to_list() == [keep] * frame.height
+        for frame in (result.per_layer, result.per_head, result.sweep):  # each example's rows name its task
+            assert frame["task"].to_list() == ["niah"] * frame.height
         assert result.per_layer.equals(compare_store(store_path, keep=keep, methods=["window", "claa"], workers=1).per_layer)
 
     (counted,) = compare_keeps(store_path, budget=12, needle_keep=6, methods=["window"], workers=1)
