@@ -836,39 +836,6 @@ def test_compares_warnings_point_at_its_caller(tmp_path):
         assert [warning.filename for warning in warned] == [__file__]
 
 
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [
-        ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
-        ({"layer": 1.5}, "--layer takes a whole number, not float 1.5"),
-        ({"layer": True}, "--layer takes a whole number, not bool True"),
-        (
-            {"needle_keep": 1.5},
-            "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048",
-        ),
-        ({"span": "nowhere"}, "span 'nowhere' is not one of prompt, context; use --span prompt or context"),
-        ({"keep": 0.1, "budget": 3}, "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
-        ({"methods": []}, "--methods names nothing; give e.g. --methods window,claa,fastkv"),
-    ],
-)
-def test_compare_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, arguments, message):
-    """Each refusal names the command-line option and comes before the store (here none) is read."""
-    with pytest.raises(RankkitError) as refused:
-        compare_store(tmp_path / "missing.zarr", **arguments)
-    assert str(refused.value) == message
-
-
-def test_compare_of_a_store_without_a_complete_example_is_refused(tmp_path):
-    from rankkit import stores
-
-    path = tmp_path / "empty.zarr"
-    stores.create(path, {"model": {"id": "synthetic"}})
-    for oracle in (True, False):
-        with pytest.raises(RankkitError) as refused:
-            compare_store(path, oracle=oracle, workers=1)
-        assert str(refused.value) == f"store {path} has no complete example; capture into it first"
-
-
 def test_an_unknown_method_is_refused_with_every_name_compare_takes(store_path):
     from rankkit.methods import REGISTRY
 
@@ -958,33 +925,47 @@ def test_variance_reports_the_methods_own_tau_and_refuses_an_option_contradictin
 
 
 @pytest.mark.parametrize(
-    ("arguments", "message"),
+    ("analysis", "arguments", "message"),
     [
-        ({"workers": 0}, "--workers must be a whole number >= 1, got 0"),
-        ({"thresholds": []}, "--thresholds names nothing; give e.g. --thresholds 0.2,0.3"),
-        ({"thresholds": ["0.3"]}, "--thresholds takes a number, not str '0.3'"),
-        ({"thresholds": "0.3,x"}, "--thresholds 'x' is not a number; give e.g. --thresholds 0.1,0.2"),
+        (variance_store, {"workers": 0}, "--workers must be a whole number >= 1, got 0"),
+        (variance_store, {"thresholds": []}, "--thresholds names nothing; give e.g. --thresholds 0.2,0.3"),
+        (variance_store, {"thresholds": ["0.3"]}, "--thresholds takes a number, not str '0.3'"),
+        (variance_store, {"thresholds": "0.3,x"}, "--thresholds 'x' is not a number; give e.g. --thresholds 0.1,0.2"),
         (
+            variance_store,
             {"method": "asl:window_size=8,observed_layers=2", "observed_layers": 3},
             "--observed-layers 3 contradicts asl:observed_layers=2; give one of them",
         ),
+        (compare_store, {"workers": 0}, "--workers must be a whole number >= 1, got 0"),
+        (compare_store, {"layer": 1.5}, "--layer takes a whole number, not float 1.5"),
+        (compare_store, {"layer": True}, "--layer takes a whole number, not bool True"),
+        (
+            compare_store,
+            {"needle_keep": 1.5},
+            "--needle-keep 1.5 is neither a keep rate in (0, 1] nor a positive token count; give e.g. 0.1 or 2048",
+        ),
+        (compare_store, {"span": "nowhere"}, "span 'nowhere' is not one of prompt, context; use --span prompt or context"),
+        (compare_store, {"keep": 0.1, "budget": 3}, "give exactly one of --keep (e.g. 0.1) or --budget (e.g. 2048)"),
+        (compare_store, {"methods": []}, "--methods names nothing; give e.g. --methods window,claa,fastkv"),
     ],
 )
-def test_variance_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, arguments, message):
+def test_an_analysis_refuses_an_argument_in_its_options_words_before_reading_the_store(tmp_path, analysis, arguments, message):
     """Each refusal names the command-line option and comes before the store (here none) is read."""
     with pytest.raises(RankkitError) as refused:
-        variance_store(tmp_path / "missing.zarr", **arguments)
+        analysis(tmp_path / "missing.zarr", **arguments)
     assert str(refused.value) == message
 
 
-def test_variance_of_a_store_without_a_complete_example_is_refused(tmp_path):
+def test_an_analysis_of_a_store_without_a_complete_example_is_refused(tmp_path):
+    """variance, and compare with the oracle or without."""
     from rankkit import stores
 
     path = tmp_path / "empty.zarr"
     stores.create(path, {"model": {"id": "synthetic"}})
-    with pytest.raises(RankkitError) as refused:
-        variance_store(path, workers=1)
-    assert str(refused.value) == f"store {path} has no complete example; capture into it first"
+    for analysis in (variance_store, partial(compare_store, oracle=True), partial(compare_store, oracle=False)):
+        with pytest.raises(RankkitError) as refused:
+            analysis(path, workers=1)
+        assert str(refused.value) == f"store {path} has no complete example; capture into it first"
 
 
 def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
