@@ -968,7 +968,15 @@ def test_an_analysis_of_a_store_without_a_complete_example_is_refused(tmp_path):
         assert str(refused.value) == f"store {path} has no complete example; capture into it first"
 
 
-def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("analysis", "examples_of"),
+    [
+        (partial(variance_store, method="asl:window_size=8", budget=13), lambda variance: variance.curves["example"]),
+        (partial(compare_store, methods="window"), lambda compared: compared.per_layer["example_id"]),
+    ],
+    ids=["variance", "compare"],
+)
+def test_an_analysis_with_one_worker_starts_no_process(tmp_path, monkeypatch, analysis, examples_of):
     """workers=1 ranks in this process however many examples there are: each worker would load its own
     copy of the libraries."""
     import rankkit.eval.parallel as parallel
@@ -978,8 +986,8 @@ def test_variance_with_one_worker_starts_no_process(tmp_path, monkeypatch):
 
     monkeypatch.setattr(parallel, "_worker_pool", no_pool)
     path = write_store(tmp_path / "run.zarr", examples=5)  # two workers' worth, where two CPUs are free
-    variance = variance_store(path, method="asl:window_size=8", budget=13, workers=1)
-    assert variance.curves["example"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
+    result = analysis(path, workers=1)
+    assert examples_of(result).unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
 
 
 def test_a_method_is_summarised_at_its_own_selection_layer_and_probes_at_claas(store_path):
@@ -987,19 +995,6 @@ def test_a_method_is_summarised_at_its_own_selection_layer_and_probes_at_claas(s
     the other methods at CLAA's l_p (3 of 6)."""
     compared = compare_store(store_path, methods=["window", "fastkv:tsp_layer=4", "claa"], keep=0.5, workers=1)
     assert compared.summary.select("method", "layer").rows() == [("window", 3), ("fastkv:tsp_layer=4", 4), ("claa", 3)]
-
-
-def test_compare_with_one_worker_starts_no_process(tmp_path, monkeypatch):
-    """workers=1 compares in this process however many examples there are, as variance does."""
-    import rankkit.eval.parallel as parallel
-
-    def no_pool(*_):
-        raise AssertionError("a worker pool was started")
-
-    monkeypatch.setattr(parallel, "_worker_pool", no_pool)
-    path = write_store(tmp_path / "run.zarr", examples=5)  # two workers' worth, where two CPUs are free
-    compared = compare_store(path, methods="window", workers=1)
-    assert compared.per_layer["example_id"].unique(maintain_order=True).to_list() == [f"ex{index}" for index in range(5)]
 
 
 def hand_variance(curves: dict[str, tuple[str, list[float]]], taus: tuple[float, ...], store) -> VarianceResult:
