@@ -19,6 +19,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 PADDING = -1
+# a layer's entries come in three kinds (``KVCache._entry_lists``), each along its own axis
+KEYS, VALUES, POSITIONS = range(3)
+ENTRY_AXES = (2, 2, 1)
 
 
 def allowed_keys(
@@ -67,7 +70,7 @@ class KVCache:
         self.heads_differ = [False] * num_layers  # compressed per head: positions differ between heads
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._buffers: dict[int, list] = {}  # each layer's buffers of its own, per kind of entry (_owned)
         self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
         self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
         self.held: dict[int, int] = {}  # the layers whose decode evicts back to this many entries (hold_size)
@@ -85,38 +88,44 @@ class KVCache:
         incoming = self._incoming
         if incoming.device != key.device:  # a device map: beside its layer's keys (a same-device .to costs too)
             incoming = incoming.to(key.device)
-        new_positions = incoming.expand(key.shape[1], -1)
-        self._fresh[layer_idx] = self.keys[layer_idx] is None
-        window = None if self._fresh[layer_idx] else self._full_window(layer_idx)
-        if self._fresh[layer_idx]:
+        fresh = self._fresh[layer_idx] = self.keys[layer_idx] is None
+        window = self._full_window(layer_idx) if self.windows and not fresh else None
+        if fresh:
             self.keys[layer_idx], self.values[layer_idx] = key, value
-            self.positions[layer_idx] = new_positions
+            self.positions[layer_idx] = incoming.expand(key.shape[1], -1)
         elif window is not None and key.shape[2] == 1:
-            self._write_in_window(layer_idx, window, key, value, new_positions)
+            self._write_in_window(layer_idx, window, (key, value, incoming))
         else:
-            self.keys[layer_idx] = self._append(self.keys, layer_idx, key, dim=2)
-            self.values[layer_idx] = self._append(self.values, layer_idx, value, dim=2)
-            self.positions[layer_idx] = self._append(self.positions, layer_idx, new_positions, dim=1)
+            self._append(layer_idx, (key, value, incoming))
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def _append(self, entries: list, layer: int, new: torch.Tensor, dim: int) -> torch.Tensor:
-        """``entries[layer]`` with ``new`` appended along ``dim``, written into spare room when there is some.
+    def _entry_lists(self) -> tuple[list, list, list]:
+        """keys, values and positions: the lists ``ENTRY_AXES`` and a layer's buffers follow."""
+        return self.keys, self.values, self.positions
+
+    def _append(self, layer: int, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Append ``new`` (keys, values, positions [n], the same for every head) to the layer's entries,
+        written into spare room when its buffers have some.
 
         Decoding appends one token per step; growing a buffer with headroom makes that
         amortized O(1) instead of a full copy per step. A view is only ever extended in a
         buffer it owns, so a fork that shares views (``fork``) never sees the other's writes.
+        One step appends at every layer of a host-bound decode, so the work here is the
+        fewest operators that can do it: one write and one view per kind of entry.
         """
-        current = entries[layer]
-        length, added = current.shape[dim], new.shape[dim]
-        buffer = self._owned_buffer(entries, layer)
-        if buffer is None or buffer.shape[dim] < length + added:
-            shape = list(current.shape)
-            shape[dim] = length + added + max(128, (length + added) // 8)
-            buffer = current.new_empty(shape)
-            buffer.narrow(dim, 0, length).copy_(current)
-            self._buffers[(id(entries), layer)] = buffer
-        buffer.narrow(dim, length, added).copy_(new)
-        return buffer.narrow(dim, 0, length + added)
+        length, added = self.keys[layer].shape[2], new[0].shape[2]
+        end = length + added
+        buffers = self._buffers.setdefault(layer, [None, None, None])
+        for kind, (entries, entry, axis) in enumerate(zip(self._entry_lists(), new, ENTRY_AXES, strict=True)):
+            current = entries[layer]
+            buffer = buffers[kind]
+            if buffer is None or buffer.shape[axis] < end or buffer.data_ptr() != current.data_ptr():
+                shape = list(current.shape)
+                shape[axis] = end + max(128, end // 8)
+                buffer = buffers[kind] = current.new_empty(shape)
+                buffer.narrow(axis, 0, length).copy_(current)
+            buffer.narrow(axis, length, added).copy_(entry)
+            entries[layer] = buffer.narrow(axis, 0, end)
 
     def keep_recent_window(self, layer: int, size: int, full_length: int) -> None:
         """From the step that brings ``layer`` to ``full_length`` entries on, each one-token step writes
@@ -150,28 +159,24 @@ class KVCache:
         window = self.windows.get(layer)
         return window if window is not None and self.get_seq_length(layer) == window.full_length else None
 
-    def _write_in_window(
-        self, layer: int, window: RecentWindow, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
-    ) -> None:
+    def _write_in_window(self, layer: int, window: RecentWindow, new: tuple) -> None:
         slot = self._window_slot(layer, window)
         self._window_slots[layer] = window.slot_after(slot)
-        for entries, new, dim in ((self.keys, key, 2), (self.values, value, 2), (self.positions, positions, 1)):
-            self._owned(entries, layer).narrow(dim, slot, 1).copy_(new)
+        for kind, (entry, axis) in enumerate(zip(new, ENTRY_AXES, strict=True)):
+            self._owned(kind, layer).narrow(axis, slot, 1).copy_(entry)
 
     def _window_slot(self, layer: int, window: RecentWindow) -> int:
         """The slot of a full window the layer's next step writes: its first until a step has written."""
         return self._window_slots.get(layer, window.first_slot)
 
-    def _owned_buffer(self, entries: list, layer: int) -> torch.Tensor | None:
-        """The buffer of this cache's own that ``entries[layer]`` is a view of, None when it is in none
-        (a prefill's tensor, or one a fork shares with its twin): only such a buffer is written in place."""
-        buffer = self._buffers.get((id(entries), layer))
-        return buffer if buffer is not None and buffer.data_ptr() == entries[layer].data_ptr() else None
-
-    def _owned(self, entries: list, layer: int) -> torch.Tensor:
-        """``entries[layer]``, first copied into a buffer of this cache's own when it is not in one."""
-        if self._owned_buffer(entries, layer) is None:
-            entries[layer] = self._buffers[(id(entries), layer)] = entries[layer].clone()
+    def _owned(self, kind: int, layer: int) -> torch.Tensor:
+        """The layer's entries of ``kind`` (``ENTRY_AXES``), first copied into a buffer of this cache's own
+        unless they are a view of one: only such a buffer is written in place (a prefill's tensor, or
+        one a fork shares with its twin, is not)."""
+        entries = self._entry_lists()[kind]
+        buffers = self._buffers.setdefault(layer, [None, None, None])
+        if buffers[kind] is None or buffers[kind].data_ptr() != entries[layer].data_ptr():
+            entries[layer] = buffers[kind] = entries[layer].clone()
         return entries[layer]
 
     def evict(self, layer: int, slot: torch.Tensor) -> None:
@@ -179,11 +184,11 @@ class KVCache:
         entry takes its place and the layer is one entry shorter. Nothing is read from the device
         and one entry is copied, where keeping all the others would gather the whole layer (entry
         order is free: masks come from positions)."""
-        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
-            owned = self._owned(entries, layer)
-            last = owned.shape[dim] - 1
-            owned.index_copy_(dim, slot, owned.narrow(dim, last, 1).clone())  # the slot may be the last one
-            entries[layer] = owned.narrow(dim, 0, last)
+        for kind, (entries, axis) in enumerate(zip(self._entry_lists(), ENTRY_AXES, strict=True)):
+            owned = self._owned(kind, layer)
+            last = owned.shape[axis] - 1
+            owned.index_copy_(axis, slot, owned.narrow(axis, last, 1).clone())  # the slot may be the last one
+            entries[layer] = owned.narrow(axis, 0, last)
 
     def evictable(self, layer: int) -> tuple[int, float | None]:
         """The slots an ``evict`` of ``layer`` chooses among (its first this many), and the score an empty
@@ -195,11 +200,11 @@ class KVCache:
         """Move every entry of ``layer`` to its slot of ``slots`` [S] (on the device) among ``size`` slots;
         the slots no entry takes are padding, and an entry whose slot is ``size`` is dropped. Nothing
         is read: the host chose ``size`` (entry order is free: masks come from positions)."""
-        for entries, dim, fill in ((self.keys, 2, 0), (self.values, 2, 0), (self.positions, 1, PADDING)):
+        for entries, axis, fill in zip(self._entry_lists(), ENTRY_AXES, (0, 0, PADDING), strict=True):
             current = entries[layer]
             shape = list(current.shape)
-            shape[dim] = size + 1  # slot ``size`` takes the dropped entries
-            entries[layer] = current.new_full(shape, fill).index_copy_(dim, slots, current).narrow(dim, 0, size)
+            shape[axis] = size + 1  # slot ``size`` takes the dropped entries
+            entries[layer] = current.new_full(shape, fill).index_copy_(axis, slots, current).narrow(axis, 0, size)
         self.padded[layer] = True
         self._fresh[layer] = False
         for memo in (self._real, self.windows, self._window_slots, self.held):  # made for the layer's old entries
@@ -207,8 +212,8 @@ class KVCache:
 
     def truncate(self, layer: int, length: int) -> None:
         """Keep the layer's first ``length`` slots."""
-        for entries, dim in ((self.keys, 2), (self.values, 2), (self.positions, 1)):
-            entries[layer] = entries[layer].narrow(dim, 0, length)
+        for entries, axis in zip(self._entry_lists(), ENTRY_AXES, strict=True):
+            entries[layer] = entries[layer].narrow(axis, 0, length)
         self._real.pop(layer, None)
 
     def declare_padding(self, layer: int, padded: bool) -> None:
@@ -221,13 +226,13 @@ class KVCache:
     ) -> None:
         """Write entries (``positions`` [kv_heads, n], -1 marking padding) over the layer's slots from
         ``start`` on, in place: what moves a block back into a slot a block left (SlimInfer Alg. 1)."""
-        for entries, new, dim in ((self.keys, keys, 2), (self.values, values, 2), (self.positions, positions, 1)):
-            self._owned(entries, layer).narrow(dim, start, new.shape[dim]).copy_(new, non_blocking=True)
+        for kind, (new, axis) in enumerate(zip((keys, values, positions), ENTRY_AXES, strict=True)):
+            self._owned(kind, layer).narrow(axis, start, new.shape[axis]).copy_(new, non_blocking=True)
         self._real.pop(layer, None)  # the padding moved
 
     def clear(self, layer: int, start: int, length: int) -> None:
         """Mark the layer's slots ``start`` .. ``start + length`` as padding, in place."""
-        self._owned(self.positions, layer).narrow(1, start, length).fill_(PADDING)
+        self._owned(POSITIONS, layer).narrow(1, start, length).fill_(PADDING)
         self._real.pop(layer, None)
 
     def next_slot(self, layer: int) -> int:
@@ -482,8 +487,8 @@ class StaticKVCache(KVCache):
         slot the next step writes."""
         return self.held[layer] + 1, -torch.inf
 
-    def _owned(self, entries: list, layer: int) -> torch.Tensor:
-        return entries[layer]  # every buffer is this cache's own
+    def _owned(self, kind: int, layer: int) -> torch.Tensor:
+        return self._entry_lists()[kind][layer]  # every buffer is this cache's own
 
     def declare_padding(self, layer: int, padded: bool) -> None:
         pass  # every layer's tail is padding: its steps are masked

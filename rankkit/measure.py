@@ -221,14 +221,17 @@ def paired_ratios(numerators: list[float | None], denominators: list[float | Non
 class OperatorLaunches(TorchDispatchMode):
     """Counts the operators that launch device work while active (views launch nothing): what an
     eager step's host time is made of where it is launch-bound, as a decode step of an 8B model or
-    a small model's prefill is on an H100. Counted on any device, the same operators as on CUDA."""
+    a small model's prefill is on an H100. Counted on any device, the same operators as on CUDA.
+    With ``views`` it counts every operator dispatched: a view launches nothing, yet costs the host
+    its dispatch."""
 
-    def __init__(self):
+    def __init__(self, views: bool = False):
         super().__init__()
+        self.views = views
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
+        self.count += self.views or not func.is_view
         return func(*args, **(kwargs or {}))
 
 

@@ -277,25 +277,27 @@ class _Step:
     def attend(self, layer, query, key, value, scaling, sliding_window, softcap, sinks):
         key_positions = self.cache.positions[layer]
         positions = self.positions.to(key_positions.device) if self.runner.spread else self.positions
-        call = AttentionCall(
-            layer,
-            self.phase,
-            query,
-            key,
-            value,
-            positions,
-            key_positions,
-            scaling,
-            softcap,
-            sinks,
-            sliding_window,
-            self.cache.sees_every_key(layer, query.shape[2], sliding_window),
-            step_shared=self.shared,
-        )
-        for hook in self.hooks:
-            hook.on_attention(call)
+        eager = softcap is not None or sinks is not None  # terms SDPA cannot take
+        if self.hooks or eager:  # not for a plain decode step, whose host time is its speed
+            call = AttentionCall(
+                layer,
+                self.phase,
+                query,
+                key,
+                value,
+                positions,
+                key_positions,
+                scaling,
+                softcap,
+                sinks,
+                sliding_window,
+                self.cache.sees_every_key(layer, query.shape[2], sliding_window),
+                step_shared=self.shared,
+            )
+            for hook in self.hooks:
+                hook.on_attention(call)
         mask = self.cache.attention_mask(layer, positions, sliding_window)
-        if softcap is not None or sinks is not None:
+        if eager:
             return eager_attention(call, mask)
         return self.runner.attention(query, key, value, mask, scaling)
 
@@ -504,19 +506,20 @@ class Runner:
         if part.start == 0:
             cache.begin_step(positions)
         live = []
+        position_ids = positions[None]  # made once a step, not per layer: a decode step is host-bound
         for index, layer in enumerate(self.body.layers[part.start : part.stop], part.start):
             live.append(hidden.shape[1])
-            cos, sin = position_embeddings[self._rotary_kinds[index]]
+            rotary = position_embeddings[self._rotary_kinds[index]]  # (cos, sin)
             if self.spread:  # each call, even to the device a tensor is on, costs the host a dispatch
                 device = self._layer_devices[index]
-                hidden, cos, sin = hidden.to(device), cos.to(device), sin.to(device)
+                hidden, rotary = hidden.to(device), tuple(half.to(device) for half in rotary)
             hidden = layer(
                 hidden,
                 attention_mask=None,
-                position_ids=positions[None],
+                position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
-                position_embeddings=(cos, sin),
+                position_embeddings=rotary,
                 rankkit_step=step,
             )
             if state is None:
@@ -527,6 +530,7 @@ class Runner:
             hidden, positions, position_embeddings = state.hidden, state.positions, state.position_embeddings
             if positions is not step.positions:  # a hook pruned; comparing values would sync per layer
                 step.positions = positions
+                position_ids = positions[None]
                 cache.begin_step(positions)
             if state.stop:
                 break

@@ -310,6 +310,33 @@ def test_tovas_step_launches_a_fixed_few_operators_a_layer_beyond_fulls(cuda_gra
     assert _per_layer(beyond) == TOVA_STEP_LAUNCHES_PER_LAYER[cuda_graphs]
 
 
+# A plain eager decode step's operators a layer beyond transformers' own step over its DynamicCache,
+# views included: an 8B model's eager step is host-bound (docs/benchmarks.md, "GPU"), so these are its
+# time beyond ``model.generate``'s. The step's entry appended in the cache's own room (keys, values and
+# positions: a write and a view each, 9) where transformers' cache concatenates keys and values (2),
+# and the query heads folded over their KV head, so SDPA reads each KV head once (1).
+PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS = 8
+
+
+def test_a_plain_decode_step_dispatches_a_fixed_few_operators_a_layer_beyond_transformers_step():
+    def beyond(layers: int) -> int:
+        runner = _runner(layers, 2)
+        with torch.inference_mode():
+            prefill = runner.prefill(PROMPT)
+            step = runner.decoder(prefill, 2)
+            token = torch.argmax(prefill.logits)
+            step(token, 96)
+            with OperatorLaunches(views=True) as rankkit:
+                step(token, 97)
+            past = runner.model(PROMPT[None], use_cache=True).cache
+            runner.model(token.reshape(1, 1), cache=past, use_cache=True)
+            with OperatorLaunches(views=True) as transformers:
+                runner.model(token.reshape(1, 1), cache=past, use_cache=True)
+        return rankkit.count - transformers.count
+
+    assert _per_layer(beyond) == PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS
+
+
 def _per_layer(launches: Callable[[int], int]) -> float:
     """What ``launches(layers)`` adds per layer: the difference between 4 layers and 2, halved."""
     return (launches(4) - launches(2)) / 2
