@@ -70,6 +70,8 @@ class KVCache:
         self.heads_differ = [False] * num_layers  # compressed per head: positions differ between heads
         self._fresh = [False] * num_layers
         self._incoming: torch.Tensor | None = None
+        self._step_slots: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # ``_append``'s, made once a step
+        self._offsets: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... on each device (``_slots``)
         self._buffers: dict[int, list] = {}  # each layer's buffers of its own, per kind of entry (_owned)
         self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
         self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
@@ -83,6 +85,7 @@ class KVCache:
     def begin_step(self, positions: torch.Tensor) -> None:
         """Positions [n] of the tokens whose keys the next ``update`` calls bring."""
         self._incoming = positions
+        self._step_slots = {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         incoming = self._incoming
@@ -111,10 +114,16 @@ class KVCache:
         amortized O(1) instead of a full copy per step. A view is only ever extended in a
         buffer it owns, so a fork that shares views (``fork``) never sees the other's writes.
         One step appends at every layer of a host-bound decode, so the work here is the
-        fewest operators that can do it: one write and one view per kind of entry.
+        fewest operators that can do it: one write and one view per kind of entry, the slots written
+        and the positions for every head made once a step for the layers of one length (``_step_slots``).
         """
         length, added = self.keys[layer].shape[2], new[0].shape[2]
         end = length + added
+        shared = (length, new[0].shape[1], new[0].device)  # the layers of a plain step share one
+        if shared not in self._step_slots:
+            self._step_slots[shared] = self._slots(length, added, shared[2]), new[2].expand(shared[1], -1)
+        slots, positions = self._step_slots[shared]
+        new = (new[0], new[1], positions)
         buffers = self._buffers.setdefault(layer, [None, None, None])
         for kind, (entries, entry, axis) in enumerate(zip(self._entry_lists(), new, ENTRY_AXES, strict=True)):
             current = entries[layer]
@@ -124,8 +133,16 @@ class KVCache:
                 shape[axis] = end + max(128, end // 8)
                 buffer = buffers[kind] = current.new_empty(shape)
                 buffer.narrow(axis, 0, length).copy_(current)
-            buffer.narrow(axis, length, added).copy_(entry)
+            buffer.index_copy_(axis, slots, entry)
             entries[layer] = buffer.narrow(axis, 0, end)
+
+    def _slots(self, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """The slot numbers ``start`` .. ``start + count`` on ``device``: a view of offsets made once and
+        grown by doubling, so a step's appends launch nothing to name the slots they write."""
+        offsets = self._offsets.get(device)
+        if offsets is None or offsets.shape[0] < start + count:
+            offsets = self._offsets[device] = torch.arange(2 * (start + count), device=device)
+        return offsets.narrow(0, start, count)
 
     def keep_recent_window(self, layer: int, size: int, full_length: int) -> None:
         """From the step that brings ``layer`` to ``full_length`` entries on, each one-token step writes

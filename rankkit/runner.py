@@ -489,7 +489,7 @@ class Runner:
                 out = split_decode_attention(folded, key, value, mask, scaling)
             else:
                 out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-            return out.reshape(1, query.shape[1], 1, -1).transpose(1, 2)
+            return out.reshape(1, 1, query.shape[1], -1)  # the heads in order: kv_heads x group
         if mask is not None and mask.shape[1] > 1:
             mask = mask.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(

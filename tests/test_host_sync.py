@@ -312,10 +312,10 @@ def test_tovas_step_launches_a_fixed_few_operators_a_layer_beyond_fulls(cuda_gra
 
 # A plain eager decode step's operators a layer beyond transformers' own step over its DynamicCache,
 # views included: an 8B model's eager step is host-bound (docs/benchmarks.md, "GPU"), so these are its
-# time beyond ``model.generate``'s. The step's entry appended in the cache's own room (keys, values and
-# positions: a write and a view each, 9) where transformers' cache concatenates keys and values (2),
-# and the query heads folded over their KV head, so SDPA reads each KV head once (1).
-PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS = 8
+# time beyond ``model.generate``'s: the step's entry appended in the cache's own room (keys, values and
+# positions, each a write into the slots named once a step and a view: 6) where transformers' cache
+# concatenates keys and values (2). The positions are what a pruned or compressed cache's masks need.
+PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS = 4
 
 
 def test_a_plain_decode_step_dispatches_a_fixed_few_operators_a_layer_beyond_transformers_step():

@@ -621,7 +621,8 @@ def test_a_graphs_warm_up_step_makes_the_captures_choices(random_ids, monkeypatc
 @pytest.mark.parametrize("name", ["snapkv", "streamingllm", "sage-kv"])
 def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids):
     """After the cut, and after rolled decode steps, every tensor the cache keeps shares storage
-    with its entries (or is the step's positions): nothing keeps the prefill's uncut keys alive."""
+    with its entries (or is the step's positions, or the slot numbers its appends write): nothing keeps
+    the prefill's uncut keys alive."""
     from torch.utils._pytree import tree_leaves
 
     runner = Runner(tiny_model("llama"))
@@ -633,7 +634,10 @@ def test_a_compressed_cache_holds_no_tensor_beyond_its_entries(name, random_ids)
         # besides the entries: a padded layer's decode mask, one bool per entry and head (with room)
         masks = list(cache._real.values())
         assert all(mask.dtype == torch.bool and mask.shape[:-1] == (1, 2, 1) for mask in masks)
-        entries = [*cache.keys, *cache.values, *cache.positions, cache._incoming, *masks]
+        # the slot numbers appends write, made once (a view of them is a step's slots)
+        offsets = list(cache._offsets.values())
+        assert all(torch.equal(numbers, torch.arange(len(numbers))) for numbers in offsets) and len(offsets) <= 1
+        entries = [*cache.keys, *cache.values, *cache.positions, cache._incoming, *masks, *offsets]
         allowed = {tensor.untyped_storage().data_ptr() for tensor in entries}
         held = [leaf for leaf in tree_leaves(vars(cache)) if isinstance(leaf, torch.Tensor)]
         assert held and all(tensor.untyped_storage().data_ptr() in allowed for tensor in held), decoded
