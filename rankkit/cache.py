@@ -19,9 +19,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 PADDING = -1
-# a layer's entries come in three kinds (``KVCache._entry_lists``), each along its own axis
-KEYS, VALUES, POSITIONS = range(3)
+# a layer's entries come in three kinds, keys, values and positions (``KVCache._entry_lists``), each
+# along its own axis
 ENTRY_AXES = (2, 2, 1)
+POSITIONS = 2
+
+
+def _views_of(buffer: torch.Tensor | None, entries: torch.Tensor) -> bool:
+    """Whether ``entries`` are a view of ``buffer`` (from its start): what a cache writes in place."""
+    return buffer is not None and buffer.data_ptr() == entries.data_ptr()
 
 
 def allowed_keys(
@@ -128,7 +134,7 @@ class KVCache:
         for kind, (entries, entry, axis) in enumerate(zip(self._entry_lists(), new, ENTRY_AXES, strict=True)):
             current = entries[layer]
             buffer = buffers[kind]
-            if buffer is None or buffer.shape[axis] < end or buffer.data_ptr() != current.data_ptr():
+            if not _views_of(buffer, current) or buffer.shape[axis] < end:
                 shape = list(current.shape)
                 shape[axis] = end + max(128, end // 8)
                 buffer = buffers[kind] = current.new_empty(shape)
@@ -192,7 +198,7 @@ class KVCache:
         one a fork shares with its twin, is not)."""
         entries = self._entry_lists()[kind]
         buffers = self._buffers.setdefault(layer, [None, None, None])
-        if buffers[kind] is None or buffers[kind].data_ptr() != entries[layer].data_ptr():
+        if not _views_of(buffers[kind], entries[layer]):
             entries[layer] = buffers[kind] = entries[layer].clone()
         return entries[layer]
 

@@ -26,6 +26,7 @@ from rankkit.checks import check_length, check_token_counts
 from rankkit.errors import RankkitError
 from rankkit.eval.stats import median_interval
 from rankkit.measure import (
+    OperatorLaunches,
     TensorMemoryTracker,
     counterbalanced,
     decode_step_bytes,
@@ -141,6 +142,43 @@ SCENARIOS: dict[str, tuple[Callable, str, str]] = {
     ),
     "decode": (_decode_sides, "model.generate, time per token", "Runner decode, time per token"),
 }
+
+
+@dataclass
+class PlainDecodes:
+    """A prompt prefilled in rankkit's runner and in the model itself, ready to decode one token at a time
+    in each: ``ours(token, position)`` a plain runner step, ``theirs(token)`` ``model(...)`` over
+    transformers' own DynamicCache. Both return the step's next-token logits [vocab]."""
+
+    ours: Callable[[torch.Tensor, int], torch.Tensor]
+    theirs: Callable[[torch.Tensor], torch.Tensor]
+    first_token: torch.Tensor  # the prefill's greedy token, on the device
+
+
+def plain_decodes(runner: Runner, ids: torch.Tensor, steps: int) -> PlainDecodes:
+    model = runner.model
+    cache = model(ids[None], use_cache=True).cache
+    prefill = runner.prefill(ids)
+
+    def theirs(token: torch.Tensor) -> torch.Tensor:
+        return model(token.reshape(1, 1), cache=cache, use_cache=True).logits[0, -1]
+
+    return PlainDecodes(runner.decoder(prefill, steps), theirs, torch.argmax(prefill.logits))
+
+
+@torch.inference_mode()
+def step_dispatches(runner: Runner, ids: torch.Tensor) -> tuple[int, int]:
+    """Operators one plain decode step after ``ids`` dispatches, views included (each costs the host its
+    dispatch): rankkit's runner's and transformers' own step, each counted after a first step."""
+    decodes = plain_decodes(runner, ids, 2)
+    token = decodes.first_token
+    decodes.ours(token, len(ids))
+    decodes.theirs(token)
+    with OperatorLaunches(views=True) as ours:
+        decodes.ours(token, len(ids) + 1)
+    with OperatorLaunches(views=True) as theirs:
+        decodes.theirs(token)
+    return ours.count, theirs.count
 
 
 @torch.inference_mode()  # a side's own setup (a prompt cache, a prefill) keeps no autograd state

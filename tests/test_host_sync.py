@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rankkit.measure import OperatorLaunches, launches_of
 from rankkit.methods import REGISTRY, Budget, make
 from rankkit.methods.selection import sorting_as_on_cuda
+from rankkit.overhead import step_dispatches
 from rankkit.runner import Runner, greedy_continue
 
 SYNCING_OPERATORS = {
@@ -320,19 +321,8 @@ PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS = 4
 
 def test_a_plain_decode_step_dispatches_a_fixed_few_operators_a_layer_beyond_transformers_step():
     def beyond(layers: int) -> int:
-        runner = _runner(layers, 2)
-        with torch.inference_mode():
-            prefill = runner.prefill(PROMPT)
-            step = runner.decoder(prefill, 2)
-            token = torch.argmax(prefill.logits)
-            step(token, 96)
-            with OperatorLaunches(views=True) as rankkit:
-                step(token, 97)
-            past = runner.model(PROMPT[None], use_cache=True).cache
-            runner.model(token.reshape(1, 1), cache=past, use_cache=True)
-            with OperatorLaunches(views=True) as transformers:
-                runner.model(token.reshape(1, 1), cache=past, use_cache=True)
-        return rankkit.count - transformers.count
+        ours, theirs = step_dispatches(_runner(layers, 2), PROMPT)
+        return ours - theirs
 
     assert _per_layer(beyond) == PLAIN_STEP_DISPATCHES_BEYOND_TRANSFORMERS
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rankkit.eval.stats import median_interval
-from rankkit.measure import OperatorLaunches
+from rankkit.overhead import plain_decodes, step_dispatches
 from rankkit.runner import Runner
 
 
@@ -44,36 +44,17 @@ def narrow_model(layers: int):
 
 def one_round(runner: Runner, prompt: torch.Tensor, steps: int) -> tuple[list[float], list[float]]:
     """Seconds of each of ``steps`` decode steps, rankkit's and transformers', alternating."""
-    model = runner.model
-    cache = model(prompt[None], use_cache=True).cache
-    prefill = runner.prefill(prompt)
-    step = runner.decoder(prefill, steps)
-    theirs = ours = torch.argmax(prefill.logits)
+    decodes = plain_decodes(runner, prompt, steps)
+    theirs = ours = decodes.first_token
     rankkit, transformers = [], []
     for position in range(len(prompt), len(prompt) + steps):
         start = time.perf_counter()
-        ours = torch.argmax(step(ours, position))
+        ours = torch.argmax(decodes.ours(ours, position))
         middle = time.perf_counter()
-        theirs = torch.argmax(model(theirs.reshape(1, 1), cache=cache, use_cache=True).logits[0, -1])
+        theirs = torch.argmax(decodes.theirs(theirs))
         rankkit.append(middle - start)
         transformers.append(time.perf_counter() - middle)
     return rankkit, transformers
-
-
-def dispatches_per_step(runner: Runner, prompt: torch.Tensor) -> tuple[int, int]:
-    """Operators one decode step dispatches, rankkit's and transformers' (after a step each)."""
-    model = runner.model
-    cache = model(prompt[None], use_cache=True).cache
-    prefill = runner.prefill(prompt)
-    step = runner.decoder(prefill, 2)
-    token = torch.argmax(prefill.logits)
-    step(token, len(prompt))
-    model(token.reshape(1, 1), cache=cache, use_cache=True)
-    with OperatorLaunches(views=True) as ours:
-        step(token, len(prompt) + 1)
-    with OperatorLaunches(views=True) as theirs:
-        model(token.reshape(1, 1), cache=cache, use_cache=True)
-    return ours.count, theirs.count
 
 
 def main() -> None:
@@ -94,7 +75,7 @@ def main() -> None:
             rankkit_medians.append(statistics.median(rankkit))
             transformers_medians.append(statistics.median(transformers))
             ratios.append(rankkit_medians[-1] / transformers_medians[-1])
-        ours, theirs = dispatches_per_step(runner, prompt)
+        ours, theirs = step_dispatches(runner, prompt)
     low, high = median_interval(ratios)
     interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
     print(f"Llama, {args.layers} layers of width 64, {args.prompt}-token prompt, {args.rounds} rounds of {args.steps} steps")
