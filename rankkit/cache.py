@@ -22,7 +22,7 @@ PADDING = -1
 # a layer's entries come in three kinds, keys, values and positions (``KVCache._entry_lists``), each
 # along its own axis
 ENTRY_AXES = (2, 2, 1)
-POSITIONS = 2
+KEYS, VALUES, POSITIONS = 0, 1, 2
 
 
 def _views_of(buffer: torch.Tensor | None, entries: torch.Tensor) -> bool:
@@ -48,6 +48,16 @@ def allowed_keys(
     if sliding_window is not None:
         allowed &= keys > queries - sliding_window
     return allowed[None]
+
+
+@dataclass(frozen=True)
+class _Appended:
+    """A layer's positions before a step (kept alive, so no other tensor takes their address) and after
+    its append (``KVCache._append_positions``)."""
+
+    before: torch.Tensor
+    positions: torch.Tensor
+    layer: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,10 @@ class KVCache:
         self._step_slots: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # ``_append``'s, made once a step
         self._offsets: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... on each device (``_slots``)
         self._buffers: dict[int, list] = {}  # each layer's buffers of its own, per kind of entry (_owned)
+        # (kind, layer) -> how many of the entries in the layer's buffer of that kind other layers read
+        # too (``_append_positions``): the buffer is written in place only after them
+        self._lent: dict[tuple[int, int], int] = {}
+        self._step_positions: dict[tuple, _Appended] = {}  # ``_append_positions``'s, made once a step
         self.windows: dict[int, RecentWindow] = {}  # the layers that keep a rolling window (keep_recent_window)
         self._window_slots: dict[int, int] = {}  # each full window's slot the next step writes
         self.held: dict[int, int] = {}  # the layers whose decode evicts back to this many entries (hold_size)
@@ -92,6 +106,7 @@ class KVCache:
         """Positions [n] of the tokens whose keys the next ``update`` calls bring."""
         self._incoming = positions
         self._step_slots = {}
+        self._step_positions = {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         incoming = self._incoming
@@ -121,7 +136,8 @@ class KVCache:
         buffer it owns, so a fork that shares views (``fork``) never sees the other's writes.
         One step appends at every layer of a host-bound decode, so the work here is the
         fewest operators that can do it: one write and one view per kind of entry, the slots written
-        and the positions for every head made once a step for the layers of one length (``_step_slots``).
+        and the positions for every head made once a step for the layers of one length (``_step_slots``),
+        and positions written once for the layers that hold the same (``_append_positions``).
         """
         length, added = self.keys[layer].shape[2], new[0].shape[2]
         end = length + added
@@ -129,18 +145,41 @@ class KVCache:
         if shared not in self._step_slots:
             self._step_slots[shared] = self._slots(length, added, shared[2]), new[2].expand(shared[1], -1)
         slots, positions = self._step_slots[shared]
-        new = (new[0], new[1], positions)
+        for kind in (KEYS, VALUES):
+            self._extend(kind, layer, slots, new[kind], end)
+        self._append_positions(layer, slots, positions, end)
+
+    def _append_positions(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, end: int) -> None:
+        """``_extend`` the layer's positions, unless another layer's held the same entries before the
+        step: then it takes that layer's appended positions, the same values, and writes nothing. The
+        layers of a plain decode hold the same positions, so one of them writes them for all."""
+        before = self.positions[layer]
+        key = (before.data_ptr(), before.shape, before.stride(), before.device)
+        appended = self._step_positions.get(key)
+        if appended is not None:
+            self.positions[layer] = appended.positions
+            self._lent[POSITIONS, appended.layer] = end
+            return
+        self._extend(POSITIONS, layer, slots, positions, end)
+        self._step_positions[key] = _Appended(before, self.positions[layer], layer)
+
+    def _extend(self, kind: int, layer: int, slots: torch.Tensor, entry: torch.Tensor, end: int) -> None:
+        """Write ``entry`` at ``slots``, after the layer's entries of ``kind``, in place where their buffer
+        is the layer's own, has room, and no other layer reads past them (``_lent``)."""
+        entries, axis = self._entry_lists()[kind], ENTRY_AXES[kind]
+        current = entries[layer]
+        length = current.shape[axis]
         buffers = self._buffers.setdefault(layer, [None, None, None])
-        for kind, (entries, entry, axis) in enumerate(zip(self._entry_lists(), new, ENTRY_AXES, strict=True)):
-            current = entries[layer]
-            buffer = buffers[kind]
-            if not _views_of(buffer, current) or buffer.shape[axis] < end:
-                shape = list(current.shape)
-                shape[axis] = end + max(128, end // 8)
-                buffer = buffers[kind] = current.new_empty(shape)
-                buffer.narrow(axis, 0, length).copy_(current)
-            buffer.index_copy_(axis, slots, entry)
-            entries[layer] = buffer.narrow(axis, 0, end)
+        buffer = buffers[kind]
+        read_beyond = self._lent.get((kind, layer), 0) > length  # a write here would change another layer's
+        if not _views_of(buffer, current) or buffer.shape[axis] < end or read_beyond:
+            shape = list(current.shape)
+            shape[axis] = end + max(128, end // 8)
+            buffer = buffers[kind] = current.new_empty(shape)
+            buffer.narrow(axis, 0, length).copy_(current)
+            self._lent.pop((kind, layer), None)
+        buffer.index_copy_(axis, slots, entry)
+        entries[layer] = buffer.narrow(axis, 0, end)
 
     def _slots(self, start: int, count: int, device: torch.device) -> torch.Tensor:
         """The slot numbers ``start`` .. ``start + count`` on ``device``: a view of offsets made once and
@@ -198,8 +237,9 @@ class KVCache:
         one a fork shares with its twin, is not)."""
         entries = self._entry_lists()[kind]
         buffers = self._buffers.setdefault(layer, [None, None, None])
-        if not _views_of(buffers[kind], entries[layer]):
+        if not _views_of(buffers[kind], entries[layer]) or (kind, layer) in self._lent:
             entries[layer] = buffers[kind] = entries[layer].clone()
+            self._lent.pop((kind, layer), None)
         return entries[layer]
 
     def evict(self, layer: int, slot: torch.Tensor) -> None:
@@ -274,6 +314,7 @@ class KVCache:
         twin.held = dict(self.held)
         twin._real = dict(self._real)  # never written once made
         self._buffers.clear()  # a write in place would show in the twin: each copies before its next
+        self._lent.clear()
         return twin
 
     def attention_mask(

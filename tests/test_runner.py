@@ -245,6 +245,59 @@ def test_one_token_appends_write_in_place_until_the_headroom_is_spent():
     assert cache.positions[0].tolist() == [[0, 2169, 2170], [1, 2169, 2170]]
 
 
+def _plain_steps(cache: KVCache, positions, layers) -> None:
+    """One-token steps at ``positions``, each through ``layers``, every entry's keys its position."""
+    for position in positions:
+        cache.begin_step(torch.tensor([position]))
+        for layer in layers:
+            entry = torch.full((1, 2, 1, 2), float(position))
+            cache.update(entry, -entry, layer)
+
+
+def _shared_positions_cache(layers: int) -> KVCache:
+    """``layers`` layers of a four-token prefill and two plain steps: the same positions in each."""
+    cache = KVCache(layers)
+    cache.begin_step(torch.arange(4))
+    for layer in range(layers):
+        keys = torch.arange(4.0)[None, None, :, None].expand(1, 2, 4, 2)
+        cache.update(keys, -keys, layer)
+    _plain_steps(cache, (4, 5), range(layers))
+    return cache
+
+
+def test_layers_holding_the_same_positions_share_one_append_and_a_write_in_place_reaches_no_other_layer():
+    """A plain step's layers hold the same positions, which the first layer's append writes for all
+    (``KVCache._append_positions``). A layer that then writes positions in place (an eviction, a
+    clear, an append after a cut) first copies them into a buffer of its own, so no other layer sees it;
+    a layer that holds other positions of the same shape appends its own."""
+    cache = _shared_positions_cache(3)
+    grown = [[0, 1, 2, 3, 4, 5]] * 2
+    assert cache.positions[1] is cache.positions[0] and cache.positions[2] is cache.positions[0]
+    assert cache.positions[0].tolist() == grown and cache.keys[2][0, 1, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    cache.evict(0, torch.tensor([1]))  # the layer that wrote them: the last entry moves into slot 1
+    cache.clear(1, 0, 1)
+    assert cache.positions[0].tolist() == [[0, 5, 2, 3, 4]] * 2
+    assert cache.positions[1].tolist() == [[PADDING, 1, 2, 3, 4, 5]] * 2
+    assert cache.positions[2].tolist() == grown
+    _plain_steps(cache, (6,), range(3))
+    assert cache.positions[0].tolist() == [[0, 5, 2, 3, 4, 6]] * 2
+    assert cache.positions[1].tolist() == [[PADDING, 1, 2, 3, 4, 5, 6]] * 2
+    assert cache.positions[2].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 2
+
+    cut = _shared_positions_cache(2)
+    cut.truncate(0, 3)  # the layer that wrote them reads three; the other still reads six
+    _plain_steps(cut, (9,), (0,))
+    assert cut.positions[0].tolist() == [[0, 1, 2, 9]] * 2 and cut.positions[1].tolist() == grown
+
+    apart = KVCache(2)
+    for layer, start in enumerate((0, 10)):  # the same shape, other positions
+        apart.begin_step(torch.arange(start, start + 4))
+        apart.update(torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 4, 2), layer)
+    _plain_steps(apart, (14,), range(2))
+    assert apart.positions[0].tolist() == [[0, 1, 2, 3, 14]] * 2
+    assert apart.positions[1].tolist() == [[10, 11, 12, 13, 14]] * 2
+
+
 def _padded_cache() -> KVCache:
     """One layer of six entries compressed per head to four and two: head 1 holds two of padding."""
     cache = KVCache(1)
