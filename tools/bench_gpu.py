@@ -255,7 +255,7 @@ class SplitThreshold:
 # then the rest, and where the time goes. The rows whose target is a ratio near 1 (the runner, eager
 # decode) take 6 repeats, the fewest whose median ratio has an interval (eval.stats.median_interval).
 STEPS = {
-    # a plain eager step with 4 operators a layer beyond transformers' step, where it had 10
+    # a plain eager step with 2 operators a layer beyond transformers' step, where it had 10
     "decode": (150, Overhead("decode", (8192, 32768), repeats=6)),
     # an unmasked step over 64k keys, left to SDPA (split there in run 5, it took 1.30x model.generate's)
     "decode-long": (150, Overhead("decode", (65536,), repeats=6)),
