@@ -219,6 +219,13 @@ def tiny_folder(tmp_path_factory, default_tokenizer):
     return folder
 
 
+def own_position_writes(layers: int, cuda_graphs: bool) -> int:
+    """Launches a decode step beyond full's where every layer holds positions of its own (compressed,
+    pruned): full's layers share one write (``KVCache._append_positions``), the others write each;
+    the static cache writes every layer's, full's too."""
+    return 0 if cuda_graphs else layers - 1
+
+
 def run_on_two_gloo_ranks(port: int, *arguments) -> subprocess.CompletedProcess:
     """``rankkit ARGUMENTS`` under torchrun with two CPU (gloo) ranks of one thread each."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]

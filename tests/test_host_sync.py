@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import own_position_writes
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -270,7 +271,10 @@ def test_a_static_cache_decode_step_reads_only_the_token(split):
 STEERING_DECODE = {"sliminfer", "tova"}
 
 
-def _launches_per_decode_step(name: str, cuda_graphs: bool, layers: int = 2) -> float:
+DECODE_LAYERS = 2  # the model whose decode steps are counted
+
+
+def _launches_per_decode_step(name: str, cuda_graphs: bool, layers: int = DECODE_LAYERS) -> float:
     runner, method = _prepared(name, layers, 2)
     runner.cuda_graphs = cuda_graphs
     with torch.inference_mode():
@@ -293,7 +297,7 @@ def test_a_pruned_or_compressed_cache_decodes_with_no_more_launches_than_full(cu
     holds others of its own (compressed, pruned) writes its own, one launch more."""
     full = _launches_per_decode_step("full", cuda_graphs)
     launches = {name: _launches_per_decode_step(name, cuda_graphs) for name in sorted(set(REGISTRY) - STEERING_DECODE)}
-    own_positions = 0 if cuda_graphs else 2 - 1  # the static cache writes every layer's (2 layers here)
+    own_positions = own_position_writes(DECODE_LAYERS, cuda_graphs)
     assert full > 0 and all(count <= full + own_positions for count in launches.values()), (full, launches)
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import own_position_writes
 from transformers import AutoConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def test_the_launch_counts_of_each_method_beyond_fulls(tiny_folder, graphs):
     rows = _rows(tiny_folder, *(["--cuda-graphs"] if graphs else []))
     assert rows["full"] == (0, 0.0, False)
     layers = AutoConfig.from_pretrained(tiny_folder).num_hidden_layers
-    own_positions = 0.0 if graphs else layers - 1.0
+    own_positions = float(own_position_writes(layers, graphs))
     assert rows["snapkv"][0] > 0 and rows["snapkv"][1:] == (own_positions, False)
     assert rows["streamingllm"][1:] == (own_positions, False)
     assert rows["tova"][1] > 0 and not rows["tova"][2]
