@@ -63,7 +63,7 @@ def test_an_overhead_steps_command_asks_for_what_the_step_runs(name):
 @pytest.mark.integration
 @pytest.mark.processes
 def test_every_step_of_the_gpu_table_runs_at_smoke_size_on_the_cpu(tmp_path):
-    """Every step, scaled down (``--smoke``: the default model's architecture, a few hundred tokens),
+    """Every step, scaled down (``--smoke``: the default model's architecture with a few layers, a few hundred tokens),
     runs to its rows, and records the command it stands for; a step that needs CUDA says so."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), str(tmp_path), "--smoke"],
@@ -79,7 +79,8 @@ def test_every_step_of_the_gpu_table_runs_at_smoke_size_on_the_cpu(tmp_path):
     for name, (_, step) in bench_gpu.STEPS.items():
         record = by_step[name]
         assert "error" not in record, (name, record.get("traceback"))
-        assert record["command"] == " ".join(step.smoke().command(tmp_path, name))
+        smoke_model = str(bench_gpu.smoke_model_folder(tmp_path))
+        assert record["command"] == " ".join(step.smoke(smoke_model).command(tmp_path, name))
         if step.needs_cuda:
             assert record["skipped"] == "needs CUDA"
             continue
@@ -89,7 +90,7 @@ def test_every_step_of_the_gpu_table_runs_at_smoke_size_on_the_cpu(tmp_path):
             assert methods == {"full", *step.methods} and (tmp_path / f"{name}.parquet").exists()
         if isinstance(step, bench_gpu.Overhead):
             assert [row["tokens"] for row in record["rows"]] == [bench_gpu.SMOKE_LENGTH]
-            assert all(row["model"] == bench_gpu.SMOKE_MODEL and row["time_ratio"] > 0 for row in record["rows"])
+            assert all(row["model"] == smoke_model and row["time_ratio"] > 0 for row in record["rows"])
 
 
 def test_an_interrupted_step_is_recorded_and_ends_the_run(tmp_path, monkeypatch):

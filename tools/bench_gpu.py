@@ -14,9 +14,9 @@ SIGINT of a lease's ``timeout -s INT``) is recorded and ends the run (exit statu
 ``profile-*`` steps record where a decode step's, a capture's and the runner's prefill's device time goes
 (torch.profiler); ``split-threshold`` times one decode attention call both ways, on CUDA only.
 
-``--smoke`` runs every step at a size a CPU finishes in minutes (the default model's architecture,
-a few hundred tokens, one round, two new tokens): what the test suite runs, so a lease never
-starts with a step that cannot run.
+``--smoke`` runs every step at a size a CPU finishes in minutes (the default model's architecture
+with a few of its layers, saved under OUT as any user's model folder; a few hundred tokens, one
+round, two new tokens): what the test suite runs, so a lease never starts with a step that cannot run.
 
     python3 tools/bench_gpu.py OUT [--smoke] [STEP ...]   # default: every step, in STEPS order
 """
@@ -44,7 +44,7 @@ KV_METHODS = ("sliminfer", "specprefill", "lava", "sage-kv", "streamingllm", "sn
 PROMPT_PRUNING = ("gemfilter", "fastkv", "claa")
 KEEP = 0.1
 # --smoke: the steps' arguments scaled to what a CPU runs in seconds
-SMOKE_MODEL = SMALL
+SMOKE_LAYERS = 4  # every step's code path; a compiled decode step's compiling grows with the layers
 SMOKE_LENGTH = 256
 SMOKE_NIAH_LENGTH = 512  # a needle prompt needs room for its needle and question
 
@@ -87,8 +87,8 @@ class Overhead:
             compile_decode=self.compile_decode,
         )
 
-    def smoke(self) -> Overhead:
-        return replace(self, model=SMOKE_MODEL, lengths=(SMOKE_LENGTH,), repeats=1)
+    def smoke(self, model: str) -> Overhead:
+        return replace(self, model=model, lengths=(SMOKE_LENGTH,), repeats=1)
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,9 @@ class Bench:
     def setup(self) -> Setup:
         return Setup(model=self.model, cuda_graphs=self.cuda_graphs, compile_decode=self.compile_decode)
 
-    def smoke(self) -> Bench:
+    def smoke(self, model: str) -> Bench:
         warmup = self.setup().warmups_needed
-        return replace(self, model=SMOKE_MODEL, length=SMOKE_NIAH_LENGTH, examples=1, max_new_tokens=2, warmup=warmup, repeats=1)
+        return replace(self, model=model, length=SMOKE_NIAH_LENGTH, examples=1, max_new_tokens=2, warmup=warmup, repeats=1)
 
 
 def _tool_command(out: Path, name: str) -> list[str]:
@@ -181,8 +181,8 @@ class Profile:
                 }
         return profiled_sides
 
-    def smoke(self) -> Profile:
-        return replace(self, model=SMOKE_MODEL, length=SMOKE_LENGTH, top=5)
+    def smoke(self, model: str) -> Profile:
+        return replace(self, model=model, length=SMOKE_LENGTH, top=5)
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class SplitThreshold:
             rows.append(row)
         return rows
 
-    def smoke(self) -> SplitThreshold:
+    def smoke(self, model: str) -> SplitThreshold:
         return replace(self, key_counts=(1024,), calls=2)
 
 
@@ -290,6 +290,27 @@ STEPS = {
 }
 
 
+def smoke_model_folder(out: Path) -> Path:
+    return out / "smoke-model"
+
+
+def make_smoke_model(out: Path) -> str:
+    """``SMALL``'s architecture with ``SMOKE_LAYERS`` layers and seeded random weights, saved with the
+    default model's tokenizer as an HF folder (``smoke_model_folder``): the smoke's model, loaded
+    as a user's folder is."""
+    from transformers import AutoModelForCausalLM
+
+    config = models.random_config(SMALL)
+    config.num_hidden_layers = SMOKE_LAYERS
+    with torch.random.fork_rng():
+        torch.manual_seed(models.RANDOM_SEED)
+        model = AutoModelForCausalLM.from_config(config)
+    folder = smoke_model_folder(out)
+    model.save_pretrained(folder)
+    models.load_tokenizer(SMALL).save_pretrained(folder)
+    return str(folder)
+
+
 class StepTimeout(Exception):
     pass
 
@@ -331,12 +352,13 @@ def main(out: Path, names: list[str], smoke: bool = False) -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "smoke": smoke,
     }
+    smoke_model = make_smoke_model(out) if smoke else None
     with open(out / "gpu-table.jsonl", "a") as journal, models.loaded_once():
         journal.write(json.dumps({"step": "environment", **environment}) + "\n")
         for name in names:
             limit, step = STEPS[name]
             print(f"[{time.strftime('%H:%M:%S')}] {name} (limit {limit} s)", flush=True)
-            record = _run_step(name, limit, step.smoke() if smoke else step, out)
+            record = _run_step(name, limit, step.smoke(smoke_model) if smoke else step, out)
             journal.write(json.dumps(record, default=str) + "\n")
             journal.flush()
             print(json.dumps(record, default=str)[:3000], flush=True)
