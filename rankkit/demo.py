@@ -8,6 +8,7 @@ methods end to end against full prefill, and write the dashboard of it all.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from rankkit.runner import Runner
 DEMO_DATA = "niah:n=4,length=1024"
 DEMO_METHODS = ("full", "gemfilter", "fastkv", "claa", "snapkv")
 DEMO_KEEP = 0.2
+DEMO_BENCHED = 2  # the first examples of DEMO_DATA, run end to end
 
 
 def answer(
@@ -114,6 +116,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     from rankkit.eval.compare import compare_store, summary_table
     from rankkit.eval.stats import interval_columns
     from rankkit.eval.variance import variance_store
+    from rankkit.interrupts import keep_on_interrupt
     from rankkit.methods import Budget, make
     from rankkit.report import write_dashboard
     from rankkit.tables import frame_table
@@ -143,19 +146,35 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
     console.print(frame_table(summary_table(comparison.summary), "rankings vs the oracle"))
 
     loaded = models.load("default", device=device)
-    examples = load_examples(DEMO_DATA, loaded.tokenizer)[:2]
-    with console.status(f"bench: {', '.join(DEMO_METHODS)} at keep {DEMO_KEEP}"):
-        frame = run_bench(
-            Runner(loaded.model),
-            loaded.tokenizer,
-            examples,
-            [make(name) for name in DEMO_METHODS],
-            [Budget.from_keep(DEMO_KEEP)],
-            BenchSettings(max_new_tokens=16, warmup=1, repeats=1),
-            prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
-        )
+    examples = load_examples(DEMO_DATA, loaded.tokenizer)[:DEMO_BENCHED]
+    settings = BenchSettings(max_new_tokens=16, warmup=1, repeats=1)
+    identity = {
+        "command": "demo",
+        "data": DEMO_DATA,
+        "examples": DEMO_BENCHED,
+        "methods": list(DEMO_METHODS),
+        "keep": DEMO_KEEP,
+        "settings": dataclasses.asdict(settings),
+        "weights": loaded.weights_hash,
+    }
+    # an interrupted demo's rerun resumes its bench; a finished one's reruns it
+    with (
+        console.status(f"bench: {', '.join(DEMO_METHODS)} at keep {DEMO_KEEP}"),
+        outputs.Journal(written["bench"], identity, owned=True) as journal,
+    ):
+        with keep_on_interrupt(journal.kept):
+            frame = run_bench(
+                Runner(loaded.model),
+                loaded.tokenizer,
+                examples,
+                [make(name) for name in DEMO_METHODS],
+                [Budget.from_keep(DEMO_KEEP)],
+                settings,
+                prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
+                journal=journal,
+            )
         frame = with_model(frame, loaded)
-        outputs.write_parquet(frame, written["bench"])
+        journal.finish(frame)
     per_method = summary(frame).select(
         "method",
         *(

@@ -333,13 +333,18 @@ class Journal:
     The journal stays locked until ``close`` (or the end of a ``with`` block), so a second run
     making the same output is refused while the first runs. Without ``out`` the rows live in
     memory only.
+
+    ``owned``: ``out`` is the caller's to rewrite (the demo's folder, whose command has no
+    ``--overwrite``): a journal it cannot resume is started anew instead of refused, and ``finish``
+    writes over an earlier output.
     """
 
-    def __init__(self, out: PathLike | None, identity: dict, *, overwrite: bool = False) -> None:
+    def __init__(self, out: PathLike | None, identity: dict, *, overwrite: bool = False, owned: bool = False) -> None:
         self.out = None if out is None else Path(out)
         self.path = None if out is None else journal_path(self.out)
         self.identity = json.loads(json.dumps(identity))  # as it reads back from the file
         self.overwrite = overwrite
+        self.owned = owned
         self.units: dict[str, list[dict]] = {}
         self.notes: dict[str, object] = {}
         self._file: BinaryIO | None = None
@@ -350,7 +355,7 @@ class Journal:
             if overwrite:
                 self._file.truncate(0)
             if os.fstat(self._file.fileno()).st_size:
-                self._resume()
+                self._resume_or_start_anew()
             else:
                 self._append({"identity": self.identity})
         except BaseException:
@@ -387,6 +392,16 @@ class Journal:
 
     def __exit__(self, *_) -> None:
         self.close()
+
+    def _resume_or_start_anew(self) -> None:
+        try:
+            self._resume()
+        except RankkitError:
+            if not self.owned:
+                raise
+            self.units, self.notes = {}, {}
+            self._file.truncate(0)
+            self._append({"identity": self.identity})
 
     def _resume(self) -> None:
         entries, kept_bytes, cut = _journal_entries(self.path)
@@ -450,7 +465,7 @@ class Journal:
         if self.out is None:
             return
         try:
-            write_parquet(frame, self.out, overwrite=self.overwrite)
+            write_parquet(frame, self.out, overwrite=self.overwrite or self.owned)
         except OutputTaken:
             raise RankkitError(
                 f"{self.out} was written by another run while this one worked; the {len(self.units)} finished "

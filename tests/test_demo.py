@@ -4,16 +4,20 @@ about two minutes on two cores: the price of never shipping a broken main job ag
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import plotly
 import polars as pl
 import pytest
 
+from rankkit import outputs
 from rankkit.stores.verify import verify
 
 pytestmark = pytest.mark.integration
@@ -173,18 +177,44 @@ def test_the_demo_refuses_a_store_folder_and_a_bad_device_before_it_writes(tmp_p
     assert not (tmp_path / "demo").exists()
 
 
-def test_a_rerun_of_the_demo_resumes_its_store_and_rewrites_its_files(demo_run):
+def test_a_rerun_of_the_demo_resumes_its_store_and_its_interrupted_bench_and_rewrites_its_files(demo_run):
     """A second `make demo` ended in "compare.parquet already exists; pass --overwrite", an option the
-    demo does not have."""
+    demo does not have. A rerun interrupted in its bench keeps the examples it finished there, and the
+    next rerun takes them as they were measured."""
     out, first = demo_run
+    bench = out / "bench.parquet"
+    journal = outputs.journal_path(bench)
     rankkit = Path(sys.executable).with_name("rankkit")
+    command = [str(rankkit), "demo", "--out", str(out), "--device", "cpu"]
     environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    rerun = subprocess.run([str(rankkit), "demo", "--out", str(out), "--device", "cpu"],
-                           capture_output=True, text=True, env=environment, timeout=900)  # fmt: skip
+
+    def kept() -> list[dict]:
+        lines = journal.read_text().splitlines() if journal.is_file() else []
+        return [entry for entry in map(json.loads, lines) if "key" in entry]
+
+    interrupted = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
+    deadline = time.monotonic() + 600
+    while not kept() and interrupted.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    interrupted.send_signal(signal.SIGINT)
+    stderr = interrupted.communicate(timeout=120)[1]
+    (held,) = kept()
+    assert interrupted.returncode == 130 and stderr.strip().splitlines()[-1] == (
+        f"rankkit: interrupted: kept 1 finished ({len(BENCHED_METHODS)} rows) in {journal}; "
+        "rerun the same command to resume"
+    )
+    assert bench.is_file(), "the first demo's bench stays until the rerun's replaces it"
+
+    rerun = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"{DEMO_EXAMPLES} examples held from an earlier run, not captured again" in rerun.stdout
     assert _written(rerun.stdout) == _written(first)
     assert (out / "notes.txt").read_text() == "a user's notes"
+    rows = pl.read_parquet(bench)
+    assert rows.height == BENCHED_EXAMPLES * len(BENCHED_METHODS) and not journal.exists()
+    resumed = rows.filter(pl.col("example_id") == held["key"]).sort("method")
+    measured = sorted(held["rows"], key=lambda row: row["method"])
+    assert resumed["ttft_s"].to_list() == [row["ttft_s"] for row in measured]
 
 
 def test_a_demo_folder_is_marked_as_the_demos(demo_run):

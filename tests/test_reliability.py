@@ -851,6 +851,22 @@ def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_pa
     assert outputs.Journal(out, {"methods": ["full", "fastkv"]}, overwrite=True).rows == []
 
 
+def test_an_owned_journal_resumes_its_settings_starts_anew_on_others_and_writes_over_its_output(tmp_path):
+    """The demo's bench: its folder is its own and its command has no --overwrite to name."""
+    out = tmp_path / "rows.parquet"
+    outputs.write_parquet(pl.DataFrame({"score": [0.0]}), out)  # an earlier run's output
+    with outputs.Journal(out, {"methods": ["full"]}, owned=True) as first:
+        first.record("e0", [{"score": 1.0}])
+    with outputs.Journal(out, {"methods": ["full"]}, owned=True) as resumed:
+        assert resumed.rows == [{"score": 1.0}]
+        resumed.record("e1", [{"score": 0.5}])
+    with outputs.Journal(out, {"methods": ["claa"]}, owned=True) as other:
+        assert other.rows == []
+        other.record("e0", [{"score": 0.25}])
+        other.finish(pl.DataFrame(other.rows))
+    assert pl.read_parquet(out)["score"].to_list() == [0.25] and not outputs.journal_path(out).exists()
+
+
 @pytest.mark.parametrize(
     "edit",
     [
