@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from rankkit.cache import KVCache, StaticKVCache
 from rankkit.errors import RankkitError
@@ -419,7 +420,7 @@ class Runner:
         if not self.compile_decode:
             return step
         if part not in self._compiled_parts:
-            self._compiled_parts[part] = torch.compile(step)
+            self._compiled_parts[part] = _outside_dispatch_modes(torch.compile(step))
         return self._compiled_parts[part]
 
     @contextmanager
@@ -840,6 +841,20 @@ class _StaticDecode:
             for hook in self.hooks:
                 hook.after_decode_step(self.cache, position)
         return carried
+
+
+def _outside_dispatch_modes(compiled: Callable) -> Callable:
+    """``compiled`` run with the active Python dispatch modes set aside (``_run_outside_dispatch_modes``)."""
+    return functools.partial(_run_outside_dispatch_modes, compiled)
+
+
+def _run_outside_dispatch_modes(compiled: Callable, *args):
+    """torch.compile first called under a Python dispatch mode (CPU peak memory's ``TensorMemoryTracker``
+    in a bench's first warm-up, an operator count) runs the step eagerly and never compiles that code
+    again: every later step ran eagerly. The modes miss the compiled step's own temporaries, one
+    token's activations and logits."""
+    with _disable_current_modes():
+        return compiled(*args)
 
 
 def after_decode_part(part: range, cache: KVCache, hooks) -> None:

@@ -204,10 +204,11 @@ def test_a_decode_part_is_compiled_once_per_runner_and_part_and_a_cut_of_the_lay
     runner = Runner(tiny_model("llama"), cuda_graphs=True, compile_decode=True)
     whole = runner.static_part(range(3))
     assert whole is runner.static_part(range(3)) and whole != runner.static_part(range(1))
-    assert whole[1].func == runner._decode_part and whole[1].args == (range(3),)
+    (_, step) = whole.args[0]  # torch.compile's, run outside any dispatch mode
+    assert step.func == runner._decode_part and step.args == (range(3),)
     draft = runner.first_layers(2)
     assert draft is runner.first_layers(2) and draft.num_layers == 2 and runner.num_layers == 3
-    (_, step) = draft.static_part(range(2))
+    (_, step) = draft.static_part(range(2)).args[0]
     assert step.func.__self__ is draft and step.args == (range(2),)
     assert draft.first_layers(1).num_layers == 1
     eager = Runner(runner.model, cuda_graphs=True)
@@ -435,6 +436,28 @@ def test_a_compiled_static_decode_chooses_the_dynamic_caches_tokens(random_ids, 
     assert runs[1].tokens == runs[0].tokens
     assert len(compiled._static_decodes) == 1  # one cache shape (40 entries and 8 fit one bucket)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.graphs
+def test_a_compiled_step_first_run_under_the_cpu_memory_tracker_still_compiles(random_ids):
+    """A bench's first warm-up on CPU tracks peak memory in a Python dispatch mode; torch.compile first
+    called under one ran the step eagerly and never compiled that code again, so every later run of
+    `rankkit bench --cuda-graphs --compile-decode` on CPU timed the eager step. The warm-up now
+    compiles the step, its peak is measured, and a timed run after it compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    from rankkit.methods.measure import warm_up
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama")
+    eager, compiled = Runner(model), Runner(model, cuda_graphs=True, compile_decode=True)
+    budget = Budget.from_keep(1.0)
+    peak = warm_up(compiled, make("full"), random_ids, budget, NEW_TOKENS, tokenizer=None, runs=1)
+    assert peak > 0 and counters["stats"]["unique_graphs"] == 1
+    timed = run_once(compiled, make("full"), random_ids, budget, NEW_TOKENS)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert timed.tokens == eager.generate(random_ids, NEW_TOKENS).tokens
 
 
 @pytest.mark.graphs
