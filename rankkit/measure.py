@@ -12,7 +12,8 @@ allocated before it" (model weights excluded):
   with the same tensor footprint differ by 1.8x), so ``TensorMemoryTracker`` adds up
   the storage bytes every operator creates and subtracts them when freed. It costs a
   Python call per operator: use it in an untimed run. Scratch buffers inside a CPU
-  kernel that are not tensors are not seen.
+  kernel that are not tensors are not seen, nor what a ``--compile-decode`` step allocates
+  (it runs outside dispatch modes, which would keep it from compiling: one token's temporaries).
 """
 
 from __future__ import annotations
