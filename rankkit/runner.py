@@ -420,7 +420,7 @@ class Runner:
         if not self.compile_decode:
             return step
         if part not in self._compiled_parts:
-            self._compiled_parts[part] = _outside_dispatch_modes(torch.compile(step))
+            self._compiled_parts[part] = functools.partial(_run_outside_dispatch_modes, torch.compile(step))
         return self._compiled_parts[part]
 
     @contextmanager
@@ -843,16 +843,11 @@ class _StaticDecode:
         return carried
 
 
-def _outside_dispatch_modes(compiled: Callable) -> Callable:
-    """``compiled`` run with the active Python dispatch modes set aside (``_run_outside_dispatch_modes``)."""
-    return functools.partial(_run_outside_dispatch_modes, compiled)
-
-
 def _run_outside_dispatch_modes(compiled: Callable, *args):
-    """torch.compile first called under a Python dispatch mode (CPU peak memory's ``TensorMemoryTracker``
-    in a bench's first warm-up, an operator count) runs the step eagerly and never compiles that code
-    again: every later step ran eagerly. The modes miss the compiled step's own temporaries, one
-    token's activations and logits."""
+    """``compiled(*args)`` with the active Python dispatch modes set aside. torch.compile first called
+    under one (CPU peak memory's ``TensorMemoryTracker`` in a bench's first warm-up, an operator count)
+    runs the step eagerly and never compiles that code again: every later step ran eagerly. The modes
+    miss the compiled step's own temporaries, one token's activations and logits."""
     with _disable_current_modes():
         return compiled(*args)
 
