@@ -58,16 +58,16 @@ def answer(
     return {"model": loaded.model_id, "prompt_tokens": prompt.num_tokens, "answer": text}
 
 
+def counted_examples(count: int) -> str:
+    return f"{count} example{'' if count == 1 else 's'}"
+
+
 def captured_line(captured) -> str:
     """What the demo's capture did (a ``CaptureSummary``): a rerun finds its examples in the store
     already and captures none, so it has no speed or oracle score of its own to print."""
-
-    def examples(count: int) -> str:
-        return f"{count} example{'' if count == 1 else 's'}"
-
     said = []
     if captured.written:
-        said.append(f"captured {examples(captured.written)} ({captured.tokens_per_second:,.0f} tok/s)")
+        said.append(f"captured {counted_examples(captured.written)} ({captured.tokens_per_second:,.0f} tok/s)")
     from rankkit.eval.stats import row_with_interval
 
     accuracy = captured.accuracy
@@ -77,7 +77,7 @@ def captured_line(captured) -> str:
             f"(mean of {accuracy['n_examples']}, 95% interval)"
         )
     if captured.skipped:
-        said.append(f"{examples(captured.skipped)} held from an earlier run, not captured again")
+        said.append(f"{counted_examples(captured.skipped)} held from an earlier run, not captured again")
     return "; ".join(said)
 
 
@@ -162,6 +162,7 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         console.status(f"bench: {', '.join(DEMO_METHODS)} at keep {DEMO_KEEP}"),
         outputs.Journal(written["bench"], identity, owned=True) as journal,
     ):
+        held = sum(journal.done(example.id) for example in examples)
         with keep_on_interrupt(journal.kept):
             frame = run_bench(
                 Runner(loaded.model),
@@ -184,6 +185,8 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         ),
         "n_examples",
     )
+    if held:
+        console.print(f"bench: {counted_examples(held)} held from an interrupted run, not run again")
     console.print(
         frame_table(per_method, f"end to end at keep {DEMO_KEEP}: means [95% interval] over n examples")
     )

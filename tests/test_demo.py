@@ -208,6 +208,7 @@ def test_a_rerun_of_the_demo_resumes_its_store_and_its_interrupted_bench_and_rew
     rerun = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"{DEMO_EXAMPLES} examples held from an earlier run, not captured again" in rerun.stdout
+    assert "bench: 1 example held from an interrupted run, not run again" in rerun.stdout
     assert _written(rerun.stdout) == _written(first)
     assert (out / "notes.txt").read_text() == "a user's notes"
     rows = pl.read_parquet(bench)
