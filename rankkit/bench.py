@@ -717,20 +717,48 @@ def bench(
         raise RankkitError(f"rank {shard[0]} of {shard[1]} has no example of {data}; run fewer ranks")
     by_id = {example.id: prompt for example, prompt in zip(examples, prompts, strict=True)}
     with outputs.Journal(out, identity, overwrite=overwrite) as journal:
-        with keep_on_interrupt(journal.kept):
-            frame = run_bench(
-                runner,
-                loaded.tokenizer,
-                examples,
-                chosen,
-                budgets,
-                settings,
-                prompt_for=lambda example: by_id[example.id],
-                journal=journal,
-                progress=progress,
-            )
-        frame = with_model(frame, loaded)
-        journal.finish(frame)
+        return bench_into(
+            journal,
+            runner,
+            loaded,
+            examples,
+            chosen,
+            budgets,
+            settings,
+            prompt_for=lambda example: by_id[example.id],
+            progress=progress,
+        )
+
+
+def bench_into(
+    journal: outputs.Journal,
+    runner: Runner,
+    loaded: models.LoadedModel,
+    examples: list[Example],
+    methods: list[Method],
+    budgets: list[Budget],
+    settings: BenchSettings,
+    *,
+    prompt_for: Callable[[Example], Prompt],
+    progress: ProgressCallback = ignore,
+) -> pl.DataFrame:
+    """``run_bench`` keeping each finished example in ``journal``: SIGINT or SIGTERM stops it with
+    ``Interrupted`` naming what was kept; at the end the model's columns are added and
+    ``journal.finish`` writes the frame."""
+    with keep_on_interrupt(journal.kept):
+        frame = run_bench(
+            runner,
+            loaded.tokenizer,
+            examples,
+            methods,
+            budgets,
+            settings,
+            prompt_for=prompt_for,
+            journal=journal,
+            progress=progress,
+        )
+    frame = with_model(frame, loaded)
+    journal.finish(frame)
     return frame
 
 

@@ -110,13 +110,12 @@ def claim_folder(out: Path, written: dict[str, Path]) -> None:
 
 def run_demo(out: Path, *, device: str = "auto", console: Console | None = None) -> dict[str, Path]:
     """Run the workflow into ``out``; returns what it wrote, by name."""
-    from rankkit.bench import BenchSettings, run_bench, summary, with_model
+    from rankkit.bench import BenchSettings, bench_into, summary
     from rankkit.capture import OracleOptions, capture
     from rankkit.data import load_examples
     from rankkit.eval.compare import compare_store, summary_table
     from rankkit.eval.stats import interval_columns
     from rankkit.eval.variance import variance_store
-    from rankkit.interrupts import keep_on_interrupt
     from rankkit.methods import Budget, make
     from rankkit.report import write_dashboard
     from rankkit.tables import frame_table
@@ -163,19 +162,16 @@ def run_demo(out: Path, *, device: str = "auto", console: Console | None = None)
         outputs.Journal(written["bench"], identity, owned=True) as journal,
     ):
         held = sum(journal.done(example.id) for example in examples)
-        with keep_on_interrupt(journal.kept):
-            frame = run_bench(
-                Runner(loaded.model),
-                loaded.tokenizer,
-                examples,
-                [make(name) for name in DEMO_METHODS],
-                [Budget.from_keep(DEMO_KEEP)],
-                settings,
-                prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
-                journal=journal,
-            )
-        frame = with_model(frame, loaded)
-        journal.finish(frame)
+        frame = bench_into(
+            journal,
+            Runner(loaded.model),
+            loaded,
+            examples,
+            [make(name) for name in DEMO_METHODS],
+            [Budget.from_keep(DEMO_KEEP)],
+            settings,
+            prompt_for=lambda example: example_prompt(loaded.tokenizer, example),
+        )
     per_method = summary(frame).select(
         "method",
         *(
