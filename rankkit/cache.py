@@ -30,6 +30,15 @@ def _views_of(buffer: torch.Tensor | None, entries: torch.Tensor) -> bool:
     return buffer is not None and buffer.data_ptr() == entries.data_ptr()
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``host`` (values the host decided, such as slots) on ``device``. On CUDA the copy
+    starts from page-locked memory, so the host goes on launching work instead of waiting for the
+    device to reach the copy, as a copy from pageable memory would."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def allowed_keys(
     key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None, per_head: bool
 ) -> torch.Tensor:
@@ -516,7 +525,7 @@ class StaticKVCache(KVCache):
             else:
                 start, end = 0, self.positions[layer].shape[1]
             slots.append((cache.next_slot(layer) - 1, start, end))  # a step writes one past the last
-        self._slots.copy_(torch.tensor(slots).T)  # one copy from the host
+        self._slots.copy_(to_device(torch.tensor(slots).T, self._slots.device))
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """As ``KVCache.begin_step``; every layer's write slot moves on, in one go (a window's wraps)."""

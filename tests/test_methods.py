@@ -449,6 +449,14 @@ def _block_cache(length=32, kv_heads=2, dim=4):
     return cache
 
 
+def _block_swap(cache, *, active: set[int], gamma: float):
+    """Alg. 1 for layer 0 of ``cache`` (a 32-token prompt in blocks of 8), laid out by the positions it holds."""
+    from rankkit.methods.swap import BlockLayout, BlockSwap
+
+    layout = BlockLayout.of(cache.positions[0][0].numpy(), block_size=8, prompt_length=32, active=active)
+    return BlockSwap(cache, 0, layout, gamma=gamma)
+
+
 def _device_entries(cache):
     """The real entries (padding left out), in position order."""
     positions = cache.positions[0][0]
@@ -457,11 +465,9 @@ def _device_entries(cache):
 
 
 def test_swap_follows_algorithm_1_and_restores_identical_kv():
-    from rankkit.methods.swap import BlockSwap
-
     cache = _block_cache()
     original = _device_entries(cache)
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9, active={0, 3})
+    swap = _block_swap(cache, active={0, 3}, gamma=0.9)
     assert swap.active == {0, 3} and set(swap.host) == {1, 2}
     cache.begin_step(torch.tensor([32]))  # a generated token: never swapped
     cache.update(torch.full((1, 2, 1, 4), 99.0), torch.full((1, 2, 1, 4), -99.0), 0)
@@ -484,10 +490,8 @@ def test_swap_follows_algorithm_1_and_restores_identical_kv():
 
 
 def test_swap_threshold_gamma_decides_whether_blocks_move():
-    from rankkit.methods.swap import BlockSwap
-
     cache = _block_cache()
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.5, active={0, 3})
+    swap = _block_swap(cache, active={0, 3}, gamma=0.5)
     assert not swap.swap({0, 1}, cache).swapped  # overlap 0.5 is not below gamma 0.5
     assert swap.swap({1, 2}, cache).swapped  # overlap 0
 

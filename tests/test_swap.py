@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_methods import _block_cache
+from test_methods import _block_cache, _block_swap
 
 from rankkit.cache import StaticKVCache
 from rankkit.methods.swap import BlockSwap, SwapDecision
@@ -15,7 +15,7 @@ from rankkit.methods.swap import BlockSwap, SwapDecision
 def blocks(gamma: float, cache=None) -> tuple[BlockSwap, object]:
     """Four blocks of 8 positions over two KV heads of width 4, blocks 1 and 2 on the host."""
     cache = _block_cache() if cache is None else cache
-    return BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=gamma, active={0, 3}), cache
+    return _block_swap(cache, active={0, 3}, gamma=gamma), cache
 
 
 def test_a_decision_reports_the_overlap_it_compared_with_gamma():
@@ -58,8 +58,7 @@ def test_blocks_sit_at_their_offsets_in_regions_a_swap_frees_and_fills():
     partial ones padded; the cache is declared padded exactly while a region holds padding."""
     cache = _block_cache()
     cache.compress(0, torch.tensor([[*range(8), *range(16, 24), 29, 30, 31]] * 2))
-    positions = cache.positions[0][0].numpy()
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9, active={0, 2}, positions=positions)
+    swap = _block_swap(cache, active={0, 2}, gamma=0.9)
     pad = [-1] * 8
     assert _regions(cache) == [[*range(8)], [*range(16, 24)]] and set(swap.host) == {3}
     assert not cache.padded[0] and cache.attention_mask(0, torch.tensor([32])) is None
@@ -101,7 +100,7 @@ def test_one_kv_head_with_generated_tokens_before_the_swap_keeps_exactly_the_act
     for position in (32, 33):
         cache.begin_step(torch.tensor([position]))
         cache.update(torch.full((1, 1, 1, 4), float(position)), torch.full((1, 1, 1, 4), -float(position)), 0)
-    swap = BlockSwap(cache, 0, block_size=8, prompt_length=32, gamma=0.9, active={1, 3})
+    swap = _block_swap(cache, active={1, 3}, gamma=0.9)
     assert swap.active == {1, 3} and set(swap.host) == {0, 2}
     for candidate, active in (({1, 3}, {1, 3}), ({0, 1}, {0, 1}), ({2, 3}, {2, 3}), ({0, 3}, {0, 3})):
         swap.swap(candidate, cache)

@@ -53,7 +53,7 @@ from rankkit.methods.base import (
     scale_layer,
 )
 from rankkit.methods.selection import Captured, descending_order
-from rankkit.methods.swap import BlockSwap, SwapDecision
+from rankkit.methods.swap import BlockLayout, BlockSwap, SwapDecision
 from rankkit.probes.token_units import UnitBlocks, UnitSlots, unit_similarity
 from rankkit.runner import AttentionCall, LayerHook, PrefillState
 
@@ -129,6 +129,7 @@ class PruningLayer:
     unit_blocks: UnitBlocks | None = None  # the blocks of its units
     chosen: set[int] = field(default_factory=set)  # B_active after the prefill
     decode_choice: BlockChoice | None = None  # among the blocks the governed layers hold
+    layout: BlockLayout | None = None  # where the governed layers' entries go
     swaps: list[BlockSwap] = field(default_factory=list)
     recent_queries: torch.Tensor | None = None  # [w, q_heads, d]: the last w decode queries, a ring
     decode_steps: torch.Tensor | None = None  # [1] decode queries seen
@@ -170,8 +171,8 @@ class SlimInferHook(LayerHook):
     prefill and at every decode step): Alg. 1 moves blocks between the tiers, which the host
     drives. Everything else the host needs it counts itself: it follows the live positions of
     a prefill (``live_positions``, from 0..T-1 of a full prefill), so the kept tokens' count and
-    each governed layer's regions (``BlockSwap``) need no read, and a governed layer's
-    swap reads nothing.
+    the governed layers' regions (one ``BlockLayout`` for the layers a pruning layer governs) need
+    no read, and a governed layer's swap reads nothing.
     """
 
     def __init__(
@@ -295,16 +296,14 @@ class SlimInferHook(LayerHook):
             state.prune(keep)
         governor = self.governor.get(layer)
         if governor is not None:  # its prefill KV is final: decoding swaps its blocks from here
-            swap = BlockSwap(
-                state.cache,
-                layer,
-                block_size=self.block_size,
-                prompt_length=state.prompt_length,
-                gamma=self.gamma,
-                active=governor.chosen,  # the query window's own block waits on the host
-                positions=self.cached_positions,
-            )
-            governor.swaps.append(swap)
+            if governor.layout is None:  # the layers it governs hold the same positions
+                governor.layout = BlockLayout.of(
+                    self.cached_positions,
+                    block_size=self.block_size,
+                    prompt_length=state.prompt_length,
+                    active=governor.chosen,  # the query window's own block waits on the host
+                )
+            governor.swaps.append(BlockSwap(state.cache, layer, governor.layout, gamma=self.gamma))
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rankkit.cache import KVCache
+from rankkit.cache import KVCache, to_device
 
 
 @dataclass
@@ -54,52 +54,67 @@ class SwapDecision:
     released: set[int] = field(default_factory=set)  # blocks dropped from the device, already on the host
 
 
-class BlockSwap:
-    """Algorithm 1 for the cache of one ``layer`` (see the module docstring)."""
+@dataclass
+class BlockLayout:
+    """Where a layer's entries go: a region of ``block_size`` slots per block of B_active after the
+    prefill, each entry at its position's offset in its block, then the generated tokens, then the
+    leaving blocks' regions (cut off once they are on the host). It is a function of the entries'
+    positions alone, so the layers one pruning layer governs, whose caches hold the same positions,
+    share one, and its slots are copied to a device once for all of them."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        layer: int,
-        *,
-        block_size: int,
-        prompt_length: int,
-        gamma: float,
-        active: set[int],
-        positions: np.ndarray | None = None,
-    ):
-        """Lays ``cache``'s entries of ``layer`` out in regions, one per block of ``active`` (B_active after
-        the prefill's pruning), and moves the other blocks it holds to the host. ``positions``: the
-        entries' original positions, in entry order, as the host knows them (None: read once)."""
-        self.layer = layer
-        self.block_size = block_size
-        self.gamma = gamma
-        self.host: dict[int, HostBlock] = {}
-        if positions is None:
-            positions = cache.positions[layer][0].cpu().numpy()
+    block_size: int
+    sizes: dict[int, int]  # each block's real entries
+    starts: dict[int, int]  # B_active's regions: each block's first slot
+    leaving_starts: dict[int, int]  # the other blocks' regions, past the kept slots
+    kept: int  # the slots that stay on the device
+    slots: np.ndarray  # [S]: each entry's slot, in entry order
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, positions: np.ndarray, *, block_size: int, prompt_length: int, active: set[int]) -> BlockLayout:
+        """The layout of a layer whose entries hold ``positions`` (original positions, in entry order)."""
         prompt = positions < prompt_length
         blocks, sizes = np.unique(positions[prompt] // block_size, return_counts=True)
-        self.sizes = {int(block): int(size) for block, size in zip(blocks, sizes, strict=True)}  # real entries
-        staying = sorted(active & self.sizes.keys())
-        leaving = sorted(self.sizes.keys() - active)
+        sizes = {int(block): int(size) for block, size in zip(blocks, sizes, strict=True)}
+        staying = sorted(active & sizes.keys())
+        leaving = sorted(sizes.keys() - active)
         # the staying blocks' regions, the generated tokens in the order they came, the leaving blocks'
         generated = len(staying) * block_size
         kept = generated + int((~prompt).sum())
-        self.starts = {block: index * block_size for index, block in enumerate(staying)}  # B_active's regions
+        starts = {block: index * block_size for index, block in enumerate(staying)}
         leaving_starts = {block: kept + index * block_size for index, block in enumerate(leaving)}
         table = np.zeros(int(blocks.max(initial=0)) + 1, dtype=np.int64)  # each block's first slot
-        table[staying], table[leaving] = list(self.starts.values()), list(leaving_starts.values())
+        table[staying], table[leaving] = list(starts.values()), list(leaving_starts.values())
         block_of = np.where(prompt, positions // block_size, 0)
         slots = np.where(prompt, table[block_of] + positions % block_size, generated + positions - prompt_length)
+        return cls(block_size, sizes, starts, leaving_starts, kept, slots)
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """The slots on ``device``, copied there once for every layer laid out on it."""
+        if device not in self._on_device:
+            self._on_device[device] = to_device(torch.from_numpy(self.slots), device)
+        return self._on_device[device]
+
+
+class BlockSwap:
+    """Algorithm 1 for the cache of one ``layer`` (see the module docstring)."""
+
+    def __init__(self, cache: KVCache, layer: int, layout: BlockLayout, *, gamma: float):
+        """Lays ``cache``'s entries of ``layer`` out as ``layout`` says and moves the blocks that leave
+        B_active to the host."""
+        self.layer = layer
+        self.block_size = layout.block_size
+        self.gamma = gamma
+        self.host: dict[int, HostBlock] = {}
+        self.sizes = layout.sizes
+        self.starts = dict(layout.starts)  # a swap moves blocks between regions
         device = cache.keys[layer].device
         self.pinned = device.type == "cuda"
-        slots = torch.from_numpy(slots)
-        if self.pinned:  # from page-locked memory the copy does not wait for the device
-            slots = slots.pin_memory()
-        cache.rearrange(layer, slots.to(device, non_blocking=self.pinned), kept + len(leaving) * block_size)
+        size = layout.kept + len(layout.leaving_starts) * layout.block_size
+        cache.rearrange(layer, layout.slots_on(device), size)
         self.free: list[int] = []  # starts of the regions no block holds
-        self._offload(leaving_starts, cache)
-        cache.truncate(layer, kept)
+        self._offload(layout.leaving_starts, cache)
+        cache.truncate(layer, layout.kept)
         self._declare_padding(cache)
 
     @property
