@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -124,3 +125,33 @@ def test_an_interrupted_step_is_recorded_and_ends_the_run(tmp_path, monkeypatch)
     assert [record["step"] for record in records] == ["environment", "first", "second"]
     assert records[1]["rows"] == [{"row": "first"}]
     assert records[2]["interrupted"] and records[2]["error"] == "interrupted: kept 0 finished"
+
+
+def test_device_idle_counts_the_time_between_kernels_once_and_names_the_longest_gaps():
+    """Overlapping kernels are busy once; the wait before the first kernel (the host's first launches)
+    is apart from the gaps between kernels, each gap named by the kernels either side."""
+    kernels = [(40.0, 50.0, "c"), (10.0, 20.0, "a"), (15.0, 30.0, "b"), (50.0, 55.0, "d"), (70.0, 71.0, "e")]
+    idle = bench_gpu.device_idle(kernels, host_start=0.0, top=2)
+    assert idle | {"longest_gaps": None} == {
+        "span_us": 71.0,
+        "busy_us": 36.0,  # a 10, b's 10 past a, c 10, d 5, e 1
+        "before_first_kernel_us": 10.0,
+        "gaps_us": 25.0,  # 30-40 and 55-70
+        "longest_gaps": None,
+    }
+    assert idle["longest_gaps"] == [
+        {"at_us": 55.0, "us": 15.0, "after": "d", "before": "e"},
+        {"at_us": 0.0, "us": 10.0, "after": "start", "before": "a"},
+    ]
+    assert bench_gpu.device_idle([(5.0, 9.0, "a")], host_start=5.0)["before_first_kernel_us"] == 0.0
+
+
+def test_a_profiles_waits_read_the_profilers_events():
+    """What a GPU profile adds, run on a CPU profile's events: no kernels, so no wait and no CUDA call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    waits = bench_gpu.Profile("runner", 8)._waits(profiled.events(), profiled.key_averages())
+    assert waits["device_idle"]["span_us"] == 0.0 and waits["device_idle"]["longest_gaps"] == []
+    assert waits["runtime_calls"] == []

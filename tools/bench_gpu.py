@@ -143,10 +143,40 @@ def _tool_command(out: Path, name: str) -> list[str]:
     return ["python3", "tools/bench_gpu.py", str(out), name]
 
 
+def device_idle(kernels: list[tuple[float, float, str]], host_start: float, top: int = 5) -> dict:
+    """Where the device waited, from its kernels' (start, end, name) in µs and the time the host began
+    the work: its time from then to the last kernel's end (``span_us``), its kernels' busy time
+    (overlaps counted once), the time before its first kernel (the host's first launches), and the
+    ``top`` longest gaps between kernels with the kernels either side. Time the host spends between
+    kernels (a copy from pageable memory, a read, launches slower than the kernels they start)
+    shows here, where the kernels' own times cannot show it."""
+    kernels = sorted(kernels)
+    busy, gaps, reach, before = 0.0, [], host_start, "start"
+    for start, end, name in kernels:
+        if start > reach:
+            gaps.append({"at_us": reach - host_start, "us": start - reach, "after": before, "before": name})
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, before = end, name
+    first = gaps[0]["us"] if gaps and gaps[0]["after"] == "start" else 0.0
+    return {
+        "span_us": reach - host_start,
+        "busy_us": busy,
+        "before_first_kernel_us": first,
+        "gaps_us": sum(gap["us"] for gap in gaps) - first,
+        "longest_gaps": sorted(gaps, key=lambda gap: gap["us"], reverse=True)[:top],
+    }
+
+
+RUNTIME_CALLS = ("cuda", "cu")  # the CUDA runtime's and driver's calls, as the profiler names them
+
+
 @dataclass(frozen=True)
 class Profile:
     """Each named side of an overhead scenario under torch.profiler, after a warm-up: the operators
-    and kernels by device time (by CPU time where there is no GPU), their top rows and the table."""
+    and kernels by device time (by CPU time where there is no GPU), their top rows and the table;
+    on a GPU also where the device waited (``device_idle``) and the host's calls into CUDA by time
+    (a stream synchronisation or an allocation there is time the device may wait)."""
 
     scenario: str
     length: int
@@ -179,7 +209,22 @@ class Profile:
                     "top": [{"name": row.key, "calls": row.count, "us": getattr(row, sort_by)} for row in rows],
                     "table": averages.table(sort_by=sort_by, row_limit=self.top),
                 }
+                if on_gpu:
+                    profiled_sides[side] |= self._waits(profiled.events(), averages)
         return profiled_sides
+
+    def _waits(self, events, averages) -> dict:
+        from torch.autograd import DeviceType
+
+        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA]
+        host_start = min(e.time_range.start for e in events if e.device_type == DeviceType.CPU)
+        runtime = sorted(
+            (row for row in averages if row.key.startswith(RUNTIME_CALLS)), key=lambda row: row.cpu_time_total, reverse=True
+        )
+        return {
+            "device_idle": device_idle(kernels, host_start),
+            "runtime_calls": [{"name": row.key, "calls": row.count, "us": row.cpu_time_total} for row in runtime[: self.top]],
+        }
 
     def smoke(self, model: str) -> Profile:
         return replace(self, model=model, length=SMOKE_LENGTH, top=5)
