@@ -54,7 +54,7 @@ class SwapDecision:
     released: set[int] = field(default_factory=set)  # blocks dropped from the device, already on the host
 
 
-@dataclass
+@dataclass(eq=False)  # its slots are an array, which == does not reduce to a bool
 class BlockLayout:
     """Where a layer's entries go: a region of ``block_size`` slots per block of B_active after the
     prefill, each entry at its position's offset in its block, then the generated tokens, then the
