@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import plotly
 import polars as pl
@@ -28,23 +29,51 @@ BENCHED_EXAMPLES = 2
 BENCHED_METHODS = {"full", "gemfilter", "fastkv", "claa", "snapkv"}
 
 
+class DemoRuns(NamedTuple):
+    out: Path
+    stdout: str  # the run that finished: a rerun of one interrupted in its bench
+    interrupted: subprocess.CompletedProcess  # the first run, Ctrl-C'd once its bench kept an example
+    held: dict  # the example its bench kept, as its journal holds it
+
+
+def _demo_command(out: Path) -> list[str]:
+    return [str(Path(sys.executable).with_name("rankkit")), "demo", "--out", str(out), "--device", "cpu"]
+
+
+DEMO_ENVIRONMENT = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+
+
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory) -> DemoRuns:
+    """The demo as a user may well run it: interrupted (Ctrl-C) in its bench, after it wrote its store
+    and tables, then run again to the end. Two runs, not three: the rerun both resumes and rewrites
+    the files the first wrote."""
     out = tmp_path_factory.mktemp("demo") / "out"
     out.mkdir()
     (out / "notes.txt").write_text("a user's notes")  # stays beside the demo's files
-    rankkit = Path(sys.executable).with_name("rankkit")
-    environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    finished = subprocess.run(
-        [str(rankkit), "demo", "--out", str(out), "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=900,
-    )
+    journal = outputs.journal_path(out / "bench.parquet")
+    logs = out.parent / "first.stdout", out.parent / "first.stderr"  # files: a pipe unread would fill
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        first = subprocess.Popen(_demo_command(out), stdout=stdout, stderr=stderr, env=DEMO_ENVIRONMENT)
+        deadline = time.monotonic() + 900
+        while not _kept(journal) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=120)
+    stdout, stderr = (log.read_text() for log in logs)
+    interrupted = subprocess.CompletedProcess(first.args, first.returncode, stdout, stderr)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (held,) = _kept(journal)
+    finished = subprocess.run(_demo_command(out), capture_output=True, text=True, env=DEMO_ENVIRONMENT, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     assert "Traceback" not in finished.stderr
-    return out, finished.stdout
+    return DemoRuns(out, finished.stdout, interrupted, held)
+
+
+def _kept(journal: Path) -> list[dict]:
+    """The examples a bench's journal holds."""
+    lines = journal.read_text().splitlines() if journal.is_file() else []
+    return [entry for entry in map(json.loads, lines) if "key" in entry]
 
 
 def _written(stdout: str) -> dict[str, Path]:
@@ -54,7 +83,7 @@ def _written(stdout: str) -> dict[str, Path]:
 
 
 def test_demo_lists_every_output_and_each_exists_inside_its_folder(demo_run):
-    out, stdout = demo_run
+    out, stdout = demo_run.out, demo_run.stdout
     written = _written(stdout)
     assert set(written) == {"store", "compare", "variance", "bench", "dashboard"}
     for path in written.values():
@@ -62,8 +91,7 @@ def test_demo_lists_every_output_and_each_exists_inside_its_folder(demo_run):
 
 
 def test_demo_store_verifies_whole_with_an_oracle_per_example(demo_run):
-    out, stdout = demo_run
-    report = verify(_written(stdout)["store"])
+    report = verify(_written(demo_run.stdout)["store"])
     assert report.examples == DEMO_EXAMPLES
     counts = report.counts()
     assert counts.pop("good") == DEMO_EXAMPLES
@@ -71,8 +99,7 @@ def test_demo_store_verifies_whole_with_an_oracle_per_example(demo_run):
 
 
 def test_demo_parquets_read_back_with_their_columns_and_rows(demo_run):
-    _, stdout = demo_run
-    written = _written(stdout)
+    written = _written(demo_run.stdout)
 
     compare = pl.read_parquet(written["compare"])
     assert {"example_id", "layer", "spearman"} <= set(compare.columns)
@@ -94,17 +121,15 @@ def test_demo_parquets_read_back_with_their_columns_and_rows(demo_run):
 
 
 def test_demo_dashboard_is_one_self_contained_page(demo_run):
-    _, stdout = demo_run
-    page = _written(stdout)["dashboard"].read_text()
+    page = _written(demo_run.stdout)["dashboard"].read_text()
     assert page.startswith("<!DOCTYPE html>") or page.lstrip().lower().startswith("<!doctype html>")
     ours = page.replace(plotly.offline.get_plotlyjs(), "")
     assert "<script src" not in ours and "http" not in ours  # nothing to fetch
 
 
 def test_demo_tables_carry_numbers(demo_run):
-    _, stdout = demo_run
-    assert re.search(rf"captured {DEMO_EXAMPLES} examples \([\d,]+ tok/s\)", stdout)
-    rankings, end_to_end = stdout.split("rankings vs the oracle", 1)[1].split("end to end at keep", 1)
+    assert re.search(rf"captured {DEMO_EXAMPLES} examples \([\d,]+ tok/s\)", demo_run.interrupted.stdout)
+    rankings, end_to_end = demo_run.stdout.split("rankings vs the oracle", 1)[1].split("end to end at keep", 1)
     interval = r"-?\d\.\d+ \[-?\d\.\d+, -?\d\.\d+\]"  # a mean with its 95% interval
     assert len(re.findall(interval, rankings)) >= 5
     for method in BENCHED_METHODS:
@@ -179,39 +204,19 @@ def test_the_demo_refuses_a_store_folder_and_a_bad_device_before_it_writes(tmp_p
 
 def test_a_rerun_of_the_demo_resumes_its_store_and_its_interrupted_bench_and_rewrites_its_files(demo_run):
     """A second `make demo` ended in "compare.parquet already exists; pass --overwrite", an option the
-    demo does not have. A rerun interrupted in its bench keeps the examples it finished there, and the
-    next rerun takes them as they were measured."""
-    out, first = demo_run
-    bench = out / "bench.parquet"
-    journal = outputs.journal_path(bench)
-    rankkit = Path(sys.executable).with_name("rankkit")
-    command = [str(rankkit), "demo", "--out", str(out), "--device", "cpu"]
-    environment = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-
-    def kept() -> list[dict]:
-        lines = journal.read_text().splitlines() if journal.is_file() else []
-        return [entry for entry in map(json.loads, lines) if "key" in entry]
-
-    interrupted = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
-    deadline = time.monotonic() + 600
-    while not kept() and interrupted.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    interrupted.send_signal(signal.SIGINT)
-    stderr = interrupted.communicate(timeout=120)[1]
-    (held,) = kept()
-    assert interrupted.returncode == 130 and stderr.strip().splitlines()[-1] == (
+    demo does not have. A run interrupted in its bench keeps the examples it finished there, and the
+    rerun takes them as they were measured, rewriting the tables the first run wrote."""
+    out, interrupted, held = demo_run.out, demo_run.interrupted, demo_run.held
+    journal = outputs.journal_path(out / "bench.parquet")
+    assert interrupted.returncode == 130 and interrupted.stderr.strip().splitlines()[-1] == (
         f"rankkit: interrupted: kept 1 finished ({len(BENCHED_METHODS)} rows) in {journal}; "
         "rerun the same command to resume"
     )
-    assert bench.is_file(), "the first demo's bench stays until the rerun's replaces it"
-
-    rerun = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=900)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"{DEMO_EXAMPLES} examples held from an earlier run, not captured again" in rerun.stdout
-    assert "bench: 1 example held from an interrupted run, not run again" in rerun.stdout
-    assert _written(rerun.stdout) == _written(first)
+    assert "rankings vs the oracle" in interrupted.stdout  # its compare.parquet was written before its bench
+    assert f"{DEMO_EXAMPLES} examples held from an earlier run, not captured again" in demo_run.stdout
+    assert "bench: 1 example held from an interrupted run, not run again" in demo_run.stdout
     assert (out / "notes.txt").read_text() == "a user's notes"
-    rows = pl.read_parquet(bench)
+    rows = pl.read_parquet(out / "bench.parquet")
     assert rows.height == BENCHED_EXAMPLES * len(BENCHED_METHODS) and not journal.exists()
     resumed = rows.filter(pl.col("example_id") == held["key"]).sort("method")
     measured = sorted(held["rows"], key=lambda row: row["method"])
@@ -219,7 +224,7 @@ def test_a_rerun_of_the_demo_resumes_its_store_and_its_interrupted_bench_and_rew
 
 
 def test_a_demo_folder_is_marked_as_the_demos(demo_run):
-    out, _ = demo_run
+    out = demo_run.out
     from rankkit.demo import DEMO_MARKER, claim_folder
 
     assert (out / DEMO_MARKER).is_file() and (out / "notes.txt").read_text() == "a user's notes"
