@@ -158,7 +158,7 @@ def device_idle(kernels: list[tuple[float, float, str]], host_start: float, top:
         busy += max(0.0, end - max(start, reach))
         if end > reach:
             reach, before = end, name
-    first = gaps[0]["us"] if gaps and gaps[0]["after"] == "start" else 0.0
+    first = max(0.0, kernels[0][0] - host_start) if kernels else 0.0
     return {
         "span_us": reach - host_start,
         "busy_us": busy,

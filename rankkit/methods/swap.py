@@ -103,10 +103,9 @@ class BlockSwap:
         """Lays ``cache``'s entries of ``layer`` out as ``layout`` says and moves the blocks that leave
         B_active to the host."""
         self.layer = layer
-        self.block_size = layout.block_size
+        self.layout = layout
         self.gamma = gamma
         self.host: dict[int, HostBlock] = {}
-        self.sizes = layout.sizes
         self.starts = dict(layout.starts)  # a swap moves blocks between regions
         device = cache.keys[layer].device
         self.pinned = device.type == "cuda"
@@ -140,7 +139,7 @@ class BlockSwap:
         self._offload({block: self.starts[block] for block in decision.offloaded}, cache)
         for block in sorted(leaving):
             start = self.starts.pop(block)
-            cache.clear(self.layer, start, self.block_size)
+            cache.clear(self.layer, start, self.layout.block_size)
             self.free.append(start)
         self.free.sort()
         for block in sorted(decision.loaded):
@@ -160,14 +159,14 @@ class BlockSwap:
         for block, start in sorted(starts.items()):
             self.host[block] = HostBlock(
                 *(
-                    _to_host(tensor.narrow(dim, start, self.block_size), self.pinned)
+                    _to_host(tensor.narrow(dim, start, self.layout.block_size), self.pinned)
                     for tensor, dim in ((keys, 2), (values, 2), (positions, 1))
                 )
             )
 
     def _declare_padding(self, cache: KVCache) -> None:
         """A free region or a block with fewer entries than its region is padding, which a step then masks."""
-        partial = any(self.sizes[block] < self.block_size for block in self.starts)
+        partial = any(self.layout.sizes[block] < self.layout.block_size for block in self.starts)
         cache.declare_padding(self.layer, bool(self.free) or partial)
 
     def host_bytes(self) -> int:
