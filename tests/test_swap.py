@@ -36,6 +36,9 @@ def test_a_candidate_larger_than_the_layers_regions_is_refused():
     swap, cache = blocks(gamma=0.5)
     with pytest.raises(ValueError, match="a candidate of 3 blocks, where layer 0 has room for 2"):
         swap.swap({0, 1, 2}, cache)
+    assert swap.swap({1}, cache).swapped  # one region holds block 1, the other is free: still room for 2
+    with pytest.raises(ValueError, match="a candidate of 3 blocks, where layer 0 has room for 2"):
+        swap.swap({0, 1, 2}, cache)
 
 
 def test_host_bytes_counts_the_keys_and_values_of_every_offloaded_block():

@@ -74,8 +74,9 @@ class BlockLayout:
     def of(cls, positions: np.ndarray, *, block_size: int, prompt_length: int, active: set[int]) -> BlockLayout:
         """The layout of a layer whose entries hold ``positions`` (original positions, in entry order)."""
         prompt = positions < prompt_length
-        blocks, sizes = np.unique(positions[prompt] // block_size, return_counts=True)
-        sizes = {int(block): int(size) for block, size in zip(blocks, sizes, strict=True)}
+        prompt_blocks = positions[prompt] // block_size
+        blocks, counts = np.unique(prompt_blocks, return_counts=True)
+        sizes = dict(zip(blocks.tolist(), counts.tolist(), strict=True))
         staying = sorted(active & sizes.keys())
         leaving = sorted(sizes.keys() - active)
         # the staying blocks' regions, the generated tokens in the order they came, the leaving blocks'
@@ -83,10 +84,10 @@ class BlockLayout:
         kept = generated + int((~prompt).sum())
         starts = {block: index * block_size for index, block in enumerate(staying)}
         leaving_starts = {block: kept + index * block_size for index, block in enumerate(leaving)}
-        table = np.zeros(int(blocks.max(initial=0)) + 1, dtype=np.int64)  # each block's first slot
-        table[staying], table[leaving] = list(starts.values()), list(leaving_starts.values())
-        block_of = np.where(prompt, positions // block_size, 0)
-        slots = np.where(prompt, table[block_of] + positions % block_size, generated + positions - prompt_length)
+        first_slot = starts | leaving_starts
+        first_slots = np.array([first_slot[block] for block in sizes])  # in ``blocks``' order
+        slots = generated + positions - prompt_length
+        slots[prompt] = first_slots[np.searchsorted(blocks, prompt_blocks)] + positions[prompt] % block_size
         return cls(block_size, sizes, starts, leaving_starts, kept, slots)
 
     def slots_on(self, device: torch.device) -> torch.Tensor:
