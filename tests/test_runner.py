@@ -213,6 +213,13 @@ def test_compress_gathers_per_head_entries_and_counts_bytes():
     assert cache.nbytes(live_only=False) == 4 * 2 * 4 * 2
     mask = cache.attention_mask(0, torch.tensor([6]))
     assert mask[0, :, 0].tolist() == [[True, True], [True, False]]
+    assert cache.evictable(0) == (2, torch.inf)  # an empty slot is never the one evicted
+
+    even = KVCache(1)  # as many per head: no padding, so a decode step attends with no mask
+    _prefill(even, 0, keys)
+    even.compress(0, [torch.tensor([1, 4]), torch.tensor([0, 5])])
+    assert even.positions[0].tolist() == [[1, 4], [0, 5]] and not even.padded[0]
+    assert even.attention_mask(0, torch.tensor([6])) is None and even.evictable(0) == (2, None)
 
 
 def test_one_token_appends_write_in_place_until_the_headroom_is_spent():
@@ -298,6 +305,18 @@ def test_layers_holding_the_same_positions_share_one_append_and_a_write_in_place
     assert apart.positions[1].tolist() == [[10, 11, 12, 13, 14]] * 2
 
 
+def test_a_layer_that_copied_the_positions_other_layers_read_writes_in_its_copy_from_then_on():
+    """The first eviction of the layer that wrote a step's shared positions copies them (the other
+    layers still read them); each later one writes in that copy, one copy in all, not one a step."""
+    cache = _shared_positions_cache(2)
+    cache.evict(0, torch.tensor([1]))
+    copy = cache.positions[0].data_ptr()
+    assert copy != cache.positions[1].data_ptr()
+    cache.evict(0, torch.tensor([0]))
+    assert cache.positions[0].data_ptr() == copy and cache.positions[0].tolist() == [[4, 5, 2, 3]] * 2
+    assert cache.positions[1].tolist() == [[0, 1, 2, 3, 4, 5]] * 2
+
+
 def _padded_cache() -> KVCache:
     """One layer of six entries compressed per head to four and two: head 1 holds two of padding."""
     cache = KVCache(1)
@@ -331,6 +350,41 @@ def test_a_decode_mask_made_at_one_step_follows_each_later_change_of_the_padding
     assert _decode_mask(cache) == [[True, True, True, False], [True, True, True, False]]
     cache.compress(0, [torch.tensor([1, 2]), torch.tensor([2])])
     assert _decode_mask(cache) == [[True, True], [True, False]]
+
+
+def test_a_padded_layers_decode_mask_is_made_once_for_the_steps_its_room_holds():
+    """A padded layer's decode mask is made with room for max(128, an eighth of its entries) more, as
+    the buffers are, and made again only at the step whose entry it has no room for."""
+    cache = KVCache(2)
+    _prefill(cache, 0, torch.zeros(1, 2, 1100, 1))
+    cache.compress(0, [torch.arange(1040), torch.arange(10)])  # 1,040 slots, head 1's 1,030 of them padding
+    _prefill(cache, 1, torch.zeros(1, 2, 6, 1))
+    cache.compress(1, [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])])
+    made = {0: [], 1: []}  # the steps at which each layer's mask was made anew
+    masks = {}
+    for step in range(133):
+        cache.begin_step(torch.tensor([1100 + step]))
+        for layer in range(2):
+            cache.update(torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), layer)
+            mask = cache.attention_mask(layer, torch.tensor([1100 + step]))
+            if mask.data_ptr() != masks.get(layer):
+                made[layer].append(step)
+            masks[layer] = mask.data_ptr()
+    assert made == {0: [0, 131], 1: [0, 129]}  # room to 1,041 + 130 and 5 + 128 entries
+    assert mask[0, :, 0].tolist() == [[True] * 4 + [True] * 133, [True, True, False, False] + [True] * 133]
+    long = cache.attention_mask(0, torch.tensor([1232]))[0, :, 0]
+    assert long.shape[-1] == 1040 + 133 and long[0].all() and long[1, :10].all() and not long[1, 10:1040].any()
+
+
+def test_a_rearranged_layer_with_no_padding_is_not_fresh_for_several_queries():
+    """After its entries move (SlimInfer's swap), a layer whose slots are all real again is no fresh
+    prefill: several queries over it get a mask from positions, where plain causal would be refused."""
+    cache = KVCache(1)
+    _prefill(cache, 0, torch.zeros(1, 2, 4, 1))
+    cache.rearrange(0, torch.tensor([3, 2, 1, 0]), 4)
+    cache.declare_padding(0, False)
+    mask = cache.attention_mask(0, torch.tensor([2, 4]))
+    assert mask is not None and mask[0, 0].tolist() == [[False, True, True, True], [True] * 4]
 
 
 def test_a_local_layers_mask_is_per_head_over_a_cache_compressed_per_head():

@@ -358,9 +358,11 @@ def test_a_held_layer_under_its_size_gets_a_buffer_for_its_size_and_the_slot_a_s
     cache.begin_step(torch.arange(100))
     for layer in range(2):
         cache.update(torch.zeros(1, 2, 100, 16), torch.zeros(1, 2, 100, 16), layer)
-    cache.hold_size(0, 300)
-    assert StaticKVCache.buckets(cache, 4) == [2, 1]  # 301 slots, and 104
+    cache.hold_size(0, STATIC_BUCKET)
+    assert StaticKVCache.buckets(cache, 4) == [2, 1]  # 257 slots, and 104
     assert [keys.shape[2] for keys in StaticKVCache(cache, 4).keys] == [2 * STATIC_BUCKET, STATIC_BUCKET]
+    cache.hold_size(0, STATIC_BUCKET - 1)
+    assert StaticKVCache.buckets(cache, 4) == [1, 1]  # 256 slots
 
 
 def test_tovas_static_decodes_at_two_budgets_are_two_graphs(random_ids, monkeypatch):

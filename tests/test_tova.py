@@ -65,14 +65,14 @@ def test_the_least_attended_entry_is_found_by_position_whatever_the_slot_order()
     from rankkit.methods.tova import least_attended
 
     positions = torch.tensor([0, 9, 4, 7, 2])  # a cache after evictions: entries out of position order
-    assert least_attended(torch.tensor([0.3, 0.1, 0.2, 0.1, 0.5]), positions, False).tolist() == [1]  # tie: 9 is later
+    assert least_attended(torch.tensor([0.3, 0.1, 0.2, 0.1, 0.5]), positions, None).tolist() == [1]  # tie: 9 is later
     nan = float("nan")  # a key a local layer does not see is never the one evicted
-    assert least_attended(torch.tensor([nan, 0.4, 0.2, nan, 0.3]), positions, False).tolist() == [2]
+    assert least_attended(torch.tensor([nan, 0.4, 0.2, nan, 0.3]), positions, None).tolist() == [2]
     # the first token can be the least attended: position 0 is found as any other
-    assert least_attended(torch.tensor([0.05, 0.4, 0.2, 0.1, 0.3]), positions, False).tolist() == [0]
+    assert least_attended(torch.tensor([0.05, 0.4, 0.2, 0.1, 0.3]), positions, None).tolist() == [0]
     # where the cache is padded, an empty slot (position -1) is never the one evicted, whatever its score
     padded = torch.tensor([0, -1, 4, 7, 2])
-    assert least_attended(torch.tensor([0.3, 0.0, 0.2, 0.1, 0.5]), padded, True).tolist() == [3]
+    assert least_attended(torch.tensor([0.3, 0.0, 0.2, 0.1, 0.5]), padded, torch.inf).tolist() == [3]
 
 
 def test_evicting_moves_the_last_entry_into_the_slot_and_shortens_the_layer():
