@@ -295,6 +295,9 @@ def test_layers_holding_the_same_positions_share_one_append_and_a_write_in_place
     cut.truncate(0, 3)  # the layer that wrote them reads three; the other still reads six
     _plain_steps(cut, (9,), (0,))
     assert cut.positions[0].tolist() == [[0, 1, 2, 9]] * 2 and cut.positions[1].tolist() == grown
+    own = cut.positions[0].data_ptr()
+    _plain_steps(cut, (10,), (0,))  # past what the other layer read: in place again
+    assert cut.positions[0].data_ptr() == own and cut.positions[0].tolist() == [[0, 1, 2, 9, 10]] * 2
 
     apart = KVCache(2)
     for layer, start in enumerate((0, 10)):  # the same shape, other positions
@@ -303,6 +306,28 @@ def test_layers_holding_the_same_positions_share_one_append_and_a_write_in_place
     _plain_steps(apart, (14,), range(2))
     assert apart.positions[0].tolist() == [[0, 1, 2, 3, 14]] * 2
     assert apart.positions[1].tolist() == [[10, 11, 12, 13, 14]] * 2
+
+
+def test_a_plain_decodes_shared_positions_are_written_in_one_buffer_step_after_step():
+    """The layer that writes a plain step's positions for all writes the next step's after the entries
+    the others read, in the same buffer, far past the slots named at the first append."""
+    cache = _shared_positions_cache(3)
+    buffer = cache.positions[0].data_ptr()
+    _plain_steps(cache, range(6, 13), range(3))
+    assert cache.positions[0].data_ptr() == buffer
+    assert all(cache.positions[layer] is cache.positions[0] for layer in (1, 2))
+    assert cache.positions[2].tolist() == [list(range(13))] * 2 and cache.keys[1][0, 0, 4:, 0].tolist() == list(range(4, 13))
+
+
+def test_several_tokens_append_after_the_entries_with_their_positions_in_every_head():
+    cache = KVCache(1)
+    _prefill(cache, 0, torch.zeros(1, 2, 2, 1))
+    cache.begin_step(torch.tensor([5, 6, 7]))
+    keys = torch.arange(1.0, 7.0).reshape(1, 2, 3, 1)
+    cache.update(keys, -keys, 0)
+    assert cache.positions[0].tolist() == [[0, 1, 5, 6, 7]] * 2
+    assert cache.keys[0][0, :, :, 0].tolist() == [[0, 0, 1, 2, 3], [0, 0, 4, 5, 6]]
+    assert cache.values[0][0, 1, 2:, 0].tolist() == [-4.0, -5.0, -6.0]
 
 
 def test_a_layer_that_copied_the_positions_other_layers_read_writes_in_its_copy_from_then_on():
@@ -395,6 +420,8 @@ def test_a_local_layers_mask_is_per_head_over_a_cache_compressed_per_head():
     assert local == [[False, False, False, True], [True, True, False, False]]
     cache = KVCache(1)
     _prefill(cache, 0, torch.zeros(1, 2, 6, 2))
+    unpruned = cache.attention_mask(0, torch.tensor([6]), sliding_window=4)  # heads alike: one row for all
+    assert unpruned.tolist() == [[[[False, False, False, True, True, True]]]]
     cache.compress(0, torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]))  # as many per head: no padding
     local = cache.attention_mask(0, torch.tensor([6]), sliding_window=4)[0, :, 0].tolist()
     assert local == [[False, False, False, True], [False, True, True, True]]
