@@ -213,13 +213,22 @@ def test_compress_gathers_per_head_entries_and_counts_bytes():
     assert cache.nbytes(live_only=False) == 4 * 2 * 4 * 2
     mask = cache.attention_mask(0, torch.tensor([6]))
     assert mask[0, :, 0].tolist() == [[True, True], [True, False]]
-    assert cache.evictable(0) == (2, torch.inf)  # an empty slot is never the one evicted
 
     even = KVCache(1)  # as many per head: no padding, so a decode step attends with no mask
     _prefill(even, 0, keys)
     even.compress(0, [torch.tensor([1, 4]), torch.tensor([0, 5])])
     assert even.positions[0].tolist() == [[1, 4], [0, 5]] and not even.padded[0]
-    assert even.attention_mask(0, torch.tensor([6])) is None and even.evictable(0) == (2, None)
+    assert even.attention_mask(0, torch.tensor([6])) is None
+
+
+def test_an_eviction_chooses_among_every_slot_and_never_an_empty_one():
+    """``evictable``: every slot of the layer, and where it has padding the score that ranks an empty
+    slot last for eviction (TOVA drops the lowest)."""
+    cache = KVCache(1)
+    _prefill(cache, 0, torch.zeros(1, 2, 6, 2))
+    assert cache.evictable(0) == (6, None)
+    cache.compress(0, [torch.tensor([1, 4]), torch.tensor([5])])
+    assert cache.evictable(0) == (2, torch.inf)
 
 
 def test_one_token_appends_write_in_place_until_the_headroom_is_spent():
