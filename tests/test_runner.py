@@ -405,7 +405,7 @@ def test_a_padded_layers_decode_mask_is_made_once_for_the_steps_its_room_holds()
                 made[layer].append(step)
             masks[layer] = mask.data_ptr()
     assert made == {0: [0, 131], 1: [0, 129]}  # room to 1,041 + 130 and 5 + 128 entries
-    assert mask[0, :, 0].tolist() == [[True] * 4 + [True] * 133, [True, True, False, False] + [True] * 133]
+    assert mask[0, :, 0].tolist() == [[True] * 137, [True, True, False, False] + [True] * 133]
     long = cache.attention_mask(0, torch.tensor([1232]))[0, :, 0]
     assert long.shape[-1] == 1040 + 133 and long[0].all() and long[1, :10].all() and not long[1, 10:1040].any()
 
