@@ -390,16 +390,15 @@ def test_a_padded_layers_decode_mask_is_made_once_for_the_steps_its_room_holds()
     """A padded layer's decode mask is made with room for max(128, an eighth of its entries) more, as
     the buffers are, and made again only at the step whose entry it has no room for."""
     cache = KVCache(2)
-    _prefill(cache, 0, torch.zeros(1, 2, 1100, 1))
+    _prefill(cache, 0, torch.zeros(1, 2, 1100, 2))
     cache.compress(0, [torch.arange(1040), torch.arange(10)])  # 1,040 slots, head 1's 1,030 of them padding
-    _prefill(cache, 1, torch.zeros(1, 2, 6, 1))
+    _prefill(cache, 1, torch.zeros(1, 2, 6, 2))
     cache.compress(1, [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])])
     made = {0: [], 1: []}  # the steps at which each layer's mask was made anew
     masks = {}
     for step in range(133):
-        cache.begin_step(torch.tensor([1100 + step]))
+        _plain_steps(cache, (1100 + step,), range(2))
         for layer in range(2):
-            cache.update(torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), layer)
             mask = cache.attention_mask(layer, torch.tensor([1100 + step]))
             if mask.data_ptr() != masks.get(layer):
                 made[layer].append(step)
