@@ -306,6 +306,9 @@ def test_default_model_runner_matches_transformers(default_model):
 
 
 _CONVERT = "from rankkit import model_cache; print(model_cache.default_model_folder())"
+# the content hash of the default model's converted weights: the same bytes whichever way its GGUF
+# file is read
+DEFAULT_CONTENT = "d99538b711f0fa205cc9b156de7cba53e7a3e0b8eb9d994764cb4079d2e48b17"
 
 
 @pytest.mark.integration
@@ -323,14 +326,29 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
         "nothing half-written is published"
     )
 
-    done = subprocess.run(
-        [sys.executable, "-c", _CONVERT], env=env, capture_output=True, text=True, check=True
-    )
-    folder = Path(done.stdout.strip().splitlines()[-1])
+    # the next load, in this process: transformers' three readings of the GGUF file (tokenizer,
+    # config, weights) parse it once, and the tensor-name table is built once, not once a module
+    import gguf
+
+    made = {"parsed": 0, "name tables": 0}
+
+    def counted(original, what):
+        def call(*args, **kwargs):
+            made[what] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted(gguf.GGUFReader, "parsed"))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted(gguf.get_tensor_name_map, "name tables"))
+    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
+    folder = model_cache.default_model_folder()
+    assert made == {"parsed": 1, "name tables": 1}
     assert (folder / model_cache.WEIGHTS_HASH_FILE).is_file()
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
-    monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
-    assert model_cache.default_model_folder() == folder
+    assert model_cache.default_model_folder() == folder and made["parsed"] == 1
+    # what the conversion wrote is what it always wrote: the weights of the cache's own conversion
+    assert model_cache.read_cache_json(folder / model_cache.WEIGHTS_HASH_FILE)["content_sha256"] == DEFAULT_CONTENT
 
 
 def test_cached_models_lists_complete_folders_with_hash_and_size_and_the_cli_names_the_default(
