@@ -36,6 +36,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def _rankkit(site: Path, cwd: Path, *arguments: str) -> str:
+    """``rankkit ARGUMENTS`` in a process of its own, which finds the plugin as it starts."""
     command = [sys.executable, "-c", "from rankkit.cli import main; main()", *arguments]
     done = subprocess.run(
         command, env=os.environ | {"PYTHONPATH": str(site)}, cwd=cwd, capture_output=True, text=True, timeout=600
@@ -44,14 +45,50 @@ def _rankkit(site: Path, cwd: Path, *arguments: str) -> str:
     return done.stdout
 
 
-def test_a_method_from_another_package_runs_in_every_command(site, tiny_folder, tmp_path):
+@pytest.fixture
+def found(site, monkeypatch):
+    """This process as one started with the plugin installed: its folder on the path and the entry
+    points read again, as importing rankkit reads them; the registries as they were afterwards."""
+    import importlib
+
+    from rankkit import methods, probes
+
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    before = [(registry, dict(registry)) for registry in (methods.REGISTRY, probes.REGISTRY)]
+    try:
+        register_entry_points("rankkit.probes", probes.REGISTRY, probes.register)
+        register_entry_points("rankkit.methods", methods.REGISTRY, methods.register)
+        yield
+    finally:
+        for registry, entries in before:
+            registry.clear()
+            registry.update(entries)
+
+
+def test_a_method_from_another_package_runs_in_every_command(site, found, tiny_folder, tmp_path, monkeypatch):
+    """The first command in a process of its own, which finds the plugin through its entry points as
+    it starts; the rest in this one, where ``found`` read them the same way (a process's start costs
+    seconds of imports)."""
     model = ["--model", str(tiny_folder), "--device", "cpu"]
     _rankkit(site, tmp_path, "capture", *model, "--data", DATA, "--probes", "key_norm", "--oracle",
              "--max-new-tokens", "2", "--out", "store.zarr")  # fmt: skip
 
-    selected = json.loads(_rankkit(site, tmp_path, "select", "store.zarr", "--method", "knorm", "--keep", "0.5",
+    from typer.testing import CliRunner
+
+    from rankkit.cli import commands  # noqa: F401
+    from rankkit.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+
+    def rankkit(*arguments: str) -> str:
+        done = CliRunner().invoke(app, list(arguments))
+        assert done.exit_code == 0, done.output
+        return done.stdout
+
+    selected = json.loads(rankkit("select", "store.zarr", "--method", "knorm", "--keep", "0.5",
                                    "--layer", "1", "--json"))  # fmt: skip
-    prefilled = json.loads(_rankkit(site, tmp_path, "prefill", *model, "--method", "knorm", "--keep", "0.5",
+    prefilled = json.loads(rankkit("prefill", *model, "--method", "knorm", "--keep", "0.5",
                                     "--data", DATA, "--kept-layers", "1", "--max-new-tokens", "2", "--json"))  # fmt: skip
     first, length = selected[0], prefilled["length"]
     heads = first["selected_positions"]
@@ -60,16 +97,16 @@ def test_a_method_from_another_package_runs_in_every_command(site, tiny_folder, 
     # the online face keeps in its cache exactly what the offline face selects from the store
     assert prefilled["kept_positions_by_layer"]["1"] == heads
 
-    compared = json.loads(_rankkit(site, tmp_path, "compare", "store.zarr", "--oracle", "--methods",
+    compared = json.loads(rankkit("compare", "store.zarr", "--oracle", "--methods",
                                    "knorm,key_norm", "--json", "--workers", "1"))  # fmt: skip
     assert {row["method"] for row in compared} >= {"knorm", "key_norm"}
 
-    _rankkit(site, tmp_path, "bench", *model, "--methods", "full,knorm", "--keep", "0.5", "--data", DATA,
+    rankkit("bench", *model, "--methods", "full,knorm", "--keep", "0.5", "--data", DATA,
              "--max-new-tokens", "2", "--out", "bench.parquet")  # fmt: skip
     bench = pl.read_parquet(tmp_path / "bench.parquet")
     assert bench.filter(pl.col("method") == "knorm").height == 2
 
-    _rankkit(site, tmp_path, "dashboard", "store.zarr", "--bench", "bench.parquet", "--out", "report.html",
+    rankkit("dashboard", "store.zarr", "--bench", "bench.parquet", "--out", "report.html",
              "--workers", "1")  # fmt: skip
     assert '"knorm"' in (tmp_path / "report.html").read_text()
 
@@ -78,7 +115,7 @@ def test_a_method_from_another_package_runs_in_every_command(site, tiny_folder, 
         f'[model]\nname = "{tiny_folder}"\ndevice = "cpu"\n[[data]]\nspec = "{DATA}"\n'
         "[bench]\nmax_new_tokens = 2\n"
     )
-    _rankkit(site, tmp_path, "sweep", "sweep.toml", "--out", "swept", "--workers", "1")
+    rankkit("sweep", "sweep.toml", "--out", "swept", "--workers", "1")
     swept = pl.read_parquet(next((tmp_path / "swept").glob("bench*.parquet")))
     assert swept.filter(pl.col("method") == "knorm").height == 2
 
