@@ -274,15 +274,9 @@ def gguf_parsed_once():
     """
     import gguf
 
-    parse, name_table = gguf.GGUFReader, gguf.get_tensor_name_map
-
-    @functools.cache
-    def parsed(path, mode="r"):
-        return parse(path, mode)
-
     with (
-        mock.patch.object(gguf, "GGUFReader", parsed),
-        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(name_table)),
+        mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
     ):
         yield
 

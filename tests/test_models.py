@@ -328,25 +328,20 @@ def test_conversion_killed_midway_is_redone_on_the_next_load(tmp_path, monkeypat
 
     # the next load, in this process: transformers' three readings of the GGUF file (tokenizer,
     # config, weights) parse it once, and the tensor-name table is built once, not once a module
+    from unittest import mock
+
     import gguf
 
-    made = {"parsed": 0, "name tables": 0}
-
-    def counted(original, what):
-        def call(*args, **kwargs):
-            made[what] += 1
-            return original(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(gguf, "GGUFReader", counted(gguf.GGUFReader, "parsed"))
-    monkeypatch.setattr(gguf, "get_tensor_name_map", counted(gguf.get_tensor_name_map, "name tables"))
+    parses = mock.Mock(wraps=gguf.GGUFReader)
+    name_tables = mock.Mock(wraps=gguf.get_tensor_name_map)
+    monkeypatch.setattr(gguf, "GGUFReader", parses)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", name_tables)
     monkeypatch.setenv("RANKKIT_CACHE", str(tmp_path))
     folder = model_cache.default_model_folder()
-    assert made == {"parsed": 1, "name tables": 1}
+    assert (parses.call_count, name_tables.call_count) == (1, 1)
     assert (folder / model_cache.WEIGHTS_HASH_FILE).is_file()
     assert not list(models_dir.glob(".*.partial-*")), "the dead run's leftovers are cleaned up"
-    assert model_cache.default_model_folder() == folder and made["parsed"] == 1
+    assert model_cache.default_model_folder() == folder and parses.call_count == 1
     # what the conversion wrote is what it always wrote: the weights of the cache's own conversion
     assert model_cache.read_cache_json(folder / model_cache.WEIGHTS_HASH_FILE)["content_sha256"] == DEFAULT_CONTENT
 
