@@ -1322,12 +1322,13 @@ if __name__ == "__main__":
 
 @pytest.mark.processes
 def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_path):
-    from rankkit.eval.parallel import map_examples, shared_workers
+    from rankkit.eval.parallel import _pool_key, _shared_pools, map_examples, shared_workers
 
     path = write_store(tmp_path / "run.zarr", examples=9)
     ids = [f"ex{index}" for index in range(9)]
     alone = compare_store(path, workers=2)
-    with shared_workers(path):
+    with shared_workers(path, 2, now=True):  # as the commands start it: 9 examples are work for two
+        assert _shared_pools[_pool_key(path)][0] == 2
         first = set(map_examples(path, ids, worker_pid, workers=2))
         shared = compare_store(path, workers=2)
         second = set(map_examples(path, ids, worker_pid, workers=2))
@@ -1336,6 +1337,24 @@ def test_maps_inside_shared_workers_reuse_one_pool_and_give_the_same_frames(tmp_
         first | second
     )  # a pool of its own again
     assert alone.per_layer.equals(shared.per_layer) and alone.pairs.equals(shared.pairs)
+
+
+def test_a_command_on_a_store_of_a_few_examples_starts_no_workers(tmp_path):
+    """`rankkit compare` started its two workers as it began, on any store: on one of a few examples,
+    evaluated in the command's own process, they never got a task and it waited 2 s for their
+    start-up to end. A store that cannot be read starts none either; the command's reading says why."""
+    from rankkit.eval.parallel import _EXAMPLES_PER_TASK, _pool_key, _shared_pools, shared_workers
+
+    few = write_store(tmp_path / "few.zarr", examples=_EXAMPLES_PER_TASK)
+    alone = compare_store(few, workers=1)
+    with shared_workers(few, 2, now=True):
+        assert _shared_pools[_pool_key(few)] is None
+        assert compare_store(few, workers=2).per_layer.equals(alone.per_layer)
+    missing = tmp_path / "missing.zarr"
+    with shared_workers(missing, 2, now=True):
+        assert _shared_pools[_pool_key(missing)] is None
+        with pytest.raises(RankkitError, match="missing.zarr"):
+            compare_store(missing, workers=2)
 
 
 class _InterruptedPool:

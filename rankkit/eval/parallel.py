@@ -56,6 +56,12 @@ def checked_workers(workers: int | None) -> int:
     return workers
 
 
+def useful_processes(workers: int, examples: int) -> int:
+    """Of ``workers`` (checked), the processes worth starting for ``examples``: each gets at least one
+    task's worth of examples, since spawning one costs more than evaluating a few."""
+    return min(workers, -(-examples // _EXAMPLES_PER_TASK))
+
+
 def map_examples(
     path: str | os.PathLike,
     example_ids: Sequence[str],
@@ -66,8 +72,7 @@ def map_examples(
     """``evaluate(record)`` for every example id of the store at ``path``, in order."""
     from rankkit import stores
 
-    # A worker gets at least one task's worth of examples: spawning costs more than a few examples.
-    processes = min(checked_workers(workers), -(-len(example_ids) // _EXAMPLES_PER_TASK))
+    processes = useful_processes(checked_workers(workers), len(example_ids))
     if processes <= 1:
         store = stores.open(path)
         for example_id in example_ids:
@@ -90,7 +95,10 @@ def shared_workers(
 
     With ``now``, the pool of ``workers`` (default: one per CPU) starts on entering: a command
     that has still to import the library starts its workers first, and their imports overlap
-    its own. Inside another ``shared_workers`` of the same store, this one is the other's.
+    its own. It starts only the workers the store's examples would use (``useful_processes``):
+    on a store of a few examples, none, where two that never got a task made `rankkit compare`
+    wait 2 s for their start-up to end. Inside another ``shared_workers`` of the same store, this
+    one is the other's.
     """
     key = _pool_key(path)
     if key in _shared_pools:
@@ -100,6 +108,8 @@ def shared_workers(
     finished = False
     try:
         processes = checked_workers(workers)
+        if now and processes > 1:
+            processes = useful_processes(processes, _examples_held(path))
         if now and processes > 1:
             _shared_pools[key] = processes, _new_pool(os.fspath(path), processes)
         yield
@@ -111,6 +121,17 @@ def shared_workers(
 
 
 _shared_pools: dict[str, tuple[int, Any] | None] = {}  # by _pool_key
+
+
+def _examples_held(path: str | os.PathLike) -> int:
+    """The whole examples of the store at ``path``, read from its metadata; 0 where it cannot be read,
+    which the command's own reading of it then reports."""
+    from rankkit import stores
+
+    try:
+        return len(stores.open(path))
+    except (RankkitError, OSError):
+        return 0
 
 
 def _pool_key(path: str | os.PathLike) -> str:
