@@ -56,7 +56,7 @@ def checked_workers(workers: int | None) -> int:
     return workers
 
 
-def useful_processes(workers: int, examples: int) -> int:
+def _useful_processes(workers: int, examples: int) -> int:
     """Of ``workers`` (checked), the processes worth starting for ``examples``: each gets at least one
     task's worth of examples, since spawning one costs more than evaluating a few."""
     return min(workers, -(-examples // _EXAMPLES_PER_TASK))
@@ -72,7 +72,7 @@ def map_examples(
     """``evaluate(record)`` for every example id of the store at ``path``, in order."""
     from rankkit import stores
 
-    processes = useful_processes(checked_workers(workers), len(example_ids))
+    processes = _useful_processes(checked_workers(workers), len(example_ids))
     if processes <= 1:
         store = stores.open(path)
         for example_id in example_ids:
@@ -95,7 +95,7 @@ def shared_workers(
 
     With ``now``, the pool of ``workers`` (default: one per CPU) starts on entering: a command
     that has still to import the library starts its workers first, and their imports overlap
-    its own. It starts only the workers the store's examples would use (``useful_processes``):
+    its own. It starts only the workers the store's examples would use (``_useful_processes``):
     on a store of a few examples, none, where two that never got a task made `rankkit compare`
     wait 2 s for their start-up to end. Inside another ``shared_workers`` of the same store, this
     one is the other's.
@@ -109,9 +109,9 @@ def shared_workers(
     try:
         processes = checked_workers(workers)
         if now and processes > 1:
-            processes = useful_processes(processes, _examples_held(path))
-        if now and processes > 1:
-            _shared_pools[key] = processes, _new_pool(os.fspath(path), processes)
+            processes = _useful_processes(processes, _examples_held(path))
+            if processes > 1:
+                _shared_pools[key] = processes, _new_pool(os.fspath(path), processes)
         yield
         finished = True
     finally:
