@@ -44,6 +44,14 @@ SUPPORTED_FAMILIES = (
     "gpt_oss",
     "smollm3",
     "olmo2",
+    "olmo3",
+    "granite",
+    "cohere",
+    "cohere2",
+    "glm",
+    "glm4",
+    "exaone4",
+    "seed_oss",
 )
 
 RANDOM_PREFIX = "random:"

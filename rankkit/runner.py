@@ -44,6 +44,19 @@ GLOBAL_ATTENTION = "full_attention"  # config.layer_types' name for a layer that
 SLIDING_ATTENTION = "sliding_attention"  # ... and for one that sees only the last ``sliding_window`` keys
 
 
+# What a family's forward multiplies outside its layers, by model type and config attribute: the
+# embeddings (Granite), and the logits, multiplied (Cohere) or divided (Granite). The runner applies
+# them in the same operation, so its logits are the model's to the bit.
+EMBEDDING_MULTIPLIER = {"granite": "embedding_multiplier"}
+LOGITS_MULTIPLIER = {"cohere": "logit_scale", "cohere2": "logit_scale"}
+LOGITS_DIVISOR = {"granite": "logits_scaling"}
+
+
+def _family_term(config, terms: dict[str, str]) -> float | None:
+    name = terms.get(config.model_type)
+    return None if name is None else getattr(config, name)
+
+
 def layer_types(config) -> tuple[str, ...] | None:
     """Each layer's attention type as the config names it ("full_attention", "sliding_attention",
     "chunked_attention") when some layer is local, else None (every layer sees the whole prompt).
@@ -411,6 +424,9 @@ class Runner:
         self.split_decode_from_in_graphs = SPLIT_DECODE_FROM_IN_GRAPHS if on_cuda else None
         self._capturing = False
         self._rotary_kinds = _rotary_kinds(self.body.rotary_emb, self.config, self.num_layers)
+        self._embedding_multiplier = _family_term(self.config, EMBEDDING_MULTIPLIER)
+        self._logits_multiplier = _family_term(self.config, LOGITS_MULTIPLIER)
+        self._logits_divisor = _family_term(self.config, LOGITS_DIVISOR)
 
     def static_part(self, part: range) -> Callable:
         """What a static decode runs for the layers ``part`` of each step (``decode_parts``):
@@ -537,10 +553,20 @@ class Runner:
                 break
         return hidden, live
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input [1, n, hidden], scaled where the family scales it (``EMBEDDING_MULTIPLIER``)."""
+        hidden = self.body.embed_tokens(input_ids)
+        return hidden if self._embedding_multiplier is None else hidden * self._embedding_multiplier
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, soft-capped where the family caps them (Gemma 2/3 ``final_logit_softcapping``)."""
+        """Next-token logits, scaled (``LOGITS_MULTIPLIER``, ``LOGITS_DIVISOR``) and soft-capped (Gemma 2/3
+        ``final_logit_softcapping``) where the family does."""
         head = self.model.lm_head
         logits = head(self.body.norm(hidden.to(self.body.norm.weight.device)).to(head.weight.device))
+        if self._logits_multiplier is not None:
+            logits = logits * self._logits_multiplier
+        if self._logits_divisor is not None:
+            logits = logits / self._logits_divisor
         softcap = getattr(self.config, "final_logit_softcapping", None)
         return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
@@ -576,7 +602,7 @@ class Runner:
             prompt_length = int(positions.max()) + 1 if prompt_length is None else prompt_length
         cache = cache if cache is not None else KVCache(self.num_layers)
         with self._installed():
-            hidden = self.body.embed_tokens(input_ids[None])
+            hidden = self.embed(input_ids[None])
             embeddings = self._rotary(hidden, positions)
             state = PrefillState(hidden, positions, cache, prompt_length, embeddings)
             hidden, live = self._layers(state, hidden, positions, cache, hooks, "prefill", embeddings)
@@ -624,7 +650,7 @@ class Runner:
         """The layers ``part`` of a decode step: from the token ids [1, 1] at the first layer, else from
         the hidden state the part before returned; to the logits [vocab] after the last layer, else to
         the hidden state."""
-        hidden = self.body.embed_tokens(carried) if part.start == 0 else carried
+        hidden = self.embed(carried) if part.start == 0 else carried
         with self._installed():
             hidden, _ = self._layers(
                 None, hidden, positions, cache, hooks, "decode", self._rotary(hidden, positions), part

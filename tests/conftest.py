@@ -25,6 +25,14 @@ FAMILIES = (
     "gpt_oss",
     "smollm3",
     "olmo2",
+    "olmo3",
+    "granite",
+    "cohere",
+    "cohere2",
+    "glm",
+    "glm4",
+    "exaone4",
+    "seed_oss",
 )
 # Families whose layers are not all global: half the layers see only the last 8 keys.
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -71,6 +79,19 @@ FAMILY_CONFIGS = {
     },
     "smollm3": {"no_rope_layers": [1, 1, 0], "no_rope_layer_interval": 3},  # the last layer has no RoPE
     "olmo2": {},  # QK-norm over the whole projection, norms after attention and MLP
+    "olmo3": {"sliding_window": 8, "layer_types": HYBRID},  # and alternating local layers
+    "granite": {  # multipliers on the embeddings, the attention logits, each residual branch; logits divided
+        "embedding_multiplier": 3.0,
+        "attention_multiplier": 0.05,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 4.0,
+    },
+    "cohere": {"logit_scale": 0.3, "use_qk_norm": True},  # parallel attention and MLP, interleaved RoPE, QK-norm
+    "cohere2": {"logit_scale": 0.3, "sliding_window": 8, "layer_types": HYBRID},  # global layers without RoPE
+    "glm": {"partial_rotary_factor": 0.5},  # RoPE on half of each head, interleaved
+    "glm4": {"partial_rotary_factor": 0.5},  # and norms after attention and MLP
+    "exaone4": {"sliding_window": 8, "layer_types": HYBRID},  # QK-norm; global layers without RoPE
+    "seed_oss": {"attention_bias": True},  # biased query, key and value projections
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import FAMILIES, tiny_model
 
 from rankkit import RankkitError, model_cache, models
 from rankkit.runner import Runner
@@ -24,8 +24,14 @@ def test_unsupported_family_fails_up_front_naming_the_supported_ones(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3, gemma2, .*, olmo2$"):
+    with pytest.raises(RankkitError, match="llama, mistral, qwen2, qwen3, gemma2, .*, olmo2, olmo3, granite, .*, seed_oss$"):
         models.load(str(tmp_path))
+
+
+def test_every_supported_family_has_a_tiny_model_the_family_tests_run():
+    """A family is supported once every runner, method and probe test has run on it; Gemma 3's
+    multimodal checkpoints run their text decoder, tested as gemma3_text and in test_runner."""
+    assert set(models.SUPPORTED_FAMILIES) - {"gemma3"} == set(FAMILIES) - {"llama-mha"}
 
 
 def test_folder_without_config_is_rejected(tmp_path):

@@ -118,6 +118,8 @@ ORACLE_FAMILIES = [
     "smollm3",
     "olmo2",
     "phi3",
+    "granite",
+    "cohere2",
 ]
 
 
