@@ -6,8 +6,8 @@ still live is scored by Eq. 1-2 (the unit keys' dot product with the mean of the
 queries, averaged over the query heads, maximised over the block's units); the first
 block (an attention sink) and the best other blocks, ``keep_tokens`` worth in all, stay
 live, and the layer's FFN and every later layer see only them. Budgets follow the
-paper's 8k/4k/2k schedule: the last pruning layer keeps the budget, the ones before 2x
-and 4x it. The last w prompt tokens also stay live, whatever their block: they are the
+paper's 8k/4k/2k schedule (its Llama-3.1-8B setting, applied to every model; its Qwen2.5-7B
+one kept 12k/6k/4k): the last pruning layer keeps the budget, the ones before 2x and 4x it. The last w prompt tokens also stay live, whatever their block: they are the
 query window of the next pruning layer and give the first token's logits.
 
 transformers runs a decoder layer's attention and FFN in one forward, so the pruning
