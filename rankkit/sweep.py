@@ -901,7 +901,7 @@ def _check_directory(layout: Layout, plan: Experiment, overwrite: bool) -> None:
     root = layout.root
     if root.exists() and not root.is_dir():
         raise RankkitError(f"--out {root} is a file; give a directory for the sweep's outputs")
-    outputs.check_outside_stores(root)
+    outputs.check_outside_stores(root, itself=True)  # a store as --out: --overwrite skips the emptiness check
     owned = _owned(layout)
     if not owned and root.is_dir() and any(root.iterdir()) and not overwrite:
         raise RankkitError(

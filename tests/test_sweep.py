@@ -500,6 +500,17 @@ def test_a_sweep_inside_a_store_is_refused_before_it_writes(experiment, tmp_path
     assert not (store / "sweep").exists()
 
 
+def test_a_store_as_the_sweeps_directory_is_refused_before_it_writes_even_with_overwrite(experiment, tmp_path):
+    """--out a store with --overwrite passed the emptiness check, and the sweep wrote its manifest, experiment
+    and parts among the store's examples before the first cell store was refused."""
+    store = tmp_path / "s.zarr"
+    stores.create(store, {"model": "a"})
+    before = sorted(path.relative_to(store) for path in store.rglob("*"))
+    with pytest.raises(RankkitError, match=rf"^--out {re.escape(str(store))} is inside the rankkit store"):
+        sweep(experiment, store, overwrite=True)
+    assert sorted(path.relative_to(store) for path in store.rglob("*")) == before
+
+
 def test_unreadable_and_empty_experiments_are_one_line(tmp_path):
     latin = tmp_path / "latin.toml"
     latin.write_bytes('stages = ["capture"]\nname = "caf\u00e9"\n'.encode("latin-1"))
