@@ -1224,10 +1224,12 @@ def _merge_record(run: Run, stage: str) -> list:
 
 def _write_stage_outputs(run: Run, stage: str) -> list[Path]:
     """The stage's parquet files: every unit's frames, tagged with the unit, one after another;
-    rewritten when the units behind them differ from those they were made of."""
+    rewritten when the units behind them differ from those they were made of, or one is missing or
+    damaged (a rerun is how a user mends a sweep)."""
     targets = run.layout.stage_outputs(stage)
     record, merged = _merge_record(run, stage), run.layout.merged(stage)
-    if all(target.exists() for target in targets) and _read_json(merged) == record:
+    whole = all(target.is_file() and outputs.written_by_rankkit(target) for target in targets)
+    if whole and _read_json(merged) == record:
         return []
     grid = units(run.plan, stage)
     for index, target in enumerate(targets):

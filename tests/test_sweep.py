@@ -191,6 +191,17 @@ def test_a_marker_whose_kept_tags_are_damaged_reruns_its_unit(finished, experime
     assert json.loads(path.read_text()) == marker
 
 
+def test_a_rerun_remakes_a_damaged_stage_output_from_its_units(finished, experiment, tmp_path):
+    """A cut compare.summary.parquet was kept by the rerun, which reported every unit finished."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    damaged = out / "compare.summary.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    summary = sweep(experiment, out, stages=["compare"], workers=1)
+    assert [(report.ran, report.skipped, damaged in report.outputs) for report in summary.stages] == [(0, 2, True)]
+    assert_frame_equal(pl.read_parquet(damaged), pl.read_parquet(finished / "compare.summary.parquet"))
+
+
 @pytest.mark.parametrize("stage", ["compare", "dashboard"])
 def test_a_damaged_record_of_what_an_output_was_made_of_remakes_the_output(finished, experiment, tmp_path, stage):
     out = tmp_path / "out"
