@@ -22,7 +22,8 @@ def sweep(
         None,
         "--out",
         help="The directory to run into: one store per data cell, one parquet per stage, the dashboards. "
-        "Rerunning resumes it; another experiment's directory is refused. (default: runs/<file name>)",
+        "Rerunning resumes it, redoing the units an edited file changes; a run that would leave results "
+        "made from what it redoes, or a folder holding anything but a sweep, is refused. (default: runs/<file name>)",
     ),
     stages: str | None = typer.Option(
         None,

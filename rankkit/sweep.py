@@ -640,6 +640,7 @@ def check(
         timing = Timing.cached(plan, config, device, sizes)
         run = Run(plan, layout, running, sizes, statuses, timing, workers)
         _check_inputs(run)
+        _check_dependents(run)
     outputs.check_writable(layout.root, _store_bytes(run, config))
     return run
 
@@ -874,6 +875,23 @@ def _check_inputs(run: Run) -> None:
                     f'{layout.store(cell)} does not exist; add "capture" to stages, or put the store of '
                     f"{cell.spec} there"
                 )
+
+
+def _check_dependents(run: Run) -> None:
+    """Refuse to redo a cell's unit whose results another stage, not running, made its own from:
+    they would stay in the directory, made from what is no longer there (a store captured again
+    under compare's tables of the one it replaced)."""
+    for stage in run.running:
+        for unit in units(run.plan, stage):
+            if run.status(stage, unit) != CHANGED:
+                continue
+            for reader in (each for each in STAGES if stage in NEEDS.get(each, ()) and each not in run.running):
+                if any((run.layout.root / "parts" / reader / unit.cell.name).glob("*.done")):
+                    raise RankkitError(
+                        f"this run redoes the {stage} stage of {unit.cell.name}, from which the {reader} "
+                        f"results in {run.layout.root} were made; run {reader} with it (add it to the stages), "
+                        "or choose another --out, or pass --overwrite to start the directory over"
+                    )
 
 
 def _owned(layout: Layout) -> set[Path]:

@@ -191,6 +191,27 @@ def test_a_marker_whose_kept_tags_are_damaged_reruns_its_unit(finished, experime
     assert json.loads(path.read_text()) == marker
 
 
+def test_a_run_that_would_redo_a_cell_under_results_it_does_not_redo_is_refused_before_any_work(
+    finished, tiny_folder, tmp_path
+):
+    """Another file with one cell's capture changed and only capture to run recaptured the store and
+    left the oracle's, compare's, variance's and the dashboard's results of the old one beside it; so
+    did the same file edited, run with --stages capture."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    before = _files(out)
+    edited = EXPERIMENT.format(model=tiny_folder).replace("depths = [25, 75]", "depths = [10, 50]")
+    only_capture = edited.replace(
+        '"capture", "oracle", "bench", "diffusion", "compare", "variance", "dashboard"', '"capture"'
+    )
+    refusal = r"redoes the capture stage of niah-192, from which the oracle results in .* were made; run oracle"
+    with pytest.raises(RankkitError, match=refusal):
+        sweep(_write(tmp_path / "other.toml", only_capture), out, workers=1)
+    with pytest.raises(RankkitError, match=refusal):
+        sweep(_write(tmp_path / "edited.toml", edited), out, stages=["capture"], workers=1)
+    assert _files(out) == before
+
+
 def test_a_rerun_remakes_a_damaged_stage_output_from_its_units(finished, experiment, tmp_path):
     """A cut compare.summary.parquet was kept by the rerun, which reported every unit finished."""
     out = tmp_path / "out"
