@@ -81,22 +81,27 @@ def identity(example_id: str, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 ATTRS = "attrs"  # a manifest's digest of each attribute written with its part
-# Each token's display text labels the dashboard's explorer and no figure reads it; as long as the
-# prompt, it took 105 of the 132 µs every read of a 2,048-token example spent on the digests.
-_UNDIGESTED = frozenset({"token_text"})
+# Checked by `store verify` alone, not at every read: each token's display text labels the dashboard's
+# explorer and no figure reads it; as long as the prompt, it took 105 of the 132 µs every read of a
+# 2,048-token example spent on the digests.
+_VERIFIED_ONLY = frozenset({"token_text"})
 
 
 def attrs_digests(attrs: dict[str, Any]) -> dict[str, Any]:
-    """What a part's manifest records of the attributes written with it (an example's task, spans and
-    meta; an oracle's settings and answer): a digest of each, so an edit made since is found."""
-    return {ATTRS: {key: json_digest(value) for key, value in attrs.items() if key not in _UNDIGESTED}}
+    """What a part's manifest records of the attributes written with it (an example's task, spans, meta
+    and token texts; an oracle's settings and answer): a digest of each, so an edit made since is found."""
+    return {ATTRS: {key: json_digest(value) for key, value in attrs.items()}}
 
 
-def _changed_attrs(recorded: dict[str, Any], attrs: dict[str, Any]) -> list[str]:
-    """The attributes whose value is not the one the manifest ``recorded`` digested (none for a manifest
-    written before manifests recorded them)."""
+def _changed_attrs(recorded: dict[str, Any], attrs: dict[str, Any], unchecked: frozenset[str] = frozenset()) -> list[str]:
+    """The attributes but ``unchecked`` whose value is not the one the manifest ``recorded`` digested
+    (none for a manifest written before manifests recorded them)."""
     digests = recorded.get(ATTRS) or {}
-    return [key for key, digest in digests.items() if key not in attrs or json_digest(attrs[key]) != digest]
+    return [
+        key
+        for key, digest in digests.items()
+        if key not in unchecked and (key not in attrs or json_digest(attrs[key]) != digest)
+    ]
 
 
 _COUNTS = ("num_layers", "num_attention_heads", "kv_heads")
@@ -140,16 +145,16 @@ def check_meta(store_path: Path, meta: dict[str, Any]) -> None:
         raise RankkitError(f"store {store_path} is corrupt ({problem}); recapture it with --overwrite")
 
 
-def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any]) -> str | None:
+def mismatch(example_id: str, attrs: dict[str, Any], meta: dict[str, Any], *, verifying: bool = False) -> str | None:
     """Why the complete example ``example_id`` (its attributes ``attrs``) does not belong to the
     store whose run metadata is ``meta``, or None: an attribute edited since it was written (its
-    capture's, its oracle's), another id in its manifest, another model's weights, layer or head
-    count, or a token span outside its tokens."""
+    capture's, its oracle's; the token texts only when ``verifying``), another id in its manifest,
+    another model's weights, layer or head count, or a token span outside its tokens."""
     recorded = attrs.get(MANIFEST)
     if not recorded:
         return None  # schema version 1: nothing recorded to compare
     changed = [
-        *_changed_attrs(recorded, attrs),
+        *_changed_attrs(recorded, attrs, frozenset() if verifying else _VERIFIED_ONLY),
         *(_changed_attrs(attrs.get(ORACLE_MANIFEST) or {}, attrs) if attrs.get(ORACLE_COMPLETE) is True else []),
     ]
     if changed:

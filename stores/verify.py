@@ -145,7 +145,7 @@ def verify(path: str | os.PathLike, *, reset: bool = False) -> VerifyReport:
             detail = unreadable_metadata(directory) if state == "unreadable" else "capture unfinished"
             report.problems.append(Problem(example_id, state, detail))
             continue
-        mismatch = manifest.mismatch(example_id, attrs, meta)
+        mismatch = manifest.mismatch(example_id, attrs, meta, verifying=True)
         if mismatch is not None:
             report.problems.append(Problem(example_id, "mismatched", mismatch))
             continue

@@ -1272,6 +1272,27 @@ def test_an_example_whose_metadata_was_edited_after_it_was_written_is_refused(or
     assert_example_matches(stores.open(oracled), "b", 1)
 
 
+def test_verify_finds_an_edited_token_text_which_reads_leave_unchecked(path):
+    """A token's display text edited in zarr.json passed verify: the manifest left it out, for the
+    read's speed. It is digested now, and checked by verify alone; an older store without its digest
+    still verifies."""
+    writer = stores.create(path, RUN_META)
+    attrs, tokens, scores = example_data(0)
+    writer.write_example("a", attrs={**attrs, "token_text": [f"t{i}" for i in range(48)]}, tokens=tokens, scores=scores)
+    metadata = path / "examples" / "a" / "zarr.json"
+    written = json.loads(metadata.read_text())
+    written["attributes"]["token_text"][30] = "edited"
+    metadata.write_text(json.dumps(written))
+    problem = "the metadata of example 'a' was changed after it was written (token_text in its zarr.json)"
+    assert [(each.example, each.state, each.detail) for each in stores.verify(path).problems] == [
+        ("a", "mismatched", problem)
+    ]
+    assert stores.open(path).example("a").attrs["token_text"][30] == "edited"
+    del written["attributes"]["manifest"]["attrs"]["token_text"]
+    metadata.write_text(json.dumps(written))
+    assert stores.verify(path).counts()["good"] == 1
+
+
 def test_cli_store_verify_exits_2_on_an_example_whose_metadata_no_longer_parses(oracled):
     metadata = oracled / "examples" / "a" / "zarr.json"
     metadata.write_text(metadata.read_text()[:40])  # truncated
