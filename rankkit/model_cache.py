@@ -31,7 +31,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RANKKIT_CACHE", Path.home() / ".cache" / "rankkit"))
+    """The cache folder: ``$RANKKIT_CACHE``, or ``~/.cache/rankkit`` where it is unset or empty.
+
+    Refused where a file stands at it or above it: every write into the cache would fail there, and a
+    listing of it would show an empty cache."""
+    # empty is unset, as for most tools' variables: Path("") is the working directory, where a
+    # conversion would drop 500 MB
+    configured = os.environ.get("RANKKIT_CACHE", "")
+    root = Path(configured) if configured else Path.home() / ".cache" / "rankkit"
+    nearest = next((path for path in (root, *root.parents) if path.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        where = "is a file" if nearest == root else f"lies under the file {nearest}"
+        if configured:
+            raise RankkitError(
+                f"RANKKIT_CACHE={configured} {where}; point it at a directory (or unset it for ~/.cache/rankkit)"
+            )
+        raise RankkitError(f"the model cache {root} {where}; move it aside, or set RANKKIT_CACHE to a directory")
+    return root
 
 
 def default_gguf_path() -> Path:

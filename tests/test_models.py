@@ -402,3 +402,43 @@ def test_cli_models_lists_the_cache_without_torch(tmp_path):
     )
     assert result.returncode == 0 and str(tmp_path / "models") in result.stdout, result.stderr
     assert result.stderr == "False\n"
+
+
+_CACHE_FIX = "point it at a directory (or unset it for ~/.cache/rankkit)"
+
+
+@pytest.mark.processes
+def test_a_cache_variable_naming_a_file_is_refused_in_one_line_by_the_cli(tmp_path):
+    """RANKKIT_CACHE at a file listed an empty cache in it (`rankkit models`, status 0)."""
+    blocker = tmp_path / "cache.txt"
+    blocker.write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "rankkit.cli", "models"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RANKKIT_CACHE": str(blocker)},
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        f"rankkit: error: RANKKIT_CACHE={blocker} is a file; {_CACHE_FIX}\n",
+    )
+
+
+def test_the_default_models_conversion_into_a_cache_under_a_file_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """It ended in a NotADirectoryError traceback (`rankkit generate`, status 1)."""
+    blocker = tmp_path / "cache.txt"
+    blocker.write_text("")
+    monkeypatch.setenv("RANKKIT_CACHE", str(blocker / "rankkit"))
+    refusal = f"RANKKIT_CACHE={blocker / 'rankkit'} lies under the file {blocker}; {_CACHE_FIX}"
+    with pytest.raises(RankkitError, match=f"^{re.escape(refusal)}$"):
+        model_cache.default_model_folder()
+
+
+def test_an_empty_cache_variable_is_the_default_cache_not_the_working_directory(tmp_path, monkeypatch):
+    """RANKKIT_CACHE= read as the working directory, where the default model's conversion landed."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANKKIT_CACHE", "")
+    assert model_cache.cache_root() == tmp_path / "home" / ".cache" / "rankkit"
+    assert model_cache.default_model_target().parent == tmp_path / "home" / ".cache" / "rankkit" / "models"
