@@ -1224,6 +1224,23 @@ def test_compare_and_variance_warn_of_a_budget_raised_or_clamped(store_path):
     assert [str(warning.message) for warning in warned] == [clamped] * 2
 
 
+def test_compare_warns_of_a_needle_keep_larger_than_the_prompt_as_of_such_a_budget(store_path):
+    """--needle-keep 5000 on prompts of ~1000 tokens gave every method needle recall 1.00 silently,
+    where --budget 5000 warned."""
+    import warnings
+
+    with pytest.warns(UserWarning) as warned:
+        result = compare_store(store_path, methods=["window"], keep=0.5, needle_keep=TOKENS + 1, workers=1)
+    assert [str(warning.message) for warning in warned] == [
+        f"--needle-keep {TOKENS + 1} is larger than the prompt ({TOKENS} tokens); it keeps all of it (in 3 of 3 prompts)"
+    ]
+    assert set(result.per_layer["needle_recall"].drop_nulls()) == {1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a needle keep within the prompts says nothing, nor one as a keep rate
+        compare_store(store_path, methods=["window"], keep=0.5, needle_keep=TOKENS, workers=1)
+        compare_store(store_path, methods=["window"], keep=0.5, needle_keep=1.0, workers=1)
+
+
 def test_a_budget_below_what_a_method_always_keeps_is_raised_with_a_warning(store_path):
     """select --budget 1 kept claa's window of 8 and variance --budget 5 ranked 33 tokens, each silently,
     under their budget's label."""

@@ -75,6 +75,7 @@ from rankkit.checks import (
     first_repeated,
     refuse_timing_only_store,
     warn_budgets,
+    warn_clamped,
     warn_timing_only_store,
 )
 from rankkit.errors import RankkitError
@@ -805,7 +806,8 @@ def compare_store(
     default keep ``defaults.KEEP`` (it sets ASL's k and the size of forced sets; a budget above an
     example's prompt or below what a method always keeps is warned of, as ``select_store`` warns);
     ``needle_keep`` is what needle recall counts the evidence in, a keep rate (a float in (0, 1]) or
-    a token count (an int), default the keep or budget ranked under. With ``oracle`` only examples
+    a token count (an int), default the keep or budget ranked under (a count given above an example's
+    prompt is warned of, as such a budget is). With ``oracle`` only examples
     with an oracle count; without it every example counts and only the reference-free metrics are
     filled in. ``workers`` processes share the examples (default: one per CPU; see
     ``rankkit.eval.parallel``); the frames do not depend on it. ``pairs`` are the (method,
@@ -822,6 +824,7 @@ def compare_store(
     # a bad keep or budget fails before any reading, and so does a bad needle keep
     budget = Budget.one_of(keep, budget, default=Budget.from_keep(defaults.KEEP))
     keep = budget.number
+    given_needle_keep = needle_keep
     needle_keep = keep if needle_keep is None else needle_keep
     Budget.parse(needle_keep, "--needle-keep")
     ranked_slice(None, span, 1)  # so does a bad span
@@ -874,7 +877,11 @@ def compare_store(
         if name not in captured_probes
     }
     check_inputs(ranked_methods.values(), records, store.meta)
-    warn_budgets([budget], ranked_methods.values(), [record.num_tokens for record in records])
+    prompt_lengths = [record.num_tokens for record in records]
+    warn_budgets([budget], ranked_methods.values(), prompt_lengths)
+    if given_needle_keep is not None:  # else it is the budget, just warned of
+        # a needle keep over the prompt counts all of it: every method's needle recall reads 1.00
+        warn_clamped(Budget.parse(needle_keep), prompt_lengths, "--needle-keep")
     labels = [*probes, *ranked_methods]
     if pairs is None:
         pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle
