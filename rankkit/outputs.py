@@ -103,6 +103,48 @@ _PARQUET_MAGIC = b"PAR1"
 _PAGE_HEAD_BYTES = 4096
 
 
+_DIFFERENCES_SHOWN = 3
+
+
+def describe_differences(before: object, now: object, before_where: str) -> str:
+    """Where two JSON values differ, the first few: ``model.weights_hash: 'ab' in the store, 'cd' now; and 2
+    more`` (``before_where`` saying where ``before`` is); empty where they are the same."""
+    found = _differences(before, now, before_where)
+    shown = "; ".join(found[:_DIFFERENCES_SHOWN])
+    return shown + (f"; and {len(found) - _DIFFERENCES_SHOWN} more" if len(found) > _DIFFERENCES_SHOWN else "")
+
+
+def _differences(before: object, now: object, before_where: str, prefix: str = "") -> list[str]:
+    if isinstance(before, dict) and isinstance(now, dict):
+        found = []
+        for key in sorted(set(before) | set(now)):
+            found += _differences(
+                before.get(key, _ABSENT), now.get(key, _ABSENT), before_where, f"{prefix}{key}."
+            )
+        return found
+    # compared as JSON text: NaN equals NaN, and key order inside lists aside
+    if before is not _ABSENT and now is not _ABSENT and _json_text(before) == _json_text(now):
+        return []
+    return [f"{prefix.rstrip('.')}: {_short(before)} {before_where}, {_short(now)} now"]
+
+
+def _json_text(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def written_by_rankkit(path: Path) -> bool:
     """Whether the file ``path`` is one rankkit wrote, which ``--overwrite`` may replace: a parquet file
     carrying ``PARQUET_MARK``, a page carrying ``GENERATOR_TAG`` in its head, or a JSONL file of
@@ -408,9 +450,11 @@ class Journal:
         if cut:  # a line cut short by a kill: drop it, its unit is redone
             self._file.truncate(kept_bytes)
         if not entries or entries[0].get("identity") != self.identity:
+            recorded = entries[0].get("identity") if entries else None
+            differences = describe_differences(recorded, self.identity, "there") if recorded else ""
             raise RankkitError(
-                f"{self.out} has an unfinished run with other settings ({self.path}); rerun with those "
-                "settings to resume it, or pass --overwrite to discard it"
+                f"{self.out} has an unfinished run with other settings ({differences or self.path}); rerun "
+                "with those settings to resume it, or pass --overwrite to discard it"
             )
         changed = _changed_line(entries)
         if changed is not None:  # its rows would be taken as measured

@@ -243,11 +243,6 @@ def to_json(value: Any, what: str) -> Any:
         ) from error
 
 
-def canonical_json(value: Any) -> str:
-    """Order-independent text of a JSON value, so NaN equals NaN and key order is ignored."""
-    return json.dumps(value, sort_keys=True)
-
-
 def open_node(store: LocalStore, node_path: str = "") -> zarr.Group:
     """Open a group read/write or read-only as ``store`` allows; no consolidated metadata,
     since concurrent writers would make it stale."""

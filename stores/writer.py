@@ -28,7 +28,7 @@ from zarr.storage import LocalStore
 from rankkit import __version__ as rankkit_version
 from rankkit.errors import RankkitError
 from rankkit.names import encode_name
-from rankkit.outputs import lock_exclusively
+from rankkit.outputs import describe_differences, lock_exclusively
 
 from . import manifest
 from .manifest import MANIFEST, ORACLE_MANIFEST
@@ -52,7 +52,6 @@ from .schema import (
     SCORES,
     STORE_MANAGED_KEYS,
     TOKENS,
-    canonical_json,
     check_score_dtype,
     example_path,
     group_file,
@@ -63,8 +62,6 @@ from .schema import (
     update_attributes,
     write_zip,
 )
-
-_MAX_DIFFERENCES_SHOWN = 3
 
 
 class StoreWriter:
@@ -424,42 +421,12 @@ def _create_atomically(path: Path, run_meta: dict[str, Any]) -> None:
 
 def _check_same_run(path: Path, stored: dict[str, Any], run_meta: dict[str, Any]) -> None:
     stored_run = {key: value for key, value in stored.items() if key not in STORE_MANAGED_KEYS}
-    differences = _differences(stored_run, run_meta)
-    if not differences:
-        return
-    shown = "; ".join(differences[:_MAX_DIFFERENCES_SHOWN])
-    more = len(differences) - _MAX_DIFFERENCES_SHOWN
-    if more > 0:
-        shown += f"; and {more} more"
-    raise RankkitError(
-        f"store {path} holds a different run ({shown}); rerun with --overwrite to replace it, "
-        "or choose another --out"
-    )
-
-
-def _differences(stored: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted paths where two JSON values differ, e.g. ``model.weights_hash: 'ab' in the store, 'cd' now``."""
-    if isinstance(stored, dict) and isinstance(new, dict):
-        found = []
-        for key in sorted(set(stored) | set(new)):
-            found += _differences(stored.get(key, _ABSENT), new.get(key, _ABSENT), f"{prefix}{key}.")
-        return found
-    if stored is not _ABSENT and new is not _ABSENT and canonical_json(stored) == canonical_json(new):
-        return []
-    return [f"{prefix.rstrip('.')}: {_short(stored)} in the store, {_short(new)} now"]
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "absent"
-
-
-_ABSENT = _Absent()
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    differences = describe_differences(stored_run, run_meta, "in the store")
+    if differences:
+        raise RankkitError(
+            f"store {path} holds a different run ({differences}); rerun with --overwrite to replace it, "
+            "or choose another --out"
+        )
 
 
 def _caller_attrs(attrs: dict[str, Any], what: str) -> dict[str, Any]:

@@ -840,13 +840,18 @@ def test_a_signal_whose_keyboard_interrupt_was_dropped_stops_the_loop_at_its_nex
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_a_journal_of_other_settings_is_refused_and_overwrite_discards_it(tmp_path):
+def test_a_journal_of_other_settings_is_refused_naming_them_and_overwrite_discards_it(tmp_path):
+    """The refusal said only "other settings", which the user then had to find in the journal's first line."""
     out = tmp_path / "rows.parquet"
-    with outputs.Journal(out, {"methods": ["full", "claa"]}) as first:
+    with outputs.Journal(out, {"methods": ["full", "claa"], "keep": [0.1]}) as first:
         first.record("e0", [{"method": "full", "score": 1.0}])
-    with pytest.raises(RankkitError, match="rows.parquet has an unfinished run with other settings"):
-        outputs.Journal(out, {"methods": ["full", "fastkv"]})
-    with outputs.Journal(out, {"methods": ["full", "claa"]}) as resumed:
+    refusal = (
+        "rows.parquet has an unfinished run with other settings (keep: [0.1] there, [0.2] now; methods: "
+        "['full', 'claa'] there, ['full', 'fastkv'] now); rerun with those settings to resume it"
+    )
+    with pytest.raises(RankkitError, match=re.escape(refusal)):
+        outputs.Journal(out, {"methods": ["full", "fastkv"], "keep": [0.2]})
+    with outputs.Journal(out, {"methods": ["full", "claa"], "keep": [0.1]}) as resumed:
         assert resumed.done("e0") and resumed.rows == [{"method": "full", "score": 1.0}]
     assert outputs.Journal(out, {"methods": ["full", "fastkv"]}, overwrite=True).rows == []
 
