@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import warnings
 
 import polars as pl
@@ -390,6 +392,20 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     row = frame.row(0, named=True)
     assert row["example"] == "passkey" and row["correct"] and row["score"] == 1.0
     assert row["answer_logprob"] > -2.0
+
+
+def test_an_example_without_answers_is_refused_by_name_before_any_is_probed(tiny_folder, tmp_path):
+    """It was refused when its turn came, as "answer='reference' needs examples with answers", an option
+    diffusion does not have, naming neither the example nor the fix."""
+    from rankkit.data import export_jsonl
+    from rankkit.eval import diffusion
+
+    answered = Example("a", "jsonl", "Some context.", "What?", ("x",))
+    data = tmp_path / "d.jsonl"
+    export_jsonl([answered, dataclasses.replace(answered, id="b", answers=())], data)
+    with pytest.raises(RankkitError, match=rf"^example 'b' of {re.escape(str(data))} has no answers, and the probe"):
+        diffusion.diffusion_probe(str(data), model=str(tiny_folder), out=tmp_path / "d.parquet")
+    assert not (tmp_path / "d.parquet").exists() and not list(tmp_path.glob(".d.parquet*"))
 
 
 def test_the_probe_refuses_bad_options_before_it_loads_the_model(tiny_folder, monkeypatch, tmp_path):
