@@ -318,8 +318,14 @@ def measured_by(frame: pl.DataFrame, what: str) -> tuple[str | None, str | None]
         )
     if not hashes:
         return None, None
-    names = frame.filter(pl.col("weights_hash") == hashes[0])["model"] if "model" in frame.columns else []
-    return (str(names[0]) if len(names) else None), hashes[0]
+    names = frame["model"].unique(maintain_order=True).to_list() if "model" in frame.columns else []
+    if len(names) > 1 or frame["weights_hash"].null_count():  # every row is written with both
+        shown = ", ".join(map(str, names))
+        raise RankkitError(
+            f"{what} names the model of its rows in {len(names)} ways ({shown}) for weights "
+            f"{short_hash(hashes[0])}: its rows were edited; run the bench again"
+        )
+    return (str(names[0]) if names else None), hashes[0]
 
 
 def is_model_of(frame: pl.DataFrame, model: dict, what: str, against: str) -> bool:

@@ -764,6 +764,15 @@ def test_a_bench_of_several_models_is_refused_and_an_unlabelled_one_shown_as_the
         "the bench holds rows of 2 models (weights aaaaaaaaaaaa, bbbbbbbbbbbb); pass one file per model"
     )
     assert not (tmp_path / "report.html").exists()
+    # rows edited to name another model under the same weights were drawn under the first row's name
+    renamed = mixed.with_columns(weights_hash=pl.lit("a" * 64))
+    with pytest.raises(RankkitError) as refused:
+        write_dashboard(path, tmp_path / "report.html", bench=renamed)
+    assert str(refused.value) == (
+        "the bench names the model of its rows in 2 ways (SmolLM2-135M-Instruct, tiny/llama) for weights "
+        "aaaaaaaaaaaa: its rows were edited; run the bench again"
+    )
+    assert not (tmp_path / "report.html").exists()
     with pytest.warns(UserWarning, match="the bench does not say which model measured it"):
         page = write_dashboard(path, tmp_path / "report.html", bench=bench_frame()).read_text()
     assert "claa (" not in page
