@@ -29,7 +29,7 @@ from rankkit.methods.selection import DRAFT_ARRAY, DRAFT_GROUP
 from rankkit.oracle import EmptyAnswer, answer_informed_oracle, oracle_params
 from rankkit.probes import ProbeRecorder, parse_probes
 from rankkit.progress import SKIPPED, Progress, ProgressCallback, ignore
-from rankkit.prompting import Prompt, example_prompt, reference_answer
+from rankkit.prompting import Prompt, check_answered, example_prompt, reference_answer
 from rankkit.runner import PrefillResult, Runner, layer_types
 from rankkit.shards import rank_device, shard, share, share_size, wait_for_other_ranks
 from rankkit.values import check_count
@@ -393,6 +393,8 @@ def capture(
     tokenizer = models.load_tokenizer(model)
     examples = load_examples(data, tokenizer)[:limit]
     prompts = check_prompt_lengths(tokenizer, examples, config, allow_overlength=allow_overlength)
+    if oracle is not None and oracle.answer == "reference":
+        check_answered(((example.id, example.answers) for example in examples), *_REFERENCE_FOLLOWER)
     tokens = sum(prompt.num_tokens for prompt in prompts)
     # a store being resumed holds some of it already: only a new one is held to the estimate
     needed = 0 if Path(out).exists() else store_bytes(config, len(probe_list), tokens, score_dtype)
@@ -478,6 +480,10 @@ def write_draft_scores(writer, runner: Runner, method, example_id: str, ids: tor
     )
 
 
+# who follows an example's first answer, and the fixes where one has none
+_REFERENCE_FOLLOWER = ("--answer reference", "add answers to it, leave it out, or pass --answer generated")
+
+
 def add_oracle(
     store_path: str | os.PathLike,
     *,
@@ -505,6 +511,9 @@ def add_oracle(
     rank, world = shard()
     store = stores.open(store_path)
     meta = store.meta
+    records = share(list(store.examples()), rank, world)
+    if options.answer == "reference":  # before the weights load
+        check_answered(((record.id, record.attrs.get("answers")) for record in records), *_REFERENCE_FOLLOWER)
     spec = model or ("default" if meta["model"]["id"] == model_cache.DEFAULT_MODEL_NAME else meta["model"]["id"])
     other_weights = (
         f"the store was captured with other weights than '{spec}' has now; pass --model with the original model"
@@ -520,7 +529,6 @@ def add_oracle(
         check_oracle_settings(store_path, options)
     writer = stores.create(store_path, meta, rank=rank)  # reopens: the store's own metadata always matches
     runner = Runner(loaded.model)
-    records = share(list(store.examples()), rank, world)
     summary = CaptureSummary(out=str(store_path), total=len(records), timing_only=loaded.timing_only)
     # --redo replaces the oracles made with other settings only, so an interrupted one resumes
     wanted = options.params()

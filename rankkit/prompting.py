@@ -9,6 +9,7 @@ offset mapping turns any character range into a token range.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,14 @@ def example_prompt(tokenizer, example) -> Prompt:
         answer_prefix=example.answer_prefix,
         use_chat_template=example.meta.get("use_chat_template"),
     )
+
+
+def check_answered(examples: Iterable[tuple[str, Sequence[str]]], follower: str, fixes: str) -> None:
+    """Refuse, by id, the first of ``examples`` ((id, answers) pairs) without answers, before any is run:
+    ``follower`` (the oracle's ``--answer reference``, the diffusion probe) follows each one's first."""
+    for example_id, answers in examples:
+        if not answers:
+            raise RankkitError(f"example {example_id!r} has no answers, and {follower} follows its first; {fixes}")
 
 
 def reference_answer(answers, answer_prefix: str) -> str:

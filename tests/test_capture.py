@@ -256,6 +256,33 @@ def test_oracle_added_later_equals_capture_with_oracle(reference_store, tiny_fol
     assert events == [Progress(SKIPPED, number, 4, example_id) for number, example_id in enumerate(ids, start=1)]
 
 
+def test_a_reference_oracle_of_an_example_without_answers_is_refused_by_name_before_the_weights_load(
+    tiny_folder, tmp_path, monkeypatch
+):
+    """capture --oracle --answer reference wrote the examples before the first without answers, then
+    stopped at its oracle with "answer='reference' needs examples with answers", naming neither."""
+    from rankkit import models
+    from rankkit.data import Example, export_jsonl
+    from rankkit.errors import RankkitError
+
+    answered = Example("a", "jsonl", "Some context.", "What?", ("x",))
+    data = tmp_path / "d.jsonl"
+    export_jsonl([answered, Example("b", "jsonl", "More context.", "What?", ())], data)
+    refusal = (
+        "example 'b' has no answers, and --answer reference follows its first; add answers to it, leave it "
+        "out, or pass --answer generated"
+    )
+    out = tmp_path / "run.zarr"
+    capture(model=str(tiny_folder), data=str(data), out=out, device="cpu", probes="window")
+    monkeypatch.setattr(models, "load", lambda *args, **kwargs: pytest.fail("the weights loaded"))
+    with pytest.raises(RankkitError, match=re.escape(refusal)):
+        capture(model=str(tiny_folder), data=str(data), out=tmp_path / "new.zarr", oracle=OracleOptions(answer="reference"))
+    assert not (tmp_path / "new.zarr").exists()
+    with pytest.raises(RankkitError, match=re.escape(refusal)):
+        add_oracle(out, options={"answer": "reference"}, model=str(tiny_folder), device="cpu")
+    assert not any(record.has_oracle for record in stores.open(out).examples())
+
+
 def test_add_oracle_loads_the_default_model_by_its_name_and_refuses_other_weights(tiny_folder, tmp_path, monkeypatch):
     """A store of the default model names its hub id, which a machine without a hub cannot load: the
     oracle loads it as ``default``, the embedded model. Weights other than the store's are refused."""

@@ -403,7 +403,7 @@ def test_an_example_without_answers_is_refused_by_name_before_any_is_probed(tiny
     answered = Example("a", "jsonl", "Some context.", "What?", ("x",))
     data = tmp_path / "d.jsonl"
     export_jsonl([answered, dataclasses.replace(answered, id="b", answers=())], data)
-    with pytest.raises(RankkitError, match=rf"^example 'b' of {re.escape(str(data))} has no answers, and the probe"):
+    with pytest.raises(RankkitError, match=rf"^example 'b' has no answers, and the diffusion probe follows its first; add answers to it in {re.escape(str(data))}"):
         diffusion.diffusion_probe(str(data), model=str(tiny_folder), out=tmp_path / "d.parquet")
     assert not (tmp_path / "d.parquet").exists() and not list(tmp_path.glob(".d.parquet*"))
 

@@ -312,12 +312,8 @@ def diffusion_probe(
     loaded = models.load(model, device=device)
     examples = load_examples(data, loaded.tokenizer)[:limit]
     check_prompt_lengths(loaded.tokenizer, examples, config, allow_overlength=allow_overlength)
-    unanswered = next((example for example in examples if not example.answers), None)
-    if unanswered is not None:  # found before any example is probed, not when its turn comes
-        raise RankkitError(
-            f"example {unanswered.id!r} of {data} has no answers, and the probe follows its first; add "
-            "answers to it, or leave it out"
-        )
+    answers = ((example.id, example.answers) for example in examples)
+    prompting.check_answered(answers, "the diffusion probe", f"add answers to it in {data}, or leave it out")
     examples = share(examples, *shard)
     runner = Runner(loaded.model)
     with outputs.Journal(out, identity, overwrite=overwrite) as journal:
