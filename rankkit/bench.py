@@ -891,11 +891,12 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
 def example_means(frame: pl.DataFrame, by: Sequence[str], metrics: Sequence[str]) -> pl.DataFrame:
     """Per group of ``by`` (``budget`` among them: a mean over budgets is none of theirs), each of
     ``metrics`` of bench rows ``frame`` averaged over examples with its 95% interval and n, resampling
-    clusters where the rows name them (then with ``n_clusters``); ``accuracy`` is the score, with
-    Wilson's interval for a right/wrong one. The one rule of every mean over a bench's examples."""
-    from rankkit.eval.stats import cluster_column, mean_intervals
+    clusters where the rows name them (then with ``n_clusters``); ``accuracy`` (the score) and the
+    evidence kept are scores, with Wilson's interval for a right/wrong one or a collapsed bootstrap
+    (``scores_among``). The one rule of every mean over a bench's examples."""
+    from rankkit.eval.stats import cluster_column, mean_intervals, scores_among
 
     scored = frame.with_columns(pl.col("score").cast(pl.Float64).alias("accuracy"))
     return mean_intervals(
-        scored, by, metrics, example="example_id", cluster=cluster_column(frame), scores=["accuracy"]
+        scored, by, metrics, example="example_id", cluster=cluster_column(frame), scores=scores_among(metrics)
     )

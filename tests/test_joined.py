@@ -15,6 +15,7 @@ from test_bench import DigitTokenizer
 from rankkit import stores
 from rankkit.bench import BenchSettings, run_bench
 from rankkit.data import Example
+from rankkit.eval.stats import wilson_interval
 from rankkit.methods import Budget, make
 from rankkit.probes import ProbeRecorder
 from rankkit.prompting import Prompt
@@ -103,6 +104,7 @@ def test_offline_and_online_evidence_kept_agree_for_every_prompt_pruning_method(
 def test_summary_means_each_face_per_method_and_keep_with_n(store_and_bench, cli):
     store, bench, _ = store_and_bench
     joined = join_store_and_bench(store, bench)
+    collapsed = set()
     for row in joined.summary.filter(pl.col("method").is_in(PROMPT_PRUNING)).to_dicts():
         each = joined.per_example.filter(
             (pl.col("method") == row["method"]) & (pl.col("keep") == row["keep"])
@@ -111,6 +113,13 @@ def test_summary_means_each_face_per_method_and_keep_with_n(store_and_bench, cli
         for metric in ("spearman", "needle_recall", "evidence_kept_offline", "evidence_kept", "accuracy"):
             assert row[metric] == pytest.approx(each[metric].mean()), (row["method"], metric)
             assert row[f"{metric}_ci_low"] <= row[metric] <= row[f"{metric}_ci_high"]
+        # a share the same on both examples is Wilson's over them; it read "0.00 [0.00, 0.00]"
+        for metric in ("needle_recall", "evidence_kept_offline", "evidence_kept"):
+            if each[metric].n_unique() == 1 and each[metric][0] in (0.0, 1.0):
+                interval = (row[f"{metric}_ci_low"], row[f"{metric}_ci_high"])
+                assert interval == pytest.approx(wilson_interval(2 * each[metric][0], 2)), (row["method"], metric)
+                collapsed.add(metric)
+    assert collapsed == {"needle_recall", "evidence_kept_offline", "evidence_kept"}  # each case is met
     result = cli("report", store, "--bench", bench, "--json", "--out", store.parent / "joined.parquet")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads(json.dumps(joined.summary.to_dicts()))

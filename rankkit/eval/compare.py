@@ -105,6 +105,7 @@ from .stats import (
     made_ahead,
     mean_intervals,
     paired_differences,
+    scores_among,
 )
 
 if TYPE_CHECKING:
@@ -115,8 +116,6 @@ from .ranking import Ranked, keep_count, overlap_share, row_metrics, spans_mask
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
 RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall", "evidence_kept")
-# each example's share of its evidence kept: a score, so none kept anywhere is not "0.00 [0.00, 0.00]"
-SHARES = ("needle_recall", "evidence_kept")
 
 CLAA = "claa"
 SPECPREFILL = "specprefill"
@@ -438,10 +437,9 @@ def summary_frame(per_layer: pl.DataFrame, summary_layers: Mapping[str, int | No
 def example_means(per_layer: pl.DataFrame, by: Sequence[str], metrics: Sequence[str]) -> pl.DataFrame:
     """Per group of ``by``: each of ``metrics`` averaged over the examples of ``per_layer`` with its 95%
     interval and n, resampling clusters where the rows name them (then with ``n_clusters``), a share
-    (``SHARES``) Wilson's where its bootstrap collapses. Every mean compare or the dashboard draws
+    (``stats.SHARES``) Wilson's where its bootstrap collapses. Every mean compare or the dashboard draws
     from compare's rows is this one, so a curve reads the same wherever it is shown."""
-    shares = [name for name in SHARES if name in metrics]
-    return mean_intervals(per_layer, by, metrics, cluster=cluster_column(per_layer), scores=shares)
+    return mean_intervals(per_layer, by, metrics, cluster=cluster_column(per_layer), scores=scores_among(metrics))
 
 
 def curve_frame(per_layer: pl.DataFrame) -> pl.DataFrame:

@@ -194,6 +194,16 @@ def count_column(metric: str) -> str:
 
 EXAMPLE_ID = "example_id"  # the column naming each example in every per-example frame a user joins
 CLUSTER = "cluster"  # the column naming each example's cluster: the examples sharing a haystack or a needle
+# Each example's share of its evidence kept (offline, by a ranking; online, by a run) or found: a score, so
+# none kept anywhere is not "0.00 [0.00, 0.00]"; with an answer's accuracy, what means treat as scores.
+SHARES = ("needle_recall", "evidence_kept", "evidence_kept_offline")
+ACCURACY = "accuracy"
+
+
+def scores_among(metrics: Sequence[str]) -> list[str]:
+    """The ``metrics`` that ``mean_intervals`` takes as scores (``scores``): accuracy and the shares.
+    The one rule of compare's, bench's and report's means."""
+    return [name for name in metrics if name == ACCURACY or name in SHARES]
 
 
 def cluster_column(frame: pl.DataFrame) -> str | None:

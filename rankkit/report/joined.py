@@ -23,7 +23,7 @@ from rankkit.checks import refuse_timing_only_store
 from rankkit.errors import RankkitError
 from rankkit.eval.compare import available_methods, compare_keeps, scored_layers
 from rankkit.eval.offline import recorded_model
-from rankkit.eval.stats import CLUSTER, EXAMPLE_ID, cluster_column, mean_intervals
+from rankkit.eval.stats import CLUSTER, EXAMPLE_ID, cluster_column, mean_intervals, scores_among
 from rankkit.methods import make
 from rankkit.probes import format_parameter
 
@@ -113,7 +113,7 @@ def join_bench_rows(store, bench: pl.DataFrame, what: str, *, workers: int | Non
         list(KEYS),
         [*OFFLINE_METRICS, *ONLINE_METRICS],
         cluster=cluster_column(per_example),
-        scores=["accuracy"],
+        scores=scores_among([*OFFLINE_METRICS, *ONLINE_METRICS]),
     )
     return Joined(per_example, summary)
 
