@@ -167,7 +167,9 @@ def _kept(row: dict) -> str:
     """How many prompt tokens a prompt-pruning method kept, and where (a KV method's share is its KV ratio)."""
     if row.get("selected_positions") is None:
         return "-"
-    return f"{len(row['selected_positions'])} at layer {row['selection_layer']}"
+    kept = len(row["selected_positions"])
+    # a draft's choice (SpecPrefill) is made before the model's first layer
+    return f"{kept} before layer 0" if row["selection_layer"] is None else f"{kept} at layer {row['selection_layer']}"
 
 
 def _say_if_first_runs_timed(warmups: list[int]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -419,6 +420,10 @@ def test_prefill_compare_as_csv_is_one_line_per_method_with_its_json_numbers(tin
     (kept,) = [line for line in table.splitlines() if "tokens kept" in line]
     claa_kept = f"{len(as_json['selected_positions'])} at layer {as_json['selection_layer']}"
     assert [cell.strip() for cell in kept.split("│")[2:4]] == [claa_kept, "-"]  # full keeps all, prunes nowhere
+    drafted = CliRunner().invoke(app, ["prefill", "--method", "specprefill", *run[3:5], *run[7:]])  # no --compare
+    assert drafted.exit_code == 0, drafted.output
+    (kept,) = [line for line in drafted.stdout.splitlines() if "tokens kept" in line]
+    assert re.fullmatch(r"\d+ before layer 0", kept.split("│")[2].strip())  # its draft chooses; it read "at layer None"
 
 
 def test_every_command_that_writes_a_file_takes_overwrite():
