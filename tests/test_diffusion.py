@@ -22,6 +22,7 @@ from rankkit.eval.diffusion import (
     check_diffusion_values,
     diffusion_curve,
     example_diffusion,
+    kl_divergence,
     layer_summary,
 )
 from rankkit.eval.stats import interval_columns, wilson_interval
@@ -392,6 +393,15 @@ def test_default_model_dataset_example_keeps_its_answer_unpruned(default_model):
     row = frame.row(0, named=True)
     assert row["example"] == "passkey" and row["correct"] and row["score"] == 1.0
     assert row["answer_logprob"] > -2.0
+
+
+def test_the_kl_of_distributions_a_rounding_apart_is_never_below_zero():
+    """Logits one float step apart in one entry summed to -6e-16, and a layer's KL printed "-0.00"."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * 3
+    nudged = logits.clone()
+    nudged[7] = torch.nextafter(nudged[7], torch.tensor(1e9))
+    assert kl_divergence(logits, nudged) == 0.0
+    assert kl_divergence(logits, logits + torch.linspace(0, 1, 49152)) > 0.01  # a real difference is kept
 
 
 def test_an_example_without_answers_is_refused_by_name_before_any_is_probed(tiny_folder, tmp_path):

@@ -120,7 +120,8 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
     """KL(P_reference || P) of two next-token distributions given as logits [vocab]."""
     reference = torch.log_softmax(reference_logits.double(), dim=-1)
     other = torch.log_softmax(logits.double(), dim=-1)
-    return float((reference.exp() * (reference - other)).sum())
+    # never below 0: rounding left two equal distributions' KL a hair under it, printed "-0.00"
+    return max(0.0, float((reference.exp() * (reference - other)).sum()))
 
 
 def _prefill_without_evidence(
