@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import re
@@ -882,16 +883,15 @@ def _check_dependents(run: Run) -> None:
     they would stay in the directory, made from what is no longer there (a store captured again
     under compare's tables of the one it replaced)."""
     for stage in run.running:
-        for unit in units(run.plan, stage):
-            if run.status(stage, unit) != CHANGED:
-                continue
-            for reader in (each for each in STAGES if stage in NEEDS.get(each, ()) and each not in run.running):
-                if any((run.layout.root / "parts" / reader / unit.cell.name).glob("*.done")):
-                    raise RankkitError(
-                        f"this run redoes the {stage} stage of {unit.cell.name}, from which the {reader} "
-                        f"results in {run.layout.root} were made; run {reader} with it (add it to the stages), "
-                        "or choose another --out, or pass --overwrite to start the directory over"
-                    )
+        readers = [each for each in STAGES if stage in NEEDS.get(each, ()) and each not in run.running]
+        changed = [unit for unit in units(run.plan, stage) if run.status(stage, unit) == CHANGED]
+        for unit, reader in itertools.product(changed, readers):
+            if any((run.layout.root / "parts" / reader / unit.cell.name).glob("*.done")):
+                raise RankkitError(
+                    f"this run redoes the {stage} stage of {unit.cell.name}, from which the {reader} "
+                    f"results in {run.layout.root} were made; run {reader} with it (add it to the stages), "
+                    "or choose another --out, or pass --overwrite to start the directory over"
+                )
 
 
 def _owned(layout: Layout) -> set[Path]:

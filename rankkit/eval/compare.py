@@ -822,9 +822,9 @@ def compare_store(
     # a bad keep or budget fails before any reading, and so does a bad needle keep
     budget = Budget.one_of(keep, budget, default=Budget.from_keep(defaults.KEEP))
     keep = budget.number
-    given_needle_keep = needle_keep
+    # without its own, needle recall counts in the budget, already checked (and warned of below)
+    own_needle_budget = None if needle_keep is None else Budget.parse(needle_keep, "--needle-keep")
     needle_keep = keep if needle_keep is None else needle_keep
-    Budget.parse(needle_keep, "--needle-keep")
     ranked_slice(None, span, 1)  # so does a bad span
     chosen = None if methods is None else compared_labels(methods)  # and an empty or repeated list
     store = stores.open(path)
@@ -877,9 +877,9 @@ def compare_store(
     check_inputs(ranked_methods.values(), records, store.meta)
     prompt_lengths = [record.num_tokens for record in records]
     warn_budgets([budget], ranked_methods.values(), prompt_lengths)
-    if given_needle_keep is not None:  # else it is the budget, just warned of
+    if own_needle_budget is not None:
         # a needle keep over the prompt counts all of it: every method's needle recall reads 1.00
-        warn_clamped(Budget.parse(needle_keep), prompt_lengths, "--needle-keep")
+        warn_clamped(own_needle_budget, prompt_lengths, "--needle-keep")
     labels = [*probes, *ranked_methods]
     if pairs is None:
         pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle
