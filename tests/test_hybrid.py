@@ -286,6 +286,49 @@ def test_sage_kv_keeps_only_keys_a_layer_sees_and_rolls_each_layers_window(runne
         assert {length, length + 1} <= set(run.result.cache.positions[layer][0].tolist())
 
 
+def reference_adakv(rows: torch.Tensor, k: int, window: int, safeguard: float, seen: list[int]) -> list[list[int]]:
+    """AdaKV by hand over the keys a layer sees: each head's first window + int(safeguard x (k - window))
+    places go to its window and then its best other seen keys (a window reaching past the keys a
+    layer sees holds all of them); then the best seen entries over all heads up to heads x k, ties
+    to the earlier head, then the earlier token."""
+    heads, length = rows.shape
+    forced = [position for position in range(length - window, length) if position in seen]
+    first_places = window + int(safeguard * (k - window))
+    chosen = set()
+    for head, row in enumerate(rows.tolist()):
+        others = sorted((p for p in seen if p not in forced), key=lambda position: (-row[position], position))
+        chosen |= {(head, position) for position in (forced + others)[:first_places]}
+    rest = sorted(
+        ((head, position) for head in range(heads) for position in seen if (head, position) not in chosen),
+        key=lambda entry: (-float(rows[entry]), *entry),
+    )
+    chosen |= set(rest[: max(0, heads * k - len(chosen))])
+    return [sorted(position for h, position in chosen if h == head) for head in range(heads)]
+
+
+@pytest.mark.parametrize("tokens", [10, 20])  # under and over the 16 keys a local layer sees
+def test_adakv_shares_out_only_keys_each_layer_sees_online_and_offline(runner, random_ids, tokens):
+    from rankkit.probes import ProbeRecorder
+
+    adakv = make("adakv", window_size=4, safeguard=0.5)
+    budget = Budget.from_tokens(tokens)
+    length = int(random_ids.numel())
+    run = adakv.prefill(runner, random_ids, budget)
+    recorder = ProbeRecorder([adakv.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    scores = torch.from_numpy(recorder.scores()[adakv.probe().key])
+    captured = Captured({adakv.probe().key: scores}, 6, length, HYBRID_LAYERS, WINDOW, kv_heads=2)
+    for layer in range(6):
+        expected = reference_adakv(scores[layer], tokens, 4, 0.5, seen_positions(layer, length))
+        assert cached(run, layer) == expected, layer
+        assert adakv.select_offline(captured, budget, layer=layer).as_lists() == expected, layer
+    entries = [sum(len(head) for head in cached(run, layer)) for layer in range(6)]
+    # a global layer spends its 2 x budget entries; a local one as many of its 2 x 16 seen as fit
+    assert entries == [min(2 * tokens, 2 * WINDOW) if kind == LOCAL else 2 * tokens for kind in HYBRID_LAYERS]
+    # each layer is trimmed to its widest head, which on a local layer is at most its window
+    assert all(run.result.cache.positions[layer].shape[1] <= WINDOW for layer in range(6) if HYBRID_LAYERS[layer] == LOCAL)
+
+
 def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, random_ids):
     from rankkit.probes import ProbeRecorder
 

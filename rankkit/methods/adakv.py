@@ -6,6 +6,8 @@ whose attention is concentrated keeps few tokens and one whose attention is spre
 many. Each head first gets its observation window and its ``safeguard`` share of the rest of
 the budget (its best ``int(safeguard x (budget - window))`` other tokens), so no head is emptied. Probe ``window``
 (W=32, avg pooled, kernel 7) as SnapKV; the scores are attention mass, comparable across heads.
+On a local (sliding-window) layer only keys the layer can attend to are entries, as for every
+per-head method (``top_k_seen``): the others are never kept and take none of the budget.
 """
 
 from __future__ import annotations
@@ -29,20 +31,31 @@ from rankkit.methods.selection import (
 from rankkit.methods.snapkv import SnapKV
 
 
-def adaptive_head_mask(scores: torch.Tensor, keep: int, window: int, safeguard: float) -> torch.Tensor:
+def adaptive_head_mask(
+    scores: torch.Tensor, keep: int, window: int, safeguard: float, unseen: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each head's kept entries as a mask [heads, S] from scores [heads, S]: the ``heads`` x ``keep``
     best entries over all heads, after the last ``window`` tokens and each head's best
     ``guaranteed_share`` others are put first. Ties go to the earlier head, then the earlier token.
-    Made on the device: the window's size and the guaranteed share are host numbers, so nothing is read."""
+    Keys in ``unseen`` [heads, S] (outside a local layer's window) are never kept, forced or not,
+    and take none of the places. Made on the device: the window's size and the guaranteed share
+    are host numbers, so nothing is read."""
     heads, length = scores.shape
-    ranked = with_forced(scores, forced_mask(length, window, device=scores.device))
+    ranked = _last_if_unseen(with_forced(scores, forced_mask(length, window, device=scores.device)), unseen)
     first_count = min(window, length) + guaranteed_share(keep, window, length, safeguard)
     if first_count > min(window, length):  # no share (safeguard 0): no per-head sort in the prefill
         first = descending_order(ranked)[:, :first_count]  # the forced tokens lead the order
-        ranked = ranked.scatter(1, first.to(scores.device), float("inf"))
+        # a head that sees fewer keys than its first places keeps those it sees, no more
+        ranked = _last_if_unseen(ranked.scatter(1, first.to(scores.device), float("inf")), unseen)
     chosen = descending_order(ranked.reshape(-1))[: heads * keep].to(scores.device)
     kept = torch.zeros(heads * length, dtype=torch.bool, device=scores.device)
-    return kept.scatter_(0, chosen, True).view(heads, length)
+    kept = kept.scatter_(0, chosen, True).view(heads, length)
+    # where the layer sees fewer entries than its places, the places left over fell on unseen keys
+    return kept if unseen is None else kept & ~unseen
+
+
+def _last_if_unseen(ranked: torch.Tensor, unseen: torch.Tensor | None) -> torch.Tensor:
+    return ranked if unseen is None else ranked.masked_fill(unseen, float("-inf"))
 
 
 def guaranteed_share(keep: int, window: int, length: int, safeguard: float) -> int:
@@ -58,30 +71,40 @@ def widest_head(heads: int, keep: int, window: int, length: int, safeguard: floa
 
 
 def adaptive_head_selection(
-    scores: torch.Tensor, keep: int, window: int, safeguard: float
+    scores: torch.Tensor, keep: int, window: int, safeguard: float, unseen: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """``adaptive_head_mask``'s kept entries per head, as sorted index tensors."""
-    return [torch.nonzero(head).flatten() for head in adaptive_head_mask(scores, keep, window, safeguard)]
+    kept = adaptive_head_mask(scores, keep, window, safeguard, unseen)
+    return [torch.nonzero(head).flatten() for head in kept]
 
 
 class AdaptiveHeadsHook(SelectionHook):
     """A KV-only ``SelectionHook`` whose layers keep ``adaptive_head_selection``'s entries per KV head.
 
-    Each layer's cache is cut to ``widest_head``, a width the host knows, so no layer reads the
-    device; ``trim`` then cuts every layer to its widest head with one read once the prefill is over.
+    Each layer's cache is cut to ``widest_head`` (on a local layer, at most its window's keys), a
+    width the host knows, so no layer reads the device; ``trim`` then cuts every layer to its
+    widest head with one read once the prefill is over.
     """
 
     def __init__(self, probe, keep: int, *, window: int, safeguard: float):
         super().__init__(probe, NeverSelect(), keep, window=window, compress_from=0)
         self.safeguard = safeguard
         self.compressed: list[int] = []
+        self.sliding_window: int | None = None  # the current layer's window (None: a global layer)
+
+    def on_attention(self, call):
+        super().on_attention(call)
+        if call.phase == "prefill":
+            self.sliding_window = call.sliding_window
 
     def after_layer(self, layer, state):
         scores, self.scores = self.scores, None
         live = state.positions.shape[0]
         if self.keep < live:
-            kept = adaptive_head_mask(scores, self.keep, self.window, self.safeguard)
+            kept = adaptive_head_mask(scores, self.keep, self.window, self.safeguard, self.unseen)
             width = widest_head(scores.shape[0], self.keep, self.window, live, self.safeguard)
+            if self.sliding_window is not None:  # a local layer's last query sees its window's keys, no more
+                width = min(width, self.sliding_window)
             state.cache.compress_to_mask(layer, kept, width)
             self.compressed.append(layer)
 
@@ -105,10 +128,10 @@ class AdaKV(SnapKV):
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer: int | None = None) -> Selection:
         check_head_layer(self.name, layer, captured.num_layers)
-        scores = self.captured_scores(captured)[layer]
-        length = captured.num_tokens
-        keep = self.kept_tokens(budget, length)
-        return Selection(layer, adaptive_head_selection(scores, keep, self.window_size, self.safeguard))
+        scores = captured.hide_unseen(self.captured_scores(captured))[layer]  # NaN: keys the layer could not see
+        keep = self.kept_tokens(budget, captured.num_tokens)
+        selected = adaptive_head_selection(scores, keep, self.window_size, self.safeguard, scores.isnan())
+        return Selection(layer, selected)
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """Per layer, each token's best score over the heads (an entry of any head can win a place),
