@@ -60,16 +60,16 @@ def check_prompt_lengths(tokenizer, examples, config, *, allow_overlength: bool 
     return prompts
 
 
-def warn_clamped(budget, prompt_lengths: Sequence[int], option: str = "--budget") -> None:
+def warn_clamped(budget, prompt_lengths: Sequence[int], option: str = "--budget", whole: str = "prompt") -> None:
     """A token budget larger than a prompt keeps the whole prompt: say so once for the prompts of
     ``prompt_lengths`` it exceeds, instead of clamping silently (a line per example buried the rest),
-    naming the ``option`` it was given as."""
+    naming the ``option`` it was given as and what it keeps the ``whole`` of (a ranked span)."""
     over = [length for length in prompt_lengths if budget.tokens is not None and budget.tokens > length]
     if over:
         longest = f"{max(over)} tokens" + (" or fewer" if len(set(over)) > 1 else "")
         warnings.warn(
-            f"{option} {budget.tokens} is larger than the prompt ({longest}); it keeps all of it "
-            f"(in {len(over)} of {len(prompt_lengths)} prompts)",
+            f"{option} {budget.tokens} is larger than the {whole} ({longest}); it keeps all of it "
+            f"(in {len(over)} of {len(prompt_lengths)} {whole}s)",
             stacklevel=2,
         )
 

@@ -1224,20 +1224,26 @@ def test_compare_and_variance_warn_of_a_budget_raised_or_clamped(store_path):
     assert [str(warning.message) for warning in warned] == [clamped] * 2
 
 
-def test_compare_warns_of_a_needle_keep_larger_than_the_prompt_as_of_such_a_budget(store_path):
+def test_compare_warns_of_a_needle_keep_larger_than_the_ranked_span_as_of_such_a_budget(store_path):
     """--needle-keep 5000 on prompts of ~1000 tokens gave every method needle recall 1.00 silently,
-    where --budget 5000 warned."""
+    where --budget 5000 warned; so did one between the ranked span (the prompt less its observation
+    window) and the prompt, where the warning compared with the prompt."""
     import warnings
 
-    with pytest.warns(UserWarning) as warned:
-        result = compare_store(store_path, methods=["window"], keep=0.5, needle_keep=TOKENS + 1, workers=1)
-    assert [str(warning.message) for warning in warned] == [
-        f"--needle-keep {TOKENS + 1} is larger than the prompt ({TOKENS} tokens); it keeps all of it (in 3 of 3 prompts)"
-    ]
-    assert set(result.per_layer["needle_recall"].drop_nulls()) == {1.0}
+    from rankkit.eval.compare import ranked_slice
+
+    span = ranked_slice(None, "prompt", TOKENS).stop  # every example's ranked span, the prompt less W
+    for needle_keep in (TOKENS + 1, span + 1):
+        with pytest.warns(UserWarning) as warned:
+            result = compare_store(store_path, methods=["window"], keep=0.5, needle_keep=needle_keep, workers=1)
+        assert [str(warning.message) for warning in warned] == [
+            f"--needle-keep {needle_keep} is larger than the ranked span ({span} tokens); it keeps all of it "
+            "(in 3 of 3 ranked spans)"
+        ]
+        assert set(result.per_layer["needle_recall"].drop_nulls()) == {1.0}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a needle keep within the prompts says nothing, nor one as a keep rate
-        compare_store(store_path, methods=["window"], keep=0.5, needle_keep=TOKENS, workers=1)
+        warnings.simplefilter("error")  # a needle keep within the spans says nothing, nor one as a keep rate
+        compare_store(store_path, methods=["window"], keep=0.5, needle_keep=span, workers=1)
         compare_store(store_path, methods=["window"], keep=0.5, needle_keep=1.0, workers=1)
 
 
@@ -1422,23 +1428,25 @@ def cli():
 
 
 def test_evidence_kept_nowhere_is_a_wilson_interval_not_zero_to_zero():
-    """needle_recall and evidence_kept are each example's share of its evidence: a score, so an
-    all-zero column (a method that never keeps the needle) gets Wilson's interval over n, as
-    the README says, where the bootstrap read 0.00 [0.00, 0.00]."""
+    """needle_recall and evidence_kept are each example's share of its evidence, and recall_at_X its
+    share of the oracle's top X%: scores, so an all-zero column (a method that never keeps the
+    needle) gets Wilson's interval over n, as the README says, where the bootstrap read
+    0.00 [0.00, 0.00]."""
     from rankkit.eval.compare import RECALL_COLUMNS, curve_frame, summary_frame
     from rankkit.eval.stats import wilson_interval
 
+    shares = ("needle_recall", "evidence_kept", *RECALL_COLUMNS)
     per_layer = pl.DataFrame(
         {
             "example_id": ["a", "b", "c", "d"],
             "method": ["claa"] * 4,
             "layer": [3] * 4,
-            **{metric: [0.5, 0.6, 0.7, 0.8] for metric in ("spearman", "kendall", "adjacent_spearman", *RECALL_COLUMNS)},
-            **{metric: [0.0] * 4 for metric in ("needle_recall", "evidence_kept")},
+            **{metric: [0.5, 0.6, 0.7, 0.8] for metric in ("spearman", "kendall", "adjacent_spearman")},
+            **{metric: [0.0] * 4 for metric in shares},
         }
     )
     for frame in (summary_frame(per_layer, {"claa": 3}), curve_frame(per_layer)):
-        for metric in ("needle_recall", "evidence_kept"):
+        for metric in shares:
             low, high = wilson_interval(0, 4)
             assert frame.row(0, named=True)[f"{metric}_ci_high"] == pytest.approx(high) and high > 0.4
             assert frame.row(0, named=True)[f"{metric}_ci_low"] == low == 0

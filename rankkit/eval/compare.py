@@ -99,6 +99,7 @@ from .stats import (
     CLUSTER,
     EXAMPLE_ID,
     SIGNIFICANCE,
+    TOP_K_RECALL,
     cluster_column,
     count_column,
     interval_columns,
@@ -114,7 +115,7 @@ if TYPE_CHECKING:
 from .ranking import Ranked, keep_count, overlap_share, row_metrics, spans_mask
 
 KEEP_RATES = (0.1, 0.2, 0.4)  # CLAA Table 4
-RECALL_COLUMNS = tuple(f"recall_at_{round(rate * 100)}" for rate in KEEP_RATES)
+RECALL_COLUMNS = tuple(f"{TOP_K_RECALL}{round(rate * 100)}" for rate in KEEP_RATES)
 METRIC_COLUMNS = ("spearman", "kendall", *RECALL_COLUMNS, "needle_recall", "evidence_kept")
 
 CLAA = "claa"
@@ -878,8 +879,10 @@ def compare_store(
     prompt_lengths = [record.num_tokens for record in records]
     warn_budgets([budget], ranked_methods.values(), prompt_lengths)
     if own_needle_budget is not None:
-        # a needle keep over the prompt counts all of it: every method's needle recall reads 1.00
-        warn_clamped(own_needle_budget, prompt_lengths, "--needle-keep")
+        # needle recall counts in the ranked span: a needle keep over it counts all of it, and every
+        # method's needle recall reads 1.00
+        spans = [ranked_slice(record.attrs.get("spans"), span, record.num_tokens) for record in records]
+        warn_clamped(own_needle_budget, [ranked.stop - ranked.start for ranked in spans], "--needle-keep", "ranked span")
     labels = [*probes, *ranked_methods]
     if pairs is None:
         pairs = default_pairs(labels) if oracle else []  # differences of Spearman with the oracle

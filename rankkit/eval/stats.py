@@ -197,13 +197,15 @@ CLUSTER = "cluster"  # the column naming each example's cluster: the examples sh
 # Each example's share of its evidence kept (offline, by a ranking; online, by a run) or found: a score, so
 # none kept anywhere is not "0.00 [0.00, 0.00]"; with an answer's accuracy, what means treat as scores.
 SHARES = ("needle_recall", "evidence_kept", "evidence_kept_offline")
+# compare's recall_at_X, each example's share of the oracle's top X% in the ranking's top X%: a share too
+TOP_K_RECALL = "recall_at_"
 ACCURACY = "accuracy"
 
 
 def scores_among(metrics: Sequence[str]) -> list[str]:
     """The ``metrics`` that ``mean_intervals`` takes as scores (``scores``): accuracy and the shares.
     The one rule of compare's, bench's and report's means."""
-    return [name for name in metrics if name == ACCURACY or name in SHARES]
+    return [name for name in metrics if name == ACCURACY or name in SHARES or name.startswith(TOP_K_RECALL)]
 
 
 def cluster_column(frame: pl.DataFrame) -> str | None:
