@@ -88,6 +88,8 @@ class AttentionCall:
     sinks: torch.Tensor | None = None  # GPT-OSS: [q_heads] sink logits joining the softmax denominator
     sliding_window: int | None = None  # a local layer sees keys with position > query position - window
     sees_every_key: bool = False  # one query that may attend to every key (KVCache.sees_every_key): no mask
+    # the keys are positions 0..S-1 in order, as the host knows them (a fresh prefill's before any pruning)
+    keys_from_zero: bool = False
     # what several hooks derive from this call, computed once (``probes.attention.share_window``)
     shared: dict = field(default_factory=dict, repr=False, compare=False)
     # what hooks derive from positions that the layers of one forward step share (``per_step``)
@@ -122,6 +124,15 @@ class AttentionCall:
         if self.sliding_window is None:
             return None
         return self.key_positions <= self.query_positions[-1] - self.sliding_window
+
+    def first_seen_key(self) -> int | None:
+        """How many of the oldest keys a local layer's last query cannot see, where the host knows it:
+        0 on a global layer, max(0, S - window) where the keys are positions 0..S-1
+        (``keys_from_zero``), so a method cuts them off without reading ``unseen_keys``; None where
+        only the device knows."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, self.key.shape[2] - self.sliding_window) if self.keys_from_zero else None
 
     def cap(self, logits: torch.Tensor) -> torch.Tensor:
         """Scaled logits as the model's softmax sees them (soft-capped where the family caps)."""
@@ -280,12 +291,15 @@ def _flash_attn_func():
 class _Step:
     """One forward step through all layers: carries positions, cache and hooks to the attention function."""
 
-    def __init__(self, runner: Runner, phase: str, positions: torch.Tensor, cache: KVCache, hooks):
+    def __init__(
+        self, runner: Runner, phase: str, positions: torch.Tensor, cache: KVCache, hooks, keys_from_zero: bool
+    ):
         self.runner = runner
         self.phase = phase
         self.positions = positions
         self.cache = cache
         self.hooks = hooks
+        self.keys_from_zero = keys_from_zero  # AttentionCall.keys_from_zero, until a hook prunes
         self.shared: dict = {}  # AttentionCall.step_shared
 
     def attend(self, layer, query, key, value, scaling, sliding_window, softcap, sinks):
@@ -306,6 +320,7 @@ class _Step:
                 sinks,
                 sliding_window,
                 self.cache.sees_every_key(layer, query.shape[2], sliding_window),
+                self.keys_from_zero,
                 step_shared=self.shared,
             )
             for hook in self.hooks:
@@ -515,11 +530,21 @@ class Runner:
         return out.transpose(1, 2).contiguous()
 
     def _layers(
-        self, state: PrefillState | None, hidden, positions, cache, hooks, phase, position_embeddings, part=None
+        self,
+        state: PrefillState | None,
+        hidden,
+        positions,
+        cache,
+        hooks,
+        phase,
+        position_embeddings,
+        part=None,
+        keys_from_zero: bool = False,
     ):
-        """Run the layers of ``part`` (default: all); the first layer's step begins the cache's."""
+        """Run the layers of ``part`` (default: all); the first layer's step begins the cache's.
+        ``keys_from_zero``: a fresh cache and ``positions`` 0..n-1 (``AttentionCall.keys_from_zero``)."""
         part = range(self.num_layers) if part is None else part
-        step = _Step(self, phase, positions, cache, hooks)
+        step = _Step(self, phase, positions, cache, hooks, keys_from_zero)
         if part.start == 0:
             cache.begin_step(positions)
         live = []
@@ -546,7 +571,7 @@ class Runner:
                 hook.after_layer(index, state)
             hidden, positions, position_embeddings = state.hidden, state.positions, state.position_embeddings
             if positions is not step.positions:  # a hook pruned; comparing values would sync per layer
-                step.positions = positions
+                step.positions, step.keys_from_zero = positions, False
                 position_ids = positions[None]
                 cache.begin_step(positions)
             if state.stop:
@@ -595,6 +620,7 @@ class Runner:
         position is read from the device.
         """
         input_ids = input_ids.reshape(-1).to(self.device)
+        keys_from_zero = positions is None and cache is None
         if positions is None:
             positions, prompt_length = torch.arange(input_ids.shape[0], device=self.device), input_ids.shape[0]
         else:
@@ -605,7 +631,9 @@ class Runner:
             hidden = self.embed(input_ids[None])
             embeddings = self._rotary(hidden, positions)
             state = PrefillState(hidden, positions, cache, prompt_length, embeddings)
-            hidden, live = self._layers(state, hidden, positions, cache, hooks, "prefill", embeddings)
+            hidden, live = self._layers(
+                state, hidden, positions, cache, hooks, "prefill", embeddings, keys_from_zero=keys_from_zero
+            )
         logits = None
         if logits_at == "last":
             logits = self.logits(hidden[:, -1:])[0, -1]

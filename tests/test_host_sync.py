@@ -120,11 +120,22 @@ class counting:
         self.sorting.__exit__(*exc)
 
 
-def _runner(layers: int, kv_heads: int, *, cuda_graphs: bool = False) -> Runner:
+LOCAL_WINDOW = 16  # a hybrid model's local layers see the last 16 of PROMPT's tokens
+
+
+def _runner(layers: int, kv_heads: int, *, cuda_graphs: bool = False, hybrid: bool = False) -> Runner:
+    """A tiny random Llama; ``hybrid``: a Qwen2 whose layers are local (a ``LOCAL_WINDOW`` window)
+    and global by turns."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    local = {
+        "layer_types": [("sliding_attention", "full_attention")[layer % 2] for layer in range(layers)],
+        "use_sliding_window": True,
+        "sliding_window": LOCAL_WINDOW,
+    }
     config = AutoConfig.for_model(
-        "llama",
+        "qwen2" if hybrid else "llama",
+        **(local if hybrid else {}),
         vocab_size=97,
         hidden_size=16 * kv_heads * 2,
         intermediate_size=64,
@@ -153,18 +164,20 @@ class NoTextTokenizer:
         return ""
 
 
-def _prepared(name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, **params):
+def _prepared(name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, hybrid: bool = False, **params):
     """A runner of that shape and method ``name`` prepared for ``PROMPT``."""
-    runner = _runner(layers, kv_heads, cuda_graphs=cuda_graphs)
+    runner = _runner(layers, kv_heads, cuda_graphs=cuda_graphs, hybrid=hybrid)
     method = make(name, **PARAMETERS.get(name, {}) | params)
     method.prepare(runner, PROMPT, tokenizer=NoTextTokenizer())
     return runner, method
 
 
-def _reads(name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, **params) -> tuple[Counter, Counter]:
+def _reads(
+    name: str, layers: int, kv_heads: int, *, cuda_graphs: bool = False, hybrid: bool = False, **params
+) -> tuple[Counter, Counter]:
     """Host reads of one prefill, and of one decode step (the mean over ``DECODE_STEPS`` after the first,
     which the prefill's logits give, and the second, which starts the decode), of method ``name``."""
-    runner, method = _prepared(name, layers, kv_heads, cuda_graphs=cuda_graphs, **params)
+    runner, method = _prepared(name, layers, kv_heads, cuda_graphs=cuda_graphs, hybrid=hybrid, **params)
     budget = Budget.from_keep(0.5)
     with torch.inference_mode():
         method.prefill(runner, PROMPT, budget)  # warm-up: lazily built state is not a per-run cost
@@ -209,6 +222,15 @@ def test_host_reads_do_not_grow_with_layers_or_heads(name):
     steps = {shape: step for shape, (_, step) in counts.items()}
     assert prefills[(2, 2)] == prefills[(4, 2)] == prefills[(2, 4)], prefills
     assert steps[(2, 2)] == steps[(4, 2)] == steps[(2, 4)], steps
+
+
+@pytest.mark.parametrize("name", sorted(set(REGISTRY) - set(PER_LAYER_READS)))
+def test_host_reads_do_not_grow_with_a_hybrid_models_local_layers(name):
+    """A per-head cut of a local layer read which keys the layer sees (snapkv, pyramidkv, tova and
+    streamingllm two reads a local layer, sage-kv one): a fresh prefill's keys are positions
+    0..S-1, so the host knows them (``AttentionCall.first_seen_key``)."""
+    counts = {layers: _reads(name, layers, 2, hybrid=True) for layers in (2, 4)}
+    assert counts[2] == counts[4], counts
 
 
 def test_a_decode_step_reads_one_token_and_a_prefill_one_length():

@@ -101,9 +101,9 @@ class SageKVHook(LayerHook):
             return
         from rankkit.probes.attention import window_attention  # probes load late, as in make_probe
 
-        unseen = call.unseen_keys()
-        # a fresh prefill holds its keys in position order: those a local layer cannot see come first
-        first_seen = 0 if unseen is None else int(unseen[0].sum())
+        first_seen = call.first_seen_key()
+        if first_seen is None:  # a prefill's keys are in position order: those a local layer cannot see come first
+            first_seen = int(call.unseen_keys()[0].sum())
         split = self.split.seeing(first_seen, call.key.shape[2], self.budget)
         self.layer_splits[call.layer] = split
         self.kept = kept_union(window_attention(call, 1), split)

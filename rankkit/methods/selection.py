@@ -179,14 +179,24 @@ def top_k_with_forced(scores: torch.Tensor, k: int, forced: torch.Tensor | None 
 
 
 def top_k_seen(
-    scores: torch.Tensor, k: int, forced: torch.Tensor | None, unseen: torch.Tensor | None
+    scores: torch.Tensor,
+    k: int,
+    forced: torch.Tensor | None,
+    unseen: torch.Tensor | None,
+    first_seen: int | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """``top_k_with_forced`` over scores [heads, S] among the keys a layer can attend to.
 
     Keys in ``unseen`` [heads, S] (outside a local layer's window) are never kept, forced
     or not, and take none of the ``k``: a head keeps its ``k`` best seen keys, or every
-    seen key when it sees fewer. Returns one sorted index tensor per head then.
+    seen key when it sees fewer. Where the host knows the unseen keys are the oldest
+    ``first_seen`` (``AttentionCall.first_seen_key``) they are cut off and nothing is read;
+    else the mask is read, and the result is one sorted index tensor per head.
     """
+    if first_seen is not None:
+        seen = slice(first_seen, None)
+        kept = top_k_with_forced(scores[..., seen], k, None if forced is None else forced[seen])
+        return kept + first_seen if first_seen else kept
     if unseen is None or not bool(unseen.any()):
         return top_k_with_forced(scores, k, forced)
     order = descending_order(with_forced(scores, forced).masked_fill(unseen, float("-inf")))
@@ -281,6 +291,7 @@ class SelectionHook(LayerHook):
         self.stop_at_selection = stop_at_selection
         self.scores: torch.Tensor | None = None  # the current layer's probe scores [kv_heads, S]
         self.unseen: torch.Tensor | None = None  # the current layer's keys outside its window
+        self.first_seen: int | None = None  # how many of them, the oldest, where the host knows
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
         self._forced: tuple[int, torch.Tensor] | None = None  # (live tokens, their forced mask)
@@ -298,7 +309,7 @@ class SelectionHook(LayerHook):
         if call.phase != "prefill" or self.kept_positions is not None:
             return
         if self.policy.needs_scores(call.layer) or self._compresses(call.layer):
-            self.scores, self.unseen = self.probe.score(call), call.unseen_keys()
+            self.scores, self.unseen, self.first_seen = self.probe.score(call), call.unseen_keys(), call.first_seen_key()
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         if self.kept_positions is not None:
@@ -309,7 +320,7 @@ class SelectionHook(LayerHook):
         if shared is None:
             if self._compresses(layer) and self.keep < live:
                 forced = self._forced_mask(live, state.positions.device)
-                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
+                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen, self.first_seen))
             return
         forced = self._forced_mask(live, state.positions.device)
         keep = top_k_with_forced(shared, self.keep, forced)
@@ -319,7 +330,7 @@ class SelectionHook(LayerHook):
             state.stop_here()
         elif self.keep < live:  # keeping everything is a no-op: skip the copies
             if self._compresses(layer):  # CLAA Listings 2 and 5, ASL Alg. 1: the layer's own top-k
-                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen))
+                state.cache.compress(layer, top_k_seen(scores, self.keep, forced, self.unseen, self.first_seen))
             else:
                 state.cache.compress(layer, keep.expand(state.cache.keys[layer].shape[1], -1))
             state.prune(keep)
