@@ -329,6 +329,49 @@ def test_adakv_shares_out_only_keys_each_layer_sees_online_and_offline(runner, r
     assert all(run.result.cache.positions[layer].shape[1] <= WINDOW for layer in range(6) if HYBRID_LAYERS[layer] == LOCAL)
 
 
+PER_HEAD = ["snapkv", "pyramidkv", "streamingllm", "tova", "adakv", "sage-kv", "lava"]
+
+
+def _recorded(runner, ids, method) -> Captured:
+    """What a store of ``ids`` holds for ``method`` (no probe for streamingllm's positions), with the
+    model's head counts."""
+    import dataclasses
+
+    captured = _captured(runner, ids, [method.probe()] if method.captured_inputs() else [])
+    config = runner.model.config
+    return dataclasses.replace(
+        captured, kv_heads=config.num_key_value_heads, query_heads=config.num_attention_heads
+    )
+
+
+@pytest.mark.parametrize("name", PER_HEAD)
+def test_a_budget_covering_the_prompt_keeps_every_key_online_and_offline(runner, random_ids, name):
+    """A budget that covers the prompt is full prefill: no layer is cut, a local one keeps the keys it
+    cannot see as full prefill does. The offline face of snapkv, pyramidkv, streamingllm, tova and
+    adakv reported only the keys a local layer sees (8 of 40 per head, where the prefill kept 40)."""
+    method = make(name)
+    length = int(random_ids.numel())
+    budget = Budget.from_keep(1.0)
+    run = method.prefill(runner, random_ids, budget)
+    captured = _recorded(runner, random_ids, method)
+    for layer in range(6):
+        kept = cached(run, layer)
+        assert kept == [list(range(length))] * 2, layer
+        assert method.select_offline(captured, budget, layer=layer).as_lists() == kept, layer
+
+
+@pytest.mark.parametrize("name", PER_HEAD)
+def test_kv_only_rankings_put_the_keys_a_local_layer_cannot_see_last(runner, random_ids, name):
+    """compare's rankings of the KV-only methods ranked a local layer's unseen keys among the others
+    (streamingllm's sinks first of all) though no cut keeps them; sage-kv and lava put them last."""
+    method = make(name)
+    length = int(random_ids.numel())
+    rankings = method.layer_rankings(_recorded(runner, random_ids, method), Budget.from_tokens(10))
+    for layer, kind in enumerate(HYBRID_LAYERS):
+        unseen = torch.arange(length) < length - WINDOW if kind == LOCAL else torch.zeros(length, dtype=torch.bool)
+        assert rankings[layer][unseen].isneginf().all() and not rankings[layer][~unseen].isneginf().any(), layer
+
+
 def test_lava_budgets_go_to_keys_each_layer_sees_online_and_offline(runner, random_ids):
     from rankkit.probes import ProbeRecorder
 

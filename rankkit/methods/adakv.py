@@ -25,6 +25,7 @@ from rankkit.methods.selection import (
     check_head_layer,
     descending_order,
     forced_mask,
+    left_out_unseen,
     one_pass,
     with_forced,
 )
@@ -128,14 +129,14 @@ class AdaKV(SnapKV):
 
     def select_offline(self, captured: Captured, budget: Budget, *, layer: int | None = None) -> Selection:
         check_head_layer(self.name, layer, captured.num_layers)
-        scores = captured.hide_unseen(self.captured_scores(captured))[layer]  # NaN: keys the layer could not see
         keep = self.kept_tokens(budget, captured.num_tokens)
-        selected = adaptive_head_selection(scores, keep, self.window_size, self.safeguard, scores.isnan())
+        scores = captured.hide_unseen(self.captured_scores(captured))[layer]  # NaN: keys the layer could not see
+        selected = adaptive_head_selection(scores, keep, self.window_size, self.safeguard, left_out_unseen(scores, keep))
         return Selection(layer, selected)
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """Per layer, each token's best score over the heads (an entry of any head can win a place),
-        the observation window first."""
+        the observation window first and keys a local layer cannot see last."""
         scores = self.captured_scores(captured)
         forced = forced_mask(captured.num_tokens, self.window_size)
-        return dict(enumerate(with_forced(scores.amax(dim=1), forced).unbind(0)))
+        return dict(enumerate(captured.unseen_last(with_forced(scores.amax(dim=1), forced)).unbind(0)))

@@ -70,22 +70,45 @@ class Captured:
     kv_heads: int | None = None
     query_heads: int | None = None
 
+    def unseen(self) -> torch.Tensor | None:
+        """Bool [L, T]: True where a local layer's last query could not see the key
+        (``AttentionCall.unseen_keys``, as a prefill finds them); None where no layer is local."""
+        if self.layer_types is None or self.sliding_window is None:
+            return None
+        old = torch.arange(self.num_tokens) <= self.num_tokens - 1 - self.sliding_window
+        local = torch.tensor([kind == SLIDING_ATTENTION for kind in self.layer_types])
+        return local[:, None] & old
+
     def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
         """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key
-        (``AttentionCall.unseen_keys``, as a prefill finds them), for the per-layer kept sets."""
-        if self.layer_types is None or self.sliding_window is None:
+        (``unseen``), for the per-layer kept sets."""
+        unseen = self.unseen()
+        if unseen is None:
             return scores
-        hidden = scores.clone()
-        unseen = torch.arange(self.num_tokens) <= self.num_tokens - 1 - self.sliding_window
-        for layer, kind in enumerate(self.layer_types):
-            if kind == SLIDING_ATTENTION:
-                hidden[layer, ..., unseen] = float("nan")
-        return hidden
+        return scores.masked_fill(_per_layer(unseen, scores).to(scores.device), float("nan"))
+
+    def unseen_last(self, rankings: torch.Tensor) -> torch.Tensor:
+        """Layer rankings [L, T] with the keys a local layer could not see at -inf, after every other
+        token, forced ones too: no per-head cut keeps them."""
+        unseen = self.unseen()
+        return rankings if unseen is None else rankings.masked_fill(unseen.to(rankings.device), float("-inf"))
 
     def get(self, key: str, method: str) -> torch.Tensor:
         if key not in self.arrays:
             raise RankkitError(f"method '{method}' needs captured {key!r}, which this example lacks")
         return self.arrays[key]
+
+
+def left_out_unseen(seen_scores: torch.Tensor, keep: int) -> torch.Tensor | None:
+    """The keys a per-head cut to ``keep`` of scores [heads, T] leaves out as unseen: their NaN
+    (``Captured.hide_unseen``), or none where ``keep`` covers the prompt, which a prefill does not
+    cut (every layer keeps every key, as full prefill does)."""
+    return seen_scores.isnan() if keep < seen_scores.shape[-1] else None
+
+
+def _per_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A [L, T] mask shaped to broadcast over scores [L, ..., T]."""
+    return mask.view(mask.shape[0], *[1] * (scores.dim() - 2), mask.shape[1])
 
 
 def check_head_layer(method: str, layer: int | None, num_layers: int) -> int:
@@ -431,7 +454,7 @@ class PolicyMethod(Method):
             return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
         check_head_layer(self.name, layer, captured.num_layers)
         seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
-        return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
+        return Selection(layer, top_k_seen(seen_scores, keep, forced, left_out_unseen(seen_scores, keep)))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
@@ -460,8 +483,8 @@ class PolicyMethod(Method):
                 selected = policy.decide_at_once(summed)
             if selected is None:
                 selected = replay(policy, scores)
-            if selected is None:
-                return dict(enumerate(with_forced(scores.sum(1), forced).unbind(0)))
+            if selected is None:  # KV-only: each layer cuts its own cache
+                return dict(enumerate(captured.unseen_last(with_forced(scores.sum(1), forced)).unbind(0)))
             shared[selected[0]] = selected[1]
         return dict(
             zip(shared, with_forced(torch.stack(list(shared.values())), forced).unbind(0), strict=True)
