@@ -97,6 +97,7 @@ class AdaptiveHeadsHook(SelectionHook):
         super().on_attention(call)
         if call.phase == "prefill":
             self.sliding_window = call.sliding_window
+            self.unseen = call.unseen_keys()  # the ranking over all heads masks them, made on the device
 
     def after_layer(self, layer, state):
         scores, self.scores = self.scores, None

@@ -313,8 +313,8 @@ class SelectionHook(LayerHook):
         self.compress_from = compress_from
         self.stop_at_selection = stop_at_selection
         self.scores: torch.Tensor | None = None  # the current layer's probe scores [kv_heads, S]
-        self.unseen: torch.Tensor | None = None  # the current layer's keys outside its window
-        self.first_seen: int | None = None  # how many of them, the oldest, where the host knows
+        self.first_seen: int | None = None  # how many of the current layer's keys, the oldest, it cannot see
+        self.unseen: torch.Tensor | None = None  # which, where the host does not know (``first_seen`` None)
         self.kept_positions: torch.Tensor | None = None
         self.selection_layer: int | None = None
         self._forced: tuple[int, torch.Tensor] | None = None  # (live tokens, their forced mask)
@@ -332,7 +332,9 @@ class SelectionHook(LayerHook):
         if call.phase != "prefill" or self.kept_positions is not None:
             return
         if self.policy.needs_scores(call.layer) or self._compresses(call.layer):
-            self.scores, self.unseen, self.first_seen = self.probe.score(call), call.unseen_keys(), call.first_seen_key()
+            self.scores, self.first_seen = self.probe.score(call), call.first_seen_key()
+            # the mask only where the host cannot cut the unseen keys off by their count
+            self.unseen = call.unseen_keys() if self.first_seen is None else None
 
     def after_layer(self, layer: int, state: PrefillState) -> None:
         if self.kept_positions is not None:
