@@ -229,6 +229,25 @@ def test_per_head_compression_keeps_the_best_keys_a_layer_sees(
         assert cached(run, 0) == [list(range(41, 52))] * 2 and cached(run, 2) == [[0, 1, 2, 3, *range(45, 52)]] * 2
 
 
+def test_streamingllms_ring_on_a_local_layer_is_its_window_not_a_wider_budget(runner, random_ids):
+    """At a budget of 24 a local layer (window 16) kept its 16 keys, then grew a ring of 25 entries in
+    decoding, of which a step sees 16; its ring now holds its 16 and a step's token, as SAGE-KV's
+    does, while a global layer keeps its 4 sinks and a ring of 21."""
+    length = int(random_ids.numel())
+    run = make("streamingllm").prefill(runner, random_ids, Budget.from_tokens(24))
+    windows = run.result.cache.windows
+    assert [windows[layer].size for layer in range(6)] == [17 if kind == LOCAL else 21 for kind in HYBRID_LAYERS]
+    for position in range(length, length + 30):  # more steps than any ring holds
+        runner.decode_step(5, position, run.result.cache, run.decode_hooks)
+    last = length + 29
+    for layer, kind in enumerate(HYBRID_LAYERS):
+        kept = cached(run, layer)
+        if kind == LOCAL:  # what the last step saw, and the one key the next one no longer does
+            assert kept == [list(range(last - WINDOW, last + 1))] * 2, layer
+        else:
+            assert kept == [[0, 1, 2, 3, *range(last - 20, last + 1)]] * 2, layer
+
+
 class LastQueryAttention:
     """Records each prefill layer's last-query softmax attention per query head [kv_heads, group, S]."""
 

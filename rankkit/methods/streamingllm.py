@@ -53,16 +53,22 @@ class StreamingLLM(PolicyMethod):
         _, keep, _, sinks = self._plan(runner.num_layers, length, budget, runner.layer_types)
         if keep < length:  # a budget that covers the prompt is full prefill, in decoding too (as SAGE-KV's)
             cache = run.result.cache
-            layer_sinks = [sinks] * cache.num_layers
-            if runner.layer_types is not None:  # a local layer holds the sinks its window sees: one read
-                # (recency keeps the same entries in every head)
+            layer_sinks, held = [sinks] * cache.num_layers, [keep] * cache.num_layers
+            if runner.layer_types is not None:
+                # a local layer holds the sinks its window sees, and no more than the window's keys when
+                # the budget is wider: one read (recency keeps the same entries in every head)
                 counts = torch.stack(
-                    [((positions[0] < sinks) & (positions[0] != PADDING)).sum() for positions in cache.positions]
+                    [
+                        torch.stack([((positions[0] < sinks) & real).sum(), real.sum()])
+                        for positions in cache.positions
+                        for real in [positions[0] != PADDING]
+                    ]
                 )
-                layer_sinks = counts.tolist()
-            for layer, layer_sink_count in enumerate(layer_sinks):
-                # with this step's token, the window holds keep - sinks + 1 entries, then the oldest goes
-                cache.keep_recent_window(layer, keep - layer_sink_count + 1, keep + 1)
+                layer_sinks, held = counts.T.tolist()
+            for layer, (layer_sink_count, layer_held) in enumerate(zip(layer_sinks, held, strict=True)):
+                # with this step's token, the window holds what the layer kept after its sinks, + 1, then
+                # the oldest goes: a local layer's ring is its window's keys, not the wider budget
+                cache.keep_recent_window(layer, layer_held - layer_sink_count + 1, layer_held + 1)
         return run
 
     def captured_inputs(self):
