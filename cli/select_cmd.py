@@ -42,5 +42,5 @@ def select(
     for row in rows:
         typer.echo(
             f"{row['example_id']}  {row['method']}  layer {row['layer']}  "
-            f"{row['budget_tokens']} tokens: {row['selected_positions']}"
+            f"{row['kept_tokens']} of a budget of {row['budget_tokens']} tokens: {row['selected_positions']}"
         )

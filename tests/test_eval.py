@@ -1690,9 +1690,9 @@ def test_cli_compare_and_select_as_csv_are_the_json_rows_whole(cli, store_path):
         assert line == {key: "" if value is None else str(value) for key, value in row.items()}
     chosen = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--format", "csv")
     lines = chosen.stdout.splitlines()
-    assert lines[0] == "example_id,method,layer,budget_tokens,selected_positions"
+    assert lines[0] == "example_id,method,layer,budget_tokens,kept_tokens,selected_positions"
     selected = json.loads(cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--layer", 2, "--json").stdout)
-    assert lines[1] == "ex0,fastkv,2,12,\"" + json.dumps(selected[0]["selected_positions"], separators=(",", ":")) + "\""
+    assert lines[1] == "ex0,fastkv,2,12,12,\"" + json.dumps(selected[0]["selected_positions"], separators=(",", ":")) + "\""
     both = cli("select", store_path, "--method", "fastkv", "--keep", 0.2, "--json", "--format", "csv")
     assert isinstance(both.exception, RankkitError) and "--json is --format json" in str(both.exception)
 
@@ -1711,8 +1711,8 @@ def test_cli_select_prints_each_examples_kept_positions(cli, store_path):
     rows = json.loads(result.stdout)
     assert [row["example_id"] for row in rows] == ["ex0", "ex1", "ex2"]
     # window ranks like the oracle: the top 4 non-window tokens and the window of 8
-    assert rows[0].keys() == {"example_id", "method", "layer", "budget_tokens", "selected_positions"}
-    assert rows[0]["layer"] == 2 and rows[0]["budget_tokens"] == 12
+    assert rows[0].keys() == {"example_id", "method", "layer", "budget_tokens", "kept_tokens", "selected_positions"}
+    assert rows[0]["layer"] == 2 and rows[0]["budget_tokens"] == rows[0]["kept_tokens"] == 12
     from rankkit import stores
 
     truth = stores.open(store_path).example("ex0").oracle[:-8]

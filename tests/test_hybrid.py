@@ -163,6 +163,25 @@ def test_select_on_a_hybrid_store_uses_its_recorded_layer_types(runner, random_i
     assert row["selected_positions"] == online.kept_positions.tolist()
 
 
+def test_select_says_a_local_layer_keeps_fewer_than_its_budget(runner, random_ids, tmp_path):
+    """select's budget_tokens was the most a head kept (16 at a local layer under a budget of 20),
+    where bench's is the budget: both are given now, as budget_tokens and kept_tokens."""
+    from rankkit import stores
+    from rankkit.eval.offline import select_store
+    from rankkit.probes import ProbeRecorder
+
+    snapkv = make("snapkv", window_size=4)
+    recorder = ProbeRecorder([snapkv.probe()])
+    runner.prefill(random_ids, hooks=[recorder])
+    model = {"id": "tiny", "layer_types": list(HYBRID_LAYERS), "sliding_window": WINDOW}
+    writer = stores.create(tmp_path / "s.zarr", {"model": model, "probes": {snapkv.probe().key: snapkv.probe().params()}})
+    writer.write_example("ex0", attrs={}, tokens=random_ids.numpy(), scores=recorder.scores())
+    for layer, kept in [(0, WINDOW), (2, 20)]:
+        (row,) = select_store(tmp_path / "s.zarr", "snapkv:window_size=4", budget=20, layer=layer)
+        assert (row["budget_tokens"], row["kept_tokens"]) == (20, kept), layer
+        assert all(len(head) == kept for head in row["selected_positions"])
+
+
 # ---- item 2: a local layer's compressed cache keeps only keys its window sees
 
 

@@ -930,7 +930,7 @@ def test_rankkit_select_and_prefill_json_keep_the_references_positions(setup, co
     elif expected.selected is not None:
         row = select_json(command_line, expected.spec, keep)
         assert (row["layer"], row["selected_positions"]) == (expected.layer, expected.selected)
-        assert row["budget_tokens"] == len(expected.selected)
+        assert row["kept_tokens"] == len(expected.selected)
     else:
         for layer, heads in expected.caches.items():
             chosen = select_json(command_line, expected.spec, keep, "--layer", layer)["selected_positions"]

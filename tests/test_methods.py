@@ -924,7 +924,8 @@ def test_select_from_the_store_is_what_prefill_keeps_on_the_default_model(
     assert row["example_id"] == "ex0" and row["method"] == spec  # named with its parameters
     assert row["layer"] == online.selection_layer
     assert row["selected_positions"] == online.kept_positions.tolist()
-    assert row["budget_tokens"] == len(row["selected_positions"])
+    assert row["kept_tokens"] == len(row["selected_positions"])
+    assert row["budget_tokens"] == make(name, **params).kept_tokens(Budget.from_keep(keep), short_prompt.numel())
 
 
 def test_lava_offline_kept_entries_are_its_prefill_cache(random_ids):

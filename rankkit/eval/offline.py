@@ -196,8 +196,10 @@ def select_store(
     """Per example, the original positions ``method`` (a spec, ``claa:aggregation_window=8``) keeps at
     its selection layer under the keep rate ``keep`` (``--keep``) or the token count ``budget``
     (``--budget``), one of them, from the store alone: ``{"example_id", "method", "layer",
-    "budget_tokens", "selected_positions"}``; positions are a list, or a list per KV head for per-head
-    (KV-only) methods, which report the layer ``layer`` names."""
+    "budget_tokens", "kept_tokens", "selected_positions"}``; positions are a list, or a list per KV
+    head for per-head (KV-only) methods, which report the layer ``layer`` names. ``budget_tokens`` is
+    the budget as bench's rows count it (``Method.kept_tokens``), ``kept_tokens`` the positions kept
+    (the most any head keeps), fewer where a local layer sees fewer keys or heads share a budget."""
     from rankkit import stores
 
     if layer is not None:
@@ -231,7 +233,8 @@ def select_store(
                 "example_id": record.id,
                 "method": label,
                 "layer": selection.layer,
-                "budget_tokens": selection.size,
+                "budget_tokens": method.kept_tokens(chosen, record.num_tokens),  # as bench's: raised to what it always keeps
+                "kept_tokens": selection.size,
                 "selected_positions": selection.as_lists(),
             }
         )
