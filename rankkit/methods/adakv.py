@@ -97,7 +97,8 @@ class AdaptiveHeadsHook(SelectionHook):
         super().on_attention(call)
         if call.phase == "prefill":
             self.sliding_window = call.sliding_window
-            self.unseen = call.unseen_keys()  # the ranking over all heads masks them, made on the device
+            if self.unseen is None:  # the ranking over all heads masks them, even where the host could count them
+                self.unseen = call.unseen_keys()
 
     def after_layer(self, layer, state):
         scores, self.scores = self.scores, None

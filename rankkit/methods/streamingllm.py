@@ -57,13 +57,7 @@ class StreamingLLM(PolicyMethod):
             if runner.layer_types is not None:
                 # a local layer holds the sinks its window sees, and no more than the window's keys when
                 # the budget is wider: one read (recency keeps the same entries in every head)
-                counts = torch.stack(
-                    [
-                        torch.stack([((positions[0] < sinks) & real).sum(), real.sum()])
-                        for positions in cache.positions
-                        for real in [positions[0] != PADDING]
-                    ]
-                )
+                counts = torch.stack([_sinks_and_entries(positions[0], sinks) for positions in cache.positions])
                 layer_sinks, held = counts.T.tolist()
             for layer, (layer_sink_count, layer_held) in enumerate(zip(layer_sinks, held, strict=True)):
                 # with this step's token, the window holds what the layer kept after its sinks, + 1, then
@@ -78,3 +72,10 @@ class StreamingLLM(PolicyMethod):
         """Recency [L, kv_heads, T]: a set per KV head, as the prefill's cache holds (all alike)."""
         positions = torch.arange(captured.num_tokens, dtype=torch.float32)
         return positions.expand(captured.num_layers, captured.kv_heads or 1, -1)
+
+
+def _sinks_and_entries(positions: torch.Tensor, sinks: int) -> torch.Tensor:
+    """[2]: how many of a head's cache ``positions`` are among the first ``sinks`` tokens, and how many
+    are real (not padding)."""
+    real = positions != PADDING
+    return torch.stack([(real & (positions < sinks)).sum(), real.sum()])
