@@ -154,3 +154,29 @@ def test_an_ending_eos_is_not_a_lookahead_query_and_an_eos_at_once_is_refused(ra
     draft.model.generation_config.eos_token_id = first
     with pytest.raises(RankkitError, match="answered with EOS at once"):
         lookahead_scores(draft, random_ids, 4)
+
+
+def test_keys_no_layer_of_the_draft_could_see_count_as_no_attention():
+    """A draft of local layers only (a hybrid model's first layers) scores the keys outside every window
+    NaN; Eq. 3 ranked them first, above the forced last token: on a hybrid model drafting with
+    layers:2 (two local layers, window 16) the prefill kept positions 0..19 of 40 and not the last."""
+    from test_hybrid import WINDOW, hybrid_runner
+
+    lookahead = LOOKAHEAD.clone()
+    lookahead[0, :, :, 0] = float("nan")  # the first query saw key 0 at no layer, the second did
+    lookahead[:, :, :, 2] = float("nan")  # no query saw key 2
+    assert eq3(lookahead).tolist() == [1.0, 5.0, 0.0, 3.5, 2.5]  # as if their attention were 0
+    assert eq3(torch.tensor([1.0, float("nan")])).tolist() == [1.0, 0.0]
+
+    runner = hybrid_runner()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 100, (40,))
+    method = make("specprefill", draft_model="layers:2", lookahead=2)
+    scores, _ = method.draft_scores(runner, ids)
+    unseen = scores.isnan().all(dim=0)
+    assert unseen.tolist() == [position <= 40 - WINDOW for position in range(40)]  # both steps' windows
+    kept = method.prefill(runner, ids, Budget.from_tokens(10)).kept_positions.tolist()
+    means = scores.nan_to_num(nan=0.0).mean(dim=0).tolist()
+    means[-1] = float("inf")
+    assert kept == sorted(sorted(range(40), key=lambda token: (-means[token], token))[:10])
+    assert 39 in kept and min(kept) > 40 - WINDOW

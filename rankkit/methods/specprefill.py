@@ -160,11 +160,15 @@ def lookahead_scores(
 def eq3(lookahead: torch.Tensor) -> torch.Tensor:
     """Eq. 3 from lookahead scores [k, ..., T]: max over layers and heads, mean over the k queries.
 
-    A [T] array is taken as already aggregated.
+    A key no layer of the draft could see from a query (NaN: outside every local window the
+    draft has) had no attention from it: it counts as 0, so it ranks under every key the
+    draft attended to, where a NaN would have ranked first. A [T] array is taken as already
+    aggregated.
     """
     if lookahead.ndim == 1:
-        return lookahead
-    return lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).amax(dim=1).mean(dim=0)
+        return lookahead.nan_to_num(nan=0.0) if lookahead.isnan().any() else lookahead
+    maxima = lookahead.reshape(lookahead.shape[0], -1, lookahead.shape[-1]).amax(dim=1)
+    return maxima.nan_to_num(nan=0.0).mean(dim=0)
 
 
 @register
