@@ -257,3 +257,31 @@ def test_default_model_oracle_puts_the_needle_on_top(default_model, passkey, rep
         needle_share, key_share = measured[mode]
         assert top_share(result.scores, needle) >= needle_share - MARGIN, mode
         assert top_share(result.scores, key) >= key_share - MARGIN, mode
+
+
+@pytest.mark.parametrize("mirror", ["gemfilter", "fastkv"])
+def test_keys_no_answer_query_saw_rank_last_online_and_offline(random_ids, mirror):
+    """On a model whose every layer is local (window 16), no answer query sees the oldest keys at any
+    layer, and their oracle score is NaN: the oracle method kept them first, before its forced last
+    token (gemfilter mirror at 10 tokens: positions 0..9), where compare ranks them last."""
+    from test_hybrid import LOCAL, hybrid_runner
+
+    from rankkit.methods import Budget, Captured, make
+    from rankkit.methods.selection import ORACLE_SCORES
+
+    runner = hybrid_runner(layers=(LOCAL,) * 4)
+    method = make("oracle", mirror=mirror, max_new_tokens=3, kernel_size=1).bind(4)
+    method.prepare(runner, random_ids, tokenizer=CharTokenizer())
+    stored = answer_informed_oracle(runner, random_ids, tokenizer=CharTokenizer(), max_new_tokens=3, kernel=1).scores
+    unseen = np.isnan(stored)
+    assert unseen.tolist() == [token <= 24 for token in range(40)]  # the answer's first query, at 40, sees 25..40
+    budget = Budget.from_tokens(10)
+    ranking = np.where(unseen, -np.inf, stored)
+    window = 1 if mirror == "gemfilter" else method.window_size
+    ranking[-window:] = np.inf
+    expected = sorted(sorted(range(40), key=lambda token: (-ranking[token], token))[:10])
+    captured = Captured({ORACLE_SCORES: torch.from_numpy(stored)}, 4, 40, runner.layer_types, 16)
+    offline = method.select_offline(captured, budget, layer=0 if mirror == "fastkv" else None)
+    assert offline.positions.reshape(-1, 10)[0].tolist() == expected
+    run = method.prefill(runner, random_ids, budget)
+    assert run.kept_positions.tolist() == expected

@@ -46,6 +46,13 @@ from rankkit.runner import AttentionCall
 MIRRORS = ("gemfilter", "fastkv", "claa")
 
 
+def ranked_last_where_unseen(scores: torch.Tensor) -> torch.Tensor:
+    """Oracle scores as the method ranks them: a key no answer query saw at any layer (NaN: outside
+    every local window, on a model whose every layer is local) at -inf, under every key one saw,
+    as ``compare`` ranks it; sorted as it was, its NaN came first."""
+    return scores.masked_fill(scores.isnan(), -torch.inf)
+
+
 class FixedRanking:
     """A probe that scores every key by a precomputed per-position ranking, the same for every head."""
 
@@ -99,7 +106,7 @@ class Oracle(PolicyMethod):
             max_new_tokens=self.max_new_tokens,
             kernel=self.kernel_size,
         )
-        self.ranking = torch.from_numpy(result.scores)
+        self.ranking = ranked_last_where_unseen(torch.from_numpy(result.scores))
 
     def probe(self):
         return FixedRanking(self.ranking)
@@ -136,14 +143,18 @@ class Oracle(PolicyMethod):
     def select_offline(self, captured: Captured, budget: Budget, *, layer=None) -> Selection:
         if self.mirror != "gemfilter":
             return super().select_offline(captured, budget, layer=layer)
-        return Selection(None, self._top_tokens(captured.get(ORACLE_SCORES, self.name), budget))
+        return Selection(None, self._top_tokens(self._stored_ranking(captured), budget))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         if self.mirror != "gemfilter":
             return super().layer_rankings(captured, budget)
         length = captured.num_tokens
         forced = self._forced_mask(length, self.kept_tokens(budget, length))
-        return {None: with_forced(captured.get(ORACLE_SCORES, self.name), forced)}
+        return {None: with_forced(self._stored_ranking(captured), forced)}
 
     def captured_scores(self, captured: Captured) -> torch.Tensor:
-        return captured.get(ORACLE_SCORES, self.name).expand(captured.num_layers, 1, -1)
+        return self._stored_ranking(captured).expand(captured.num_layers, 1, -1)
+
+    def _stored_ranking(self, captured: Captured) -> torch.Tensor:
+        """The store's oracle scores [T], ranked as ``prepare`` ranks the ones it computes."""
+        return ranked_last_where_unseen(captured.get(ORACLE_SCORES, self.name))
