@@ -366,7 +366,8 @@ def check_same_model(frame: pl.DataFrame, model: dict, what: str, against: str) 
 def kept_positions_by_layer(
     runner: Runner, method: Method, input_ids: torch.Tensor, budget: Budget, layers: list[int]
 ) -> dict[int, list[list[int]]]:
-    """The original positions each KV head of ``layers`` holds in its cache after the method's prefill.
+    """The original positions each KV head of ``layers`` holds in the cache decoding starts from
+    (``Method.prefill_for_decoding``).
 
     One more, untimed, prefill of a prepared method. It answers for every method alike:
     the tokens a shared selection kept, or a KV-only method's per-head choice.
@@ -377,7 +378,7 @@ def kept_positions_by_layer(
                 f"layer {layer} is out of range: the model has layers 0-{runner.num_layers - 1}"
             )
     with torch.inference_mode():
-        cache = method.prefill(runner, input_ids, budget).result.cache
+        cache = method.prefill_for_decoding(runner, input_ids, budget).result.cache
     return {
         layer: [
             [position for position in head if position != PADDING] for head in cache.positions[layer].tolist()

@@ -215,6 +215,26 @@ class KVCache:
             raise ValueError(f"layer {layer}: a window of {size} in {full_length} entries, which it holds")
         self.windows[layer] = RecentWindow(size, full_length)
 
+    def roll_local_layer(self, layer: int, sliding_window: int) -> None:
+        """Keep a local layer's last ``sliding_window`` entries and roll a ring of ``sliding_window`` + 1
+        over them in decoding (``keep_recent_window``): what transformers' sliding-window cache keeps,
+        where appending would hold every key for good.
+
+        The layer's entries lie in position order in every head with no padding, so the entries
+        before the last window lie a window behind the next query, and before a step the oldest of
+        sliding_window + 1 distinct earlier positions lies a window behind the step's query: the
+        cut and the ring drop only keys no later step can see. Fewer entries than the ring grow
+        into it first, as every window does.
+        """
+        length = self.get_seq_length(layer)
+        if sliding_window < length:
+            for entries, axis in zip(self._entry_lists(), ENTRY_AXES, strict=True):
+                # a copy, so the older entries' memory is freed
+                entries[layer] = entries[layer].narrow(axis, length - sliding_window, sliding_window).clone()
+            self._buffers.pop(layer, None)
+            self._fresh[layer] = False
+        self.keep_recent_window(layer, sliding_window + 1, sliding_window + 1)
+
     def hold_size(self, layer: int, size: int) -> None:
         """Declare that every decode step of ``layer`` that brings it past ``size`` entries is followed
         by an ``evict``, so the layer grows by one entry a step until it holds ``size`` between steps

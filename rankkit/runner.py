@@ -494,6 +494,30 @@ class Runner:
         """Each layer's attention type when the model has local layers, else None (``layer_types``)."""
         return layer_types(self.config)
 
+    def roll_local_layers(self, result: PrefillResult) -> None:
+        """Leave each local (sliding-window) layer of ``result``'s cache holding at most its window's
+        count of its last entries, rolled in decoding (``KVCache.roll_local_layer``), where the prefill
+        left the layer in position order with no padding and no decode rule of its own (a window, a held
+        size): full prefill's layers, those a pruned prefill left whole, a per-head cut's.
+
+        Those are the keys the window saw at the prompt's last token where the layer holds every
+        prompt position or a per-head cut (which keeps only keys it sees); a pruned prefill's layer
+        keeps its last kept tokens, as transformers' sliding-window cache keeps the last ones it is
+        given, and masks those older than the window as before. The host knows every count: nothing
+        is read.
+        """
+        kinds = self.layer_types
+        window = getattr(self.config.get_text_config(), "sliding_window", None)
+        if kinds is None or window is None:
+            return
+        cache = result.cache
+        for layer in range(cache.num_layers):
+            rolls = kinds[layer] == SLIDING_ATTENTION and not (
+                cache.keys[layer] is None or cache.padded[layer] or layer in cache.windows or layer in cache.held
+            )
+            if rolls:
+                cache.roll_local_layer(layer, window)
+
     def attention(self, query, key, value, mask, scaling):
         """SDPA over GQA heads; ``mask`` None means plain causal (or all keys for one query).
 

@@ -180,13 +180,13 @@ def _reads(
     runner, method = _prepared(name, layers, kv_heads, cuda_graphs=cuda_graphs, hybrid=hybrid, **params)
     budget = Budget.from_keep(0.5)
     with torch.inference_mode():
-        method.prefill(runner, PROMPT, budget)  # warm-up: lazily built state is not a per-run cost
+        method.prefill_for_decoding(runner, PROMPT, budget)  # warm-up: lazily built state is not a per-run cost
         with counting() as prefill:
-            run = method.prefill(runner, PROMPT, budget)
+            run = method.prefill_for_decoding(runner, PROMPT, budget)
         with counting() as first:
             greedy_continue(runner, run.result, 2, run.decode_hooks)
         with counting() as decode:
-            run = method.prefill(runner, PROMPT, budget)
+            run = method.prefill_for_decoding(runner, PROMPT, budget)
     del decode  # the prefill above only rebuilds the cache
     with torch.inference_mode(), counting() as steps:
         greedy_continue(runner, run.result, 2 + DECODE_STEPS, run.decode_hooks)
@@ -228,7 +228,8 @@ def test_host_reads_do_not_grow_with_layers_or_heads(name):
 def test_host_reads_do_not_grow_with_a_hybrid_models_local_layers(name):
     """A per-head cut of a local layer read which keys the layer sees (snapkv, pyramidkv, tova and
     streamingllm two reads a local layer, sage-kv one): a fresh prefill's keys are positions
-    0..S-1, so the host knows them (``AttentionCall.first_seen_key``)."""
+    0..S-1, so the host knows them (``AttentionCall.first_seen_key``). Rolling the local layers a
+    pruned prefill left whole counts what each saw in one read (``Runner.roll_local_layers``)."""
     counts = {layers: _reads(name, layers, 2, hybrid=True) for layers in (2, 4)}
     assert counts[2] == counts[4], counts
 
@@ -395,7 +396,7 @@ def _method_launches(name: str, layers: int) -> int:
     runner, method = _prepared(name, layers, 2)
     budget = Budget.from_keep(0.5 if name != "full" else 1.0)
     with torch.inference_mode(), sorting_as_on_cuda():
-        return launches_of(lambda: method.prefill(runner, PROMPT, budget))
+        return launches_of(lambda: method.prefill_for_decoding(runner, PROMPT, budget))
 
 
 # Operators a method launches per prefill layer beyond full's, where it scores and cuts every layer:

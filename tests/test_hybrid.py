@@ -383,19 +383,86 @@ def _recorded(runner, ids, method) -> Captured:
 
 
 @pytest.mark.parametrize("name", PER_HEAD)
-def test_a_budget_covering_the_prompt_keeps_every_key_online_and_offline(runner, random_ids, name):
-    """A budget that covers the prompt is full prefill: no layer is cut, a local one keeps the keys it
-    cannot see as full prefill does. The offline face of snapkv, pyramidkv, streamingllm, tova and
-    adakv reported only the keys a local layer sees (8 of 40 per head, where the prefill kept 40)."""
+def test_a_budget_covering_the_prompt_keeps_what_full_prefill_keeps_online_and_offline(runner, random_ids, name):
+    """A budget that covers the prompt is full prefill: a global layer keeps every key, a local one the
+    keys its window saw, as full prefill's local layers do (``Runner.roll_local_layers``). The offline
+    face of snapkv, pyramidkv, streamingllm, tova and adakv reported every key there, as the prefill
+    kept them before the local layers rolled."""
     method = make(name)
     length = int(random_ids.numel())
     budget = Budget.from_keep(1.0)
-    run = method.prefill(runner, random_ids, budget)
+    run = method.prefill_for_decoding(runner, random_ids, budget)
     captured = _recorded(runner, random_ids, method)
-    for layer in range(6):
+    for layer, kind in enumerate(HYBRID_LAYERS):
         kept = cached(run, layer)
-        assert kept == [list(range(length))] * 2, layer
+        assert kept == [list(range(length - WINDOW if kind == LOCAL else 0, length))] * 2, layer
         assert method.select_offline(captured, budget, layer=layer).as_lists() == kept, layer
+
+
+def _greedy_logits(runner, run, steps: int) -> tuple[list[int], torch.Tensor]:
+    """``steps`` greedy tokens decoded step by step after a method's prefill, and the logits each
+    came from [steps, vocab]."""
+    logits, tokens = [run.result.logits], []
+    for position in range(run.result.prompt_length, run.result.prompt_length + steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(runner.decode_step(tokens[-1], position, run.result.cache, run.decode_hooks))
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize(
+    "name, budget",
+    [("full", 1.0), ("gemfilter", 0.5), ("fastkv", 0.5), ("specprefill", 0.5), ("snapkv", 0.25)],
+)
+def test_a_local_layer_keeps_and_rolls_its_windows_last_keys_and_decodes_as_over_every_key(
+    runner, random_ids, name, budget
+):
+    """Full prefill, and every local layer a method leaves in position order, held every key for
+    good, where its window sees 16: the layer now keeps its last 16 entries and rolls 17 in
+    decoding. Every step's logits are those of the cache that keeps every key (its mask hides
+    them), past the ring's first wrap."""
+    length, steps = int(random_ids.numel()), 2 * WINDOW + 5
+    method, budget = make(name), Budget.from_keep(budget)
+    kept_all = method.prefill(runner, random_ids, budget)
+    rolled = method.prefill_for_decoding(runner, random_ids, budget)
+    for layer, kind in enumerate(HYBRID_LAYERS):
+        every, last = cached(kept_all, layer), cached(rolled, layer)
+        assert last == ([head[-WINDOW:] for head in every] if kind == LOCAL else every), layer
+    tokens, logits = _greedy_logits(runner, rolled, steps)
+    expected_tokens, expected_logits = _greedy_logits(runner, kept_all, steps)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    for layer, kind in enumerate(HYBRID_LAYERS):
+        if kind == LOCAL:  # the last 17 steps' tokens: 2 * 16 + 5 steps wrote over the ring twice
+            assert cached(rolled, layer) == [list(range(length + steps - 1 - WINDOW, length + steps))] * 2
+
+
+def test_full_prefill_decodes_the_tokens_and_bytes_transformers_sliding_window_cache_does(random_ids):
+    """Full's greedy tokens on the hybrid model are ``model.generate``'s, whose cache keeps a local
+    layer's last keys only; full's KV bytes are 2 global layers of 40 keys and 4 local ones of 16."""
+    from rankkit.methods.measure import run_once
+
+    runner = hybrid_runner()
+    config = runner.model.config
+    expected = runner.model.generate(
+        random_ids[None], max_new_tokens=2 * WINDOW, min_new_tokens=2 * WINDOW, do_sample=False
+    )[0, 40:].tolist()
+    run = run_once(runner, make("full"), random_ids, Budget.from_keep(1.0), 2 * WINDOW)
+    assert run.tokens == expected
+    entry_bytes = 2 * config.num_key_value_heads * config.hidden_size // config.num_attention_heads * 4
+    assert run.kv_bytes == (2 * 40 + 4 * WINDOW) * entry_bytes
+
+
+@pytest.mark.parametrize("name, budget", [("full", 1.0), ("gemfilter", 0.5), ("snapkv", 0.25)])
+def test_the_static_cache_rolls_a_local_layers_ring_as_the_dynamic_one(random_ids, name, budget):
+    """The static decode (``--cuda-graphs``; its same code eagerly on CPU) writes each local layer's
+    ring where the dynamic cache does: the same tokens, over more steps than the ring holds."""
+    from rankkit.methods.measure import run_once
+
+    eager, static = hybrid_runner(), Runner(hybrid_runner().model, cuda_graphs=True)
+    runs = [
+        run_once(runner, make(name), random_ids, Budget.from_keep(budget), 2 * WINDOW) for runner in (eager, static)
+    ]
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 2 * WINDOW
 
 
 @pytest.mark.parametrize("name", PER_HEAD)

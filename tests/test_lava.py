@@ -183,15 +183,17 @@ def test_lava_on_a_hybrid_model_shares_the_budget_among_the_keys_each_layer_sees
         assert run.result.cache.positions[layer].shape[1] == max(map(len, expected[layer])), layer
 
 
-def test_lava_at_the_whole_prompt_keeps_every_key_even_those_a_local_layer_cannot_see(hybrid):
+def test_lava_at_the_whole_prompt_keeps_what_full_prefill_keeps(hybrid):
+    """Every key of a global layer and the keys a local layer's window saw (full prefill's local layers
+    roll them), online and offline."""
     runner, ids, method, scores = hybrid
-    every = [list(range(LENGTH))] * 2
     stored = Captured({method.probe().key: scores}, len(HYBRID), LENGTH, HYBRID, SEES)
     for budget in (Budget.from_tokens(LENGTH), Budget.from_keep(1.0)):
-        run = method.prefill(runner, ids, budget)
-        for layer in range(len(HYBRID)):
-            assert held(run, layer) == every, layer
-            assert method.select_offline(stored, budget, layer=layer).as_lists() == every, layer
+        run = method.prefill_for_decoding(runner, ids, budget)
+        for layer, kind in enumerate(HYBRID):
+            expected = [list(range(LENGTH - SEES if kind == LOCAL else 0, LENGTH))] * 2
+            assert held(run, layer) == expected, layer
+            assert method.select_offline(stored, budget, layer=layer).as_lists() == expected, layer
     # one token short of it, the local layers keep only the keys they see
     run = method.prefill(runner, ids, Budget.from_tokens(LENGTH - 1))
     assert held(run, 0) == held(run, 2) == [list(range(LENGTH - SEES, LENGTH))] * 2

@@ -54,7 +54,14 @@ def test_keep_all_reproduces_full_greedy_output(name, family, random_ids):
     runner = _tiny(family)
     run = run_once(runner, _prepared(name, runner, random_ids), random_ids, Budget.from_keep(1.0), 8)
     assert run.tokens == _full_tokens(runner, random_ids)
-    assert run.kv_tokens_per_layer == [PROMPT_LENGTH] * runner.num_layers
+    # every prompt key, and on a hybrid family's local layer the window's last ones, as full keeps; but
+    # SlimInfer's blocks (Alg. 1) on the layers after its first pruning layer, which keep their own rule
+    window = getattr(runner.config, "sliding_window", None)
+    rolled = [kind == "sliding_attention" for kind in runner.layer_types or [None] * runner.num_layers]
+    if name == "sliminfer":
+        first = make(name).bind(runner.num_layers, runner.layer_types).pruning_layers[0]
+        rolled = [is_local and layer <= first for layer, is_local in enumerate(rolled)]
+    assert run.kv_tokens_per_layer == [min(window, PROMPT_LENGTH) if rolls else PROMPT_LENGTH for rolls in rolled]
 
 
 def test_budget_counts_forced_tokens_and_caps_at_the_prompt():

@@ -124,13 +124,17 @@ def test_layer_rankings_put_step_1s_tokens_first_then_each_tokens_best_query_hea
             assert ranking.tolist() == expected, (tokens, layer)
 
 
-def test_a_budget_that_covers_the_prompt_keeps_every_token(runner, prompt, attention):
+def test_a_budget_that_covers_the_prompt_keeps_what_full_prefill_keeps(runner, prompt, attention):
+    """Every key of a global layer, the keys a local layer's window saw (full prefill's local layers
+    roll them), online and offline."""
     method = make("sage-kv")
-    run = method.prefill(runner, prompt, Budget.from_tokens(40))
-    assert all(cached(run, layer) == [list(range(40))] for layer in range(len(LAYERS)))
-    assert not run.decode_hooks  # nothing to roll in decoding either
-    offline = method.select_offline(store(attention), Budget.from_tokens(40), layer=0)
-    assert offline.layer == 0 and offline.as_lists() == [list(range(40))]
+    run = method.prefill_for_decoding(runner, prompt, Budget.from_tokens(40))
+    full = make("full").prefill_for_decoding(runner, prompt, Budget.from_tokens(40))
+    for layer in range(len(LAYERS)):
+        assert cached(run, layer) == cached(full, layer) == [seen(layer)], layer
+        offline = method.select_offline(store(attention), Budget.from_tokens(40), layer=layer)
+        assert offline.layer == layer and offline.as_lists() == [seen(layer)], layer
+    assert not run.decode_hooks  # no decode rule beyond full prefill's
 
 
 def test_the_smallest_budget_keeps_a_sink_place_and_the_last_token(attention):

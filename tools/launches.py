@@ -63,8 +63,9 @@ def decode_launches(runner: Runner, run, prompt_length: int) -> float:
 def count(runner: Runner, tokenizer, args) -> None:
     """Print each method's operators beyond full's, per prefill and per decode step, and a capture's."""
     ids = torch.randint(0, runner.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0))
-    full = launches_of(lambda: runner.prefill(ids))
-    full_step = decode_launches(runner, make("full").prefill(runner, ids, Budget.from_keep(1.0)), args.length)
+    full_method, whole = make("full"), Budget.from_keep(1.0)
+    full = launches_of(lambda: full_method.prefill_for_decoding(runner, ids, whole))  # a local layer's roll too
+    full_step = decode_launches(runner, full_method.prefill_for_decoding(runner, ids, whole), args.length)
     layers = runner.num_layers
     budget = Budget.from_keep(args.keep)
     decoding = "static-cache (graphed)" if runner.cuda_graphs else "eager"
@@ -73,8 +74,8 @@ def count(runner: Runner, tokenizer, args) -> None:
     for name in args.methods:
         method = make(name)
         method.prepare(runner, ids, tokenizer=tokenizer)
-        extra = launches_of(lambda method=method: method.prefill(runner, ids, budget)) - full
-        run = method.prefill(runner, ids, budget)
+        extra = launches_of(lambda method=method: method.prefill_for_decoding(runner, ids, budget)) - full
+        run = method.prefill_for_decoding(runner, ids, budget)
         eager = runner.cuda_graphs and not runner.replays(run.decode_hooks)
         step_extra = decode_launches(runner, run, args.length) - full_step
         print(
@@ -87,7 +88,7 @@ def count(runner: Runner, tokenizer, args) -> None:
         runner.prefill(ids, hooks=[recorder])
         recorder.scores()
 
-    extra = launches_of(capture) - full
+    extra = launches_of(capture) - launches_of(lambda: runner.prefill(ids))
     print(f"{'capture, all':14s} beyond the runner's {extra:6d} ({extra / runner.num_layers:.1f} per layer)")
 
 

@@ -25,7 +25,6 @@ from rankkit.methods.selection import (
     check_head_layer,
     descending_order,
     forced_mask,
-    left_out_unseen,
     one_pass,
     with_forced,
 )
@@ -133,7 +132,7 @@ class AdaKV(SnapKV):
         check_head_layer(self.name, layer, captured.num_layers)
         keep = self.kept_tokens(budget, captured.num_tokens)
         scores = captured.hide_unseen(self.captured_scores(captured))[layer]  # NaN: keys the layer could not see
-        selected = adaptive_head_selection(scores, keep, self.window_size, self.safeguard, left_out_unseen(scores, keep))
+        selected = adaptive_head_selection(scores, keep, self.window_size, self.safeguard, scores.isnan())
         return Selection(layer, selected)
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:

@@ -472,6 +472,14 @@ class Method:
     def prefill(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
         raise NotImplementedError
 
+    def prefill_for_decoding(self, runner: Runner, input_ids: torch.Tensor, budget: Budget) -> MethodPrefill:
+        """``prefill``, each local layer then left holding only the keys its window saw, rolled in
+        decoding (``Runner.roll_local_layers``), as transformers' sliding-window cache holds them: the
+        cache a decode starts from, whose bytes a run reports."""
+        run = self.prefill(runner, input_ids, budget)
+        runner.roll_local_layers(run.result)
+        return run
+
     def bind(self, num_layers: int, layer_types: Sequence[str] | None = None):
         """This method with every depth-dependent parameter left ``None`` set for a ``num_layers``-deep model.
 

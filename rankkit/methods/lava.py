@@ -19,8 +19,8 @@ selection layer x KV-only mode with budgets decided by the scores themselves:
 many entries as the uniform methods keep. Budgets are whole entries apportioned by largest
 remainder, each layer's between 0 and its entries outside the window, so they sum exactly
 to 𝔹 (or to every such entry there is, when 𝔹 exceeds that). A local layer keeps only keys it
-sees, even when its budget covers them all; a budget of the whole prompt keeps every key, as a
-full prefill (SAGE-KV's rule too).
+sees, even when its budget covers them all; a budget of the whole prompt is full prefill
+(SAGE-KV's rule too).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class Lava(Method):
         stored = self._stored(captured)
         keep = self.kept_tokens(budget, captured.num_tokens)
         if keep >= captured.num_tokens:
-            return Selection(layer, [torch.arange(captured.num_tokens)] * stored.shape[1])
+            return Selection(layer, [captured.seen_positions(layer)] * stored.shape[1])
         entropy = [
             float(normalized_entropy(windowless(stored[index], self.window_size)))
             for index in range(captured.num_layers)

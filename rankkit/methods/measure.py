@@ -81,7 +81,7 @@ def run_once(
     timeline = Timeline(runner.device)
     timeline.mark()
     with torch.inference_mode():
-        run = method.prefill(runner, input_ids, budget)
+        run = method.prefill_for_decoding(runner, input_ids, budget)
         kv_bytes = run.result.cache.nbytes()
         kv_tokens = [sum(heads) / len(heads) for heads in run.result.cache.kept_tokens_per_layer()]
         if runner.cuda_graphs and not runner.replays(run.decode_hooks):

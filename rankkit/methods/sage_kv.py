@@ -20,7 +20,7 @@ with G query heads per KV head; the recent window takes the rest (B - B/4 - G*k,
 token included). The appendix's formula for k did not survive the paper's text; its two
 worked examples fix it as k = B / (2G'), G' being G rounded up to a power of two: Llama
 (G = 4, B = 8192) k = 1024, recent 2048; Qwen2.5 (G = 7) k = 512, recent 2560, where
-B/(2G) would give 585. A budget that covers the prompt keeps every token, in decoding too.
+B/(2G) would give 585. A budget that covers the prompt is full prefill, in decoding too.
 
 On a local (sliding-window) layer, tokens older than the window are never kept: sink
 tokens the layer cannot see give their share to its recent window, and when everything
@@ -159,7 +159,7 @@ class SageKV(Method):
         kv_heads, group_size, length = attention.shape
         keep = self.kept_tokens(budget, length)
         if keep >= length:
-            return Selection(layer, torch.arange(length).expand(kv_heads, length))
+            return Selection(layer, captured.seen_positions(layer).expand(kv_heads, -1))
         first_seen = int(attention[0, 0].isnan().sum())  # unseen keys are the oldest ones
         split = sage_split(keep, group_size).seeing(first_seen, length, keep)
         # Step 2 ranks only keys past the sinks and the unseen ones: the NaN are never read

@@ -79,6 +79,13 @@ class Captured:
         local = torch.tensor([kind == SLIDING_ATTENTION for kind in self.layer_types])
         return local[:, None] & old
 
+    def seen_positions(self, layer: int) -> torch.Tensor:
+        """The positions [T'] ``layer``'s last query could see: every one on a global layer, its
+        window's on a local one; what full prefill's cache holds there (``Runner.roll_local_layers``)."""
+        unseen = self.unseen()
+        positions = torch.arange(self.num_tokens)
+        return positions if unseen is None else positions[~unseen[layer]]
+
     def hide_unseen(self, scores: torch.Tensor) -> torch.Tensor:
         """Layer scores [L, ..., T] with NaN where a local layer's last query could not see the key
         (``unseen``), for the per-layer kept sets."""
@@ -97,13 +104,6 @@ class Captured:
         if key not in self.arrays:
             raise RankkitError(f"method '{method}' needs captured {key!r}, which this example lacks")
         return self.arrays[key]
-
-
-def left_out_unseen(seen_scores: torch.Tensor, keep: int) -> torch.Tensor | None:
-    """The keys a per-head cut to ``keep`` of scores [heads, T] leaves out as unseen: their NaN
-    (``Captured.hide_unseen``), or none where ``keep`` covers the prompt, which a prefill does not
-    cut (every layer keeps every key, as full prefill does)."""
-    return seen_scores.isnan() if keep < seen_scores.shape[-1] else None
 
 
 def _per_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -456,7 +456,9 @@ class PolicyMethod(Method):
             return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
         check_head_layer(self.name, layer, captured.num_layers)
         seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
-        return Selection(layer, top_k_seen(seen_scores, keep, forced, left_out_unseen(seen_scores, keep)))
+        # a budget that covers the prompt too: the cache decoding starts from holds only the keys a
+        # local layer saw (``Method.prefill_for_decoding``)
+        return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:

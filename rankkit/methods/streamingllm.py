@@ -5,7 +5,7 @@ after each layer's attention its cache keeps the first ``sink_tokens`` tokens an
 the rest of the budget with the most recent ones. During decoding the window rolls: once
 a layer's cache holds the budget, each new token takes the slot of the oldest entry after
 the sinks (``KVCache.keep_recent_window``), so the cache stays at sinks + window, as the
-paper's cache does (a budget that covers the prompt keeps everything, in decoding too). No attention
+paper's cache does (a budget that covers the prompt is full prefill, in decoding too). No attention
 is looked at, so its offline face needs nothing captured but the prompt's length.
 """
 

@@ -95,7 +95,7 @@ class TOVA(PolicyMethod):
     def prefill(self, runner, input_ids, budget):
         length = int(input_ids.numel())
         bound, keep, _, _ = self._plan(runner.num_layers, length, budget, runner.layer_types)
-        if keep >= length:  # a budget that covers the prompt keeps everything, in decoding too
+        if keep >= length:  # a budget that covers the prompt is full prefill, in decoding too
             return full_prefill(runner, input_ids)
         probe = AllHeads(bound.probe())
         run = one_pass(runner, input_ids, SelectionHook(probe, NeverSelect(), keep, window=1, compress_from=0))
