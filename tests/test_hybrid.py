@@ -4,6 +4,8 @@ keys the layer can attend to."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -510,3 +512,34 @@ def test_a_local_window_reaching_past_the_sinks_rolls_all_it_holds(random_ids):
     for position in range(40, 43):
         runner.decode_step(5, position, run.result.cache, run.decode_hooks)
     assert cached(run, 0) == [list(range(6, 43))] * 2 and cached(run, 2) == [[0, 1, 2, 3, *range(10, 43)]] * 2
+
+
+@pytest.mark.parametrize("name", ["gemfilter", "fastkv", "claa"])
+def test_a_shared_selection_at_a_local_layer_ranks_what_the_layer_did_not_score_last_offline(
+    runner, random_ids, name
+):
+    """The store has no score for a key a local layer's last query cannot see (NaN): select at an
+    explicit local layer kept those first, the oldest tokens (0..9 at 10 tokens), where the prefill
+    keeps the best keys the layer scored."""
+    method = make(name).with_layer(0)
+    budget = Budget.from_tokens(10)
+    captured = _captured(runner, random_ids, [method.probe()])
+    offline = method.select_offline(captured, budget)
+    online = method.prefill(runner, random_ids, budget).kept_positions
+    assert offline.layer == 0 and offline.positions.tolist() == online.tolist()
+    assert min(online.tolist()) > 40 - 1 - WINDOW  # all of them keys the layer's last query saw
+
+
+def test_select_warns_where_a_local_selection_layer_keeps_more_than_the_store_scored(runner, random_ids):
+    """ASL at 33 of 40 tokens selects at a local layer whose last query saw 16: the other 17 kept
+    offline are the earliest unscored ones, which the prefill ranks by its window's other queries."""
+    method, gemfilter = make("asl"), make("gemfilter").with_layer(0)
+    captured = _captured(runner, random_ids, [method.probe(), gemfilter.probe()])
+    with pytest.warns(UserWarning, match=r"a local layer whose last query saw 16 of the 40 tokens.*keep at most 16"):
+        selection = method.select_offline(captured, Budget.from_tokens(10))
+    assert HYBRID_LAYERS[selection.layer] == LOCAL
+    scored = set(range(40 - WINDOW, 40))
+    assert scored <= set(selection.positions.tolist())  # every scored key before any unscored one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemfilter.select_offline(captured, Budget.from_tokens(16))  # within what layer 0 scored

@@ -38,19 +38,13 @@ from rankkit.methods.selection import (
     FixedLayer,
     PolicyMethod,
     forced_mask,
+    nan_last,
     top_k_with_forced,
     with_forced,
 )
 from rankkit.runner import AttentionCall
 
 MIRRORS = ("gemfilter", "fastkv", "claa")
-
-
-def ranked_last_where_unseen(scores: torch.Tensor) -> torch.Tensor:
-    """Oracle scores as the method ranks them: a key no answer query saw at any layer (NaN: outside
-    every local window, on a model whose every layer is local) at -inf, under every key one saw,
-    as ``compare`` ranks it; sorted as it was, its NaN came first."""
-    return scores.masked_fill(scores.isnan(), -torch.inf)
 
 
 class FixedRanking:
@@ -106,7 +100,7 @@ class Oracle(PolicyMethod):
             max_new_tokens=self.max_new_tokens,
             kernel=self.kernel_size,
         )
-        self.ranking = ranked_last_where_unseen(torch.from_numpy(result.scores))
+        self.ranking = nan_last(torch.from_numpy(result.scores))
 
     def probe(self):
         return FixedRanking(self.ranking)
@@ -157,4 +151,4 @@ class Oracle(PolicyMethod):
 
     def _stored_ranking(self, captured: Captured) -> torch.Tensor:
         """The store's oracle scores [T], ranked as ``prepare`` ranks the ones it computes."""
-        return ranked_last_where_unseen(captured.get(ORACLE_SCORES, self.name))
+        return nan_last(captured.get(ORACLE_SCORES, self.name))

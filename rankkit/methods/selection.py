@@ -30,6 +30,7 @@ ranked first (``top_k_with_forced``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -188,6 +189,13 @@ def with_forced(scores: torch.Tensor, forced: torch.Tensor | None) -> torch.Tens
     """The scores a method ranks by: forced tokens at +inf, ahead of every other."""
     ranked = scores.float()
     return ranked if forced is None else ranked.masked_fill(forced, float("inf"))
+
+
+def nan_last(scores: torch.Tensor) -> torch.Tensor:
+    """Scores with NaN (a key no query of the scoring could see: outside a local layer's window, in a
+    store; outside every window, for the oracle) at -inf, under every key scored, as ``compare``
+    ranks them; a sort puts NaN first."""
+    return scores.masked_fill(scores.isnan(), -torch.inf)
 
 
 def top_k_with_forced(scores: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,12 +461,28 @@ class PolicyMethod(Method):
         forced = forced_mask(captured.num_tokens, window, sinks, device=scores.device)
         selected = replay(bound.policy(captured.num_layers, keep), scores)
         if selected is not None:
-            return Selection(selected[0], top_k_with_forced(selected[1], keep, forced))
+            self._warn_of_unscored(captured, selected[0], keep)
+            return Selection(selected[0], top_k_with_forced(nan_last(selected[1]), keep, forced))
         check_head_layer(self.name, layer, captured.num_layers)
         seen_scores = captured.hide_unseen(scores)[layer]  # NaN: keys the layer could not see
         # a budget that covers the prompt too: the cache decoding starts from holds only the keys a
         # local layer saw (``Method.prefill_for_decoding``)
         return Selection(layer, top_k_seen(seen_scores, keep, forced, seen_scores.isnan()))
+
+    def _warn_of_unscored(self, captured: Captured, layer: int, keep: int) -> None:
+        """Warn where a shared selection at a local layer keeps more tokens than the store scored there:
+        the store has no score for a key the layer's last query could not see, so those are taken
+        in token order, where the prefill ranks them by its probe's other queries."""
+        unseen = captured.unseen()
+        seen = captured.num_tokens if unseen is None else int((~unseen[layer]).sum())
+        if keep > seen:
+            warnings.warn(
+                f"method '{self.name}' selects at layer {layer}, a local layer whose last query saw {seen} of "
+                f"the {captured.num_tokens} tokens: the store has no score for the others, so the last "
+                f"{keep - seen} kept are the earliest of them, where prefill ranks them by the probe's other "
+                f"queries; name a global layer with --layer, or keep at most {seen} tokens",
+                stacklevel=3,
+            )
 
     def layer_rankings(self, captured: Captured, budget: Budget) -> dict[int | None, torch.Tensor]:
         """The scores [T] the method ranks by (forced tokens first) at each layer it could select at:
